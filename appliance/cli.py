@@ -1,0 +1,71 @@
+"""The `appliance` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from appliance.config import SettingsError, load_settings
+from appliance.model.errors import ModelLoadError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="appliance", description=__doc__)
+    parser.add_argument("--config", type=Path, help="TOML settings file")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="stream the model's answer to a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--model", type=Path, help="GGUF file or Hugging Face folder")
+    gen.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+    return parser
+
+
+def generate(args: argparse.Namespace) -> int:
+    from appliance.engine.llm_engine import LLMEngine
+    from appliance.engine.sequence import SamplingParams
+
+    settings = load_settings(args.config, dtype=args.dtype, model=args.model)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+    engine = LLMEngine.from_settings(settings)
+    tok = engine.tokenizer
+    ids = (
+        tok.encode(args.prompt)
+        if args.raw
+        else tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+    )
+    for output in engine.stream(ids, params):
+        sys.stdout.write(output.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return generate(args)
+    except (SettingsError, ModelLoadError, ValueError) as exc:
+        print(f"appliance: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

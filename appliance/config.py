@@ -1,0 +1,133 @@
+"""The appliance's one settings model.
+
+Values come, highest priority first, from: keyword arguments (the CLI's flags),
+environment variables (`APPLIANCE_*`, nested sections as `APPLIANCE_KV__BLOCK_SIZE`),
+an optional TOML file, then the defaults below. Nothing else reads the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names the setting."""
+
+
+class KVSettings(BaseModel):
+    """Paged KV cache of each worker."""
+
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    memory_mb: int = Field(
+        512, ge=1, description="Memory budget for one worker's KV tensor, in MiB."
+    )
+    num_blocks: int | None = Field(
+        None, ge=1, description="Exact number of KV blocks; overrides memory_mb when set."
+    )
+
+
+class BatchSettings(BaseModel):
+    """Batching knobs of the scheduler."""
+
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences running at once.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=16, description="Token budget of one model step (prefill chunks + decodes)."
+    )
+    chunk_size: int = Field(
+        512, ge=16, description="Longest piece of one prompt prefilled in a single step."
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Longest prompt + output; defaults to the model's context."
+    )
+
+
+class Settings(BaseSettings):
+    """Everything the appliance can be told."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="APPLIANCE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    model: Path | None = Field(
+        None,
+        description="GGUF file or Hugging Face folder; empty means the embedded SmolLM2.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations dtype; auto picks per device."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Accelerator kind; auto takes CUDA when present."
+    )
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "appliance",
+        description="Where dequantized weights and converted tokenizers are cached.",
+    )
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="Split prefill and decode pools, or workers doing both."
+    )
+    prefill_devices: str | None = Field(
+        None, description="Devices of the prefill pool, e.g. '0,1'; empty splits automatically."
+    )
+    decode_devices: str | None = Field(
+        None, description="Devices of the decode pool, e.g. '2,3'; empty splits automatically."
+    )
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
+    port: int = Field(8000, ge=0, le=65535, description="Port of the HTTP server.")
+    kv: KVSettings = Field(default_factory=KVSettings)
+    batch: BatchSettings = Field(default_factory=BatchSettings)
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and str(value) and not value.exists():
+            raise ValueError(f"no such file or folder: {value}")
+        return value if value is not None and str(value) else None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings; raise SettingsError naming the first bad setting."""
+    cls = Settings
+    if config_file is not None:
+        if not config_file.is_file():
+            raise SettingsError(f"config file not found: {config_file}")
+        config = {**Settings.model_config, "toml_file": config_file}
+        cls = type("Settings", (Settings,), {"model_config": config})
+    try:
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc)) from None
+    except ValueError as exc:  # e.g. malformed TOML or env JSON
+        raise SettingsError(f"invalid settings: {exc}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        path = [str(part) for part in error["loc"]]
+        env_name = "APPLIANCE_" + "__".join(p.upper() for p in path)
+        value = error.get("input")
+        lines.append(f"invalid setting {'.'.join(path)} ({env_name}={value!r}): {error['msg']}")
+    return "; ".join(lines)

@@ -1,0 +1,1 @@
+"""Scheduling, model execution and sampling for one worker's sequences."""

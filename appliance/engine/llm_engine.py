@@ -1,0 +1,217 @@
+"""An in-process engine: requests in, text deltas out, one model step at a time."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from appliance.config import Settings
+from appliance.engine.model_runner import ModelRunner
+from appliance.engine.sampler import Sampler
+from appliance.engine.scheduler import Scheduler, SchedulerLimits
+from appliance.engine.sequence import SamplingParams, Sequence
+from appliance.engine.stop_strings import StopStringMatcher
+from appliance.kv.cache import KVCache, KVLayout
+from appliance.model.llama import CausalLM
+from appliance.model.loader import ModelFiles, load_model_files
+from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' takes the first CUDA device when there is one, else the CPU."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but torch sees no CUDA device")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto': bfloat16 on CUDA (fp32 accuracy range at half the bytes); float32 on CPU,
+    where benchmarks/engine_bench.py shows bfloat16 is not faster for this model size."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def build_model(
+    files: ModelFiles, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> CausalLM:
+    with torch.device("meta"):  # no time spent initialising weights about to be replaced
+        model = CausalLM(files.config, dtype, device, max_positions)
+    model.load_weights(files.weights, str(files.source))
+    model.eval()
+    return model
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    seq_id: int
+    text: str  # the new text since the last output (may be empty)
+    token_ids: list[int]  # the new token ids
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class Completion:
+    """A whole finished request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+
+
+@dataclass
+class _Stream:
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    sent_tokens: int = 0
+    pieces: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Scheduler + model runner + detokenization for one pool of KV blocks."""
+
+    def __init__(
+        self, model: CausalLM, tokenizer: Tokenizer, kv: KVCache, limits: SchedulerLimits
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv = kv
+        self.scheduler = Scheduler(kv.allocator, kv.block_size, limits)
+        self.runner = ModelRunner(model, kv, Sampler(model.device))
+        self._ids = itertools.count()
+        self._seqs: dict[int, Sequence] = {}
+        self._streams: dict[int, _Stream] = {}
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LLMEngine:
+        """Load the configured model (cached after the first start) and size its KV pool."""
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device)
+        files = load_model_files(settings.model, settings.cache_dir)
+        cfg = files.config
+        max_len = min(
+            settings.batch.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        model = build_model(files, dtype, device, max_len)
+        tokenizer = Tokenizer.load(files.tokenizer_dir, cfg.eos_token_ids)
+        layout = KVLayout(
+            cfg.num_layers, settings.kv.block_size, cfg.num_kv_heads, cfg.head_dim, dtype
+        )
+        num_blocks = settings.kv.num_blocks or layout.blocks_for_budget(
+            settings.kv.memory_mb * 2**20
+        )
+        kv = KVCache(layout, num_blocks, device)
+        limits = SchedulerLimits(
+            max_num_seqs=settings.batch.max_num_seqs,
+            max_num_batched_tokens=settings.batch.max_num_batched_tokens,
+            chunk_size=settings.batch.chunk_size,
+            max_model_len=max_len,
+        )
+        return cls(model, tokenizer, kv, limits)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Queue a tokenized prompt; returns its id. Raises ValueError if it cannot fit."""
+        bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary")
+        seq = Sequence(
+            next(self._ids),
+            list(prompt_ids),
+            params,
+            stop_token_ids=frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids,
+        )
+        self.scheduler.add(seq)
+        self._seqs[seq.seq_id] = seq
+        self._streams[seq.seq_id] = _Stream(
+            IncrementalDetokenizer(self.tokenizer), StopStringMatcher(params.stop)
+        )
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> None:
+        """Drop a request now and free its blocks."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            self._forget(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; report every request that produced a token."""
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        sampled = self.runner.run(out)
+        updated = self.scheduler.update_from_output(out, sampled)
+        return [self._output(seq) for seq in updated]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        stream = self._streams[seq.seq_id]
+        new_ids = seq.output_ids[stream.sent_tokens :]
+        stream.sent_tokens = len(seq.output_ids)
+        text = "".join(stream.stops.feed(stream.detokenizer.add(t)) for t in new_ids)
+        if stream.stops.stopped and not seq.finished:
+            self.scheduler.finish(seq, "stop")
+        if seq.finished:
+            text += stream.stops.feed(stream.detokenizer.flush()) + stream.stops.flush()
+            self._seqs.pop(seq.seq_id, None)
+            self._forget(seq.seq_id)
+        return RequestOutput(
+            seq.seq_id,
+            text,
+            new_ids,
+            seq.finished,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            len(seq.output_ids),
+        )
+
+    def _forget(self, seq_id: int) -> None:
+        self._streams.pop(seq_id, None)
+        self.runner.sampler.forget(seq_id)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        """Run one request alone, yielding its outputs as they come."""
+        seq_id = self.add_request(prompt_ids, params)
+        try:
+            while True:
+                for output in self.step():
+                    if output.seq_id == seq_id:
+                        yield output
+                        if output.finished:
+                            return
+        finally:
+            self.abort(seq_id)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Run several prompts as one batch to the end."""
+        order = [self.add_request(p, params) for p in prompts]
+        texts: dict[int, list[str]] = {i: [] for i in order}
+        tokens: dict[int, list[int]] = {i: [] for i in order}
+        reasons: dict[int, str | None] = {}
+        while self.has_unfinished():
+            for output in self.step():
+                texts[output.seq_id].append(output.text)
+                tokens[output.seq_id].extend(output.token_ids)
+                if output.finished:
+                    reasons[output.seq_id] = output.finish_reason
+        return [
+            Completion("".join(texts[i]), tokens[i], reasons.get(i), len(prompt))
+            for i, prompt in zip(order, prompts, strict=True)
+        ]

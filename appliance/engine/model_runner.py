@@ -1,0 +1,104 @@
+"""Turns a SchedulerOutput into tensors, runs the model over the paged cache, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from appliance.engine.sampler import Sampler
+from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
+from appliance.engine.sequence import SamplingParams
+from appliance.kv.cache import KVCache
+from appliance.model.attention import AttentionBatch, PrefillSegment
+from appliance.model.llama import CausalLM
+
+
+@dataclass
+class StepInputs:
+    """A step's flat token batch and the rows whose logits pick next tokens."""
+
+    input_ids: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64
+    attention: AttentionBatch
+    sample_rows: torch.Tensor  # [samples] int64, last row of each completing chunk
+    sample_requests: list[tuple[int, SamplingParams]]
+
+
+class ModelRunner:
+    """One worker's model and KV pool; `run` executes a scheduled step."""
+
+    def __init__(self, model: CausalLM, kv: KVCache, sampler: Sampler) -> None:
+        self.model = model
+        self.kv = kv
+        self.sampler = sampler
+        self.device = model.device
+
+    def run(self, out: SchedulerOutput) -> dict[int, int]:
+        """Compute the step; return {seq_id: next token} for sequences whose chunk completed."""
+        inputs = self.prepare(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv.tensor)
+        if not inputs.sample_requests:
+            return {}
+        logits = self.model.logits(hidden[inputs.sample_rows])
+        tokens = self.sampler.sample(logits, inputs.sample_requests)
+        return {
+            seq_id: tok for (seq_id, _), tok in zip(inputs.sample_requests, tokens, strict=True)
+        }
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        segments: list[PrefillSegment] = []
+        sample_rows: list[int] = []
+        requests: list[tuple[int, SamplingParams]] = []
+        num_prefills = len(out.prefills)
+        for index, chunk in enumerate(out.chunks):
+            row = len(ids)
+            self._add_tokens(chunk, ids, positions, slots)
+            if index < num_prefills:
+                segments.append(
+                    PrefillSegment(
+                        row,
+                        chunk.num_tokens,
+                        chunk.start + chunk.num_tokens,
+                        self._tensor(chunk.seq.block_table),
+                    )
+                )
+            if chunk.completes:
+                sample_rows.append(len(ids) - 1)
+                requests.append((chunk.seq.seq_id, chunk.seq.params))
+        decode_start = len(ids) - len(out.decodes)
+        tables, mask = self._decode_tables(out.decodes)
+        return StepInputs(
+            input_ids=self._tensor(ids),
+            positions=self._tensor(positions),
+            attention=AttentionBatch(self._tensor(slots), segments, decode_start, tables, mask),
+            sample_rows=self._tensor(sample_rows),
+            sample_requests=requests,
+        )
+
+    def _add_tokens(
+        self, chunk: ScheduledChunk, ids: list[int], positions: list[int], slots: list[int]
+    ) -> None:
+        seq, bs = chunk.seq, self.kv.block_size
+        span = range(chunk.start, chunk.start + chunk.num_tokens)
+        ids.extend(seq.token_ids[span.start : span.stop])
+        positions.extend(span)
+        slots.extend(seq.block_table[p // bs] * bs + p % bs for p in span)
+
+    def _decode_tables(
+        self, decodes: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not decodes:
+            return None, None
+        width = max(len(c.seq.block_table) for c in decodes)
+        tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in decodes]
+        context = self._tensor([c.start + 1 for c in decodes])
+        keys = torch.arange(width * self.kv.block_size, device=self.device)
+        mask = (keys[None, :] < context[:, None])[:, None, None, :]  # [decodes, 1, 1, keys]
+        return self._tensor(tables), mask
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -1,0 +1,194 @@
+"""Continuous batching with chunked prefill, over plain data (no torch).
+
+Each step gets a token budget. Running sequences that are decoding take one token
+each; then prompts (new ones, or the rest of a chunked one) take chunks of what is
+left. When the KV pool runs dry, the newest running sequence is preempted: its blocks
+are freed and it is recomputed later from its prompt plus the tokens it has made.
+
+Contract: `schedule() -> SchedulerOutput`, run the model, then
+`update_from_output(output, sampled)`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from appliance.engine.sequence import Sequence, SequenceStatus
+from appliance.kv.block_allocator import BlockAllocator, blocks_for_tokens
+
+
+@dataclass(eq=False)
+class ScheduledChunk:
+    """num_tokens of seq's uncomputed tokens to run through the model this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def completes(self) -> bool:
+        """After this chunk every token of the sequence is computed: sample the next one."""
+        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: prompt chunks first, then single-token decodes."""
+
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.prefills + self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunk_size: int
+    max_model_len: int
+
+
+class Scheduler:
+    """Decides which tokens of which sequences run in each model step."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, limits: SchedulerLimits) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.limits = limits
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        if len(seq) >= self.limits.max_model_len:
+            raise ValueError(
+                f"prompt has {len(seq)} tokens; the model's context is "
+                f"{self.limits.max_model_len} tokens"
+            )
+        needed = blocks_for_tokens(len(seq) + 1, self.block_size)
+        if needed > self.allocator.num_blocks:
+            raise ValueError(
+                f"prompt needs {needed} KV blocks; the pool has {self.allocator.num_blocks}"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.limits.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            want = min(seq.num_uncomputed, budget, self.limits.chunk_size)
+            while not self._reserve(seq, want):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq preempted itself: nothing newer is left to run
+            chunk = ScheduledChunk(seq, want)
+            # One query token attends from the cache alone: it joins the batched decode path.
+            (out.decodes if want == 1 else out.prefills).append(chunk)
+            budget -= want
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            want = min(seq.num_uncomputed, budget, self.limits.chunk_size)
+            if not self._reserve(seq, want):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            (out.decodes if want == 1 else out.prefills).append(ScheduledChunk(seq, want))
+            budget -= want
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make seq's block table cover num_tokens more tokens, if the pool allows."""
+        needed = blocks_for_tokens(seq.num_computed_tokens + num_tokens, self.block_size)
+        extra = needed - len(seq.block_table)
+        if extra <= 0:
+            return True
+        if not self.allocator.can_allocate(extra):
+            return False
+        seq.block_table.extend(self.allocator.allocate(extra))
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance each scheduled sequence, append its sampled token, retire finished ones.
+
+        Returns the sequences that got a token this step (finished ones included)."""
+        updated = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += chunk.num_tokens
+            if seq.seq_id not in sampled:
+                continue
+            seq.token_ids.append(sampled[seq.seq_id])
+            reason = self._stop_reason(seq)
+            if reason:
+                self.finish(seq, reason)
+            updated.append(seq)
+        return updated
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        last = seq.token_ids[-1]
+        if not seq.params.ignore_eos and last in seq.stop_token_ids:
+            return "stop"
+        if last in seq.params.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.limits.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire seq (stop, length or abort) and free its blocks at once."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,85 @@
+"""A request's tokens, sampling parameters and progress. Torch-free."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Bad values raise ValueError naming the field."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # added to the model's own end tokens
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                f"temperature must be a finite number >= 0, got {self.temperature}",
+            ),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 turns it off), got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity, not field equality: two requests may look alike
+class Sequence:
+    """One request inside a worker: prompt + output ids and how much of it the KV cache holds."""
+
+    seq_id: int
+    token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" or "length" (or "abort")
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a prompt needs at least one token")
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,66 @@
+"""The one KV tensor of a worker and how many blocks a memory budget buys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from appliance.kv.block_allocator import BlockAllocator
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of a KV pool: everything but the number of blocks."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def blocks_for_budget(self, memory_bytes: int) -> int:
+        blocks = memory_bytes // self.bytes_per_block()
+        if blocks < 1:
+            raise ValueError(
+                f"KV memory budget of {memory_bytes} bytes holds no block of "
+                f"{self.bytes_per_block()} bytes; raise kv.memory_mb"
+            )
+        return int(blocks)
+
+
+class KVCache:
+    """A worker's paged KV pool: the tensor and the allocator of its blocks."""
+
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, device: torch.device, shared: bool = False
+    ) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        # [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]
+        self.tensor = torch.zeros(
+            layout.num_layers,
+            2,
+            num_blocks,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            dtype=layout.dtype,
+            device=device,
+        )
+        if shared and device.type == "cpu":
+            # Shared memory lets another process map the same pages (the KV handoff).
+            self.tensor.share_memory_()
+        self.allocator = BlockAllocator(num_blocks)
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+        return self.tensor[index, 0], self.tensor[index, 1]

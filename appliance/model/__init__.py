@@ -1,0 +1,1 @@
+"""Model loading (GGUF, Hugging Face folders), the tokenizer and the forward pass."""

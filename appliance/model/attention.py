@@ -1,0 +1,121 @@
+"""Attention over a paged KV cache with torch's SDPA (the same code on CPU and CUDA).
+
+A step's tokens lie flat, one row each: first the prefill segments (several query
+tokens per sequence, possibly after a cached prefix), then the decode tokens (one per
+sequence), which attend in one padded batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """One sequence's prompt chunk in this step."""
+
+    start: int  # first row of the chunk in the flat token batch
+    length: int  # query tokens of this chunk
+    context_len: int  # tokens in the cache after this step: cached prefix + chunk
+    block_table: torch.Tensor  # [blocks] int64, the sequence's KV blocks in order
+
+
+@dataclass
+class AttentionBatch:
+    """Where each token's K/V goes and what each query may attend to."""
+
+    slot_mapping: torch.Tensor  # [tokens] int64: block_id * block_size + offset
+    prefills: list[PrefillSegment]
+    decode_start: int  # rows from here on are decode tokens
+    decode_block_tables: torch.Tensor | None  # [decodes, max_blocks] int64, padded with 0
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the step's K/V [tokens, kv_heads, head_dim] into their cache slots."""
+    # caches [num_blocks, block_size, kv_heads, head_dim] viewed as [slots, kv_heads, head_dim]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+) -> torch.Tensor:
+    """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> like q."""
+    write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+    out = torch.empty_like(q)
+    for seg in batch.prefills:
+        rows = slice(seg.start, seg.start + seg.length)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+    if batch.decode_block_tables is not None:
+        rows = slice(batch.decode_start, q.shape[0])
+        out[rows] = _decode(q[rows], k_cache, v_cache, batch, scale)
+    return out
+
+
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg: PrefillSegment,
+    scale: float,
+) -> torch.Tensor:
+    if seg.context_len == seg.length:
+        # Nothing cached before this chunk: plain causal attention over its own K/V.
+        mask, causal = None, True
+    else:
+        k = _gather(k_cache, seg.block_table, seg.context_len)
+        v = _gather(v_cache, seg.block_table, seg.context_len)
+        # The chunk's query i sits at position context_len - length + i.
+        q_pos = torch.arange(seg.context_len - seg.length, seg.context_len, device=q.device)
+        k_pos = torch.arange(seg.context_len, device=q.device)
+        mask, causal = k_pos[None, :] <= q_pos[:, None], False  # [length, context_len]
+    # 4-D [1, heads, length, head_dim]: SDPA's fused CPU kernel takes no 3-D input.
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first `length` cached tokens: [length, kv_heads, head_dim]."""
+    return cache[block_table].flatten(0, 1)[:length]
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+) -> torch.Tensor:
+    # [decodes, max_blocks, block_size, kv_heads, head_dim] -> [decodes, kv_heads, ctx, head_dim]
+    k = k_cache[batch.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    v = v_cache[batch.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True
+    )  # [decodes, heads, 1, head_dim]
+    return out.squeeze(2)

