@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -26,6 +26,8 @@ class SettingsError(ValueError):
 class KVSettings(BaseModel):
     """Paged KV cache of each worker."""
 
+    model_config = ConfigDict(extra="forbid")
+
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     memory_mb: int = Field(
         512, ge=1, description="Memory budget for one worker's KV tensor, in MiB."
@@ -37,6 +39,8 @@ class KVSettings(BaseModel):
 
 class BatchSettings(BaseModel):
     """Batching knobs of the scheduler."""
+
+    model_config = ConfigDict(extra="forbid")
 
     max_num_seqs: int = Field(64, ge=1, description="Most sequences running at once.")
     max_num_batched_tokens: int = Field(
@@ -88,12 +92,17 @@ class Settings(BaseSettings):
     kv: KVSettings = Field(default_factory=KVSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _empty_model_is_default(cls, value: object) -> object:
+        return None if value is None or str(value) == "" else value
+
     @field_validator("model")
     @classmethod
     def _model_exists(cls, value: Path | None) -> Path | None:
-        if value is not None and str(value) and not value.exists():
+        if value is not None and not value.exists():
             raise ValueError(f"no such file or folder: {value}")
-        return value if value is not None and str(value) else None
+        return value
 
     @classmethod
     def settings_customise_sources(

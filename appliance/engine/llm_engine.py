@@ -32,13 +32,24 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto': bfloat16 on CUDA (fp32 accuracy range at half the bytes); float32 on CPU,
-    where benchmarks/engine_bench.py shows bfloat16 is not faster for this model size."""
+    """'auto': bfloat16 where the hardware computes it natively (CUDA with bf16, CPUs with
+    AVX512-BF16 or AMX), else float16 on CUDA and float32 on the CPU.
+
+    bfloat16 keeps float32's range (the dtype these models are trained in) at half the
+    bytes; decode is memory-bound, so halving the bytes read per token is the main lever.
+    benchmarks/engine_bench.py measures both dtypes side by side.
+    """
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions torch's kernels use."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
 def build_model(

@@ -28,6 +28,8 @@ class Sampler:
     @staticmethod
     def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """[vocab] logits -> [vocab] probabilities after temperature, top-k and top-p."""
+        if params.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
         logits = logits / params.temperature
         if 0 < params.top_k < logits.shape[-1]:
             kth = torch.topk(logits, params.top_k).values[-1]

@@ -71,19 +71,18 @@ class Scheduler:
         self.allocator = allocator
         self.block_size = block_size
         self.limits = limits
+        # A sequence can never outgrow the pool: past that it would preempt itself forever.
+        self.max_model_len = min(limits.max_model_len, allocator.num_blocks * block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        if len(seq) >= self.limits.max_model_len:
+        if len(seq) >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(seq)} tokens; the model's context is "
-                f"{self.limits.max_model_len} tokens"
-            )
-        needed = blocks_for_tokens(len(seq) + 1, self.block_size)
-        if needed > self.allocator.num_blocks:
-            raise ValueError(
-                f"prompt needs {needed} KV blocks; the pool has {self.allocator.num_blocks}"
+                f"prompt has {len(seq)} tokens; this worker's context is "
+                f"{self.max_model_len} tokens (model context {self.limits.max_model_len}; "
+                f"its {self.allocator.num_blocks} KV blocks hold "
+                f"{self.allocator.num_blocks * self.block_size} tokens)"
             )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -177,7 +176,7 @@ class Scheduler:
             return "stop"
         if last in seq.params.stop_token_ids:
             return "stop"
-        if len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.limits.max_model_len:
+        if len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
 

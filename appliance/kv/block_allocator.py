@@ -42,11 +42,11 @@ class BlockAllocator:
 
     def free(self, ids: list[int]) -> None:
         """Give blocks back; freeing a block that is not in use is a bug and raises."""
-        for block_id in ids:
-            if block_id not in self._used:
-                raise ValueError(f"block {block_id} is not allocated")
-            self._used.remove(block_id)
-            self._free.append(block_id)
+        unknown = [b for b in ids if b not in self._used]
+        if unknown or len(set(ids)) != len(ids):
+            raise ValueError(f"blocks {unknown or ids} are not allocated (or listed twice)")
+        self._used.difference_update(ids)
+        self._free.extend(ids)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

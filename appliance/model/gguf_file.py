@@ -84,7 +84,12 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     tensor_names = {t.name for t in reader.tensors}
-    vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise ModelLoadError(
+            path, f"metadata key {arch}.vocab_size is missing and the file has no token list"
+        )
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture="qwen2" if arch == "qwen2" else "llama",
@@ -123,7 +128,8 @@ def read_weights(reader: GGUFReader, config: ModelConfig, path: Path) -> dict[st
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             array = unpermute_rope_rows(array, heads)
-        weights[name] = torch.from_numpy(np.ascontiguousarray(array))
+        # F32 data is a view of the read-only file map: copy it so the weights own their memory.
+        weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
     return weights
 
 

@@ -6,6 +6,7 @@ tokenizer, keyed by the file's size and mtime, so later starts only map the cach
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -85,7 +86,8 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def cache_entry(path: Path, cache_dir: Path) -> Path:
     """The cache folder for one GGUF file, keyed by size and mtime."""
     stat = path.stat()
-    return cache_dir / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    return cache_dir / f"{path.stem}-{where}-{stat.st_size}-{stat.st_mtime_ns}"
 
 
 def _load_gguf_cached(path: Path, cache_dir: Path) -> ModelFiles:
@@ -107,10 +109,14 @@ def _write_cache(
     staging = entry.with_name(entry.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    convert_gguf_tokenizer(path, staging)
-    save_file(weights, staging / "model.safetensors")
-    (staging / "model_config.json").write_text(json.dumps(config.to_dict()))
-    (staging / "complete").write_text(str(path))
+    try:
+        convert_gguf_tokenizer(path, staging)
+        save_file(weights, staging / "model.safetensors")
+        (staging / "model_config.json").write_text(json.dumps(config.to_dict()))
+        (staging / "complete").write_text(str(path))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     shutil.rmtree(entry, ignore_errors=True)
     staging.rename(entry)
 

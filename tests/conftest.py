@@ -1,0 +1,52 @@
+"""Shared fixtures: the embedded model is loaded once per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from appliance.config import load_settings
+from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.scheduler import SchedulerLimits
+from appliance.kv.cache import KVCache, KVLayout
+from appliance.model.loader import default_model_path
+
+
+@pytest.fixture(scope="session")
+def engine() -> LLMEngine:
+    """The default model (SmolLM2-135M GGUF) in float32 on the CPU."""
+    return LLMEngine.from_settings(load_settings(dtype="float32", device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def make_engine(engine: LLMEngine) -> Callable[..., LLMEngine]:
+    """Engines sharing the loaded model but with their own KV pool and batching limits."""
+
+    def make(
+        block_size: int = 16,
+        num_blocks: int = 256,
+        chunk_size: int = 512,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+    ) -> LLMEngine:
+        cfg = engine.model.config
+        layout = KVLayout(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+        limits = SchedulerLimits(max_num_seqs, max_num_batched_tokens, chunk_size, 8192)
+        kv = KVCache(layout, num_blocks, engine.model.device)
+        return LLMEngine(engine.model, engine.tokenizer, kv, limits)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> torch.nn.Module:
+    """transformers' own load of the same GGUF file, float32: the reference outputs."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()

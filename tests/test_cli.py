@@ -1,0 +1,44 @@
+"""The `appliance` command as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+APPLIANCE = [sys.executable, "-m", "appliance.cli"]
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*APPLIANCE, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_generate_answers_paris() -> None:
+    result = run("generate", "What is the capital of France?", "--max-tokens", "32")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_missing_model_file_is_one_clear_line(tmp_path: Path) -> None:
+    result = run("generate", "x", "--model", str(tmp_path / "nope.gguf"))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "nope.gguf" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_corrupt_model_file_is_one_clear_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    result = run("generate", "x", "--model", str(bad))
+    assert result.returncode == 2
+    assert "bad.gguf" in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+
+
+def test_bad_setting_names_the_variable() -> None:
+    import os
+
+    env = {**os.environ, "APPLIANCE_DTYPE": "float8"}
+    result = run("generate", "x", env=env)
+    assert result.returncode == 2
+    assert "APPLIANCE_DTYPE" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,244 @@
+"""Settings: defaults, APPLIANCE_* env vars, TOML file, priorities and error messages."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from appliance.config import Settings, SettingsError, load_settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No APPLIANCE_* variable from the outside world leaks into a test."""
+    for name in list(os.environ):
+        if name.upper().startswith("APPLIANCE_"):
+            monkeypatch.delenv(name)
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "appliance.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    s = load_settings()
+    assert isinstance(s, Settings)
+    assert s.model is None
+    assert s.dtype == "auto"
+    assert s.device == "auto"
+    assert s.mode == "disaggregated"
+    assert s.cache_dir == Path.home() / ".cache" / "appliance"
+    assert s.prefill_devices is None and s.decode_devices is None
+    assert s.host == "127.0.0.1"
+    assert s.port == 8000
+    assert (s.kv.block_size, s.kv.memory_mb, s.kv.num_blocks) == (16, 512, None)
+    assert s.batch.max_num_seqs == 64
+    assert s.batch.max_num_batched_tokens == 2048
+    assert s.batch.chunk_size == 512
+    assert s.batch.max_model_len is None
+
+
+def test_env_vars(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("APPLIANCE_DTYPE", "bfloat16")
+    monkeypatch.setenv("APPLIANCE_PORT", "9001")
+    monkeypatch.setenv("APPLIANCE_MODE", "colocated")
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("APPLIANCE_KV__BLOCK_SIZE", "32")
+    monkeypatch.setenv("APPLIANCE_BATCH__MAX_MODEL_LEN", "4096")
+    s = load_settings()
+    assert s.dtype == "bfloat16"
+    assert s.port == 9001
+    assert s.mode == "colocated"
+    assert s.cache_dir == tmp_path
+    assert s.kv.block_size == 32
+    assert s.kv.memory_mb == 512  # the rest of the section keeps its defaults
+    assert s.batch.max_model_len == 4096
+    assert s.batch.chunk_size == 512
+
+
+def test_env_model_pointing_to_an_existing_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF")
+    monkeypatch.setenv("APPLIANCE_MODEL", str(model))
+    assert load_settings().model == model
+
+
+def test_env_model_pointing_to_a_missing_path_raises(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope.gguf"
+    monkeypatch.setenv("APPLIANCE_MODEL", str(missing))
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    assert "APPLIANCE_MODEL" in message
+    assert str(missing) in message
+
+
+def test_missing_model_via_keyword_raises(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="model"):
+        load_settings(model=tmp_path / "absent")
+
+
+def test_empty_model_means_the_embedded_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The field's documented contract: "empty means the embedded SmolLM2".
+    assert load_settings(model="").model is None
+    monkeypatch.setenv("APPLIANCE_MODEL", "")
+    assert load_settings().model is None
+
+
+def test_toml_file(tmp_path: Path) -> None:
+    config = write_toml(
+        tmp_path,
+        """
+dtype = "float16"
+port = 1234
+host = "0.0.0.0"
+
+[kv]
+block_size = 8
+num_blocks = 100
+
+[batch]
+chunk_size = 64
+max_num_seqs = 3
+""",
+    )
+    s = load_settings(config)
+    assert s.dtype == "float16"
+    assert s.port == 1234
+    assert s.host == "0.0.0.0"
+    assert s.kv.block_size == 8
+    assert s.kv.num_blocks == 100
+    assert s.kv.memory_mb == 512
+    assert s.batch.chunk_size == 64
+    assert s.batch.max_num_seqs == 3
+    assert s.batch.max_num_batched_tokens == 2048
+
+
+def test_toml_is_only_read_when_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_toml(tmp_path, "port = 4321\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_settings().port == 8000
+
+
+def test_priority_kwargs_over_env_over_toml(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = write_toml(tmp_path, 'port = 1111\ndtype = "float16"\nhost = "10.0.0.1"\n')
+    assert load_settings(config).port == 1111
+
+    monkeypatch.setenv("APPLIANCE_PORT", "2222")
+    monkeypatch.setenv("APPLIANCE_DTYPE", "float32")
+    s = load_settings(config)
+    assert (s.port, s.dtype, s.host) == (2222, "float32", "10.0.0.1")
+
+    s = load_settings(config, port=3333)
+    assert (s.port, s.dtype, s.host) == (3333, "float32", "10.0.0.1")
+
+
+def test_priority_inside_a_section(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = write_toml(tmp_path, "[kv]\nblock_size = 8\nmemory_mb = 100\nnum_blocks = 50\n")
+    monkeypatch.setenv("APPLIANCE_KV__BLOCK_SIZE", "32")
+    monkeypatch.setenv("APPLIANCE_KV__MEMORY_MB", "200")
+    s = load_settings(config, kv={"memory_mb": 300})
+    assert s.kv.block_size == 32  # env over TOML
+    assert s.kv.memory_mb == 300  # keyword over env
+    assert s.kv.num_blocks == 50  # only in TOML
+
+
+def test_none_keywords_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APPLIANCE_PORT", "2222")
+    s = load_settings(port=None, dtype=None)
+    assert s.port == 2222
+    assert s.dtype == "auto"
+
+
+def test_settings_error_is_a_value_error() -> None:
+    assert issubclass(SettingsError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("env_name", "value", "setting"),
+    [
+        ("APPLIANCE_DTYPE", "fp8", "dtype"),
+        ("APPLIANCE_DEVICE", "tpu", "device"),
+        ("APPLIANCE_MODE", "split", "mode"),
+        ("APPLIANCE_PORT", "70000", "port"),
+        ("APPLIANCE_PORT", "eighty", "port"),
+        ("APPLIANCE_KV__BLOCK_SIZE", "0", "kv.block_size"),
+        ("APPLIANCE_KV__BLOCK_SIZE", "many", "kv.block_size"),
+        ("APPLIANCE_KV__NUM_BLOCKS", "0", "kv.num_blocks"),
+        ("APPLIANCE_BATCH__CHUNK_SIZE", "8", "batch.chunk_size"),
+        ("APPLIANCE_BATCH__MAX_NUM_SEQS", "0", "batch.max_num_seqs"),
+    ],
+)
+def test_bad_env_value_names_setting_and_env_var(
+    monkeypatch: pytest.MonkeyPatch, env_name: str, value: str, setting: str
+) -> None:
+    monkeypatch.setenv(env_name, value)
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    assert setting in message
+    assert env_name in message
+    assert value in message
+
+
+def test_bad_toml_value_names_setting_and_env_var(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, "[kv]\nblock_size = 0\n")
+    with pytest.raises(SettingsError) as info:
+        load_settings(config)
+    assert "kv.block_size" in str(info.value)
+    assert "APPLIANCE_KV__BLOCK_SIZE" in str(info.value)
+
+
+def test_bad_keyword_value_raises() -> None:
+    with pytest.raises(SettingsError, match="APPLIANCE_DTYPE"):
+        load_settings(dtype="int4")
+
+
+def test_every_bad_setting_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APPLIANCE_DTYPE", "fp8")
+    monkeypatch.setenv("APPLIANCE_PORT", "-1")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert "APPLIANCE_DTYPE" in str(info.value)
+    assert "APPLIANCE_PORT" in str(info.value)
+
+
+def test_unknown_top_level_key_in_toml_raises(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, "prot = 80\n")
+    with pytest.raises(SettingsError, match="prot"):
+        load_settings(config)
+
+
+def test_unknown_key_in_toml_section_raises(tmp_path: Path) -> None:
+    # A typo inside a section must not be silently ignored either.
+    config = write_toml(tmp_path, "[kv]\nblock_sise = 8\n")
+    with pytest.raises(SettingsError, match="block_sise"):
+        load_settings(config)
+
+
+def test_malformed_toml_raises(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, "[kv\nblock_size = 8\n")
+    with pytest.raises(SettingsError):
+        load_settings(config)
+
+
+def test_missing_config_file_raises(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.toml"
+    with pytest.raises(SettingsError) as info:
+        load_settings(missing)
+    assert str(missing) in str(info.value)
+
+
+def test_config_file_that_is_a_directory_raises(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError):
+        load_settings(tmp_path)

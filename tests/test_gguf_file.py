@@ -1,0 +1,541 @@
+"""Reading GGUF files: metadata, dequantization, tensor names, RoPE row order, errors.
+
+Every test builds its own tiny GGUF file with gguf.GGUFWriter; one test opens the
+embedded SmolLM2 file for its metadata only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quant_shape_to_byte_shape
+
+from appliance.model.errors import ModelLoadError
+from appliance.model.gguf_file import (
+    dequantize_tensor,
+    open_gguf,
+    read_model_config,
+    read_weights,
+    unpermute_rope_rows,
+)
+from appliance.model.model_config import ModelConfig
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FF, VOCAB = 64, 2, 4, 2, 128, 32
+HEAD_DIM = HIDDEN // HEADS
+Q = GGMLQuantizationType
+
+# Metadata keys without the "<arch>." prefix; floats are written as float32, ints as uint32.
+BASE_METADATA: dict[str, int | float] = {
+    "block_count": LAYERS,
+    "embedding_length": HIDDEN,
+    "feed_forward_length": FF,
+    "attention.head_count": HEADS,
+    "attention.head_count_kv": KV_HEADS,
+    "rope.freq_base": 50000.0,
+    "attention.layer_norm_rms_epsilon": 1e-5,
+    "context_length": 256,
+    "vocab_size": VOCAB,
+}
+
+
+def write_gguf(
+    path: Path,
+    tensors: dict[str, np.ndarray | tuple[np.ndarray, GGMLQuantizationType]],
+    *,
+    arch: str = "llama",
+    drop: tuple[str, ...] = (),
+    tokens: list[str] | None = None,
+    eos: int | None = None,
+) -> Path:
+    """A GGUF file with the base metadata (less `drop`) and these tensors.
+
+    A tensor is a float32/float16 array in PyTorch (row-major) shape, or a pair
+    (uint8 array in byte shape, quant type) for raw quantized blocks.
+    """
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in BASE_METADATA.items():
+        if key in drop:
+            continue
+        if isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", value)
+    if tokens is not None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+    if eos is not None:
+        writer.add_eos_token_id(eos)
+    for name, value in tensors.items():
+        if isinstance(value, tuple):
+            writer.add_tensor(name, value[0], raw_dtype=value[1])
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def model_tensors(rng: np.random.Generator, *, tied: bool = False) -> dict[str, np.ndarray]:
+    """A whole tiny llama model, in GGUF names and PyTorch shapes."""
+    tensors = {
+        "token_embd.weight": rand(rng, VOCAB, HIDDEN),
+        "output_norm.weight": rand(rng, HIDDEN),
+    }
+    if not tied:
+        tensors["output.weight"] = rand(rng, VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": rand(rng, HIDDEN),
+            f"blk.{i}.ffn_norm.weight": rand(rng, HIDDEN),
+            f"blk.{i}.attn_q.weight": rand(rng, HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_k.weight": rand(rng, KV_HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_v.weight": rand(rng, KV_HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_output.weight": rand(rng, HIDDEN, HEADS * HEAD_DIM),
+            f"blk.{i}.ffn_gate.weight": rand(rng, FF, HIDDEN),
+            f"blk.{i}.ffn_up.weight": rand(rng, FF, HIDDEN),
+            f"blk.{i}.ffn_down.weight": rand(rng, HIDDEN, FF),
+        }
+    return tensors
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to llama Q/K rows."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def load(path: Path) -> tuple[gguf.GGUFReader, ModelConfig]:
+    reader = open_gguf(path)
+    return reader, read_model_config(reader, path)
+
+
+def assert_load_error(excinfo: pytest.ExceptionInfo[ModelLoadError], path: Path, *words: str):
+    message = str(excinfo.value)
+    assert str(path) in message
+    assert "\n" not in message
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+# --- dequantization ------------------------------------------------------------------------
+
+
+def _f32_tol(x: np.ndarray) -> dict[str, float]:
+    return {"rtol": 0.0, "atol": 0.0}
+
+
+def _f16_tol(x: np.ndarray) -> dict[str, float]:
+    return {"rtol": 1e-3, "atol": 1e-4}
+
+
+def _bf16_tol(x: np.ndarray) -> dict[str, float]:
+    return {"rtol": 8e-3, "atol": 1e-6}
+
+
+def _q8_0_tol(x: np.ndarray) -> dict[str, float]:
+    return {"rtol": 0.0, "atol": float(np.abs(x).max()) / 127}
+
+
+def _q4_0_tol(x: np.ndarray) -> dict[str, float]:
+    return {"rtol": 0.0, "atol": float(np.abs(x).max()) / 8}
+
+
+def _q4_1_tol(x: np.ndarray) -> dict[str, float]:
+    return {"rtol": 0.0, "atol": float(x.max() - x.min()) / 15}
+
+
+@pytest.mark.parametrize(
+    ("qtype", "tolerance"),
+    [
+        (Q.F32, _f32_tol),
+        (Q.F16, _f16_tol),
+        (Q.BF16, _bf16_tol),
+        (Q.Q8_0, _q8_0_tol),
+        (Q.Q4_0, _q4_0_tol),
+        (Q.Q4_1, _q4_1_tol),
+    ],
+    ids=["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"],
+)
+def test_quantized_tensor_round_trips(tmp_path, rng, qtype, tolerance):
+    original = rand(rng, VOCAB, HIDDEN)  # not square: a transposed result cannot pass
+    encoded = gguf.quants.quantize(original, qtype)
+    raw = None if qtype in (Q.F32, Q.F16) else qtype
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        {"token_embd.weight": (encoded, raw) if raw is not None else encoded},
+    )
+    reader, config = load(path)
+    (tensor,) = reader.tensors
+    assert tensor.tensor_type == qtype
+
+    array = dequantize_tensor(tensor, path)
+    assert array.shape == (VOCAB, HIDDEN)
+    assert array.dtype == np.float32
+    np.testing.assert_allclose(array, original, **tolerance(original))
+    # Exactly what the reference dequantizer gives for the encoded bytes.
+    expected = gguf.quants.dequantize(encoded, qtype).astype(np.float32).reshape(VOCAB, HIDDEN)
+    np.testing.assert_array_equal(array, expected)
+
+    weights = read_weights(reader, config, path)
+    embed = weights["model.embed_tokens.weight"]
+    assert embed.dtype == torch.float32
+    assert tuple(embed.shape) == (VOCAB, HIDDEN)
+    torch.testing.assert_close(embed, torch.from_numpy(expected), rtol=0, atol=0)
+
+
+def _f16_bytes(value: float) -> np.ndarray:
+    return np.array([value], dtype=np.float16).view(np.uint8)
+
+
+def _k_scales(scale: int, minimum: int) -> np.ndarray:
+    """The 12-byte packed 6-bit scales and mins of Q4_K/Q5_K, all 8 sub-blocks alike."""
+    sc, mn = [scale] * 8, [minimum] * 8
+    return np.array(
+        [(sc[j] & 0x3F) | ((sc[j + 4] >> 4) << 6) for j in range(4)]
+        + [(mn[j] & 0x3F) | ((mn[j + 4] >> 4) << 6) for j in range(4)]
+        + [(sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4) for j in range(4)],
+        dtype=np.uint8,
+    )
+
+
+def q4_k_block(d: float, dmin: float, scale: int, minimum: int, nibble: int) -> np.ndarray:
+    qs = np.full(128, nibble | (nibble << 4), dtype=np.uint8)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _k_scales(scale, minimum), qs])
+
+
+def q5_k_block(d: float, dmin: float, scale: int, minimum: int, nibble: int, high: bool):
+    qh = np.full(32, 0xFF if high else 0x00, dtype=np.uint8)
+    qs = np.full(128, nibble | (nibble << 4), dtype=np.uint8)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _k_scales(scale, minimum), qh, qs])
+
+
+def q6_k_block(d: float, scale: int, ql: int, qh: int) -> np.ndarray:
+    return np.concatenate(
+        [
+            np.full(128, ql, dtype=np.uint8),
+            np.full(64, qh, dtype=np.uint8),
+            np.full(16, scale, dtype=np.int8).view(np.uint8),
+            _f16_bytes(d),
+        ]
+    )
+
+
+# Two rows of one 256-element super-block each, with different known values per row.
+K_QUANT_CASES = {
+    # d * scale * nibble - dmin * min
+    Q.Q4_K: ([q4_k_block(1.0, 0.0, 1, 0, 3), q4_k_block(1.0, 1.0, 1, 2, 7)], [3.0, 5.0]),
+    # d * scale * (nibble | high bit << 4) - dmin * min
+    Q.Q5_K: (
+        [q5_k_block(1.0, 0.0, 1, 0, 3, True), q5_k_block(2.0, 0.5, 1, 4, 5, False)],
+        [19.0, 8.0],
+    ),
+    # d * scale * ((ql nibble | qh 2 bits << 4) - 32)
+    Q.Q6_K: ([q6_k_block(1.0, 1, 0x00, 0x00), q6_k_block(1.0, -1, 0xFF, 0xFF)], [-32.0, -31.0]),
+}
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANT_CASES), ids=lambda q: q.name)
+def test_k_quant_blocks_dequantize_to_known_values(tmp_path, qtype):
+    blocks, row_values = K_QUANT_CASES[qtype]
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    raw = np.stack(blocks)
+    assert raw.shape == quant_shape_to_byte_shape((2, block_size), qtype) == (2, type_size)
+    path = write_gguf(tmp_path / "m.gguf", {"token_embd.weight": (raw, qtype)})
+    reader, config = load(path)
+    (tensor,) = reader.tensors
+    assert tensor.tensor_type == qtype
+
+    array = dequantize_tensor(tensor, path)
+    expected = np.repeat(np.array(row_values, dtype=np.float32)[:, None], block_size, axis=1)
+    assert array.dtype == np.float32
+    np.testing.assert_array_equal(array, expected)
+
+    embed = read_weights(reader, config, path)["model.embed_tokens.weight"]
+    assert embed.dtype == torch.float32
+    torch.testing.assert_close(embed, torch.from_numpy(expected), rtol=0, atol=0)
+
+
+def test_unsupported_quant_type_is_refused_by_name(tmp_path):
+    block_size, type_size = GGML_QUANT_SIZES[Q.IQ4_NL]
+    raw = np.zeros((VOCAB, HIDDEN // block_size * type_size), dtype=np.uint8)
+    path = write_gguf(tmp_path / "iq.gguf", {"token_embd.weight": (raw, Q.IQ4_NL)})
+    reader, config = load(path)
+    with pytest.raises(ModelLoadError) as excinfo:
+        read_weights(reader, config, path)
+    assert_load_error(excinfo, path, "IQ4_NL", "token_embd.weight")
+    with pytest.raises(ModelLoadError) as excinfo:
+        dequantize_tensor(reader.tensors[0], path)
+    assert_load_error(excinfo, path, "IQ4_NL")
+
+
+def test_weights_do_not_alias_the_read_only_file_map(tmp_path, rng):
+    """Returned tensors must own writable memory, not view the reader's read-only memmap.
+
+    torch.from_numpy on that map warns "The given NumPy array is not writable ...
+    undefined behavior"; an in-place op on such a weight (e.g. embed.add_(1)) kills
+    the process with SIGSEGV. F16/quantized types are copied by dequantize; F32 is not.
+    """
+    path = write_gguf(tmp_path / "m.gguf", model_tensors(rng))
+    reader, config = load(path)
+    weights = read_weights(reader, config, path)
+    start = reader.data.ctypes.data
+    end = start + reader.data.nbytes
+    aliased = sorted(name for name, t in weights.items() if start <= t.data_ptr() < end)
+    assert aliased == []
+
+
+# --- RoPE row order ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_head", [HEADS, KV_HEADS, 1, 9])
+def test_unpermute_inverts_llama_cpp_permutation(rng, n_head):
+    w = rand(rng, n_head * HEAD_DIM, HIDDEN)
+    permuted = llama_cpp_permute(w, n_head)
+    assert not np.array_equal(permuted, w)
+    restored = unpermute_rope_rows(permuted, n_head)
+    assert restored.shape == w.shape
+    np.testing.assert_array_equal(restored, w)
+
+
+def test_unpermute_handles_bias_vectors(rng):
+    b = rand(rng, HEADS * HEAD_DIM)
+    np.testing.assert_array_equal(unpermute_rope_rows(llama_cpp_permute(b, HEADS), HEADS), b)
+
+
+def test_unpermute_depends_on_head_count(rng):
+    w = rand(rng, HEADS * HEAD_DIM, HIDDEN)
+    permuted = llama_cpp_permute(w, HEADS)
+    assert not np.array_equal(unpermute_rope_rows(permuted, KV_HEADS), w)
+
+
+def test_read_weights_unpermutes_llama_q_and_k_only(tmp_path, rng):
+    tensors = model_tensors(rng)
+    original = {k: v.copy() for k, v in tensors.items()}
+    for i in range(LAYERS):
+        tensors[f"blk.{i}.attn_q.weight"] = llama_cpp_permute(original[f"blk.{i}.attn_q.weight"], 4)
+        tensors[f"blk.{i}.attn_k.weight"] = llama_cpp_permute(original[f"blk.{i}.attn_k.weight"], 2)
+    path = write_gguf(tmp_path / "llama.gguf", tensors)
+    reader, config = load(path)
+    weights = read_weights(reader, config, path)
+    for i in range(LAYERS):
+        attn = f"model.layers.{i}.self_attn"
+        for proj, gguf_name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v")):
+            np.testing.assert_array_equal(
+                weights[f"{attn}.{proj}_proj.weight"].numpy(),
+                original[f"blk.{i}.{gguf_name}.weight"],
+            )
+        np.testing.assert_array_equal(
+            weights[f"{attn}.o_proj.weight"].numpy(), original[f"blk.{i}.attn_output.weight"]
+        )
+
+
+def test_read_weights_leaves_qwen2_rows_alone(tmp_path, rng):
+    tensors = model_tensors(rng)
+    for i in range(LAYERS):
+        for proj, n in (("q", HEADS), ("k", KV_HEADS)):
+            tensors[f"blk.{i}.attn_{proj}.bias"] = rand(rng, n * HEAD_DIM)
+        tensors[f"blk.{i}.attn_v.bias"] = rand(rng, KV_HEADS * HEAD_DIM)
+    path = write_gguf(tmp_path / "qwen.gguf", tensors, arch="qwen2")
+    reader, config = load(path)
+    assert config.architecture == "qwen2"
+    assert config.attention_bias is True
+    weights = read_weights(reader, config, path)
+    for i in range(LAYERS):
+        attn = f"model.layers.{i}.self_attn"
+        for proj in ("q", "k", "v"):
+            for kind in ("weight", "bias"):
+                np.testing.assert_array_equal(
+                    weights[f"{attn}.{proj}_proj.{kind}"].numpy(),
+                    tensors[f"blk.{i}.attn_{proj}.{kind}"],
+                )
+
+
+# --- names and config ----------------------------------------------------------------------
+
+
+def _expected_hf_shapes(*, tied: bool) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (VOCAB, HIDDEN),
+        "model.norm.weight": (HIDDEN,),
+    }
+    if not tied:
+        shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        layer = f"model.layers.{i}"
+        shapes |= {
+            f"{layer}.input_layernorm.weight": (HIDDEN,),
+            f"{layer}.post_attention_layernorm.weight": (HIDDEN,),
+            f"{layer}.self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+            f"{layer}.mlp.gate_proj.weight": (FF, HIDDEN),
+            f"{layer}.mlp.up_proj.weight": (FF, HIDDEN),
+            f"{layer}.mlp.down_proj.weight": (HIDDEN, FF),
+        }
+    return shapes
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tensor_names_map_to_hugging_face(tmp_path, rng, tied):
+    tensors = model_tensors(rng, tied=tied)
+    path = write_gguf(tmp_path / "m.gguf", tensors)
+    reader, config = load(path)
+    assert config.tie_word_embeddings is tied
+    weights = read_weights(reader, config, path)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == _expected_hf_shapes(tied=tied)
+    assert all(v.dtype == torch.float32 for v in weights.values())
+    np.testing.assert_array_equal(
+        weights["model.embed_tokens.weight"].numpy(), tensors["token_embd.weight"]
+    )
+    np.testing.assert_array_equal(
+        weights["model.layers.1.mlp.down_proj.weight"].numpy(), tensors["blk.1.ffn_down.weight"]
+    )
+    np.testing.assert_array_equal(
+        weights["model.layers.0.post_attention_layernorm.weight"].numpy(),
+        tensors["blk.0.ffn_norm.weight"],
+    )
+    if not tied:
+        np.testing.assert_array_equal(weights["lm_head.weight"].numpy(), tensors["output.weight"])
+
+
+def test_unexpected_tensor_name_is_refused(tmp_path, rng):
+    path = write_gguf(tmp_path / "m.gguf", {"blk.0.mystery.weight": rand(rng, HIDDEN)})
+    reader, config = load(path)
+    with pytest.raises(ModelLoadError) as excinfo:
+        read_weights(reader, config, path)
+    assert_load_error(excinfo, path, "blk.0.mystery.weight")
+
+
+def test_model_config_comes_from_metadata(tmp_path, rng):
+    path = write_gguf(tmp_path / "m.gguf", model_tensors(rng), eos=7)
+    _, config = load(path)
+    assert config.architecture == "llama"
+    assert config.vocab_size == VOCAB
+    assert config.hidden_size == HIDDEN
+    assert config.intermediate_size == FF
+    assert config.num_layers == LAYERS
+    assert config.num_heads == HEADS
+    assert config.num_kv_heads == KV_HEADS
+    assert config.head_dim == HEAD_DIM
+    assert config.rms_norm_eps == pytest.approx(1e-5)
+    assert config.rope_theta == pytest.approx(50000.0)
+    assert config.max_position_embeddings == 256
+    assert config.tie_word_embeddings is False
+    assert config.attention_bias is False
+    assert config.rope_scaling is None
+    assert config.eos_token_ids == (7,)
+
+
+def test_optional_metadata_falls_back(tmp_path, rng):
+    path = write_gguf(
+        tmp_path / "m.gguf",
+        model_tensors(rng),
+        drop=("attention.head_count_kv", "vocab_size"),
+        tokens=[f"t{i}" for i in range(40)],
+    )
+    _, config = load(path)
+    assert config.num_kv_heads == HEADS
+    assert config.vocab_size == 40  # from the token list
+    assert config.eos_token_ids == ()
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "absent.gguf"
+    with pytest.raises(ModelLoadError) as excinfo:
+        open_gguf(path)
+    assert_load_error(excinfo, path, "no such file")
+
+
+def test_random_bytes_are_not_gguf(tmp_path, rng):
+    path = tmp_path / "noise.gguf"
+    path.write_bytes(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(ModelLoadError) as excinfo:
+        open_gguf(path)
+    assert_load_error(excinfo, path, "not a valid GGUF file")
+
+
+@pytest.mark.parametrize("keep", [0.02, 0.5, 0.98])
+def test_truncated_file_is_refused(tmp_path, rng, keep):
+    good = write_gguf(tmp_path / "good.gguf", model_tensors(rng))
+    data = good.read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelLoadError) as excinfo:
+        load(path)
+    assert_load_error(excinfo, path)
+
+
+def test_directory_is_not_a_file(tmp_path):
+    with pytest.raises(ModelLoadError) as excinfo:
+        open_gguf(tmp_path)
+    assert_load_error(excinfo, tmp_path)
+
+
+def test_unknown_architecture(tmp_path, rng):
+    path = write_gguf(tmp_path / "m.gguf", model_tensors(rng), arch="mamba")
+    reader = open_gguf(path)
+    with pytest.raises(ModelLoadError) as excinfo:
+        read_model_config(reader, path)
+    assert_load_error(excinfo, path, "unknown architecture", "mamba")
+
+
+@pytest.mark.parametrize(
+    "key", ["block_count", "embedding_length", "feed_forward_length", "attention.head_count"]
+)
+def test_missing_required_metadata_key(tmp_path, rng, key):
+    path = write_gguf(tmp_path / "m.gguf", model_tensors(rng), drop=(key,))
+    reader = open_gguf(path)
+    with pytest.raises(ModelLoadError) as excinfo:
+        read_model_config(reader, path)
+    assert_load_error(excinfo, path, f"llama.{key}")
+
+
+def test_missing_vocab_size_without_token_list(tmp_path, rng):
+    """No llama.vocab_size and no tokenizer.ggml.tokens: still a ModelLoadError."""
+    path = write_gguf(tmp_path / "m.gguf", model_tensors(rng), drop=("vocab_size",))
+    reader = open_gguf(path)
+    with pytest.raises(ModelLoadError) as excinfo:
+        read_model_config(reader, path)
+    assert_load_error(excinfo, path, "vocab")
+
+
+# --- the embedded model --------------------------------------------------------------------
+
+
+def test_embedded_model_metadata():
+    from appliance.model.loader import default_model_path
+
+    path = default_model_path()
+    assert path.is_file()
+    reader = open_gguf(path)
+    config = read_model_config(reader, path)
+    assert config.architecture == "llama"
+    assert config.num_layers == 30
+    assert config.num_heads == 9
+    assert config.num_kv_heads == 3
+    assert config.head_dim == 64
+    assert config.tie_word_embeddings is True
+    assert config.vocab_size == 49152

@@ -1,0 +1,151 @@
+"""Our engine against transformers on the same weights: greedy tokens and prefill logits."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from reference import hf_greedy, hf_logits, our_prefill_logits
+
+from appliance.config import load_settings
+from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.sequence import SamplingParams
+
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "1, 2, 3, 5, 8, 13,",
+    "Once upon a time in a small village by the sea, there lived an old fisherman who",
+    "Das Wetter heute ist",
+    "Q: Why is the sky blue?\nA:",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Name three primary colors. " * 6},
+    ],
+]
+
+
+def prompt_ids(engine: LLMEngine) -> list[list[int]]:
+    ids = [engine.tokenizer.encode(p) for p in RAW_PROMPTS]
+    return ids + [engine.tokenizer.apply_chat_template(c) for c in CHATS]
+
+
+def test_greedy_batch_matches_transformers(engine: LLMEngine, hf_reference) -> None:
+    prompts = prompt_ids(engine)
+    assert len(prompts) >= 8 and len({len(p) for p in prompts}) >= 6  # varied lengths
+    ours = engine.generate(prompts, SamplingParams(max_tokens=32))
+    for prompt, completion in zip(prompts, ours, strict=True):
+        assert completion.token_ids == hf_greedy(hf_reference, prompt, 32)
+    assert engine.kv.allocator.num_free == engine.kv.num_blocks
+
+
+def test_prefill_logits_match_transformers(engine: LLMEngine, hf_reference) -> None:
+    prompts = prompt_ids(engine)
+    for prompt, logits in zip(prompts, our_prefill_logits(engine, prompts), strict=True):
+        assert (logits - hf_logits(hf_reference, prompt)).abs().max().item() < 1e-3
+    assert engine.kv.allocator.num_free == engine.kv.num_blocks
+
+
+def _random_model_folder(tmp: Path, engine: LLMEngine, config) -> Path:
+    """A transformers model with random weights saved as a Hugging Face folder."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        src = _tokenizer_dir() / name
+        if src.is_file():
+            shutil.copy(src, tmp / name)
+    return tmp
+
+
+def _tokenizer_dir() -> Path:
+    """The embedded model's converted tokenizer, which the random models borrow."""
+    from appliance.model.loader import cache_entry, default_model_path
+
+    return cache_entry(default_model_path(), load_settings().cache_dir)
+
+
+def _qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
+
+
+def _llama3_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        rope_theta=50000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    ("make_config", "expected"),
+    [
+        (_qwen2_config, {"architecture": "qwen2", "attention_bias": True}),
+        (_llama3_config, {"architecture": "llama", "tie_word_embeddings": False}),
+    ],
+    ids=["qwen2", "llama3"],
+)
+def test_random_architectures_match_transformers(
+    tmp_path: Path, engine: LLMEngine, make_config, expected: dict
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = _random_model_folder(tmp_path, engine, make_config())
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = LLMEngine.from_settings(
+        load_settings(model=folder, dtype="float32", device="cpu", kv={"num_blocks": 64})
+    )
+    config = ours.model.config.to_dict()
+    assert {k: config[k] for k in expected} == expected
+    if config["architecture"] == "llama":
+        assert config["rope_scaling"]["rope_type"] == "llama3"
+    prompts = prompt_ids(ours)
+    for prompt, logits in zip(prompts, our_prefill_logits(ours, prompts), strict=True):
+        assert (logits - hf_logits(reference, prompt)).abs().max().item() < 1e-3
+    completions = ours.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    for prompt, completion in zip(prompts, completions, strict=True):
+        ref = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert completion.token_ids == ref
+    assert ours.kv.allocator.num_free == ours.kv.num_blocks

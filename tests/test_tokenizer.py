@@ -1,0 +1,83 @@
+"""Our tokenizer against transformers' tokenizer for the same model, and streaming text."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.engine.llm_engine import LLMEngine
+from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TEXTS = [
+    "Hello world",
+    " leading space and trailing ",
+    "日本語のテキスト 🚀 emoji, accents: café, naïve",
+    "<|im_start|>user\nhi<|im_end|>",
+    "tabs\tand\nnewlines  \n\n x",
+    "",
+    "a" * 300,
+    "def f(x):\n    return x ** 2  # comment",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "more"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(engine: LLMEngine):
+    from transformers import AutoTokenizer
+
+    from appliance.model.loader import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_raw_prompt_tokens_equal_transformers(engine: LLMEngine, hf_tokenizer, text: str) -> None:
+    assert engine.tokenizer.encode(text) == hf_tokenizer(text).input_ids
+
+
+def test_no_bos_is_added_for_smollm2(engine: LLMEngine) -> None:
+    assert engine.tokenizer.encode("Hello")[0] != 1
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_template_equals_transformers(engine: LLMEngine, hf_tokenizer, messages) -> None:
+    expected = hf_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert engine.tokenizer.render_chat(messages) == expected
+    ids = engine.tokenizer.apply_chat_template(messages)
+    assert ids == hf_tokenizer(expected, add_special_tokens=False).input_ids
+
+
+def test_stop_tokens_hold_the_end_of_turn(engine: LLMEngine) -> None:
+    assert engine.tokenizer.stop_token_ids == {2}  # <|im_end|>, SmolLM2's EOS
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streaming_never_emits_half_a_character(engine: LLMEngine, text: str) -> None:
+    ids = engine.tokenizer.encode(text)
+    detok = IncrementalDetokenizer(engine.tokenizer)
+    pieces = [detok.add(i) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == engine.tokenizer.decode(ids)
+
+
+def test_emoji_bytes_split_over_tokens_come_out_whole(engine: LLMEngine) -> None:
+    ids = engine.tokenizer.encode("🚀")
+    assert len(ids) > 1  # byte-level BPE splits it
+    detok = IncrementalDetokenizer(engine.tokenizer)
+    assert [detok.add(i) for i in ids][-1] == "🚀"
+
+
+def test_missing_template_is_a_clear_error(engine: LLMEngine) -> None:
+    bare = Tokenizer(engine.tokenizer._raw, {}, None)
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template([{"role": "user", "content": "x"}])
