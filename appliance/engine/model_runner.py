@@ -97,8 +97,8 @@ class ModelRunner:
         tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in decodes]
         context = self._tensor([c.start + 1 for c in decodes])
         keys = torch.arange(width * self.kv.block_size, device=self.device)
-        mask = (keys[None, :] < context[:, None])[:, None, None, :]  # [decodes, 1, 1, keys]
-        return self._tensor(tables), mask
+        padding = (keys[None, :] >= context[:, None])[:, None, None, :]  # [decodes, 1, 1, keys]
+        return self._tensor(tables), padding
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -31,7 +31,8 @@ class AttentionBatch:
     prefills: list[PrefillSegment]
     decode_start: int  # rows from here on are decode tokens
     decode_block_tables: torch.Tensor | None  # [decodes, max_blocks] int64, padded with 0
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool
+    decode_padding: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool,
+    # True for key slots past a sequence's context (padding of its block table)
 
 
 def write_kv(
@@ -102,7 +103,8 @@ def _prefill(
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """One sequence's first `length` cached tokens: [length, kv_heads, head_dim]."""
-    return cache[block_table].flatten(0, 1)[:length]
+    # index_select, not cache[block_table]: advanced indexing is ~40x slower on CPU here.
+    return cache.index_select(0, block_table).flatten(0, 1)[:length]
 
 
 def _decode(
@@ -112,10 +114,30 @@ def _decode(
     batch: AttentionBatch,
     scale: float,
 ) -> torch.Tensor:
-    # [decodes, max_blocks, block_size, kv_heads, head_dim] -> [decodes, kv_heads, ctx, head_dim]
-    k = k_cache[batch.decode_block_tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[batch.decode_block_tables].flatten(1, 2).transpose(1, 2)
+    """One query token per sequence against its cached keys."""
+    tables = batch.decode_block_tables
+    decodes, kv_heads, head_dim = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
+    # [decodes * max_blocks, block_size, kv_heads, head_dim] -> [decodes, kv_heads, ctx, head_dim]
+    k = k_cache.index_select(0, tables.flatten()).view(decodes, -1, kv_heads, head_dim)
+    v = v_cache.index_select(0, tables.flatten()).view(decodes, -1, kv_heads, head_dim)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        # torch's fused CPU kernel is 3-4x slower than plain matmuls for a single query
+        # row in 16-bit floats (benchmarks/attention_bench.py); in float32 it is faster.
+        return _decode_matmuls(q, k, v, batch.decode_padding, scale)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True
+        q.unsqueeze(2), k, v, attn_mask=~batch.decode_padding, scale=scale, enable_gqa=True
     )  # [decodes, heads, 1, head_dim]
     return out.squeeze(2)
+
+
+def _decode_matmuls(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor, scale: float
+) -> torch.Tensor:
+    decodes, kv_heads, _, head_dim = k.shape
+    # Query heads grouped under their shared KV head: [decodes, kv_heads, group, head_dim]
+    q = q.view(decodes, kv_heads, -1, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [decodes, kv, group, ctx]
+    scores = scores.masked_fill(padding, float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # [decodes, kv, group, head_dim]
+    return out.view(decodes, -1, head_dim)

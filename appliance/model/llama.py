@@ -9,7 +9,7 @@ from torch import nn
 from appliance.model.attention import AttentionBatch, paged_attention
 from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig
-from appliance.model.rope import RotaryEmbedding
+from appliance.model.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -38,15 +38,14 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_layer: torch.Tensor,
         batch: AttentionBatch,
     ) -> torch.Tensor:
         # [tokens, q_heads + 2 * kv_heads, head_dim]
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         qk_heads = self.num_heads + self.num_kv_heads
-        qk = rope(qkv[:, :qk_heads], positions)
+        qk = apply_rope(qkv[:, :qk_heads], *rope)
         q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_heads:]
         out = paged_attention(q, k, v, kv_layer[0], kv_layer[1], batch, self.scale)
         return self.o_proj(out.flatten(1))
@@ -60,7 +59,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # In place on the fused output: on CPU a fresh silu(gate) * up is up to 1.5x slower.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -74,12 +74,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_layer: torch.Tensor,
         batch: AttentionBatch,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_layer, batch)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_layer, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -116,8 +115,9 @@ class CausalLM(nn.Module):
         """input_ids, positions [tokens]; kv_cache [layers, 2, blocks, block_size, kv_heads,
         head_dim]. Returns hidden states [tokens, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope.at(positions)
         for index, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, kv_cache[index], batch)
+            x = layer(x, rope, kv_cache[index], batch)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -56,9 +56,17 @@ class RotaryEmbedding:
         self.cos = freqs.cos().to(dtype=dtype, device=device)
         self.sin = freqs.sin().to(dtype=dtype, device=device)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [tokens, heads, head_dim] rotated by each token's position."""
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim // 2]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cos and sin for these positions, each [tokens, 1, head_dim // 2]: looked up once
+        per step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by its tokens' cos/sin (rotate-half layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty_like(x)  # written half by half: no temporaries, no cat
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    return out

@@ -1,0 +1,472 @@
+"""What devices the box has, how they are linked, and how they split into prefill/decode pools.
+
+Discovery reads NVIDIA GPUs through NVML (the `pynvml` module of nvidia-ml-py, passed in as
+an argument so tests can hand in a fake) or, without GPUs, splits the usable CPU cores into
+CPU devices. Partitioning is pure: it only looks at a `Topology`.
+
+GPU indices are NVML's, which enumerate in PCI bus order; CUDA numbers GPUs the same way
+only under `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so launchers should set that for their workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+from types import ModuleType
+from typing import Any, Literal
+
+PREFILL_SETTING = "APPLIANCE_PREFILL_DEVICES"
+DECODE_SETTING = "APPLIANCE_DECODE_DEVICES"
+
+# Exhaustive search over prefill sets is exact and cheap up to a 16-device box
+# (C(16, 6) = 8008 sets); beyond that a greedy pick keeps start-up fast.
+_MAX_CANDIDATES = 10_000
+
+
+@dataclass(frozen=True)
+class Device:
+    """One worker's device: a GPU, or a set of CPU cores.
+
+    Memory is in bytes. A CPU device reports an even share of the host's RAM, since all
+    CPU workers draw on the same memory. `utilization` is the GPU's busy percentage, None
+    where NVML cannot tell (and for CPU devices).
+    """
+
+    kind: Literal["cuda", "cpu"]
+    index: int
+    name: str
+    total_memory: int
+    free_memory: int
+    utilization: int | None = None
+    cores: tuple[int, ...] = ()
+    pci_bus_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Link:
+    """How two GPUs exchange data: over `nvlinks` NVLink links, PCIe peer-to-peer, or neither.
+
+    "none" means copies bounce through host memory; CPU devices are always "none" to each
+    other (they share RAM, so all pairs are equally good).
+    """
+
+    kind: Literal["nvlink", "p2p-pcie", "none"]
+    nvlinks: int = 0
+
+    @property
+    def rank(self) -> int:
+        """Bandwidth rank, higher is faster: NVLink by link count > PCIe P2P > none."""
+        return {"none": 0, "p2p-pcie": 1}.get(self.kind, 1 + self.nvlinks)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The box's devices (device i at position i) and the symmetric link matrix between them."""
+
+    devices: tuple[Device, ...]
+    links: tuple[tuple[Link, ...], ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.devices)
+        if [d.index for d in self.devices] != list(range(n)):
+            raise ValueError("device i must sit at position i of Topology.devices")
+        if len(self.links) != n or any(len(row) != n for row in self.links):
+            raise ValueError(f"link matrix must be {n}x{n}")
+
+    @classmethod
+    def without_links(cls, devices: Sequence[Device]) -> Topology:
+        """A topology whose devices have no fast links (CPU devices)."""
+        n = len(devices)
+        return cls(tuple(devices), tuple((Link("none"),) * n for _ in range(n)))
+
+    def bandwidth_rank(self, a: int, b: int) -> int:
+        """How fast devices a and b exchange KV blocks; only comparisons are meaningful."""
+        return self.links[a][b].rank
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Which devices prefill, which decode, and where each decode device pulls KV from.
+
+    In colocated mode every used device is in both pools and `pairs` is empty: no KV
+    changes device.
+    """
+
+    mode: Literal["disaggregated", "colocated"]
+    prefill: tuple[int, ...]
+    decode: tuple[int, ...]
+    # decode device -> prefill device; a dict can't be hashed, so hashing skips it
+    pairs: dict[int, int] = field(default_factory=dict, hash=False)
+
+
+# --- discovery -------------------------------------------------------------------------
+
+
+def discover_gpus(nvml: ModuleType | Any) -> Topology | None:
+    """Read the box's GPUs and their links through `nvml` (the pynvml module).
+
+    Returns None when NVML is unusable (no driver, no library, no GPU) rather than raising,
+    so callers can fall back to the CPU.
+    """
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError:
+        return None
+    try:
+        return _read_gpus(nvml)
+    except nvml.NVMLError:
+        return None
+    finally:
+        with contextlib.suppress(nvml.NVMLError):
+            nvml.nvmlShutdown()
+
+
+def _read_gpus(nvml: Any) -> Topology | None:
+    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+    if not handles:
+        return None
+    devices = tuple(_gpu_device(nvml, i, h) for i, h in enumerate(handles))
+    remotes = [_nvlink_remotes(nvml, h) for h in handles]
+    buses = [d.pci_bus_id or "" for d in devices]
+    links = [[Link("none")] * len(handles) for _ in handles]
+    for a, b in combinations(range(len(handles)), 2):
+        nvlinks = _nvlink_count(remotes, buses, a, b)
+        link = _gpu_link(nvml, handles[a], handles[b], nvlinks)
+        links[a][b] = links[b][a] = link
+    return Topology(devices, tuple(tuple(row) for row in links))
+
+
+def _gpu_device(nvml: Any, index: int, handle: Any) -> Device:
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    name = _text(nvml.nvmlDeviceGetName(handle))
+    bus = _bus_id(nvml.nvmlDeviceGetPciInfo(handle))
+    util = _utilization(nvml, handle)
+    return Device("cuda", index, name, memory.total, memory.free, util, pci_bus_id=bus)
+
+
+def _utilization(nvml: Any, handle: Any) -> int | None:
+    try:
+        return int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except nvml.NVMLError:  # e.g. NOT_SUPPORTED on MIG-enabled GPUs
+        return None
+
+
+def _text(value: str | bytes) -> str:
+    # Older nvidia-ml-py releases return bytes for char arrays.
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _bus_id(pci: Any) -> str:
+    """Canonical bus id from the integer fields, which every NVML struct version fills the
+    same way (the busId string has had 8- and 4-digit domain forms)."""
+    return f"{pci.domain:08x}:{pci.bus:02x}:{pci.device:02x}.0"
+
+
+def _nvlink_remotes(nvml: Any, handle: Any) -> list[str]:
+    """Bus ids at the far end of each active NVLink of one GPU (repeats = parallel links)."""
+    remotes = []
+    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            if nvml.nvmlDeviceGetNvLinkState(handle, link) == nvml.NVML_FEATURE_ENABLED:
+                remotes.append(_bus_id(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link)))
+        except nvml.NVMLError:  # this GPU has fewer links, or no NVLink at all
+            continue
+    return remotes
+
+
+def _nvlink_count(remotes: list[list[str]], buses: list[str], a: int, b: int) -> int:
+    """NVLinks usable between GPUs a and b.
+
+    Direct links are counted from both ends (min, so a link down at either end is not
+    counted). A far end that is not one of the box's GPUs is an NVSwitch port (HGX/DGX
+    baseboards), which connects every pair of switch-attached GPUs at the narrower GPU's
+    link count — what `nvidia-smi topo -m` shows as NV18 on an 8xH100 box.
+    """
+    direct = min(remotes[a].count(buses[b]), remotes[b].count(buses[a]))
+    switched = min(_switch_links(remotes[a], buses), _switch_links(remotes[b], buses))
+    return direct + switched
+
+
+def _switch_links(remotes: list[str], buses: list[str]) -> int:
+    return sum(remote not in buses for remote in remotes)
+
+
+def _gpu_link(nvml: Any, a: Any, b: Any, nvlinks: int) -> Link:
+    if nvlinks:
+        return Link("nvlink", nvlinks)
+    return Link("p2p-pcie") if _p2p_read_ok(nvml, a, b) else Link("none")
+
+
+def _p2p_read_ok(nvml: Any, a: Any, b: Any) -> bool:
+    index = nvml.NVML_P2P_CAPS_INDEX_READ
+    # nvidia-ml-py defines this constant as `0,` (a tuple), which ctypes refuses to pass.
+    index = index[0] if isinstance(index, tuple) else index
+    try:
+        return nvml.nvmlDeviceGetP2PStatus(a, b, index) == nvml.NVML_P2P_STATUS_OK
+    except nvml.NVMLError:
+        return False
+
+
+def cpu_devices(num_devices: int, cores: Iterable[int] | None = None) -> tuple[Device, ...]:
+    """Split the usable cores (this process's affinity unless `cores` is given) into
+    `num_devices` disjoint, contiguous core sets, sizes differing by at most one.
+
+    Contiguous runs keep a worker's threads on neighbouring cores, which usually share
+    caches and a NUMA node. Larger sets come first: the automatic split breaks ties toward
+    low indices, so prefill (compute-bound) tends to get the extra cores.
+    """
+    usable = sorted(os.sched_getaffinity(0) if cores is None else set(cores))
+    if num_devices < 1:
+        raise ValueError(f"need at least 1 CPU device, got {num_devices}")
+    if num_devices > len(usable):
+        raise ValueError(
+            f"asked for {num_devices} CPU devices but only {len(usable)} usable cores "
+            f"({_core_list(usable)}); each CPU device needs at least one core"
+        )
+    total, free = _host_memory()
+    size, extra = divmod(len(usable), num_devices)
+    starts = [i * size + min(i, extra) for i in range(num_devices + 1)]
+    sets = [tuple(usable[starts[i] : starts[i + 1]]) for i in range(num_devices)]
+    share = (total // num_devices, free // num_devices)
+    return tuple(
+        Device("cpu", i, f"cpu{i} (cores {_core_list(s)})", *share, cores=s)
+        for i, s in enumerate(sets)
+    )
+
+
+def _host_memory() -> tuple[int, int]:
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+
+
+def _core_list(cores: Sequence[int]) -> str:
+    """'0-5' for a contiguous run, '0,2,4' otherwise."""
+    if len(cores) > 1 and list(cores) == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
+def discover(
+    device_setting: str, num_cpu_devices: int, nvml: ModuleType | Any | None = None
+) -> Topology:
+    """The box's devices for the `device` setting: "cpu", "cuda", or "auto" (GPUs if NVML
+    finds any, else CPU). `nvml` defaults to the installed pynvml module."""
+    if device_setting not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"APPLIANCE_DEVICE={device_setting!r}: expected auto, cpu or cuda")
+    if device_setting == "cpu":
+        return Topology.without_links(cpu_devices(num_cpu_devices))
+    gpus = discover_gpus(nvml or _import_nvml())
+    if gpus is None and device_setting == "cuda":
+        raise ValueError(
+            "APPLIANCE_DEVICE=cuda but NVML found no NVIDIA GPU (no driver, no GPU, or "
+            "nvidia-ml-py not installed); use APPLIANCE_DEVICE=cpu or auto"
+        )
+    return gpus or Topology.without_links(cpu_devices(num_cpu_devices))
+
+
+def _import_nvml() -> ModuleType | Any:
+    try:
+        import pynvml
+    except ImportError:
+        return _NoNvml  # behaves like an NVML whose init fails
+    return pynvml
+
+
+class _NoNvml:
+    """Stand-in when nvidia-ml-py is not installed: init fails the NVML way."""
+
+    class NVMLError(Exception):
+        pass
+
+    @staticmethod
+    def nvmlInit() -> None:
+        raise _NoNvml.NVMLError("nvidia-ml-py is not installed")
+
+
+def pin_to_cores(cores: Iterable[int]) -> None:
+    """Confine this CPU worker process to `cores`, with one torch thread per core.
+
+    Linux keeps affinity per thread, so every thread already running is pinned, and
+    threads started later (torch's pools) inherit it.
+    """
+    import torch  # only worker processes pay for the import
+
+    cores = set(cores)
+    if not cores:
+        raise ValueError("pin_to_cores needs at least one core")
+    os.sched_setaffinity(0, cores)
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cores)
+    torch.set_num_threads(len(cores))
+
+
+# --- partition -------------------------------------------------------------------------
+
+
+def parse_devices(text: str | None, setting: str) -> tuple[int, ...] | None:
+    """Device indices from '0,1', '0-3' or '0-1,3'; None when unset or blank (automatic)."""
+    if text is None or not text.strip():
+        return None
+    indices: set[int] = set()
+    for part in text.split(","):
+        indices.update(_parse_part(part.strip(), text, setting))
+    return tuple(sorted(indices))
+
+
+def _parse_part(part: str, text: str, setting: str) -> range:
+    match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+    if not match:
+        raise ValueError(f"{setting}={text!r}: write device indices like '0,1' or '0-3'")
+    low, high = int(match[1]), int(match[2] or match[1])
+    if high < low:
+        raise ValueError(f"{setting}={text!r}: range {part!r} runs backwards")
+    return range(low, high + 1)
+
+
+def prefill_count(num_devices: int) -> int:
+    """How many of `num_devices` prefill in automatic disaggregated mode: ceil(n/3).
+
+    Prefill is compute-bound and bursty: one forward pass over a whole prompt, then the
+    device is free. Decode holds every running sequence's KV cache for its whole
+    generation and runs memory-bound steps, so it needs more devices (memory capacity and
+    bandwidth); about one prefill device keeps two decode devices fed. ceil(n/3) gives
+    1 of 2, 1 of 3, 2 of 4, 3 of 8, 6 of 16, and leaves both pools non-empty for n >= 2.
+    """
+    return math.ceil(num_devices / 3)
+
+
+def partition(
+    topology: Topology, mode: str, prefill: str | None = None, decode: str | None = None
+) -> Partition:
+    """Split the topology's devices into prefill and decode pools.
+
+    `prefill`/`decode` are the APPLIANCE_PREFILL_DEVICES / APPLIANCE_DECODE_DEVICES
+    strings; one given alone takes its devices and leaves the rest to the other pool, none
+    given splits automatically (see `prefill_count` and `_auto_prefill`). Every decode device
+    is paired with the prefill device it pulls KV from (see `pair_decode`).
+    """
+    n = len(topology.devices)
+    want_prefill = _checked(parse_devices(prefill, PREFILL_SETTING), PREFILL_SETTING, prefill, n)
+    want_decode = _checked(parse_devices(decode, DECODE_SETTING), DECODE_SETTING, decode, n)
+    if mode == "colocated":
+        return _colocated(n, want_prefill, want_decode)
+    if mode != "disaggregated":
+        raise ValueError(f"APPLIANCE_MODE={mode!r}: expected disaggregated or colocated")
+    if n < 2:
+        raise ValueError(
+            f"disaggregated mode needs at least 2 devices (one prefill, one decode) but this "
+            f"box has {n}; set APPLIANCE_MODE=colocated"
+        )
+    if want_prefill is None and want_decode is None:
+        want_prefill = _auto_prefill(topology)
+    pools = _explicit_pools(n, want_prefill, want_decode, (prefill, decode))
+    return Partition("disaggregated", *pools, pair_decode(topology, *pools))
+
+
+def _checked(
+    indices: tuple[int, ...] | None, setting: str, text: str | None, n: int
+) -> tuple[int, ...] | None:
+    unknown = [i for i in indices or () if i >= n]
+    if unknown:
+        raise ValueError(
+            f"{setting}={text!r} names device {unknown[0]}, but this box has "
+            f"{n} device(s): {_core_list(range(n)) or 'none'}"
+        )
+    return indices
+
+
+def _colocated(
+    n: int, prefill: tuple[int, ...] | None, decode: tuple[int, ...] | None
+) -> Partition:
+    # Colocated workers do both jobs, so device lists only choose which devices to use.
+    used = tuple(sorted(set(prefill or ()) | set(decode or ()))) or tuple(range(n))
+    if not used:
+        raise ValueError("no devices found to run on")
+    return Partition("colocated", used, used, {})
+
+
+def _explicit_pools(
+    n: int,
+    prefill: tuple[int, ...] | None,
+    decode: tuple[int, ...] | None,
+    texts: tuple[str | None, str | None],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    prefill = prefill if prefill is not None else _rest(n, decode)
+    decode = decode if decode is not None else _rest(n, prefill)
+    shared = sorted(set(prefill) & set(decode))
+    if shared:
+        raise ValueError(
+            f"device {shared[0]} is in both {PREFILL_SETTING}={texts[0]!r} and "
+            f"{DECODE_SETTING}={texts[1]!r}; a device serves one pool"
+        )
+    _require_devices(prefill, PREFILL_SETTING, DECODE_SETTING, n)
+    _require_devices(decode, DECODE_SETTING, PREFILL_SETTING, n)
+    return prefill, decode
+
+
+def _require_devices(pool: tuple[int, ...], setting: str, other: str, n: int) -> None:
+    if not pool:
+        raise ValueError(
+            f"{setting} is empty: {other} takes all {n} devices; leave a device for "
+            f"{setting} or set APPLIANCE_MODE=colocated"
+        )
+
+
+def _rest(n: int, taken: tuple[int, ...] | None) -> tuple[int, ...]:
+    return tuple(i for i in range(n) if i not in (taken or ()))
+
+
+def _auto_prefill(topology: Topology) -> tuple[int, ...]:
+    """The prefill set with the best `_score`; exhaustive when small, else greedy.
+
+    combinations() yields sets in lexicographic order and max() keeps the first best,
+    so ties go to the lowest device indices.
+    """
+    n = len(topology.devices)
+    k = prefill_count(n)
+    if math.comb(n, k) > _MAX_CANDIDATES:
+        return _greedy_prefill(topology, k)
+    return max(combinations(range(n), k), key=lambda p: _score(topology, p))
+
+
+def _greedy_prefill(topology: Topology, k: int) -> tuple[int, ...]:
+    chosen: tuple[int, ...] = ()
+    for _ in range(k):
+        options = [tuple(sorted((*chosen, i))) for i in _rest(len(topology.devices), chosen)]
+        chosen = max(options, key=lambda p: _score(topology, p))
+    return chosen
+
+
+def _score(topology: Topology, prefill: tuple[int, ...]) -> tuple[int, int, int]:
+    """Higher is better: the worst decode device's link to its prefill device first (no
+    decode device left on a slow link if avoidable), then the sum of those links, then an
+    even load (fewest decode devices on the busiest prefill device)."""
+    decode = _rest(len(topology.devices), prefill)
+    pairs = pair_decode(topology, prefill, decode)
+    ranks = [topology.bandwidth_rank(d, p) for d, p in pairs.items()]
+    busiest = max(Counter(pairs.values()).values(), default=0)
+    return min(ranks, default=0), sum(ranks), -busiest
+
+
+def pair_decode(
+    topology: Topology, prefill: Sequence[int], decode: Sequence[int]
+) -> dict[int, int]:
+    """For each decode device (in index order), the prefill device to pull KV from: the
+    best-linked one; ties go to the prefill device with fewest decode devices so far, then
+    to the lowest index."""
+    load = dict.fromkeys(prefill, 0)
+    pairs = {}
+    for d in sorted(decode):
+        pairs[d] = _best_prefill(topology, d, load)
+        load[pairs[d]] += 1
+    return pairs
+
+
+def _best_prefill(topology: Topology, d: int, load: dict[int, int]) -> int:
+    return max(load, key=lambda p: (topology.bandwidth_rank(d, p), -load[p], -p))
