@@ -71,6 +71,11 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations dtype; auto picks per device."
     )
+    weights: Literal["auto", "dense", "int4"] = Field(
+        "auto",
+        description="int4 keeps a GGUF's Q4_0/Q4_1 weights 4-bit for small decode batches "
+        "(CPU, 16-bit dtype); auto does so where that applies; dense dequantizes all.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Accelerator kind; auto takes CUDA when present."
     )

@@ -132,10 +132,13 @@ def now(device: torch.device) -> float:
 # ---------------------------------------------------------------- our engine
 
 
-def load_engine(dtype: str, device: str) -> tuple[LLMEngine, float]:
+def load_engine(dtype: str, weights: str, device: str) -> tuple[LLMEngine, float]:
     """Build the engine with the whole long prompt allowed in one chunk; time the build."""
     settings = load_settings(
-        dtype=dtype, device=device, batch={"chunk_size": 2048, "max_num_batched_tokens": 2048}
+        dtype=dtype,
+        weights=weights,
+        device=device,
+        batch={"chunk_size": 2048, "max_num_batched_tokens": 2048},
     )
     start = time.perf_counter()
     engine = LLMEngine.from_settings(settings)
@@ -416,7 +419,12 @@ def raw_json(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
+    parser.add_argument(
+        "--dtypes",
+        default="float32,bfloat16:dense,bfloat16:int4",
+        help="comma-separated dtypes, each with an optional :weights (dense, int4, auto); "
+        "transformers always runs dense weights of that dtype",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to test the script")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -424,7 +432,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    unknown = [d for d in args.dtypes if d not in DTYPES]
+    unknown = [d for d in args.dtypes if d.partition(":")[0] not in DTYPES]
     if unknown:
         parser.error(f"unknown dtype {unknown[0]!r}; choose from {', '.join(DTYPES)}")
     return args
@@ -442,14 +450,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Result] = []
     base = None
     hf_load = 0.0
-    for dtype in args.dtypes:
-        print(f"[{dtype}] loading our engine ...", flush=True)
-        engine, loads[dtype] = load_engine(dtype, args.device)
+    for config in args.dtypes:
+        dtype, _, weights = config.partition(":")
+        label = f"{dtype} ({weights} weights)" if weights else dtype
+        print(f"[{label}] loading our engine ...", flush=True)
+        engine, loads[label] = load_engine(dtype, weights or "dense", args.device)
         if base is None:
             print("loading the transformers model from the GGUF ...", flush=True)
             base, hf_load = load_hf_model(engine.model.device)
         model = hf_for_dtype(base, dtype)
-        rows += measure_dtype(engine, model, dtype, shape)
+        rows += measure_dtype(engine, model, label, shape)
         del engine, model
         gc.collect()
 

@@ -15,6 +15,7 @@ from appliance.engine.scheduler import Scheduler, SchedulerLimits
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.engine.stop_strings import StopStringMatcher
 from appliance.kv.cache import KVCache, KVLayout
+from appliance.model.int4 import attach_int4
 from appliance.model.llama import CausalLM
 from appliance.model.loader import ModelFiles, load_model_files
 from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -52,12 +53,28 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
+def use_int4(setting: str, files: ModelFiles, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether to keep the file's 4-bit weights (appliance/model/int4.py)."""
+    fits = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    if setting == "int4" and not files.int4:
+        raise ValueError(f"weights=int4 but {files.source} has no Q4_0/Q4_1 weights")
+    if setting == "int4" and not fits:
+        raise ValueError("weights=int4 runs on the CPU with dtype bfloat16 or float16")
+    return setting == "int4" or (setting == "auto" and fits and bool(files.int4))
+
+
 def build_model(
-    files: ModelFiles, dtype: torch.dtype, device: torch.device, max_positions: int
+    files: ModelFiles,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    int4: bool = False,
 ) -> CausalLM:
     with torch.device("meta"):  # no time spent initialising weights about to be replaced
         model = CausalLM(files.config, dtype, device, max_positions)
     model.load_weights(files.weights, str(files.source))
+    if int4:
+        attach_int4(model, files.int4)
     model.eval()
     return model
 
@@ -118,7 +135,8 @@ class LLMEngine:
         max_len = min(
             settings.batch.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
-        model = build_model(files, dtype, device, max_len)
+        int4 = use_int4(settings.weights, files, dtype, device)
+        model = build_model(files, dtype, device, max_len, int4)
         tokenizer = Tokenizer.load(files.tokenizer_dir, cfg.eos_token_ids)
         layout = KVLayout(
             cfg.num_layers, settings.kv.block_size, cfg.num_kv_heads, cfg.head_dim, dtype

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from appliance.model.errors import ModelLoadError
+from appliance.model.int4 import split_q4_blocks
 from appliance.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 SUPPORTED_QUANTS = frozenset(
@@ -131,6 +132,26 @@ def read_weights(reader: GGUFReader, config: ModelConfig, path: Path) -> dict[st
         # F32 data is a view of the read-only file map: copy it so the weights own their memory.
         weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
     return weights
+
+
+def read_int4_weights(
+    reader: GGUFReader, config: ModelConfig, path: Path
+) -> dict[str, torch.Tensor]:
+    """Q4_0/Q4_1 projection weights kept 4-bit: `<hf name>.q4` [out, in] uint8 (0..15),
+    `.scale` and `.zero` float32 [out, in / 32] (see appliance/model/int4.py)."""
+    q4_types = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+    out = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name, path)
+        if tensor.tensor_type not in q4_types or ".layers." not in name:
+            continue
+        parts = split_q4_blocks(tensor.data, tensor.tensor_type == GGMLQuantizationType.Q4_1)
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            parts = tuple(unpermute_rope_rows(p, heads) for p in parts)
+        for suffix, array in zip(("q4", "scale", "zero"), parts, strict=True):
+            out[f"{name}.{suffix}"] = torch.from_numpy(np.ascontiguousarray(array))
+    return out
 
 
 def hf_name(gguf_name: str, path: Path) -> str:

