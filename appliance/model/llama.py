@@ -92,7 +92,10 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.max_positions = max_positions
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (empty) weight skips normal_ init, which on meta tensors imports
+        # torch's compiler stack and costs a second at every start.
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
