@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -107,7 +107,6 @@ class _Stream:
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
     sent_tokens: int = 0
-    pieces: list[str] = field(default_factory=list)
 
 
 class LLMEngine:
