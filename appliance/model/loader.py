@@ -86,7 +86,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def cache_entry(path: Path, cache_dir: Path) -> Path:
-    """The cache folder for one GGUF file, keyed by size and mtime."""
+    """The cache folder for one GGUF file, keyed by its path, size and mtime."""
     stat = path.stat()
     where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
     return cache_dir / f"{path.stem}-{where}-{stat.st_size}-{stat.st_mtime_ns}-{CACHE_FORMAT}"
