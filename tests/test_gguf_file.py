@@ -6,14 +6,28 @@ embedded SmolLM2 file for its metadata only.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import gguf
+import gguf_builder
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
+from gguf_builder import (
+    BASE_METADATA,
+    FF,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LAYERS,
+    VOCAB,
+    model_tensors,
+    rand,
+)
 
 from appliance.model.errors import ModelLoadError
 from appliance.model.gguf_file import (
@@ -25,88 +39,9 @@ from appliance.model.gguf_file import (
 )
 from appliance.model.model_config import ModelConfig
 
-HIDDEN, LAYERS, HEADS, KV_HEADS, FF, VOCAB = 64, 2, 4, 2, 128, 32
-HEAD_DIM = HIDDEN // HEADS
 Q = GGMLQuantizationType
-
-# Metadata keys without the "<arch>." prefix; floats are written as float32, ints as uint32.
-BASE_METADATA: dict[str, int | float] = {
-    "block_count": LAYERS,
-    "embedding_length": HIDDEN,
-    "feed_forward_length": FF,
-    "attention.head_count": HEADS,
-    "attention.head_count_kv": KV_HEADS,
-    "rope.freq_base": 50000.0,
-    "attention.layer_norm_rms_epsilon": 1e-5,
-    "context_length": 256,
-    "vocab_size": VOCAB,
-}
-
-
-def write_gguf(
-    path: Path,
-    tensors: dict[str, np.ndarray | tuple[np.ndarray, GGMLQuantizationType]],
-    *,
-    arch: str = "llama",
-    drop: tuple[str, ...] = (),
-    tokens: list[str] | None = None,
-    eos: int | None = None,
-) -> Path:
-    """A GGUF file with the base metadata (less `drop`) and these tensors.
-
-    A tensor is a float32/float16 array in PyTorch (row-major) shape, or a pair
-    (uint8 array in byte shape, quant type) for raw quantized blocks.
-    """
-    writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in BASE_METADATA.items():
-        if key in drop:
-            continue
-        if isinstance(value, float):
-            writer.add_float32(f"{arch}.{key}", value)
-        else:
-            writer.add_uint32(f"{arch}.{key}", value)
-    if tokens is not None:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_token_list(tokens)
-    if eos is not None:
-        writer.add_eos_token_id(eos)
-    for name, value in tensors.items():
-        if isinstance(value, tuple):
-            writer.add_tensor(name, value[0], raw_dtype=value[1])
-        else:
-            writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
-    return rng.standard_normal(shape).astype(np.float32)
-
-
-def model_tensors(rng: np.random.Generator, *, tied: bool = False) -> dict[str, np.ndarray]:
-    """A whole tiny llama model, in GGUF names and PyTorch shapes."""
-    tensors = {
-        "token_embd.weight": rand(rng, VOCAB, HIDDEN),
-        "output_norm.weight": rand(rng, HIDDEN),
-    }
-    if not tied:
-        tensors["output.weight"] = rand(rng, VOCAB, HIDDEN)
-    for i in range(LAYERS):
-        tensors |= {
-            f"blk.{i}.attn_norm.weight": rand(rng, HIDDEN),
-            f"blk.{i}.ffn_norm.weight": rand(rng, HIDDEN),
-            f"blk.{i}.attn_q.weight": rand(rng, HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_k.weight": rand(rng, KV_HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_v.weight": rand(rng, KV_HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_output.weight": rand(rng, HIDDEN, HEADS * HEAD_DIM),
-            f"blk.{i}.ffn_gate.weight": rand(rng, FF, HIDDEN),
-            f"blk.{i}.ffn_up.weight": rand(rng, FF, HIDDEN),
-            f"blk.{i}.ffn_down.weight": rand(rng, HIDDEN, FF),
-        }
-    return tensors
+# rope.freq_base differs from the builder's default, so reading it back proves it is read.
+write_gguf = partial(gguf_builder.write_gguf, metadata=BASE_METADATA | {"rope.freq_base": 50000.0})
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

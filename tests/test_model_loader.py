@@ -5,19 +5,19 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import gguf
+import gguf_builder
 import numpy as np
 import pytest
 import torch
+from gguf_builder import FF, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, model_tensors
 from safetensors.torch import save_file
 
 from appliance.model import gguf_file, loader
 from appliance.model.errors import ModelLoadError
 from appliance.model.loader import ModelFiles, cache_entry, load_model_files
-
-HIDDEN, LAYERS, HEADS, KV_HEADS, FF, VOCAB = 64, 2, 4, 2, 128, 32
-HEAD_DIM = HIDDEN // HEADS
 
 # A byte-level BPE vocabulary small enough for transformers to convert in milliseconds.
 TOKENS = [
@@ -48,56 +48,20 @@ HF_CONFIG = {
 }
 
 
-def llama_tensors(seed: int) -> dict[str, np.ndarray]:
-    """GGUF-named float32 tensors of a tied tiny llama (no output.weight)."""
-    rng = np.random.default_rng(seed)
-
-    def rand(*shape: int) -> np.ndarray:
-        return rng.standard_normal(shape).astype(np.float32)
-
-    tensors = {"token_embd.weight": rand(VOCAB, HIDDEN), "output_norm.weight": rand(HIDDEN)}
-    for i in range(LAYERS):
-        tensors |= {
-            f"blk.{i}.attn_norm.weight": rand(HIDDEN),
-            f"blk.{i}.ffn_norm.weight": rand(HIDDEN),
-            f"blk.{i}.attn_q.weight": rand(HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_k.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_v.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
-            f"blk.{i}.attn_output.weight": rand(HIDDEN, HEADS * HEAD_DIM),
-            f"blk.{i}.ffn_gate.weight": rand(FF, HIDDEN),
-            f"blk.{i}.ffn_up.weight": rand(FF, HIDDEN),
-            f"blk.{i}.ffn_down.weight": rand(HIDDEN, FF),
-        }
-    return tensors
-
-
 def write_gguf(path: Path, *, seed: int = 0, tokenizer: bool = True) -> Path:
-    """A tiny llama GGUF with a gpt2-style tokenizer that transformers can convert."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FF)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_context_length(256)
-    writer.add_vocab_size(VOCAB)
+    """A tiny tied llama GGUF with a gpt2-style tokenizer that transformers can convert."""
+    tokenizer_keys: dict[str, Any] = {}
     if tokenizer:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(TOKENS)
-        writer.add_token_types([gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (VOCAB - 1))
-        writer.add_token_merges(MERGES)
-        writer.add_bos_token_id(0)
-        writer.add_eos_token_id(0)
-    for name, array in llama_tensors(seed).items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        tokenizer_keys = {
+            "tokens": TOKENS,
+            "pre": "default",
+            "token_types": [gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (VOCAB - 1),
+            "merges": MERGES,
+            "bos": 0,
+            "eos": 0,
+        }
+    tensors = model_tensors(np.random.default_rng(seed), tied=True)
+    return gguf_builder.write_gguf(path, tensors, **tokenizer_keys)
 
 
 def read_directly(path: Path) -> dict[str, torch.Tensor]:

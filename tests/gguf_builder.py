@@ -1,0 +1,114 @@
+"""Tiny GGUF files for tests, written with gguf.GGUFWriter.
+
+The shapes are those of a two-layer llama small enough to write, read and convert in
+milliseconds. Tensors are given in GGUF names and PyTorch (row-major) shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FF, VOCAB = 64, 2, 4, 2, 128, 32
+HEAD_DIM = HIDDEN // HEADS
+
+# Metadata keys without the "<arch>." prefix; floats are written as float32, ints as uint32.
+BASE_METADATA: dict[str, int | float] = {
+    "block_count": LAYERS,
+    "embedding_length": HIDDEN,
+    "feed_forward_length": FF,
+    "attention.head_count": HEADS,
+    "attention.head_count_kv": KV_HEADS,
+    "rope.freq_base": 10000.0,
+    "attention.layer_norm_rms_epsilon": 1e-5,
+    "context_length": 256,
+    "vocab_size": VOCAB,
+}
+
+Tensor = np.ndarray | tuple[np.ndarray, GGMLQuantizationType]
+
+
+def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    """Standard normal float32 values of this shape."""
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def model_tensors(rng: np.random.Generator, *, tied: bool = False) -> dict[str, np.ndarray]:
+    """A whole tiny llama model, in GGUF names and PyTorch shapes (no output.weight if tied)."""
+    tensors = {
+        "token_embd.weight": rand(rng, VOCAB, HIDDEN),
+        "output_norm.weight": rand(rng, HIDDEN),
+    }
+    if not tied:
+        tensors["output.weight"] = rand(rng, VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": rand(rng, HIDDEN),
+            f"blk.{i}.ffn_norm.weight": rand(rng, HIDDEN),
+            f"blk.{i}.attn_q.weight": rand(rng, HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_k.weight": rand(rng, KV_HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_v.weight": rand(rng, KV_HEADS * HEAD_DIM, HIDDEN),
+            f"blk.{i}.attn_output.weight": rand(rng, HIDDEN, HEADS * HEAD_DIM),
+            f"blk.{i}.ffn_gate.weight": rand(rng, FF, HIDDEN),
+            f"blk.{i}.ffn_up.weight": rand(rng, FF, HIDDEN),
+            f"blk.{i}.ffn_down.weight": rand(rng, HIDDEN, FF),
+        }
+    return tensors
+
+
+def write_gguf(
+    path: Path,
+    tensors: Mapping[str, Tensor],
+    *,
+    arch: str = "llama",
+    metadata: Mapping[str, int | float] = BASE_METADATA,
+    drop: Sequence[str] = (),
+    tokens: Sequence[str] | None = None,
+    pre: str | None = None,
+    token_types: Sequence[int] | None = None,
+    merges: Sequence[str] | None = None,
+    bos: int | None = None,
+    eos: int | None = None,
+) -> Path:
+    """A GGUF file with `metadata` (less `drop`), an optional gpt2 tokenizer and these tensors.
+
+    Metadata keys get the "<arch>." prefix. A tensor is a float32/float16 array in
+    PyTorch (row-major) shape, or a pair (uint8 array in byte shape, quant type) for raw
+    quantized blocks. Tokenizer keys are written only when given; `tokens` also writes
+    tokenizer.ggml.model = "gpt2".
+    """
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        if key in drop:
+            continue
+        if isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", value)
+    if tokens is not None:
+        writer.add_tokenizer_model("gpt2")
+        if pre is not None:
+            writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+    if token_types is not None:
+        writer.add_token_types(token_types)
+    if merges is not None:
+        writer.add_token_merges(merges)
+    if bos is not None:
+        writer.add_bos_token_id(bos)
+    if eos is not None:
+        writer.add_eos_token_id(eos)
+    for name, value in tensors.items():
+        if isinstance(value, tuple):
+            writer.add_tensor(name, value[0], raw_dtype=value[1])
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
