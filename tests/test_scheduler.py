@@ -613,3 +613,60 @@ def test_many_sequences_all_finish_with_exact_outputs() -> None:
         assert seq.token_ids[:n] == [100 + seq.seq_id * 10 + i for i in range(n)]
         assert seq.output_ids == expected_outputs(seq, m)
     assert alloc.num_free == alloc.num_blocks
+
+
+# ---------------------------------------------------------------- prefill/decode handoff
+
+
+def run_one_step(sched: Scheduler, now: float = 0.0) -> list[Sequence]:
+    out = sched.schedule()
+    sampled = {c.seq.seq_id: token_for(c.seq) for c in out.chunks if c.completes}
+    return sched.update_from_output(out, sampled, now)
+
+
+def test_prefill_only_sequence_parks_with_its_blocks_until_released() -> None:
+    alloc, sched = make()
+    seq = new_seq(0, 6, max_tokens=5)
+    seq.prefill_only = True
+    sched.add(seq)
+    assert run_one_step(sched, now=12.0) == [seq]
+    assert seq.status is SequenceStatus.PARKED and seq.parked_at == 12.0
+    assert seq.output_ids == [token_for_first(seq)] and not sched.has_unfinished()
+    assert alloc.num_used == blocks_for_tokens(7, BLOCK) == len(seq.block_table)
+    sched.release(seq.seq_id)
+    assert seq.finish_reason == "handoff" and alloc.num_free == alloc.num_blocks
+
+
+def token_for_first(seq: Sequence) -> int:
+    return 1000 * (seq.seq_id + 1)
+
+
+def test_expired_leases_free_only_the_old_parked_sequences() -> None:
+    alloc, sched = make()
+    old, young = new_seq(0, 5, max_tokens=4), new_seq(1, 5, max_tokens=4)
+    old.prefill_only = young.prefill_only = True
+    sched.add(old)
+    run_one_step(sched, now=0.0)
+    sched.add(young)
+    run_one_step(sched, now=20.0)
+    assert sched.expire_leases(now=31.0, lease_seconds=30.0) == [old]
+    assert old.finish_reason == "abort" and list(sched.parked) == [young.seq_id]
+    sched.release(young.seq_id)
+    assert alloc.num_free == alloc.num_blocks
+
+
+def test_admit_prefilled_runs_from_the_first_token_or_refuses_without_room() -> None:
+    alloc, sched = make(num_blocks=4, max_num_seqs=1)
+    seq = Sequence(0, [5, 6, 7, 8, 9, 1000], SamplingParams(max_tokens=3), num_prompt_tokens=5)
+    seq.num_computed_tokens = 5
+    assert sched.admit_prefilled(seq)
+    assert seq.status is SequenceStatus.RUNNING and len(seq.block_table) == 2
+    other = Sequence(1, [5, 6, 1001], SamplingParams(), num_prompt_tokens=2)
+    other.num_computed_tokens = 2
+    assert not sched.admit_prefilled(other)  # max_num_seqs reached
+    out = sched.schedule()
+    assert [(c.seq, c.num_tokens) for c in out.decodes] == [(seq, 1)]
+    while sched.has_unfinished():
+        run_one_step(sched)
+    assert seq.finish_reason == "length" and len(seq.output_ids) == 3
+    assert alloc.num_free == alloc.num_blocks

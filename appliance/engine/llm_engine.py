@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -12,9 +13,11 @@ from appliance.config import Settings
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import Scheduler, SchedulerLimits
-from appliance.engine.sequence import SamplingParams, Sequence
+from appliance.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from appliance.engine.stop_strings import StopStringMatcher
+from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache, KVLayout
+from appliance.kv.handoff import copy_blocks
 from appliance.model.int4 import attach_int4
 from appliance.model.llama import CausalLM
 from appliance.model.loader import ModelFiles, load_model_files
@@ -90,6 +93,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    handoff_blocks: list[int] | None = None  # a parked prefill's blocks, to pull then release
 
 
 @dataclass
@@ -152,23 +156,70 @@ class LLMEngine:
         )
         return cls(model, tokenizer, kv, limits)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Queue a tokenized prompt; returns its id. Raises ValueError if it cannot fit."""
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False
+    ) -> int:
+        """Queue a tokenized prompt; returns its id. Raises ValueError if it cannot fit.
+
+        prefill_only: stop after the first token and park the prompt's blocks for a decode
+        worker (the output carries `handoff_blocks`; call `release` once they are copied)."""
         bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary")
-        seq = Sequence(
-            next(self._ids),
-            list(prompt_ids),
-            params,
-            stop_token_ids=frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids,
-        )
+        seq = self._new_sequence(list(prompt_ids), params)
+        seq.prefill_only = prefill_only
         self.scheduler.add(seq)
-        self._seqs[seq.seq_id] = seq
-        self._streams[seq.seq_id] = _Stream(
-            IncrementalDetokenizer(self.tokenizer), StopStringMatcher(params.stop)
-        )
+        self._track(seq)
         return seq.seq_id
+
+    def _new_sequence(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        stop_ids = frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids
+        return Sequence(next(self._ids), token_ids, params, stop_token_ids=stop_ids)
+
+    def _track(self, seq: Sequence) -> None:
+        self._seqs[seq.seq_id] = seq
+        stream = _Stream(IncrementalDetokenizer(self.tokenizer), StopStringMatcher(seq.params.stop))
+        self._streams[seq.seq_id] = stream
+
+    def add_prefilled(
+        self,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        source: torch.Tensor,
+        source_blocks: list[int],
+    ) -> int | None:
+        """Continue a request another pool prefilled: pull its prompt K/V from `source`
+        (that pool's KV tensor) into this pool and decode from its first token.
+
+        token_ids is the prompt plus the first token. Returns the new id, or None when
+        this pool has no room now (nothing is copied; retry or pick another worker)."""
+        seq = self._new_sequence(list(token_ids), params)
+        seq.num_prompt_tokens = num_prompt_tokens
+        seq.num_computed_tokens = num_prompt_tokens
+        if not self.scheduler.admit_prefilled(seq):
+            return None
+        needed = blocks_for_tokens(num_prompt_tokens, self.kv.block_size)
+        copy_blocks(source, source_blocks[:needed], self.kv.tensor, seq.block_table[:needed])
+        self._track(seq)
+        stream = self._streams[seq.seq_id]
+        # The prefill side already streamed the first token: prime the text state only.
+        stream.stops.feed(stream.detokenizer.add(token_ids[-1]))
+        stream.sent_tokens = len(seq.output_ids)
+        return seq.seq_id
+
+    def release(self, seq_id: int) -> None:
+        """Free a parked prefill's blocks once a decode worker has copied them."""
+        self.scheduler.release(seq_id)
+        self._seqs.pop(seq_id, None)
+
+    def expire_leases(self, lease_seconds: float, now: float | None = None) -> list[int]:
+        """Free parked prefills no decode worker pulled in time; returns their ids."""
+        now = time.monotonic() if now is None else now
+        expired = self.scheduler.expire_leases(now, lease_seconds)
+        for seq in expired:
+            self._seqs.pop(seq.seq_id, None)
+        return [seq.seq_id for seq in expired]
 
     def abort(self, seq_id: int) -> None:
         """Drop a request now and free its blocks."""
@@ -186,7 +237,7 @@ class LLMEngine:
         if out.empty:
             return []
         sampled = self.runner.run(out)
-        updated = self.scheduler.update_from_output(out, sampled)
+        updated = self.scheduler.update_from_output(out, sampled, time.monotonic())
         return [self._output(seq) for seq in updated]
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -199,6 +250,8 @@ class LLMEngine:
         if seq.finished:
             text += stream.stops.feed(stream.detokenizer.flush()) + stream.stops.flush()
             self._seqs.pop(seq.seq_id, None)
+        parked = seq.status is SequenceStatus.PARKED
+        if seq.finished or parked:
             self._forget(seq.seq_id)
         return RequestOutput(
             seq.seq_id,
@@ -208,6 +261,7 @@ class LLMEngine:
             seq.finish_reason,
             seq.num_prompt_tokens,
             len(seq.output_ids),
+            list(seq.block_table) if parked else None,
         )
 
     def _forget(self, seq_id: int) -> None:

@@ -75,6 +75,7 @@ class Scheduler:
         self.max_model_len = min(limits.max_model_len, allocator.num_blocks * block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.parked: dict[int, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         if len(seq) >= self.max_model_len:
@@ -151,10 +152,13 @@ class Scheduler:
         self.allocator.free(seq.block_table)
         seq.block_table = []
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance each scheduled sequence, append its sampled token, retire finished ones.
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[int, int], now: float = 0.0
+    ) -> list[Sequence]:
+        """Advance each scheduled sequence, append its sampled token, retire finished ones,
+        park prefill-only ones (their lease starts at `now`).
 
-        Returns the sequences that got a token this step (finished ones included)."""
+        Returns the sequences that got a token this step (finished and parked included)."""
         updated = []
         for chunk in out.chunks:
             seq = chunk.seq
@@ -167,8 +171,42 @@ class Scheduler:
             reason = self._stop_reason(seq)
             if reason:
                 self.finish(seq, reason)
+            elif seq.prefill_only:
+                self._park(seq, now)
             updated.append(seq)
         return updated
+
+    def _park(self, seq: Sequence, now: float) -> None:
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PARKED
+        seq.parked_at = now
+        self.parked[seq.seq_id] = seq
+
+    def release(self, seq_id: int) -> None:
+        """A decode worker has pulled this parked sequence's blocks: free them."""
+        seq = self.parked.get(seq_id)
+        if seq is None:
+            raise KeyError(f"sequence {seq_id} is not parked")
+        self.finish(seq, "handoff")
+
+    def expire_leases(self, now: float, lease_seconds: float) -> list[Sequence]:
+        """Free parked sequences nobody pulled within the lease; returns them."""
+        expired = [s for s in self.parked.values() if now - s.parked_at >= lease_seconds]
+        for seq in expired:
+            self.finish(seq, "abort")
+        return expired
+
+    def admit_prefilled(self, seq: Sequence) -> bool:
+        """Take a sequence whose prompt K/V another pool computed: allocate blocks for the
+        computed tokens (the caller copies the K/V in) and run it. False if there is no room."""
+        needed = blocks_for_tokens(seq.num_computed_tokens + 1, self.block_size)
+        room = len(self.running) < self.limits.max_num_seqs
+        if not room or not self.allocator.can_allocate(needed) or len(seq) >= self.max_model_len:
+            return False
+        seq.block_table = self.allocator.allocate(needed)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         last = seq.token_ids[-1]
@@ -181,11 +219,13 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire seq (stop, length or abort) and free its blocks at once."""
+        """Retire seq (stop, length, abort, handoff) and free its blocks at once."""
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.PARKED:
+            del self.parked[seq.seq_id]
         else:
             self.waiting.remove(seq)
         self._release(seq)

@@ -47,6 +47,7 @@ class SamplingParams:
 class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PARKED = "parked"  # prefill done; its blocks wait for a decode worker to pull them
     FINISHED = "finished"
 
 
@@ -62,7 +63,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" or "length" (or "abort")
+    finish_reason: str | None = None  # "stop", "length", "abort" or "handoff"
+    prefill_only: bool = False  # park after the first token instead of decoding
+    parked_at: float = 0.0  # when it was parked: its lease starts then
 
     def __post_init__(self) -> None:
         if not self.token_ids:
