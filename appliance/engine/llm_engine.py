@@ -129,8 +129,9 @@ class LLMEngine:
         self._streams: dict[int, _Stream] = {}
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> LLMEngine:
-        """Load the configured model (cached after the first start) and size its KV pool."""
+    def from_settings(cls, settings: Settings, shared_kv: bool = False) -> LLMEngine:
+        """Load the configured model (cached after the first start) and size its KV pool;
+        shared_kv puts a CPU pool in shared memory so other processes can map it."""
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
         files = load_model_files(settings.model, settings.cache_dir)
@@ -147,7 +148,7 @@ class LLMEngine:
         num_blocks = settings.kv.num_blocks or layout.blocks_for_budget(
             settings.kv.memory_mb * 2**20
         )
-        kv = KVCache(layout, num_blocks, device)
+        kv = KVCache(layout, num_blocks, device, shared=shared_kv)
         limits = SchedulerLimits(
             max_num_seqs=settings.batch.max_num_seqs,
             max_num_batched_tokens=settings.batch.max_num_batched_tokens,

@@ -1,0 +1,302 @@
+"""The supervisor: spawns the pools' workers, routes requests, moves handoffs, streams tokens.
+
+One asyncio loop owns all state. A reader thread turns the workers' shared outbox into
+calls on that loop. Routing: a prompt goes to the prefill (or colocated) worker with the
+fewest queued prompt tokens; a handoff goes to the decode worker with the most free KV
+blocks, fewest running sequences breaking ties.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from appliance.config import Settings
+from appliance.engine.sequence import SamplingParams
+from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.topology import Partition, Topology, discover, partition
+from appliance.workers.messages import (
+    Abort,
+    Failed,
+    Handoff,
+    HandoffResult,
+    Output,
+    PeerPool,
+    Ready,
+    Release,
+    Shutdown,
+    Submit,
+    TokenBatch,
+)
+from appliance.workers.worker import run_worker
+
+HANDOFF_RETRY_S = 0.01  # a decode pool without room is asked again this much later
+
+
+class RequestFailed(RuntimeError):
+    """A request ended with an error (bad input seen by a worker, a lost worker)."""
+
+
+@dataclass
+class Chunk:
+    """A piece of one request's stream."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class WorkerHandle:
+    worker_id: int
+    role: str  # "prefill", "decode" or "colocated"
+    cores: tuple[int, ...]
+    inbox: Any
+    process: Any
+    ready: bool = False
+    num_blocks: int = 0
+    num_free: int = 0
+    running: int = 0
+    queued_tokens: int = 0  # prompt tokens sent and not yet answered
+
+
+@dataclass
+class RequestState:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    stream: asyncio.Queue
+    prefill_worker: int = -1
+    decode_worker: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PendingHandoff:
+    request: RequestState
+    source: int
+    blocks: list[int]
+
+
+class Supervisor:
+    """Owns the workers of both pools and every request in flight."""
+
+    def __init__(self, settings: Settings, topology: Topology | None = None) -> None:
+        self.settings = settings
+        # Without accelerators, one CPU "device" per usable core.
+        cores = len(os.sched_getaffinity(0))
+        self.topology = topology or discover(settings.device, num_cpu_devices=cores)
+        self.partition: Partition = partition(
+            self.topology, settings.mode, settings.prefill_devices, settings.decode_devices
+        )
+        self.workers: dict[int, WorkerHandle] = {}
+        self.requests: dict[int, RequestState] = {}
+        self._ids = itertools.count()
+        self._ctx = mp.get_context("spawn")
+        self._outbox = self._ctx.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._all_ready: asyncio.Future | None = None
+        self._reader: threading.Thread | None = None
+        self._peer_pools: dict[int, Any] = {}
+        self._pending: dict[int, PendingHandoff] = {}  # handoffs sent, not yet answered
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self, timeout: float = 300.0) -> None:
+        """Spawn every worker and wait until each has loaded its model."""
+        self._loop = asyncio.get_running_loop()
+        self._all_ready = self._loop.create_future()
+        for role, index in self._roles():
+            self._spawn(role, index)
+        self._reader = threading.Thread(target=self._read_outbox, daemon=True)
+        self._reader.start()
+        try:
+            await asyncio.wait_for(self._all_ready, timeout)
+        except TimeoutError:
+            await self.stop()
+            raise RuntimeError(f"workers not ready within {timeout:.0f} s") from None
+
+    def _roles(self) -> list[tuple[str, int]]:
+        part = self.partition
+        if self.settings.mode == "colocated":
+            return [("colocated", d) for d in part.prefill]
+        return [("prefill", d) for d in part.prefill] + [("decode", d) for d in part.decode]
+
+    def _spawn(self, role: str, device_index: int) -> None:
+        worker_id = len(self.workers)
+        device = self.topology.devices[device_index]
+        inbox = self._ctx.Queue()
+        process = self._ctx.Process(
+            target=run_worker,
+            args=(worker_id, role, self.settings, device.cores, inbox, self._outbox),
+            daemon=True,
+        )
+        process.start()
+        self.workers[worker_id] = WorkerHandle(worker_id, role, device.cores, inbox, process)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask every worker to stop, then make sure each has."""
+        for worker in self.workers.values():
+            worker.inbox.put(Shutdown())
+        deadline = time.monotonic() + timeout
+        for worker in self.workers.values():
+            await asyncio.to_thread(worker.process.join, max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+        self._outbox.put(None)  # ends the reader thread
+        for request in self.requests.values():
+            request.stream.put_nowait(RequestFailed("the appliance is shutting down"))
+
+    # ------------------------------------------------------------ requests
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+        """Stream one request's chunks; leaving the loop early cancels it on both sides."""
+        request = RequestState(next(self._ids), list(prompt), params, asyncio.Queue())
+        request.timing["arrival"] = time.monotonic()
+        self.requests[request.request_id] = request
+        self._submit(request)
+        try:
+            while True:
+                item = await request.stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._forget(request)
+
+    def _submit(self, request: RequestState) -> None:
+        role = "colocated" if self.settings.mode == "colocated" else "prefill"
+        worker = min(
+            (w for w in self.workers.values() if w.role == role),
+            key=lambda w: (w.queued_tokens, w.running),
+        )
+        worker.queued_tokens += len(request.prompt)
+        request.prefill_worker = worker.worker_id
+        worker.inbox.put(
+            Submit(request.request_id, request.prompt, request.params, role == "prefill")
+        )
+
+    def _forget(self, request: RequestState) -> None:
+        if self.requests.pop(request.request_id, None) is None:
+            return
+        finished = request.timing.get("finished")
+        if finished is None:  # the consumer left early: cancel wherever it runs
+            request.cancelled = True
+            self._tell(request.prefill_worker, Abort(request.request_id))
+            self._tell(request.decode_worker, Abort(request.request_id))
+
+    def _tell(self, worker_id: int, message: Any) -> None:
+        if worker_id in self.workers:
+            self.workers[worker_id].inbox.put(message)
+
+    # ------------------------------------------------------------ worker messages
+
+    def _read_outbox(self) -> None:
+        while True:
+            message = self._outbox.get()
+            if message is None:
+                return
+            self._loop.call_soon_threadsafe(self._dispatch, message)
+
+    def _dispatch(self, message: Any) -> None:
+        if isinstance(message, Ready):
+            self._on_ready(message)
+        elif isinstance(message, TokenBatch):
+            self._on_tokens(message)
+        elif isinstance(message, HandoffResult):
+            self._on_handoff_result(message)
+        elif isinstance(message, Failed):
+            request = self.requests.get(message.request_id)
+            if request is not None:
+                request.stream.put_nowait(RequestFailed(message.error))
+
+    def _on_ready(self, message: Ready) -> None:
+        worker = self.workers[message.worker_id]
+        worker.ready = True
+        worker.num_blocks = worker.num_free = message.num_blocks
+        if message.kv is not None:
+            self._peer_pools[message.worker_id] = message.kv
+        if all(w.ready for w in self.workers.values()):
+            for pool_id, kv in self._peer_pools.items():
+                for w in self.workers.values():
+                    if w.role == "decode":
+                        w.inbox.put(PeerPool(pool_id, kv))
+            if not self._all_ready.done():
+                self._all_ready.set_result(None)
+
+    def _on_tokens(self, batch: TokenBatch) -> None:
+        worker = self.workers[batch.worker_id]
+        worker.num_free, worker.running = batch.num_free_blocks, batch.num_running
+        for out in batch.outputs:
+            self._on_output(worker, out)
+
+    def _on_output(self, worker: WorkerHandle, out: Output) -> None:
+        request = self.requests.get(out.request_id)
+        if request is not None and "first_token" not in request.timing:
+            request.timing["first_token"] = time.monotonic()
+            worker.queued_tokens -= len(request.prompt)
+        if request is None:
+            if out.handoff_blocks is not None:  # cancelled while prefilling: nobody pulls
+                self._tell(worker.worker_id, Release(out.request_id))
+            return
+        request.output_ids += out.token_ids
+        if out.finished:
+            request.timing["finished"] = time.monotonic()
+        request.stream.put_nowait(Chunk(out.token_ids, out.text, out.finished, out.finish_reason))
+        if out.handoff_blocks is not None:
+            self._hand_off(PendingHandoff(request, worker.worker_id, out.handoff_blocks))
+
+    def _hand_off(self, pending: PendingHandoff) -> None:
+        request = pending.request
+        if request.cancelled:
+            self._tell(pending.source, Release(request.request_id))
+            return
+        needed = blocks_for_tokens(len(request.prompt) + 1, self.settings.kv.block_size)
+        decode = max(
+            (w for w in self.workers.values() if w.role == "decode"),
+            key=lambda w: (w.num_free, -w.running),
+        )
+        decode.num_free -= needed  # until its next report says otherwise
+        request.decode_worker = decode.worker_id
+        self._pending[request.request_id] = pending
+        decode.inbox.put(
+            Handoff(
+                request.request_id,
+                request.prompt + request.output_ids,
+                len(request.prompt),
+                request.params,
+                pending.source,
+                pending.blocks,
+            )
+        )
+
+    def _on_handoff_result(self, result: HandoffResult) -> None:
+        pending = self._pending.pop(result.request_id, None)
+        if pending is None:
+            return
+        if result.accepted:
+            pending.request.timing["handoff"] = time.monotonic()
+            self._tell(pending.source, Release(result.request_id))
+            if pending.request.cancelled:
+                self._tell(result.worker_id, Abort(result.request_id))
+            return
+        self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, pending)
+
+    # ------------------------------------------------------------ state
+
+    def block_counts(self) -> dict[int, tuple[int, int]]:
+        """Each worker's last reported (free, total) KV blocks."""
+        return {w.worker_id: (w.num_free, w.num_blocks) for w in self.workers.values()}

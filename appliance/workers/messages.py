@@ -1,0 +1,113 @@
+"""Messages between the supervisor and its workers: dataclasses on multiprocessing queues.
+
+Supervisor -> worker (each worker's inbox) and worker -> supervisor (one shared outbox).
+Request ids are the supervisor's; each worker maps them to its engine's own ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from appliance.engine.sequence import SamplingParams
+
+# ---------------------------------------------------------------- supervisor -> worker
+
+
+@dataclass
+class Submit:
+    """Prefill (and, unless prefill_only, decode) a tokenized prompt."""
+
+    request_id: int
+    token_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool
+
+
+@dataclass
+class Handoff:
+    """Continue a request whose prompt K/V sits in prefill worker `source`'s blocks."""
+
+    request_id: int
+    token_ids: list[int]  # prompt + first token
+    num_prompt_tokens: int
+    params: SamplingParams
+    source: int
+    blocks: list[int]
+
+
+@dataclass
+class PeerPool:
+    """A prefill worker's KV tensor, shared once (shared memory / CUDA IPC)."""
+
+    worker_id: int
+    kv: torch.Tensor
+
+
+@dataclass
+class Release:
+    """The decode side copied these blocks: the prefill worker frees them."""
+
+    request_id: int
+
+
+@dataclass
+class Abort:
+    request_id: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---------------------------------------------------------------- worker -> supervisor
+
+
+@dataclass
+class Ready:
+    """The worker loaded its model; prefill workers send their KV tensor along."""
+
+    worker_id: int
+    num_blocks: int
+    kv: torch.Tensor | None = None
+
+
+@dataclass
+class TokenBatch:
+    """Everything one model step produced, plus the worker's load after it."""
+
+    worker_id: int
+    outputs: list[Output] = field(default_factory=list)
+    num_free_blocks: int = 0
+    num_running: int = 0
+
+
+@dataclass
+class Output:
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    handoff_blocks: list[int] | None = None
+
+
+@dataclass
+class HandoffResult:
+    """Whether a decode worker took a handed-off request (False: no room, try again)."""
+
+    worker_id: int
+    request_id: int
+    accepted: bool
+    bytes_moved: int = 0
+
+
+@dataclass
+class Failed:
+    """A request the worker could not take (bad input): it ends with this error."""
+
+    worker_id: int
+    request_id: int
+    error: str

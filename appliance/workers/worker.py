@@ -1,0 +1,167 @@
+"""A worker subprocess: one engine on one device (a core set on the CPU), driven by messages.
+
+Roles: "prefill" runs prompts to their first token and parks their blocks for a decode
+worker; "decode" pulls parked blocks from a prefill worker's shared pool and decodes;
+"colocated" does both in one engine (chunked prefill mixed into decode steps).
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from appliance.config import Settings
+from appliance.engine.llm_engine import LLMEngine, RequestOutput
+from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.topology import pin_to_cores
+from appliance.workers.messages import (
+    Abort,
+    Failed,
+    Handoff,
+    HandoffResult,
+    Output,
+    PeerPool,
+    Ready,
+    Release,
+    Shutdown,
+    Submit,
+    TokenBatch,
+)
+
+IDLE_WAIT_S = 0.05  # how long an idle worker blocks on its inbox before looking again
+LEASE_S = 30.0  # parked blocks nobody pulled within this are freed
+
+
+@dataclass
+class WorkerState:
+    """What one worker process holds besides its engine."""
+
+    worker_id: int
+    engine: LLMEngine
+    outbox: Any
+    peers: dict[int, torch.Tensor] = field(default_factory=dict)  # prefill id -> its KV
+    to_engine: dict[int, int] = field(default_factory=dict)  # request id -> engine id
+    to_request: dict[int, int] = field(default_factory=dict)  # engine id -> request id
+
+
+def run_worker(
+    worker_id: int, role: str, settings: Settings, cores: tuple[int, ...], inbox: Any, outbox: Any
+) -> None:
+    """Process entry point: load, say Ready, then serve messages until Shutdown."""
+    if cores:
+        pin_to_cores(cores)
+    engine = LLMEngine.from_settings(settings, shared_kv=role == "prefill")
+    state = WorkerState(worker_id, engine, outbox)
+    kv = engine.kv.tensor if role == "prefill" else None
+    outbox.put(Ready(worker_id, engine.kv.num_blocks, kv))
+    while True:
+        idle = not engine.has_unfinished()
+        handled = drain(state, inbox, IDLE_WAIT_S if idle else 0.0)
+        if handled is None:
+            return
+        if engine.has_unfinished():
+            report(state, engine.step())
+        elif handled:
+            report(state, [])  # block counts changed (release, abort): say so
+        for engine_id in engine.expire_leases(LEASE_S):
+            state.to_request.pop(engine_id, None)
+
+
+def drain(state: WorkerState, inbox: Any, wait: float) -> int | None:
+    """Handle every waiting message (blocking up to `wait` for the first); returns how many,
+    or None on Shutdown."""
+    handled = 0
+    try:
+        message = inbox.get(timeout=wait) if wait else inbox.get_nowait()
+    except queue.Empty:
+        return handled
+    while True:
+        if isinstance(message, Shutdown):
+            return None
+        handle(state, message)
+        handled += 1
+        try:
+            message = inbox.get_nowait()
+        except queue.Empty:
+            return handled
+
+
+def handle(state: WorkerState, message: Any) -> None:
+    engine = state.engine
+    if isinstance(message, Submit):
+        submit(state, message)
+    elif isinstance(message, Handoff):
+        take_handoff(state, message)
+    elif isinstance(message, PeerPool):
+        state.peers[message.worker_id] = message.kv
+    elif isinstance(message, Release):
+        engine_id = state.to_engine.pop(message.request_id, None)
+        if engine_id is not None and engine_id in engine.scheduler.parked:
+            engine.release(engine_id)
+            state.to_request.pop(engine_id, None)
+    elif isinstance(message, Abort):
+        engine_id = state.to_engine.pop(message.request_id, None)
+        if engine_id is not None:
+            engine.abort(engine_id)
+            state.to_request.pop(engine_id, None)
+
+
+def submit(state: WorkerState, message: Submit) -> None:
+    try:
+        engine_id = state.engine.add_request(
+            message.token_ids, message.params, prefill_only=message.prefill_only
+        )
+    except ValueError as exc:
+        state.outbox.put(Failed(state.worker_id, message.request_id, str(exc)))
+        return
+    state.to_engine[message.request_id] = engine_id
+    state.to_request[engine_id] = message.request_id
+
+
+def take_handoff(state: WorkerState, message: Handoff) -> None:
+    engine = state.engine
+    engine_id = engine.add_prefilled(
+        message.token_ids,
+        message.num_prompt_tokens,
+        message.params,
+        state.peers[message.source],
+        message.blocks,
+    )
+    accepted = engine_id is not None
+    moved = 0
+    if accepted:
+        state.to_engine[message.request_id] = engine_id
+        state.to_request[engine_id] = message.request_id
+        blocks = blocks_for_tokens(message.num_prompt_tokens, engine.kv.block_size)
+        moved = blocks * engine.kv.layout.bytes_per_block()
+    state.outbox.put(HandoffResult(state.worker_id, message.request_id, accepted, moved))
+
+
+def report(state: WorkerState, outputs: list[RequestOutput]) -> None:
+    """One message per step: the tokens made and this worker's load."""
+    batch = TokenBatch(
+        state.worker_id,
+        num_free_blocks=state.engine.kv.allocator.num_free,
+        num_running=len(state.engine.scheduler.running),
+    )
+    for out in outputs:
+        request_id = state.to_request.get(out.seq_id)
+        if request_id is None:
+            continue
+        if out.finished:
+            state.to_request.pop(out.seq_id, None)
+            state.to_engine.pop(request_id, None)
+        batch.outputs.append(
+            Output(
+                request_id,
+                out.token_ids,
+                out.text,
+                out.finished,
+                out.finish_reason,
+                out.handoff_blocks,
+            )
+        )
+    state.outbox.put(batch)

@@ -1,0 +1,159 @@
+"""The disaggregated runtime with real worker processes: parity across layouts, KV freed,
+many concurrent requests, cancellation.
+
+On this 2-core machine each worker is pinned to one core (1P+2D shares a core).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from appliance.appliance import Appliance
+from appliance.config import load_settings
+from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.sequence import SamplingParams
+from appliance.supervisor import Supervisor
+from appliance.topology import Device, Topology
+
+GREEDY = SamplingParams(max_tokens=16)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is 2 + 2?",
+    "Say hello in Spanish.",
+    "What do bees make?",
+    "Name a planet.",
+    "What is the opposite of hot?",
+    "How many legs does a spider have?",
+    "What color is the sky?",
+    "Name a fruit that is yellow.",
+    "What is ice made of?",
+    "Which animal barks?",
+    "What is the first letter of the alphabet?",
+    "Name a musical instrument.",
+    "What do plants need to grow?",
+    "What is a baby cat called?",
+]
+
+
+def cpu_topology(*core_sets: tuple[int, ...]) -> Topology:
+    cores = sorted(os.sched_getaffinity(0))
+    devices = [
+        Device("cpu", i, f"cpu{c}", 0, 0, cores=tuple(cores[x % len(cores)] for x in c))
+        for i, c in enumerate(core_sets)
+    ]
+    return Topology.without_links(devices)
+
+
+async def run_all(app: Appliance, prompts: list[list[int]]) -> list[list[int]]:
+    async def one(ids: list[int]) -> list[int]:
+        return [t async for chunk in app.generate(ids, params=GREEDY) for t in chunk.token_ids]
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def wait_all_free(supervisor: Supervisor, timeout: float = 10.0) -> dict:
+    """Block counts come with each worker's reports: wait for the last ones to arrive."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        counts = supervisor.block_counts()
+        if all(free == total for free, total in counts.values()):
+            return counts
+        await asyncio.sleep(0.05)
+    return supervisor.block_counts()
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(engine: LLMEngine) -> list[list[int]]:
+    return [
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(engine: LLMEngine, chat_prompts: list[list[int]]) -> list[list[int]]:
+    return [c.token_ids for c in engine.generate(chat_prompts, GREEDY)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "cores", "prefill", "decode"),
+    [
+        ("colocated", [(0,), (1,)], None, None),
+        ("disaggregated", [(0,), (1,)], "0", "1"),
+        ("disaggregated", [(0,), (1,), (1,)], "0", "1,2"),
+    ],
+    ids=["colocated-2", "1P+1D", "1P+2D"],
+)
+def test_greedy_outputs_equal_the_single_engine(
+    mode: str,
+    cores: list,
+    prefill: str | None,
+    decode: str | None,
+    chat_prompts: list[list[int]],
+    expected: list[list[int]],
+) -> None:
+    settings = load_settings(
+        dtype="float32", device="cpu", mode=mode, prefill_devices=prefill, decode_devices=decode
+    )
+
+    async def main() -> tuple[list[list[int]], dict]:
+        async with Appliance(settings, cpu_topology(*cores)) as app:
+            assert len(app.supervisor.workers) == len(cores)
+            got = await run_all(app, chat_prompts)
+            return got, await wait_all_free(app.supervisor)
+
+    got, counts = asyncio.run(main())
+    assert got == expected
+    assert all(free == total for free, total in counts.values()), counts
+
+
+def test_200_concurrent_mixed_requests_complete_and_50_cancelled_free_their_blocks() -> None:
+    """Disaggregated 1P+1D; prompts up to 3x the chunk size; 50 consumers leave midway."""
+    import random
+    from contextlib import aclosing
+
+    rng = random.Random(0)
+    settings = load_settings(
+        dtype="bfloat16",
+        device="cpu",
+        mode="disaggregated",
+        batch={"chunk_size": 48, "max_num_batched_tokens": 96},
+    )
+    requests = [
+        (
+            [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 150))],
+            SamplingParams(max_tokens=rng.randrange(2, 16), ignore_eos=True),
+        )
+        for _ in range(200)
+    ]
+    cancel = set(rng.sample(range(200), 50))
+
+    async def one(index: int, app: Appliance) -> tuple[int, str | None]:
+        ids, params = requests[index]
+        received, reason = 0, None
+        async with aclosing(app.generate(ids, params=params)) as stream:
+            async for chunk in stream:
+                received += len(chunk.token_ids)
+                reason = chunk.finish_reason
+                if index in cancel and received >= max(1, params.max_tokens // 2):
+                    return received, "cancelled"
+        return received, reason
+
+    async def main() -> tuple[list, dict]:
+        async with Appliance(settings, cpu_topology((0,), (1,))) as app:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(one(i, app) for i in range(200))), timeout=400
+            )
+            return results, await wait_all_free(app.supervisor)
+
+    results, counts = asyncio.run(main())
+    for index, (received, reason) in enumerate(results):
+        if index in cancel:
+            assert reason == "cancelled"
+        else:
+            assert (received, reason) == (requests[index][1].max_tokens, "length")
+    assert all(free == total for free, total in counts.values()), counts
