@@ -21,9 +21,21 @@ def copy_blocks(
         raise ValueError(f"copying {len(src_ids)} blocks into {len(dst_ids)}")
     if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
         raise ValueError(f"KV pools differ in layout: {tuple(src.shape)} vs {tuple(dst.shape)}")
-    src_index = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
-    dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=dst.device)
-    # [layers, 2, n, block_size, kv_heads, head_dim]
-    moved = src.index_select(2, src_index).to(dst.device, dst.dtype, non_blocking=True)
-    dst.index_copy_(2, dst_index, moved)
-    return moved.numel() * moved.element_size()
+    # One strided copy per run of consecutive ids on both sides: a single pass over the
+    # bytes, where index_select + index_copy_ would make two and a temporary.
+    for src_start, dst_start, length in block_runs(src_ids, dst_ids):
+        dst[:, :, dst_start : dst_start + length].copy_(
+            src[:, :, src_start : src_start + length], non_blocking=True
+        )
+    return len(src_ids) * src[:, :, :1].numel() * src.element_size()
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) for each stretch where both id lists count up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
