@@ -139,7 +139,7 @@ class Supervisor:
         inbox = self._ctx.Queue()
         process = self._ctx.Process(
             target=run_worker,
-            args=(worker_id, role, self.settings, device.cores, inbox, self._outbox),
+            args=(worker_id, role, self.settings, device, inbox, self._outbox),
             daemon=True,
         )
         process.start()

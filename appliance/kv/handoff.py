@@ -6,6 +6,8 @@ the CPU, a CUDA IPC handle on GPUs); the destination is the decode worker's own 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -21,13 +23,25 @@ def copy_blocks(
         raise ValueError(f"copying {len(src_ids)} blocks into {len(dst_ids)}")
     if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
         raise ValueError(f"KV pools differ in layout: {tuple(src.shape)} vs {tuple(dst.shape)}")
-    # One strided copy per run of consecutive ids on both sides: a single pass over the
-    # bytes, where index_select + index_copy_ would make two and a temporary.
-    for src_start, dst_start, length in block_runs(src_ids, dst_ids):
-        dst[:, :, dst_start : dst_start + length].copy_(
-            src[:, :, src_start : src_start + length], non_blocking=True
-        )
+    with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
+        # One strided copy per run of consecutive ids on both sides: a single pass over
+        # the bytes, where index_select + index_copy_ would make two and a temporary.
+        # On CUDA it is queued on the destination's current stream; between GPUs with
+        # peer access (see peer_access) it goes device to device, else through the host.
+        for src_start, dst_start, length in block_runs(src_ids, dst_ids):
+            dst[:, :, dst_start : dst_start + length].copy_(
+                src[:, :, src_start : src_start + length], non_blocking=True
+            )
     return len(src_ids) * src[:, :, :1].numel() * src.element_size()
+
+
+def peer_access(src: torch.device, dst: torch.device) -> bool:
+    """Whether dst's GPU can read src's memory directly (NVLink or PCIe P2P)."""
+    if src.type != "cuda" or dst.type != "cuda":
+        return False
+    if src.index == dst.index:
+        return True
+    return torch.cuda.can_device_access_peer(dst.index, src.index)
 
 
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -16,7 +16,7 @@ import torch
 from appliance.config import Settings
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.kv.block_allocator import blocks_for_tokens
-from appliance.topology import pin_to_cores
+from appliance.topology import Device, pin_to_cores
 from appliance.workers.messages import (
     Abort,
     Failed,
@@ -48,11 +48,10 @@ class WorkerState:
 
 
 def run_worker(
-    worker_id: int, role: str, settings: Settings, cores: tuple[int, ...], inbox: Any, outbox: Any
+    worker_id: int, role: str, settings: Settings, device: Device, inbox: Any, outbox: Any
 ) -> None:
-    """Process entry point: load, say Ready, then serve messages until Shutdown."""
-    if cores:
-        pin_to_cores(cores)
+    """Process entry point: take the device, load, say Ready, serve messages until Shutdown."""
+    settings = use_device(settings, device)
     engine = LLMEngine.from_settings(settings, shared_kv=role == "prefill")
     state = WorkerState(worker_id, engine, outbox)
     kv = engine.kv.tensor if role == "prefill" else None
@@ -68,6 +67,17 @@ def run_worker(
             report(state, [])  # block counts changed (release, abort): say so
         for engine_id in engine.expire_leases(LEASE_S):
             state.to_request.pop(engine_id, None)
+
+
+def use_device(settings: Settings, device: Device) -> Settings:
+    """Bind this process to its device: a GPU, or a set of CPU cores."""
+    if device.kind == "cuda":
+        # Tensors made on "cuda" from here on land on this worker's GPU.
+        torch.cuda.set_device(device.index)
+        return settings.model_copy(update={"device": "cuda"})
+    if device.cores:
+        pin_to_cores(device.cores)
+    return settings.model_copy(update={"device": "cpu"})
 
 
 def drain(state: WorkerState, inbox: Any, wait: float) -> int | None:
