@@ -79,7 +79,9 @@ class RequestState:
     decode_worker: int = -1
     output_ids: list[int] = field(default_factory=list)
     cancelled: bool = False
+    # monotonic seconds: arrival, first_token, handoff (blocks copied), finished
     timing: dict[str, float] = field(default_factory=dict)
+    token_times: list[float] = field(default_factory=list)  # when each chunk of tokens came
 
 
 @dataclass
@@ -253,6 +255,7 @@ class Supervisor:
                 self._tell(worker.worker_id, Release(out.request_id))
             return
         request.output_ids += out.token_ids
+        request.token_times.append(time.monotonic())
         if out.finished:
             request.timing["finished"] = time.monotonic()
         request.stream.put_nowait(Chunk(out.token_ids, out.text, out.finished, out.finish_reason))
