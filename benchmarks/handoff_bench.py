@@ -5,7 +5,9 @@ Run from the repository root: .venv/bin/python benchmarks/handoff_bench.py [--dt
 
 1. copy: `copy_blocks` from a shared-memory pool (as a prefill worker's is) into another
    pool, for the blocks of a 128 / 1k / 4k-token prompt (SmolLM2's layout), best of N,
-   beside `dst.copy_(src)` of one contiguous tensor with the same number of bytes.
+   beside `dst.copy_(src)` of one contiguous tensor with the same number of bytes; with
+   fresh pools, with pools after random request churn (the block ids the allocator then
+   hands out), and in the worst case (every source block apart from its neighbours).
 2. end to end: one request at a time through a real 1P+1D appliance; handoff = from the
    supervisor seeing the first token to the decode worker reporting the blocks copied
    (messages both ways included), TTFT = arrival to first token.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import time
 from collections.abc import Callable
 
@@ -23,7 +26,7 @@ import torch
 from appliance.appliance import Appliance
 from appliance.config import load_settings
 from appliance.engine.sequence import SamplingParams
-from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.kv.block_allocator import BlockAllocator, blocks_for_tokens
 from appliance.kv.cache import KVCache, KVLayout
 from appliance.kv.handoff import copy_blocks
 
@@ -46,7 +49,7 @@ def copy_table(dtype: torch.dtype) -> list[str]:
     src = KVCache(layout, 600, torch.device("cpu"), shared=True)
     dst = KVCache(layout, 600, torch.device("cpu"))
     rows = [
-        "| prompt tokens | block ids | blocks | bytes | handoff copy (ms) | plain copy (ms) | "
+        "| prompt tokens | pools | blocks | bytes | handoff copy (ms) | plain copy (ms) | "
         "handoff GB/s | plain GB/s | handoff / plain bandwidth |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -56,10 +59,15 @@ def copy_table(dtype: torch.dtype) -> list[str]:
         a = torch.empty(nbytes // 4, dtype=torch.float32).share_memory_()
         b = torch.empty_like(a)
         plain = best_seconds(lambda a=a, b=b: b.copy_(a))
-        for order in ("consecutive", "scattered"):
+        for order in ("fresh pools", "busy pools", "worst case"):
+            busy = [churn(kv.allocator, random.Random(1), n) for kv in (src, dst)]
+            if order != "busy pools":
+                for kv, live in zip((src, dst), busy, strict=True):
+                    kv.allocator.free([b for ids in live for b in ids])
+                busy = [[], []]
             src_ids = src.allocator.allocate(n)
             dst_ids = dst.allocator.allocate(n)
-            if order == "scattered":  # a busy pool's blocks: no two neighbours
+            if order == "worst case":  # no two source blocks neighbours
                 src_ids = src_ids[::-1]
             handoff = best_seconds(
                 lambda s=src_ids, d=dst_ids: copy_blocks(src.tensor, s, dst.tensor, d)
@@ -71,7 +79,22 @@ def copy_table(dtype: torch.dtype) -> list[str]:
             )
             src.allocator.free(src_ids)
             dst.allocator.free(dst_ids)
+            for kv, live in zip((src, dst), busy, strict=True):
+                kv.allocator.free([b for ids in live for b in ids])
     return rows
+
+
+def churn(allocator: BlockAllocator, rng: random.Random, keep_free: int) -> list[list[int]]:
+    """Requests of 1-40 blocks come and go at random until the pool is well mixed; returns
+    the ones still holding blocks (at least keep_free blocks stay free)."""
+    live: list[list[int]] = []
+    for _ in range(2000):
+        size = rng.randrange(1, 40)
+        if live and (rng.random() < 0.5 or allocator.num_free - size < keep_free):
+            allocator.free(live.pop(rng.randrange(len(live))))
+        elif allocator.num_free - size >= keep_free:
+            live.append(allocator.allocate(size))
+    return live
 
 
 async def end_to_end(dtype: str) -> list[str]:

@@ -172,3 +172,21 @@ def test_accounting_over_many_cycles() -> None:
 )
 def test_blocks_for_tokens(num_tokens: int, block_size: int, expected: int) -> None:
     assert blocks_for_tokens(num_tokens, block_size) == expected
+
+
+def test_allocation_prefers_a_run_of_consecutive_ids() -> None:
+    alloc = BlockAllocator(12)
+    held = alloc.allocate(12)
+    alloc.free([held[i] for i in (1, 3, 4, 7, 8, 9, 10)])  # free: 1, 3-4, 7-10
+    assert alloc.allocate(3) == [7, 8, 9]  # the first run long enough
+    assert alloc.allocate(2) == [3, 4]
+    assert alloc.allocate(2) == [1, 10]  # no run left: the lowest ids
+    assert alloc.num_free == 0
+
+
+def test_freed_ids_come_back_in_order_for_later_runs() -> None:
+    alloc = BlockAllocator(8)
+    a, b = alloc.allocate(4), alloc.allocate(4)
+    alloc.free(b[::-1])
+    alloc.free(a[2:])
+    assert alloc.allocate(6) == [2, 3, 4, 5, 6, 7]

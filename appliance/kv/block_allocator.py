@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 
 
 class OutOfBlocks(RuntimeError):
@@ -16,7 +16,9 @@ class BlockAllocator:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # Sorted, so a request can get consecutive ids: the KV handoff copies a run of
+        # consecutive blocks in one go, and pays a copy call per block otherwise.
+        self._free: list[int] = list(range(num_blocks))
         self._used: set[int] = set()
 
     @property
@@ -31,14 +33,25 @@ class BlockAllocator:
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """Take n free block ids; all or nothing."""
+        """Take n free block ids, consecutive ones where a long enough run is free; all or
+        nothing."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free):
             raise OutOfBlocks(f"asked for {n} KV blocks, {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(n)]
+        start = self._first_run(n)
+        ids = self._free[start : start + n]
+        del self._free[start : start + n]
         self._used.update(ids)
         return ids
+
+    def _first_run(self, n: int) -> int:
+        """Index in the free list of the first n consecutive ids, else 0 (the lowest ids)."""
+        free = self._free
+        for i in range(len(free) - n + 1):
+            if free[i + n - 1] - free[i] == n - 1:  # sorted and distinct: a run
+                return i
+        return 0
 
     def free(self, ids: list[int]) -> None:
         """Give blocks back; freeing a block that is not in use is a bug and raises."""
@@ -46,7 +59,8 @@ class BlockAllocator:
         if unknown or len(set(ids)) != len(ids):
             raise ValueError(f"blocks {unknown or ids} are not allocated (or listed twice)")
         self._used.difference_update(ids)
-        self._free.extend(ids)
+        for block_id in ids:
+            bisect.insort(self._free, block_id)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
