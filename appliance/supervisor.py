@@ -53,6 +53,7 @@ class Chunk:
     text: str
     finished: bool = False
     finish_reason: str | None = None
+    timing: dict[str, float] | None = None  # on the last chunk: the request's timestamps
 
 
 @dataclass
@@ -79,7 +80,8 @@ class RequestState:
     decode_worker: int = -1
     output_ids: list[int] = field(default_factory=list)
     cancelled: bool = False
-    # monotonic seconds: arrival, first_token, handoff (blocks copied), finished
+    # monotonic seconds: arrival, prefill_start (first step that ran it: queue time ends),
+    # first_token, handoff (blocks copied on the decode side), finished
     timing: dict[str, float] = field(default_factory=dict)
     token_times: list[float] = field(default_factory=list)  # when each chunk of tokens came
 
@@ -242,13 +244,18 @@ class Supervisor:
     def _on_tokens(self, batch: TokenBatch) -> None:
         worker = self.workers[batch.worker_id]
         worker.num_free, worker.running = batch.num_free_blocks, batch.num_running
+        for request_id in batch.started:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.timing.setdefault("prefill_start", batch.step_started_at)
         for out in batch.outputs:
-            self._on_output(worker, out)
+            self._on_output(worker, out, batch.step_started_at)
 
-    def _on_output(self, worker: WorkerHandle, out: Output) -> None:
+    def _on_output(self, worker: WorkerHandle, out: Output, step_started_at: float) -> None:
         request = self.requests.get(out.request_id)
         if request is not None and "first_token" not in request.timing:
             request.timing["first_token"] = time.monotonic()
+            request.timing.setdefault("prefill_start", step_started_at)
             worker.queued_tokens -= len(request.prompt)
         if request is None:
             if out.handoff_blocks is not None:  # cancelled while prefilling: nobody pulls
@@ -256,9 +263,13 @@ class Supervisor:
             return
         request.output_ids += out.token_ids
         request.token_times.append(time.monotonic())
+        timing = None
         if out.finished:
             request.timing["finished"] = time.monotonic()
-        request.stream.put_nowait(Chunk(out.token_ids, out.text, out.finished, out.finish_reason))
+            timing = dict(request.timing)
+        request.stream.put_nowait(
+            Chunk(out.token_ids, out.text, out.finished, out.finish_reason, timing)
+        )
         if out.handoff_blocks is not None:
             self._hand_off(PendingHandoff(request, worker.worker_id, out.handoff_blocks))
 

@@ -50,9 +50,22 @@ def cpu_topology(*core_sets: tuple[int, ...]) -> Topology:
 
 async def run_all(app: Appliance, prompts: list[list[int]]) -> list[list[int]]:
     async def one(ids: list[int]) -> list[int]:
-        return [t async for chunk in app.generate(ids, params=GREEDY) for t in chunk.token_ids]
+        tokens = []
+        async for chunk in app.generate(ids, params=GREEDY):
+            tokens += chunk.token_ids
+        check_timing(chunk.timing, app.settings.mode)
+        return tokens
 
     return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def check_timing(timing: dict[str, float], mode: str) -> None:
+    """The last chunk carries the request's timestamps, in the order things happened."""
+    order = ["arrival", "prefill_start", "first_token", "finished"]
+    if mode == "disaggregated":
+        order.insert(3, "handoff")
+    values = [timing[name] for name in order]
+    assert values == sorted(values), timing
 
 
 async def wait_all_free(supervisor: Supervisor, timeout: float = 10.0) -> dict:

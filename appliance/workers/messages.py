@@ -82,6 +82,8 @@ class TokenBatch:
     outputs: list[Output] = field(default_factory=list)
     num_free_blocks: int = 0
     num_running: int = 0
+    started: list[int] = field(default_factory=list)  # requests whose first chunk ran
+    step_started_at: float = 0.0  # time.monotonic() (system-wide) when the step began
 
 
 @dataclass

@@ -8,6 +8,7 @@ worker; "decode" pulls parked blocks from a prefill worker's shared pool and dec
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ class WorkerState:
     peers: dict[int, torch.Tensor] = field(default_factory=dict)  # prefill id -> its KV
     to_engine: dict[int, int] = field(default_factory=dict)  # request id -> engine id
     to_request: dict[int, int] = field(default_factory=dict)  # engine id -> request id
+    announced: set[int] = field(default_factory=set)  # engine ids reported as started
 
 
 def run_worker(
@@ -62,9 +64,10 @@ def run_worker(
         if handled is None:
             return
         if engine.has_unfinished():
-            report(state, engine.step())
+            started_at = time.monotonic()
+            report(state, engine.step(), started_at)
         elif handled:
-            report(state, [])  # block counts changed (release, abort): say so
+            report(state, [], 0.0)  # block counts changed (release, abort): say so
         for engine_id in engine.expire_leases(LEASE_S):
             state.to_request.pop(engine_id, None)
 
@@ -150,12 +153,14 @@ def take_handoff(state: WorkerState, message: Handoff) -> None:
     state.outbox.put(HandoffResult(state.worker_id, message.request_id, accepted, moved))
 
 
-def report(state: WorkerState, outputs: list[RequestOutput]) -> None:
-    """One message per step: the tokens made and this worker's load."""
+def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) -> None:
+    """One message per step: the tokens made, the requests it started, this worker's load."""
     batch = TokenBatch(
         state.worker_id,
         num_free_blocks=state.engine.kv.allocator.num_free,
         num_running=len(state.engine.scheduler.running),
+        started=newly_started(state),
+        step_started_at=started_at,
     )
     for out in outputs:
         request_id = state.to_request.get(out.seq_id)
@@ -175,3 +180,13 @@ def report(state: WorkerState, outputs: list[RequestOutput]) -> None:
             )
         )
     state.outbox.put(batch)
+
+
+def newly_started(state: WorkerState) -> list[int]:
+    """Requests that got their first model step since the last report."""
+    state.announced &= state.to_request.keys()  # forget the finished
+    running = {s.seq_id for s in state.engine.scheduler.running}
+    running |= state.engine.scheduler.parked.keys()
+    new = [i for i in running - state.announced if i in state.to_request]
+    state.announced.update(new)
+    return [state.to_request[i] for i in new]
