@@ -9,23 +9,11 @@ Run from the repository root: .venv/bin/python benchmarks/attention_bench.py
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
+from timing import best_seconds
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
-
-
-def best_us(fn: Callable[[], torch.Tensor], repeats: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e6
 
 
 def case(decodes: int, ctx: int, dtype: torch.dtype) -> tuple[float, float]:
@@ -46,7 +34,7 @@ def case(decodes: int, ctx: int, dtype: torch.dtype) -> tuple[float, float]:
         scores = scores.masked_fill(padding, float("-inf"))
         return torch.matmul(scores.softmax(-1).to(dtype), v)
 
-    return best_us(sdpa), best_us(matmuls)
+    return best_seconds(sdpa) * 1e6, best_seconds(matmuls) * 1e6
 
 
 def main() -> None:

@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import time
-from collections.abc import Callable
 
 import torch
+from timing import best_seconds
 
 from appliance.appliance import Appliance
 from appliance.config import load_settings
@@ -32,16 +31,6 @@ from appliance.kv.handoff import copy_blocks
 
 LENGTHS = (128, 1024, 4096)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def best_seconds(fn: Callable[[], object], repeats: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def copy_table(dtype: torch.dtype) -> list[str]:
