@@ -39,6 +39,7 @@ from appliance.workers.messages import (
 from appliance.workers.worker import run_worker
 
 HANDOFF_RETRY_S = 0.01  # a decode pool without room is asked again this much later
+WATCH_INTERVAL_S = 0.2  # how often worker processes are checked for being alive
 
 
 class RequestFailed(RuntimeError):
@@ -114,6 +115,7 @@ class Supervisor:
         self._reader: threading.Thread | None = None
         self._peer_pools: dict[int, Any] = {}
         self._pending: dict[int, PendingHandoff] = {}  # handoffs sent, not yet answered
+        self._watchdog: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -125,6 +127,7 @@ class Supervisor:
             self._spawn(role, index)
         self._reader = threading.Thread(target=self._read_outbox, daemon=True)
         self._reader.start()
+        self._watchdog = asyncio.create_task(self._watch_workers())
         try:
             await asyncio.wait_for(self._all_ready, timeout)
         except TimeoutError:
@@ -149,8 +152,31 @@ class Supervisor:
         process.start()
         self.workers[worker_id] = WorkerHandle(worker_id, role, device.cores, inbox, process)
 
+    async def _watch_workers(self) -> None:
+        """A worker that died fails its requests at once instead of leaving them waiting.
+        (Restarting it and retrying is the reliability work still to come.)"""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for worker in self.workers.values():
+                if worker.process.is_alive() or worker.role == "dead":
+                    continue
+                worker.role = "dead"  # routing skips it from now on
+                self._fail_requests_on(worker)
+                if self._all_ready is not None and not self._all_ready.done():
+                    self._all_ready.set_exception(
+                        RuntimeError(f"worker {worker.worker_id} exited while starting")
+                    )
+
+    def _fail_requests_on(self, worker: WorkerHandle) -> None:
+        error = RequestFailed(f"worker {worker.worker_id} exited (code {worker.process.exitcode})")
+        for request in list(self.requests.values()):
+            if worker.worker_id in (request.prefill_worker, request.decode_worker):
+                request.stream.put_nowait(error)
+
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask every worker to stop, then make sure each has."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for worker in self.workers.values():
             worker.inbox.put(Shutdown())
         deadline = time.monotonic() + timeout
@@ -169,8 +195,8 @@ class Supervisor:
         request = RequestState(next(self._ids), list(prompt), params, asyncio.Queue())
         request.timing["arrival"] = time.monotonic()
         self.requests[request.request_id] = request
-        self._submit(request)
         try:
+            self._submit(request)
             while True:
                 item = await request.stream.get()
                 if isinstance(item, Exception):
@@ -183,10 +209,10 @@ class Supervisor:
 
     def _submit(self, request: RequestState) -> None:
         role = "colocated" if self.settings.mode == "colocated" else "prefill"
-        worker = min(
-            (w for w in self.workers.values() if w.role == role),
-            key=lambda w: (w.queued_tokens, w.running),
-        )
+        candidates = [w for w in self.workers.values() if w.role == role]
+        if not candidates:
+            raise RequestFailed(f"no {role} worker is running")
+        worker = min(candidates, key=lambda w: (w.queued_tokens, w.running))
         worker.queued_tokens += len(request.prompt)
         request.prefill_worker = worker.worker_id
         worker.inbox.put(
@@ -278,11 +304,13 @@ class Supervisor:
         if request.cancelled:
             self._tell(pending.source, Release(request.request_id))
             return
+        candidates = [w for w in self.workers.values() if w.role == "decode"]
+        if not candidates:
+            self._tell(pending.source, Release(request.request_id))
+            request.stream.put_nowait(RequestFailed("no decode worker is running"))
+            return
         needed = blocks_for_tokens(len(request.prompt) + 1, self.settings.kv.block_size)
-        decode = max(
-            (w for w in self.workers.values() if w.role == "decode"),
-            key=lambda w: (w.num_free, -w.running),
-        )
+        decode = max(candidates, key=lambda w: (w.num_free, -w.running))
         decode.num_free -= needed  # until its next report says otherwise
         request.decode_worker = decode.worker_id
         self._pending[request.request_id] = pending

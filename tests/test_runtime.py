@@ -170,3 +170,40 @@ def test_200_concurrent_mixed_requests_complete_and_50_cancelled_free_their_bloc
         else:
             assert (received, reason) == (requests[index][1].max_tokens, "length")
     assert all(free == total for free, total in counts.values()), counts
+
+
+def test_a_dead_decode_worker_fails_its_streams_instead_of_hanging() -> None:
+    """Crash recovery is still to come; until then a lost worker must not leave a stream
+    waiting forever."""
+    import signal
+
+    from appliance.supervisor import RequestFailed
+
+    settings = load_settings(dtype="float32", device="cpu", mode="disaggregated")
+
+    async def consume(app: Appliance) -> str:
+        params = SamplingParams(max_tokens=2000, ignore_eos=True)
+        try:
+            async for _ in app.generate("Count to a thousand:", params=params):
+                pass
+        except RequestFailed as exc:
+            return str(exc)
+        return "finished"
+
+    async def main() -> tuple[str, str]:
+        async with Appliance(settings, cpu_topology((0,), (1,))) as app:
+            task = asyncio.create_task(consume(app))
+            while not any(r.decode_worker >= 0 for r in app.supervisor.requests.values()):
+                await asyncio.sleep(0.05)
+            decode = next(w for w in app.supervisor.workers.values() if w.role == "decode")
+            os.kill(decode.process.pid, signal.SIGKILL)
+            first = await asyncio.wait_for(task, timeout=10)
+            try:
+                second = await asyncio.wait_for(consume(app), timeout=30)
+            except RequestFailed as exc:
+                second = str(exc)
+            return first, second
+
+    first, second = asyncio.run(main())
+    assert "exited" in first
+    assert "no decode worker" in second
