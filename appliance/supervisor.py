@@ -65,6 +65,7 @@ class WorkerHandle:
     inbox: Any
     process: Any
     ready: bool = False
+    alive: bool = True  # False once its process has exited: routing skips it
     num_blocks: int = 0
     num_free: int = 0
     running: int = 0
@@ -158,9 +159,9 @@ class Supervisor:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for worker in self.workers.values():
-                if worker.process.is_alive() or worker.role == "dead":
+                if worker.process.is_alive() or not worker.alive:
                     continue
-                worker.role = "dead"  # routing skips it from now on
+                worker.alive = False
                 self._fail_requests_on(worker)
                 if self._all_ready is not None and not self._all_ready.done():
                     self._all_ready.set_exception(
@@ -209,7 +210,7 @@ class Supervisor:
 
     def _submit(self, request: RequestState) -> None:
         role = "colocated" if self.settings.mode == "colocated" else "prefill"
-        candidates = [w for w in self.workers.values() if w.role == role]
+        candidates = [w for w in self.workers.values() if w.role == role and w.alive]
         if not candidates:
             raise RequestFailed(f"no {role} worker is running")
         worker = min(candidates, key=lambda w: (w.queued_tokens, w.running))
@@ -304,7 +305,7 @@ class Supervisor:
         if request.cancelled:
             self._tell(pending.source, Release(request.request_id))
             return
-        candidates = [w for w in self.workers.values() if w.role == "decode"]
+        candidates = [w for w in self.workers.values() if w.role == "decode" and w.alive]
         if not candidates:
             self._tell(pending.source, Release(request.request_id))
             request.stream.put_nowait(RequestFailed("no decode worker is running"))
