@@ -1,4 +1,5 @@
-"""Tiny GGUF files for tests, written with gguf.GGUFWriter.
+"""Tiny GGUF files for tests, written with gguf.GGUFWriter, and the check that a load
+failed with one clear line.
 
 The shapes are those of a two-layer llama small enough to write, read and convert in
 milliseconds. Tensors are given in GGUF names and PyTorch (row-major) shapes.
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 from gguf import GGMLQuantizationType
+
+from appliance.model.errors import ModelLoadError
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FF, VOCAB = 64, 2, 4, 2, 128, 32
 HEAD_DIM = HIDDEN // HEADS
@@ -112,3 +116,14 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def assert_load_error(
+    excinfo: pytest.ExceptionInfo[ModelLoadError], path: Path, *words: str
+) -> None:
+    """The error is one line that names the file and says each of `words`."""
+    message = str(excinfo.value)
+    assert str(path) in message
+    assert "\n" not in message
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"

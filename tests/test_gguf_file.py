@@ -25,6 +25,7 @@ from gguf_builder import (
     KV_HEADS,
     LAYERS,
     VOCAB,
+    assert_load_error,
     model_tensors,
     rand,
 )
@@ -56,14 +57,6 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def load(path: Path) -> tuple[gguf.GGUFReader, ModelConfig]:
     reader = open_gguf(path)
     return reader, read_model_config(reader, path)
-
-
-def assert_load_error(excinfo: pytest.ExceptionInfo[ModelLoadError], path: Path, *words: str):
-    message = str(excinfo.value)
-    assert str(path) in message
-    assert "\n" not in message
-    for word in words:
-        assert word in message, f"{word!r} not in {message!r}"
 
 
 @pytest.fixture

@@ -12,7 +12,16 @@ import gguf_builder
 import numpy as np
 import pytest
 import torch
-from gguf_builder import FF, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, model_tensors
+from gguf_builder import (
+    FF,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LAYERS,
+    VOCAB,
+    assert_load_error,
+    model_tensors,
+)
 from safetensors.torch import save_file
 
 from appliance.model import gguf_file, loader
@@ -75,14 +84,6 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     for name in a:
         assert a[name].dtype == b[name].dtype == torch.float32, name
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
-
-
-def assert_load_error(excinfo: pytest.ExceptionInfo[ModelLoadError], path: Path, *words: str):
-    message = str(excinfo.value)
-    assert str(path) in message
-    assert "\n" not in message
-    for word in words:
-        assert word in message, f"{word!r} not in {message!r}"
 
 
 def forbid_reading_gguf(monkeypatch: pytest.MonkeyPatch) -> None:

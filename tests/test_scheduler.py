@@ -66,7 +66,8 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
     for seq in sched.waiting:
         assert seq.status is SequenceStatus.WAITING
         assert seq.block_table == []
-    owned = [b for seq in sched.running for b in seq.block_table]
+    holders = [*sched.running, *sched.parked.values()]  # parked prefills keep their blocks
+    owned = [b for seq in holders for b in seq.block_table]
     assert len(owned) == len(set(owned))  # no block in two tables
     assert alloc.num_used == len(owned)
     assert alloc.num_free + alloc.num_used == alloc.num_blocks
@@ -92,13 +93,13 @@ class Step:
         return [seq for seq, _ in self.decodes]
 
 
-def step(sched: Scheduler, choose: Callable[[Sequence], int] = token_for) -> Step:
+def step(sched: Scheduler, choose: Callable[[Sequence], int] = token_for, now: float = 0.0) -> Step:
     out = sched.schedule()
     check_invariants(sched, out)
     prefills = [(c.seq, c.start, c.num_tokens) for c in out.prefills]
     decodes = [(c.seq, c.start) for c in out.decodes]
     sampled = {c.seq.seq_id: choose(c.seq) for c in out.chunks if c.completes}
-    updated = sched.update_from_output(out, sampled)
+    updated = sched.update_from_output(out, sampled, now)
     return Step(prefills, decodes, list(out.preempted), out.num_tokens, sampled, updated)
 
 
@@ -618,27 +619,17 @@ def test_many_sequences_all_finish_with_exact_outputs() -> None:
 # ---------------------------------------------------------------- prefill/decode handoff
 
 
-def run_one_step(sched: Scheduler, now: float = 0.0) -> list[Sequence]:
-    out = sched.schedule()
-    sampled = {c.seq.seq_id: token_for(c.seq) for c in out.chunks if c.completes}
-    return sched.update_from_output(out, sampled, now)
-
-
 def test_prefill_only_sequence_parks_with_its_blocks_until_released() -> None:
     alloc, sched = make()
     seq = new_seq(0, 6, max_tokens=5)
     seq.prefill_only = True
     sched.add(seq)
-    assert run_one_step(sched, now=12.0) == [seq]
+    assert step(sched, now=12.0).updated == [seq]
     assert seq.status is SequenceStatus.PARKED and seq.parked_at == 12.0
-    assert seq.output_ids == [token_for_first(seq)] and not sched.has_unfinished()
+    assert seq.output_ids == expected_outputs(seq, 1) and not sched.has_unfinished()
     assert alloc.num_used == blocks_for_tokens(7, BLOCK) == len(seq.block_table)
     sched.release(seq.seq_id)
     assert seq.finish_reason == "handoff" and alloc.num_free == alloc.num_blocks
-
-
-def token_for_first(seq: Sequence) -> int:
-    return 1000 * (seq.seq_id + 1)
 
 
 def test_expired_leases_free_only_the_old_parked_sequences() -> None:
@@ -646,9 +637,9 @@ def test_expired_leases_free_only_the_old_parked_sequences() -> None:
     old, young = new_seq(0, 5, max_tokens=4), new_seq(1, 5, max_tokens=4)
     old.prefill_only = young.prefill_only = True
     sched.add(old)
-    run_one_step(sched, now=0.0)
+    step(sched, now=0.0)
     sched.add(young)
-    run_one_step(sched, now=20.0)
+    step(sched, now=20.0)
     assert sched.expire_leases(now=31.0, lease_seconds=30.0) == [old]
     assert old.finish_reason == "abort" and list(sched.parked) == [young.seq_id]
     sched.release(young.seq_id)
@@ -666,7 +657,6 @@ def test_admit_prefilled_runs_from_the_first_token_or_refuses_without_room() -> 
     assert not sched.admit_prefilled(other)  # max_num_seqs reached
     out = sched.schedule()
     assert [(c.seq, c.num_tokens) for c in out.decodes] == [(seq, 1)]
-    while sched.has_unfinished():
-        run_one_step(sched)
+    run_all(sched)
     assert seq.finish_reason == "length" and len(seq.output_ids) == 3
     assert alloc.num_free == alloc.num_blocks
