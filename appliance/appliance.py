@@ -12,7 +12,7 @@ from typing import Any
 
 from appliance.config import Settings
 from appliance.engine.sequence import SamplingParams
-from appliance.model.loader import load_model_files
+from appliance.model.loader import prepare_model
 from appliance.model.tokenizer import Tokenizer
 from appliance.supervisor import Chunk, Supervisor
 from appliance.topology import Topology
@@ -27,10 +27,9 @@ class Appliance:
         self.tokenizer: Tokenizer | None = None
 
     async def __aenter__(self) -> Appliance:
-        # Loading here also writes the weight cache once, before the workers read it.
-        files = load_model_files(self.settings.model, self.settings.cache_dir)
-        self.tokenizer = Tokenizer.load(files.tokenizer_dir, files.config.eos_token_ids)
-        del files
+        # Writes the weight cache once, if missing, before the workers read it.
+        config, tokenizer_dir = prepare_model(self.settings.model, self.settings.cache_dir)
+        self.tokenizer = Tokenizer.load(tokenizer_dir, config.eos_token_ids)
         await self.supervisor.start()
         return self
 

@@ -236,6 +236,21 @@ def test_gguf_is_cached_and_reloaded_from_cache(tmp_path, monkeypatch):
     assert_same_weights(second.weights, expected)
 
 
+def test_prepare_model_caches_once_then_reads_no_weights(tmp_path, monkeypatch):
+    path = write_gguf(tmp_path / "m.gguf")
+    cache = tmp_path / "cache"
+    config, tokenizer_dir = loader.prepare_model(path, cache)
+    assert tokenizer_dir == cache_entry(path, cache) and (tokenizer_dir / "complete").is_file()
+
+    forbid_reading_gguf(monkeypatch)
+    monkeypatch.setattr(loader, "_read_safetensors", forbid_weights)
+    assert loader.prepare_model(path, cache) == (config, tokenizer_dir)
+
+
+def forbid_weights(*args, **kwargs):
+    raise AssertionError("weights were read although only the config was asked for")
+
+
 def test_cached_tokenizer_is_usable(tmp_path):
     from transformers import AutoTokenizer
 

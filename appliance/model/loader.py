@@ -59,6 +59,21 @@ def load_model_files(path: Path | None, cache_dir: Path) -> ModelFiles:
     return _load_gguf_cached(path, cache_dir)
 
 
+def prepare_model(path: Path | None, cache_dir: Path) -> tuple[ModelConfig, Path]:
+    """The model's facts and tokenizer folder, for a process that runs no model (the
+    supervisor): a cached GGUF is not read at all; an uncached one is cached first."""
+    gguf_path = Path(path) if path is not None else default_model_path()
+    entry = cache_entry(gguf_path, cache_dir) if gguf_path.is_file() else None
+    if entry is not None and (entry / "complete").is_file():
+        return _cached_config(entry), entry
+    files = load_model_files(path, cache_dir)
+    return files.config, files.tokenizer_dir
+
+
+def _cached_config(entry: Path) -> ModelConfig:
+    return ModelConfig.from_dict(json.loads((entry / "model_config.json").read_text()))
+
+
 def _load_hf_folder(path: Path) -> ModelFiles:
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -95,10 +110,13 @@ def cache_entry(path: Path, cache_dir: Path) -> Path:
 def _load_gguf_cached(path: Path, cache_dir: Path) -> ModelFiles:
     entry = cache_entry(path, cache_dir)
     if (entry / "complete").is_file():
-        config = ModelConfig.from_dict(json.loads((entry / "model_config.json").read_text()))
         weights = _read_safetensors(entry / "model.safetensors")
         return ModelFiles(
-            path, config, weights, entry, _read_safetensors(entry / "int4.safetensors")
+            path,
+            _cached_config(entry),
+            weights,
+            entry,
+            _read_safetensors(entry / "int4.safetensors"),
         )
     reader = gguf_file.open_gguf(path)
     config = gguf_file.read_model_config(reader, path)
