@@ -12,7 +12,8 @@ from typing import Any
 
 from appliance.config import Settings
 from appliance.engine.sequence import SamplingParams
-from appliance.model.loader import prepare_model
+from appliance.model.loader import model_name, prepare_model
+from appliance.model.model_config import ModelConfig
 from appliance.model.tokenizer import Tokenizer
 from appliance.supervisor import Chunk, Supervisor
 from appliance.topology import Topology
@@ -25,24 +26,46 @@ class Appliance:
         self.settings = settings
         self.supervisor = Supervisor(settings, topology)
         self.tokenizer: Tokenizer | None = None
+        self.config: ModelConfig | None = None
+        self.model_name = settings.served_model_name or model_name(settings.model)
+
+    def prepare(self) -> None:
+        """Load the tokenizer and the model's facts; raises ModelLoadError for a bad model.
+        Writes the weight cache once, if missing, before the workers read it."""
+        self.config, tokenizer_dir = prepare_model(self.settings.model, self.settings.cache_dir)
+        self.tokenizer = Tokenizer.load(tokenizer_dir, self.config.eos_token_ids)
+
+    async def start(self) -> None:
+        """Spawn the pools' workers and wait until all are ready."""
+        await self.supervisor.start()
+
+    async def stop(self) -> None:
+        await self.supervisor.stop()
 
     async def __aenter__(self) -> Appliance:
-        # Writes the weight cache once, if missing, before the workers read it.
-        config, tokenizer_dir = prepare_model(self.settings.model, self.settings.cache_dir)
-        self.tokenizer = Tokenizer.load(tokenizer_dir, config.eos_token_ids)
-        await self.supervisor.start()
+        self.prepare()
+        await self.start()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        await self.supervisor.stop()
+        await self.stop()
 
-    def generate(
-        self,
-        prompt: str | list[int] | None = None,
-        messages: list[dict[str, Any]] | None = None,
-        params: SamplingParams | None = None,
-    ) -> AsyncIterator[Chunk]:
-        """Stream a completion of a raw prompt (text or token ids) or of chat messages."""
+    @property
+    def ready(self) -> bool:
+        return self.supervisor.ready
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output a request may have: the model's context, the
+        configured limit, and what every worker's KV pool can hold."""
+        context = self.config.max_position_embeddings
+        limit = min(self.settings.batch.max_model_len or context, context)
+        return min(limit, self.supervisor.capacity_tokens())
+
+    def tokenize(
+        self, prompt: str | list[int] | None = None, messages: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a raw prompt (text or ids) or of chat messages through the template."""
         if (prompt is None) == (messages is None):
             raise ValueError("give either a prompt or messages")
         if messages is not None:
@@ -53,4 +76,14 @@ class Appliance:
             ids = list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        return ids
+
+    def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+    ) -> AsyncIterator[Chunk]:
+        """Stream a completion of a raw prompt (text or token ids) or of chat messages."""
+        ids = self.tokenize(prompt, messages)
         return self.supervisor.generate(ids, params or SamplingParams())

@@ -26,7 +26,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--model", type=Path, help="GGUF file or Hugging Face folder")
     gen.add_argument("--raw", action="store_true", help="no chat template: continue the text")
+
+    srv = commands.add_parser(
+        "serve", help="serve the OpenAI-compatible API (settings: APPLIANCE_* or --config)"
+    )
+    srv.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="port (default 8000)")
+    srv.add_argument("--mode", choices=["disaggregated", "colocated"])
+    srv.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    srv.add_argument("--model", type=Path, help="GGUF file or Hugging Face folder")
     return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    from appliance.server.serve import serve as run_server
+
+    settings = load_settings(
+        args.config,
+        host=args.host,
+        port=args.port,
+        mode=args.mode,
+        dtype=args.dtype,
+        model=args.model,
+    )
+    return run_server(settings)
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -59,7 +82,7 @@ def generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return generate(args)
+        return serve(args) if args.command == "serve" else generate(args)
     except (SettingsError, ModelLoadError, ValueError) as exc:
         print(f"appliance: {exc}", file=sys.stderr)
         return 2

@@ -7,10 +7,19 @@ an optional TOML file, then the defaults below. Nothing else reads the environme
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -54,6 +63,22 @@ class BatchSettings(BaseModel):
     )
 
 
+class ServerSettings(BaseModel):
+    """Limits of the HTTP server."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(
+        4 * 2**20, ge=1024, description="Largest request body accepted; larger ones get 413."
+    )
+    max_concurrent_requests: int = Field(
+        256,
+        ge=1,
+        description="Generations in flight (each of n choices counts); beyond it 429.",
+    )
+    max_n: int = Field(16, ge=1, le=128, description="Most choices (n) one request may ask for.")
+
+
 class Settings(BaseSettings):
     """Everything the appliance can be told."""
 
@@ -94,6 +119,17 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the HTTP server.")
+    allow_remote: bool = Field(
+        False,
+        description="Allow binding to a non-loopback host (other machines can then connect).",
+    )
+    api_key: SecretStr | None = Field(
+        None, description="When set, /v1 requests need 'Authorization: Bearer <key>'."
+    )
+    served_model_name: str | None = Field(
+        None, description="Model id clients send; empty means the model file's name."
+    )
+    server: ServerSettings = Field(default_factory=ServerSettings)
     kv: KVSettings = Field(default_factory=KVSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
 
@@ -108,6 +144,15 @@ class Settings(BaseSettings):
         if value is not None and not value.exists():
             raise ValueError(f"no such file or folder: {value}")
         return value
+
+    @model_validator(mode="after")
+    def _remote_needs_consent(self) -> Settings:
+        if not self.allow_remote and not is_loopback(self.host):
+            raise ValueError(
+                f"host {self.host!r} is not a loopback address; set allow_remote "
+                "(APPLIANCE_ALLOW_REMOTE=true) to serve other machines, ideally with an api_key"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(
@@ -137,10 +182,23 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         raise SettingsError(f"invalid settings: {exc}") from None
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
+
+
 def _describe(exc: ValidationError) -> str:
     lines = []
     for error in exc.errors():
         path = [str(part) for part in error["loc"]]
+        if not path:  # a check across settings: its message names them
+            lines.append(f"invalid settings: {error['msg'].removeprefix('Value error, ')}")
+            continue
         env_name = "APPLIANCE_" + "__".join(p.upper() for p in path)
         value = error.get("input")
         lines.append(f"invalid setting {'.'.join(path)} ({env_name}={value!r}): {error['msg']}")

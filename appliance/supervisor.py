@@ -55,12 +55,14 @@ class Chunk:
     finished: bool = False
     finish_reason: str | None = None
     timing: dict[str, float] | None = None  # on the last chunk: the request's timestamps
+    handoff_bytes: int = 0  # on the last chunk: KV bytes copied from prefill to decode pool
 
 
 @dataclass
 class WorkerHandle:
     worker_id: int
     role: str  # "prefill", "decode" or "colocated"
+    device: str
     cores: tuple[int, ...]
     inbox: Any
     process: Any
@@ -70,6 +72,23 @@ class WorkerHandle:
     num_free: int = 0
     running: int = 0
     queued_tokens: int = 0  # prompt tokens sent and not yet answered
+    restarts: int = 0
+
+
+@dataclass
+class WorkerView:
+    """One worker as the server's /health and /metrics show it."""
+
+    worker_id: int
+    role: str
+    device: str
+    ready: bool
+    alive: bool
+    waiting: int  # requests sent to it whose first model step has not run yet
+    running: int
+    num_free_blocks: int
+    num_blocks: int
+    restarts: int
 
 
 @dataclass
@@ -83,8 +102,9 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     cancelled: bool = False
     # monotonic seconds: arrival, prefill_start (first step that ran it: queue time ends),
-    # first_token, handoff (blocks copied on the decode side), finished
+    # first_token, handoff_sent and handoff (the accepted handoff's round trip), finished
     timing: dict[str, float] = field(default_factory=dict)
+    handoff_bytes: int = 0
     token_times: list[float] = field(default_factory=list)  # when each chunk of tokens came
 
 
@@ -151,7 +171,9 @@ class Supervisor:
             daemon=True,
         )
         process.start()
-        self.workers[worker_id] = WorkerHandle(worker_id, role, device.cores, inbox, process)
+        self.workers[worker_id] = WorkerHandle(
+            worker_id, role, device.name, device.cores, inbox, process
+        )
 
     async def _watch_workers(self) -> None:
         """A worker that died fails its requests at once instead of leaving them waiting.
@@ -294,9 +316,10 @@ class Supervisor:
         if out.finished:
             request.timing["finished"] = time.monotonic()
             timing = dict(request.timing)
-        request.stream.put_nowait(
-            Chunk(out.token_ids, out.text, out.finished, out.finish_reason, timing)
-        )
+        chunk = Chunk(out.token_ids, out.text, out.finished, out.finish_reason, timing)
+        if out.finished:
+            chunk.handoff_bytes = request.handoff_bytes
+        request.stream.put_nowait(chunk)
         if out.handoff_blocks is not None:
             self._hand_off(PendingHandoff(request, worker.worker_id, out.handoff_blocks))
 
@@ -314,6 +337,7 @@ class Supervisor:
         decode = max(candidates, key=lambda w: (w.num_free, -w.running))
         decode.num_free -= needed  # until its next report says otherwise
         request.decode_worker = decode.worker_id
+        request.timing["handoff_sent"] = time.monotonic()
         self._pending[request.request_id] = pending
         decode.inbox.put(
             Handoff(
@@ -332,6 +356,7 @@ class Supervisor:
             return
         if result.accepted:
             pending.request.timing["handoff"] = time.monotonic()
+            pending.request.handoff_bytes = result.bytes_moved
             self._tell(pending.source, Release(result.request_id))
             if pending.request.cancelled:
                 self._tell(result.worker_id, Abort(result.request_id))
@@ -340,6 +365,44 @@ class Supervisor:
 
     # ------------------------------------------------------------ state
 
+    @property
+    def ready(self) -> bool:
+        """Every worker has loaded its model and the pools are wired together."""
+        return self._all_ready is not None and self._all_ready.done()
+
     def block_counts(self) -> dict[int, tuple[int, int]]:
         """Each worker's last reported (free, total) KV blocks."""
         return {w.worker_id: (w.num_free, w.num_blocks) for w in self.workers.values()}
+
+    def capacity_tokens(self) -> int:
+        """The longest sequence every worker's KV pool can hold (0 before they are ready)."""
+        sizes = [w.num_blocks for w in self.workers.values() if w.alive]
+        return min(sizes, default=0) * self.settings.kv.block_size
+
+    def views(self) -> list[WorkerView]:
+        """A snapshot of every worker's state and load."""
+        waiting = dict.fromkeys(self.workers, 0)
+        for request in self.requests.values():
+            if "prefill_start" not in request.timing and request.prefill_worker in waiting:
+                waiting[request.prefill_worker] += 1
+        for pending in self._pending.values():
+            waiting[pending.request.decode_worker] += 1
+        return [
+            WorkerView(
+                w.worker_id,
+                w.role,
+                w.device,
+                w.ready,
+                w.alive,
+                waiting[w.worker_id],
+                w.running,
+                w.num_free,
+                w.num_blocks,
+                w.restarts,
+            )
+            for w in self.workers.values()
+        ]
+
+    def pending_handoffs(self) -> int:
+        """Handoffs sent to a decode worker and not yet answered."""
+        return len(self._pending)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from server_process import API_KEY, ServerProcess
 
 from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
@@ -50,3 +51,19 @@ def hf_reference() -> torch.nn.Module:
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[ServerProcess]:
+    """One `appliance serve` (1 prefill + 1 decode worker, default model and dtype) shared
+    by every server test; it needs the API key and admits at most 40 generations."""
+    process = ServerProcess(
+        {
+            "APPLIANCE_API_KEY": API_KEY,
+            "APPLIANCE_SERVER__MAX_CONCURRENT_REQUESTS": "40",
+            "APPLIANCE_KV__MEMORY_MB": "128",
+        }
+    )
+    process.start()
+    yield process
+    process.stop()

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,16 @@ def load_model_files(path: Path | None, cache_dir: Path) -> ModelFiles:
     if not path.exists():
         raise ModelLoadError(path, "no such file or folder")
     return _load_gguf_cached(path, cache_dir)
+
+
+def model_name(path: Path | None) -> str:
+    """The id clients use for a model: its file or folder name, less a GGUF quant suffix
+    ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct")."""
+    path = Path(path) if path is not None else default_model_path()
+    name = path.name if path.is_dir() else path.stem
+    base, _, suffix = name.rpartition(".")
+    is_quant = re.fullmatch(r"(?i)i?q\d\w*|f16|f32|bf16", suffix)
+    return base if base and is_quant else name
 
 
 def prepare_model(path: Path | None, cache_dir: Path) -> tuple[ModelConfig, Path]:

@@ -1,0 +1,1 @@
+"""The HTTP server: OpenAI-compatible routes, health and metrics."""

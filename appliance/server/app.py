@@ -1,0 +1,85 @@
+"""The Starlette app: routes, error handlers, and a lifespan that starts the workers in
+the background so /health can answer 503 while they load."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from appliance.appliance import Appliance
+from appliance.server import routes
+from appliance.server.errors import APIError, api_error, http_error, unexpected_error
+from appliance.server.metrics import Metrics
+from appliance.server.state import ServerState
+
+log = logging.getLogger("appliance.server")
+
+
+def build_app(
+    appliance: Appliance, on_start_failed: Callable[[], None] = lambda: None
+) -> Starlette:
+    """The HTTP app around a prepared (tokenizer loaded) appliance; starting the app
+    starts the appliance's workers, stopping it stops them."""
+    state = ServerState(appliance, Metrics(CollectorRegistry(), appliance.supervisor))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        starting = asyncio.create_task(appliance.start())
+        starting.add_done_callback(lambda task: _started(task, state, on_start_failed))
+        try:
+            yield
+        finally:
+            if not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+            await appliance.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/health", routes.health, methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
+        ],
+        exception_handlers={
+            APIError: _counted(api_error),
+            HTTPException: _counted(http_error),
+            Exception: unexpected_error,
+        },
+        lifespan=lifespan,
+    )
+    app.state.server = state
+    return app
+
+
+def _counted(handler: Callable) -> Callable:
+    async def handle(request: Request, exc: Exception) -> Response:
+        response = await handler(request, exc)
+        request.app.state.server.metrics.rejected.labels(str(response.status_code)).inc()
+        return response
+
+    return handle
+
+
+def _started(task: asyncio.Task, state: ServerState, on_start_failed: Callable[[], None]) -> None:
+    if task.cancelled():
+        return
+    error = task.exception()
+    if error is None:
+        views = state.appliance.supervisor.views()
+        pools = ", ".join(f"{v.role} worker on {v.device}" for v in views)
+        log.info("ready: %s (%s)", state.appliance.model_name, pools)
+        return
+    state.startup_error = str(error)
+    log.error("the workers could not start: %s", error)
+    on_start_failed()

@@ -1,0 +1,86 @@
+"""OpenAI-style errors: every failure a client sees is `{"error": {message, type, param,
+code}}` with a fitting status, never a bare 500 page or a dropped connection."""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+log = logging.getLogger("appliance.server")
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as it is."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        error_type = ERROR_TYPES.get(self.status, "invalid_request_error")
+        return {
+            "error": {
+                "message": self.message,
+                "type": error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_validation(exc: ValidationError) -> APIError:
+    """A 422 naming every bad field, its path in the body as `param`."""
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"]) or "body"
+        problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+    first = exc.errors()[0]["loc"]
+    param = ".".join(str(p) for p in first) or None
+    return APIError(422, "; ".join(problems), param=param, code="invalid_value")
+
+
+async def api_error(request: Request, exc: Exception) -> JSONResponse:
+    return exc.response()
+
+
+async def http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own 404/405 and friends, in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed"}
+    return APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).response()
+
+
+async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s", request.url.path)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()

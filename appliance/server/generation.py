@@ -1,0 +1,132 @@
+"""Running a request's choices on the supervisor: each choice observed for the metrics,
+several merged into one stream, a client that goes away cancelling them all."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from appliance.engine.sequence import SamplingParams
+from appliance.server.metrics import Metrics
+from appliance.supervisor import Chunk, RequestFailed, Supervisor
+
+T = TypeVar("T")
+
+
+@dataclass
+class Choice:
+    """One generation of a request: choice `index` of its prompt."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+async def observed(
+    supervisor: Supervisor, choice: Choice, metrics: Metrics
+) -> AsyncIterator[Chunk]:
+    """The choice's chunks, timed as they reach the server: what a client sees."""
+    arrival = time.monotonic()
+    first = last = 0.0
+    num_tokens = 0
+    outcome = "abort"  # unless it finishes or fails
+    try:
+        async with aclosing(supervisor.generate(choice.prompt_ids, choice.params)) as chunks:
+            async for chunk in chunks:
+                now = time.monotonic()
+                if num_tokens == 0:
+                    first = now
+                    metrics.observe_first_token(now - arrival, len(choice.prompt_ids))
+                else:
+                    metrics.itl.observe(now - last)
+                last = now
+                num_tokens += len(chunk.token_ids)
+                metrics.generation_tokens.inc(len(chunk.token_ids))
+                if chunk.finished:
+                    outcome = ""
+                    metrics.observe_finished(chunk, num_tokens, arrival, first, last)
+                yield chunk
+    except RequestFailed:
+        outcome = "error"
+        raise
+    finally:
+        if outcome:
+            metrics.requests.labels(outcome).inc()
+
+
+async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(stream index, chunk) from several streams as they come; closing this closes all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for chunk in only:
+                yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async with aclosing(stream) as chunks:
+                async for chunk in chunks:
+                    queue.put_nowait((index, chunk))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, None))  # this stream is done
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def run_choices(
+    supervisor: Supervisor, choices: list[Choice], metrics: Metrics
+) -> AsyncIterator[tuple[int, Chunk]]:
+    """Every choice's chunks, tagged with the choice's index."""
+    streams = [observed(supervisor, c, metrics) for c in choices]
+    return _retag(merged(streams), [c.index for c in choices])
+
+
+async def _retag(
+    pairs: AsyncIterator[tuple[int, Chunk]], indices: list[int]
+) -> AsyncIterator[tuple[int, Chunk]]:
+    async with aclosing(pairs) as items:
+        async for position, chunk in items:
+            yield indices[position], chunk
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, cancelling it if the client hangs up first (then None)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read already, so the next message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,149 @@
+"""Prometheus metrics: latencies observed per request as its chunks reach the server,
+and the pools' load read from the supervisor at each scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from appliance.supervisor import Chunk, Supervisor
+
+FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+
+class Metrics:
+    """The server's metrics, in their own registry (one per app, so tests can build many)."""
+
+    def __init__(self, registry: CollectorRegistry, supervisor: Supervisor) -> None:
+        self.registry = registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=registry)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        self.ttft = histogram(
+            "appliance_time_to_first_token_seconds",
+            "From a request's arrival to its first token.",
+            FIRST_TOKEN_BUCKETS,
+        )
+        self.tpot = histogram(
+            "appliance_time_per_output_token_seconds",
+            "A finished request's mean time per token after the first.",
+            PER_TOKEN_BUCKETS,
+        )
+        self.itl = histogram(
+            "appliance_inter_token_latency_seconds",
+            "Time between successive streamed chunks of a request.",
+            PER_TOKEN_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "appliance_queue_time_seconds",
+            "From arrival until the first model step that ran the request.",
+            FIRST_TOKEN_BUCKETS,
+        )
+        self.e2e = histogram(
+            "appliance_e2e_request_latency_seconds",
+            "From arrival to the last token.",
+            REQUEST_BUCKETS,
+        )
+        self.handoff_latency = histogram(
+            "appliance_handoff_latency_seconds",
+            "Round trip of an accepted KV handoff: sent to the decode worker until copied.",
+            HANDOFF_BUCKETS,
+        )
+        self.handoff_bytes = counter(
+            "appliance_handoff_bytes", "KV bytes copied from the prefill to the decode pool."
+        )
+        self.prompt_tokens = counter("appliance_prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter(
+            "appliance_generation_tokens", "Tokens generated (prefill's first and decoded)."
+        )
+        self.requests = counter(
+            "appliance_requests",
+            "Generations ended, by finish reason (stop, length, error, abort).",
+            ("finish_reason",),
+        )
+        self.rejected = counter(
+            "appliance_rejected_requests",
+            "Requests refused before running, by status.",
+            ("status",),
+        )
+        registry.register(PoolCollector(supervisor))
+
+    def observe_first_token(self, seconds: float, prompt_tokens: int) -> None:
+        self.ttft.observe(seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def observe_finished(
+        self, chunk: Chunk, num_tokens: int, arrival: float, first: float, last: float
+    ) -> None:
+        """A finished request: it arrived at `arrival`, its first and last chunks reached
+        the server at `first` and `last` (monotonic seconds)."""
+        self.e2e.observe(last - arrival)
+        if num_tokens > 1:
+            self.tpot.observe((last - first) / (num_tokens - 1))
+        timing = chunk.timing or {}
+        if "prefill_start" in timing and "arrival" in timing:
+            self.queue_time.observe(max(0.0, timing["prefill_start"] - timing["arrival"]))
+        if "handoff" in timing and "handoff_sent" in timing:
+            self.handoff_latency.observe(timing["handoff"] - timing["handoff_sent"])
+            self.handoff_bytes.inc(chunk.handoff_bytes)
+        self.requests.labels(chunk.finish_reason or "stop").inc()
+
+
+class PoolCollector(Collector):
+    """Per-worker gauges read from the supervisor's state when Prometheus scrapes."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker", "role", "device"]
+        families = {
+            "waiting": GaugeMetricFamily(
+                "appliance_worker_queue_depth",
+                "Requests waiting at a worker: prompts not yet started, handoffs not yet taken.",
+                labels=labels,
+            ),
+            "running": GaugeMetricFamily(
+                "appliance_worker_running_sequences",
+                "Sequences a worker is running.",
+                labels=labels,
+            ),
+            "kv": GaugeMetricFamily(
+                "appliance_worker_kv_usage_ratio",
+                "Share of a worker's KV blocks in use.",
+                labels=labels,
+            ),
+            "restarts": CounterMetricFamily(
+                "appliance_worker_restarts",
+                "Times a worker's process was restarted.",
+                labels=labels,
+            ),
+        }
+        for view in self.supervisor.views():
+            key = [str(view.worker_id), view.role, view.device]
+            used = 1 - view.num_free_blocks / view.num_blocks if view.num_blocks else 0.0
+            families["waiting"].add_metric(key, view.waiting)
+            families["running"].add_metric(key, view.running)
+            families["kv"].add_metric(key, used)
+            families["restarts"].add_metric(key, view.restarts)
+        yield from families.values()
+        yield GaugeMetricFamily(
+            "appliance_requests_in_flight",
+            "Generations the supervisor holds.",
+            value=len(self.supervisor.requests),
+        )
+        yield GaugeMetricFamily(
+            "appliance_pending_handoffs",
+            "Handoffs sent to a decode worker and not yet answered.",
+            value=self.supervisor.pending_handoffs(),
+        )

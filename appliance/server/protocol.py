@@ -1,0 +1,169 @@
+"""Request bodies of the OpenAI routes, validated strictly: a wrong type is an error,
+never coerced ("10" is not a number, "yes" is not true)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from appliance.engine.sequence import SamplingParams
+
+# Fields OpenAI defines that this server does not implement: sent with a value other than
+# the one meaning "off", they are refused instead of silently ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}),
+    "suffix": (None, ""),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+}
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1
+
+
+def unsupported_field(body: dict[str, Any]) -> str | None:
+    """The first field in a raw body that asks for something this server does not do."""
+    for name, off in UNSUPPORTED_FIELDS.items():
+        if name in body and not any(_same(body[name], value) for value in off):
+            return name
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    # True == 1 in Python; a JSON true is not the number 1.
+    return type(a) is type(b) and a == b
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What both routes share: the model, how to sample, when to stop, how to answer."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0: no top-k cut")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_are_usable(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def default_max_tokens(self, room: int) -> int:
+        """Without max_tokens, generate until the context is full (or a stop)."""
+        return room
+
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        """The engine's parameters for choice `choice` of n (each choice its own seed)."""
+        seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=max(self.top_k, 0),
+            top_p=self.top_p,
+            seed=seed,
+            stop=tuple(self.stop or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value: str | list[dict[str, Any]]) -> str:
+        if isinstance(value, str):
+            return value
+        texts = []
+        for i, part in enumerate(value):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type")
+                raise ValueError(
+                    f"content part {i} has type {kind!r}; only text parts "
+                    '({"type": "text", "text": "..."}) are supported'
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def for_template(self) -> dict[str, str]:
+        # The template knows the classic roles; "developer" is OpenAI's new name for system.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.content}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    # One prompt (text or token ids) or a batch of them; each gets n choices.
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def default_max_tokens(self, room: int) -> int:
+        return min(16, room)  # OpenAI's default for this route
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if isinstance(value, str) or not value:
+            prompts = [value]
+        elif isinstance(value[0], int):
+            prompts = [value]
+        else:
+            prompts = value
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if isinstance(prompt, list) and min(prompt) < 0:
+                raise ValueError(f"prompt {i} has a negative token id")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts, each as text or token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)

@@ -1,0 +1,94 @@
+"""The JSON shapes of OpenAI's chat and text completion responses, whole and streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ChatShape:
+    """/v1/chat/completions: choices carry a message, stream chunks a delta."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        delta = {"content": text} if text else {}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        """The first chunk of each choice names the role, as OpenAI's stream does."""
+        delta = {"role": "assistant", "content": ""}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+
+class CompletionShape:
+    """/v1/completions: choices and stream chunks carry text."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return self.choice(index, text, finish_reason)
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        return None
+
+
+Shape = ChatShape | CompletionShape
+
+
+@dataclass
+class Envelope:
+    """What every response and chunk of one request shares."""
+
+    shape: Shape
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or self.shape.id_prefix + uuid.uuid4().hex
+
+    def whole(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return self._wrap(self.shape.object, choices) | {"usage": usage}
+
+    def chunk(
+        self, choices: list[dict[str, Any]], usage: dict[str, int] | None, with_usage: bool
+    ) -> dict[str, Any]:
+        body = self._wrap(self.shape.chunk_object, choices)
+        return body | {"usage": usage} if with_usage else body
+
+    def _wrap(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

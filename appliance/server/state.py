@@ -1,0 +1,88 @@
+"""What every route needs: the appliance, the metrics, and the checks done before work
+(key, readiness, model name, admission)."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from appliance.appliance import Appliance
+from appliance.config import Settings
+from appliance.server.errors import APIError
+from appliance.server.metrics import Metrics
+
+STARTING_RETRY_S = 5
+OVERLOAD_RETRY_S = 1
+
+
+@dataclass
+class Ticket:
+    """Admission of `count` generations; released exactly once."""
+
+    state: ServerState
+    count: int
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.state.in_flight -= self.count
+
+
+@dataclass
+class ServerState:
+    appliance: Appliance
+    metrics: Metrics
+    in_flight: int = 0  # admitted generations not yet finished
+    startup_error: str | None = None  # set when the workers could not start
+
+    @property
+    def settings(self) -> Settings:
+        return self.appliance.settings
+
+    def authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        sent = request.headers.get("authorization", "")
+        expected = f"Bearer {key.get_secret_value()}"
+        if not hmac.compare_digest(sent.encode(), expected.encode()):
+            raise APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    def check_ready(self) -> None:
+        if self.startup_error is not None:
+            raise APIError(503, f"the appliance failed to start: {self.startup_error}")
+        if not self.appliance.ready:
+            raise APIError(
+                503,
+                "the appliance is starting: its workers are loading the model",
+                code="starting",
+                retry_after=STARTING_RETRY_S,
+            )
+
+    def check_model(self, name: str) -> None:
+        if name != self.appliance.model_name:
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {self.appliance.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def admit(self, count: int) -> Ticket:
+        limit = self.settings.server.max_concurrent_requests
+        if self.in_flight + count > limit:
+            raise APIError(
+                429,
+                f"the server is at its limit of {limit} generations in flight; retry shortly",
+                code="overloaded",
+                retry_after=OVERLOAD_RETRY_S,
+            )
+        self.in_flight += count
+        return Ticket(self, count)

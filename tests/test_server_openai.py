@@ -1,0 +1,139 @@
+"""A real `appliance serve` driven over HTTP by the official openai client and by httpx."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+from server_process import API_KEY, ServerProcess
+
+from appliance.config import load_settings
+from appliance.model.loader import model_name, prepare_model
+from appliance.model.tokenizer import Tokenizer
+
+MODEL = model_name(None)
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    config, folder = prepare_model(None, load_settings().cache_dir)
+    return Tokenizer.load(folder, config.eos_token_ids)
+
+
+def test_health_said_starting_then_ok(server: ServerProcess) -> None:
+    statuses = [status for status, _ in server.health_seen]
+    assert statuses[0] == 503 and statuses[-1] == 200
+    starting = server.health_seen[0][1]
+    assert starting["status"] == "starting"
+    ready = server.health_seen[-1][1]
+    assert ready["status"] == "ok" and ready["model"] == MODEL
+    assert [w["role"] for w in ready["pools"]["prefill"]] == ["prefill"]
+    assert [w["role"] for w in ready["pools"]["decode"]] == ["decode"]
+    assert all(
+        w["ready"] and w["num_free_blocks"] == w["num_blocks"] > 0
+        for w in ready["pools"]["prefill"] + ready["pools"]["decode"]
+    )
+
+
+def test_models_lists_the_served_model(client: OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_streamed_chat_equals_whole_chat_for_a_seed(client: OpenAI) -> None:
+    ask = dict(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0.8, seed=7)
+    whole = client.chat.completions.create(**ask)
+    pieces, reasons, usage = [], [], None
+    stream = client.chat.completions.create(
+        **ask, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    text = whole.choices[0].message.content
+    assert text and "".join(pieces) == text
+    assert reasons == [whole.choices[0].finish_reason]
+    assert usage is not None and usage.model_dump() == whole.usage.model_dump()
+
+
+def test_usage_counts_are_the_tokenizers(client: OpenAI, tokenizer: Tokenizer) -> None:
+    story = [{"role": "user", "content": "Write a long story about a dragon."}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=story, max_tokens=12, temperature=0
+    )
+    text = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens == len(tokenizer.apply_chat_template(story))
+    assert reply.usage.completion_tokens == 12 == len(tokenizer.encode(text))
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+
+
+def test_a_stop_string_ends_with_finish_reason_stop(client: OpenAI) -> None:
+    free = (
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
+        .choices[0]
+        .message.content
+    )
+    word = free.split()[2]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=16, temperature=0, stop=[word]
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.content == free[: free.index(word)]
+
+
+def test_eos_ends_with_finish_reason_stop(client: OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say just: yes"}],
+        max_tokens=64,
+        temperature=0,
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens < 64
+
+
+def test_completions_streamed_and_whole_with_n(client: OpenAI) -> None:
+    ask = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0.9, seed=3, n=2)
+    whole = client.completions.create(**ask)
+    texts = ["", ""]
+    for chunk in client.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in whole.choices]
+    assert texts[0] != texts[1]  # each choice has its own seed
+    assert whole.usage.prompt_tokens == 4 and whole.usage.completion_tokens == 20
+
+
+def test_completions_take_token_ids_and_batches(client: OpenAI, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("The sky is")
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    batch = client.completions.create(
+        model=MODEL, prompt=["The sky is", "Water is"], max_tokens=8, temperature=0
+    )
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == by_ids.choices[0].text
+    assert batch.usage.prompt_tokens == len(ids) + len(tokenizer.encode("Water is"))
+
+
+def test_curl_style_stream_is_sse_ending_in_done(server: ServerProcess) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 5, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60
+    ) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in reply.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert '"object":"chat.completion.chunk"' in lines[0]
