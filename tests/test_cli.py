@@ -42,3 +42,17 @@ def test_bad_setting_names_the_variable() -> None:
     result = run("generate", "x", env=env)
     assert result.returncode == 2
     assert "APPLIANCE_DTYPE" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_refuses_a_remote_host_without_consent() -> None:
+    result = run("serve", "--host", "0.0.0.0")
+    assert result.returncode == 2
+    assert "APPLIANCE_ALLOW_REMOTE" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_with_a_corrupt_model_fails_before_listening(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    result = run("serve", "--model", str(bad), "--port", "1")
+    assert result.returncode == 2
+    assert "bad.gguf" in result.stderr and "Traceback" not in result.stderr

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+from pathlib import Path
+
 import httpx
 import pytest
 from openai import OpenAI
@@ -137,3 +142,18 @@ def test_curl_style_stream_is_sse_ending_in_done(server: ServerProcess) -> None:
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     assert '"object":"chat.completion.chunk"' in lines[0]
+
+
+def test_readme_curl_example_streams(server: ServerProcess) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    command = re.search(r"```sh\n(curl -N .*?)\n```", readme, re.S).group(1)
+    command = command.replace("http://127.0.0.1:8000", server.url)
+    command += f' -H "Authorization: Bearer {API_KEY}"'
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stdout.splitlines() if line]
+    assert result.returncode == 0 and lines[-1] == "data: [DONE]"
+    assert "Paris" in "".join(
+        json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+        for line in lines[:-1]
+        if json.loads(line[6:])["choices"]
+    )

@@ -4,6 +4,7 @@ code}}` with a fitting status, never a bare 500 page or a dropped connection."""
 from __future__ import annotations
 
 import logging
+import re
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -63,11 +64,19 @@ def from_validation(exc: ValidationError) -> APIError:
     """A 422 naming every bad field, its path in the body as `param`."""
     problems = []
     for error in exc.errors():
-        where = ".".join(str(p) for p in error["loc"]) or "body"
+        where = _body_path(error["loc"]) or "body"
         problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
-    first = exc.errors()[0]["loc"]
-    param = ".".join(str(p) for p in first) or None
-    return APIError(422, "; ".join(problems), param=param, code="invalid_value")
+    param = _body_path(exc.errors()[0]["loc"]) or None
+    return APIError(422, "; ".join(dict.fromkeys(problems)), param=param, code="invalid_value")
+
+
+def _body_path(loc: tuple) -> str:
+    # pydantic adds which member of a union it tried ("str", "list[int]"): not in the body.
+    parts = [str(p) for p in loc if not _UNION_MEMBER.fullmatch(str(p))]
+    return ".".join(parts)
+
+
+_UNION_MEMBER = re.compile(r"str|int|float|bool|[\w-]+\[.*\]")
 
 
 async def api_error(request: Request, exc: Exception) -> JSONResponse:
