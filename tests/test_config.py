@@ -100,6 +100,7 @@ def test_toml_file(tmp_path: Path) -> None:
 dtype = "float16"
 port = 1234
 host = "0.0.0.0"
+allow_remote = true
 
 [kv]
 block_size = 8
@@ -131,7 +132,9 @@ def test_toml_is_only_read_when_given(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_priority_kwargs_over_env_over_toml(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    config = write_toml(tmp_path, 'port = 1111\ndtype = "float16"\nhost = "10.0.0.1"\n')
+    config = write_toml(
+        tmp_path, 'port = 1111\ndtype = "float16"\nhost = "10.0.0.1"\nallow_remote = true\n'
+    )
     assert load_settings(config).port == 1111
 
     monkeypatch.setenv("APPLIANCE_PORT", "2222")
@@ -242,3 +245,18 @@ def test_missing_config_file_raises(tmp_path: Path) -> None:
 def test_config_file_that_is_a_directory_raises(tmp_path: Path) -> None:
     with pytest.raises(SettingsError):
         load_settings(tmp_path)
+
+
+def test_a_remote_host_needs_allow_remote() -> None:
+    with pytest.raises(SettingsError, match="APPLIANCE_ALLOW_REMOTE"):
+        load_settings(host="192.168.1.5")
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        assert load_settings(host=host).host == host
+    assert load_settings(host="0.0.0.0", allow_remote=True).allow_remote
+
+
+def test_api_key_is_secret_and_server_limits_validate() -> None:
+    s = load_settings(api_key="s3cr3t-key")
+    assert s.api_key.get_secret_value() == "s3cr3t-key" and "s3cr3t" not in repr(s)
+    with pytest.raises(SettingsError, match=r"server\.max_concurrent_requests"):
+        load_settings(server={"max_concurrent_requests": 0})
