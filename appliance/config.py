@@ -108,6 +108,12 @@ class Settings(BaseSettings):
         Path.home() / ".cache" / "appliance",
         description="Where dequantized weights and converted tokenizers are cached.",
     )
+    cpu_devices: int | None = Field(
+        None,
+        ge=1,
+        description="Without GPUs: how many devices to split the usable cores into "
+        "(each a worker's core set); empty means one per core.",
+    )
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="Split prefill and decode pools, or workers doing both."
     )
@@ -144,6 +150,11 @@ class Settings(BaseSettings):
         if value is not None and not value.exists():
             raise ValueError(f"no such file or folder: {value}")
         return value
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_none(cls, value: object) -> object:
+        return None if value == "" else value
 
     @model_validator(mode="after")
     def _remote_needs_consent(self) -> Settings:

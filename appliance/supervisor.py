@@ -120,9 +120,9 @@ class Supervisor:
 
     def __init__(self, settings: Settings, topology: Topology | None = None) -> None:
         self.settings = settings
-        # Without accelerators, one CPU "device" per usable core.
-        cores = len(os.sched_getaffinity(0))
-        self.topology = topology or discover(settings.device, num_cpu_devices=cores)
+        # Without accelerators, one CPU "device" per usable core unless told otherwise.
+        cpu_devices = settings.cpu_devices or len(os.sched_getaffinity(0))
+        self.topology = topology or discover(settings.device, num_cpu_devices=cpu_devices)
         self.partition: Partition = partition(
             self.topology, settings.mode, settings.prefill_devices, settings.decode_devices
         )
@@ -368,7 +368,13 @@ class Supervisor:
     @property
     def ready(self) -> bool:
         """Every worker has loaded its model and the pools are wired together."""
-        return self._all_ready is not None and self._all_ready.done()
+        started = self._all_ready
+        return (
+            started is not None
+            and started.done()
+            and not started.cancelled()
+            and started.exception() is None
+        )
 
     def block_counts(self) -> dict[int, tuple[int, int]]:
         """Each worker's last reported (free, total) KV blocks."""

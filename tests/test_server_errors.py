@@ -123,8 +123,30 @@ CASES = [
         CHAT,
         b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL.encode(),
         AUTH,
+        422,
+        "messages.0.content",
+        None,
+    ),
+    ("JSON nested too deeply", "POST", CHAT, b"[" * 100_000, AUTH, 400, None, "invalid_json"),
+    (
+        "integer of 5000 digits",
+        "POST",
+        CHAT,
+        chat(seed=0).replace(b'"seed": 0', b'"seed": ' + b"9" * 5000),
+        AUTH,
         400,
-        "messages",
+        None,
+        "invalid_json",
+    ),
+    ("stop string too long", "POST", CHAT, chat(stop=["x" * 5000]), AUTH, 422, "stop", None),
+    (
+        "more generations than the server runs",
+        "POST",
+        TEXT,
+        text(prompt=["a"] * 30, n=2),
+        AUTH,
+        400,
+        "prompt",
         None,
     ),
     (
@@ -190,9 +212,23 @@ def test_context_error_says_how_many_tokens(http: httpx.Client) -> None:
     assert "the prompt has 9000 tokens" in message and "context holds" in message
 
 
+def test_405_names_the_allowed_method(http: httpx.Client) -> None:
+    assert http.get(CHAT, headers=AUTH).headers["allow"] == "POST"
+
+
+def test_nulls_mean_defaults_and_a_tiny_temperature_is_greedy(http: httpx.Client) -> None:
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "stop": None}
+    reply = http.post(CHAT, content=chat(max_tokens=6, **nulls), headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    greedy = http.post(CHAT, content=chat(max_tokens=6, temperature=0), headers=AUTH).json()
+    tiny = http.post(CHAT, content=chat(max_tokens=6, temperature=1e-300), headers=AUTH)
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["message"] == greedy["choices"][0]["message"]
+
+
 def test_server_still_answers_after_bad_input(http: httpx.Client) -> None:
     reply = http.post(CHAT, content=chat(max_tokens=3, temperature=0), headers=AUTH)
     assert reply.status_code == 200
     assert reply.json()["usage"]["completion_tokens"] <= 3
     health = http.get("/health").json()
-    assert health["status"] == "ok" and health["requests_in_flight"] == 0
+    assert health["status"] == "ok" and health["generations_admitted"] == 0

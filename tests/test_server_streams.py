@@ -76,7 +76,7 @@ def test_dropped_streams_free_their_blocks_on_both_pools(server: ServerProcess) 
     decode = [w for w in busy if w["role"] == "decode"]
     assert decode[0]["num_free_blocks"] < decode[0]["num_blocks"]  # they were decoding
     wait_all_free(server.url)
-    assert httpx.get(server.url + "/health").json()["requests_in_flight"] == 0
+    assert httpx.get(server.url + "/health").json()["generations_admitted"] == 0
 
 
 def test_a_whole_response_abandoned_by_its_client_is_cancelled(server: ServerProcess) -> None:
@@ -159,7 +159,7 @@ def test_metrics_parse_and_move_with_traffic(server: ServerProcess) -> None:
         assert moved(histogram + "_sum") > 0, histogram
     assert moved("appliance_inter_token_latency_seconds_count") == 8
     assert moved("appliance_handoff_bytes_total") > 0
-    assert moved("appliance_rejected_requests_total", status="422") == 1
+    assert moved("appliance_error_responses_total", status="422") == 1
     gauges = {labels for name, labels in after if name == "appliance_worker_kv_usage_ratio"}
     roles = sorted(dict(labels)["role"] for labels in gauges)
     assert roles == ["decode", "prefill"]

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -41,7 +43,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Dividing logits by a temperature this small overflows: it is greedy anyway.
+        return self.temperature < GREEDY_BELOW
 
 
 class SequenceStatus(Enum):

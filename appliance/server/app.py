@@ -54,7 +54,7 @@ def build_app(
         exception_handlers={
             APIError: _counted(api_error),
             HTTPException: _counted(http_error),
-            Exception: unexpected_error,
+            Exception: _counted(unexpected_error),
         },
         lifespan=lifespan,
     )
@@ -65,7 +65,7 @@ def build_app(
 def _counted(handler: Callable) -> Callable:
     async def handle(request: Request, exc: Exception) -> Response:
         response = await handler(request, exc)
-        request.app.state.server.metrics.rejected.labels(str(response.status_code)).inc()
+        request.app.state.server.metrics.errors.labels(str(response.status_code)).inc()
         return response
 
     return handle

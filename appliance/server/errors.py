@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from types import MappingProxyType
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -13,17 +14,19 @@ from starlette.responses import JSONResponse
 
 log = logging.getLogger("appliance.server")
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
+ERROR_TYPES = MappingProxyType(
+    {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+        422: "invalid_request_error",
+        429: "rate_limit_error",
+        500: "server_error",
+        503: "service_unavailable",
+    }
+)
 
 
 class APIError(Exception):
@@ -80,6 +83,8 @@ _UNION_MEMBER = re.compile(r"str|int|float|bool|[\w-]+\[.*\]")
 
 
 async def api_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's handler for APIError."""
+    assert isinstance(exc, APIError)
     return exc.response()
 
 
@@ -87,9 +92,12 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's own 404/405 and friends, in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed"}
-    return APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).response()
+    response = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).response()
+    response.headers.update(exc.headers or {})  # 405 names the allowed methods
+    return response
 
 
 async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug: answered as a 500 in the same shape, and logged with its traceback."""
     log.exception("unexpected error on %s", request.url.path)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()

@@ -26,13 +26,14 @@ class Choice:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    arrival: float  # time.monotonic() when its HTTP request arrived
 
 
 async def observed(
     supervisor: Supervisor, choice: Choice, metrics: Metrics
 ) -> AsyncIterator[Chunk]:
-    """The choice's chunks, timed as they reach the server: what a client sees."""
-    arrival = time.monotonic()
+    """The choice's chunks, timed from the request's arrival as they reach the server."""
+    arrival = choice.arrival
     first = last = 0.0
     num_tokens = 0
     outcome = "abort"  # unless it finishes or fails

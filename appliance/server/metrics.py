@@ -71,9 +71,9 @@ class Metrics:
             "Generations ended, by finish reason (stop, length, error, abort).",
             ("finish_reason",),
         )
-        self.rejected = counter(
-            "appliance_rejected_requests",
-            "Requests refused before running, by status.",
+        self.errors = counter(
+            "appliance_error_responses",
+            "Requests answered with an error, by HTTP status.",
             ("status",),
         )
         registry.register(PoolCollector(supervisor))

@@ -1,32 +1,37 @@
 """Request bodies of the OpenAI routes, validated strictly: a wrong type is an error,
-never coerced ("10" is not a number, "yes" is not true)."""
+never coerced ("10" is not a number, "yes" is not true). A null means "the default", as
+in OpenAI's API."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from appliance.engine.sequence import SamplingParams
 
 # Fields OpenAI defines that this server does not implement: sent with a value other than
 # the one meaning "off", they are refused instead of silently ignored.
-UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "response_format": (None, {"type": "text"}),
-    "suffix": (None, ""),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-}
+UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
+    {
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "functions": (None, []),
+        "function_call": (None, "none"),
+        "logit_bias": (None, {}),
+        "logprobs": (None, False),
+        "top_logprobs": (None, 0),
+        "response_format": (None, {"type": "text"}),
+        "suffix": (None, ""),
+        "echo": (None, False),
+        "best_of": (None, 1),
+        "presence_penalty": (None, 0, 0.0),
+        "frequency_penalty": (None, 0, 0.0),
+    }
+)
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # stop matching rescans held-back text: long stops slow a worker
 MAX_SEED = 2**63 - 1
 
 
@@ -43,24 +48,41 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-class StreamOptions(BaseModel):
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # JSON can carry "\ud800", which is no character
+        raise ValueError("text is not valid Unicode (a lone surrogate escape?)") from None
+    return text
+
+
+class Body(BaseModel):
+    """Strict fields, unknown ones ignored (clients send extras), null taken as unset."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Body):
     """What both routes share: the model, how to sample, when to stop, how to answer."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0: greedy")
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(-1, ge=-1, description="-1 or 0: no top-k cut")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: str | list[str] = Field(default_factory=list)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -69,13 +91,15 @@ class SamplingFields(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stops_are_usable(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
+    def _stops_are_usable(cls, value: str | list[str]) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value)
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
-        return stops
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
+        return [_valid_unicode(s) for s in stops]
 
     @property
     def include_usage(self) -> bool:
@@ -97,23 +121,23 @@ class SamplingFields(BaseModel):
             top_k=max(self.top_k, 0),
             top_p=self.top_p,
             seed=seed,
-            stop=tuple(self.stop or ()),
+            stop=tuple(self.stop),
             ignore_eos=self.ignore_eos,
         )
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ChatMessage(Body):
+    """One turn; content is text or text parts (joined). Tools and images are not served."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] = ""  # null is allowed (an assistant turn)
     name: str | None = None
 
     @field_validator("content")
     @classmethod
     def _text_only(cls, value: str | list[dict[str, Any]]) -> str:
         if isinstance(value, str):
-            return value
+            return _valid_unicode(value)
         texts = []
         for i, part in enumerate(value):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -123,7 +147,7 @@ class ChatMessage(BaseModel):
                     '({"type": "text", "text": "..."}) are supported'
                 )
             texts.append(part["text"])
-        return "".join(texts)
+        return _valid_unicode("".join(texts))
 
     def for_template(self) -> dict[str, str]:
         # The template knows the classic roles; "developer" is OpenAI's new name for system.
@@ -160,6 +184,8 @@ class CompletionRequest(SamplingFields):
                 raise ValueError(f"prompt {i} is empty")
             if isinstance(prompt, list) and min(prompt) < 0:
                 raise ValueError(f"prompt {i} has a negative token id")
+            if isinstance(prompt, str):
+                _valid_unicode(prompt)
         return value
 
     def prompts(self) -> list[str | list[int]]:

@@ -5,52 +5,53 @@ context check -> admission -> the supervisor (generation.py) -> JSON or SSE."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
-from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
 
+from appliance.server import replies
 from appliance.server.body import read_json_object
 from appliance.server.errors import APIError, from_validation
-from appliance.server.generation import Choice, run_choices, unless_disconnected
+from appliance.server.generation import Choice, unless_disconnected
 from appliance.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     unsupported_field,
 )
-from appliance.server.responses import ChatShape, CompletionShape, Envelope, Shape, usage
-from appliance.server.state import ServerState, Ticket
+from appliance.server.responses import ChatShape, CompletionShape, Envelope, Shape
+from appliance.server.state import ServerState
 from appliance.supervisor import RequestFailed
 
 R = TypeVar("R", bound=BaseModel)
 
 
 async def chat_completions(request: Request) -> Response:
+    """POST /v1/chat/completions: messages through the model's chat template."""
     state, body = await _accept(request)
     req = _parse(ChatCompletionRequest, body)
-    state.check_model(req.model)
+    _precheck(state, req, num_prompts=1)
     messages = [m.for_template() for m in req.messages]
-    ids = _tokenize(lambda: state.appliance.tokenize(messages=messages), "messages")
+    ids = await _tokenize(lambda: state.appliance.tokenize(messages=messages), "messages")
     return await _respond(request, state, req, [ids], ChatShape())
 
 
 async def completions(request: Request) -> Response:
+    """POST /v1/completions: raw text or token-id prompts, one or a batch."""
     state, body = await _accept(request)
     req = _parse(CompletionRequest, body)
-    state.check_model(req.model)
+    _precheck(state, req, num_prompts=len(req.prompts()))
     vocab = state.appliance.config.vocab_size
     prompts = []
     for prompt in req.prompts():
-        ids = _tokenize(lambda p=prompt: state.appliance.tokenize(prompt=p), "prompt")
+        ids = await _tokenize(lambda p=prompt: state.appliance.tokenize(prompt=p), "prompt")
         if max(ids) >= vocab:
             raise APIError(
                 400, f"token id {max(ids)} is outside the vocabulary ({vocab})", "prompt"
@@ -60,6 +61,7 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
+    """GET /v1/models: the one model served."""
     state: ServerState = request.app.state.server
     state.authorize(request)
     card = {
@@ -73,27 +75,33 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 once every worker is ready, 503 before; the pools' states either way."""
+    """200 once every worker is ready and each pool has a live worker, else 503; the
+    pools' states either way."""
     state: ServerState = request.app.state.server
-    supervisor = state.appliance.supervisor
-    ready = state.appliance.ready and state.startup_error is None
-    workers = [asdict(v) for v in supervisor.views()]
+    workers = [asdict(v) for v in state.appliance.supervisor.views()]
+    pools = {}
+    for worker in workers:
+        pools.setdefault(worker["role"], []).append(worker)
+    every_pool_alive = all(any(w["alive"] for w in pool) for pool in pools.values())
+    if state.startup_error is not None:
+        status = "failed"
+    elif not state.appliance.ready:
+        status = "starting"
+    else:
+        status = "ok" if every_pool_alive else "degraded"
     body = {
-        "status": "ok" if ready else ("failed" if state.startup_error else "starting"),
+        "status": status,
         "model": state.appliance.model_name,
         "mode": state.settings.mode,
-        "pools": {
-            role: [w for w in workers if w["role"] == role]
-            for role in ("prefill", "decode", "colocated")
-            if any(w["role"] == role for w in workers)
-        },
-        "requests_in_flight": state.in_flight,
+        "pools": pools,
+        "generations_admitted": state.in_flight,
         "error": state.startup_error,
     }
-    return JSONResponse(body, status_code=200 if ready else 503)
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
 
 async def metrics(request: Request) -> Response:
+    """GET /metrics: Prometheus text format."""
     state: ServerState = request.app.state.server
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -103,6 +111,7 @@ async def metrics(request: Request) -> Response:
 
 async def _accept(request: Request) -> tuple[ServerState, dict[str, Any]]:
     state: ServerState = request.app.state.server
+    request.state.arrival = time.monotonic()
     state.authorize(request)
     body = await read_json_object(request, state.settings.server.max_body_bytes)
     state.check_ready()
@@ -119,11 +128,29 @@ def _parse(model: type[R], body: dict[str, Any]) -> R:
         raise from_validation(exc) from None
 
 
-def _tokenize(tokenize: Callable[[], list[int]], param: str) -> list[int]:
+def _precheck(state: ServerState, req: SamplingFields, num_prompts: int) -> None:
+    """What can be refused before paying for tokenization."""
+    state.check_model(req.model)
+    limits = state.settings.server
+    if req.n > limits.max_n:
+        raise APIError(422, f"n is {req.n}; at most {limits.max_n}", "n")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options needs stream: true", "stream_options")
+    count = num_prompts * req.n
+    if count > limits.max_concurrent_requests:
+        raise APIError(
+            400,
+            f"{num_prompts} prompt(s) x n={req.n} is {count} generations; this server runs "
+            f"at most {limits.max_concurrent_requests} at once",
+            "prompt",
+        )
+    state.check_room(count)
+
+
+async def _tokenize(tokenize: Callable[[], list[int]], param: str) -> list[int]:
+    # Long prompts take milliseconds to seconds: off the loop that streams the others.
     try:
-        return tokenize()
-    except TypeError:  # the tokenizer refuses str holding a lone surrogate ("\ud800")
-        raise APIError(400, "the text is not valid Unicode (a lone surrogate?)", param) from None
+        return await asyncio.to_thread(tokenize)
     except ValueError as exc:  # an empty prompt, a template that rejects the messages
         raise APIError(400, str(exc), param) from None
 
@@ -153,6 +180,19 @@ def _max_tokens(req: SamplingFields, prompt_len: int, context: int, param: str) 
     return asked
 
 
+def _choices(
+    req: SamplingFields, prompts: list[list[int]], context: int, param: str, arrival: float
+) -> list[Choice]:
+    """n choices per prompt, each with its checked output budget and its own seed."""
+    choices = []
+    for p, ids in enumerate(prompts):
+        max_tokens = _max_tokens(req, len(ids), context, param)
+        for j in range(req.n):
+            params = req.sampling_params(max_tokens, j)
+            choices.append(Choice(p * req.n + j, ids, params, arrival))
+    return choices
+
+
 async def _respond(
     request: Request,
     state: ServerState,
@@ -160,95 +200,20 @@ async def _respond(
     prompts: list[list[int]],
     shape: Shape,
 ) -> Response:
-    if req.n > state.settings.server.max_n:
-        raise APIError(422, f"n is {req.n}; at most {state.settings.server.max_n}", "n")
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options needs stream: true", "stream_options")
     param = "messages" if isinstance(shape, ChatShape) else "prompt"
     context = state.appliance.max_model_len
-    choices = []
-    for p, ids in enumerate(prompts):
-        max_tokens = _max_tokens(req, len(ids), context, param)
-        for j in range(req.n):
-            choices.append(Choice(p * req.n + j, ids, req.sampling_params(max_tokens, j)))
+    choices = _choices(req, prompts, context, param, request.state.arrival)
     ticket = state.admit(len(choices))
     envelope = Envelope(shape, state.appliance.model_name)
     prompt_tokens = sum(len(ids) for ids in prompts)
     if req.stream:
-        events = _stream(state, choices, envelope, prompt_tokens, req.include_usage)
-        return Releasing(EventSourceResponse(events, sep="\n"), ticket)
+        return replies.streamed(state, choices, envelope, prompt_tokens, req.include_usage, ticket)
     try:
-        result = await unless_disconnected(
-            request, _collect(state, choices, envelope, prompt_tokens)
-        )
+        work = replies.whole(state, choices, envelope, prompt_tokens)
+        result = await unless_disconnected(request, work)
     except RequestFailed as exc:
         raise APIError(503, f"generation failed: {exc}", retry_after=1) from None
     finally:
         ticket.release()
+    # 499: nginx's "client closed request"; nobody reads it, the access log shows it.
     return JSONResponse(result) if result is not None else Response(status_code=499)
-
-
-async def _collect(
-    state: ServerState, choices: list[Choice], envelope: Envelope, prompt_tokens: int
-) -> dict[str, Any]:
-    texts = [""] * len(choices)
-    reasons: list[str | None] = [None] * len(choices)
-    generated = 0
-    async with aclosing(run_choices(state.appliance.supervisor, choices, state.metrics)) as chunks:
-        async for index, chunk in chunks:
-            texts[index] += chunk.text
-            generated += len(chunk.token_ids)
-            if chunk.finished:
-                reasons[index] = chunk.finish_reason
-    body = [envelope.shape.choice(i, texts[i], reasons[i]) for i in range(len(choices))]
-    return envelope.whole(body, usage(prompt_tokens, generated))
-
-
-async def _stream(
-    state: ServerState,
-    choices: list[Choice],
-    envelope: Envelope,
-    prompt_tokens: int,
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    """SSE data lines: OpenAI's chunks, an error event if generation fails, then [DONE]."""
-
-    def chunk(choice: dict[str, Any]) -> str:
-        return _json(envelope.chunk([choice], None, include_usage))
-
-    generated = 0
-    try:
-        for c in choices:
-            opening = envelope.shape.opening(c.index)
-            if opening is not None:
-                yield chunk(opening)
-        supervisor = state.appliance.supervisor
-        async with aclosing(run_choices(supervisor, choices, state.metrics)) as chunks:
-            async for index, piece in chunks:
-                generated += len(piece.token_ids)
-                if piece.text or piece.finished:
-                    yield chunk(envelope.shape.delta(index, piece.text, piece.finish_reason))
-        if include_usage:
-            yield _json(envelope.chunk([], usage(prompt_tokens, generated), True))
-    except RequestFailed as exc:
-        yield _json(APIError(503, f"generation failed: {exc}").body())
-    yield "[DONE]"
-
-
-def _json(value: dict[str, Any]) -> str:
-    return json.dumps(value, separators=(",", ":"))
-
-
-class Releasing:
-    """A streamed response that gives its admission back however the stream ends
-    (finished, failed, or the client hung up before it began)."""
-
-    def __init__(self, response: Response, ticket: Ticket) -> None:
-        self.response = response
-        self.ticket = ticket
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await self.response(scope, receive, send)
-        finally:
-            self.ticket.release()

@@ -11,6 +11,7 @@ from appliance.config import Settings, is_loopback
 from appliance.server.app import build_app
 
 log = logging.getLogger("appliance.server")
+GRACEFUL_SHUTDOWN_S = 30  # on Ctrl-C / SIGTERM, how long open requests may still run
 
 
 def serve(settings: Settings) -> int:
@@ -33,7 +34,12 @@ def serve(settings: Settings) -> int:
 
     app = build_app(appliance, on_start_failed=stop_serving)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level="info", lifespan="on"
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     server = uvicorn.Server(config)
     server.run()

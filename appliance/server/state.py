@@ -26,6 +26,7 @@ class Ticket:
     released: bool = False
 
     def release(self) -> None:
+        """Give the slots back (again is harmless)."""
         if not self.released:
             self.released = True
             self.state.in_flight -= self.count
@@ -75,7 +76,8 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def admit(self, count: int) -> Ticket:
+    def check_room(self, count: int) -> None:
+        """429 when `count` more generations would pass the limit."""
         limit = self.settings.server.max_concurrent_requests
         if self.in_flight + count > limit:
             raise APIError(
@@ -84,5 +86,9 @@ class ServerState:
                 code="overloaded",
                 retry_after=OVERLOAD_RETRY_S,
             )
+
+    def admit(self, count: int) -> Ticket:
+        """Hold `count` generation slots until the ticket is released; 429 when full."""
+        self.check_room(count)
         self.in_flight += count
         return Ticket(self, count)

@@ -1,0 +1,108 @@
+"""Answering a request from its running choices: one JSON body, or an SSE stream of
+OpenAI chunks that always ends with `[DONE]` (after an error event if generation fails)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from appliance.server.errors import APIError
+from appliance.server.generation import Choice, run_choices
+from appliance.server.responses import Envelope, usage
+from appliance.server.state import ServerState, Ticket
+from appliance.supervisor import RequestFailed
+
+log = logging.getLogger("appliance.server")
+SEND_TIMEOUT_S = 30  # a client that stops reading for this long is dropped (frees its slot)
+
+
+async def whole(
+    state: ServerState, choices: list[Choice], envelope: Envelope, prompt_tokens: int
+) -> dict[str, Any]:
+    """Every choice run to its end, as one OpenAI response body."""
+    texts = [""] * len(choices)
+    reasons: list[str | None] = [None] * len(choices)
+    generated = 0
+    async with aclosing(run_choices(state.appliance.supervisor, choices, state.metrics)) as chunks:
+        async for index, chunk in chunks:
+            texts[index] += chunk.text
+            generated += len(chunk.token_ids)
+            if chunk.finished:
+                reasons[index] = chunk.finish_reason
+    body = [envelope.shape.choice(i, texts[i], reasons[i]) for i in range(len(choices))]
+    return envelope.whole(body, usage(prompt_tokens, generated))
+
+
+def streamed(
+    state: ServerState,
+    choices: list[Choice],
+    envelope: Envelope,
+    prompt_tokens: int,
+    include_usage: bool,
+    ticket: Ticket,
+) -> Releasing:
+    events = _events(state, choices, envelope, prompt_tokens, include_usage)
+    response = EventSourceResponse(events, sep="\n", send_timeout=SEND_TIMEOUT_S)
+    return Releasing(response, ticket)
+
+
+async def _events(
+    state: ServerState,
+    choices: list[Choice],
+    envelope: Envelope,
+    prompt_tokens: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """SSE data lines: OpenAI's chunks, an error event if generation fails, then [DONE]."""
+
+    def chunk(choice: dict[str, Any]) -> str:
+        return _json(envelope.chunk([choice], None, include_usage))
+
+    generated = 0
+    try:
+        for c in choices:
+            opening = envelope.shape.opening(c.index)
+            if opening is not None:
+                yield chunk(opening)
+        supervisor = state.appliance.supervisor
+        async with aclosing(run_choices(supervisor, choices, state.metrics)) as chunks:
+            async for index, piece in chunks:
+                generated += len(piece.token_ids)
+                if piece.text or piece.finished:
+                    yield chunk(envelope.shape.delta(index, piece.text, piece.finish_reason))
+        if include_usage:
+            yield _json(envelope.chunk([], usage(prompt_tokens, generated), True))
+    except RequestFailed as exc:
+        yield _json(APIError(503, f"generation failed: {exc}").body())
+    except Exception as exc:  # a bug: still end the stream properly, and say what broke
+        log.exception("stream failed")
+        yield _json(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body())
+    yield "[DONE]"
+
+
+def _json(value: dict[str, Any]) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+class Releasing(Response):
+    """A streamed response that gives its admission back however the stream ends
+    (finished, failed, or the client hung up before it began)."""
+
+    def __init__(self, response: Response, ticket: Ticket) -> None:
+        self.response = response
+        self.ticket = ticket
+        self.status_code = response.status_code
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.ticket.release()
