@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--mode", choices=["disaggregated", "colocated"])
     srv.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     srv.add_argument("--model", type=Path, help="GGUF file or Hugging Face folder")
+
+    from appliance.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 
@@ -82,6 +86,10 @@ def generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "bench":
+            from appliance.bench.cli import run as run_bench
+
+            return run_bench(args)
         return serve(args) if args.command == "serve" else generate(args)
     except (SettingsError, ModelLoadError, ValueError) as exc:
         print(f"appliance: {exc}", file=sys.stderr)

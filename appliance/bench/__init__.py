@@ -1,0 +1,1 @@
+"""`appliance bench`: load against OpenAI-compatible endpoints; comparing pool layouts."""

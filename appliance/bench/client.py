@@ -1,0 +1,76 @@
+"""One streamed request to an OpenAI-compatible /v1/completions endpoint, timed."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+
+from appliance.bench.metrics import RequestResult
+from appliance.bench.workloads import RequestSpec
+
+
+async def send(
+    client: httpx.AsyncClient,
+    model: str,
+    spec: RequestSpec,
+    extra_body: dict[str, Any],
+    run_start: float,
+) -> RequestResult:
+    """Stream one completion; any failure is recorded in the result, never raised."""
+    body = {
+        "model": model,
+        "prompt": spec.prompt,
+        "max_tokens": spec.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra_body,
+    }
+    result = RequestResult(prompt_tokens=spec.prompt_tokens)
+    sent = time.perf_counter()
+    result.start = sent - run_start
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                text = (await reply.aread()).decode(errors="replace")
+                result.error = f"HTTP {reply.status_code}: {text[:200]}"
+                return result
+            await _read_events(reply, result, sent)
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def _read_events(reply: httpx.Response, result: RequestResult, sent: float) -> None:
+    last = sent
+    chunks = 0
+    usage_tokens = None
+    async for line in reply.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            result.ok = True
+            break
+        event = json.loads(data)
+        if "error" in event:
+            result.error = str(event["error"].get("message", event["error"]))
+            return
+        if event.get("usage"):
+            usage_tokens = event["usage"].get("completion_tokens")
+        if not any(choice.get("text") for choice in event.get("choices", [])):
+            continue
+        now = time.perf_counter()
+        if chunks == 0:
+            result.ttft = now - sent
+        else:
+            result.itl.append(now - last)
+        last = now
+        chunks += 1
+    result.latency = last - sent
+    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    if result.ok and chunks == 0:
+        result.ok, result.error = False, "the stream carried no text"

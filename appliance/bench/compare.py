@@ -1,0 +1,183 @@
+"""`appliance bench compare`: start each configuration on the same cores, run the same
+requests against it, stop it; one after the other, in one command."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from appliance.bench.metrics import SLO, RequestResult, Summary, summarize
+from appliance.bench.runner import Load, run_load
+from appliance.bench.workloads import RequestSpec
+
+START_TIMEOUT_S = 600.0
+BASELINE = "colocated x2"
+
+
+@dataclass
+class Target:
+    """A server to benchmark: how to start it, when it is ready, what its requests add."""
+
+    label: str
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    ready_path: str = "/health"
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    label: str
+    rate: float | None
+    results: list[RequestResult]
+    summary: Summary
+
+
+def our_targets(cores: int) -> list[Target]:
+    """The appliance three ways on the same cores: split pools, two colocated workers,
+    one colocated worker on every core."""
+    serve = [sys.executable, "-m", "appliance.cli", "serve"]
+    ignore_eos = {"ignore_eos": True}  # every system makes the same number of tokens
+    halves = str(min(2, cores))
+    return [
+        Target(
+            "disaggregated 1P+1D",
+            serve,
+            {
+                "APPLIANCE_MODE": "disaggregated",
+                "APPLIANCE_CPU_DEVICES": halves,
+                "APPLIANCE_PREFILL_DEVICES": "0",
+                "APPLIANCE_DECODE_DEVICES": "1",
+            },
+            extra_body=ignore_eos,
+        ),
+        Target(
+            BASELINE,
+            serve,
+            {"APPLIANCE_MODE": "colocated", "APPLIANCE_CPU_DEVICES": halves},
+            extra_body=ignore_eos,
+        ),
+        Target(
+            "colocated x1 (all cores)",
+            serve,
+            {"APPLIANCE_MODE": "colocated", "APPLIANCE_CPU_DEVICES": "1"},
+            extra_body=ignore_eos,
+        ),
+    ]
+
+
+def peer_targets(
+    gguf: Path, cores: int, stop_ids: list[int], llama_cpp_python: str | None
+) -> list[Target]:
+    """Peers on the same GGUF and thread count: llama-cpp-python's server (when
+    installed) and a naive transformers server (one request at a time)."""
+    targets = []
+    python = llama_cpp_python or (sys.executable if importlib.util.find_spec("llama_cpp") else None)
+    if python is not None:
+        # llama-cpp-python has no ignore_eos; banning the end tokens does the same.
+        ban = {"logit_bias": {str(i): -100.0 for i in stop_ids}}
+        command = [python, "-m", "llama_cpp.server", "--model", str(gguf)]
+        command += ["--n_threads", str(cores), "--n_threads_batch", str(cores)]
+        command += ["--n_ctx", "4096", "--host", "127.0.0.1"]
+        targets.append(Target("llama-cpp-python", command, ready_path="/v1/models", extra_body=ban))
+    naive = [sys.executable, "-m", "appliance.bench.naive_server", "--threads", str(cores)]
+    targets.append(
+        Target(
+            "transformers (naive)", naive, ready_path="/v1/models", extra_body={"ignore_eos": True}
+        )
+    )
+    return targets
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(target: Target, log_dir: Path) -> Iterator[str]:
+    """Start the target on a free port, wait until it answers, yield its URL, stop it."""
+    port = free_port()
+    command = list(target.command)
+    env = {**os.environ, **target.env}
+    if target.ready_path == "/health":
+        env["APPLIANCE_PORT"] = str(port)
+    else:
+        command += ["--port", str(port)]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / (target.label.split()[0] + ".log")
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_ready(process, url + target.ready_path, log_path)
+            yield url
+        finally:
+            _stop(process)
+
+
+def _wait_ready(process: subprocess.Popen, url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url} exited while starting; see {log_path}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise RuntimeError(f"{url} was not ready within {START_TIMEOUT_S:.0f} s; see {log_path}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def compare(
+    targets: list[Target],
+    specs: list[RequestSpec],
+    loads: list[Load],
+    slo: SLO,
+    log_dir: Path | None = None,
+) -> list[Run]:
+    """Each target started once and driven at every load in turn, each with the very same
+    requests; returns one Run per (target, load)."""
+    runs = []
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="appliance-bench-"))
+    for target in targets:
+        with running(target, log_dir) as url:
+            for load in loads:
+                label = f"{target.label} @ {load.rate or load.concurrency}"
+                results, seconds = asyncio.run(
+                    run_load(url, iter(specs), load, extra_body=target.extra_body, label=label)
+                )
+                runs.append(Run(target.label, load.rate, results, summarize(results, seconds, slo)))
+                print(f"  {label}: {_brief(runs[-1].summary)}", file=sys.stderr)
+    return runs
+
+
+def _brief(s: Summary) -> str:
+    return (
+        f"{s.completed} done, {s.failed} failed, goodput {s.goodput:.3f} req/s, "
+        f"TPOT p99 {s.tpot.p99 * 1000:.0f} ms"
+    )

@@ -1,0 +1,137 @@
+"""Driving a workload against an endpoint: Poisson arrivals at a rate, or a closed loop at
+a concurrency; a count of requests or a duration; warm-up requests not counted."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from appliance.bench.client import send
+from appliance.bench.metrics import RequestResult
+from appliance.bench.workloads import RequestSpec
+
+
+@dataclass
+class Load:
+    """How requests arrive and how many: rate (req/s, Poisson; inf = all at once) or
+    concurrency (closed loop), and num_requests or duration (s)."""
+
+    rate: float | None = None
+    concurrency: int | None = None
+    num_requests: int | None = 100
+    duration: float | None = None
+    warmup: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.rate is None) == (self.concurrency is None):
+            raise ValueError("give either a request rate or a concurrency")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"request rate must be positive, got {self.rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.num_requests is None and self.duration is None:
+            raise ValueError("give a number of requests or a duration")
+
+
+def poisson_gaps(rate: float, rng: random.Random) -> Iterator[float]:
+    """Seconds between arrivals of a Poisson process (0 for an infinite rate)."""
+    while True:
+        yield 0.0 if rate == float("inf") else rng.expovariate(rate)
+
+
+async def find_model(client: httpx.AsyncClient) -> str:
+    """The first model the endpoint lists."""
+    reply = await client.get("/v1/models")
+    reply.raise_for_status()
+    return reply.json()["data"][0]["id"]
+
+
+async def run_load(
+    url: str,
+    specs: Iterator[RequestSpec],
+    load: Load,
+    model: str | None = None,
+    extra_body: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    request_timeout: float = 600.0,
+    label: str = "",
+) -> tuple[list[RequestResult], float]:
+    """Run the warm-up, then the measured requests; returns their results and the
+    measured wall time."""
+    extra = extra_body or {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(request_timeout, connect=30.0)
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=timeout, limits=limits
+    ) as client:
+        model = model or await find_model(client)
+        for spec in itertools.islice(specs, load.warmup):
+            await send(client, model, spec, extra, time.perf_counter())
+        measured = itertools.islice(specs, load.num_requests)
+        progress = tqdm(total=load.num_requests, desc=label or url, file=sys.stderr, leave=False)
+        start = time.perf_counter()
+        if load.rate is not None:
+            results = await _open_loop(client, model, measured, load, extra, start, progress)
+        else:
+            results = await _closed_loop(client, model, measured, load, extra, start, progress)
+        progress.close()
+        return results, time.perf_counter() - start
+
+
+def _past(load: Load, start: float) -> bool:
+    return load.duration is not None and time.perf_counter() - start >= load.duration
+
+
+async def _open_loop(
+    client: httpx.AsyncClient,
+    model: str,
+    specs: Iterator[RequestSpec],
+    load: Load,
+    extra: dict[str, Any],
+    start: float,
+    progress: tqdm,
+) -> list[RequestResult]:
+    gaps = poisson_gaps(load.rate, random.Random(load.seed))
+    tasks = []
+    due = start
+    for spec in specs:
+        due += next(gaps)
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        if _past(load, start):
+            break
+        task = asyncio.create_task(send(client, model, spec, extra, start))
+        task.add_done_callback(lambda _: progress.update())
+        tasks.append(task)
+    return list(await asyncio.gather(*tasks))
+
+
+async def _closed_loop(
+    client: httpx.AsyncClient,
+    model: str,
+    specs: Iterator[RequestSpec],
+    load: Load,
+    extra: dict[str, Any],
+    start: float,
+    progress: tqdm,
+) -> list[RequestResult]:
+    results: list[RequestResult] = []
+
+    async def user() -> None:
+        for spec in specs:  # one shared iterator: each spec is taken once
+            if _past(load, start):
+                return
+            results.append(await send(client, model, spec, extra, start))
+            progress.update()
+
+    await asyncio.gather(*(user() for _ in range(load.concurrency)))
+    return results

@@ -1,0 +1,131 @@
+"""Benchmark workloads: request prompts of exact token lengths (for our tokenizer) and
+output lengths, drawn from a seed so every endpoint gets the very same requests."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.model.tokenizer import Tokenizer
+
+# Common words; those that are one token with a leading space make prompts whose token
+# count is exactly their word count (the tokenizer splits before each space).
+WORDS = (
+    "the of and to in is was for on that with as by at from his her they this have are "
+    "had not but which were she one all been their has when who will more would there "
+    "if out so what up about into than its only other new some could time these two may "
+    "then first any like now my such make over our even most after also made many did "
+    "before must through back years where much your way well down should because each "
+    "just those people how too little state good very world still own see men work long "
+    "here get both between life being under never day same another know while last might "
+    "us great old year off come since against go came right used take three house river "
+    "water light night city green small large music story garden stone window paper "
+    "market winter summer morning bridge forest island mountain letter ocean village"
+).split()
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a workload: a raw prompt for /v1/completions and its output length."""
+
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+class PromptMaker:
+    """Random-word prompts of an exact token count."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.words = [w for w in WORDS if len(tokenizer.encode(" " + w)) == 1]
+        if len(self.words) < 20:
+            raise ValueError("this tokenizer splits common words; cannot build exact prompts")
+
+    def make(self, num_tokens: int, rng: random.Random) -> str:
+        if num_tokens < 1:
+            raise ValueError(f"a prompt needs at least one token, got {num_tokens}")
+        text = "".join(" " + rng.choice(self.words) for _ in range(num_tokens))
+        count = len(self.tokenizer.encode(text))
+        # An internal check: the property the word list was filtered for.
+        assert count == num_tokens, f"prompt came out at {count} tokens, not {num_tokens}"
+        return text
+
+
+def fixed(maker: PromptMaker, rng: random.Random, input_len: int, output_len: int) -> RequestSpec:
+    return RequestSpec(maker.make(input_len, rng), input_len, output_len)
+
+
+def chat_mix(maker: PromptMaker, rng: random.Random) -> RequestSpec:
+    """Chat-like: prompts mostly 50-500 tokens (log-normal), answers 32-256 tokens."""
+    prompt = int(min(1024, max(16, rng.lognormvariate(5.0, 0.7))))
+    output = rng.randint(32, 256)
+    return RequestSpec(maker.make(prompt, rng), prompt, output)
+
+
+def long_prompt_burst(maker: PromptMaker, rng: random.Random) -> RequestSpec:
+    """Mostly short chats, about one in ten with a prompt near 2k tokens: the long ones
+    stall every decode that shares their worker (head-of-line blocking)."""
+    if rng.random() < 0.1:
+        prompt = rng.randint(1800, 2000)
+        output = rng.randint(16, 32)
+    else:
+        prompt = rng.randint(32, 128)
+        output = rng.randint(48, 96)
+    return RequestSpec(maker.make(prompt, rng), prompt, output)
+
+
+WORKLOADS: dict[str, Callable[[PromptMaker, random.Random], RequestSpec]] = {
+    "chat": chat_mix,
+    "long-burst": long_prompt_burst,
+}
+
+
+def generate(
+    name: str,
+    tokenizer: Tokenizer,
+    seed: int,
+    input_len: int = 128,
+    output_len: int = 64,
+    jsonl: Path | None = None,
+) -> Iterator[RequestSpec]:
+    """An endless stream of requests of workload `name` (fixed, chat, long-burst, jsonl)."""
+    rng = random.Random(seed)
+    if name == "jsonl":
+        if jsonl is None:
+            raise ValueError("the jsonl workload needs --jsonl FILE")
+        return _cycle(load_jsonl(jsonl, tokenizer, output_len))
+    maker = PromptMaker(tokenizer)
+    if name == "fixed":
+        return (fixed(maker, rng, input_len, output_len) for _ in iter(int, 1))
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose fixed, chat, long-burst or jsonl")
+    pick = WORKLOADS[name]
+    return (pick(maker, rng) for _ in iter(int, 1))
+
+
+def load_jsonl(path: Path, tokenizer: Tokenizer, default_output: int) -> list[RequestSpec]:
+    """Real prompts, one JSON object per line: {"prompt": str, "max_tokens": int?}."""
+    specs = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            prompt, output = item["prompt"], int(item.get("max_tokens", default_output))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{number}: need {{'prompt': str}} ({exc})") from None
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{path}:{number}: prompt must be a non-empty string")
+        specs.append(RequestSpec(prompt, len(tokenizer.encode(prompt)), output))
+    if not specs:
+        raise ValueError(f"{path} holds no prompts")
+    return specs
+
+
+def _cycle(specs: list[RequestSpec]) -> Iterator[RequestSpec]:
+    while True:
+        yield from specs
