@@ -142,3 +142,16 @@ def test_bad_requests_raise_clear_errors(engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="at least one token"):
         engine.add_request([], SamplingParams())
     assert all_free(engine) and not engine.has_unfinished()
+
+
+def test_short_decodes_beside_a_long_one_match_each_alone(make_engine) -> None:
+    """A long sequence among short ones is decoded in its own group (decode_groups.py);
+    the grouping must not change any sequence's tokens."""
+    engine = make_engine()
+    long_prompt = engine.tokenizer.encode(TEXT * 20)[:600]
+    prompts = [prompt_of(engine, n) for n in (5, 9, 12, 3, 7)] + [long_prompt]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].token_ids for p in prompts]
+    together = [c.token_ids for c in engine.generate(prompts, params)]
+    assert together == alone
+    assert all_free(engine)

@@ -157,7 +157,10 @@ def _write_compare(args: argparse.Namespace, slo: SLO, rates: list, runs: list) 
     payload = {
         "args": _args_dict(args),
         "slo": slo,
-        "runs": [{"label": r.label, "rate": r.rate, "summary": r.summary} for r in runs],
+        "runs": [
+            {"label": r.label, "rate": r.rate, "summary": r.summary, "results": r.results}
+            for r in runs
+        ],
     }
     report.write_json(out / "compare.json", payload)
     first = {r.label: r.results for r in runs if r.rate == rates[0]}

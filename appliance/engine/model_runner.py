@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from appliance.engine.decode_groups import decode_groups
 from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.cache import KVCache
-from appliance.model.attention import AttentionBatch, PrefillSegment
+from appliance.model.attention import AttentionBatch, DecodeGroup, PrefillSegment
 from appliance.model.llama import CausalLM
 
 
@@ -70,11 +71,11 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 requests.append((chunk.seq.seq_id, chunk.seq.params))
         decode_start = len(ids) - len(out.decodes)
-        tables, mask = self._decode_tables(out.decodes)
+        groups = self._decode_groups(out.decodes)
         return StepInputs(
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
-            attention=AttentionBatch(self._tensor(slots), segments, decode_start, tables, mask),
+            attention=AttentionBatch(self._tensor(slots), segments, decode_start, groups),
             sample_rows=self._tensor(sample_rows),
             sample_requests=requests,
         )
@@ -88,17 +89,21 @@ class ModelRunner:
         positions.extend(span)
         slots.extend(seq.block_table[p // bs] * bs + p % bs for p in span)
 
-    def _decode_tables(
-        self, decodes: list[ScheduledChunk]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if not decodes:
-            return None, None
+    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
+        groups = decode_groups([len(c.seq.block_table) for c in decodes])
+        if len(groups) == 1:  # all of them, in their row order
+            return [self._decode_group(decodes, None)]
+        return [self._decode_group([decodes[i] for i in g], self._tensor(g)) for g in groups]
+
+    def _decode_group(
+        self, decodes: list[ScheduledChunk], rows: torch.Tensor | None
+    ) -> DecodeGroup:
         width = max(len(c.seq.block_table) for c in decodes)
         tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in decodes]
         context = self._tensor([c.start + 1 for c in decodes])
         keys = torch.arange(width * self.kv.block_size, device=self.device)
-        padding = (keys[None, :] >= context[:, None])[:, None, None, :]  # [decodes, 1, 1, keys]
-        return self._tensor(tables), padding
+        padding = (keys[None, :] >= context[:, None])[:, None, None, :]  # [n, 1, 1, keys]
+        return DecodeGroup(rows, self._tensor(tables), padding)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -2,7 +2,7 @@
 
 A step's tokens lie flat, one row each: first the prefill segments (several query
 tokens per sequence, possibly after a cached prefix), then the decode tokens (one per
-sequence), which attend in one padded batch.
+sequence), which attend in padded batches of similar context length (decode groups).
 """
 
 from __future__ import annotations
@@ -24,15 +24,23 @@ class PrefillSegment:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode sequences of similar context length, attending in one padded batch."""
+
+    rows: torch.Tensor | None  # [n] int64 among the decode rows; None: all, in order
+    block_tables: torch.Tensor  # [n, max_blocks] int64, padded with 0
+    padding: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True for key slots
+    # past a sequence's context (padding of its block table)
+
+
+@dataclass
 class AttentionBatch:
     """Where each token's K/V goes and what each query may attend to."""
 
     slot_mapping: torch.Tensor  # [tokens] int64: block_id * block_size + offset
     prefills: list[PrefillSegment]
     decode_start: int  # rows from here on are decode tokens
-    decode_block_tables: torch.Tensor | None  # [decodes, max_blocks] int64, padded with 0
-    decode_padding: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool,
-    # True for key slots past a sequence's context (padding of its block table)
+    decode_groups: list[DecodeGroup]
 
 
 def write_kv(
@@ -63,9 +71,13 @@ def paged_attention(
     for seg in batch.prefills:
         rows = slice(seg.start, seg.start + seg.length)
         out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
-    if batch.decode_block_tables is not None:
-        rows = slice(batch.decode_start, q.shape[0])
-        out[rows] = _decode(q[rows], k_cache, v_cache, batch, scale)
+    decode_q, decode_out = q[batch.decode_start :], out[batch.decode_start :]
+    for group in batch.decode_groups:
+        if group.rows is None:
+            decode_out[:] = _decode(decode_q, k_cache, v_cache, group, scale)
+        else:
+            result = _decode(decode_q.index_select(0, group.rows), k_cache, v_cache, group, scale)
+            decode_out.index_copy_(0, group.rows, result)
     return out
 
 
@@ -111,11 +123,11 @@ def _decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    batch: AttentionBatch,
+    group: DecodeGroup,
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence against its cached keys."""
-    tables = batch.decode_block_tables
+    tables = group.block_tables
     decodes, kv_heads, head_dim = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
     # [decodes * max_blocks, block_size, kv_heads, head_dim] -> [decodes, kv_heads, ctx, head_dim]
     k = k_cache.index_select(0, tables.flatten()).view(decodes, -1, kv_heads, head_dim)
@@ -124,9 +136,9 @@ def _decode(
     if q.device.type == "cpu" and q.dtype != torch.float32:
         # torch's fused CPU kernel is 3-4x slower than plain matmuls for a single query
         # row in 16-bit floats (benchmarks/attention_bench.py); in float32 it is faster.
-        return _decode_matmuls(q, k, v, batch.decode_padding, scale)
+        return _decode_matmuls(q, k, v, group.padding, scale)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=~batch.decode_padding, scale=scale, enable_gqa=True
+        q.unsqueeze(2), k, v, attn_mask=~group.padding, scale=scale, enable_gqa=True
     )  # [decodes, heads, 1, head_dim]
     return out.squeeze(2)
 
