@@ -3,6 +3,7 @@ for real against appliance servers."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import random
@@ -10,11 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from server_process import API_KEY, ServerProcess
 
+from appliance.bench.client import send
+from appliance.bench.metrics import RequestResult
 from appliance.bench.runner import Load, poisson_gaps
-from appliance.bench.workloads import PromptMaker, generate, load_jsonl
+from appliance.bench.workloads import PromptMaker, RequestSpec, generate, load_jsonl
 from appliance.engine.llm_engine import LLMEngine
 
 BENCH = [sys.executable, "-m", "appliance.cli", "bench"]
@@ -56,9 +60,11 @@ def test_poisson_gaps_average_one_over_the_rate() -> None:
 
 
 def test_load_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="either"):
+    with pytest.raises(ValueError, match="a rate or a concurrency"):
         Load(rate=1.0, concurrency=2)
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="infinite rate"):
+        Load(rate=float("inf"), num_requests=None, duration=5.0)
+    with pytest.raises(ValueError, match="must be > 0"):
         Load(rate=0.0)
 
 
@@ -106,3 +112,39 @@ def test_compare_runs_every_layout_on_the_same_requests(tmp_path: Path) -> None:
     assert all(run["summary"]["completed"] == 3 for run in saved["runs"])
     assert "goodput / colocated x2" in (tmp_path / "compare.md").read_text()
     assert (tmp_path / "goodput_sweep.png").is_file()
+
+
+def replay(events: list[str], status: int = 200) -> httpx.AsyncClient:
+    """A client whose server answers every request with these SSE lines."""
+    body = "".join(f"data: {e}\n\n" for e in events).encode()
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+    return httpx.AsyncClient(transport=transport, base_url="http://peer")
+
+
+def send_to(client: httpx.AsyncClient) -> RequestResult:
+    spec = RequestSpec("hi", 1, 4)
+
+    async def main() -> RequestResult:
+        async with client:
+            return await send(client, "m", spec, {}, 0.0, lambda text: len(text.split()))
+
+    return asyncio.run(main())
+
+
+def test_a_stream_without_usage_has_its_text_counted() -> None:
+    chunks = [json.dumps({"choices": [{"text": t}]}) for t in (" a", " b", " c")]
+    result = send_to(replay([*chunks, "[DONE]"]))
+    assert result.ok and result.output_tokens == 3 and len(result.itl) == 2
+
+
+def test_malformed_or_cut_streams_are_failures_not_crashes() -> None:
+    cases = {
+        "not json": ["{oops"],
+        "error event": [json.dumps({"error": {"message": "busy"}})],
+        "odd choices": [json.dumps({"choices": None}), json.dumps("text")],
+        "no [DONE]": [json.dumps({"choices": [{"text": "x"}]})],
+    }
+    for name, events in cases.items():
+        result = send_to(replay(events))
+        assert not result.ok and result.error, name
+    assert "HTTP 503" in send_to(replay([], status=503)).error

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from appliance.bench import report
-from appliance.bench.compare import BASELINE, compare, our_targets, peer_targets
+from appliance.bench.compare import BASELINE, Run, compare, our_targets, peer_targets
 from appliance.bench.metrics import SLO, summarize
 from appliance.bench.runner import Load, run_load
 from appliance.bench.workloads import RequestSpec, generate
@@ -22,6 +22,7 @@ from appliance.model.tokenizer import Tokenizer
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Add `bench` (and its `compare`) to the `appliance` command's subcommands."""
     bench = commands.add_parser(
         "bench",
         help="load-test an OpenAI-compatible endpoint (or `bench compare` the pool layouts)",
@@ -33,7 +34,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--extra-body", default="{}", help="JSON merged into every request")
     bench.add_argument("--label", default="", help="name of this run in the table")
     modes = bench.add_subparsers(dest="bench_command")
-    cmp = modes.add_parser("compare", help="start each layout (and peers) and run the same load")
+    # SUPPRESS: an option given before `compare` is not reset by compare's own default.
+    cmp = modes.add_parser(
+        "compare",
+        help="start each layout (and peers) and run the same load",
+        argument_default=argparse.SUPPRESS,
+    )
     _add_common(cmp)
     cmp.add_argument(
         "--rates", help="comma-separated request rates to sweep (default: --request-rate)"
@@ -57,7 +63,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     arrival = parser.add_mutually_exclusive_group()
     arrival.add_argument("--request-rate", type=float, help="Poisson arrivals per second")
     arrival.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
-    parser.add_argument("--num-requests", type=int, default=100)
+    parser.add_argument("--num-requests", type=int, help="default 100 unless --duration")
     parser.add_argument("--duration", type=float, help="stop sending after this many seconds")
     parser.add_argument("--warmup", type=int, default=2, help="requests run first, not counted")
     parser.add_argument("--seed", type=int, default=0)
@@ -68,6 +74,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `appliance bench [compare]`; exit code 1 when any request failed."""
     if args.bench_command == "compare":
         return _compare(args)
     return _single(args)
@@ -83,8 +90,8 @@ def _tokenizer() -> Tokenizer:
 def _load(args: argparse.Namespace, rate: float | None) -> Load:
     concurrency = None if rate is not None else args.concurrency
     if rate is None and concurrency is None:
-        rate = float("inf")
-    count = None if args.duration and args.num_requests == 100 else args.num_requests
+        rate = float("inf")  # everything at once, as vLLM's benchmark does by default
+    count = args.num_requests or (None if args.duration else 100)
     return Load(rate, concurrency, count, args.duration, args.warmup, args.seed)
 
 
@@ -99,11 +106,15 @@ def _single(args: argparse.Namespace) -> int:
     load = _load(args, args.request_rate)
     tokenizer = _tokenizer()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    specs = _specs(args, tokenizer)
+    if load.num_requests is not None:  # built now, not while the clock runs
+        specs = iter(list(itertools.islice(specs, load.warmup + load.num_requests)))
     results, seconds = asyncio.run(
         run_load(
             args.url,
-            _specs(args, tokenizer),
+            specs,
             load,
+            lambda text: len(tokenizer.encode(text)),
             model=args.model,
             extra_body=json.loads(args.extra_body),
             headers=headers,
@@ -123,8 +134,9 @@ def _single(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     slo = SLO.parse(args.goodput)
-    rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.request_rate]
-    loads = [_load(args, rate) for rate in rates]
+    asked = [float(r) for r in args.rates.split(",")] if args.rates else [args.request_rate]
+    loads = [_load(args, rate) for rate in asked]
+    rates = [load.rate for load in loads]  # what each run records (None: closed loop)
     if loads[0].num_requests is None:
         raise ValueError("compare needs --num-requests (every config gets the same requests)")
     tokenizer = _tokenizer()
@@ -136,18 +148,24 @@ def _compare(args: argparse.Namespace) -> int:
         targets += our_targets(cores)
     if "peers" in args.configs:
         stop_ids = sorted(tokenizer.stop_token_ids)
-        targets += peer_targets(default_model_path(), cores, stop_ids, args.llama_cpp_python)
-    runs = compare(targets, specs, loads, slo, args.out / "logs" if args.out else None)
+        gguf = load_settings().model or default_model_path()  # the model ours serve
+        targets += peer_targets(gguf, cores, stop_ids, args.llama_cpp_python)
+    count_tokens = lambda text: len(tokenizer.encode(text))  # noqa: E731
+    runs = compare(
+        targets, specs, loads, slo, count_tokens, args.out / "logs" if args.out else None
+    )
     for rate in rates:
         rows = [(r.label, r.summary) for r in runs if r.rate == rate]
         print(f"\n{_title(args, _load(args, rate))}\n")
         print(report.table(rows, BASELINE))
     if args.out:
         _write_compare(args, slo, rates, runs)
-    return 0
+    return 0 if all(r.summary.failed == 0 for r in runs) else 1
 
 
-def _write_compare(args: argparse.Namespace, slo: SLO, rates: list, runs: list) -> None:
+def _write_compare(
+    args: argparse.Namespace, slo: SLO, rates: list[float | None], runs: list[Run]
+) -> None:
     out = args.out
     tables = []
     for rate in rates:

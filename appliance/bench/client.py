@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from appliance.bench.metrics import RequestResult
 from appliance.bench.workloads import RequestSpec
+
+CountTokens = Callable[[str], int]
 
 
 async def send(
@@ -18,8 +21,12 @@ async def send(
     spec: RequestSpec,
     extra_body: dict[str, Any],
     run_start: float,
+    count_tokens: CountTokens,
 ) -> RequestResult:
-    """Stream one completion; any failure is recorded in the result, never raised."""
+    """Stream one completion; any failure is recorded in the result, never raised.
+
+    Output tokens come from the stream's `usage`; a server that sends none (llama-cpp-
+    python) has its text counted with `count_tokens`, as vLLM's benchmark does."""
     body = {
         "model": model,
         "prompt": spec.prompt,
@@ -38,15 +45,18 @@ async def send(
                 text = (await reply.aread()).decode(errors="replace")
                 result.error = f"HTTP {reply.status_code}: {text[:200]}"
                 return result
-            await _read_events(reply, result, sent)
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            await _read_events(reply, result, sent, count_tokens)
+    except Exception as exc:  # a bad reply of any kind is a failed request, never a crash
+        result.ok = False
         result.error = f"{type(exc).__name__}: {exc}"
     return result
 
 
-async def _read_events(reply: httpx.Response, result: RequestResult, sent: float) -> None:
+async def _read_events(
+    reply: httpx.Response, result: RequestResult, sent: float, count_tokens: CountTokens
+) -> None:
     last = sent
-    chunks = 0
+    text = ""
     usage_tokens = None
     async for line in reply.aiter_lines():
         if not line.startswith("data:"):
@@ -57,20 +67,22 @@ async def _read_events(reply: httpx.Response, result: RequestResult, sent: float
             break
         event = json.loads(data)
         if "error" in event:
-            result.error = str(event["error"].get("message", event["error"]))
+            result.error = str(event["error"])
             return
         if event.get("usage"):
-            usage_tokens = event["usage"].get("completion_tokens")
-        if not any(choice.get("text") for choice in event.get("choices", [])):
+            usage_tokens = event["usage"]["completion_tokens"]
+        piece = "".join(choice.get("text") or "" for choice in event.get("choices") or [])
+        if not piece:
             continue
         now = time.perf_counter()
-        if chunks == 0:
+        if not text:
             result.ttft = now - sent
         else:
             result.itl.append(now - last)
-        last = now
-        chunks += 1
-    result.latency = last - sent
-    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
-    if result.ok and chunks == 0:
+        last, text = now, text + piece
+    if not result.ok:
+        result.error = "the stream ended without [DONE]"
+    elif not text:
         result.ok, result.error = False, "the stream carried no text"
+    result.latency = last - sent
+    result.output_tokens = usage_tokens if usage_tokens is not None else count_tokens(text)

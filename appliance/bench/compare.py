@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from appliance.bench.client import CountTokens
 from appliance.bench.metrics import SLO, RequestResult, Summary, summarize
 from appliance.bench.runner import Load, run_load
 from appliance.bench.workloads import RequestSpec
@@ -37,10 +39,13 @@ class Target:
     env: dict[str, str] = field(default_factory=dict)
     ready_path: str = "/health"
     extra_body: dict[str, Any] = field(default_factory=dict)
+    port_flag: str | None = "--port"  # None: ours, told by APPLIANCE_PORT
 
 
 @dataclass
 class Run:
+    """One target driven at one load."""
+
     label: str
     rate: float | None
     results: list[RequestResult]
@@ -50,32 +55,29 @@ class Run:
 def our_targets(cores: int) -> list[Target]:
     """The appliance three ways on the same cores: split pools, two colocated workers,
     one colocated worker on every core."""
+    if cores < 2:
+        raise ValueError("compare needs at least 2 cores: one per pool")
     serve = [sys.executable, "-m", "appliance.cli", "serve"]
-    ignore_eos = {"ignore_eos": True}  # every system makes the same number of tokens
-    halves = str(min(2, cores))
+    ours = {"extra_body": {"ignore_eos": True}, "port_flag": None}  # same token counts
+    two_devices = {"APPLIANCE_CPU_DEVICES": "2"}  # each half of the cores
     return [
         Target(
             "disaggregated 1P+1D",
             serve,
-            {
+            two_devices
+            | {
                 "APPLIANCE_MODE": "disaggregated",
-                "APPLIANCE_CPU_DEVICES": halves,
                 "APPLIANCE_PREFILL_DEVICES": "0",
                 "APPLIANCE_DECODE_DEVICES": "1",
             },
-            extra_body=ignore_eos,
+            **ours,
         ),
-        Target(
-            BASELINE,
-            serve,
-            {"APPLIANCE_MODE": "colocated", "APPLIANCE_CPU_DEVICES": halves},
-            extra_body=ignore_eos,
-        ),
+        Target(BASELINE, serve, two_devices | {"APPLIANCE_MODE": "colocated"}, **ours),
         Target(
             "colocated x1 (all cores)",
             serve,
             {"APPLIANCE_MODE": "colocated", "APPLIANCE_CPU_DEVICES": "1"},
-            extra_body=ignore_eos,
+            **ours,
         ),
     ]
 
@@ -95,6 +97,7 @@ def peer_targets(
         command += ["--n_ctx", "4096", "--host", "127.0.0.1"]
         targets.append(Target("llama-cpp-python", command, ready_path="/v1/models", extra_body=ban))
     naive = [sys.executable, "-m", "appliance.bench.naive_server", "--threads", str(cores)]
+    naive += ["--model", str(gguf)]
     targets.append(
         Target(
             "transformers (naive)", naive, ready_path="/v1/models", extra_body={"ignore_eos": True}
@@ -104,6 +107,7 @@ def peer_targets(
 
 
 def free_port() -> int:
+    """A loopback port nobody listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -114,15 +118,19 @@ def running(target: Target, log_dir: Path) -> Iterator[str]:
     """Start the target on a free port, wait until it answers, yield its URL, stop it."""
     port = free_port()
     command = list(target.command)
-    env = {**os.environ, **target.env}
-    if target.ready_path == "/health":
+    # A key meant for the user's own server would make only ours answer 401.
+    env = {k: v for k, v in os.environ.items() if k != "APPLIANCE_API_KEY"} | target.env
+    if target.port_flag is None:
         env["APPLIANCE_PORT"] = str(port)
     else:
-        command += ["--port", str(port)]
+        command += [target.port_flag, str(port)]
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / (target.label.split()[0] + ".log")
+    log_path = log_dir / (re.sub(r"\W+", "_", target.label).strip("_") + ".log")
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # Its own process group: stopping it stops its worker processes too.
+        process = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_ready(process, url + target.ready_path, log_path)
@@ -151,6 +159,8 @@ def _stop(process: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    with contextlib.suppress(ProcessLookupError):  # anything of its group still running
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def compare(
@@ -158,22 +168,39 @@ def compare(
     specs: list[RequestSpec],
     loads: list[Load],
     slo: SLO,
+    count_tokens: CountTokens,
     log_dir: Path | None = None,
 ) -> list[Run]:
     """Each target started once and driven at every load in turn, each with the very same
-    requests; returns one Run per (target, load)."""
+    requests; returns one Run per (target, load). A target that cannot start is reported
+    and left out; the others still run."""
     runs = []
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="appliance-bench-"))
     for target in targets:
-        with running(target, log_dir) as url:
-            for load in loads:
-                label = f"{target.label} @ {load.rate or load.concurrency}"
-                results, seconds = asyncio.run(
-                    run_load(url, iter(specs), load, extra_body=target.extra_body, label=label)
-                )
-                runs.append(Run(target.label, load.rate, results, summarize(results, seconds, slo)))
-                print(f"  {label}: {_brief(runs[-1].summary)}", file=sys.stderr)
+        try:
+            with running(target, log_dir) as url:
+                for load in loads:
+                    runs.append(_drive(target, url, specs, load, slo, count_tokens))
+        except RuntimeError as exc:  # it did not start: say so, go on with the rest
+            print(f"  {target.label}: left out, {exc}", file=sys.stderr)
     return runs
+
+
+def _drive(
+    target: Target,
+    url: str,
+    specs: list[RequestSpec],
+    load: Load,
+    slo: SLO,
+    count_tokens: CountTokens,
+) -> Run:
+    label = f"{target.label} @ {load.rate or load.concurrency}"
+    results, seconds = asyncio.run(
+        run_load(url, iter(specs), load, count_tokens, extra_body=target.extra_body, label=label)
+    )
+    run = Run(target.label, load.rate, results, summarize(results, seconds, slo))
+    print(f"  {label}: {_brief(run.summary)}", file=sys.stderr)
+    return run
 
 
 def _brief(s: Summary) -> str:

@@ -4,7 +4,7 @@ computed from per-request timings. Pure Python: tested on hand-made numbers."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -62,6 +62,8 @@ class SLO:
 
 @dataclass
 class Distribution:
+    """Mean and percentiles of one latency, in seconds (NaN when nothing completed)."""
+
     mean: float
     median: float
     p90: float
@@ -93,9 +95,6 @@ class Summary:
     tpot: Distribution
     itl: Distribution
     latency: Distribution
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +45,15 @@ class TokenStreamer:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
 
+def _generate(model: Any, streamer: TokenStreamer, kwargs: dict[str, Any]) -> None:
+    try:
+        model.generate(**kwargs)
+    finally:  # a failed generate still ends its stream
+        streamer.end()
+
+
 def build_app(model: Any, tokenizer: Tokenizer, name: str) -> Starlette:
+    """/v1/completions and /v1/models around a transformers model."""
     lock = asyncio.Lock()  # one generation at a time: the naive part
 
     async def completions(request: Request) -> Response:
@@ -81,10 +90,14 @@ def build_app(model: Any, tokenizer: Tokenizer, name: str) -> Starlette:
                 do_sample=False,
                 streamer=streamer,
             )
-            threading.Thread(target=model.generate, kwargs=kwargs, daemon=True).start()
+            thread = threading.Thread(target=_generate, args=(model, streamer, kwargs))
+            thread.start()
             detokenizer = IncrementalDetokenizer(tokenizer)
-            while (token := await queue.get()) is not None:
-                yield detokenizer.add(token)
+            try:
+                while (token := await queue.get()) is not None:
+                    yield detokenizer.add(token)
+            finally:  # one at a time, even when a client leaves early
+                await asyncio.to_thread(thread.join)
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model"}]})
@@ -101,13 +114,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", type=Path, help="GGUF file (default: the embedded one)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
     from appliance.config import load_settings
 
-    path = default_model_path()
+    path = args.model or default_model_path()
     config, tokenizer_dir = prepare_model(path, load_settings().cache_dir)
     tokenizer = Tokenizer.load(tokenizer_dir, config.eos_token_ids)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -64,14 +64,22 @@ def _ratio(value: float, base: float) -> str:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Dataclasses as objects; NaN (no completed request) as null, which JSON has."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=_plain) + "\n")
+    text = json.dumps(_plain(payload), indent=2, allow_nan=False)
+    path.write_text(text + "\n")
 
 
 def _plain(value: Any) -> Any:
     if hasattr(value, "__dataclass_fields__"):
-        return asdict(value)
-    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)
+    return value
 
 
 def plot_cdfs(path: Path, runs: dict[str, list[RequestResult]], title: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from appliance.bench.client import send
+from appliance.bench.client import CountTokens, send
 from appliance.bench.metrics import RequestResult
 from appliance.bench.workloads import RequestSpec
 
@@ -33,14 +33,34 @@ class Load:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if (self.rate is None) == (self.concurrency is None):
-            raise ValueError("give either a request rate or a concurrency")
-        if self.rate is not None and not self.rate > 0:
-            raise ValueError(f"request rate must be positive, got {self.rate}")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
-        if self.num_requests is None and self.duration is None:
-            raise ValueError("give a number of requests or a duration")
+        checks = [
+            ((self.rate is None) != (self.concurrency is None), "give a rate or a concurrency"),
+            (self.rate is None or self.rate > 0, f"request rate must be > 0, got {self.rate}"),
+            (
+                self.concurrency is None or self.concurrency >= 1,
+                f"concurrency must be at least 1, got {self.concurrency}",
+            ),
+            (
+                self.num_requests is not None or self.duration is not None,
+                "give a number of requests or a duration",
+            ),
+            (
+                self.num_requests is None or self.num_requests >= 1,
+                f"number of requests must be at least 1, got {self.num_requests}",
+            ),
+            (
+                self.duration is None or self.duration > 0,
+                f"duration must be > 0, got {self.duration}",
+            ),
+            (self.warmup >= 0, f"warm-up must be >= 0, got {self.warmup}"),
+            (
+                not (self.rate == float("inf") and self.num_requests is None),
+                "an infinite rate needs a number of requests",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
 
 
 def poisson_gaps(rate: float, rng: random.Random) -> Iterator[float]:
@@ -50,16 +70,20 @@ def poisson_gaps(rate: float, rng: random.Random) -> Iterator[float]:
 
 
 async def find_model(client: httpx.AsyncClient) -> str:
-    """The first model the endpoint lists."""
-    reply = await client.get("/v1/models")
-    reply.raise_for_status()
-    return reply.json()["data"][0]["id"]
+    """The first model the endpoint lists; ValueError naming the URL if it cannot say."""
+    try:
+        reply = await client.get("/v1/models")
+        reply.raise_for_status()
+        return reply.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        raise ValueError(f"cannot list the models of {client.base_url}: {exc}") from None
 
 
 async def run_load(
     url: str,
     specs: Iterator[RequestSpec],
     load: Load,
+    count_tokens: CountTokens,
     model: str | None = None,
     extra_body: dict[str, Any] | None = None,
     headers: dict[str, str] | None = None,
@@ -72,18 +96,22 @@ async def run_load(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(request_timeout, connect=30.0)
     async with httpx.AsyncClient(
-        base_url=url, headers=headers, timeout=timeout, limits=limits
+        base_url=url, headers=headers, timeout=timeout, limits=limits, trust_env=False
     ) as client:
         model = model or await find_model(client)
         for spec in itertools.islice(specs, load.warmup):
-            await send(client, model, spec, extra, time.perf_counter())
+            await send(client, model, spec, extra, time.perf_counter(), count_tokens)
         measured = itertools.islice(specs, load.num_requests)
         progress = tqdm(total=load.num_requests, desc=label or url, file=sys.stderr, leave=False)
         start = time.perf_counter()
         if load.rate is not None:
-            results = await _open_loop(client, model, measured, load, extra, start, progress)
+            results = await _open_loop(
+                client, model, measured, load, extra, start, progress, count_tokens
+            )
         else:
-            results = await _closed_loop(client, model, measured, load, extra, start, progress)
+            results = await _closed_loop(
+                client, model, measured, load, extra, start, progress, count_tokens
+            )
         progress.close()
         return results, time.perf_counter() - start
 
@@ -100,18 +128,20 @@ async def _open_loop(
     extra: dict[str, Any],
     start: float,
     progress: tqdm,
+    count_tokens: CountTokens,
 ) -> list[RequestResult]:
-    gaps = poisson_gaps(load.rate, random.Random(load.seed))
+    # Its own stream of randomness: the workload drew from Random(seed) already.
+    gaps = poisson_gaps(load.rate, random.Random(f"arrivals:{load.seed}"))
     tasks = []
-    due = start
+    due = start  # the first request goes at once, as in vLLM's benchmark
     for spec in specs:
-        due += next(gaps)
-        await asyncio.sleep(max(0.0, due - time.perf_counter()))
-        if _past(load, start):
+        if load.duration is not None and due - start >= load.duration:
             break
-        task = asyncio.create_task(send(client, model, spec, extra, start))
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        task = asyncio.create_task(send(client, model, spec, extra, start, count_tokens))
         task.add_done_callback(lambda _: progress.update())
         tasks.append(task)
+        due += next(gaps)
     return list(await asyncio.gather(*tasks))
 
 
@@ -123,6 +153,7 @@ async def _closed_loop(
     extra: dict[str, Any],
     start: float,
     progress: tqdm,
+    count_tokens: CountTokens,
 ) -> list[RequestResult]:
     results: list[RequestResult] = []
 
@@ -130,7 +161,7 @@ async def _closed_loop(
         for spec in specs:  # one shared iterator: each spec is taken once
             if _past(load, start):
                 return
-            results.append(await send(client, model, spec, extra, start))
+            results.append(await send(client, model, spec, extra, start, count_tokens))
             progress.update()
 
     await asyncio.gather(*(user() for _ in range(load.concurrency)))

@@ -3,28 +3,32 @@ output lengths, drawn from a seed so every endpoint gets the very same requests.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from appliance.model.tokenizer import Tokenizer
 
 # Common words; those that are one token with a leading space make prompts whose token
 # count is exactly their word count (the tokenizer splits before each space).
-WORDS = (
-    "the of and to in is was for on that with as by at from his her they this have are "
-    "had not but which were she one all been their has when who will more would there "
-    "if out so what up about into than its only other new some could time these two may "
-    "then first any like now my such make over our even most after also made many did "
-    "before must through back years where much your way well down should because each "
-    "just those people how too little state good very world still own see men work long "
-    "here get both between life being under never day same another know while last might "
-    "us great old year off come since against go came right used take three house river "
-    "water light night city green small large music story garden stone window paper "
-    "market winter summer morning bridge forest island mountain letter ocean village"
-).split()
+WORDS = tuple(
+    (
+        "the of and to in is was for on that with as by at from his her they this have are "
+        "had not but which were she one all been their has when who will more would there "
+        "if out so what up about into than its only other new some could time these two may "
+        "then first any like now my such make over our even most after also made many did "
+        "before must through back years where much your way well down should because each "
+        "just those people how too little state good very world still own see men work long "
+        "here get both between life being under never day same another know while last might "
+        "us great old year off come since against go came right used take three house river "
+        "water light night city green small large music story garden stone window paper "
+        "market winter summer morning bridge forest island mountain letter ocean village"
+    ).split()
+)
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,13 @@ class PromptMaker:
             raise ValueError(f"a prompt needs at least one token, got {num_tokens}")
         text = "".join(" " + rng.choice(self.words) for _ in range(num_tokens))
         count = len(self.tokenizer.encode(text))
-        # An internal check: the property the word list was filtered for.
-        assert count == num_tokens, f"prompt came out at {count} tokens, not {num_tokens}"
+        if count != num_tokens:  # a tokenizer that merges across spaces
+            raise ValueError(f"a {num_tokens}-word prompt came out at {count} tokens")
         return text
 
 
 def fixed(maker: PromptMaker, rng: random.Random, input_len: int, output_len: int) -> RequestSpec:
+    """Every request the same lengths."""
     return RequestSpec(maker.make(input_len, rng), input_len, output_len)
 
 
@@ -78,10 +83,9 @@ def long_prompt_burst(maker: PromptMaker, rng: random.Random) -> RequestSpec:
     return RequestSpec(maker.make(prompt, rng), prompt, output)
 
 
-WORKLOADS: dict[str, Callable[[PromptMaker, random.Random], RequestSpec]] = {
-    "chat": chat_mix,
-    "long-burst": long_prompt_burst,
-}
+WORKLOADS: MappingProxyType[str, Callable[[PromptMaker, random.Random], RequestSpec]] = (
+    MappingProxyType({"chat": chat_mix, "long-burst": long_prompt_burst})
+)
 
 
 def generate(
@@ -100,11 +104,11 @@ def generate(
         return _cycle(load_jsonl(jsonl, tokenizer, output_len))
     maker = PromptMaker(tokenizer)
     if name == "fixed":
-        return (fixed(maker, rng, input_len, output_len) for _ in iter(int, 1))
+        return (fixed(maker, rng, input_len, output_len) for _ in itertools.repeat(None))
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose fixed, chat, long-burst or jsonl")
     pick = WORKLOADS[name]
-    return (pick(maker, rng) for _ in iter(int, 1))
+    return (pick(maker, rng) for _ in itertools.repeat(None))
 
 
 def load_jsonl(path: Path, tokenizer: Tokenizer, default_output: int) -> list[RequestSpec]:
