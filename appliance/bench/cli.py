@@ -12,7 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from appliance.bench import report
-from appliance.bench.compare import BASELINE, Run, compare, our_targets, peer_targets
+from appliance.bench.compare import (
+    BASELINE,
+    Run,
+    compare,
+    llama_cpp_targets,
+    naive_target,
+    our_targets,
+)
 from appliance.bench.metrics import SLO, summarize
 from appliance.bench.runner import Load, run_load
 from appliance.bench.workloads import RequestSpec, generate
@@ -47,8 +54,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     cmp.add_argument(
         "--configs",
         default="ours,peers",
-        help="'ours' (disaggregated, colocated x2, colocated x1), 'peers' "
-        "(llama-cpp-python if installed, naive transformers), or both",
+        help="comma-separated: 'ours' (disaggregated, colocated x2, colocated x1), "
+        "'llama-cpp' (if installed), 'transformers' (naive), 'peers' (both)",
     )
     cmp.add_argument("--llama-cpp-python", help="a python that has llama_cpp[server] installed")
 
@@ -144,12 +151,20 @@ def _compare(args: argparse.Namespace) -> int:
     specs = list(itertools.islice(_specs(args, tokenizer), total))
     cores = len(os.sched_getaffinity(0))
     targets = []
-    if "ours" in args.configs:
+    configs = set(args.configs.split(","))
+    unknown = configs - {"ours", "peers", "llama-cpp", "transformers"}
+    if unknown:
+        raise ValueError(
+            f"unknown --configs {sorted(unknown)}; use ours, peers, llama-cpp, transformers"
+        )
+    gguf = load_settings().model or default_model_path()  # the model ours serve
+    stop_ids = sorted(tokenizer.stop_token_ids)
+    if "ours" in configs:
         targets += our_targets(cores)
-    if "peers" in args.configs:
-        stop_ids = sorted(tokenizer.stop_token_ids)
-        gguf = load_settings().model or default_model_path()  # the model ours serve
-        targets += peer_targets(gguf, cores, stop_ids, args.llama_cpp_python)
+    if configs & {"peers", "llama-cpp"}:
+        targets += llama_cpp_targets(gguf, cores, stop_ids, args.llama_cpp_python)
+    if configs & {"peers", "transformers"}:
+        targets.append(naive_target(gguf, cores))
     count_tokens = lambda text: len(tokenizer.encode(text))  # noqa: E731
     runs = compare(
         targets, specs, loads, slo, count_tokens, args.out / "logs" if args.out else None

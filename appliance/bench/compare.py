@@ -82,11 +82,10 @@ def our_targets(cores: int) -> list[Target]:
     ]
 
 
-def peer_targets(
+def llama_cpp_targets(
     gguf: Path, cores: int, stop_ids: list[int], llama_cpp_python: str | None
 ) -> list[Target]:
-    """Peers on the same GGUF and thread count: llama-cpp-python's server (when
-    installed) and a naive transformers server (one request at a time)."""
+    """llama-cpp-python's server, if this or the given Python has it."""
     targets = []
     python = llama_cpp_python or (sys.executable if importlib.util.find_spec("llama_cpp") else None)
     if python is not None:
@@ -95,15 +94,19 @@ def peer_targets(
         command = [python, "-m", "llama_cpp.server", "--model", str(gguf)]
         command += ["--n_threads", str(cores), "--n_threads_batch", str(cores)]
         command += ["--n_ctx", "4096", "--host", "127.0.0.1"]
+        # By default it cuts the running stream short whenever a new request comes in.
+        command += ["--interrupt_requests", "False"]
         targets.append(Target("llama-cpp-python", command, ready_path="/v1/models", extra_body=ban))
+    return targets
+
+
+def naive_target(gguf: Path, cores: int) -> Target:
+    """transformers' generate, one request at a time."""
     naive = [sys.executable, "-m", "appliance.bench.naive_server", "--threads", str(cores)]
     naive += ["--model", str(gguf)]
-    targets.append(
-        Target(
-            "transformers (naive)", naive, ready_path="/v1/models", extra_body={"ignore_eos": True}
-        )
+    return Target(
+        "transformers (naive)", naive, ready_path="/v1/models", extra_body={"ignore_eos": True}
     )
-    return targets
 
 
 def free_port() -> int:
