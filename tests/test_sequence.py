@@ -22,9 +22,15 @@ def test_defaults_are_greedy_and_valid() -> None:
     assert not params.ignore_eos
 
 
-@pytest.mark.parametrize("temperature", [1e-6, 0.7, 1.0, 5.0])
+@pytest.mark.parametrize("temperature", [1e-5, 0.7, 1.0, 5.0])
 def test_positive_temperature_is_not_greedy(temperature: float) -> None:
     assert not SamplingParams(temperature=temperature).greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-300])
+def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
+    # logits / 1e-300 overflow to inf and the sampler would fail: it is greedy anyway.
+    assert SamplingParams(temperature=temperature).greedy
 
 
 @pytest.mark.parametrize("max_tokens", [0, -1, -100])
