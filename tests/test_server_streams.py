@@ -46,6 +46,7 @@ def wait_all_free(url: str, bound_s: float = 10.0) -> list[dict]:
 
 def test_dropped_streams_free_their_blocks_on_both_pools(server: ServerProcess) -> None:
     all_reading = asyncio.Event()
+    drop = asyncio.Event()  # set once the busy pools have been looked at
     readers = 0
 
     async def drop_midway(client: httpx.AsyncClient, i: int) -> int:
@@ -61,7 +62,7 @@ def test_dropped_streams_free_their_blocks_on_both_pools(server: ServerProcess) 
             readers += 1
             if readers == 20:
                 all_reading.set()
-            await all_reading.wait()
+            await drop.wait()
             return chunks  # leaving the block closes the connection mid-stream
 
     async def main() -> tuple[list[int], list[dict]]:
@@ -69,6 +70,7 @@ def test_dropped_streams_free_their_blocks_on_both_pools(server: ServerProcess) 
             tasks = [asyncio.create_task(drop_midway(client, i)) for i in range(20)]
             await all_reading.wait()
             busy = await asyncio.to_thread(workers, server.url)
+            drop.set()
             return list(await asyncio.gather(*tasks)), busy
 
     chunks, busy = asyncio.run(main())
