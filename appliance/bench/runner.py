@@ -103,17 +103,27 @@ async def run_load(
             await send(client, model, spec, extra, time.perf_counter(), count_tokens)
         measured = itertools.islice(specs, load.num_requests)
         progress = tqdm(total=load.num_requests, desc=label or url, file=sys.stderr, leave=False)
-        start = time.perf_counter()
+        sender = _Sender(client, model, extra, time.perf_counter(), count_tokens)
         if load.rate is not None:
-            results = await _open_loop(
-                client, model, measured, load, extra, start, progress, count_tokens
-            )
+            results = await _open_loop(sender, measured, load, progress)
         else:
-            results = await _closed_loop(
-                client, model, measured, load, extra, start, progress, count_tokens
-            )
+            results = await _closed_loop(sender, measured, load, progress)
         progress.close()
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - sender.start
+
+
+@dataclass
+class _Sender:
+    """What every measured request is sent with; `start` is the run's clock zero."""
+
+    client: httpx.AsyncClient
+    model: str
+    extra: dict[str, Any]
+    start: float
+    count_tokens: CountTokens
+
+    async def send(self, spec: RequestSpec) -> RequestResult:
+        return await send(self.client, self.model, spec, self.extra, self.start, self.count_tokens)
 
 
 def _past(load: Load, start: float) -> bool:
@@ -121,24 +131,17 @@ def _past(load: Load, start: float) -> bool:
 
 
 async def _open_loop(
-    client: httpx.AsyncClient,
-    model: str,
-    specs: Iterator[RequestSpec],
-    load: Load,
-    extra: dict[str, Any],
-    start: float,
-    progress: tqdm,
-    count_tokens: CountTokens,
+    sender: _Sender, specs: Iterator[RequestSpec], load: Load, progress: tqdm
 ) -> list[RequestResult]:
     # Its own stream of randomness: the workload drew from Random(seed) already.
     gaps = poisson_gaps(load.rate, random.Random(f"arrivals:{load.seed}"))
     tasks = []
-    due = start  # the first request goes at once, as in vLLM's benchmark
+    due = sender.start  # the first request goes at once, as in vLLM's benchmark
     for spec in specs:
-        if load.duration is not None and due - start >= load.duration:
+        if load.duration is not None and due - sender.start >= load.duration:
             break
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
-        task = asyncio.create_task(send(client, model, spec, extra, start, count_tokens))
+        task = asyncio.create_task(sender.send(spec))
         task.add_done_callback(lambda _: progress.update())
         tasks.append(task)
         due += next(gaps)
@@ -146,22 +149,15 @@ async def _open_loop(
 
 
 async def _closed_loop(
-    client: httpx.AsyncClient,
-    model: str,
-    specs: Iterator[RequestSpec],
-    load: Load,
-    extra: dict[str, Any],
-    start: float,
-    progress: tqdm,
-    count_tokens: CountTokens,
+    sender: _Sender, specs: Iterator[RequestSpec], load: Load, progress: tqdm
 ) -> list[RequestResult]:
     results: list[RequestResult] = []
 
     async def user() -> None:
         for spec in specs:  # one shared iterator: each spec is taken once
-            if _past(load, start):
+            if _past(load, sender.start):
                 return
-            results.append(await send(client, model, spec, extra, start, count_tokens))
+            results.append(await sender.send(spec))
             progress.update()
 
     await asyncio.gather(*(user() for _ in range(load.concurrency)))
