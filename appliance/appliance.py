@@ -12,7 +12,7 @@ from typing import Any
 
 from appliance.config import Settings
 from appliance.engine.sequence import SamplingParams
-from appliance.model.loader import model_name, prepare_model
+from appliance.model.loader import model_name, prepare_tokenizer
 from appliance.model.model_config import ModelConfig
 from appliance.model.tokenizer import Tokenizer
 from appliance.supervisor import Chunk, Supervisor
@@ -32,8 +32,8 @@ class Appliance:
     def prepare(self) -> None:
         """Load the tokenizer and the model's facts; raises ModelLoadError for a bad model.
         Writes the weight cache once, if missing, before the workers read it."""
-        self.config, tokenizer_dir = prepare_model(self.settings.model, self.settings.cache_dir)
-        self.tokenizer = Tokenizer.load(tokenizer_dir, self.config.eos_token_ids)
+        settings = self.settings
+        self.config, self.tokenizer = prepare_tokenizer(settings.model, settings.cache_dir)
 
     async def start(self) -> None:
         """Spawn the pools' workers and wait until all are ready."""

@@ -13,7 +13,7 @@ from openai import OpenAI
 from server_process import API_KEY, ServerProcess
 
 from appliance.config import load_settings
-from appliance.model.loader import model_name, prepare_model
+from appliance.model.loader import model_name, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 
 MODEL = model_name(None)
@@ -27,8 +27,7 @@ def client(server: ServerProcess) -> OpenAI:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    config, folder = prepare_model(None, load_settings().cache_dir)
-    return Tokenizer.load(folder, config.eos_token_ids)
+    return prepare_tokenizer(None, load_settings().cache_dir)[1]
 
 
 def test_health_said_starting_then_ok(server: ServerProcess) -> None:

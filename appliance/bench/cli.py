@@ -24,7 +24,7 @@ from appliance.bench.metrics import SLO, summarize
 from appliance.bench.runner import Load, run_load
 from appliance.bench.workloads import RequestSpec, generate
 from appliance.config import load_settings
-from appliance.model.loader import default_model_path, prepare_model
+from appliance.model.loader import default_model_path, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 
 
@@ -90,8 +90,7 @@ def run(args: argparse.Namespace) -> int:
 def _tokenizer() -> Tokenizer:
     """Our tokenizer: prompts are built to exact token counts with it."""
     settings = load_settings()
-    config, folder = prepare_model(settings.model, settings.cache_dir)
-    return Tokenizer.load(folder, config.eos_token_ids)
+    return prepare_tokenizer(settings.model, settings.cache_dir)[1]
 
 
 def _load(args: argparse.Namespace, rate: float | None) -> Load:

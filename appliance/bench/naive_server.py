@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from appliance.model.loader import default_model_path, model_name, prepare_model
+from appliance.model.loader import default_model_path, model_name, prepare_tokenizer
 from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -122,8 +122,7 @@ def main() -> None:
     from appliance.config import load_settings
 
     path = args.model or default_model_path()
-    config, tokenizer_dir = prepare_model(path, load_settings().cache_dir)
-    tokenizer = Tokenizer.load(tokenizer_dir, config.eos_token_ids)
+    _, tokenizer = prepare_tokenizer(path, load_settings().cache_dir)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
     app = build_app(model.eval(), tokenizer, model_name(path))
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")

