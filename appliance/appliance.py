@@ -15,6 +15,7 @@ from appliance.engine.sequence import SamplingParams
 from appliance.model.loader import model_name, prepare_tokenizer
 from appliance.model.model_config import ModelConfig
 from appliance.model.tokenizer import Tokenizer
+from appliance.pool_moves import PoolMover
 from appliance.supervisor import Chunk, Supervisor
 from appliance.topology import Topology
 
@@ -25,6 +26,7 @@ class Appliance:
     def __init__(self, settings: Settings, topology: Topology | None = None) -> None:
         self.settings = settings
         self.supervisor = Supervisor(settings, topology)
+        self.pools = PoolMover(self.supervisor, settings.admin.drain_timeout_s)
         self.tokenizer: Tokenizer | None = None
         self.config: ModelConfig | None = None
         self.model_name = settings.served_model_name or model_name(settings.model)
@@ -40,6 +42,7 @@ class Appliance:
         await self.supervisor.start()
 
     async def stop(self) -> None:
+        await self.pools.stop()
         await self.supervisor.stop()
 
     async def __aenter__(self) -> Appliance:

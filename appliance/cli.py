@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from appliance.admin.token import TokenError
 from appliance.config import SettingsError, load_settings
 from appliance.model.errors import ModelLoadError
 
@@ -36,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     srv.add_argument("--model", type=Path, help="GGUF file or Hugging Face folder")
 
+    con = commands.add_parser(
+        "console", help="watch and tune a running appliance (a terminal UI on its admin API)"
+    )
+    con.add_argument("--url", help="the appliance's address (default from host and port)")
+    con.add_argument(
+        "--token-file", type=Path, help="its admin token (default: what that server wrote)"
+    )
+
     from appliance.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(commands)
@@ -54,6 +63,21 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model,
     )
     return run_server(settings)
+
+
+def console(args: argparse.Namespace) -> int:
+    from urllib.parse import urlsplit
+
+    from appliance.admin.token import read_token
+    from tui.app import run_console
+
+    port = urlsplit(args.url).port if args.url else None
+    settings = load_settings(args.config, port=port)
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    url = args.url or f"http://{host}:{settings.port}"
+    token = read_token(args.token_file or settings.admin_token_path())
+    run_console(url, token)
+    return 0
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -90,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
             from appliance.bench.cli import run as run_bench
 
             return run_bench(args)
-        return serve(args) if args.command == "serve" else generate(args)
-    except (SettingsError, ModelLoadError, ValueError) as exc:
+        commands = {"serve": serve, "console": console, "generate": generate}
+        return commands[args.command](args)
+    except (SettingsError, ModelLoadError, TokenError, ValueError) as exc:
         print(f"appliance: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -79,6 +79,27 @@ class ServerSettings(BaseModel):
     max_n: int = Field(16, ge=1, le=128, description="Most choices (n) one request may ask for.")
 
 
+class AdminSettings(BaseModel):
+    """The admin API (/admin) that the console uses."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_file: Path | None = Field(
+        None,
+        description="Where the server writes its admin token (mode 0600) at start; empty "
+        "means <cache_dir>/admin/<port>.token.",
+    )
+    events_interval_s: float = Field(
+        0.5, gt=0, le=60, description="Seconds between state snapshots on /admin/events."
+    )
+    drain_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long a moving device's worker may take to finish its requests; "
+        "past it the move is called off and the worker stays in its pool.",
+    )
+
+
 class Settings(BaseSettings):
     """Everything the appliance can be told."""
 
@@ -114,6 +135,11 @@ class Settings(BaseSettings):
         description="Without GPUs: how many devices to split the usable cores into "
         "(each a worker's core set); empty means one per core.",
     )
+    cpu_share_cores: bool = Field(
+        False,
+        description="Allow more CPU devices than cores: each device then gets one core, in "
+        "turn, shared with others (to try pool layouts on a small machine).",
+    )
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="Split prefill and decode pools, or workers doing both."
     )
@@ -138,6 +164,7 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     kv: KVSettings = Field(default_factory=KVSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
+    admin: AdminSettings = Field(default_factory=AdminSettings)
 
     @field_validator("model", mode="before")
     @classmethod
@@ -164,6 +191,10 @@ class Settings(BaseSettings):
                 "(APPLIANCE_ALLOW_REMOTE=true) to serve other machines, ideally with an api_key"
             )
         return self
+
+    def admin_token_path(self) -> Path:
+        """The admin token file of the server on this port."""
+        return self.admin.token_file or self.cache_dir / "admin" / f"{self.port}.token"
 
     @classmethod
     def settings_customise_sources(

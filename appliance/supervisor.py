@@ -10,21 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.multiprocessing as mp
 
-from appliance.config import Settings
+from appliance.admin.schema import Event, Tuning, TuningPatch
+from appliance.config import BatchSettings, Settings
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.topology import Partition, Topology, discover, partition
 from appliance.workers.messages import (
     Abort,
+    DropPeer,
     Failed,
     Handoff,
     HandoffResult,
@@ -35,11 +39,15 @@ from appliance.workers.messages import (
     Shutdown,
     Submit,
     TokenBatch,
+    Tune,
 )
 from appliance.workers.worker import run_worker
 
+log = logging.getLogger("appliance.supervisor")
+
 HANDOFF_RETRY_S = 0.01  # a decode pool without room is asked again this much later
 WATCH_INTERVAL_S = 0.2  # how often worker processes are checked for being alive
+MAX_EVENTS = 200  # events kept for the admin API
 
 
 class RequestFailed(RuntimeError):
@@ -62,17 +70,37 @@ class Chunk:
 class WorkerHandle:
     worker_id: int
     role: str  # "prefill", "decode" or "colocated"
+    device_index: int
     device: str
     cores: tuple[int, ...]
     inbox: Any
     process: Any
     ready: bool = False
     alive: bool = True  # False once its process has exited: routing skips it
+    draining: bool = False  # takes no new work (its device is moving to the other pool)
+    stopping: bool = False  # told to shut down: its exit is expected
+    started: asyncio.Future | None = None  # set when a worker joining a running pool is ready
     num_blocks: int = 0
     num_free: int = 0
     running: int = 0
     queued_tokens: int = 0  # prompt tokens sent and not yet answered
+    tokens_out: int = 0  # tokens it has produced
     restarts: int = 0
+
+    @property
+    def routable(self) -> bool:
+        """Whether new requests (or handoffs) may go to it."""
+        return self.alive and self.ready and not self.draining
+
+    @property
+    def phase(self) -> str:
+        if not self.alive:
+            return "exited"
+        if self.stopping:
+            return "stopping"
+        if self.draining:
+            return "draining"
+        return "ready" if self.ready else "starting"
 
 
 @dataclass
@@ -89,6 +117,10 @@ class WorkerView:
     num_free_blocks: int
     num_blocks: int
     restarts: int
+    phase: str  # starting, ready, draining, stopping, exited
+    device_index: int
+    pid: int | None
+    tokens_out: int
 
 
 @dataclass
@@ -122,13 +154,26 @@ class Supervisor:
         self.settings = settings
         # Without accelerators, one CPU "device" per usable core unless told otherwise.
         cpu_devices = settings.cpu_devices or len(os.sched_getaffinity(0))
-        self.topology = topology or discover(settings.device, num_cpu_devices=cpu_devices)
+        self.topology = topology or discover(
+            settings.device, num_cpu_devices=cpu_devices, share_cores=settings.cpu_share_cores
+        )
         self.partition: Partition = partition(
             self.topology, settings.mode, settings.prefill_devices, settings.decode_devices
         )
         self.workers: dict[int, WorkerHandle] = {}
         self.requests: dict[int, RequestState] = {}
+        self.tuning = Tuning(
+            prefill_token_budget=settings.batch.max_num_batched_tokens,
+            chunk_size=min(settings.batch.chunk_size, settings.batch.max_num_batched_tokens),
+            decode_max_seqs=settings.batch.max_num_seqs,
+            routing="least_loaded",
+            admission="open",
+        )
+        self.events: deque[Event] = deque(maxlen=MAX_EVENTS)
+        self._event_ids = itertools.count(1)
         self._ids = itertools.count()
+        self._worker_ids = itertools.count()
+        self._turns = itertools.count()  # round-robin routing
         self._ctx = mp.get_context("spawn")
         self._outbox = self._ctx.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,34 +206,50 @@ class Supervisor:
             return [("colocated", d) for d in part.prefill]
         return [("prefill", d) for d in part.prefill] + [("decode", d) for d in part.decode]
 
-    def _spawn(self, role: str, device_index: int) -> None:
-        worker_id = len(self.workers)
+    def _spawn(self, role: str, device_index: int) -> WorkerHandle:
+        worker_id = next(self._worker_ids)
         device = self.topology.devices[device_index]
         inbox = self._ctx.Queue()
+        settings = self._worker_settings(role)
         process = self._ctx.Process(
             target=run_worker,
-            args=(worker_id, role, self.settings, device, inbox, self._outbox),
+            args=(worker_id, role, settings, device, inbox, self._outbox),
             daemon=True,
         )
         process.start()
-        self.workers[worker_id] = WorkerHandle(
-            worker_id, role, device.name, device.cores, inbox, process
+        worker = WorkerHandle(
+            worker_id, role, device_index, device.name, device.cores, inbox, process
         )
+        self.workers[worker_id] = worker
+        return worker
+
+    def _worker_settings(self, role: str) -> Settings:
+        """The settings with the live tuning a worker of `role` starts with."""
+        limits = _batch_limits(role, self.tuning)
+        batch = BatchSettings(**{**self.settings.batch.model_dump(), **limits})
+        return self.settings.model_copy(update={"batch": batch})
 
     async def _watch_workers(self) -> None:
         """A worker that died fails its requests at once instead of leaving them waiting.
         (Restarting it and retrying is the reliability work still to come.)"""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            for worker in self.workers.values():
-                if worker.process.is_alive() or not worker.alive:
+            for worker in list(self.workers.values()):
+                if worker.process.is_alive() or not worker.alive or worker.stopping:
                     continue
                 worker.alive = False
+                code = worker.process.exitcode
+                self.note(
+                    "worker",
+                    f"worker {worker.worker_id} ({worker.role}, "
+                    f"{worker.device}) exited with code {code}",
+                )
                 self._fail_requests_on(worker)
+                error = RuntimeError(f"worker {worker.worker_id} exited while starting")
                 if self._all_ready is not None and not self._all_ready.done():
-                    self._all_ready.set_exception(
-                        RuntimeError(f"worker {worker.worker_id} exited while starting")
-                    )
+                    self._all_ready.set_exception(error)
+                if worker.started is not None and not worker.started.done():
+                    worker.started.set_exception(error)
 
     def _fail_requests_on(self, worker: WorkerHandle) -> None:
         error = RequestFailed(f"worker {worker.worker_id} exited (code {worker.process.exitcode})")
@@ -232,10 +293,13 @@ class Supervisor:
 
     def _submit(self, request: RequestState) -> None:
         role = "colocated" if self.settings.mode == "colocated" else "prefill"
-        candidates = [w for w in self.workers.values() if w.role == role and w.alive]
+        candidates = [w for w in self.workers.values() if w.role == role and w.routable]
         if not candidates:
             raise RequestFailed(f"no {role} worker is running")
-        worker = min(candidates, key=lambda w: (w.queued_tokens, w.running))
+        if self.tuning.routing == "round_robin":
+            worker = candidates[next(self._turns) % len(candidates)]
+        else:
+            worker = min(candidates, key=lambda w: (w.queued_tokens, w.running))
         worker.queued_tokens += len(request.prompt)
         request.prefill_worker = worker.worker_id
         worker.inbox.put(
@@ -277,22 +341,41 @@ class Supervisor:
                 request.stream.put_nowait(RequestFailed(message.error))
 
     def _on_ready(self, message: Ready) -> None:
-        worker = self.workers[message.worker_id]
-        worker.ready = True
+        worker = self.workers.get(message.worker_id)
+        if worker is None:
+            return
         worker.num_blocks = worker.num_free = message.num_blocks
         if message.kv is not None:
             self._peer_pools[message.worker_id] = message.kv
+        if self._all_ready.done():  # joining running pools: wire it in, then route to it
+            self._wire(worker)
+            worker.ready = True
+            if worker.started is not None and not worker.started.done():
+                worker.started.set_result(None)
+            return
+        worker.ready = True
         if all(w.ready for w in self.workers.values()):
+            for w in self.workers.values():
+                self._wire(w)
+            self._all_ready.set_result(None)
+
+    def _wire(self, worker: WorkerHandle) -> None:
+        """Share KV pools so decode workers can pull from every prefill worker."""
+        if worker.role == "decode":
             for pool_id, kv in self._peer_pools.items():
-                for w in self.workers.values():
-                    if w.role == "decode":
-                        w.inbox.put(PeerPool(pool_id, kv))
-            if not self._all_ready.done():
-                self._all_ready.set_result(None)
+                worker.inbox.put(PeerPool(pool_id, kv))
+        elif worker.worker_id in self._peer_pools and self._all_ready.done():
+            kv = self._peer_pools[worker.worker_id]
+            for w in self.workers.values():
+                if w.role == "decode" and w.ready and w.alive:
+                    w.inbox.put(PeerPool(worker.worker_id, kv))
 
     def _on_tokens(self, batch: TokenBatch) -> None:
-        worker = self.workers[batch.worker_id]
+        worker = self.workers.get(batch.worker_id)
+        if worker is None:  # retired since it sent this
+            return
         worker.num_free, worker.running = batch.num_free_blocks, batch.num_running
+        worker.tokens_out += sum(len(out.token_ids) for out in batch.outputs)
         for request_id in batch.started:
             request = self.requests.get(request_id)
             if request is not None:
@@ -328,7 +411,7 @@ class Supervisor:
         if request.cancelled:
             self._tell(pending.source, Release(request.request_id))
             return
-        candidates = [w for w in self.workers.values() if w.role == "decode" and w.alive]
+        candidates = [w for w in self.workers.values() if w.role == "decode" and w.routable]
         if not candidates:
             self._tell(pending.source, Release(request.request_id))
             request.stream.put_nowait(RequestFailed("no decode worker is running"))
@@ -382,7 +465,7 @@ class Supervisor:
 
     def capacity_tokens(self) -> int:
         """The longest sequence every worker's KV pool can hold (0 before they are ready)."""
-        sizes = [w.num_blocks for w in self.workers.values() if w.alive]
+        sizes = [w.num_blocks for w in self.workers.values() if w.alive and w.ready]
         return min(sizes, default=0) * self.settings.kv.block_size
 
     def views(self) -> list[WorkerView]:
@@ -405,6 +488,10 @@ class Supervisor:
                 w.num_free,
                 w.num_blocks,
                 w.restarts,
+                w.phase,
+                w.device_index,
+                w.process.pid,
+                w.tokens_out,
             )
             for w in self.workers.values()
         ]
@@ -412,3 +499,80 @@ class Supervisor:
     def pending_handoffs(self) -> int:
         """Handoffs sent to a decode worker and not yet answered."""
         return len(self._pending)
+
+    # ------------------------------------------------------------ pool membership and tuning
+
+    def note(self, kind: str, message: str) -> Event:
+        """Record an event for the admin API (and the log)."""
+        event = Event(seq=next(self._event_ids), at=time.time(), kind=kind, message=message)
+        self.events.append(event)
+        log.info("%s", message)
+        return event
+
+    def tune(self, patch: TuningPatch) -> Tuning:
+        """Apply new knobs now: routing and admission here, batching limits in each worker's
+        scheduler from its next step. Raises ValueError for a bad combination."""
+        tuning = patch.applied_to(self.tuning)
+        changed = {k: v for k, v in tuning.model_dump().items() if getattr(self.tuning, k) != v}
+        self.tuning = tuning
+        for worker in self.workers.values():
+            limits = _batch_limits(worker.role, tuning)
+            if worker.alive and limits:
+                worker.inbox.put(Tune(**limits))
+        if changed:
+            described = ", ".join(f"{k}={v}" for k, v in changed.items())
+            self.note("admission" if set(changed) == {"admission"} else "tuning", described)
+        return tuning
+
+    def busy_with(self, worker_id: int) -> int:
+        """Requests that still need this worker: running on it, or parked in its blocks
+        until a decode worker has copied them."""
+        return sum(
+            1
+            for r in self.requests.values()
+            if r.decode_worker == worker_id
+            or (r.prefill_worker == worker_id and "handoff" not in r.timing)
+        )
+
+    async def add_worker(self, role: str, device_index: int, timeout: float) -> WorkerHandle:
+        """Start a worker of `role` on a device while the pools serve; returns once it
+        takes requests. Raises RuntimeError if it exits or is not ready within `timeout`."""
+        worker = self._spawn(role, device_index)
+        worker.started = self._loop.create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(worker.started), timeout)
+        except TimeoutError:
+            await self.retire(worker.worker_id)
+            message = f"worker {worker.worker_id} not ready within {timeout:.0f} s"
+            raise RuntimeError(message) from None
+        except RuntimeError:
+            self.workers.pop(worker.worker_id, None)
+            raise
+        self.note("worker", f"worker {worker.worker_id} ({role}) serves on {worker.device}")
+        return worker
+
+    async def retire(self, worker_id: int, timeout: float = 10.0) -> None:
+        """Stop a worker that has nothing left to do and forget it; decode workers drop
+        their view of its KV pool."""
+        worker = self.workers[worker_id]
+        worker.draining = worker.stopping = True
+        worker.inbox.put(Shutdown())
+        await asyncio.to_thread(worker.process.join, timeout)
+        if worker.process.is_alive():
+            worker.process.kill()
+            await asyncio.to_thread(worker.process.join, timeout)
+        del self.workers[worker_id]
+        if self._peer_pools.pop(worker_id, None) is not None:
+            for w in self.workers.values():
+                if w.role == "decode" and w.alive:
+                    w.inbox.put(DropPeer(worker_id))
+
+
+def _batch_limits(role: str, tuning: Tuning) -> dict[str, int]:
+    """The scheduler limits the live tuning sets for a worker of `role`."""
+    prefill = {
+        "max_num_batched_tokens": tuning.prefill_token_budget,
+        "chunk_size": tuning.chunk_size,
+    }
+    decode = {"max_num_seqs": tuning.decode_max_seqs}
+    return {"prefill": prefill, "decode": decode, "colocated": prefill | decode}[role]

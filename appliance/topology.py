@@ -213,27 +213,38 @@ def _p2p_read_ok(nvml: Any, a: Any, b: Any) -> bool:
         return False
 
 
-def cpu_devices(num_devices: int, cores: Iterable[int] | None = None) -> tuple[Device, ...]:
+def cpu_devices(
+    num_devices: int, cores: Iterable[int] | None = None, share_cores: bool = False
+) -> tuple[Device, ...]:
     """Split the usable cores (this process's affinity unless `cores` is given) into
     `num_devices` disjoint, contiguous core sets, sizes differing by at most one.
 
     Contiguous runs keep a worker's threads on neighbouring cores, which usually share
     caches and a NUMA node. Larger sets come first: the automatic split breaks ties toward
     low indices, so prefill (compute-bound) tends to get the extra cores.
+
+    More devices than cores is an error unless `share_cores`: then each device gets one
+    core, in turn, and devices on the same core compete for it.
     """
     usable = sorted(os.sched_getaffinity(0) if cores is None else set(cores))
     if num_devices < 1:
         raise ValueError(f"need at least 1 CPU device, got {num_devices}")
-    if num_devices > len(usable):
-        raise ValueError(
-            f"asked for {num_devices} CPU devices but only {len(usable)} usable cores "
-            f"({_core_list(usable)}); each CPU device needs at least one core"
-        )
     total, free = _host_memory()
+    share = (total // num_devices, free // num_devices)
+    if num_devices > len(usable):
+        if not share_cores:
+            raise ValueError(
+                f"asked for {num_devices} CPU devices but only {len(usable)} usable cores "
+                f"({_core_list(usable)}); each CPU device needs at least one core unless "
+                "cpu_share_cores is set"
+            )
+        return tuple(
+            Device("cpu", i, f"cpu{i} (core {c}, shared)", *share, cores=(c,))
+            for i, c in ((i, usable[i % len(usable)]) for i in range(num_devices))
+        )
     size, extra = divmod(len(usable), num_devices)
     starts = [i * size + min(i, extra) for i in range(num_devices + 1)]
     sets = [tuple(usable[starts[i] : starts[i + 1]]) for i in range(num_devices)]
-    share = (total // num_devices, free // num_devices)
     return tuple(
         Device("cpu", i, f"cpu{i} (cores {_core_list(s)})", *share, cores=s)
         for i, s in enumerate(sets)
@@ -253,24 +264,27 @@ def _core_list(cores: Sequence[int]) -> str:
 
 
 def discover(
-    device_setting: str, num_cpu_devices: int, nvml: ModuleType | Any | None = None
+    device_setting: str,
+    num_cpu_devices: int,
+    nvml: ModuleType | Any | None = None,
+    share_cores: bool = False,
 ) -> Topology:
     """The box's devices for the `device` setting: "cpu", "cuda", or "auto" (GPUs if NVML
     finds any, else CPU). `nvml` defaults to the installed pynvml module."""
     if device_setting not in ("auto", "cpu", "cuda"):
         raise ValueError(f"APPLIANCE_DEVICE={device_setting!r}: expected auto, cpu or cuda")
     if device_setting == "cpu":
-        return Topology.without_links(cpu_devices(num_cpu_devices))
-    gpus = discover_gpus(nvml or _import_nvml())
+        return Topology.without_links(cpu_devices(num_cpu_devices, share_cores=share_cores))
+    gpus = discover_gpus(nvml or import_nvml())
     if gpus is None and device_setting == "cuda":
         raise ValueError(
             "APPLIANCE_DEVICE=cuda but NVML found no NVIDIA GPU (no driver, no GPU, or "
             "nvidia-ml-py not installed); use APPLIANCE_DEVICE=cpu or auto"
         )
-    return gpus or Topology.without_links(cpu_devices(num_cpu_devices))
+    return gpus or Topology.without_links(cpu_devices(num_cpu_devices, share_cores=share_cores))
 
 
-def _import_nvml() -> ModuleType | Any:
+def import_nvml() -> ModuleType | Any:
     try:
         import pynvml
     except ImportError:

@@ -67,3 +67,28 @@ def server() -> Iterator[ServerProcess]:
     process.start()
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="session")
+def pool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """`appliance serve` on 3 CPU devices that share the cores, one thread each: device 0
+    prefill, devices 1 and 2 decode; its admin token in a temporary file. The admin and
+    console tests move its devices between pools (and move them back)."""
+    token_file = tmp_path_factory.mktemp("admin") / "admin.token"
+    process = ServerProcess(
+        {
+            "APPLIANCE_API_KEY": API_KEY,
+            "APPLIANCE_CPU_DEVICES": "3",
+            "APPLIANCE_CPU_SHARE_CORES": "true",
+            "APPLIANCE_PREFILL_DEVICES": "0",
+            "APPLIANCE_DECODE_DEVICES": "1,2",
+            "APPLIANCE_KV__MEMORY_MB": "64",
+            "APPLIANCE_ADMIN__TOKEN_FILE": str(token_file),
+            "APPLIANCE_ADMIN__EVENTS_INTERVAL_S": "0.25",
+        }
+    )
+    process.start()
+    process.admin_token_file = token_file
+    yield process
+    process.stop()
+    assert not token_file.exists(), "the server leaves no admin token behind"

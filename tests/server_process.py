@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -24,6 +25,7 @@ class ServerProcess:
     port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
     health_seen: list[tuple[int, dict]] = field(default_factory=list)
+    admin_token_file: Path | None = None  # where its admin token is, when a test set it
 
     @property
     def url(self) -> str:

@@ -15,11 +15,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from appliance.admin.device_stats import DeviceStats
+from appliance.admin.latency_window import LatencyWindow
+from appliance.admin.snapshot import SnapshotBuilder
+from appliance.admin.token import remove_token, write_token
 from appliance.appliance import Appliance
 from appliance.server import routes
+from appliance.server.admin import AdminState, admin_routes
 from appliance.server.errors import APIError, api_error, http_error, unexpected_error
 from appliance.server.metrics import Metrics
 from appliance.server.state import ServerState
+from appliance.topology import import_nvml
 
 log = logging.getLogger("appliance.server")
 
@@ -29,15 +35,20 @@ def build_app(
 ) -> Starlette:
     """The HTTP app around a prepared (tokenizer loaded) appliance; starting the app
     starts the appliance's workers, stopping it stops them."""
-    state = ServerState(appliance, Metrics(CollectorRegistry(), appliance.supervisor))
+    latency = LatencyWindow()
+    state = ServerState(appliance, Metrics(CollectorRegistry(), appliance.supervisor, latency))
+    admin = _admin_state(appliance, latency)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         starting = asyncio.create_task(appliance.start())
         starting.add_done_callback(lambda task: _started(task, state, on_start_failed))
+        _write_token(admin)
         try:
             yield
         finally:
+            if admin.token is not None:
+                remove_token(admin.token_path, admin.token)
             if not starting.done():
                 starting.cancel()
                 await asyncio.gather(starting, return_exceptions=True)
@@ -50,6 +61,7 @@ def build_app(
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
+            *admin_routes(),
         ],
         exception_handlers={
             APIError: _counted(api_error),
@@ -59,7 +71,24 @@ def build_app(
         lifespan=lifespan,
     )
     app.state.server = state
+    app.state.admin = admin
     return app
+
+
+def _admin_state(appliance: Appliance, latency: LatencyWindow) -> AdminState:
+    devices = appliance.supervisor.topology.devices
+    nvml = import_nvml() if any(d.kind == "cuda" for d in devices) else None
+    snapshots = SnapshotBuilder(appliance, latency, DeviceStats(nvml))
+    return AdminState(appliance, snapshots, appliance.settings.admin_token_path())
+
+
+def _write_token(admin: AdminState) -> None:
+    try:
+        admin.token = write_token(admin.token_path)
+    except OSError as exc:  # serve anyway: the admin API then refuses everyone
+        log.error("cannot write the admin token %s (%s): /admin is disabled", admin.token_path, exc)
+        return
+    log.info("admin token written to %s", admin.token_path)
 
 
 def _counted(handler: Callable) -> Callable:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from appliance.server.errors import APIError
+from appliance.server.errors import APIError, from_validation
+
+M = TypeVar("M", bound=BaseModel)
 
 DRAIN_FACTOR = 16  # past this many times the limit, stop reading and let the connection go
 
@@ -50,3 +53,11 @@ async def _read(request: Request, limit: int) -> bytes:
     if size > limit:
         raise APIError(413, f"request body is over {limit} bytes", code="too_large")
     return bytes(body)
+
+
+def validated(model: type[M], body: dict[str, Any]) -> M:
+    """The body as `model`; 422 naming every bad field otherwise."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation(exc) from None

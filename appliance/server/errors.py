@@ -18,8 +18,10 @@ ERROR_TYPES = MappingProxyType(
     {
         400: "invalid_request_error",
         401: "authentication_error",
+        403: "permission_error",
         404: "not_found_error",
         405: "invalid_request_error",
+        409: "conflict_error",
         413: "invalid_request_error",
         422: "invalid_request_error",
         429: "rate_limit_error",

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from appliance.admin.latency_window import Finished, LatencyWindow
 from appliance.supervisor import Chunk, Supervisor
 
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -20,8 +21,11 @@ HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1
 class Metrics:
     """The server's metrics, in their own registry (one per app, so tests can build many)."""
 
-    def __init__(self, registry: CollectorRegistry, supervisor: Supervisor) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, supervisor: Supervisor, recent: LatencyWindow
+    ) -> None:
         self.registry = registry
+        self.recent = recent  # the last minute's requests, for the admin API
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=registry)
@@ -88,8 +92,10 @@ class Metrics:
         """A finished request: it arrived at `arrival`, its first and last chunks reached
         the server at `first` and `last` (monotonic seconds)."""
         self.e2e.observe(last - arrival)
-        if num_tokens > 1:
-            self.tpot.observe((last - first) / (num_tokens - 1))
+        tpot = (last - first) / (num_tokens - 1) if num_tokens > 1 else None
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self.recent.record(Finished(last, first - arrival, tpot, num_tokens))
         timing = chunk.timing or {}
         if "prefill_start" in timing and "arrival" in timing:
             self.queue_time.observe(max(0.0, timing["prefill_start"] - timing["arrival"]))

@@ -12,13 +12,13 @@ from dataclasses import asdict
 from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from appliance.server import replies
-from appliance.server.body import read_json_object
-from appliance.server.errors import APIError, from_validation
+from appliance.server.body import read_json_object, validated
+from appliance.server.errors import APIError
 from appliance.server.generation import Choice, unless_disconnected
 from appliance.server.protocol import (
     ChatCompletionRequest,
@@ -36,7 +36,7 @@ R = TypeVar("R", bound=BaseModel)
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions: messages through the model's chat template."""
     state, body = await _accept(request)
-    req = _parse(ChatCompletionRequest, body)
+    req = validated(ChatCompletionRequest, body)
     _precheck(state, req, num_prompts=1)
     messages = [m.for_template() for m in req.messages]
     ids = await _tokenize(lambda: state.appliance.tokenize(messages=messages), "messages")
@@ -46,7 +46,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     """POST /v1/completions: raw text or token-id prompts, one or a batch."""
     state, body = await _accept(request)
-    req = _parse(CompletionRequest, body)
+    req = validated(CompletionRequest, body)
     _precheck(state, req, num_prompts=len(req.prompts()))
     vocab = state.appliance.config.vocab_size
     prompts = []
@@ -115,17 +115,11 @@ async def _accept(request: Request) -> tuple[ServerState, dict[str, Any]]:
     state.authorize(request)
     body = await read_json_object(request, state.settings.server.max_body_bytes)
     state.check_ready()
+    state.check_admission_open()
     field = unsupported_field(body)
     if field is not None:
         raise APIError(400, f"{field} is not supported by this server", field, "unsupported")
     return state, body
-
-
-def _parse(model: type[R], body: dict[str, Any]) -> R:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
 
 
 def _precheck(state: ServerState, req: SamplingFields, num_prompts: int) -> None:

@@ -14,6 +14,7 @@ from appliance.server.errors import APIError
 from appliance.server.metrics import Metrics
 
 STARTING_RETRY_S = 5
+PAUSED_RETRY_S = 5
 OVERLOAD_RETRY_S = 1
 
 
@@ -65,6 +66,15 @@ class ServerState:
                 "the appliance is starting: its workers are loading the model",
                 code="starting",
                 retry_after=STARTING_RETRY_S,
+            )
+
+    def check_admission_open(self) -> None:
+        if self.appliance.supervisor.tuning.admission == "paused":
+            raise APIError(
+                503,
+                "admission is paused by the operator; requests already running go on",
+                code="admission_paused",
+                retry_after=PAUSED_RETRY_S,
             )
 
     def check_model(self, name: str) -> None:

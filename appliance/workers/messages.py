@@ -46,6 +46,25 @@ class PeerPool:
 
 
 @dataclass
+class DropPeer:
+    """That prefill worker has stopped: forget its KV tensor."""
+
+    worker_id: int
+
+
+@dataclass
+class Tune:
+    """New scheduler limits, applied from the next step (None keeps a limit)."""
+
+    max_num_batched_tokens: int | None = None
+    chunk_size: int | None = None
+    max_num_seqs: int | None = None
+
+    def changes(self) -> dict[str, int]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass
 class Release:
     """The decode side copied these blocks: the prefill worker frees them."""
 

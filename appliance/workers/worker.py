@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.topology import Device, pin_to_cores
 from appliance.workers.messages import (
     Abort,
+    DropPeer,
     Failed,
     Handoff,
     HandoffResult,
@@ -30,6 +31,7 @@ from appliance.workers.messages import (
     Shutdown,
     Submit,
     TokenBatch,
+    Tune,
 )
 
 IDLE_WAIT_S = 0.05  # how long an idle worker blocks on its inbox before looking again
@@ -115,6 +117,10 @@ def handle(state: WorkerState, message: Any) -> None:
         if engine_id is not None and engine_id in engine.scheduler.parked:
             engine.release(engine_id)
             state.to_request.pop(engine_id, None)
+    elif isinstance(message, DropPeer):
+        state.peers.pop(message.worker_id, None)
+    elif isinstance(message, Tune):
+        engine.scheduler.limits = replace(engine.scheduler.limits, **message.changes())
     elif isinstance(message, Abort):
         engine_id = state.to_engine.pop(message.request_id, None)
         if engine_id is not None:

@@ -1,0 +1,168 @@
+"""The admin API's shapes: what GET /admin/state and /admin/events send, what
+POST /admin/pools and PATCH /admin/tuning take.
+
+Plain pydantic, no torch: the console imports these to read what the appliance sends.
+Times are Unix seconds; latencies are milliseconds; memory is bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Role = Literal["prefill", "decode", "colocated"]
+WorkerPhase = Literal["starting", "ready", "draining", "stopping", "exited"]
+MovePhase = Literal["draining", "stopping", "starting", "done", "failed"]
+
+
+class WorkerInfo(BaseModel):
+    """The worker process serving one device."""
+
+    worker_id: int
+    role: Role
+    phase: WorkerPhase
+    pid: int | None
+    waiting: int = Field(description="Requests sent to it that have not started yet.")
+    running: int = Field(description="Sequences it is running.")
+    kv_blocks_used: int
+    kv_blocks_total: int
+    tokens_per_s: float = Field(description="Tokens it produced per second, lately.")
+    restarts: int
+
+
+class DeviceInfo(BaseModel):
+    """One device (a GPU, or a set of CPU cores) and the worker on it, if any."""
+
+    index: int
+    name: str
+    kind: Literal["cpu", "cuda"]
+    pool: Role | None = Field(description="The pool its worker serves; None while it has none.")
+    worker: WorkerInfo | None
+    utilization: float | None = Field(
+        description="Percent busy: the GPU's (NVML), or the worker process's CPU share of "
+        "its cores. None where unknown."
+    )
+    memory_used: int | None = Field(description="GPU memory used (NVML), or the worker's RSS.")
+    memory_total: int | None
+
+
+class Percentiles(BaseModel):
+    p50: float | None = None
+    p99: float | None = None
+
+
+class Latency(BaseModel):
+    """Requests that finished within the last `window_s` seconds."""
+
+    window_s: float
+    finished: int
+    ttft_ms: Percentiles
+    tpot_ms: Percentiles
+    requests_per_s: float
+    output_tokens_per_s: float
+
+
+class RequestRow(BaseModel):
+    """A request in flight."""
+
+    request_id: int
+    state: Literal["queued", "prefill", "handoff", "decode"]
+    prompt_tokens: int
+    output_tokens: int
+    ttft_ms: float = Field(description="Time to its first token, or waited so far without one.")
+    prefill_worker: int | None
+    decode_worker: int | None
+
+
+class Tuning(BaseModel):
+    """The knobs applied live, without restarting workers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill_token_budget: int = Field(
+        ge=16, description="Tokens one prefill (or colocated) step may run."
+    )
+    chunk_size: int = Field(ge=16, description="Longest piece of one prompt in one step.")
+    decode_max_seqs: int = Field(ge=1, description="Most sequences a decode worker runs at once.")
+    routing: Literal["least_loaded", "round_robin"] = Field(
+        description="How a prompt picks its prefill worker: fewest queued prompt tokens, or "
+        "in turn."
+    )
+    admission: Literal["open", "paused"] = Field(
+        description="paused answers new generations 503 until resumed; running ones go on."
+    )
+
+    @model_validator(mode="after")
+    def _chunk_fits_budget(self) -> Tuning:
+        if self.chunk_size > self.prefill_token_budget:
+            raise ValueError(
+                f"chunk_size ({self.chunk_size}) must not exceed prefill_token_budget "
+                f"({self.prefill_token_budget})"
+            )
+        return self
+
+
+class TuningPatch(BaseModel):
+    """PATCH /admin/tuning: the knobs to change; the rest keep their values."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill_token_budget: int | None = Field(None, ge=16)
+    chunk_size: int | None = Field(None, ge=16)
+    decode_max_seqs: int | None = Field(None, ge=1)
+    routing: Literal["least_loaded", "round_robin"] | None = None
+    admission: Literal["open", "paused"] | None = None
+
+    def applied_to(self, tuning: Tuning) -> Tuning:
+        """The tuning with this patch's fields set; raises ValueError if the result is bad."""
+        changes = self.model_dump(exclude_none=True)
+        return Tuning.model_validate({**tuning.model_dump(), **changes})
+
+
+class MoveRequest(BaseModel):
+    """POST /admin/pools: move `device` (its index) to the `to` pool."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: int = Field(ge=0)
+    to: Literal["prefill", "decode"]
+
+
+class Move(BaseModel):
+    """A device changing pools: its worker drains, stops, and one of the other role starts."""
+
+    move_id: int
+    device: int
+    from_role: Role
+    to_role: Role
+    phase: MovePhase
+    remaining: int = Field(description="Requests the draining worker still has.")
+    started_at: float
+    finished_at: float | None = None
+    error: str | None = None
+
+
+class Event(BaseModel):
+    """Something that happened: a move's progress, a tuning change, a worker's start or exit."""
+
+    seq: int
+    at: float
+    kind: Literal["move", "tuning", "worker", "admission"]
+    message: str
+
+
+class Snapshot(BaseModel):
+    """Everything the console shows, as of `at`."""
+
+    at: float
+    model: str
+    mode: Literal["disaggregated", "colocated"]
+    ready: bool
+    devices: list[DeviceInfo]
+    tuning: Tuning
+    latency: Latency
+    requests: list[RequestRow] = Field(description="In flight, oldest first (at most 50).")
+    requests_in_flight: int
+    moves: list[Move] = Field(description="The running move and the last few finished.")
+    events: list[Event] = Field(description="The most recent events, oldest first.")

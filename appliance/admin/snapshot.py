@@ -1,0 +1,121 @@
+"""Builds the admin API's Snapshot from the appliance's live state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from appliance.admin.device_stats import DeviceStats
+from appliance.admin.latency_window import LatencyWindow
+from appliance.admin.schema import DeviceInfo, RequestRow, Snapshot, WorkerInfo
+from appliance.appliance import Appliance
+from appliance.supervisor import RequestState, WorkerView
+
+MAX_REQUEST_ROWS = 50
+EVENTS_SHOWN = 20
+RATE_INTERVAL_S = 1.0  # tokens/s is measured over at least this long
+
+
+@dataclass
+class _Rate:
+    since: float
+    count: int
+    per_s: float = 0.0
+
+
+class SnapshotBuilder:
+    """One per server: keeps what rates need between snapshots (token counts, CPU times)."""
+
+    def __init__(self, appliance: Appliance, latency: LatencyWindow, stats: DeviceStats) -> None:
+        self.appliance = appliance
+        self.latency = latency
+        self.stats = stats
+        self._rates: dict[int, _Rate] = {}  # worker id -> tokens produced
+
+    def build(self) -> Snapshot:
+        now = time.monotonic()
+        appliance = self.appliance
+        supervisor = appliance.supervisor
+        views = supervisor.views()
+        self.stats.forget_exited({v.pid for v in views if v.pid is not None})
+        requests = sorted(supervisor.requests.values(), key=lambda r: r.request_id)
+        return Snapshot(
+            at=time.time(),
+            model=appliance.model_name,
+            mode=appliance.settings.mode,
+            ready=appliance.ready,
+            devices=self._devices(views, now),
+            tuning=supervisor.tuning,
+            latency=self.latency.summary(now),
+            requests=[_row(r, now) for r in requests[:MAX_REQUEST_ROWS]],
+            requests_in_flight=len(requests),
+            moves=list(appliance.pools.moves),
+            events=list(supervisor.events)[-EVENTS_SHOWN:],
+        )
+
+    def _devices(self, views: list[WorkerView], now: float) -> list[DeviceInfo]:
+        by_device = {v.device_index: v for v in views if v.phase != "exited"}
+        by_device |= {v.device_index: v for v in views if v.device_index not in by_device}
+        devices = []
+        for device in self.appliance.supervisor.topology.devices:
+            view = by_device.get(device.index)
+            load = self.stats.sample(device, view.pid if view else None, now)
+            devices.append(
+                DeviceInfo(
+                    index=device.index,
+                    name=device.name,
+                    kind=device.kind,
+                    pool=view.role if view else None,
+                    worker=self._worker(view, now) if view else None,
+                    utilization=load.utilization,
+                    memory_used=load.memory_used,
+                    memory_total=load.memory_total,
+                )
+            )
+        return devices
+
+    def _worker(self, view: WorkerView, now: float) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=view.worker_id,
+            role=view.role,
+            phase=view.phase,
+            pid=view.pid,
+            waiting=view.waiting,
+            running=view.running,
+            kv_blocks_used=view.num_blocks - view.num_free_blocks,
+            kv_blocks_total=view.num_blocks,
+            tokens_per_s=self._tokens_per_s(view, now),
+            restarts=view.restarts,
+        )
+
+    def _tokens_per_s(self, view: WorkerView, now: float) -> float:
+        rate = self._rates.get(view.worker_id)
+        if rate is None:
+            self._rates[view.worker_id] = _Rate(now, view.tokens_out)
+            return 0.0
+        if now - rate.since >= RATE_INTERVAL_S:
+            rate.per_s = (view.tokens_out - rate.count) / (now - rate.since)
+            rate.since, rate.count = now, view.tokens_out
+        return rate.per_s
+
+
+def _row(request: RequestState, now: float) -> RequestRow:
+    timing = request.timing
+    if "prefill_start" not in timing:
+        state = "queued"
+    elif "first_token" not in timing:
+        state = "prefill"
+    elif request.decode_worker >= 0 and "handoff" not in timing:
+        state = "handoff"
+    else:
+        state = "decode"
+    first = timing.get("first_token", now)
+    return RequestRow(
+        request_id=request.request_id,
+        state=state,
+        prompt_tokens=len(request.prompt),
+        output_tokens=len(request.output_ids),
+        ttft_ms=(first - timing["arrival"]) * 1000,
+        prefill_worker=request.prefill_worker if request.prefill_worker >= 0 else None,
+        decode_worker=request.decode_worker if request.decode_worker >= 0 else None,
+    )

@@ -1,0 +1,138 @@
+"""Moving a device between the prefill and decode pools while serving: its worker drains
+(routing skips it; what it runs finishes, what it prefilled is handed off), stops, and a
+worker of the other role starts on the device."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections import deque
+
+from appliance.admin.schema import Move
+from appliance.supervisor import Supervisor, WorkerHandle
+
+DRAIN_POLL_S = 0.1
+START_TIMEOUT_S = 300.0
+MOVES_KEPT = 5
+
+
+class MoveError(ValueError):
+    """A move that cannot be made; `status` is the HTTP status that says why."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class PoolMover:
+    """Runs one move at a time and keeps the last few for the admin API."""
+
+    def __init__(self, supervisor: Supervisor, drain_timeout_s: float) -> None:
+        self.supervisor = supervisor
+        self.drain_timeout_s = drain_timeout_s
+        self.moves: deque[Move] = deque(maxlen=MOVES_KEPT)  # oldest first
+        self._ids = itertools.count(1)
+        self._task: asyncio.Task | None = None
+
+    @property
+    def running(self) -> Move | None:
+        last = self.moves[-1] if self.moves else None
+        return last if last is not None and last.finished_at is None else None
+
+    def start(self, device: int, to: str) -> Move:
+        """Begin moving `device` to the `to` pool; raises MoveError when it cannot be."""
+        worker = self._movable_worker(device, to)
+        supervisor = self.supervisor
+        worker.draining = True
+        move = Move(
+            move_id=next(self._ids),
+            device=device,
+            from_role=worker.role,
+            to_role=to,
+            phase="draining",
+            remaining=supervisor.busy_with(worker.worker_id),
+            started_at=time.time(),
+        )
+        self.moves.append(move)
+        supervisor.note(
+            "move",
+            f"move {move.move_id}: {worker.device} leaves the {worker.role} pool for {to}; "
+            f"draining {move.remaining} requests",
+        )
+        self._task = asyncio.create_task(self._run(move, worker))
+        return move
+
+    async def stop(self) -> None:
+        """Abandon a running move (the appliance is stopping)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _movable_worker(self, device: int, to: str) -> WorkerHandle:
+        supervisor = self.supervisor
+        if supervisor.settings.mode == "colocated":
+            raise MoveError("colocated mode has a single pool: no device can change pools", 400)
+        if self.running is not None:
+            running = self.running
+            raise MoveError(f"move {running.move_id} (device {running.device}) is still running")
+        count = len(supervisor.topology.devices)
+        if not 0 <= device < count:
+            raise MoveError(f"no device {device}: this box has devices 0-{count - 1}", 400)
+        worker = next(
+            (w for w in supervisor.workers.values() if w.device_index == device and w.routable),
+            None,
+        )
+        if worker is None:
+            raise MoveError(f"device {device} has no worker serving right now")
+        if worker.role == to:
+            raise MoveError(f"device {device} is already in the {to} pool")
+        others = [w for w in supervisor.workers.values() if w.role == worker.role and w.routable]
+        if len(others) < 2:
+            raise MoveError(
+                f"device {device} is the last of the {worker.role} pool; moving it would "
+                "leave that pool empty"
+            )
+        return worker
+
+    async def _run(self, move: Move, worker: WorkerHandle) -> None:
+        supervisor = self.supervisor
+        try:
+            if not await self._drained(move, worker):
+                worker.draining = False
+                self._end(
+                    move,
+                    f"{move.remaining} requests still ran after {self.drain_timeout_s:.0f} s; "
+                    f"the device stays in the {move.from_role} pool",
+                )
+                return
+            move.phase = "stopping"
+            await supervisor.retire(worker.worker_id)
+            move.phase = "starting"
+            await supervisor.add_worker(move.to_role, move.device, START_TIMEOUT_S)
+            self._end(move)
+        except Exception as exc:  # a worker that would not start: say so, keep serving
+            self._end(move, str(exc))
+
+    async def _drained(self, move: Move, worker: WorkerHandle) -> bool:
+        """Wait until the worker has no requests; False if the drain timeout passes."""
+        deadline = time.monotonic() + self.drain_timeout_s
+        while True:
+            move.remaining = self.supervisor.busy_with(worker.worker_id)
+            if move.remaining == 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    def _end(self, move: Move, error: str | None = None) -> None:
+        move.phase = "failed" if error else "done"
+        move.error = error
+        move.finished_at = time.time()
+        took = move.finished_at - move.started_at
+        outcome = f"failed: {error}" if error else f"done in {took:.1f} s"
+        self.supervisor.note(
+            "move", f"move {move.move_id} of device {move.device} to {move.to_role} {outcome}"
+        )

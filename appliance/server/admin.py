@@ -1,0 +1,122 @@
+"""The admin API under /admin, for the console: the pools' state and a stream of it,
+moving a device between pools, and tuning knobs live.
+
+Only loopback clients holding the admin token get in; the token is written at start to
+a file only the server's user can read. The OpenAI routes under /v1 reach none of this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from appliance.admin.schema import MoveRequest, TuningPatch
+from appliance.admin.snapshot import SnapshotBuilder
+from appliance.appliance import Appliance
+from appliance.config import is_loopback
+from appliance.pool_moves import MoveError
+from appliance.server.body import read_json_object, validated
+from appliance.server.errors import APIError, from_validation
+
+SEND_TIMEOUT_S = 30  # a console that stops reading is dropped
+MAX_ADMIN_BODY = 16 * 1024
+
+
+@dataclass
+class AdminState:
+    appliance: Appliance
+    snapshots: SnapshotBuilder
+    token_path: Path
+    token: str | None = None  # None until the server has started and written it
+
+    def authorize(self, request: Request) -> None:
+        """403 for a client off this machine, 401 without the token."""
+        host = request.client.host if request.client else ""
+        if not is_loopback(host):
+            raise APIError(403, "the admin API answers clients on this machine only")
+        sent = request.headers.get("authorization", "").encode()
+        expected = f"Bearer {self.token}".encode()
+        if self.token is None or not hmac.compare_digest(sent, expected):
+            raise APIError(
+                401,
+                "missing or wrong admin token: send 'Authorization: Bearer <token>' with "
+                f"the token in {self.token_path}",
+                code="invalid_admin_token",
+            )
+
+
+def admin_routes() -> list[Route]:
+    return [
+        Route("/admin/state", state, methods=["GET"]),
+        Route("/admin/events", events, methods=["GET"]),
+        Route("/admin/pools", pools, methods=["POST"]),
+        Route("/admin/tuning", tuning, methods=["PATCH"]),
+    ]
+
+
+def _admin(request: Request) -> AdminState:
+    admin: AdminState = request.app.state.admin
+    admin.authorize(request)
+    return admin
+
+
+async def state(request: Request) -> Response:
+    """GET /admin/state: one Snapshot."""
+    admin = _admin(request)
+    return JSONResponse(admin.snapshots.build().model_dump(mode="json"))
+
+
+async def events(request: Request) -> Response:
+    """GET /admin/events: SSE, a `state` event every interval and an `event` per new event."""
+    admin = _admin(request)
+    interval = admin.appliance.settings.admin.events_interval_s
+    return EventSourceResponse(_stream(admin, interval), send_timeout=SEND_TIMEOUT_S)
+
+
+async def _stream(admin: AdminState, interval: float) -> AsyncIterator[dict[str, str]]:
+    supervisor = admin.appliance.supervisor
+    seen = supervisor.events[-1].seq if supervisor.events else 0
+    while True:
+        for event in [e for e in supervisor.events if e.seq > seen]:
+            seen = event.seq
+            yield {"event": "event", "data": event.model_dump_json()}
+        yield {"event": "state", "data": admin.snapshots.build().model_dump_json()}
+        await asyncio.sleep(interval)
+
+
+async def pools(request: Request) -> Response:
+    """POST /admin/pools {"device": i, "to": "prefill"|"decode"}: 202 with the move begun."""
+    admin = _admin(request)
+    move = validated(MoveRequest, await read_json_object(request, MAX_ADMIN_BODY))
+    _check_ready(admin)
+    try:
+        started = admin.appliance.pools.start(move.device, move.to)
+    except MoveError as exc:
+        raise APIError(exc.status, str(exc), param="device", code="move_refused") from None
+    return JSONResponse({"move": started.model_dump(mode="json")}, status_code=202)
+
+
+async def tuning(request: Request) -> Response:
+    """PATCH /admin/tuning {knob: value, ...}: the knobs now in force."""
+    admin = _admin(request)
+    patch = validated(TuningPatch, await read_json_object(request, MAX_ADMIN_BODY))
+    _check_ready(admin)
+    try:
+        tuning = admin.appliance.supervisor.tune(patch)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+    return JSONResponse({"tuning": tuning.model_dump(mode="json")})
+
+
+def _check_ready(admin: AdminState) -> None:
+    if not admin.appliance.ready:
+        raise APIError(503, "the appliance is starting", code="starting", retry_after=5)

@@ -1,0 +1,181 @@
+"""The admin API's pure parts on plain data: the latency window, tuning validation, the
+token file, who the admin API lets in, and CPU devices that share cores."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from appliance.admin.latency_window import Finished, LatencyWindow
+from appliance.admin.schema import MoveRequest, Tuning, TuningPatch
+from appliance.admin.token import TokenError, read_token, remove_token, write_token
+from appliance.config import load_settings
+from appliance.server.admin import AdminState
+from appliance.server.errors import APIError
+from appliance.topology import cpu_devices
+
+# ---------------------------------------------------------------- latency window
+
+
+def test_window_percentiles_and_rates_over_what_finished_lately() -> None:
+    window = LatencyWindow(window_s=10)
+    window.record(Finished(at=1.0, ttft=9.0, tpot=0.9, output_tokens=100))  # falls out
+    for i, ttft in enumerate([0.1, 0.2, 0.3, 0.4]):
+        window.record(Finished(at=5.0 + i, ttft=ttft, tpot=0.01 * (i + 1), output_tokens=10))
+    window.record(Finished(at=9.5, ttft=0.5, tpot=None, output_tokens=1))
+    latency = window.summary(now=12.0)
+    assert latency.finished == 5
+    assert latency.ttft_ms.p50 == pytest.approx(300)
+    assert latency.ttft_ms.p99 == pytest.approx(100 * (4 + 0.96))  # between 400 and 500
+    assert latency.tpot_ms.p50 == pytest.approx(25)  # the one-token request has no TPOT
+    assert latency.requests_per_s == pytest.approx(0.5)
+    assert latency.output_tokens_per_s == pytest.approx(4.1)
+
+
+def test_an_empty_window_has_no_percentiles() -> None:
+    latency = LatencyWindow(window_s=60).summary(now=100.0)
+    assert latency.finished == 0 and latency.ttft_ms.p50 is None and latency.tpot_ms.p99 is None
+    with pytest.raises(ValueError, match="window_s"):
+        LatencyWindow(window_s=0)
+
+
+# ---------------------------------------------------------------- tuning
+
+
+def tuning() -> Tuning:
+    return Tuning(
+        prefill_token_budget=2048,
+        chunk_size=512,
+        decode_max_seqs=64,
+        routing="least_loaded",
+        admission="open",
+    )
+
+
+def test_a_patch_changes_only_its_fields() -> None:
+    changed = TuningPatch(decode_max_seqs=8, routing="round_robin").applied_to(tuning())
+    assert changed.decode_max_seqs == 8 and changed.routing == "round_robin"
+    assert changed.prefill_token_budget == 2048 and changed.admission == "open"
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"chunk_size": 4096}, "chunk_size (4096) must not exceed prefill_token_budget"),
+        ({"prefill_token_budget": 256}, "chunk_size (512) must not exceed"),
+    ],
+)
+def test_a_patch_that_breaks_the_whole_is_refused(patch: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TuningPatch(**patch).applied_to(tuning())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"decode_max_seqs": 0},
+        {"chunk_size": 8},
+        {"routing": "random"},
+        {"admission": "closed"},
+        {"max_num_seqs": 4},  # not a knob of the API
+        {"decode_max_seqs": "many"},
+    ],
+)
+def test_bad_knobs_are_refused(body: dict) -> None:
+    with pytest.raises(ValidationError):
+        TuningPatch.model_validate(body)
+
+
+def test_move_requests_validate() -> None:
+    assert MoveRequest.model_validate({"device": 2, "to": "prefill"}).device == 2
+    for body in ({"device": -1, "to": "decode"}, {"device": 1, "to": "colocated"}, {"to": "x"}):
+        with pytest.raises(ValidationError):
+            MoveRequest.model_validate(body)
+
+
+# ---------------------------------------------------------------- token and access
+
+
+def test_the_token_file_is_readable_by_its_user_only(tmp_path: Path) -> None:
+    path = tmp_path / "admin" / "8000.token"
+    path.parent.mkdir(mode=0o755)
+    path.write_text("old")
+    path.chmod(0o644)  # a file left by an older server, too open
+    token = write_token(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_token(path) == token and len(token) >= 32
+    assert write_token(path) != token  # each start makes a new one
+
+
+def test_reading_a_missing_or_empty_token_says_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(TokenError, match="is the appliance running"):
+        read_token(tmp_path / "none.token")
+    (tmp_path / "empty.token").write_text("")
+    with pytest.raises(TokenError, match="is empty"):
+        read_token(tmp_path / "empty.token")
+
+
+def test_removing_keeps_a_token_another_server_wrote(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    mine = write_token(path)
+    theirs = write_token(path)
+    remove_token(path, mine)
+    assert path.read_text() == theirs
+    remove_token(path, theirs)
+    assert not path.exists()
+
+
+def request_from(host: str, authorization: str | None) -> Request:
+    headers = [(b"authorization", authorization.encode())] if authorization else []
+    scope = {"type": "http", "method": "GET", "path": "/admin/state", "headers": headers}
+    return Request({**scope, "client": (host, 50000)})
+
+
+@pytest.mark.parametrize(
+    ("host", "authorization", "status"),
+    [
+        ("127.0.0.1", "Bearer secret", None),
+        ("::1", "Bearer secret", None),
+        ("127.0.0.1", None, 401),
+        ("127.0.0.1", "Bearer wrong", 401),
+        ("127.0.0.1", "secret", 401),
+        ("192.168.1.20", "Bearer secret", 403),  # the right token from another machine
+    ],
+)
+def test_admin_access(host: str, authorization: str | None, status: int | None) -> None:
+    admin = AdminState(appliance=None, snapshots=None, token_path=Path("t"), token="secret")
+    if status is None:
+        admin.authorize(request_from(host, authorization))
+        return
+    with pytest.raises(APIError) as caught:
+        admin.authorize(request_from(host, authorization))
+    assert caught.value.status == status
+
+
+def test_nobody_gets_in_before_the_token_is_written() -> None:
+    admin = AdminState(appliance=None, snapshots=None, token_path=Path("t"), token=None)
+    with pytest.raises(APIError) as caught:
+        admin.authorize(request_from("127.0.0.1", "Bearer None"))
+    assert caught.value.status == 401
+
+
+def test_the_token_path_defaults_per_port(tmp_path: Path) -> None:
+    settings = load_settings(cache_dir=tmp_path, port=8123)
+    assert settings.admin_token_path() == tmp_path / "admin" / "8123.token"
+    chosen = load_settings(admin={"token_file": tmp_path / "x"})
+    assert chosen.admin_token_path() == tmp_path / "x"
+
+
+# ---------------------------------------------------------------- shared cores
+
+
+def test_more_devices_than_cores_share_them_when_allowed() -> None:
+    devices = cpu_devices(3, cores=[0, 1], share_cores=True)
+    assert [d.cores for d in devices] == [(0,), (1,), (0,)]
+    assert devices[2].name == "cpu2 (core 0, shared)"
+    with pytest.raises(ValueError, match="unless cpu_share_cores is set"):
+        cpu_devices(3, cores=[0, 1])
