@@ -1,0 +1,139 @@
+"""AdminClient: the appliance's admin API (/admin) over httpx, returning the schema's models."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from appliance.admin.schema import Event, Move, Snapshot, Tuning
+
+
+class AdminError(Exception):
+    """The admin API answered with an error status; `message` is the one its body gave."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.message} (HTTP {self.status})"
+
+
+class SSEParser:
+    """Turns Server-Sent Events lines into (event name, data) pairs, one per message.
+
+    Feed it lines without their line ends; a blank line ends a message. Comment lines
+    (":" first) are skipped, and so are the `id` and `retry` fields: the console needs
+    neither, since it resumes from a fresh snapshot.
+    """
+
+    def __init__(self) -> None:
+        self._event = ""
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> tuple[str, str] | None:
+        """Take one line; returns the message it completes, if any."""
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return None
+        field, _, value = line.partition(":")
+        # the spec strips exactly one space after the colon
+        value = value.removeprefix(" ")
+        if field == "event":
+            self._event = value
+        elif field == "data":
+            self._data.append(value)
+        return None
+
+    def _dispatch(self) -> tuple[str, str] | None:
+        event, data = self._event or "message", self._data
+        self._event, self._data = "", []
+        if not data:
+            return None
+        return event, "\n".join(data)
+
+
+def parse_item(event: str, data: str) -> Snapshot | Event | None:
+    """The model one SSE message carries; None for event names the console doesn't know."""
+    if event == "state":
+        return Snapshot.model_validate_json(data)
+    if event == "event":
+        return Event.model_validate_json(data)
+    return None
+
+
+class AdminClient:
+    """The admin API of one appliance, authenticated with its admin token.
+
+    API errors raise AdminError; connection failures raise httpx.TransportError.
+    """
+
+    def __init__(self, base_url: str, token: str, timeout: float = 10.0) -> None:
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout,
+        )
+
+    @property
+    def base_url(self) -> str:
+        """Where the appliance is."""
+        return str(self._http.base_url)
+
+    async def state(self) -> Snapshot:
+        """GET /admin/state."""
+        response = await self._http.get("/admin/state")
+        _raise_for_error(response)
+        return Snapshot.model_validate_json(response.content)
+
+    async def events(self) -> AsyncIterator[Snapshot | Event]:
+        """GET /admin/events: snapshots and events as they come, until the stream ends."""
+        parser = SSEParser()
+        async with self._http.stream("GET", "/admin/events") as response:
+            if response.is_error:
+                await response.aread()
+                _raise_for_error(response)
+            async for line in response.aiter_lines():
+                message = parser.feed(line)
+                item = parse_item(*message) if message else None
+                if item is not None:
+                    yield item
+
+    async def move(self, device: int, to: str) -> Move:
+        """POST /admin/pools: start moving device `device` to the `to` pool."""
+        response = await self._http.post("/admin/pools", json={"device": device, "to": to})
+        _raise_for_error(response)
+        return Move.model_validate(response.json()["move"])
+
+    async def tune(self, **changes: Any) -> Tuning:
+        """PATCH /admin/tuning with `changes` (TuningPatch fields); returns the new tuning."""
+        response = await self._http.patch("/admin/tuning", json=changes)
+        _raise_for_error(response)
+        return Tuning.model_validate(response.json()["tuning"])
+
+    async def aclose(self) -> None:
+        """Close the connections."""
+        await self._http.aclose()
+
+
+def _raise_for_error(response: httpx.Response) -> None:
+    if response.is_error:
+        raise AdminError(response.status_code, _error_message(response))
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The API's `error.message`; failing that (a proxy's page, say) the body or reason."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        message = body["error"].get("message")
+        if message:
+            return str(message)
+    return response.text.strip()[:200] or response.reason_phrase

@@ -1,0 +1,1 @@
+"""The console's widgets and screens, one per module."""

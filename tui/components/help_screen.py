@@ -1,0 +1,62 @@
+"""HelpScreen: the keys, and what each panel shows."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+HELP = """\
+[b]Keys[/]
+  [b]tab[/] / [b]shift+tab[/]   move between device cards (and the requests table)
+  [b]arrows[/]            move between cards: up/down in a pool, left/right across pools
+  [b]m[/]                 move the selected device to the other pool (asks first)
+  [b]t[/]                 tuning: prefill token budget, chunk size, decode seqs, routing
+  [b]p[/]                 pause or resume admission of new requests
+  [b]?[/]                 this help          [b]q[/]  quit
+
+[b]Pools[/] (top)
+  A column per pool (Prefill and Decode; one Colocated column in colocated mode) and a
+  card per device: worker phase and pid, utilization, memory (a CPU worker's RSS, or
+  the GPU's memory), KV blocks used of total, waiting and running requests, tokens/s.
+  A device whose worker is being replaced sits in the pool it is moving to, with the
+  move's phase on its bottom edge. The highlighted card is the selected device.
+
+[b]Latency[/] (bottom left)
+  TTFT and TPOT p50/p99 over the last minute or so of snapshots, with the current
+  values, over requests that finished in the appliance's window; then requests/s,
+  output tokens/s and how many finished in the window. "—" means none finished.
+
+[b]Requests[/] (bottom right)
+  The requests in flight, oldest first: state, prompt and output tokens, time to
+  first token (or waited so far), and the prefill and decode workers serving them.
+
+[b]Events[/] (bottom)
+  The running pool move (phase, requests its worker has left to drain), then the
+  appliance's recent events: moves, tuning changes, workers starting and exiting.
+
+When the connection drops the console keeps the last data, dimmed, and reconnects.
+[dim]escape, ? or q closes this help.[/]"""
+
+
+class HelpScreen(ModalScreen[None]):
+    """The keys and the panels, explained; escape, ? or q closes it."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "close", "Close"),
+        Binding("question_mark", "close", "Close", show=False),
+        Binding("q", "close", "Close", show=False),
+    ]
+
+    def compose(self) -> ComposeResult:
+        """The help text, scrollable on small terminals."""
+        with VerticalScroll(id="help-dialog", classes="dialog"):
+            yield Static(HELP, id="help-text")
+
+    def action_close(self) -> None:
+        """Back to the console."""
+        self.dismiss()
