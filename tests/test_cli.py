@@ -66,3 +66,13 @@ def test_serve_exits_when_its_workers_cannot_start() -> None:
     result = run("serve", "--dtype", "float32", env=env)
     assert result.returncode == 1
     assert "the workers could not start" in result.stderr
+
+
+def test_console_without_a_running_server_says_where_it_looked(tmp_path: Path) -> None:
+    import os
+
+    env = {**os.environ, "APPLIANCE_CACHE_DIR": str(tmp_path)}
+    result = run("console", "--url", "http://127.0.0.1:8765", env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert str(tmp_path / "admin" / "8765.token") in result.stderr
+    assert "is the appliance running" in result.stderr
