@@ -68,16 +68,20 @@ def serve(args: argparse.Namespace) -> int:
 def console(args: argparse.Namespace) -> int:
     from urllib.parse import urlsplit
 
-    from appliance.admin.token import read_token
     from tui.app import run_console
 
     port = urlsplit(args.url).port if args.url else None
     settings = load_settings(args.config, port=port)
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    url = args.url or f"http://{host}:{settings.port}"
-    token = read_token(args.token_file or settings.admin_token_path())
-    run_console(url, token)
+    url = args.url or f"http://{_local_host(settings.host)}:{settings.port}"
+    run_console(url, args.token_file or settings.admin_token_path())
     return 0
+
+
+def _local_host(host: str) -> str:
+    """How this machine reaches a server bound to `host`, as a URL's host part."""
+    wildcard = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+    host = wildcard.get(host, host)
+    return f"[{host}]" if ":" in host else host
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -114,7 +114,17 @@ class PoolMover:
             await supervisor.add_worker(move.to_role, move.device, START_TIMEOUT_S)
             self._end(move)
         except Exception as exc:  # a worker that would not start: say so, keep serving
-            self._end(move, str(exc))
+            error = str(exc)
+            if move.phase == "starting":  # its old worker is gone: put the device back
+                error += await self._restore(move)
+            self._end(move, error)
+
+    async def _restore(self, move: Move) -> str:
+        try:
+            await self.supervisor.add_worker(move.from_role, move.device, START_TIMEOUT_S)
+        except Exception as exc:
+            return f"; starting a {move.from_role} worker there again failed too: {exc}"
+        return f"; the device is back in the {move.from_role} pool"
 
     async def _drained(self, move: Move, worker: WorkerHandle) -> bool:
         """Wait until the worker has no requests; False if the drain timeout passes."""

@@ -33,9 +33,12 @@ from appliance.workers.messages import (
     Handoff,
     HandoffResult,
     Output,
+    PeerDropped,
     PeerPool,
+    PoolShared,
     Ready,
     Release,
+    SharePool,
     Shutdown,
     Submit,
     TokenBatch,
@@ -47,6 +50,7 @@ log = logging.getLogger("appliance.supervisor")
 
 HANDOFF_RETRY_S = 0.01  # a decode pool without room is asked again this much later
 WATCH_INTERVAL_S = 0.2  # how often worker processes are checked for being alive
+DROP_PEER_TIMEOUT_S = 10.0  # how long decode workers get to let go of a retiring pool
 MAX_EVENTS = 200  # events kept for the admin API
 
 
@@ -75,7 +79,8 @@ class WorkerHandle:
     cores: tuple[int, ...]
     inbox: Any
     process: Any
-    ready: bool = False
+    loaded: bool = False  # it said Ready: the model is loaded
+    ready: bool = False  # loaded and wired to the other pool's KV tensors: it takes work
     alive: bool = True  # False once its process has exited: routing skips it
     draining: bool = False  # takes no new work (its device is moving to the other pool)
     stopping: bool = False  # told to shut down: its exit is expected
@@ -86,11 +91,17 @@ class WorkerHandle:
     queued_tokens: int = 0  # prompt tokens sent and not yet answered
     tokens_out: int = 0  # tokens it has produced
     restarts: int = 0
+    peers: set[int] = field(default_factory=set)  # decode: prefill workers whose KV it holds
 
     @property
     def routable(self) -> bool:
         """Whether new requests (or handoffs) may go to it."""
         return self.alive and self.ready and not self.draining
+
+    @property
+    def routable_soon(self) -> bool:
+        """Alive and not on its way out: it takes work once loaded and wired."""
+        return self.alive and not self.draining and not self.stopping
 
     @property
     def phase(self) -> str:
@@ -179,7 +190,7 @@ class Supervisor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._all_ready: asyncio.Future | None = None
         self._reader: threading.Thread | None = None
-        self._peer_pools: dict[int, Any] = {}
+        self._peer_drops: dict[tuple[int, int], asyncio.Future] = {}  # (decode, prefill)
         self._pending: dict[int, PendingHandoff] = {}  # handoffs sent, not yet answered
         self._watchdog: asyncio.Task | None = None
 
@@ -225,7 +236,7 @@ class Supervisor:
 
     def _worker_settings(self, role: str) -> Settings:
         """The settings with the live tuning a worker of `role` starts with."""
-        limits = _batch_limits(role, self.tuning)
+        limits = self.batch_limits(role, self.tuning)
         batch = BatchSettings(**{**self.settings.batch.model_dump(), **limits})
         return self.settings.model_copy(update={"batch": batch})
 
@@ -244,6 +255,8 @@ class Supervisor:
                     f"worker {worker.worker_id} ({worker.role}, "
                     f"{worker.device}) exited with code {code}",
                 )
+                # KV parked in a prefill pool is still there: hand it to another decode worker.
+                self._reroute_handoffs_to(worker.worker_id)
                 self._fail_requests_on(worker)
                 error = RuntimeError(f"worker {worker.worker_id} exited while starting")
                 if self._all_ready is not None and not self._all_ready.done():
@@ -335,6 +348,12 @@ class Supervisor:
             self._on_tokens(message)
         elif isinstance(message, HandoffResult):
             self._on_handoff_result(message)
+        elif isinstance(message, PoolShared):
+            self._on_pool_shared(message)
+        elif isinstance(message, PeerDropped):
+            dropped = self._peer_drops.pop((message.worker_id, message.peer), None)
+            if dropped is not None and not dropped.done():
+                dropped.set_result(None)
         elif isinstance(message, Failed):
             request = self.requests.get(message.request_id)
             if request is not None:
@@ -345,30 +364,44 @@ class Supervisor:
         if worker is None:
             return
         worker.num_blocks = worker.num_free = message.num_blocks
-        if message.kv is not None:
-            self._peer_pools[message.worker_id] = message.kv
-        if self._all_ready.done():  # joining running pools: wire it in, then route to it
-            self._wire(worker)
-            worker.ready = True
-            if worker.started is not None and not worker.started.done():
-                worker.started.set_result(None)
+        worker.loaded = True
+        # Each (prefill, decode) pair is wired once, when the second of the two has loaded.
+        if worker.role == "decode":
+            for prefill in self._wiring_peers("prefill"):
+                prefill.inbox.put(SharePool(worker.worker_id))
+        elif worker.role == "prefill":
+            for decode in self._wiring_peers("decode"):
+                worker.inbox.put(SharePool(decode.worker_id))
+        self._mark_wired()
+
+    def _wiring_peers(self, role: str) -> list[WorkerHandle]:
+        """Loaded workers of `role` that take part in handoffs."""
+        return [w for w in self.workers.values() if w.role == role and w.loaded and w.routable_soon]
+
+    def _on_pool_shared(self, message: PoolShared) -> None:
+        decode = self.workers.get(message.consumer)
+        if decode is None or not decode.alive or message.worker_id not in self.workers:
             return
-        worker.ready = True
-        if all(w.ready for w in self.workers.values()):
-            for w in self.workers.values():
-                self._wire(w)
+        decode.inbox.put(PeerPool(message.worker_id, message.data))
+        decode.peers.add(message.worker_id)  # its inbox has the pool before any handoff
+        self._mark_wired()
+
+    def _mark_wired(self) -> None:
+        """Loaded workers that hold (or have given) every KV pool they need take work."""
+        for worker in self.workers.values():
+            if worker.loaded and not worker.ready and self._wired(worker):
+                worker.ready = True
+                if worker.started is not None and not worker.started.done():
+                    worker.started.set_result(None)
+        if not self._all_ready.done() and all(w.ready for w in self.workers.values()):
             self._all_ready.set_result(None)
 
-    def _wire(self, worker: WorkerHandle) -> None:
-        """Share KV pools so decode workers can pull from every prefill worker."""
+    def _wired(self, worker: WorkerHandle) -> bool:
         if worker.role == "decode":
-            for pool_id, kv in self._peer_pools.items():
-                worker.inbox.put(PeerPool(pool_id, kv))
-        elif worker.worker_id in self._peer_pools and self._all_ready.done():
-            kv = self._peer_pools[worker.worker_id]
-            for w in self.workers.values():
-                if w.role == "decode" and w.ready and w.alive:
-                    w.inbox.put(PeerPool(worker.worker_id, kv))
+            return {p.worker_id for p in self._wiring_peers("prefill")} <= worker.peers
+        if worker.role == "prefill":
+            return all(worker.worker_id in d.peers for d in self._wiring_peers("decode"))
+        return True
 
     def _on_tokens(self, batch: TokenBatch) -> None:
         worker = self.workers.get(batch.worker_id)
@@ -411,10 +444,14 @@ class Supervisor:
         if request.cancelled:
             self._tell(pending.source, Release(request.request_id))
             return
-        candidates = [w for w in self.workers.values() if w.role == "decode" and w.routable]
-        if not candidates:
+        decodes = [w for w in self.workers.values() if w.role == "decode" and w.routable_soon]
+        if not decodes:
             self._tell(pending.source, Release(request.request_id))
             request.stream.put_nowait(RequestFailed("no decode worker is running"))
+            return
+        candidates = [w for w in decodes if w.ready and pending.source in w.peers]
+        if not candidates:  # the decode pool is still being wired to this prefill worker
+            self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, pending)
             return
         needed = blocks_for_tokens(len(request.prompt) + 1, self.settings.kv.block_size)
         decode = max(candidates, key=lambda w: (w.num_free, -w.running))
@@ -475,7 +512,8 @@ class Supervisor:
             if "prefill_start" not in request.timing and request.prefill_worker in waiting:
                 waiting[request.prefill_worker] += 1
         for pending in self._pending.values():
-            waiting[pending.request.decode_worker] += 1
+            if pending.request.decode_worker in waiting:
+                waiting[pending.request.decode_worker] += 1
         return [
             WorkerView(
                 w.worker_id,
@@ -513,10 +551,20 @@ class Supervisor:
         """Apply new knobs now: routing and admission here, batching limits in each worker's
         scheduler from its next step. Raises ValueError for a bad combination."""
         tuning = patch.applied_to(self.tuning)
+        if (
+            self.settings.mode == "colocated"
+            and tuning.decode_max_seqs > tuning.prefill_token_budget
+        ):
+            # A step's budget covers one token per running sequence first: fewer tokens
+            # than sequences would leave the newest ones waiting every step.
+            raise ValueError(
+                f"in colocated mode decode_max_seqs ({tuning.decode_max_seqs}) must not "
+                f"exceed prefill_token_budget ({tuning.prefill_token_budget})"
+            )
         changed = {k: v for k, v in tuning.model_dump().items() if getattr(self.tuning, k) != v}
         self.tuning = tuning
         for worker in self.workers.values():
-            limits = _batch_limits(worker.role, tuning)
+            limits = self.batch_limits(worker.role, tuning)
             if worker.alive and limits:
                 worker.inbox.put(Tune(**limits))
         if changed:
@@ -530,8 +578,11 @@ class Supervisor:
         return sum(
             1
             for r in self.requests.values()
-            if r.decode_worker == worker_id
-            or (r.prefill_worker == worker_id and "handoff" not in r.timing)
+            if "finished" not in r.timing  # done, its last chunk not yet read by the client
+            and (
+                r.decode_worker == worker_id
+                or (r.prefill_worker == worker_id and "handoff" not in r.timing)
+            )
         )
 
     async def add_worker(self, role: str, device_index: int, timeout: float) -> WorkerHandle:
@@ -552,27 +603,50 @@ class Supervisor:
         return worker
 
     async def retire(self, worker_id: int, timeout: float = 10.0) -> None:
-        """Stop a worker that has nothing left to do and forget it; decode workers drop
-        their view of its KV pool."""
+        """Stop a worker that has nothing left to do and forget it. A prefill worker stops
+        only after the decode workers have let go of its KV tensor: a CUDA tensor's owner
+        must outlive the processes that mapped it."""
         worker = self.workers[worker_id]
         worker.draining = worker.stopping = True
+        await self._drop_peer(worker_id)
         worker.inbox.put(Shutdown())
         await asyncio.to_thread(worker.process.join, timeout)
         if worker.process.is_alive():
             worker.process.kill()
             await asyncio.to_thread(worker.process.join, timeout)
         del self.workers[worker_id]
-        if self._peer_pools.pop(worker_id, None) is not None:
-            for w in self.workers.values():
-                if w.role == "decode" and w.alive:
-                    w.inbox.put(DropPeer(worker_id))
+        self._reroute_handoffs_to(worker_id)
 
+    async def _drop_peer(self, prefill_id: int) -> None:
+        waits = []
+        for decode in self.workers.values():
+            if prefill_id in decode.peers:
+                decode.peers.discard(prefill_id)
+                if decode.alive:
+                    dropped = self._peer_drops[(decode.worker_id, prefill_id)] = (
+                        self._loop.create_future()
+                    )
+                    decode.inbox.put(DropPeer(prefill_id))
+                    waits.append(dropped)
+        if waits:
+            await asyncio.wait(waits, timeout=DROP_PEER_TIMEOUT_S)
 
-def _batch_limits(role: str, tuning: Tuning) -> dict[str, int]:
-    """The scheduler limits the live tuning sets for a worker of `role`."""
-    prefill = {
-        "max_num_batched_tokens": tuning.prefill_token_budget,
-        "chunk_size": tuning.chunk_size,
-    }
-    decode = {"max_num_seqs": tuning.decode_max_seqs}
-    return {"prefill": prefill, "decode": decode, "colocated": prefill | decode}[role]
+    def _reroute_handoffs_to(self, worker_id: int) -> None:
+        """Handoffs sent to a worker that is gone go to another one (or are released)."""
+        lost = [p for p in self._pending.values() if p.request.decode_worker == worker_id]
+        for pending in lost:
+            del self._pending[pending.request.request_id]
+            self._hand_off(pending)
+
+    def batch_limits(self, role: str, tuning: Tuning) -> dict[str, int]:
+        """The scheduler limits the live tuning sets for a worker of `role`."""
+        prefill = {
+            "max_num_batched_tokens": tuning.prefill_token_budget,
+            "chunk_size": tuning.chunk_size,
+        }
+        if role == "prefill":
+            return prefill
+        # A decode step needs a token of budget per running sequence.
+        budget = max(self.settings.batch.max_num_batched_tokens, tuning.decode_max_seqs)
+        decode = {"max_num_seqs": tuning.decode_max_seqs, "max_num_batched_tokens": budget}
+        return decode if role == "decode" else prefill | {"max_num_seqs": tuning.decode_max_seqs}

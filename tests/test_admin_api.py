@@ -5,9 +5,12 @@ token."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +23,7 @@ from traffic import Traffic
 
 from appliance.admin.schema import Event, Snapshot
 from appliance.model.loader import model_name
+from tui.client import AdminClient, AdminError
 
 MOVE_BOUND_S = 240.0  # drain + stop + a new worker loading the model, on a busy machine
 
@@ -100,6 +104,40 @@ def test_state_shows_the_real_workers(pool_server: ServerProcess) -> None:
 def test_the_token_file_is_private(pool_server: ServerProcess) -> None:
     mode = stat.S_IMODE(pool_server.admin_token_file.stat().st_mode)
     assert mode == 0o600
+
+
+def test_a_second_server_on_the_same_port_leaves_the_token_alone(
+    pool_server: ServerProcess,
+) -> None:
+    token = pool_server.admin_token_file.read_text()
+    env = {**os.environ, "APPLIANCE_PORT": str(pool_server.port)}
+    env["APPLIANCE_ADMIN__TOKEN_FILE"] = str(pool_server.admin_token_file)
+    env["APPLIANCE_CPU_DEVICES"] = "1"
+    env["APPLIANCE_MODE"] = "colocated"
+    second = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert second.returncode != 0 and "address already in use" in second.stderr
+    assert pool_server.admin_token_file.read_text() == token
+    assert snapshot(pool_server).ready
+
+
+def test_the_console_client_rereads_a_replaced_token(pool_server: ServerProcess) -> None:
+    async def scenario() -> None:
+        client = AdminClient(pool_server.url, "stale", token_file=pool_server.admin_token_file)
+        try:
+            with pytest.raises(AdminError) as caught:
+                await client.state()
+            assert caught.value.status == 401
+            assert (await client.state()).ready  # the token it read after the 401
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
 
 
 ADMIN_CALLS = [

@@ -129,10 +129,10 @@ def test_removing_keeps_a_token_another_server_wrote(tmp_path: Path) -> None:
     assert not path.exists()
 
 
-def request_from(host: str, authorization: str | None) -> Request:
+def request_from(host: str, authorization: str | None, server: str = "127.0.0.1") -> Request:
     headers = [(b"authorization", authorization.encode())] if authorization else []
     scope = {"type": "http", "method": "GET", "path": "/admin/state", "headers": headers}
-    return Request({**scope, "client": (host, 50000)})
+    return Request({**scope, "client": (host, 50000), "server": (server, 8000)})
 
 
 @pytest.mark.parametrize(
@@ -154,6 +154,24 @@ def test_admin_access(host: str, authorization: str | None, status: int | None) 
     with pytest.raises(APIError) as caught:
         admin.authorize(request_from(host, authorization))
     assert caught.value.status == status
+
+
+def test_a_client_at_the_servers_own_lan_address_is_local() -> None:
+    admin = AdminState(appliance=None, snapshots=None, token_path=Path("t"), token="secret")
+    admin.authorize(request_from("192.168.1.20", "Bearer secret", server="192.168.1.20"))
+    with pytest.raises(APIError) as caught:
+        admin.authorize(request_from("192.168.1.21", "Bearer secret", server="192.168.1.20"))
+    assert caught.value.status == 403
+
+
+def test_a_symlink_at_the_token_path_is_replaced_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    link = tmp_path / "admin.token"
+    link.symlink_to(victim)
+    token = write_token(link)
+    assert victim.read_text() == "keep me"
+    assert not link.is_symlink() and link.read_text() == token
 
 
 def test_nobody_gets_in_before_the_token_is_written() -> None:
@@ -179,3 +197,29 @@ def test_more_devices_than_cores_share_them_when_allowed() -> None:
     assert devices[2].name == "cpu2 (core 0, shared)"
     with pytest.raises(ValueError, match="unless cpu_share_cores is set"):
         cpu_devices(3, cores=[0, 1])
+
+
+# ---------------------------------------------------------------- tuning on the supervisor
+
+
+def test_colocated_tuning_keeps_a_token_of_budget_per_sequence() -> None:
+    from appliance.supervisor import Supervisor
+
+    colocated = Supervisor(load_settings(device="cpu", cpu_devices=1, mode="colocated"))
+    with pytest.raises(ValueError, match=r"decode_max_seqs \(4096\) must not exceed"):
+        colocated.tune(TuningPatch(decode_max_seqs=4096))
+    assert colocated.tune(TuningPatch(decode_max_seqs=32)).decode_max_seqs == 32
+
+
+def test_decode_workers_get_budget_for_every_sequence() -> None:
+    from appliance.supervisor import Supervisor
+
+    supervisor = Supervisor(load_settings(device="cpu", cpu_devices=2))
+    tuning = supervisor.tune(
+        TuningPatch(decode_max_seqs=4096, prefill_token_budget=256, chunk_size=128)
+    )
+    assert supervisor.events[-1].kind == "tuning"
+    decode = supervisor.batch_limits("decode", tuning)
+    assert decode == {"max_num_seqs": 4096, "max_num_batched_tokens": 4096}
+    prefill = supervisor.batch_limits("prefill", tuning)
+    assert prefill == {"max_num_batched_tokens": 256, "chunk_size": 128}

@@ -15,6 +15,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer
 
 from appliance.admin.schema import DeviceInfo, Event, Snapshot, Tuning
+from appliance.admin.token import read_token
 from tui.client import AdminClient, AdminError
 from tui.components.confirm_move import ConfirmMove
 from tui.components.event_log import EventLog
@@ -279,6 +280,7 @@ def _tuning_line(tuning: Tuning) -> str:
     )
 
 
-def run_console(url: str, token: str) -> None:
-    """Run the console against the appliance at `url` with its admin token."""
-    ConsoleApp(AdminClient(url, token)).run()
+def run_console(url: str, token_file: Path) -> None:
+    """Run the console against the appliance at `url`, with the admin token it wrote to
+    `token_file` (read again whenever the appliance restarts with a new one)."""
+    ConsoleApp(AdminClient(url, read_token(token_file), token_file=token_file)).run()

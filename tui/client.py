@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from appliance.admin.schema import Event, Move, Snapshot, Tuning
+from appliance.admin.token import TokenError, read_token
 
 
 class AdminError(Exception):
@@ -70,10 +72,15 @@ def parse_item(event: str, data: str) -> Snapshot | Event | None:
 class AdminClient:
     """The admin API of one appliance, authenticated with its admin token.
 
-    API errors raise AdminError; connection failures raise httpx.TransportError.
+    API errors raise AdminError; connection failures raise httpx.TransportError. With
+    `token_file`, a 401 re-reads the token from it, so the next call works once a
+    restarted appliance has written a new one.
     """
 
-    def __init__(self, base_url: str, token: str, timeout: float = 10.0) -> None:
+    def __init__(
+        self, base_url: str, token: str, timeout: float = 10.0, token_file: Path | None = None
+    ) -> None:
+        self._token_file = token_file
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
             headers={"Authorization": f"Bearer {token}"},
@@ -88,7 +95,7 @@ class AdminClient:
     async def state(self) -> Snapshot:
         """GET /admin/state."""
         response = await self._http.get("/admin/state")
-        _raise_for_error(response)
+        self._raise_for_error(response)
         return Snapshot.model_validate_json(response.content)
 
     async def events(self) -> AsyncIterator[Snapshot | Event]:
@@ -97,7 +104,7 @@ class AdminClient:
         async with self._http.stream("GET", "/admin/events") as response:
             if response.is_error:
                 await response.aread()
-                _raise_for_error(response)
+                self._raise_for_error(response)
             async for line in response.aiter_lines():
                 message = parser.feed(line)
                 item = parse_item(*message) if message else None
@@ -107,22 +114,29 @@ class AdminClient:
     async def move(self, device: int, to: str) -> Move:
         """POST /admin/pools: start moving device `device` to the `to` pool."""
         response = await self._http.post("/admin/pools", json={"device": device, "to": to})
-        _raise_for_error(response)
+        self._raise_for_error(response)
         return Move.model_validate(response.json()["move"])
 
     async def tune(self, **changes: Any) -> Tuning:
         """PATCH /admin/tuning with `changes` (TuningPatch fields); returns the new tuning."""
         response = await self._http.patch("/admin/tuning", json=changes)
-        _raise_for_error(response)
+        self._raise_for_error(response)
         return Tuning.model_validate(response.json()["tuning"])
 
     async def aclose(self) -> None:
         """Close the connections."""
         await self._http.aclose()
 
-
-def _raise_for_error(response: httpx.Response) -> None:
-    if response.is_error:
+    def _raise_for_error(self, response: httpx.Response) -> None:
+        if not response.is_error:
+            return
+        if response.status_code == 401 and self._token_file is not None:
+            try:
+                token = read_token(self._token_file)
+            except TokenError:
+                pass  # not written yet: the appliance may still be starting
+            else:
+                self._http.headers["Authorization"] = f"Bearer {token}"
         raise AdminError(response.status_code, _error_message(response))
 
 

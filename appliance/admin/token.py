@@ -13,15 +13,20 @@ class TokenError(RuntimeError):
 
 
 def write_token(path: Path) -> str:
-    """Make a fresh token and write it to `path` (mode 0600, folder 0700); returns it."""
+    """Make a fresh token and write it to `path` (mode 0600, folder 0700); returns it.
+
+    Written to a new file beside it, then renamed over it: a reader never sees it half
+    written, and a symlink planted at `path` is replaced, never written through."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    fd = os.open(temporary, flags, 0o600)
     try:
-        os.fchmod(fd, 0o600)  # an older file keeps its mode through O_CREAT: set it anyway
         os.write(fd, token.encode())
     finally:
         os.close(fd)
+    os.replace(temporary, path)
     return token
 
 

@@ -41,7 +41,10 @@ class AdminState:
     def authorize(self, request: Request) -> None:
         """403 for a client off this machine, 401 without the token."""
         host = request.client.host if request.client else ""
-        if not is_loopback(host):
+        # A client at the very address it connected to is on this machine too (a server
+        # bound to a LAN address sees local clients come from that address).
+        server = request.scope.get("server") or ("",)
+        if not is_loopback(host) and host != server[0]:
             raise APIError(403, "the admin API answers clients on this machine only")
         sent = request.headers.get("authorization", "").encode()
         expected = f"Bearer {self.token}".encode()
@@ -114,6 +117,8 @@ async def tuning(request: Request) -> Response:
         tuning = admin.appliance.supervisor.tune(patch)
     except ValidationError as exc:
         raise from_validation(exc) from None
+    except ValueError as exc:  # knobs that clash with the pools' layout
+        raise APIError(422, str(exc), code="invalid_value") from None
     return JSONResponse({"tuning": tuning.model_dump(mode="json")})
 
 

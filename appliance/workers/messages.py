@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from appliance.engine.sequence import SamplingParams
 
 # ---------------------------------------------------------------- supervisor -> worker
@@ -38,16 +36,25 @@ class Handoff:
 
 
 @dataclass
+class SharePool:
+    """To a prefill worker: share your KV tensor with decode worker `consumer`."""
+
+    consumer: int
+
+
+@dataclass
 class PeerPool:
-    """A prefill worker's KV tensor, shared once (shared memory / CUDA IPC)."""
+    """To a decode worker: prefill worker `worker_id`'s KV tensor, pickled by that worker
+    for this one (a shared-memory fd or a CUDA IPC handle). The supervisor relays the bytes
+    without opening them: a CUDA tensor a process received cannot be sent on."""
 
     worker_id: int
-    kv: torch.Tensor
+    data: bytes
 
 
 @dataclass
 class DropPeer:
-    """That prefill worker has stopped: forget its KV tensor."""
+    """That prefill worker is about to stop: let go of its KV tensor, then say PeerDropped."""
 
     worker_id: int
 
@@ -86,11 +93,27 @@ class Shutdown:
 
 @dataclass
 class Ready:
-    """The worker loaded its model; prefill workers send their KV tensor along."""
+    """The worker loaded its model."""
 
     worker_id: int
     num_blocks: int
-    kv: torch.Tensor | None = None
+
+
+@dataclass
+class PoolShared:
+    """A prefill worker's KV tensor pickled for decode worker `consumer` (see PeerPool)."""
+
+    worker_id: int
+    consumer: int
+    data: bytes
+
+
+@dataclass
+class PeerDropped:
+    """A decode worker no longer holds prefill worker `peer`'s KV tensor."""
+
+    worker_id: int
+    peer: int
 
 
 @dataclass

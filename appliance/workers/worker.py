@@ -10,9 +10,11 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass, field, replace
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
+import torch.multiprocessing  # registers the tensor reducers ForkingPickler uses
 
 from appliance.config import Settings
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
@@ -25,9 +27,12 @@ from appliance.workers.messages import (
     Handoff,
     HandoffResult,
     Output,
+    PeerDropped,
     PeerPool,
+    PoolShared,
     Ready,
     Release,
+    SharePool,
     Shutdown,
     Submit,
     TokenBatch,
@@ -58,8 +63,7 @@ def run_worker(
     settings = use_device(settings, device)
     engine = LLMEngine.from_settings(settings, shared_kv=role == "prefill")
     state = WorkerState(worker_id, engine, outbox)
-    kv = engine.kv.tensor if role == "prefill" else None
-    outbox.put(Ready(worker_id, engine.kv.num_blocks, kv))
+    outbox.put(Ready(worker_id, engine.kv.num_blocks))
     while True:
         idle = not engine.has_unfinished()
         handled = drain(state, inbox, IDLE_WAIT_S if idle else 0.0)
@@ -110,8 +114,12 @@ def handle(state: WorkerState, message: Any) -> None:
         submit(state, message)
     elif isinstance(message, Handoff):
         take_handoff(state, message)
+    elif isinstance(message, SharePool):
+        # Pickled here, once per consumer: each gets its own fd / IPC reference.
+        data = bytes(ForkingPickler.dumps(engine.kv.tensor))
+        state.outbox.put(PoolShared(state.worker_id, message.consumer, data))
     elif isinstance(message, PeerPool):
-        state.peers[message.worker_id] = message.kv
+        state.peers[message.worker_id] = ForkingPickler.loads(message.data)
     elif isinstance(message, Release):
         engine_id = state.to_engine.pop(message.request_id, None)
         if engine_id is not None and engine_id in engine.scheduler.parked:
@@ -119,6 +127,7 @@ def handle(state: WorkerState, message: Any) -> None:
             state.to_request.pop(engine_id, None)
     elif isinstance(message, DropPeer):
         state.peers.pop(message.worker_id, None)
+        state.outbox.put(PeerDropped(state.worker_id, message.worker_id))
     elif isinstance(message, Tune):
         engine.scheduler.limits = replace(engine.scheduler.limits, **message.changes())
     elif isinstance(message, Abort):
