@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -77,6 +78,12 @@ class ServerSettings(BaseModel):
         description="Generations in flight (each of n choices counts); beyond it 429.",
     )
     max_n: int = Field(16, ge=1, le=128, description="Most choices (n) one request may ask for.")
+    shutdown_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM/SIGINT: new requests get 503 and running ones may finish "
+        "for this long; what still runs then ends with an error event.",
+    )
 
 
 class AdminSettings(BaseModel):
@@ -108,6 +115,7 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         validate_default=True,
+        populate_by_name=True,
     )
 
     model: Path | None = Field(
@@ -160,6 +168,17 @@ class Settings(BaseSettings):
     )
     served_model_name: str | None = Field(
         None, description="Model id clients send; empty means the model file's name."
+    )
+    notify_socket: str | None = Field(
+        None,
+        validation_alias=AliasChoices("notify_socket", "NOTIFY_SOCKET"),
+        description="Set by systemd (NOTIFY_SOCKET): where READY/WATCHDOG/STATUS go.",
+    )
+    watchdog_usec: int | None = Field(
+        None,
+        ge=1,
+        validation_alias=AliasChoices("watchdog_usec", "WATCHDOG_USEC"),
+        description="Set by systemd (WATCHDOG_USEC): the watchdog period; pings every half.",
     )
     server: ServerSettings = Field(default_factory=ServerSettings)
     kv: KVSettings = Field(default_factory=KVSettings)

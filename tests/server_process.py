@@ -56,10 +56,10 @@ class ServerProcess:
         self.stop()
         raise RuntimeError("appliance serve did not become healthy in time")
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGINT, as Ctrl-C would; returns the exit code."""
+    def stop(self, timeout: float = 30.0, sig: int = signal.SIGINT) -> int:
+        """SIGINT, as Ctrl-C would (or `sig`); returns the exit code."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
+            self.process.send_signal(sig)
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:

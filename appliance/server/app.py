@@ -24,6 +24,7 @@ from appliance.server import routes
 from appliance.server.admin import AdminState, admin_routes
 from appliance.server.errors import APIError, api_error, http_error, unexpected_error
 from appliance.server.metrics import Metrics
+from appliance.server.sd_notify import Notifier, heartbeat
 from appliance.server.state import ServerState
 from appliance.topology import import_nvml
 
@@ -38,21 +39,25 @@ def build_app(
     latency = LatencyWindow()
     state = ServerState(appliance, Metrics(CollectorRegistry(), appliance.supervisor, latency))
     admin = _admin_state(appliance, latency)
+    notifier = Notifier(appliance.settings.notify_socket)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         starting = asyncio.create_task(appliance.start())
-        starting.add_done_callback(lambda task: _started(task, state, on_start_failed))
-        _write_token(admin)
+        starting.add_done_callback(lambda task: _started(task, state, notifier, on_start_failed))
+        beat = asyncio.create_task(heartbeat(notifier, _beat_interval(state), state.status_line))
         try:
             yield
         finally:
+            notifier.stopping(f"stopping: {state.in_flight} generations still in flight")
+            beat.cancel()
             if admin.token is not None:
                 remove_token(admin.token_path, admin.token)
             if not starting.done():
                 starting.cancel()
                 await asyncio.gather(starting, return_exceptions=True)
             await appliance.stop()
+            notifier.close()
 
     app = Starlette(
         routes=[
@@ -72,6 +77,7 @@ def build_app(
     )
     app.state.server = state
     app.state.admin = admin
+    app.state.on_listening = lambda: _write_token(admin)  # the server calls it once bound
     return app
 
 
@@ -100,7 +106,18 @@ def _counted(handler: Callable) -> Callable:
     return handle
 
 
-def _started(task: asyncio.Task, state: ServerState, on_start_failed: Callable[[], None]) -> None:
+def _beat_interval(state: ServerState) -> float:
+    """Half systemd's watchdog period, as sd_watchdog_enabled(3) advises; else every 5 s."""
+    usec = state.settings.watchdog_usec
+    return usec / 2e6 if usec else 5.0
+
+
+def _started(
+    task: asyncio.Task,
+    state: ServerState,
+    notifier: Notifier,
+    on_start_failed: Callable[[], None],
+) -> None:
     if task.cancelled():
         return
     error = task.exception()
@@ -108,6 +125,7 @@ def _started(task: asyncio.Task, state: ServerState, on_start_failed: Callable[[
         views = state.appliance.supervisor.views()
         pools = ", ".join(f"{v.role} worker on {v.device}" for v in views)
         log.info("ready: %s (%s)", state.appliance.model_name, pools)
+        notifier.ready(state.status_line())
         return
     state.startup_error = str(error)
     log.error("the workers could not start: %s", error)

@@ -85,6 +85,8 @@ async def health(request: Request) -> Response:
     every_pool_alive = all(any(w["alive"] for w in pool) for pool in pools.values())
     if state.startup_error is not None:
         status = "failed"
+    elif state.draining:
+        status = "stopping"
     elif not state.appliance.ready:
         status = "starting"
     else:

@@ -1,17 +1,75 @@
-"""`appliance serve`: the HTTP server in front of the pools, run by uvicorn."""
+"""`appliance serve`: the HTTP server in front of the pools, run by uvicorn, drained
+gracefully on SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
+import time
+from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
 from appliance.appliance import Appliance
 from appliance.config import Settings, is_loopback
 from appliance.server.app import build_app
+from appliance.server.state import ServerState
 
 log = logging.getLogger("appliance.server")
-GRACEFUL_SHUTDOWN_S = 30  # on Ctrl-C / SIGTERM, how long open requests may still run
+DRAIN_POLL_S = 0.1
+CLOSE_GRACE_S = 5  # after the drain, how long uvicorn waits for connections to close
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains: new requests get 503, running ones
+    finish until `server.shutdown_timeout_s`, then the server stops. A second signal
+    stops it at once."""
+
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, on_listening: Callable[[], None]
+    ) -> None:
+        super().__init__(config)
+        self.state = state
+        self.on_listening = on_listening
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        # Only a server that got its port writes the admin token: a second one started on
+        # the same port by mistake must not replace (then delete) the first one's.
+        if not self.should_exit:
+            self.on_listening()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.state.draining or self._loop is None or not self.started:
+            self._stop_now()
+            return
+        self.state.draining = True
+        log.info(
+            "signal %s: draining %d generations", signal.Signals(sig).name, self.state.in_flight
+        )
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.state.settings.server.shutdown_timeout_s
+        while self.state.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.state.in_flight:
+            log.warning("shutdown deadline passed: ending %d generations", self.state.in_flight)
+        self._stop_now()
+
+    def _stop_now(self) -> None:
+        # Not uvicorn's handle_exit: that records the signal and re-raises it on the way
+        # out, so a drained server would die of SIGTERM instead of exiting 0.
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
 
 
 def serve(settings: Settings) -> int:
@@ -27,7 +85,7 @@ def serve(settings: Settings) -> int:
             settings.host,
             "" if settings.api_key else " and no api_key is set",
         )
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
 
     def stop_serving() -> None:
         server.should_exit = True
@@ -39,8 +97,8 @@ def serve(settings: Settings) -> int:
         port=settings.port,
         log_level="info",
         lifespan="on",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=CLOSE_GRACE_S,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.server, app.state.on_listening)
     server.run()
     return 1 if app.state.server.startup_error else 0

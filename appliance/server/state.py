@@ -39,6 +39,7 @@ class ServerState:
     metrics: Metrics
     in_flight: int = 0  # admitted generations not yet finished
     startup_error: str | None = None  # set when the workers could not start
+    draining: bool = False  # shutting down: running requests finish, new ones get 503
 
     @property
     def settings(self) -> Settings:
@@ -69,6 +70,13 @@ class ServerState:
             )
 
     def check_admission_open(self) -> None:
+        if self.draining:
+            raise APIError(
+                503,
+                "the appliance is shutting down; requests already running go on",
+                code="shutting_down",
+                retry_after=STARTING_RETRY_S,
+            )
         if self.appliance.supervisor.tuning.admission == "paused":
             raise APIError(
                 503,
@@ -76,6 +84,20 @@ class ServerState:
                 code="admission_paused",
                 retry_after=PAUSED_RETRY_S,
             )
+
+    def status_line(self) -> str:
+        """The pools' state in a few words (systemd's STATUS=)."""
+        if self.startup_error is not None:
+            return f"failed to start: {self.startup_error}"
+        views = self.appliance.supervisor.views()
+        if not self.appliance.ready:
+            return f"starting: {len(views)} workers loading the model"
+        pools: dict[str, list[bool]] = {}
+        for view in views:
+            pools.setdefault(view.role, []).append(view.phase == "ready")
+        counts = ", ".join(f"{role} {sum(up)}/{len(up)}" for role, up in pools.items())
+        doing = "draining" if self.draining else "serving"
+        return f"{doing}: workers ready {counts}; {self.in_flight} generations in flight"
 
     def check_model(self, name: str) -> None:
         if name != self.appliance.model_name:

@@ -1,0 +1,199 @@
+"""`appliance serve` as a systemd service: the notify datagrams read from a real unix
+datagram socket passed as NOTIFY_SOCKET, a SIGTERM that drains (running streams finish,
+new requests get 503, exit 0), and the unit file checked by systemd-analyze."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from server_process import ServerProcess
+
+from appliance.model.loader import model_name
+
+UNIT = Path(__file__).resolve().parents[1] / "systemd" / "appliance.service"
+
+
+class NotifySocket:
+    """A bound unix datagram socket, as systemd holds, recording what arrives."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="notify-", dir="/tmp")  # paths <= 108 bytes
+        self.path = f"{self.folder}/notify"
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.socket.bind(self.path)
+        self.socket.settimeout(0.2)
+        self.datagrams: list[tuple[float, str]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._done.is_set():
+            try:
+                data = self.socket.recv(4096)
+            except TimeoutError:
+                continue
+            self.datagrams.append((time.monotonic(), data.decode()))
+
+    def lines(self) -> list[str]:
+        return [line for _, text in self.datagrams for line in text.split("\n")]
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self.socket.close()
+        shutil.rmtree(self.folder)
+
+
+@pytest.fixture
+def notify() -> Iterator[NotifySocket]:
+    sock = NotifySocket()
+    yield sock
+    sock.close()
+
+
+def wait_for(check: object, bound_s: float, what: str) -> None:
+    deadline = time.monotonic() + bound_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def test_notify_ready_after_the_workers_then_watchdog_status_and_stopping(
+    notify: NotifySocket,
+) -> None:
+    server = ServerProcess({"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"})
+    server.start()
+    try:
+        wait_for(lambda: "READY=1" in notify.lines(), 30, "READY=1")
+        ready_at = next(t for t, text in notify.datagrams if "READY=1" in text)
+        health = httpx.get(server.url + "/health").json()
+        assert health["status"] == "ok"
+        # No READY before the workers were: /health was never 200 before READY arrived.
+        assert all(status != 200 for status, _ in server.health_seen[:-1])
+        count = len(notify.datagrams)
+        time.sleep(1.2)  # a 0.4 s watchdog: a ping every 0.2 s
+        pings = [t for t, text in notify.datagrams[count:] if "WATCHDOG=1" in text]
+        assert len(pings) >= 4 and pings[0] > ready_at
+    finally:
+        code = server.stop(sig=signal.SIGTERM)
+    assert code == 0
+    lines = notify.lines()
+    statuses = [line for line in lines if line.startswith("STATUS=")]
+    assert "STATUS=serving: workers ready prefill 1/1, decode 1/1; 0 generations in flight" in (
+        statuses
+    )
+    assert lines.index("READY=1") < lines.index("STOPPING=1")
+    assert any(s.startswith("STATUS=starting: 2 workers loading") for s in statuses)
+
+
+def stream(url: str, max_tokens: int) -> tuple[str | None, bool]:
+    """A streamed chat; (its last finish_reason, whether [DONE] came)."""
+    body = {
+        "model": model_name(None),
+        "messages": [{"role": "user", "content": "Count slowly."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    reason, done = None, False
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as reply:
+        for line in reply.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                choices = json.loads(line.removeprefix("data: "))["choices"]
+                reason = choices[0]["finish_reason"] if choices else reason
+    return reason, done
+
+
+def test_sigterm_lets_running_streams_finish_and_refuses_new_ones() -> None:
+    server = ServerProcess({"APPLIANCE_SERVER__SHUTDOWN_TIMEOUT_S": "60"})
+    server.start()
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream, server.url, 48) for _ in range(4)]
+        wait_for(
+            lambda: httpx.get(server.url + "/health").json()["generations_admitted"] == 4,
+            30,
+            "4 streams admitted",
+        )
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": model_name(None), "prompt": "Hi", "max_tokens": 2},
+        )
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        assert late.headers["Retry-After"]
+        results = [s.result(timeout=120) for s in streams]
+    assert results == [("length", True)] * 4  # every running stream finished whole
+    code = server.process.wait(timeout=60)
+    assert code == 0 and time.monotonic() - signalled < 60
+
+
+def verify_root(tmp_path: Path, unit_text: str) -> Path:
+    """A scratch root where the unit is installed as install.sh --system would place it:
+    systemd-analyze checks that its ExecStart program exists there."""
+    root = tmp_path / "root"
+    program = root / "opt/appliance/venv/bin/appliance"
+    program.parent.mkdir(parents=True)
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    units = root / "etc/systemd/system"
+    units.mkdir(parents=True)
+    (units / "appliance.service").write_text(unit_text)
+    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+    return root
+
+
+def analyze(root: Path) -> subprocess.CompletedProcess:
+    analyzer = shutil.which("systemd-analyze")
+    assert analyzer, "systemd-analyze is missing: apt-get install systemd (.ci/run does)"
+    return subprocess.run(
+        [analyzer, "verify", f"--root={root}", "--man=no", "appliance.service"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_unit_file_verifies_clean(tmp_path: Path) -> None:
+    result = analyze(verify_root(tmp_path, UNIT.read_text()))
+    assert result.returncode == 0 and result.stderr == "" and result.stdout == ""
+
+
+def test_the_unit_check_catches_a_broken_unit(tmp_path: Path) -> None:
+    broken = UNIT.read_text().replace("ProtectHome=true", "ProtectHom=true")
+    result = analyze(verify_root(tmp_path, broken))
+    assert "Unknown key 'ProtectHom'" in result.stderr
+
+
+def test_the_unit_runs_as_a_notify_service_with_watchdog_and_hardening() -> None:
+    text = UNIT.read_text()
+    for line in (
+        "Type=notify",
+        "WatchdogSec=30",
+        "Restart=on-failure",
+        "User=appliance",
+        "NoNewPrivileges=true",
+        "ProtectSystem=strict",
+        "ProtectHome=true",
+        "PrivateTmp=true",
+        "EnvironmentFile=/etc/appliance/appliance.env",
+        "DeviceAllow=/dev/nvidiactl rw",
+    ):
+        assert f"\n{line}\n" in text, line
