@@ -78,11 +78,40 @@ class ServerSettings(BaseModel):
         description="Generations in flight (each of n choices counts); beyond it 429.",
     )
     max_n: int = Field(16, ge=1, le=128, description="Most choices (n) one request may ask for.")
+    request_timeout_s: float | None = Field(
+        600.0,
+        gt=0,
+        description="A generation still running after this long ends with an error; "
+        "empty means no deadline.",
+    )
     shutdown_timeout_s: float = Field(
         30.0,
         ge=0,
         description="On SIGTERM/SIGINT: new requests get 503 and running ones may finish "
         "for this long; what still runs then ends with an error event.",
+    )
+
+
+class RecoverySettings(BaseModel):
+    """What happens when a worker crashes or stalls."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_crashes: int = Field(
+        3, ge=1, description="Crashes of one device within crash_window_s that mark it failed."
+    )
+    crash_window_s: float = Field(60.0, gt=0, description="See max_crashes.")
+    max_request_retries: int = Field(
+        2, ge=0, description="How often one request is re-run after losing its worker."
+    )
+    stall_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="A worker with work that reports no step for this long is killed "
+        "(and restarted).",
+    )
+    start_timeout_s: float = Field(
+        300.0, gt=0, description="How long a worker may take to load the model."
     )
 
 
@@ -184,6 +213,7 @@ class Settings(BaseSettings):
     kv: KVSettings = Field(default_factory=KVSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
+    recovery: RecoverySettings = Field(default_factory=RecoverySettings)
 
     @field_validator("model", mode="before")
     @classmethod

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -25,6 +25,7 @@ from appliance.admin.schema import Event, Tuning, TuningPatch
 from appliance.config import BatchSettings, Settings
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.restart_policy import RestartPolicy
 from appliance.topology import Partition, Topology, discover, partition
 from appliance.workers.messages import (
     Abort,
@@ -90,6 +91,8 @@ class WorkerHandle:
     running: int = 0
     queued_tokens: int = 0  # prompt tokens sent and not yet answered
     tokens_out: int = 0  # tokens it has produced
+    last_report: float = 0.0  # monotonic time of its last step report
+    last_work: float = 0.0  # monotonic time it was last sent a prompt or a handoff
     restarts: int = 0
     peers: set[int] = field(default_factory=set)  # decode: prefill workers whose KV it holds
 
@@ -144,6 +147,12 @@ class RequestState:
     decode_worker: int = -1
     output_ids: list[int] = field(default_factory=list)
     cancelled: bool = False
+    # The current attempt: it prefills prompt + output_ids so far (a retry after a worker
+    # was lost continues where the stream stopped) with what is left of max_tokens.
+    submitted_len: int = 0
+    attempt_params: SamplingParams | None = None
+    awaiting_first: bool = False  # sent to prefill, its first token not back yet
+    retries: int = 0
     # monotonic seconds: arrival, prefill_start (first step that ran it: queue time ends),
     # first_token, handoff_sent and handoff (the accepted handoff's round trip), finished
     timing: dict[str, float] = field(default_factory=dict)
@@ -193,6 +202,12 @@ class Supervisor:
         self._peer_drops: dict[tuple[int, int], asyncio.Future] = {}  # (decode, prefill)
         self._pending: dict[int, PendingHandoff] = {}  # handoffs sent, not yet answered
         self._watchdog: asyncio.Task | None = None
+        recovery = settings.recovery
+        self.restart_policy = RestartPolicy(recovery.max_crashes, recovery.crash_window_s)
+        self.failed_devices: set[int] = set()
+        self._restarting: dict[int, str] = {}  # device -> role of the worker coming back
+        self._tasks: set[asyncio.Task] = set()  # restarts in progress
+        self._stalled: deque[RequestState] = deque()  # waiting for a worker of their role
 
     # ------------------------------------------------------------ lifecycle
 
@@ -241,39 +256,98 @@ class Supervisor:
         return self.settings.model_copy(update={"batch": batch})
 
     async def _watch_workers(self) -> None:
-        """A worker that died fails its requests at once instead of leaving them waiting.
-        (Restarting it and retrying is the reliability work still to come.)"""
+        """Every WATCH_INTERVAL_S: a worker whose process exited is handled within that
+        time; one that has work but has reported no step for too long is killed."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
             for worker in list(self.workers.values()):
-                if worker.process.is_alive() or not worker.alive or worker.stopping:
+                if not worker.alive or worker.stopping:
                     continue
-                worker.alive = False
-                code = worker.process.exitcode
-                self.note(
-                    "worker",
-                    f"worker {worker.worker_id} ({worker.role}, "
-                    f"{worker.device}) exited with code {code}",
-                )
-                # KV parked in a prefill pool is still there: hand it to another decode worker.
-                self._reroute_handoffs_to(worker.worker_id)
-                self._fail_requests_on(worker)
-                error = RuntimeError(f"worker {worker.worker_id} exited while starting")
-                if self._all_ready is not None and not self._all_ready.done():
-                    self._all_ready.set_exception(error)
-                if worker.started is not None and not worker.started.done():
-                    worker.started.set_exception(error)
+                if not worker.process.is_alive():
+                    self._on_exit(worker)
+                elif self._stalled_for(worker, now) > self.settings.recovery.stall_timeout_s:
+                    self.note("worker", f"worker {worker.worker_id} stalled: killing it")
+                    worker.process.kill()
 
-    def _fail_requests_on(self, worker: WorkerHandle) -> None:
-        error = RequestFailed(f"worker {worker.worker_id} exited (code {worker.process.exitcode})")
+    def _stalled_for(self, worker: WorkerHandle, now: float) -> float:
+        """How long a worker that has work to run has not reported a step (0 if idle)."""
+        wid = worker.worker_id
+        has_work = worker.running > 0
+        has_work = has_work or any(
+            r.prefill_worker == wid and r.awaiting_first for r in self.requests.values()
+        )
+        has_work = has_work or any(p.request.decode_worker == wid for p in self._pending.values())
+        if not (worker.ready and has_work):
+            return 0.0
+        return now - max(worker.last_report, worker.last_work)
+
+    def _on_exit(self, worker: WorkerHandle) -> None:
+        worker.alive = False
+        self.note(
+            "worker",
+            f"worker {worker.worker_id} ({worker.role}, {worker.device}) exited with "
+            f"code {worker.process.exitcode}",
+        )
+        error = RuntimeError(f"worker {worker.worker_id} exited while starting")
+        if not self._all_ready.done():  # a failed start is reported, not retried
+            self._all_ready.set_exception(error)
+            return
+        if worker.started is not None and not worker.started.done():
+            worker.started.set_exception(error)  # whoever started it decides what next
+            return
+        self._forget_dead_pool(worker.worker_id)
+        self._schedule_restart(worker)  # first: requests may wait for it to come back
+        # KV parked in a prefill pool is still there: hand it to another decode worker.
+        self._reroute_handoffs_to(worker.worker_id)
         for request in list(self.requests.values()):
-            if worker.worker_id in (request.prefill_worker, request.decode_worker):
-                request.stream.put_nowait(error)
+            lost = request.decode_worker == worker.worker_id or (
+                request.prefill_worker == worker.worker_id and request.awaiting_first
+            )
+            if lost:
+                self._retry(request, f"worker {worker.worker_id} exited")
+
+    def _forget_dead_pool(self, worker_id: int) -> None:
+        for decode in self.workers.values():
+            if worker_id in decode.peers:
+                decode.peers.discard(worker_id)
+                decode.inbox.put(DropPeer(worker_id))
+
+    def _schedule_restart(self, worker: WorkerHandle) -> None:
+        device = worker.device_index
+        delay = self.restart_policy.on_crash(device, time.monotonic())
+        if delay is None:
+            self.failed_devices.add(device)
+            self.note("worker", f"{worker.device} crashed too often: no more restarts")
+            self._fail_stalled(worker.role)
+            return
+        self._restarting[device] = worker.role
+        task = asyncio.create_task(self._restart(worker, delay))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, dead: WorkerHandle, delay: float) -> None:
+        """Start a worker of the dead one's role on its device, after `delay`."""
+        await asyncio.sleep(delay)
+        self.workers.pop(dead.worker_id, None)
+        try:
+            worker = await self.add_worker(
+                dead.role, dead.device_index, self.settings.recovery.start_timeout_s
+            )
+        except RuntimeError as exc:
+            self._restarting.pop(dead.device_index, None)
+            self.note("worker", f"restarting {dead.device} failed: {exc}")
+            self._schedule_restart(dead)
+            return
+        self._restarting.pop(dead.device_index, None)
+        worker.restarts = dead.restarts + 1
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask every worker to stop, then make sure each has."""
         if self._watchdog is not None:
             self._watchdog.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         for worker in self.workers.values():
             worker.inbox.put(Shutdown())
         deadline = time.monotonic() + timeout
@@ -291,11 +365,14 @@ class Supervisor:
         """Stream one request's chunks; leaving the loop early cancels it on both sides."""
         request = RequestState(next(self._ids), list(prompt), params, asyncio.Queue())
         request.timing["arrival"] = time.monotonic()
+        request.attempt_params = params
         self.requests[request.request_id] = request
+        limit = self.settings.server.request_timeout_s
+        deadline = None if limit is None else request.timing["arrival"] + limit
         try:
             self._submit(request)
             while True:
-                item = await request.stream.get()
+                item = await self._next_item(request, deadline)
                 if isinstance(item, Exception):
                     raise item
                 yield item
@@ -304,20 +381,77 @@ class Supervisor:
         finally:
             self._forget(request)
 
+    async def _next_item(self, request: RequestState, deadline: float | None) -> Any:
+        if deadline is None:
+            return await request.stream.get()
+        try:
+            return await asyncio.wait_for(request.stream.get(), deadline - time.monotonic())
+        except TimeoutError:
+            limit = self.settings.server.request_timeout_s
+            return RequestFailed(f"the request ran past its deadline of {limit:.0f} s")
+
+    @property
+    def _entry_role(self) -> str:
+        return "colocated" if self.settings.mode == "colocated" else "prefill"
+
     def _submit(self, request: RequestState) -> None:
-        role = "colocated" if self.settings.mode == "colocated" else "prefill"
+        """Send the request's current attempt to a prefill (or colocated) worker; while
+        none takes work but one is coming back, it waits for it."""
+        role = self._entry_role
         candidates = [w for w in self.workers.values() if w.role == role and w.routable]
         if not candidates:
-            raise RequestFailed(f"no {role} worker is running")
+            if self._may_come_back(role):
+                self._stalled.append(request)
+            else:
+                request.stream.put_nowait(RequestFailed(f"no {role} worker is running"))
+            return
         if self.tuning.routing == "round_robin":
             worker = candidates[next(self._turns) % len(candidates)]
         else:
             worker = min(candidates, key=lambda w: (w.queued_tokens, w.running))
-        worker.queued_tokens += len(request.prompt)
+        token_ids = request.prompt + request.output_ids
+        request.submitted_len = len(token_ids)
+        request.awaiting_first = True
+        worker.queued_tokens += len(token_ids)
+        worker.last_work = time.monotonic()
         request.prefill_worker = worker.worker_id
         worker.inbox.put(
-            Submit(request.request_id, request.prompt, request.params, role == "prefill")
+            Submit(request.request_id, token_ids, request.attempt_params, role == "prefill")
         )
+
+    def _may_come_back(self, role: str) -> bool:
+        """A worker of `role` is starting, or restarting after a crash."""
+        starting = any(w.role == role and w.routable_soon for w in self.workers.values())
+        return starting or role in self._restarting.values()
+
+    def _retry(self, request: RequestState, reason: str) -> None:
+        """Run the request again from where its stream stopped: its prompt plus the tokens
+        it already sent, for what is left of max_tokens."""
+        if request.cancelled or request.request_id not in self.requests:
+            return
+        if request.retries >= self.settings.recovery.max_request_retries:
+            request.stream.put_nowait(RequestFailed(f"{reason}; retried too often"))
+            return
+        request.retries += 1
+        self._pending.pop(request.request_id, None)
+        request.prefill_worker = request.decode_worker = -1
+        left = request.params.max_tokens - len(request.output_ids)
+        request.attempt_params = replace(request.params, max_tokens=max(1, left))
+        self.note("worker", f"request {request.request_id}: {reason}; running it again")
+        self._submit(request)
+
+    def _resubmit_stalled(self) -> None:
+        waiting, self._stalled = self._stalled, deque()
+        for request in waiting:
+            if request.request_id in self.requests and not request.cancelled:
+                self._submit(request)
+
+    def _fail_stalled(self, role: str) -> None:
+        if self._may_come_back(role):
+            return
+        waiting, self._stalled = self._stalled, deque()
+        for request in waiting:
+            request.stream.put_nowait(RequestFailed(f"no {role} worker is running"))
 
     def _forget(self, request: RequestState) -> None:
         if self.requests.pop(request.request_id, None) is None:
@@ -395,6 +529,8 @@ class Supervisor:
                     worker.started.set_result(None)
         if not self._all_ready.done() and all(w.ready for w in self.workers.values()):
             self._all_ready.set_result(None)
+        if self._stalled:
+            self._resubmit_stalled()
 
     def _wired(self, worker: WorkerHandle) -> bool:
         if worker.role == "decode":
@@ -408,6 +544,7 @@ class Supervisor:
         if worker is None:  # retired since it sent this
             return
         worker.num_free, worker.running = batch.num_free_blocks, batch.num_running
+        worker.last_report = time.monotonic()
         worker.tokens_out += sum(len(out.token_ids) for out in batch.outputs)
         for request_id in batch.started:
             request = self.requests.get(request_id)
@@ -418,10 +555,11 @@ class Supervisor:
 
     def _on_output(self, worker: WorkerHandle, out: Output, step_started_at: float) -> None:
         request = self.requests.get(out.request_id)
-        if request is not None and "first_token" not in request.timing:
-            request.timing["first_token"] = time.monotonic()
+        if request is not None and request.awaiting_first:
+            request.awaiting_first = False
+            request.timing.setdefault("first_token", time.monotonic())
             request.timing.setdefault("prefill_start", step_started_at)
-            worker.queued_tokens -= len(request.prompt)
+            worker.queued_tokens -= request.submitted_len
         if request is None:
             if out.handoff_blocks is not None:  # cancelled while prefilling: nobody pulls
                 self._tell(worker.worker_id, Release(out.request_id))
@@ -444,6 +582,10 @@ class Supervisor:
         if request.cancelled:
             self._tell(pending.source, Release(request.request_id))
             return
+        source = self.workers.get(pending.source)
+        if source is None or not source.alive:  # its blocks are gone: prefill again
+            self._retry(request, f"prefill worker {pending.source} exited")
+            return
         decodes = [w for w in self.workers.values() if w.role == "decode" and w.routable_soon]
         if not decodes:
             self._tell(pending.source, Release(request.request_id))
@@ -453,9 +595,10 @@ class Supervisor:
         if not candidates:  # the decode pool is still being wired to this prefill worker
             self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, pending)
             return
-        needed = blocks_for_tokens(len(request.prompt) + 1, self.settings.kv.block_size)
+        needed = blocks_for_tokens(request.submitted_len + 1, self.settings.kv.block_size)
         decode = max(candidates, key=lambda w: (w.num_free, -w.running))
         decode.num_free -= needed  # until its next report says otherwise
+        decode.last_work = time.monotonic()
         request.decode_worker = decode.worker_id
         request.timing["handoff_sent"] = time.monotonic()
         self._pending[request.request_id] = pending
@@ -463,8 +606,8 @@ class Supervisor:
             Handoff(
                 request.request_id,
                 request.prompt + request.output_ids,
-                len(request.prompt),
-                request.params,
+                request.submitted_len,
+                request.attempt_params,
                 pending.source,
                 pending.blocks,
             )

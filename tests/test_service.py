@@ -57,11 +57,27 @@ class NotifySocket:
         shutil.rmtree(self.folder)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def notify() -> Iterator[NotifySocket]:
     sock = NotifySocket()
     yield sock
     sock.close()
+
+
+@pytest.fixture(scope="module")
+def service(notify: NotifySocket) -> Iterator[ServerProcess]:
+    """`appliance serve` as systemd runs it: NOTIFY_SOCKET and a 0.4 s WATCHDOG_USEC; its
+    requests have a 3 s deadline. The last test of this module stops it."""
+    server = ServerProcess(
+        {
+            "NOTIFY_SOCKET": notify.path,
+            "WATCHDOG_USEC": "400000",
+            "APPLIANCE_SERVER__REQUEST_TIMEOUT_S": "3",
+        }
+    )
+    server.start()
+    yield server
+    server.stop()
 
 
 def wait_for(check: object, bound_s: float, what: str) -> None:
@@ -72,32 +88,56 @@ def wait_for(check: object, bound_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_notify_ready_after_the_workers_then_watchdog_status_and_stopping(
-    notify: NotifySocket,
+def test_notify_ready_once_the_workers_are_then_watchdog_and_status(
+    service: ServerProcess, notify: NotifySocket
 ) -> None:
-    server = ServerProcess({"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"})
-    server.start()
-    try:
-        wait_for(lambda: "READY=1" in notify.lines(), 30, "READY=1")
-        ready_at = next(t for t, text in notify.datagrams if "READY=1" in text)
-        health = httpx.get(server.url + "/health").json()
-        assert health["status"] == "ok"
-        # No READY before the workers were: /health was never 200 before READY arrived.
-        assert all(status != 200 for status, _ in server.health_seen[:-1])
-        count = len(notify.datagrams)
-        time.sleep(1.2)  # a 0.4 s watchdog: a ping every 0.2 s
-        pings = [t for t, text in notify.datagrams[count:] if "WATCHDOG=1" in text]
-        assert len(pings) >= 4 and pings[0] > ready_at
-    finally:
-        code = server.stop(sig=signal.SIGTERM)
-    assert code == 0
-    lines = notify.lines()
-    statuses = [line for line in lines if line.startswith("STATUS=")]
+    wait_for(lambda: "READY=1" in notify.lines(), 30, "READY=1")
+    ready_at = next(t for t, text in notify.datagrams if "READY=1" in text)
+    assert httpx.get(service.url + "/health").json()["status"] == "ok"
+    # No READY before the workers were: /health was never 200 before READY arrived.
+    assert all(status != 200 for status, _ in service.health_seen[:-1])
+    count = len(notify.datagrams)
+    time.sleep(1.2)  # a 0.4 s watchdog: a ping every 0.2 s
+    pings = [t for t, text in notify.datagrams[count:] if "WATCHDOG=1" in text]
+    assert len(pings) >= 4 and pings[0] > ready_at
+    statuses = [line for line in notify.lines() if line.startswith("STATUS=")]
     assert "STATUS=serving: workers ready prefill 1/1, decode 1/1; 0 generations in flight" in (
         statuses
     )
-    assert lines.index("READY=1") < lines.index("STOPPING=1")
     assert any(s.startswith("STATUS=starting: 2 workers loading") for s in statuses)
+
+
+def test_a_request_past_its_deadline_ends_with_an_error_event(service: ServerProcess) -> None:
+    body = {
+        "model": model_name(None),
+        "prompt": "Once upon a time",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    lines = []
+    with httpx.stream("POST", service.url + "/v1/completions", json=body, timeout=60) as reply:
+        lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert "past its deadline of 3 s" in error["message"]
+    assert len(lines) > 10  # it streamed until the deadline
+    assert httpx.get(service.url + "/health").json()["generations_admitted"] == 0
+
+    def idle() -> bool:  # the aborted request has left both pools and their blocks
+        health = httpx.get(service.url + "/health").json()
+        workers = [w for pool in health["pools"].values() for w in pool]
+        return all(w["running"] == 0 and w["num_free_blocks"] == w["num_blocks"] for w in workers)
+
+    wait_for(idle, 10, "workers idle after the deadline")
+
+
+def test_sigterm_stops_it_with_stopping_and_exit_0(
+    service: ServerProcess, notify: NotifySocket
+) -> None:
+    assert service.stop(sig=signal.SIGTERM) == 0
+    lines = notify.lines()
+    assert lines.index("READY=1") < lines.index("STOPPING=1")
 
 
 def stream(url: str, max_tokens: int) -> tuple[str | None, bool]:

@@ -97,6 +97,7 @@ async def health(request: Request) -> Response:
         "mode": state.settings.mode,
         "pools": pools,
         "generations_admitted": state.in_flight,
+        "failed_devices": sorted(state.appliance.supervisor.failed_devices),
         "error": state.startup_error,
     }
     return JSONResponse(body, status_code=200 if status == "ok" else 503)

@@ -151,6 +151,9 @@ def submit(state: WorkerState, message: Submit) -> None:
 
 def take_handoff(state: WorkerState, message: Handoff) -> None:
     engine = state.engine
+    if message.source not in state.peers:  # that prefill worker is gone: it is prefilled again
+        state.outbox.put(HandoffResult(state.worker_id, message.request_id, False))
+        return
     engine_id = engine.add_prefilled(
         message.token_ids,
         message.num_prompt_tokens,

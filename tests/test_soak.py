@@ -1,0 +1,88 @@
+"""A short soak of the shared server (bounded to 240 requests): streamed, whole, dropped
+mid-stream and malformed requests, 8 at a time. It reports the RSS and open file
+descriptors of the server and its workers at the start and end; growth must stay within
+stated bounds (what one more KV pool's worth of Python objects would not reach)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import psutil
+from server_process import API_KEY, ServerProcess
+
+from appliance.model.loader import model_name
+
+REQUESTS = 240
+CONCURRENCY = 8
+RSS_BOUND = 96 * 2**20  # bytes, all processes together
+FD_BOUND = 8
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def footprint(pid: int) -> tuple[int, int]:
+    """(RSS bytes, open fds) of the server and every process under it."""
+    root = psutil.Process(pid)
+    processes = [root, *root.children(recursive=True)]
+    return sum(p.memory_info().rss for p in processes), sum(p.num_fds() for p in processes)
+
+
+async def one(client: httpx.AsyncClient, i: int) -> str:
+    kind = ("stream", "whole", "drop", "bad")[i % 4]
+    body = {
+        "model": model_name(None),
+        "messages": [{"role": "user", "content": f"Question {i}: name a fruit."}],
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "stream": kind in ("stream", "drop"),
+    }
+    if kind == "bad":
+        body["temperature"] = "hot"
+        reply = await client.post("/v1/chat/completions", json=body)
+        return "refused" if reply.status_code == 422 else f"bad answered {reply.status_code}"
+    if kind == "whole":
+        reply = await client.post("/v1/chat/completions", json=body)
+        return "ok" if reply.status_code == 200 else f"whole {reply.status_code}"
+    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        lines = 0
+        async for line in reply.aiter_lines():
+            lines += line.startswith("data: ")
+            if kind == "drop" and lines == 3:
+                return "dropped"  # leaving the block closes the connection mid-stream
+        return "ok" if lines else "empty stream"
+
+
+async def soak(url: str) -> list[str]:
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def limited(client: httpx.AsyncClient, i: int) -> str:
+        async with gate:
+            return await one(client, i)
+
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as client:
+        return list(await asyncio.gather(*(limited(client, i) for i in range(REQUESTS))))
+
+
+def test_soak_keeps_memory_and_descriptors_flat(server: ServerProcess) -> None:
+    asyncio.run(soak_warmup(server.url))
+    rss_start, fds_start = footprint(server.process.pid)
+    outcomes = asyncio.run(soak(server.url))
+    rss_end, fds_end = footprint(server.process.pid)
+    print(
+        f"\n| soak ({REQUESTS} requests) | start | end | growth | bound |\n"
+        f"|---|---|---|---|---|\n"
+        f"| RSS, MiB | {rss_start / 2**20:.0f} | {rss_end / 2**20:.0f} | "
+        f"{(rss_end - rss_start) / 2**20:+.1f} | {RSS_BOUND / 2**20:.0f} |\n"
+        f"| open fds | {fds_start} | {fds_end} | {fds_end - fds_start:+d} | {FD_BOUND} |"
+    )
+    counts = {o: outcomes.count(o) for o in set(outcomes)}
+    assert counts == {"ok": REQUESTS // 2, "dropped": REQUESTS // 4, "refused": REQUESTS // 4}
+    assert rss_end - rss_start <= RSS_BOUND
+    assert fds_end - fds_start <= FD_BOUND
+    assert httpx.get(server.url + "/health").json()["generations_admitted"] == 0
+
+
+async def soak_warmup(url: str) -> None:
+    """Every kind of request once or twice first, so caches and pools are already sized."""
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as client:
+        await asyncio.gather(*(one(client, i) for i in range(16)))
