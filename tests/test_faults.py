@@ -105,14 +105,9 @@ async def kill_and_wait(server: ServerProcess, device: int) -> None:
     """SIGKILL the worker on `device`; wait until a new one serves there."""
     before = (await asyncio.to_thread(state, server)).devices[device].worker
     os.kill(before.pid, signal.SIGKILL)
-    deadline = time.monotonic() + RESTART_BOUND_S
-    while True:
-        worker = (await asyncio.to_thread(state, server)).devices[device].worker
-        if worker and worker.pid != before.pid and worker.phase == "ready":
-            assert worker.restarts == before.restarts + 1 and worker.role == before.role
-            return
-        assert time.monotonic() < deadline, f"device {device} did not come back"
-        await asyncio.sleep(0.2)
+    await _back_after(server, device, before.pid)
+    worker = (await asyncio.to_thread(state, server)).devices[device].worker
+    assert worker.restarts == before.restarts + 1 and worker.role == before.role
 
 
 def test_killed_workers_lose_no_request_and_come_back(fault_server: ServerProcess) -> None:
@@ -150,3 +145,34 @@ def test_killed_workers_lose_no_request_and_come_back(fault_server: ServerProces
 async def _fresh_request(url: str) -> str:
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         return await one_request(client, "A new request after the faults:")
+
+
+def test_a_device_that_keeps_crashing_fails_and_its_pool_carries_on(
+    fault_server: ServerProcess,
+) -> None:
+    """Device 2 (decode) crashes 3 times within the crash window: it is not restarted
+    again, /health says degraded and names it, and device 1 serves the decode pool."""
+    for crash in range(3):
+        worker = state(fault_server).devices[2].worker
+        os.kill(worker.pid, signal.SIGKILL)
+        if crash < 2:
+            asyncio.run(_back_after(fault_server, 2, worker.pid))
+    deadline = time.monotonic() + 10
+    while (health := httpx.get(fault_server.url + "/health").json())["failed_devices"] != [2]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
+    assert health["status"] == "degraded"
+    time.sleep(2)  # past any backoff: still no new worker on device 2
+    assert state(fault_server).devices[2].worker.phase == "exited"
+    assert asyncio.run(_fresh_request(fault_server.url)) == "completed"
+    assert "crashed too often" in " ".join(e.message for e in state(fault_server).events)
+
+
+async def _back_after(server: ServerProcess, device: int, old_pid: int) -> None:
+    deadline = time.monotonic() + RESTART_BOUND_S
+    while True:
+        worker = (await asyncio.to_thread(state, server)).devices[device].worker
+        if worker and worker.pid != old_pid and worker.phase == "ready":
+            return
+        assert time.monotonic() < deadline, f"device {device} did not come back"
+        await asyncio.sleep(0.2)

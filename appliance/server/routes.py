@@ -75,8 +75,9 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 once every worker is ready and each pool has a live worker, else 503; the
-    pools' states either way."""
+    """200 while it serves: `ok`, or `degraded` when a worker is down (restarting, or its
+    device failed) but every pool still has a live one; else 503 (`starting`, `stopping`,
+    `failed`, `unavailable`). The pools' states either way."""
     state: ServerState = request.app.state.server
     workers = [asdict(v) for v in state.appliance.supervisor.views()]
     pools = {}
@@ -90,7 +91,8 @@ async def health(request: Request) -> Response:
     elif not state.appliance.ready:
         status = "starting"
     else:
-        status = "ok" if every_pool_alive else "degraded"
+        all_alive = all(w["alive"] for w in workers)
+        status = "unavailable" if not every_pool_alive else "ok" if all_alive else "degraded"
     body = {
         "status": status,
         "model": state.appliance.model_name,
@@ -100,7 +102,7 @@ async def health(request: Request) -> Response:
         "failed_devices": sorted(state.appliance.supervisor.failed_devices),
         "error": state.startup_error,
     }
-    return JSONResponse(body, status_code=200 if status == "ok" else 503)
+    return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
 
 async def metrics(request: Request) -> Response:
