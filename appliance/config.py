@@ -45,6 +45,11 @@ class KVSettings(BaseModel):
     num_blocks: int | None = Field(
         None, ge=1, description="Exact number of KV blocks; overrides memory_mb when set."
     )
+    prefix_caching: bool = Field(
+        True,
+        description="Keep full KV blocks of past requests, keyed by their tokens, so a "
+        "repeated prefix (a system prompt, a document) is not prefilled again.",
+    )
 
 
 class BatchSettings(BaseModel):

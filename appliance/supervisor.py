@@ -1,7 +1,7 @@
 """The supervisor: spawns the pools' workers, routes requests, moves handoffs, streams tokens.
 
-One asyncio loop owns all state. A reader thread turns the workers' shared outbox into
-calls on that loop. Routing: a prompt goes to the prefill (or colocated) worker with the
+One asyncio loop owns all state. A reader thread turns the workers' pipes (one each)
+into calls on that loop. Routing: a prompt goes to the prefill (or colocated) worker with the
 fewest queued prompt tokens; a handoff goes to the decode worker with the most free KV
 blocks, fewest running sequences breaking ties.
 """
@@ -12,9 +12,8 @@ import asyncio
 import itertools
 import logging
 import os
-import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -25,6 +24,7 @@ from appliance.admin.schema import Event, Tuning, TuningPatch
 from appliance.config import BatchSettings, Settings
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.kv.prefix_cache import prefix_keys
 from appliance.restart_policy import RestartPolicy
 from appliance.topology import Partition, Topology, discover, partition
 from appliance.workers.messages import (
@@ -33,6 +33,7 @@ from appliance.workers.messages import (
     Failed,
     Handoff,
     HandoffResult,
+    LeaseExpired,
     Output,
     PeerDropped,
     PeerPool,
@@ -45,6 +46,7 @@ from appliance.workers.messages import (
     TokenBatch,
     Tune,
 )
+from appliance.workers.outboxes import Outbox, OutboxReader
 from appliance.workers.worker import run_worker
 
 log = logging.getLogger("appliance.supervisor")
@@ -53,6 +55,7 @@ HANDOFF_RETRY_S = 0.01  # a decode pool without room is asked again this much la
 WATCH_INTERVAL_S = 0.2  # how often worker processes are checked for being alive
 DROP_PEER_TIMEOUT_S = 10.0  # how long decode workers get to let go of a retiring pool
 MAX_EVENTS = 200  # events kept for the admin API
+PREFIX_KEYS_KEPT = 8192  # per prefill worker: block keys of prompts it prefilled lately
 
 
 class RequestFailed(RuntimeError):
@@ -69,6 +72,7 @@ class Chunk:
     finish_reason: str | None = None
     timing: dict[str, float] | None = None  # on the last chunk: the request's timestamps
     handoff_bytes: int = 0  # on the last chunk: KV bytes copied from prefill to decode pool
+    cached_tokens: int = 0  # on the first chunk: prompt tokens the prefix cache supplied
 
 
 @dataclass
@@ -95,6 +99,8 @@ class WorkerHandle:
     last_work: float = 0.0  # monotonic time it was last sent a prompt or a handoff
     restarts: int = 0
     peers: set[int] = field(default_factory=set)  # decode: prefill workers whose KV it holds
+    # prefill: keys of prompt blocks it prefilled lately (likely still in its prefix cache)
+    prefix_keys: OrderedDict = field(default_factory=OrderedDict)
 
     @property
     def routable(self) -> bool:
@@ -153,6 +159,7 @@ class RequestState:
     attempt_params: SamplingParams | None = None
     awaiting_first: bool = False  # sent to prefill, its first token not back yet
     retries: int = 0
+    wire_id: int = -1  # the current attempt's id in messages to and from workers
     # monotonic seconds: arrival, prefill_start (first step that ran it: queue time ends),
     # first_token, handoff_sent and handoff (the accepted handoff's round trip), finished
     timing: dict[str, float] = field(default_factory=dict)
@@ -163,6 +170,7 @@ class RequestState:
 @dataclass
 class PendingHandoff:
     request: RequestState
+    wire_id: int  # the attempt whose prompt K/V sits in `blocks`
     source: int
     blocks: list[int]
 
@@ -195,12 +203,13 @@ class Supervisor:
         self._worker_ids = itertools.count()
         self._turns = itertools.count()  # round-robin routing
         self._ctx = mp.get_context("spawn")
-        self._outbox = self._ctx.Queue()
+        self._reader = OutboxReader(self._deliver)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._all_ready: asyncio.Future | None = None
-        self._reader: threading.Thread | None = None
         self._peer_drops: dict[tuple[int, int], asyncio.Future] = {}  # (decode, prefill)
-        self._pending: dict[int, PendingHandoff] = {}  # handoffs sent, not yet answered
+        self._pending: dict[int, PendingHandoff] = {}  # wire id -> handoff not yet answered
+        self._wire: dict[int, RequestState] = {}  # wire id -> request, current attempts only
+        self._capacity = 0
         self._watchdog: asyncio.Task | None = None
         recovery = settings.recovery
         self.restart_policy = RestartPolicy(recovery.max_crashes, recovery.crash_window_s)
@@ -217,7 +226,6 @@ class Supervisor:
         self._all_ready = self._loop.create_future()
         for role, index in self._roles():
             self._spawn(role, index)
-        self._reader = threading.Thread(target=self._read_outbox, daemon=True)
         self._reader.start()
         self._watchdog = asyncio.create_task(self._watch_workers())
         try:
@@ -236,13 +244,16 @@ class Supervisor:
         worker_id = next(self._worker_ids)
         device = self.topology.devices[device_index]
         inbox = self._ctx.Queue()
+        receiving, sending = self._ctx.Pipe(duplex=False)
         settings = self._worker_settings(role)
         process = self._ctx.Process(
             target=run_worker,
-            args=(worker_id, role, settings, device, inbox, self._outbox),
+            args=(worker_id, role, settings, device, inbox, Outbox(sending)),
             daemon=True,
         )
         process.start()
+        sending.close()  # the worker holds it now: its exit closes the pipe
+        self._reader.add(worker_id, receiving)
         worker = WorkerHandle(
             worker_id, role, device_index, device.name, device.cores, inbox, process
         )
@@ -269,6 +280,7 @@ class Supervisor:
                 elif self._stalled_for(worker, now) > self.settings.recovery.stall_timeout_s:
                     self.note("worker", f"worker {worker.worker_id} stalled: killing it")
                     worker.process.kill()
+            self._fail_stalled(self._entry_role)
 
     def _stalled_for(self, worker: WorkerHandle, now: float) -> float:
         """How long a worker that has work to run has not reported a step (0 if idle)."""
@@ -293,16 +305,21 @@ class Supervisor:
         if not self._all_ready.done():  # a failed start is reported, not retried
             self._all_ready.set_exception(error)
             return
+        self._forget_dead_pool(worker.worker_id)
         if worker.started is not None and not worker.started.done():
             worker.started.set_exception(error)  # whoever started it decides what next
             return
-        self._forget_dead_pool(worker.worker_id)
-        self._schedule_restart(worker)  # first: requests may wait for it to come back
+        if not worker.draining:  # a moving device's successor is started by the move
+            self._schedule_restart(worker)  # first: requests may wait for it to come back
         # KV parked in a prefill pool is still there: hand it to another decode worker.
         self._reroute_handoffs_to(worker.worker_id)
+        whole_requests = worker.role == "colocated"
         for request in list(self.requests.values()):
+            if "finished" in request.timing:
+                continue
             lost = request.decode_worker == worker.worker_id or (
-                request.prefill_worker == worker.worker_id and request.awaiting_first
+                request.prefill_worker == worker.worker_id
+                and (request.awaiting_first or whole_requests)
             )
             if lost:
                 self._retry(request, f"worker {worker.worker_id} exited")
@@ -313,33 +330,40 @@ class Supervisor:
                 decode.peers.discard(worker_id)
                 decode.inbox.put(DropPeer(worker_id))
 
-    def _schedule_restart(self, worker: WorkerHandle) -> None:
+    def _schedule_restart(self, worker: WorkerHandle, failed_starts: int = 0) -> None:
         device = worker.device_index
         delay = self.restart_policy.on_crash(device, time.monotonic())
+        if failed_starts >= self.settings.recovery.max_crashes:  # however slowly it fails
+            delay = None
         if delay is None:
             self.failed_devices.add(device)
             self.note("worker", f"{worker.device} crashed too often: no more restarts")
             self._fail_stalled(worker.role)
             return
         self._restarting[device] = worker.role
-        task = asyncio.create_task(self._restart(worker, delay))
+        task = asyncio.create_task(self._restart(worker, delay, failed_starts))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _restart(self, dead: WorkerHandle, delay: float) -> None:
+    async def _restart(self, dead: WorkerHandle, delay: float, failed_starts: int) -> None:
         """Start a worker of the dead one's role on its device, after `delay`."""
         await asyncio.sleep(delay)
-        self.workers.pop(dead.worker_id, None)
+        device = dead.device_index
+        taken = any(w.device_index == device and w.alive for w in self.workers.values())
+        if dead.worker_id not in self.workers or taken:  # a pool move took the device over
+            self._restarting.pop(device, None)
+            return
+        del self.workers[dead.worker_id]
         try:
             worker = await self.add_worker(
-                dead.role, dead.device_index, self.settings.recovery.start_timeout_s
+                dead.role, device, self.settings.recovery.start_timeout_s
             )
-        except RuntimeError as exc:
-            self._restarting.pop(dead.device_index, None)
+        except Exception as exc:  # it died loading, or could not even be spawned
+            self._restarting.pop(device, None)
             self.note("worker", f"restarting {dead.device} failed: {exc}")
-            self._schedule_restart(dead)
+            self._schedule_restart(dead, failed_starts + 1)
             return
-        self._restarting.pop(dead.device_index, None)
+        self._restarting.pop(device, None)
         worker.restarts = dead.restarts + 1
 
     async def stop(self, timeout: float = 10.0) -> None:
@@ -355,7 +379,7 @@ class Supervisor:
             await asyncio.to_thread(worker.process.join, max(0.0, deadline - time.monotonic()))
             if worker.process.is_alive():
                 worker.process.kill()
-        self._outbox.put(None)  # ends the reader thread
+        await asyncio.to_thread(self._reader.stop)
         for request in self.requests.values():
             request.stream.put_nowait(RequestFailed("the appliance is shutting down"))
 
@@ -405,19 +429,48 @@ class Supervisor:
             else:
                 request.stream.put_nowait(RequestFailed(f"no {role} worker is running"))
             return
+        token_ids = request.prompt + request.output_ids
+        keys = prefix_keys(token_ids, self.settings.kv.block_size)
         if self.tuning.routing == "round_robin":
             worker = candidates[next(self._turns) % len(candidates)]
         else:
-            worker = min(candidates, key=lambda w: (w.queued_tokens, w.running))
-        token_ids = request.prompt + request.output_ids
+            worker = self._least_loaded(candidates, keys)
+        self._remember_prefix(worker, keys)
+        request.wire_id = next(self._ids)
+        self._wire[request.wire_id] = request
         request.submitted_len = len(token_ids)
         request.awaiting_first = True
         worker.queued_tokens += len(token_ids)
         worker.last_work = time.monotonic()
         request.prefill_worker = worker.worker_id
         worker.inbox.put(
-            Submit(request.request_id, token_ids, request.attempt_params, role == "prefill")
+            Submit(request.wire_id, token_ids, request.attempt_params, role == "prefill")
         )
+
+    def _least_loaded(self, candidates: list[WorkerHandle], keys: list[int]) -> WorkerHandle:
+        """The worker with the fewest queued prompt tokens, or, among those within one step
+        budget of it, the one that prefilled the longest prefix of this prompt lately
+        (its prefix cache likely still holds it)."""
+        least = min(w.queued_tokens for w in candidates)
+        near = [
+            w for w in candidates if w.queued_tokens <= least + self.tuning.prefill_token_budget
+        ]
+
+        def score(worker: WorkerHandle) -> tuple[int, int, int]:
+            matched = 0
+            if self.settings.kv.prefix_caching:
+                while matched < len(keys) and keys[matched] in worker.prefix_keys:
+                    matched += 1
+            return (-matched, worker.queued_tokens, worker.running)
+
+        return min(near, key=score)
+
+    def _remember_prefix(self, worker: WorkerHandle, keys: list[int]) -> None:
+        for key in keys:
+            worker.prefix_keys[key] = None
+            worker.prefix_keys.move_to_end(key)
+        while len(worker.prefix_keys) > PREFIX_KEYS_KEPT:
+            worker.prefix_keys.popitem(last=False)
 
     def _may_come_back(self, role: str) -> bool:
         """A worker of `role` is starting, or restarting after a crash."""
@@ -429,16 +482,29 @@ class Supervisor:
         it already sent, for what is left of max_tokens."""
         if request.cancelled or request.request_id not in self.requests:
             return
+        if "finished" in request.timing:
+            return
+        self._end_attempt(request)
         if request.retries >= self.settings.recovery.max_request_retries:
             request.stream.put_nowait(RequestFailed(f"{reason}; retried too often"))
             return
         request.retries += 1
-        self._pending.pop(request.request_id, None)
+        for key in ("handoff_sent", "handoff"):  # the new attempt is handed off anew
+            request.timing.pop(key, None)
         request.prefill_worker = request.decode_worker = -1
         left = request.params.max_tokens - len(request.output_ids)
         request.attempt_params = replace(request.params, max_tokens=max(1, left))
         self.note("worker", f"request {request.request_id}: {reason}; running it again")
         self._submit(request)
+
+    def _end_attempt(self, request: RequestState) -> None:
+        """Forget the current attempt: messages about it are stale from now on."""
+        self._wire.pop(request.wire_id, None)
+        self._pending.pop(request.wire_id, None)
+        if request.awaiting_first:
+            request.awaiting_first = False
+            if request.prefill_worker in self.workers:
+                self.workers[request.prefill_worker].queued_tokens -= request.submitted_len
 
     def _resubmit_stalled(self) -> None:
         waiting, self._stalled = self._stalled, deque()
@@ -447,7 +513,7 @@ class Supervisor:
                 self._submit(request)
 
     def _fail_stalled(self, role: str) -> None:
-        if self._may_come_back(role):
+        if not self._stalled or self._may_come_back(role):
             return
         waiting, self._stalled = self._stalled, deque()
         for request in waiting:
@@ -456,11 +522,13 @@ class Supervisor:
     def _forget(self, request: RequestState) -> None:
         if self.requests.pop(request.request_id, None) is None:
             return
+        wire = request.wire_id
+        self._end_attempt(request)
         finished = request.timing.get("finished")
         if finished is None:  # the consumer left early: cancel wherever it runs
             request.cancelled = True
-            self._tell(request.prefill_worker, Abort(request.request_id))
-            self._tell(request.decode_worker, Abort(request.request_id))
+            self._tell(request.prefill_worker, Abort(wire))
+            self._tell(request.decode_worker, Abort(wire))
 
     def _tell(self, worker_id: int, message: Any) -> None:
         if worker_id in self.workers:
@@ -468,12 +536,9 @@ class Supervisor:
 
     # ------------------------------------------------------------ worker messages
 
-    def _read_outbox(self) -> None:
-        while True:
-            message = self._outbox.get()
-            if message is None:
-                return
-            self._loop.call_soon_threadsafe(self._dispatch, message)
+    def _deliver(self, message: Any) -> None:
+        """From the reader thread: handle the message on the loop."""
+        self._loop.call_soon_threadsafe(self._dispatch, message)
 
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, Ready):
@@ -489,9 +554,13 @@ class Supervisor:
             if dropped is not None and not dropped.done():
                 dropped.set_result(None)
         elif isinstance(message, Failed):
-            request = self.requests.get(message.request_id)
+            request = self._wire.get(message.request_id)
             if request is not None:
                 request.stream.put_nowait(RequestFailed(message.error))
+        elif isinstance(message, LeaseExpired):
+            pending = self._pending.get(message.request_id)
+            if pending is not None and pending.source == message.worker_id:
+                self._retry(pending.request, "its parked KV expired before a decode worker took it")
 
     def _on_ready(self, message: Ready) -> None:
         worker = self.workers.get(message.worker_id)
@@ -541,21 +610,28 @@ class Supervisor:
 
     def _on_tokens(self, batch: TokenBatch) -> None:
         worker = self.workers.get(batch.worker_id)
-        if worker is None:  # retired since it sent this
+        if worker is None or not worker.alive:  # retired or dead since it sent this
             return
         worker.num_free, worker.running = batch.num_free_blocks, batch.num_running
         worker.last_report = time.monotonic()
         worker.tokens_out += sum(len(out.token_ids) for out in batch.outputs)
-        for request_id in batch.started:
-            request = self.requests.get(request_id)
+        for wire_id in batch.started:
+            request = self._wire.get(wire_id)
             if request is not None:
                 request.timing.setdefault("prefill_start", batch.step_started_at)
         for out in batch.outputs:
             self._on_output(worker, out, batch.step_started_at)
 
     def _on_output(self, worker: WorkerHandle, out: Output, step_started_at: float) -> None:
-        request = self.requests.get(out.request_id)
+        request = self._wire.get(out.request_id)
+        if request is not None and worker.worker_id not in (
+            request.prefill_worker,
+            request.decode_worker,
+        ):
+            request = None  # not the worker running its current attempt
+        cached = 0
         if request is not None and request.awaiting_first:
+            cached = out.cached_tokens if request.retries == 0 else 0
             request.awaiting_first = False
             request.timing.setdefault("first_token", time.monotonic())
             request.timing.setdefault("prefill_start", step_started_at)
@@ -570,29 +646,32 @@ class Supervisor:
         if out.finished:
             request.timing["finished"] = time.monotonic()
             timing = dict(request.timing)
-        chunk = Chunk(out.token_ids, out.text, out.finished, out.finish_reason, timing)
+        chunk = Chunk(
+            out.token_ids, out.text, out.finished, out.finish_reason, timing, cached_tokens=cached
+        )
         if out.finished:
             chunk.handoff_bytes = request.handoff_bytes
         request.stream.put_nowait(chunk)
         if out.handoff_blocks is not None:
-            self._hand_off(PendingHandoff(request, worker.worker_id, out.handoff_blocks))
+            pending = PendingHandoff(request, request.wire_id, worker.worker_id, out.handoff_blocks)
+            self._hand_off(pending)
 
     def _hand_off(self, pending: PendingHandoff) -> None:
         request = pending.request
-        if request.cancelled:
-            self._tell(pending.source, Release(request.request_id))
+        if request.cancelled or pending.wire_id != request.wire_id:  # nobody wants it now
+            self._tell(pending.source, Release(pending.wire_id))
             return
         source = self.workers.get(pending.source)
         if source is None or not source.alive:  # its blocks are gone: prefill again
             self._retry(request, f"prefill worker {pending.source} exited")
             return
         decodes = [w for w in self.workers.values() if w.role == "decode" and w.routable_soon]
-        if not decodes:
-            self._tell(pending.source, Release(request.request_id))
+        if not decodes and not self._may_come_back("decode"):
+            self._tell(pending.source, Release(pending.wire_id))
             request.stream.put_nowait(RequestFailed("no decode worker is running"))
             return
         candidates = [w for w in decodes if w.ready and pending.source in w.peers]
-        if not candidates:  # the decode pool is still being wired to this prefill worker
+        if not candidates:  # decode workers (re)starting or being wired to this prefill worker
             self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, pending)
             return
         needed = blocks_for_tokens(request.submitted_len + 1, self.settings.kv.block_size)
@@ -601,10 +680,10 @@ class Supervisor:
         decode.last_work = time.monotonic()
         request.decode_worker = decode.worker_id
         request.timing["handoff_sent"] = time.monotonic()
-        self._pending[request.request_id] = pending
+        self._pending[pending.wire_id] = pending
         decode.inbox.put(
             Handoff(
-                request.request_id,
+                pending.wire_id,
                 request.prompt + request.output_ids,
                 request.submitted_len,
                 request.attempt_params,
@@ -614,16 +693,21 @@ class Supervisor:
         )
 
     def _on_handoff_result(self, result: HandoffResult) -> None:
-        pending = self._pending.pop(result.request_id, None)
-        if pending is None:
-            return
-        if result.accepted:
-            pending.request.timing["handoff"] = time.monotonic()
-            pending.request.handoff_bytes = result.bytes_moved
-            self._tell(pending.source, Release(result.request_id))
-            if pending.request.cancelled:
+        pending = self._pending.get(result.request_id)
+        request = pending.request if pending is not None else None
+        if request is None or request.decode_worker != result.worker_id:
+            if result.accepted:  # a stale answer (from a worker given up on): undo it
                 self._tell(result.worker_id, Abort(result.request_id))
             return
+        del self._pending[result.request_id]
+        if result.accepted:
+            request.timing["handoff"] = time.monotonic()
+            request.handoff_bytes = result.bytes_moved
+            self._tell(pending.source, Release(result.request_id))
+            if request.cancelled:
+                self._tell(result.worker_id, Abort(result.request_id))
+            return
+        request.decode_worker = -1  # no worker holds it while it waits to be sent again
         self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, pending)
 
     # ------------------------------------------------------------ state
@@ -646,7 +730,9 @@ class Supervisor:
     def capacity_tokens(self) -> int:
         """The longest sequence every worker's KV pool can hold (0 before they are ready)."""
         sizes = [w.num_blocks for w in self.workers.values() if w.alive and w.ready]
-        return min(sizes, default=0) * self.settings.kv.block_size
+        if sizes:
+            self._capacity = min(sizes) * self.settings.kv.block_size
+        return self._capacity  # while every worker restarts: what they held before
 
     def views(self) -> list[WorkerView]:
         """A snapshot of every worker's state and load."""
@@ -778,7 +864,8 @@ class Supervisor:
         """Handoffs sent to a worker that is gone go to another one (or are released)."""
         lost = [p for p in self._pending.values() if p.request.decode_worker == worker_id]
         for pending in lost:
-            del self._pending[pending.request.request_id]
+            del self._pending[pending.wire_id]
+            pending.request.decode_worker = -1
             self._hand_off(pending)
 
     def batch_limits(self, role: str, tuning: Tuning) -> dict[str, int]:

@@ -31,12 +31,13 @@ def make_engine(engine: LLMEngine) -> Callable[..., LLMEngine]:
         chunk_size: int = 512,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 64,
+        prefix_caching: bool = False,
     ) -> LLMEngine:
         cfg = engine.model.config
         layout = KVLayout(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, torch.float32)
         limits = SchedulerLimits(max_num_seqs, max_num_batched_tokens, chunk_size, 8192)
         kv = KVCache(layout, num_blocks, engine.model.device)
-        return LLMEngine(engine.model, engine.tokenizer, kv, limits)
+        return LLMEngine(engine.model, engine.tokenizer, kv, limits, prefix_caching)
 
     return make
 

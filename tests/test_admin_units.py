@@ -223,3 +223,19 @@ def test_decode_workers_get_budget_for_every_sequence() -> None:
     assert decode == {"max_num_seqs": 4096, "max_num_batched_tokens": 4096}
     prefill = supervisor.batch_limits("prefill", tuning)
     assert prefill == {"max_num_batched_tokens": 256, "chunk_size": 128}
+
+
+def test_prompts_go_where_their_prefix_was_prefilled_unless_that_worker_is_far_behind() -> None:
+    from appliance.kv.prefix_cache import prefix_keys
+    from appliance.supervisor import Supervisor, WorkerHandle
+
+    supervisor = Supervisor(load_settings(device="cpu", cpu_devices=2))
+    busy, idle = (WorkerHandle(i, "prefill", i, f"cpu{i}", (i,), None, None) for i in (0, 1))
+    system = list(range(100, 164))  # four 16-token blocks
+    supervisor._remember_prefix(busy, prefix_keys([*system, 1, 2, 3], 16))
+    keys = prefix_keys([*system, 7, 8, 9], 16)
+    busy.queued_tokens = 1000
+    assert supervisor._least_loaded([busy, idle], keys) is busy  # within a step's budget
+    busy.queued_tokens = idle.queued_tokens + supervisor.tuning.prefill_token_budget + 1
+    assert supervisor._least_loaded([busy, idle], keys) is idle  # too far behind
+    assert supervisor._least_loaded([busy, idle], prefix_keys(list(range(64)), 16)) is idle

@@ -42,6 +42,15 @@ def test_long_burst_is_mostly_short_with_one_in_ten_near_2k(engine: LLMEngine) -
     assert again == specs  # the same seed gives every endpoint the same requests
 
 
+def test_shared_prefix_requests_share_their_first_1k_tokens(engine: LLMEngine) -> None:
+    specs = list(itertools.islice(generate("shared-prefix", engine.tokenizer, seed=3), 8))
+    encoded = [engine.tokenizer.encode(s.prompt) for s in specs]
+    assert [len(ids) for ids in encoded] == [s.prompt_tokens for s in specs]
+    assert len({tuple(ids[:1024]) for ids in encoded}) == 1  # one system prompt
+    assert len({tuple(ids[1024:]) for ids in encoded}) == 8  # each its own question
+    assert all(1024 + 32 <= s.prompt_tokens <= 1024 + 64 for s in specs)
+
+
 def test_jsonl_prompts_are_read_and_checked(engine: LLMEngine, tmp_path: Path) -> None:
     good = tmp_path / "p.jsonl"
     good.write_text('{"prompt": "Hello there", "max_tokens": 5}\n\n{"prompt": "Hi"}\n')

@@ -42,6 +42,8 @@ def test_allocate_zero_is_a_no_op() -> None:
     alloc = BlockAllocator(2)
     assert alloc.allocate(0) == []
     assert alloc.num_free == 2
+    alloc.allocate(2)
+    assert alloc.allocate(0) == []  # also with nothing free
     assert_accounting(alloc)
 
 

@@ -16,7 +16,7 @@ TEXT = (
 
 
 def all_free(engine: LLMEngine) -> bool:
-    return engine.kv.allocator.num_free == engine.kv.num_blocks
+    return engine.num_free_blocks == engine.kv.num_blocks
 
 
 def prompt_of(engine: LLMEngine, n: int) -> list[int]:

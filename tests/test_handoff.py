@@ -21,7 +21,7 @@ TEXT = (
 
 
 def all_free(*engines: LLMEngine) -> bool:
-    return all(e.kv.allocator.num_free == e.kv.num_blocks for e in engines)
+    return all(e.num_free_blocks == e.kv.num_blocks for e in engines)
 
 
 def test_copy_blocks_moves_exactly_the_named_blocks() -> None:

@@ -82,7 +82,7 @@ def test_int4_engine_answers(int4_engine: LLMEngine) -> None:
     )
     [c] = int4_engine.generate([prompt], SamplingParams(max_tokens=24))
     assert "Paris" in c.text
-    assert int4_engine.kv.allocator.num_free == int4_engine.kv.num_blocks
+    assert int4_engine.num_free_blocks == int4_engine.kv.num_blocks
 
 
 def test_int4_setting_is_refused_where_it_cannot_run(engine: LLMEngine) -> None:

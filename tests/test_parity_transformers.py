@@ -41,14 +41,14 @@ def test_greedy_batch_matches_transformers(engine: LLMEngine, hf_reference) -> N
     ours = engine.generate(prompts, SamplingParams(max_tokens=32))
     for prompt, completion in zip(prompts, ours, strict=True):
         assert completion.token_ids == hf_greedy(hf_reference, prompt, 32)
-    assert engine.kv.allocator.num_free == engine.kv.num_blocks
+    assert engine.num_free_blocks == engine.kv.num_blocks
 
 
 def test_prefill_logits_match_transformers(engine: LLMEngine, hf_reference) -> None:
     prompts = prompt_ids(engine)
     for prompt, logits in zip(prompts, our_prefill_logits(engine, prompts), strict=True):
         assert (logits - hf_logits(hf_reference, prompt)).abs().max().item() < 1e-3
-    assert engine.kv.allocator.num_free == engine.kv.num_blocks
+    assert engine.num_free_blocks == engine.kv.num_blocks
 
 
 def _random_model_folder(tmp: Path, engine: LLMEngine, config) -> Path:
@@ -148,4 +148,4 @@ def test_random_architectures_match_transformers(
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
         assert completion.token_ids == ref
-    assert ours.kv.allocator.num_free == ours.kv.num_blocks
+    assert ours.num_free_blocks == ours.kv.num_blocks

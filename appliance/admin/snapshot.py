@@ -47,7 +47,7 @@ class SnapshotBuilder:
             devices=self._devices(views, now),
             tuning=supervisor.tuning,
             latency=self.latency.summary(now),
-            requests=[_row(r, now) for r in requests[:MAX_REQUEST_ROWS]],
+            requests=[_row(r, now, appliance.settings.mode) for r in requests[:MAX_REQUEST_ROWS]],
             requests_in_flight=len(requests),
             moves=list(appliance.pools.moves),
             events=list(supervisor.events)[-EVENTS_SHOWN:],
@@ -99,13 +99,13 @@ class SnapshotBuilder:
         return rate.per_s
 
 
-def _row(request: RequestState, now: float) -> RequestRow:
+def _row(request: RequestState, now: float, mode: str) -> RequestRow:
     timing = request.timing
     if "prefill_start" not in timing:
         state = "queued"
     elif "first_token" not in timing:
         state = "prefill"
-    elif request.decode_worker >= 0 and "handoff" not in timing:
+    elif mode == "disaggregated" and "handoff" not in timing:
         state = "handoff"
     else:
         state = "decode"

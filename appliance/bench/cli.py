@@ -62,7 +62,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--workload", default="long-burst", choices=["fixed", "chat", "long-burst", "jsonl"]
+        "--workload",
+        default="long-burst",
+        choices=["fixed", "chat", "long-burst", "shared-prefix", "jsonl"],
     )
     parser.add_argument("--jsonl", type=Path, help="prompts file for --workload jsonl")
     parser.add_argument("--input-len", type=int, default=128, help="fixed workload prompt")

@@ -83,6 +83,19 @@ def long_prompt_burst(maker: PromptMaker, rng: random.Random) -> RequestSpec:
     return RequestSpec(maker.make(prompt, rng), prompt, output)
 
 
+SHARED_PREFIX_TOKENS = 1024
+
+
+def shared_prefix(maker: PromptMaker, rng: random.Random) -> Iterator[RequestSpec]:
+    """One 1k-token system prompt (drawn once) before every request's own 32-64 token
+    question; answers 32-64 tokens. With prefix caching only the question is prefilled."""
+    prefix = maker.make(SHARED_PREFIX_TOKENS, rng)
+    while True:
+        question = rng.randint(32, 64)
+        prompt = prefix + maker.make(question, rng)
+        yield RequestSpec(prompt, SHARED_PREFIX_TOKENS + question, rng.randint(32, 64))
+
+
 WORKLOADS: MappingProxyType[str, Callable[[PromptMaker, random.Random], RequestSpec]] = (
     MappingProxyType({"chat": chat_mix, "long-burst": long_prompt_burst})
 )
@@ -96,7 +109,8 @@ def generate(
     output_len: int = 64,
     jsonl: Path | None = None,
 ) -> Iterator[RequestSpec]:
-    """An endless stream of requests of workload `name` (fixed, chat, long-burst, jsonl)."""
+    """An endless stream of requests of workload `name` (fixed, chat, long-burst,
+    shared-prefix, jsonl)."""
     rng = random.Random(seed)
     if name == "jsonl":
         if jsonl is None:
@@ -105,8 +119,12 @@ def generate(
     maker = PromptMaker(tokenizer)
     if name == "fixed":
         return (fixed(maker, rng, input_len, output_len) for _ in itertools.repeat(None))
+    if name == "shared-prefix":
+        return shared_prefix(maker, rng)
     if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose fixed, chat, long-burst or jsonl")
+        raise ValueError(
+            f"unknown workload {name!r}; choose fixed, chat, long-burst, shared-prefix or jsonl"
+        )
     pick = WORKLOADS[name]
     return (pick(maker, rng) for _ in itertools.repeat(None))
 

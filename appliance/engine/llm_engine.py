@@ -94,6 +94,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     handoff_blocks: list[int] | None = None  # a parked prefill's blocks, to pull then release
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 @dataclass
@@ -117,12 +118,17 @@ class LLMEngine:
     """Scheduler + model runner + detokenization for one pool of KV blocks."""
 
     def __init__(
-        self, model: CausalLM, tokenizer: Tokenizer, kv: KVCache, limits: SchedulerLimits
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        kv: KVCache,
+        limits: SchedulerLimits,
+        prefix_caching: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.kv = kv
-        self.scheduler = Scheduler(kv.allocator, kv.block_size, limits)
+        self.scheduler = Scheduler(kv.allocator, kv.block_size, limits, prefix_caching)
         self.runner = ModelRunner(model, kv, Sampler(model.device))
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
@@ -155,7 +161,7 @@ class LLMEngine:
             chunk_size=settings.batch.chunk_size,
             max_model_len=max_len,
         )
-        return cls(model, tokenizer, kv, limits)
+        return cls(model, tokenizer, kv, limits, settings.kv.prefix_caching)
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False
@@ -201,13 +207,25 @@ class LLMEngine:
         if not self.scheduler.admit_prefilled(seq):
             return None
         needed = blocks_for_tokens(num_prompt_tokens, self.kv.block_size)
-        copy_blocks(source, source_blocks[:needed], self.kv.tensor, seq.block_table[:needed])
+        have = seq.num_cached_tokens // self.kv.block_size  # cached here already
+        copy_blocks(
+            source, source_blocks[have:needed], self.kv.tensor, seq.block_table[have:needed]
+        )
         self._track(seq)
         stream = self._streams[seq.seq_id]
         # The prefill side already streamed the first token: prime the text state only.
         stream.stops.feed(stream.detokenizer.add(token_ids[-1]))
         stream.sent_tokens = len(seq.output_ids)
         return seq.seq_id
+
+    def cached_tokens(self, seq_id: int) -> int:
+        """Prompt tokens of a running request that its pool's prefix cache supplied."""
+        return self._seqs[seq_id].num_cached_tokens
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks no running request holds (cached ones included: they are reclaimable)."""
+        return self.scheduler.blocks.num_free
 
     def release(self, seq_id: int) -> None:
         """Free a parked prefill's blocks once a decode worker has copied them."""
@@ -263,6 +281,7 @@ class LLMEngine:
             seq.num_prompt_tokens,
             len(seq.output_ids),
             list(seq.block_table) if parked else None,
+            seq.num_cached_tokens,
         )
 
     def _forget(self, seq_id: int) -> None:

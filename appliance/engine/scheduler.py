@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from appliance.engine.sequence import Sequence, SequenceStatus
 from appliance.kv.block_allocator import BlockAllocator, blocks_for_tokens
+from appliance.kv.prefix_cache import PrefixCache
 
 
 @dataclass(eq=False)
@@ -67,8 +68,15 @@ class SchedulerLimits:
 class Scheduler:
     """Decides which tokens of which sequences run in each model step."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int, limits: SchedulerLimits) -> None:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        limits: SchedulerLimits,
+        prefix_caching: bool = False,
+    ) -> None:
         self.allocator = allocator
+        self.blocks = PrefixCache(allocator, block_size, prefix_caching)
         self.block_size = block_size
         self.limits = limits
         # A sequence can never outgrow the pool: past that it would preempt itself forever.
@@ -120,8 +128,11 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
+            self._reuse_cached_prefix(seq)
             want = min(seq.num_uncomputed, budget, self.limits.chunk_size)
             if not self._reserve(seq, want):
+                self._release(seq)  # the cached prefix too: it waits with nothing held
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -129,15 +140,34 @@ class Scheduler:
             (out.decodes if want == 1 else out.prefills).append(ScheduledChunk(seq, want))
             budget -= want
 
+    def _reuse_cached_prefix(self, seq: Sequence) -> None:
+        """Start a sequence that holds no blocks on the cached blocks of its prefix. The
+        block with its last token is always computed: its logits pick the next token."""
+        if seq.block_table:
+            return
+        blocks, keys = self.blocks.match(seq.token_ids, (len(seq) - 1) // self.block_size)
+        seq.block_table, seq.block_keys = blocks, keys
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        if not seq.output_ids:  # its first schedule (a preempted one may match again)
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Blocks the last step filled join the prefix cache."""
+        size = self.block_size
+        for i in range(len(seq.block_keys), seq.num_computed_tokens // size):
+            previous = seq.block_keys[-1] if seq.block_keys else None
+            tokens = seq.token_ids[i * size : (i + 1) * size]
+            seq.block_keys.append(self.blocks.register(seq.block_table[i], previous, tokens))
+
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make seq's block table cover num_tokens more tokens, if the pool allows."""
         needed = blocks_for_tokens(seq.num_computed_tokens + num_tokens, self.block_size)
         extra = needed - len(seq.block_table)
         if extra <= 0:
             return True
-        if not self.allocator.can_allocate(extra):
+        if not self.blocks.can_allocate(extra):
             return False
-        seq.block_table.extend(self.allocator.allocate(extra))
+        seq.block_table.extend(self.blocks.allocate(extra))
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -149,8 +179,9 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_table)
+        self.blocks.free(seq.block_table)
         seq.block_table = []
+        seq.block_keys = []
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[int, int], now: float = 0.0
@@ -165,6 +196,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += chunk.num_tokens
+            if self.blocks.enabled:
+                self._cache_full_blocks(seq)
             if seq.seq_id not in sampled:
                 continue
             seq.token_ids.append(sampled[seq.seq_id])
@@ -199,11 +232,18 @@ class Scheduler:
     def admit_prefilled(self, seq: Sequence) -> bool:
         """Take a sequence whose prompt K/V another pool computed: allocate blocks for the
         computed tokens (the caller copies the K/V in) and run it. False if there is no room."""
-        needed = blocks_for_tokens(seq.num_computed_tokens + 1, self.block_size)
         room = len(self.running) < self.limits.max_num_seqs
-        if not room or not self.allocator.can_allocate(needed) or len(seq) >= self.max_model_len:
+        if not room or len(seq) >= self.max_model_len:
             return False
-        seq.block_table = self.allocator.allocate(needed)
+        # Prompt blocks this pool has cached need no copy: only the rest are pulled.
+        cached, keys = self.blocks.match(seq.token_ids, seq.num_computed_tokens // self.block_size)
+        needed = blocks_for_tokens(seq.num_computed_tokens + 1, self.block_size) - len(cached)
+        if not self.blocks.can_allocate(needed):
+            self.blocks.free(cached)
+            return False
+        seq.block_table = cached + self.blocks.allocate(needed)
+        seq.block_keys = keys
+        seq.num_cached_tokens = len(cached) * self.block_size
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return True

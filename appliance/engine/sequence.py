@@ -65,6 +65,8 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)
+    block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks
+    num_cached_tokens: int = 0  # prompt tokens its first schedule found in the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort" or "handoff"
     prefill_only: bool = False  # park after the first token instead of decoding

@@ -39,6 +39,8 @@ class BlockAllocator:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free):
             raise OutOfBlocks(f"asked for {n} KV blocks, {len(self._free)} free")
+        if n == 0:
+            return []
         start = self._first_run(n)
         ids = self._free[start : start + n]
         del self._free[start : start + n]

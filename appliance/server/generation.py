@@ -43,7 +43,9 @@ async def observed(
                 now = time.monotonic()
                 if num_tokens == 0:
                     first = now
-                    metrics.observe_first_token(now - arrival, len(choice.prompt_ids))
+                    metrics.observe_first_token(
+                        now - arrival, len(choice.prompt_ids), chunk.cached_tokens
+                    )
                 else:
                     metrics.itl.observe(now - last)
                 last = now

@@ -67,6 +67,10 @@ class Metrics:
             "appliance_handoff_bytes", "KV bytes copied from the prefill to the decode pool."
         )
         self.prompt_tokens = counter("appliance_prompt_tokens", "Prompt tokens prefilled.")
+        self.cached_prompt_tokens = counter(
+            "appliance_prompt_tokens_cached",
+            "Prompt tokens served from the prefix cache instead of being prefilled.",
+        )
         self.generation_tokens = counter(
             "appliance_generation_tokens", "Tokens generated (prefill's first and decoded)."
         )
@@ -82,9 +86,10 @@ class Metrics:
         )
         registry.register(PoolCollector(supervisor))
 
-    def observe_first_token(self, seconds: float, prompt_tokens: int) -> None:
+    def observe_first_token(self, seconds: float, prompt_tokens: int, cached: int = 0) -> None:
         self.ttft.observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached)
 
     def observe_finished(
         self, chunk: Chunk, num_tokens: int, arrival: float, first: float, last: float

@@ -29,15 +29,27 @@ async def whole(
     """Every choice run to its end, as one OpenAI response body."""
     texts = [""] * len(choices)
     reasons: list[str | None] = [None] * len(choices)
+    cached = [0] * len(choices)
     generated = 0
     async with aclosing(run_choices(state.appliance.supervisor, choices, state.metrics)) as chunks:
         async for index, chunk in chunks:
             texts[index] += chunk.text
             generated += len(chunk.token_ids)
+            cached[index] = max(cached[index], chunk.cached_tokens)
             if chunk.finished:
                 reasons[index] = chunk.finish_reason
     body = [envelope.shape.choice(i, texts[i], reasons[i]) for i in range(len(choices))]
-    return envelope.whole(body, usage(prompt_tokens, generated))
+    return envelope.whole(body, usage(prompt_tokens, generated, cached_prompt(choices, cached)))
+
+
+def cached_prompt(choices: list[Choice], cached: list[int]) -> int:
+    """Prompt tokens served from the prefix cache, counted once per prompt as
+    prompt_tokens is (n choices of one prompt count it once)."""
+    per_prompt: dict[tuple[int, ...], int] = {}
+    for choice, tokens in zip(choices, cached, strict=True):
+        key = tuple(choice.prompt_ids)
+        per_prompt[key] = max(per_prompt.get(key, 0), tokens)
+    return sum(per_prompt.values())
 
 
 def streamed(
@@ -66,6 +78,7 @@ async def _events(
         return _json(envelope.chunk([choice], None, include_usage))
 
     generated = 0
+    cached = [0] * len(choices)
     try:
         for c in choices:
             opening = envelope.shape.opening(c.index)
@@ -75,10 +88,12 @@ async def _events(
         async with aclosing(run_choices(supervisor, choices, state.metrics)) as chunks:
             async for index, piece in chunks:
                 generated += len(piece.token_ids)
+                cached[index] = max(cached[index], piece.cached_tokens)
                 if piece.text or piece.finished:
                     yield chunk(envelope.shape.delta(index, piece.text, piece.finish_reason))
         if include_usage:
-            yield _json(envelope.chunk([], usage(prompt_tokens, generated), True))
+            total = usage(prompt_tokens, generated, cached_prompt(choices, cached))
+            yield _json(envelope.chunk([], total, True))
     except RequestFailed as exc:
         yield _json(APIError(503, f"generation failed: {exc}").body())
     except Exception as exc:  # a bug: still end the stream properly, and say what broke

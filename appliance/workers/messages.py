@@ -136,6 +136,7 @@ class Output:
     finished: bool
     finish_reason: str | None
     handoff_blocks: list[int] | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
 
 @dataclass
@@ -146,6 +147,14 @@ class HandoffResult:
     request_id: int
     accepted: bool
     bytes_moved: int = 0
+
+
+@dataclass
+class LeaseExpired:
+    """A parked prefill's blocks were freed: no decode worker pulled them in time."""
+
+    worker_id: int
+    request_id: int
 
 
 @dataclass

@@ -26,6 +26,7 @@ from appliance.workers.messages import (
     Failed,
     Handoff,
     HandoffResult,
+    LeaseExpired,
     Output,
     PeerDropped,
     PeerPool,
@@ -75,7 +76,10 @@ def run_worker(
         elif handled:
             report(state, [], 0.0)  # block counts changed (release, abort): say so
         for engine_id in engine.expire_leases(LEASE_S):
-            state.to_request.pop(engine_id, None)
+            request_id = state.to_request.pop(engine_id, None)
+            if request_id is not None:
+                state.to_engine.pop(request_id, None)
+                outbox.put(LeaseExpired(worker_id, request_id))
 
 
 def use_device(settings: Settings, device: Device) -> Settings:
@@ -167,6 +171,7 @@ def take_handoff(state: WorkerState, message: Handoff) -> None:
         state.to_engine[message.request_id] = engine_id
         state.to_request[engine_id] = message.request_id
         blocks = blocks_for_tokens(message.num_prompt_tokens, engine.kv.block_size)
+        blocks -= engine.cached_tokens(engine_id) // engine.kv.block_size  # not copied
         moved = blocks * engine.kv.layout.bytes_per_block()
     state.outbox.put(HandoffResult(state.worker_id, message.request_id, accepted, moved))
 
@@ -175,7 +180,7 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
     """One message per step: the tokens made, the requests it started, this worker's load."""
     batch = TokenBatch(
         state.worker_id,
-        num_free_blocks=state.engine.kv.allocator.num_free,
+        num_free_blocks=state.engine.num_free_blocks,
         num_running=len(state.engine.scheduler.running),
         started=newly_started(state),
         step_started_at=started_at,
@@ -195,6 +200,7 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
                 out.finished,
                 out.finish_reason,
                 out.handoff_blocks,
+                out.cached_tokens,
             )
         )
     state.outbox.put(batch)

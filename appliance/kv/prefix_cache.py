@@ -1,0 +1,142 @@
+"""Prefix caching over one paged KV pool: full blocks addressed by their content.
+
+A block's key is the hash of its token ids chained with the previous block's key, so two
+sequences whose first k blocks have the same keys share the same first k * block_size
+tokens and can share those blocks' K/V. Blocks in use are reference-counted; a cached
+block nobody uses stays cached until the pool needs room (least recently used first).
+A block in use is never evicted, so eviction cannot touch a running sequence.
+
+Pure Python over a BlockAllocator, with the allocator's interface (num_free,
+can_allocate, allocate, free): `num_free` counts the cached blocks nobody uses, since
+they are handed out when needed. Disabled, it is the allocator and nothing more.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from appliance.kv.block_allocator import BlockAllocator, OutOfBlocks
+
+BlockKey = int
+
+
+def block_key(previous: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
+    """The key of a full block of `tokens` after the prefix keyed `previous`. Python hashes
+    ints and tuples the same in every process, so the supervisor can compute the keys a
+    worker's cache uses."""
+    return hash((previous, tuple(tokens)))
+
+
+def prefix_keys(token_ids: Sequence[int], block_size: int) -> list[BlockKey]:
+    """The keys of every full block of `token_ids`, in order."""
+    keys: list[BlockKey] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        keys.append(block_key(keys[-1] if keys else None, token_ids[start : start + block_size]))
+    return keys
+
+
+class PrefixCache:
+    def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.enabled = enabled
+        self._block_of: dict[BlockKey, int] = {}
+        self._content: dict[int, tuple[BlockKey, tuple[int, ...]]] = {}  # block -> key, tokens
+        self._refs: dict[int, int] = {}  # cached block -> sequences using it
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached, unused, LRU first
+        self.hit_tokens = 0  # prompt tokens served from the cache, since start
+
+    # ------------------------------------------------------------ the allocator's interface
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a sequence can get now: never used, or cached and unused."""
+        return self.allocator.num_free + len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._content)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        """n blocks, all or nothing: free ones first, then evicted cached ones (LRU)."""
+        if n > self.num_free:
+            raise OutOfBlocks(f"asked for {n} KV blocks, {self.num_free} free")
+        fresh = min(n, self.allocator.num_free)
+        blocks = self.allocator.allocate(fresh)
+        while len(blocks) < n:
+            block, _ = self._idle.popitem(last=False)
+            self._forget(block)
+            blocks.append(block)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """A sequence lets go of its blocks: cached ones stay cached, others are freed."""
+        plain = []
+        for block in blocks:
+            refs = self._refs.get(block)
+            if refs is None:
+                plain.append(block)
+            elif refs == 1:
+                self._refs[block] = 0
+                self._idle[block] = None
+            else:
+                assert refs > 1, f"block {block} freed more often than it was used"
+                self._refs[block] = refs - 1
+        if plain:
+            self.allocator.free(plain)
+
+    # ------------------------------------------------------------ the cache
+
+    def match(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[int]]:
+        """The cached blocks holding the longest prefix of `token_ids` (at most
+        `max_blocks` full blocks), each now used once more; and their keys."""
+        blocks: list[int] = []
+        keys: list[BlockKey] = []
+        if not self.enabled:
+            return blocks, keys
+        size = self.block_size
+        previous = None
+        for i in range(max_blocks):
+            tokens = tuple(token_ids[i * size : (i + 1) * size])
+            if len(tokens) < size:
+                break
+            key = block_key(previous, tokens)
+            block = self._block_of.get(key)
+            if block is None or self._content[block][1] != tokens:  # a hash collision
+                break
+            self._use(block)
+            blocks.append(block)
+            keys.append(key)
+            previous = key
+        self.hit_tokens += len(blocks) * size
+        return blocks, keys
+
+    def register(self, block: int, previous: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
+        """Block `block` now holds the K/V of a full block of `tokens` after the prefix
+        keyed `previous`: cache it (unless the same content is cached already) and return
+        its key. The sequence that computed it keeps using it."""
+        key = block_key(previous, tokens)
+        if not self.enabled or key in self._block_of or block in self._content:
+            return key
+        self._block_of[key] = block
+        self._content[block] = (key, tuple(tokens))
+        self._refs[block] = 1
+        return key
+
+    def _use(self, block: int) -> None:
+        if self._refs[block] == 0:
+            del self._idle[block]
+        self._refs[block] += 1
+
+    def _forget(self, block: int) -> None:
+        key, _ = self._content.pop(block)
+        del self._block_of[key]
+        del self._refs[block]

@@ -1,0 +1,68 @@
+"""Worker -> supervisor messages: one pipe per worker, read by one supervisor thread.
+
+Not one queue shared by all workers: a worker killed (SIGKILL, out of memory) while it
+held a shared queue's write lock would leave the lock taken and silence every other
+worker. A pipe has one writer; a dead writer only ends its own pipe (EOF).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+WAKE_EVERY_S = 0.2  # how soon a newly added pipe is read
+
+
+class Outbox:
+    """The worker's end: `put` sends one message."""
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+
+    def put(self, message: Any) -> None:
+        self._connection.send(message)
+
+
+class OutboxReader:
+    """Reads every worker's pipe on a thread and hands each message to `deliver`."""
+
+    def __init__(self, deliver: Callable[[Any], None]) -> None:
+        self._deliver = deliver
+        self._pipes: dict[int, Connection] = {}  # worker id -> the reading end
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def add(self, worker_id: int, connection: Connection) -> None:
+        with self._lock:
+            self._pipes[worker_id] = connection
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=2 * WAKE_EVERY_S + 1)
+        with self._lock:
+            for connection in self._pipes.values():
+                connection.close()
+            self._pipes.clear()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                pipes = {c: w for w, c in self._pipes.items()}
+            for connection in wait(list(pipes), timeout=WAKE_EVERY_S):
+                self._read(pipes[connection], connection)
+
+    def _read(self, worker_id: int, connection: Connection) -> None:
+        try:
+            message = connection.recv()
+        except (EOFError, OSError):  # the worker exited: its pipe is done
+            with self._lock:
+                self._pipes.pop(worker_id, None)
+            connection.close()
+            return
+        self._deliver(message)

@@ -1,0 +1,102 @@
+"""PrefixCache on plain data: chained keys, sharing with reference counts, LRU eviction
+that never takes a block in use, and exact accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.kv.block_allocator import BlockAllocator, OutOfBlocks
+from appliance.kv.prefix_cache import PrefixCache
+
+SIZE = 4
+
+
+def cache_with(num_blocks: int = 8, enabled: bool = True) -> PrefixCache:
+    return PrefixCache(BlockAllocator(num_blocks), SIZE, enabled)
+
+
+def compute(cache: PrefixCache, tokens: list[int]) -> tuple[list[int], list[int]]:
+    """A sequence that computed `tokens` from scratch: its blocks, with full ones cached."""
+    blocks = cache.allocate(-(-len(tokens) // SIZE))
+    keys: list[int] = []
+    for i in range(len(tokens) // SIZE):
+        keys.append(
+            cache.register(blocks[i], keys[-1] if keys else None, tokens[i * SIZE :][:SIZE])
+        )
+    return blocks, keys
+
+
+def test_a_shared_prefix_is_found_block_by_block() -> None:
+    cache = cache_with()
+    prompt = list(range(10))  # two full blocks and two tokens
+    blocks, keys = compute(cache, prompt)
+    hit, hit_keys = cache.match([*prompt[:8], 99, 98, 97, 96], max_blocks=3)
+    assert hit == blocks[:2] and hit_keys == keys
+    assert cache.hit_tokens == 8
+
+
+def test_keys_chain_so_equal_blocks_after_different_prefixes_do_not_match() -> None:
+    cache = cache_with()
+    compute(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert cache.match([9, 9, 9, 9, 5, 6, 7, 8], max_blocks=2) == ([], [])
+
+
+def test_max_blocks_caps_the_match() -> None:
+    cache = cache_with()
+    prompt = list(range(8))
+    blocks, _ = compute(cache, prompt)
+    assert cache.match(prompt, max_blocks=1)[0] == blocks[:1]
+
+
+def test_blocks_in_use_are_never_evicted_and_idle_ones_go_lru_first() -> None:
+    cache = cache_with(num_blocks=4)
+    a_blocks, _ = compute(cache, [1, 1, 1, 1])
+    b_blocks, _ = compute(cache, [2, 2, 2, 2])
+    cache.free(a_blocks)  # idle first: evicted first
+    cache.free(b_blocks)
+    held, _ = cache.match([2, 2, 2, 2], max_blocks=1)  # b in use again
+    assert cache.num_free == 3  # two never used + a's idle block
+    taken = cache.allocate(3)
+    assert a_blocks[0] in taken and b_blocks[0] not in taken
+    assert cache.match([1, 1, 1, 1], max_blocks=1) == ([], [])  # a was evicted
+    with pytest.raises(OutOfBlocks):
+        cache.allocate(1)  # b is held: nothing left to evict
+    cache.free(held)
+    assert cache.allocate(1) == b_blocks
+
+
+def test_references_count_every_user() -> None:
+    cache = cache_with(num_blocks=2)
+    blocks, _ = compute(cache, [5, 6, 7, 8])
+    again, _ = cache.match([5, 6, 7, 8], max_blocks=1)
+    assert again == blocks
+    cache.free(blocks)  # the first user leaves; the second still uses it
+    assert cache.num_free == 1
+    cache.free(again)
+    assert cache.num_free == 2 and cache.num_cached == 1
+
+
+def test_the_same_content_computed_twice_is_cached_once() -> None:
+    cache = cache_with()
+    first, keys = compute(cache, [1, 2, 3, 4])
+    second, second_keys = compute(cache, [1, 2, 3, 4])
+    assert keys == second_keys and first != second
+    cache.free(second)  # not cached: back to the free list at once
+    assert cache.num_free == 7 and cache.num_cached == 1
+
+
+def test_accounting_returns_to_all_free() -> None:
+    cache = cache_with(num_blocks=6)
+    for start in (0, 0, 3, 8):
+        blocks, _ = compute(cache, list(range(start, start + 9)))
+        cache.free(blocks)
+    assert cache.num_free == 6
+    assert cache.allocator.num_used == cache.num_cached  # the rest sits idle in the cache
+
+
+def test_disabled_it_is_the_allocator() -> None:
+    cache = cache_with(enabled=False)
+    blocks, _ = compute(cache, [1, 2, 3, 4])
+    assert cache.match([1, 2, 3, 4], max_blocks=1) == ([], []) and cache.num_cached == 0
+    cache.free(blocks)
+    assert cache.allocator.num_free == 8
