@@ -66,7 +66,12 @@ def test_streamed_chat_equals_whole_chat_for_a_seed(client: OpenAI) -> None:
     text = whole.choices[0].message.content
     assert text and "".join(pieces) == text
     assert reasons == [whole.choices[0].finish_reason]
-    assert usage is not None and usage.model_dump() == whole.usage.model_dump()
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert usage is not None
+    assert [getattr(usage, c) for c in counts] == [getattr(whole.usage, c) for c in counts]
+    # The same prompt again: its full blocks come from the prefix cache the second time.
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached == (usage.prompt_tokens - 1) // 16 * 16
 
 
 def test_usage_counts_are_the_tokenizers(client: OpenAI, tokenizer: Tokenizer) -> None:
@@ -156,3 +161,25 @@ def test_readme_curl_example_streams(server: ServerProcess) -> None:
         for line in lines[:-1]
         if json.loads(line[6:])["choices"]
     )
+
+
+def test_a_repeated_system_prompt_is_reported_as_cached(client: OpenAI) -> None:
+    """Prefix caching is on by default: the second chat with the same long system prompt
+    gets its full blocks from the prefill worker's cache, and says so in usage."""
+    system = {
+        "role": "system",
+        "content": "You answer in one short sentence. " * 12 + "Be kind.",
+    }
+    answers = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[system, {"role": "user", "content": question}],
+            max_tokens=4,
+            temperature=0,
+        )
+        for question in ("Name a fruit.", "Name a colour.")
+    ]
+    first, second = (a.usage for a in answers)
+    assert first.prompt_tokens_details.cached_tokens == 0
+    cached = second.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and cached % 16 == 0 and cached < second.prompt_tokens
