@@ -14,7 +14,13 @@ from reference import our_prefill_logits
 from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine, use_int4
 from appliance.engine.sequence import SamplingParams
-from appliance.model.int4 import INT4_MAX_ROWS, Int4Linear, dequantize_int4, split_q4_blocks
+from appliance.model.int4 import (
+    INT4_MAX_ROWS,
+    Int4Linear,
+    Int4Switch,
+    dequantize_int4,
+    split_q4_blocks,
+)
 from appliance.model.loader import ModelFiles
 
 
@@ -37,7 +43,7 @@ def make_linear(dtype: torch.dtype) -> tuple[Int4Linear, torch.Tensor]:
     weight = dequantize_int4(q, scale, zero)
     dense = torch.nn.Linear(64, 96, bias=True).to(dtype)
     dense.weight.data = weight.to(dtype)
-    return Int4Linear(dense, q, scale, zero), weight
+    return Int4Linear(dense, q, scale, zero, Int4Switch()), weight
 
 
 @pytest.mark.parametrize("rows", [1, 3, INT4_MAX_ROWS])
@@ -54,6 +60,36 @@ def test_many_rows_take_the_dense_weight() -> None:
     layer, _ = make_linear(torch.bfloat16)
     x = torch.randn(INT4_MAX_ROWS + 1, 64, dtype=torch.bfloat16)
     assert torch.equal(layer(x), layer.dense(x))
+
+
+def test_switched_off_few_rows_take_the_dense_weight_too() -> None:
+    layer, _ = make_linear(torch.bfloat16)
+    layer.switch.on = False  # a prefill step
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), layer.dense(x))
+
+
+def test_a_prompt_prefilled_in_pieces_answers_as_prefilled_whole(int4_engine: LLMEngine) -> None:
+    """Its last piece is a few rows: they must not take the 4-bit weights, or the first
+    token depends on chunking (and on what the prefix cache held)."""
+    from appliance.engine.scheduler import SchedulerLimits
+
+    tok = int4_engine.tokenizer
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    params = SamplingParams(max_tokens=8)
+    whole = int4_engine.generate([prompt], params)[0].token_ids
+    limits = int4_engine.scheduler.limits
+    int4_engine.scheduler.limits = SchedulerLimits(
+        limits.max_num_seqs, 32, 32, limits.max_model_len
+    )
+    try:
+        pieces = int4_engine.generate([prompt], params)[0].token_ids
+    finally:
+        int4_engine.scheduler.limits = limits
+    assert len(prompt) % 32 <= INT4_MAX_ROWS  # the last piece is a few rows
+    assert pieces == whole
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,8 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> dict[int, int]:
         """Compute the step; return {seq_id: next token} for sequences whose chunk completed."""
         inputs = self.prepare(out)
+        if self.model.int4_switch is not None:
+            self.model.int4_switch.on = not out.prefills
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv.tensor)
         if not inputs.sample_requests:
             return {}

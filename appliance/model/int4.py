@@ -34,14 +34,30 @@ def split_q4_blocks(raw: np.ndarray, q4_1: bool) -> tuple[np.ndarray, np.ndarray
     return q, d, zero
 
 
+class Int4Switch:
+    """Whether this step may use the 4-bit weights: decode steps only. A prefill that
+    ended on a few rows (the tail of a chunked or prefix-cached prompt) would otherwise
+    compute its last rows with slightly different weights than the same prompt prefilled
+    whole, and greedy outputs would depend on chunking and on what the cache held."""
+
+    def __init__(self) -> None:
+        self.on = True
+
+
 class Int4Linear(nn.Module):
-    """A projection with both a dense weight and its 4-bit form; few rows use 4 bits."""
+    """A projection with both a dense weight and its 4-bit form; few decode rows use 4 bits."""
 
     def __init__(
-        self, dense: nn.Linear, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+        self,
+        dense: nn.Linear,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        switch: Int4Switch,
     ) -> None:
         super().__init__()
         self.dense = dense
+        self.switch = switch
         dtype = dense.weight.dtype
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # [in / 32, out, 2]: the kernel's per-group (scale, zero) layout
@@ -49,7 +65,7 @@ class Int4Linear(nn.Module):
         self.scales_zeros = self.scales_zeros.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > INT4_MAX_ROWS:
+        if x.shape[0] > INT4_MAX_ROWS or not self.switch.on:
             return self.dense(x)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.contiguous(), self.packed, GROUP, self.scales_zeros
@@ -67,7 +83,9 @@ _FUSED = {
 
 
 def attach_int4(model: nn.Module, int4: dict[str, torch.Tensor]) -> int:
-    """Give every projection whose parts are all 4-bit an Int4Linear; returns how many."""
+    """Give every projection whose parts are all 4-bit an Int4Linear, all under one
+    `model.int4_switch`; returns how many."""
+    switch = model.int4_switch = Int4Switch()
     attached = 0
     for index, layer in enumerate(model.layers):
         for fused, parts in _FUSED.items():
@@ -79,7 +97,7 @@ def attach_int4(model: nn.Module, int4: dict[str, torch.Tensor]) -> int:
             )
             owner, attr = fused.split(".")
             module = getattr(layer, owner)
-            setattr(module, attr, Int4Linear(getattr(module, attr), q, scale, zero))
+            setattr(module, attr, Int4Linear(getattr(module, attr), q, scale, zero, switch))
             attached += 1
     return attached
 

@@ -92,6 +92,7 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.max_positions = max_positions
+        self.int4_switch = None  # set when 4-bit weights are attached (model/int4.py)
         # An explicit (empty) weight skips normal_ init, which on meta tensors imports
         # torch's compiler stack and costs a second at every start.
         embedding = torch.empty(config.vocab_size, config.hidden_size)
