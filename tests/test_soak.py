@@ -3,10 +3,11 @@ mid-stream and malformed requests, 8 at a time. It reports the memory and open f
 descriptors of the server and its workers at the start and end; growth must stay within
 stated bounds.
 
-Memory is bounded by USS, each process's private memory. RSS also counts the pages of
-the prefill pool's shared KV tensor that the decode worker has read so far, which grows
-(up to the pool's size, here 128 MiB) as the prefix cache spreads requests over more
-blocks: that is the pool being used, not a leak. Both are reported."""
+Memory is bounded by the sum of PSS over the processes: a shared page counts once, split
+among the processes that map it. RSS counts it in every process: it grows (up to the
+pool's size, here 128 MiB) as the decode worker reads more of the prefill pool's shared
+KV tensor, which the prefix cache spreads requests over; that is the pool being used,
+not a leak. Both are reported."""
 
 from __future__ import annotations
 
@@ -20,19 +21,19 @@ from appliance.model.loader import model_name
 
 REQUESTS = 240
 CONCURRENCY = 8
-USS_BOUND = 64 * 2**20  # bytes, all processes together
+PSS_BOUND = 64 * 2**20  # bytes, all processes together
 FD_BOUND = 8
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def footprint(pid: int) -> tuple[int, int, int]:
-    """(RSS bytes, USS bytes, open fds) of the server and every process under it."""
+    """(RSS bytes, PSS bytes, open fds) of the server and every process under it."""
     root = psutil.Process(pid)
     processes = [root, *root.children(recursive=True)]
     memory = [p.memory_full_info() for p in processes]
     return (
         sum(m.rss for m in memory),
-        sum(m.uss for m in memory),
+        sum(m.pss for m in memory),
         sum(p.num_fds() for p in processes),
     )
 
@@ -75,22 +76,22 @@ async def soak(url: str) -> list[str]:
 
 def test_soak_keeps_memory_and_descriptors_flat(server: ServerProcess) -> None:
     asyncio.run(soak_warmup(server.url))
-    rss_start, uss_start, fds_start = footprint(server.process.pid)
+    rss_start, pss_start, fds_start = footprint(server.process.pid)
     outcomes = asyncio.run(soak(server.url))
-    rss_end, uss_end, fds_end = footprint(server.process.pid)
+    rss_end, pss_end, fds_end = footprint(server.process.pid)
     mib = 2**20
     print(
         f"\n| soak ({REQUESTS} requests) | start | end | growth | bound |\n"
         f"|---|---|---|---|---|\n"
-        f"| USS, MiB | {uss_start / mib:.0f} | {uss_end / mib:.0f} | "
-        f"{(uss_end - uss_start) / mib:+.1f} | {USS_BOUND / mib:.0f} |\n"
+        f"| PSS, MiB | {pss_start / mib:.0f} | {pss_end / mib:.0f} | "
+        f"{(pss_end - pss_start) / mib:+.1f} | {PSS_BOUND / mib:.0f} |\n"
         f"| RSS, MiB | {rss_start / mib:.0f} | {rss_end / mib:.0f} | "
         f"{(rss_end - rss_start) / mib:+.1f} | - |\n"
         f"| open fds | {fds_start} | {fds_end} | {fds_end - fds_start:+d} | {FD_BOUND} |"
     )
     counts = {o: outcomes.count(o) for o in set(outcomes)}
     assert counts == {"ok": REQUESTS // 2, "dropped": REQUESTS // 4, "refused": REQUESTS // 4}
-    assert uss_end - uss_start <= USS_BOUND
+    assert pss_end - pss_start <= PSS_BOUND
     assert fds_end - fds_start <= FD_BOUND
     assert httpx.get(server.url + "/health").json()["generations_admitted"] == 0
 
