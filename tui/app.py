@@ -214,11 +214,7 @@ class ConsoleApp(App[None]):
 
     def action_tune(self) -> None:
         """Open the tuning form on the current values."""
-        if self._client is None:
-            self.notify(NOT_CONNECTED, severity="warning")
-            return
-        if self._snapshot is None:
-            self.notify("No state from the appliance yet.", severity="warning")
+        if not self._ready_to_act():
             return
 
         def applied(tuning: Tuning | None) -> None:
@@ -229,14 +225,20 @@ class ConsoleApp(App[None]):
 
     def action_toggle_admission(self) -> None:
         """Pause admission if open, resume it if paused."""
-        if self._client is None:
-            self.notify(NOT_CONNECTED, severity="warning")
-            return
-        if self._snapshot is None:
-            self.notify("No state from the appliance yet.", severity="warning")
+        if not self._ready_to_act():
             return
         paused = self._snapshot.tuning.admission == "paused"
         self._send_admission("open" if paused else "paused")
+
+    def _ready_to_act(self) -> bool:
+        """Connected with a state to act on; otherwise say why not."""
+        if self._client is None:
+            self.notify(NOT_CONNECTED, severity="warning")
+            return False
+        if self._snapshot is None:
+            self.notify("No state from the appliance yet.", severity="warning")
+            return False
+        return True
 
     def _selected_device_info(self) -> DeviceInfo | None:
         index = self.selected_device
