@@ -430,7 +430,9 @@ class Supervisor:
                 request.stream.put_nowait(RequestFailed(f"no {role} worker is running"))
             return
         token_ids = request.prompt + request.output_ids
-        keys = prefix_keys(token_ids, self.settings.kv.block_size)
+        # Only a prefix cache makes where a prefix went matter: otherwise skip the hashing.
+        caching = self.settings.kv.prefix_caching
+        keys = prefix_keys(token_ids, self.settings.kv.block_size) if caching else []
         if self.tuning.routing == "round_robin":
             worker = candidates[next(self._turns) % len(candidates)]
         else:
@@ -458,9 +460,8 @@ class Supervisor:
 
         def score(worker: WorkerHandle) -> tuple[int, int, int]:
             matched = 0
-            if self.settings.kv.prefix_caching:
-                while matched < len(keys) and keys[matched] in worker.prefix_keys:
-                    matched += 1
+            while matched < len(keys) and keys[matched] in worker.prefix_keys:
+                matched += 1
             return (-matched, worker.queued_tokens, worker.running)
 
         return min(near, key=score)

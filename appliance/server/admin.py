@@ -8,7 +8,6 @@ a file only the server's user can read. The OpenAI routes under /v1 reach none o
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from appliance.config import is_loopback
 from appliance.pool_moves import MoveError
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError, from_validation
+from appliance.server.state import bearer_is
 
 SEND_TIMEOUT_S = 30  # a console that stops reading is dropped
 MAX_ADMIN_BODY = 16 * 1024
@@ -46,9 +46,7 @@ class AdminState:
         server = request.scope.get("server") or ("",)
         if not is_loopback(host) and host != server[0]:
             raise APIError(403, "the admin API answers clients on this machine only")
-        sent = request.headers.get("authorization", "").encode()
-        expected = f"Bearer {self.token}".encode()
-        if self.token is None or not hmac.compare_digest(sent, expected):
+        if self.token is None or not bearer_is(request, self.token):
             raise APIError(
                 401,
                 "missing or wrong admin token: send 'Authorization: Bearer <token>' with "
@@ -100,7 +98,7 @@ async def pools(request: Request) -> Response:
     """POST /admin/pools {"device": i, "to": "prefill"|"decode"}: 202 with the move begun."""
     admin = _admin(request)
     move = validated(MoveRequest, await read_json_object(request, MAX_ADMIN_BODY))
-    _check_ready(admin)
+    request.app.state.server.check_ready()
     try:
         started = admin.appliance.pools.start(move.device, move.to)
     except MoveError as exc:
@@ -112,7 +110,7 @@ async def tuning(request: Request) -> Response:
     """PATCH /admin/tuning {knob: value, ...}: the knobs now in force."""
     admin = _admin(request)
     patch = validated(TuningPatch, await read_json_object(request, MAX_ADMIN_BODY))
-    _check_ready(admin)
+    request.app.state.server.check_ready()
     try:
         tuning = admin.appliance.supervisor.tune(patch)
     except ValidationError as exc:
@@ -120,8 +118,3 @@ async def tuning(request: Request) -> Response:
     except ValueError as exc:  # knobs that clash with the pools' layout
         raise APIError(422, str(exc), code="invalid_value") from None
     return JSONResponse({"tuning": tuning.model_dump(mode="json")})
-
-
-def _check_ready(admin: AdminState) -> None:
-    if not admin.appliance.ready:
-        raise APIError(503, "the appliance is starting", code="starting", retry_after=5)

@@ -13,7 +13,7 @@ log = logging.getLogger("appliance.server")
 
 
 class Notifier:
-    """Sends READY=1, STATUS=..., WATCHDOG=1 and STOPPING=1 to systemd."""
+    """Sends READY=1 and STOPPING=1 to systemd; `heartbeat` sends WATCHDOG=1 and STATUS=."""
 
     def __init__(self, address: str | None) -> None:
         self._address = _socket_address(address) if address else None
@@ -21,10 +21,6 @@ class Notifier:
         if self._address is not None:
             self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._warned = False
-
-    @property
-    def enabled(self) -> bool:
-        return self._socket is not None
 
     def send(self, *lines: str) -> None:
         """One datagram; a failure is logged once and otherwise ignored (systemd may be
@@ -40,12 +36,6 @@ class Notifier:
 
     def ready(self, status: str) -> None:
         self.send("READY=1", f"STATUS={status}")
-
-    def status(self, status: str) -> None:
-        self.send(f"STATUS={status}")
-
-    def watchdog(self) -> None:
-        self.send("WATCHDOG=1")
 
     def stopping(self, status: str) -> None:
         self.send("STOPPING=1", f"STATUS={status}")

@@ -18,6 +18,13 @@ PAUSED_RETRY_S = 5
 OVERLOAD_RETRY_S = 1
 
 
+def bearer_is(request: Request, secret: str) -> bool:
+    """Whether the request carries `Authorization: Bearer <secret>` (compared in constant
+    time, so the answer's timing tells nothing about the secret)."""
+    sent = request.headers.get("authorization", "").encode()
+    return hmac.compare_digest(sent, f"Bearer {secret}".encode())
+
+
 @dataclass
 class Ticket:
     """Admission of `count` generations; released exactly once."""
@@ -49,9 +56,7 @@ class ServerState:
         key = self.settings.api_key
         if key is None:
             return
-        sent = request.headers.get("authorization", "")
-        expected = f"Bearer {key.get_secret_value()}"
-        if not hmac.compare_digest(sent.encode(), expected.encode()):
+        if not bearer_is(request, key.get_secret_value()):
             raise APIError(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer <key>'",
