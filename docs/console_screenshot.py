@@ -8,16 +8,12 @@ moving from the decode to the prefill pool.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-from appliance.bench.compare import free_port
+from appliance.bench.compare import Target, running
 from tui.app import ConsoleApp
 from tui.client import AdminClient
 
@@ -25,34 +21,6 @@ DOCS = Path(__file__).resolve().parent
 SIZE = (140, 44)
 LOAD_S = 20.0  # how long the bench runs before the move, so the sparklines fill
 MOVE_S = 6.0  # how long after the move the picture is taken: mid-drain or just after
-
-
-def start_server(port: int, token_file: Path) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "APPLIANCE_PORT": str(port),
-        "APPLIANCE_CPU_DEVICES": "3",
-        "APPLIANCE_CPU_SHARE_CORES": "true",
-        "APPLIANCE_PREFILL_DEVICES": "0",
-        "APPLIANCE_DECODE_DEVICES": "1,2",
-        "APPLIANCE_ADMIN__TOKEN_FILE": str(token_file),
-    }
-    server = subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli", "serve"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    server.kill()
-    raise RuntimeError("the appliance did not become healthy")
 
 
 def start_bench(url: str) -> subprocess.Popen:
@@ -72,18 +40,26 @@ async def take(url: str, token: str, out: Path) -> None:
 
 
 def main() -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as folder:
         token_file = Path(folder) / "admin.token"
-        server = start_server(port, token_file)
-        bench = start_bench(url)
-        try:
-            asyncio.run(take(url, token_file.read_text(), DOCS / "console.svg"))
-        finally:
-            bench.kill()
-            server.send_signal(2)
-            server.wait(60)
+        appliance = Target(
+            "appliance",
+            [sys.executable, "-m", "appliance.cli", "serve"],
+            {
+                "APPLIANCE_CPU_DEVICES": "3",
+                "APPLIANCE_CPU_SHARE_CORES": "true",
+                "APPLIANCE_PREFILL_DEVICES": "0",
+                "APPLIANCE_DECODE_DEVICES": "1,2",
+                "APPLIANCE_ADMIN__TOKEN_FILE": str(token_file),
+            },
+            port_flag=None,
+        )
+        with running(appliance, Path(folder) / "logs") as url:
+            bench = start_bench(url)
+            try:
+                asyncio.run(take(url, token_file.read_text(), DOCS / "console.svg"))
+            finally:
+                bench.kill()
     print(f"wrote {DOCS / 'console.svg'}")
 
 
