@@ -7,14 +7,27 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from appliance.bench.compare import free_port
 
 API_KEY = "test-key"
+
+
+def wait_until(check: Callable[[], Any], bound_s: float, what: str, every_s: float = 0.2) -> Any:
+    """Poll `check` until it returns something true, and return that; TimeoutError naming
+    `what` once `bound_s` has passed."""
+    deadline = time.monotonic() + bound_s
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {bound_s:.0f} s: {what}")
+        time.sleep(every_s)
+    return value
 
 
 @dataclass

@@ -12,13 +12,13 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-from server_process import API_KEY, ServerProcess
+from server_process import API_KEY, ServerProcess, wait_until
 from traffic import Traffic
 
 from appliance.admin.schema import Event, Snapshot
@@ -46,15 +46,6 @@ def pools(snap: Snapshot) -> dict[str, list[int]]:
     return found
 
 
-def until(check: Callable[[], Any], bound_s: float, what: str) -> Any:
-    deadline = time.monotonic() + bound_s
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {bound_s:.0f} s: {what}")
-        time.sleep(0.2)
-    return value
-
-
 def move(server: ServerProcess, device: int, to: str) -> dict:
     """Start a move, check the 202, and wait until it is done."""
     reply = httpx.post(
@@ -70,7 +61,7 @@ def move(server: ServerProcess, device: int, to: str) -> dict:
         moves = [m for m in snapshot(server).moves if m.move_id == started["move_id"]]
         return moves[0].model_dump() if moves and moves[0].finished_at else None
 
-    done = until(finished, MOVE_BOUND_S, f"move of device {device} to {to}")
+    done = wait_until(finished, MOVE_BOUND_S, f"move of device {device} to {to}")
     assert done["phase"] == "done", done["error"]
     return done
 
@@ -245,7 +236,7 @@ def test_moving_a_device_keeps_serving(pool_server: ServerProcess) -> None:
     assert pools(snap) == {"prefill": [0], "decode": [1, 2]}
     messages = [e.message for e in snap.events if e.kind == "move"]
     assert any("to prefill done" in m for m in messages)
-    until(
+    wait_until(
         lambda: all(d.worker.kv_blocks_used == 0 for d in snapshot(pool_server).devices),
         10,
         "every KV block free again",
@@ -279,7 +270,7 @@ def test_a_second_move_waits_for_the_first(pool_server: ServerProcess) -> None:
     assert first.status_code == 202
     second = httpx.post(url, json={"device": 1, "to": "prefill"}, headers=headers)
     assert second.status_code == 409 and "still running" in second.json()["error"]["message"]
-    until(lambda: snapshot(pool_server).moves[-1].finished_at, MOVE_BOUND_S, "first move")
+    wait_until(lambda: snapshot(pool_server).moves[-1].finished_at, MOVE_BOUND_S, "first move")
     move(pool_server, 2, "decode")
 
 

@@ -41,6 +41,11 @@ async def state(server: ServerProcess, token: str) -> Snapshot:
     return Snapshot.model_validate(reply.json())
 
 
+async def open_tuning_form(app: ConsoleApp, pilot: Pilot) -> None:
+    await pilot.press("t")
+    await until(pilot, lambda: isinstance(app.screen, TuningForm), 5, "tuning form")
+
+
 def pool_of(snapshot: Snapshot, index: int) -> str | None:
     return snapshot.devices[index].pool
 
@@ -101,8 +106,7 @@ async def moves_and_tunes(pool_server: ServerProcess) -> None:
         assert traffic.errors == []
 
         before = (await state(pool_server, token)).tuning.decode_max_seqs
-        await pilot.press("t")
-        await until(pilot, lambda: isinstance(app.screen, TuningForm), 5, "tuning form")
+        await open_tuning_form(app, pilot)
         field = app.screen.query_one("#decode_max_seqs")
         field.value = "7"
         await pilot.click("#tuning-apply")
@@ -126,8 +130,7 @@ async def bad_knob(pool_server: ServerProcess) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.snapshot, 30, "first snapshot")
         before = (await state(pool_server, token)).tuning
-        await pilot.press("t")
-        await until(pilot, lambda: isinstance(app.screen, TuningForm), 5, "tuning form")
+        await open_tuning_form(app, pilot)
         app.screen.query_one("#chunk_size").value = str(before.prefill_token_budget * 2)
         await pilot.click("#tuning-apply")
         await pilot.pause(0.5)

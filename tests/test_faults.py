@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, wait_until
 
 from appliance.admin.schema import Snapshot
 from appliance.model.loader import model_name
@@ -132,10 +132,11 @@ def test_killed_workers_lose_no_request_and_come_back(fault_server: ServerProces
     assert [d.worker.restarts for d in snap.devices] == [1, 1, 0]
     events = [e.message for e in snap.events]
     assert any("running it again" in m for m in events), events
-    deadline = time.monotonic() + 10
-    while any(d.worker.kv_blocks_used for d in state(fault_server).devices):
-        assert time.monotonic() < deadline, "KV blocks still held after the load"
-        time.sleep(0.2)
+    wait_until(
+        lambda: not any(d.worker.kv_blocks_used for d in state(fault_server).devices),
+        10,
+        "every KV block free after the load",
+    )
     assert state(fault_server).requests_in_flight == 0
 
     after = asyncio.run(_fresh_request(fault_server.url))
@@ -157,10 +158,12 @@ def test_a_device_that_keeps_crashing_fails_and_its_pool_carries_on(
         os.kill(worker.pid, signal.SIGKILL)
         if crash < 2:
             asyncio.run(_back_after(fault_server, 2, worker.pid))
-    deadline = time.monotonic() + 10
-    while (health := httpx.get(fault_server.url + "/health").json())["failed_devices"] != [2]:
-        assert time.monotonic() < deadline, health
-        time.sleep(0.2)
+
+    def health_naming_device_2() -> dict | None:
+        health = httpx.get(fault_server.url + "/health").json()
+        return health if health["failed_devices"] == [2] else None
+
+    health = wait_until(health_naming_device_2, 10, "device 2 marked failed")
     assert health["status"] == "degraded"
     time.sleep(2)  # past any backoff: still no new worker on device 2
     assert state(fault_server).devices[2].worker.phase == "exited"

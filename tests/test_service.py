@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, wait_until
 
 from appliance.model.loader import model_name
 
@@ -80,18 +80,10 @@ def service(notify: NotifySocket) -> Iterator[ServerProcess]:
     server.stop()
 
 
-def wait_for(check: object, bound_s: float, what: str) -> None:
-    deadline = time.monotonic() + bound_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
-
-
 def test_notify_ready_once_the_workers_are_then_watchdog_and_status(
     service: ServerProcess, notify: NotifySocket
 ) -> None:
-    wait_for(lambda: "READY=1" in notify.lines(), 30, "READY=1")
+    wait_until(lambda: "READY=1" in notify.lines(), 30, "READY=1", every_s=0.05)
     ready_at = next(t for t, text in notify.datagrams if "READY=1" in text)
     assert httpx.get(service.url + "/health").json()["status"] == "ok"
     # No READY before the workers were: /health was never 200 before READY arrived.
@@ -129,7 +121,7 @@ def test_a_request_past_its_deadline_ends_with_an_error_event(service: ServerPro
         workers = [w for pool in health["pools"].values() for w in pool]
         return all(w["running"] == 0 and w["num_free_blocks"] == w["num_blocks"] for w in workers)
 
-    wait_for(idle, 10, "workers idle after the deadline")
+    wait_until(idle, 10, "workers idle after the deadline", every_s=0.05)
 
 
 def test_sigterm_stops_it_with_stopping_and_exit_0(
@@ -165,10 +157,11 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_ones() -> None:
     server.start()
     with ThreadPoolExecutor(4) as pool:
         streams = [pool.submit(stream, server.url, 48) for _ in range(4)]
-        wait_for(
+        wait_until(
             lambda: httpx.get(server.url + "/health").json()["generations_admitted"] == 4,
             30,
             "4 streams admitted",
+            every_s=0.05,
         )
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
