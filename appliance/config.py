@@ -191,6 +191,14 @@ class Settings(BaseSettings):
     decode_devices: str | None = Field(
         None, description="Devices of the decode pool, e.g. '2,3'; empty splits automatically."
     )
+    prefill_tp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel degree of a prefill (or colocated) worker: how many "
+        "devices one worker's model is split over, one process per shard.",
+    )
+    decode_tp: int = Field(1, ge=1, le=64, description="Tensor-parallel degree of a decode worker.")
     host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the HTTP server.")
     allow_remote: bool = Field(

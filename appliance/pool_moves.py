@@ -75,6 +75,12 @@ class PoolMover:
         supervisor = self.supervisor
         if supervisor.settings.mode == "colocated":
             raise MoveError("colocated mode has a single pool: no device can change pools", 400)
+        if supervisor.settings.prefill_tp > 1 or supervisor.settings.decode_tp > 1:
+            raise MoveError(
+                "devices move between pools one at a time: with prefill_tp or decode_tp "
+                "above 1 a worker spans several devices",
+                400,
+            )
         if self.running is not None:
             running = self.running
             raise MoveError(f"move {running.move_id} (device {running.device}) is still running")

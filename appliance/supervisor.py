@@ -26,7 +26,7 @@ from appliance.engine.sequence import SamplingParams
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.prefix_cache import prefix_keys
 from appliance.restart_policy import RestartPolicy
-from appliance.topology import Partition, Topology, discover, partition
+from appliance.topology import Partition, Topology, discover, partition, tp_groups
 from appliance.workers.messages import (
     Abort,
     DropPeer,
@@ -79,11 +79,12 @@ class Chunk:
 class WorkerHandle:
     worker_id: int
     role: str  # "prefill", "decode" or "colocated"
-    device_index: int
+    device_index: int  # the first of its devices: the one its own process runs on
     device: str
     cores: tuple[int, ...]
     inbox: Any
     process: Any
+    devices: tuple[int, ...] = ()  # all of them: a tensor-parallel worker has several
     loaded: bool = False  # it said Ready: the model is loaded
     ready: bool = False  # loaded and wired to the other pool's KV tensors: it takes work
     alive: bool = True  # False once its process has exited: routing skips it
@@ -188,6 +189,7 @@ class Supervisor:
         self.partition: Partition = partition(
             self.topology, settings.mode, settings.prefill_devices, settings.decode_devices
         )
+        self.layout = self._roles()  # checked here, so a bad tensor-parallel degree fails early
         self.workers: dict[int, WorkerHandle] = {}
         self.requests: dict[int, RequestState] = {}
         self.tuning = Tuning(
@@ -224,8 +226,8 @@ class Supervisor:
         """Spawn every worker and wait until each has loaded its model."""
         self._loop = asyncio.get_running_loop()
         self._all_ready = self._loop.create_future()
-        for role, index in self._roles():
-            self._spawn(role, index)
+        for role, group in self.layout:
+            self._spawn(role, group)
         self._reader.start()
         self._watchdog = asyncio.create_task(self._watch_workers())
         try:
@@ -234,28 +236,35 @@ class Supervisor:
             await self.stop()
             raise RuntimeError(f"workers not ready within {timeout:.0f} s") from None
 
-    def _roles(self) -> list[tuple[str, int]]:
-        part = self.partition
-        if self.settings.mode == "colocated":
-            return [("colocated", d) for d in part.prefill]
-        return [("prefill", d) for d in part.prefill] + [("decode", d) for d in part.decode]
+    def _roles(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Each worker to start: its role and its devices (several for tensor parallelism)."""
+        part, settings = self.partition, self.settings
+        if settings.mode == "colocated":
+            groups = tp_groups(self.topology, part.prefill, settings.prefill_tp, "prefill_tp")
+            return [("colocated", g) for g in groups]
+        prefill = tp_groups(self.topology, part.prefill, settings.prefill_tp, "prefill_tp")
+        decode = tp_groups(self.topology, part.decode, settings.decode_tp, "decode_tp")
+        return [("prefill", g) for g in prefill] + [("decode", g) for g in decode]
 
-    def _spawn(self, role: str, device_index: int) -> WorkerHandle:
+    def _spawn(self, role: str, group: int | tuple[int, ...]) -> WorkerHandle:
+        group = (group,) if isinstance(group, int) else group
+        device_index = group[0]
         worker_id = next(self._worker_ids)
         device = self.topology.devices[device_index]
+        devices = tuple(self.topology.devices[i] for i in group)
         inbox = self._ctx.Queue()
         receiving, sending = self._ctx.Pipe(duplex=False)
         settings = self._worker_settings(role)
         process = self._ctx.Process(
             target=run_worker,
-            args=(worker_id, role, settings, device, inbox, Outbox(sending)),
+            args=(worker_id, role, settings, devices, inbox, Outbox(sending)),
             daemon=True,
         )
         process.start()
         sending.close()  # the worker holds it now: its exit closes the pipe
         self._reader.add(worker_id, receiving)
         worker = WorkerHandle(
-            worker_id, role, device_index, device.name, device.cores, inbox, process
+            worker_id, role, device_index, device.name, device.cores, inbox, process, group
         )
         self.workers[worker_id] = worker
         return worker
@@ -356,7 +365,7 @@ class Supervisor:
         del self.workers[dead.worker_id]
         try:
             worker = await self.add_worker(
-                dead.role, device, self.settings.recovery.start_timeout_s
+                dead.role, dead.devices, self.settings.recovery.start_timeout_s
             )
         except Exception as exc:  # it died loading, or could not even be spawned
             self._restarting.pop(device, None)
@@ -815,10 +824,13 @@ class Supervisor:
             )
         )
 
-    async def add_worker(self, role: str, device_index: int, timeout: float) -> WorkerHandle:
-        """Start a worker of `role` on a device while the pools serve; returns once it
-        takes requests. Raises RuntimeError if it exits or is not ready within `timeout`."""
-        worker = self._spawn(role, device_index)
+    async def add_worker(
+        self, role: str, devices: int | tuple[int, ...], timeout: float
+    ) -> WorkerHandle:
+        """Start a worker of `role` on a device (or a tensor-parallel group of them) while
+        the pools serve; returns once it takes requests. Raises RuntimeError if it exits
+        or is not ready within `timeout`."""
+        worker = self._spawn(role, devices)
         worker.started = self._loop.create_future()
         try:
             await asyncio.wait_for(asyncio.shield(worker.started), timeout)

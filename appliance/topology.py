@@ -355,6 +355,33 @@ def prefill_count(num_devices: int) -> int:
     return math.ceil(num_devices / 3)
 
 
+def tp_groups(
+    topology: Topology, devices: Sequence[int], degree: int, setting: str
+) -> list[tuple[int, ...]]:
+    """Split a pool's devices into tensor-parallel groups of `degree` devices.
+
+    Shards all-reduce twice per layer, so a group wants its slowest internal link fast:
+    groups are picked one by one, each the remaining set whose slowest link ranks highest
+    (then the most links in total, then the lowest device numbers)."""
+    if len(devices) % degree:
+        raise ValueError(
+            f"{setting}={degree} does not divide the pool's {len(devices)} device(s) "
+            f"({_core_list(devices)}): give the pool a multiple of {degree} devices"
+        )
+    left = sorted(devices)
+    groups: list[tuple[int, ...]] = []
+    while left:
+        best = max(combinations(left, degree), key=lambda g: _group_score(topology, g))
+        groups.append(best)
+        left = [d for d in left if d not in best]
+    return groups
+
+
+def _group_score(topology: Topology, group: tuple[int, ...]) -> tuple[int, int, list[int]]:
+    ranks = [topology.bandwidth_rank(a, b) for a, b in combinations(group, 2)]
+    return (min(ranks, default=0), sum(ranks), [-d for d in group])
+
+
 def partition(
     topology: Topology, mode: str, prefill: str | None = None, decode: str | None = None
 ) -> Partition:

@@ -6,21 +6,29 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from appliance.config import Settings
-from appliance.engine.model_runner import ModelRunner
+from appliance.engine.model_runner import ModelRunner, StepInputs
 from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import Scheduler, SchedulerLimits
 from appliance.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from appliance.engine.stop_strings import StopStringMatcher
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache, KVLayout
-from appliance.kv.handoff import copy_blocks
+from appliance.kv.handoff import KVShard, copy_between_shards
 from appliance.model.int4 import attach_int4
 from appliance.model.llama import CausalLM
 from appliance.model.loader import ModelFiles, load_model_files
+from appliance.model.tensor_parallel import (
+    WHOLE_MODEL,
+    AllReduce,
+    Shard,
+    kv_head_ranges,
+    no_reduce,
+)
 from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,13 +64,18 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
-def use_int4(setting: str, files: ModelFiles, dtype: torch.dtype, device: torch.device) -> bool:
+def use_int4(
+    setting: str, files: ModelFiles, dtype: torch.dtype, device: torch.device, shards: int = 1
+) -> bool:
     """Whether to keep the file's 4-bit weights (appliance/model/int4.py)."""
-    fits = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    fits = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and shards == 1
     if setting == "int4" and not files.int4:
         raise ValueError(f"weights=int4 but {files.source} has no Q4_0/Q4_1 weights")
     if setting == "int4" and not fits:
-        raise ValueError("weights=int4 runs on the CPU with dtype bfloat16 or float16")
+        raise ValueError(
+            "weights=int4 runs on the CPU with dtype bfloat16 or float16, without tensor "
+            "parallelism"
+        )
     return setting == "int4" or (setting == "auto" and fits and bool(files.int4))
 
 
@@ -72,14 +85,69 @@ def build_model(
     device: torch.device,
     max_positions: int,
     int4: bool = False,
+    shard: Shard = WHOLE_MODEL,
+    all_reduce: AllReduce = no_reduce,
 ) -> CausalLM:
     with torch.device("meta"):  # no time spent initialising weights about to be replaced
-        model = CausalLM(files.config, dtype, device, max_positions)
+        model = CausalLM(files.config, dtype, device, max_positions, shard, all_reduce)
     model.load_weights(files.weights, str(files.source))
     if int4:
         attach_int4(model, files.int4)
     model.eval()
     return model
+
+
+class ShardGroup(Protocol):
+    """The other shards of a tensor-parallel group, which run each step in lockstep with
+    this one (rank 0, which schedules and samples). See workers/shard_group.py."""
+
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def run_step(self, inputs: StepInputs) -> None: ...
+
+    def kv_shards(self) -> list[KVShard]: ...
+
+
+@dataclass
+class ShardParts:
+    """What one shard of a worker loads: its part of the model and its KV pool."""
+
+    files: ModelFiles
+    model: CausalLM
+    kv: KVCache
+    max_len: int
+
+
+def load_shard(
+    settings: Settings,
+    shard: Shard = WHOLE_MODEL,
+    all_reduce: AllReduce = no_reduce,
+    shared_kv: bool = False,
+) -> ShardParts:
+    """Load the configured model's `shard` (cached after the first start) and size its KV
+    pool; shared_kv puts a CPU pool in shared memory so other processes can map it.
+
+    Every shard of a group gets the same number of blocks: the budget buys blocks of the
+    largest shard (the first, when KV heads do not split evenly)."""
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    files = load_model_files(settings.model, settings.cache_dir)
+    cfg = files.config
+    max_len = min(
+        settings.batch.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+    )
+    kv_heads = kv_head_ranges(cfg.num_kv_heads, shard.size)
+    int4 = use_int4(settings.weights, files, dtype, device, shard.size)
+    model = build_model(files, dtype, device, max_len, int4, shard, all_reduce)
+    layout = KVLayout(cfg.num_layers, settings.kv.block_size, len(kv_heads[0]), cfg.head_dim, dtype)
+    num_blocks = settings.kv.num_blocks or layout.blocks_for_budget(settings.kv.memory_mb * 2**20)
+    own = KVLayout(
+        cfg.num_layers, settings.kv.block_size, len(kv_heads[shard.rank]), cfg.head_dim, dtype
+    )
+    kv = KVCache(own, num_blocks, device, shared=shared_kv)
+    return ShardParts(files, model, kv, max_len)
 
 
 @dataclass
@@ -124,44 +192,40 @@ class LLMEngine:
         kv: KVCache,
         limits: SchedulerLimits,
         prefix_caching: bool = False,
+        group: ShardGroup | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.kv = kv
+        # The group's pools, split over KV heads: where handed-off blocks are copied to.
+        self.kv_shards = [KVShard(0, kv.tensor)] + (group.kv_shards() if group else [])
         self.scheduler = Scheduler(kv.allocator, kv.block_size, limits, prefix_caching)
-        self.runner = ModelRunner(model, kv, Sampler(model.device))
+        self.runner = ModelRunner(model, kv, Sampler(model.device), group)
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
         self._streams: dict[int, _Stream] = {}
 
     @classmethod
-    def from_settings(cls, settings: Settings, shared_kv: bool = False) -> LLMEngine:
+    def from_settings(
+        cls, settings: Settings, shared_kv: bool = False, group: ShardGroup | None = None
+    ) -> LLMEngine:
         """Load the configured model (cached after the first start) and size its KV pool;
-        shared_kv puts a CPU pool in shared memory so other processes can map it."""
-        device = resolve_device(settings.device)
-        dtype = resolve_dtype(settings.dtype, device)
-        files = load_model_files(settings.model, settings.cache_dir)
-        cfg = files.config
-        max_len = min(
-            settings.batch.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
-        int4 = use_int4(settings.weights, files, dtype, device)
-        model = build_model(files, dtype, device, max_len, int4)
-        tokenizer = Tokenizer.load(files.tokenizer_dir, cfg.eos_token_ids)
-        layout = KVLayout(
-            cfg.num_layers, settings.kv.block_size, cfg.num_kv_heads, cfg.head_dim, dtype
-        )
-        num_blocks = settings.kv.num_blocks or layout.blocks_for_budget(
-            settings.kv.memory_mb * 2**20
-        )
-        kv = KVCache(layout, num_blocks, device, shared=shared_kv)
+        shared_kv puts a CPU pool in shared memory so other processes can map it. With a
+        group this process is shard 0 of a tensor-parallel model whose other shards the
+        group runs."""
+        if group is None:
+            parts = load_shard(settings, shared_kv=shared_kv)
+        else:  # the other shards copy handed-off blocks into it: always shared
+            parts = load_shard(settings, Shard(0, group.size), group.all_reduce, shared_kv=True)
+        cfg = parts.files.config
+        tokenizer = Tokenizer.load(parts.files.tokenizer_dir, cfg.eos_token_ids)
         limits = SchedulerLimits(
             max_num_seqs=settings.batch.max_num_seqs,
             max_num_batched_tokens=settings.batch.max_num_batched_tokens,
             chunk_size=settings.batch.chunk_size,
-            max_model_len=max_len,
+            max_model_len=parts.max_len,
         )
-        return cls(model, tokenizer, kv, limits, settings.kv.prefix_caching)
+        return cls(parts.model, tokenizer, parts.kv, limits, settings.kv.prefix_caching, group)
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False
@@ -193,11 +257,12 @@ class LLMEngine:
         token_ids: list[int],
         num_prompt_tokens: int,
         params: SamplingParams,
-        source: torch.Tensor,
+        source: list[KVShard],
         source_blocks: list[int],
     ) -> int | None:
         """Continue a request another pool prefilled: pull its prompt K/V from `source`
-        (that pool's KV tensor) into this pool and decode from its first token.
+        (that pool's KV tensors, one per shard) into this pool and decode from its first
+        token.
 
         token_ids is the prompt plus the first token. Returns the new id, or None when
         this pool has no room now (nothing is copied; retry or pick another worker)."""
@@ -208,8 +273,8 @@ class LLMEngine:
             return None
         needed = blocks_for_tokens(num_prompt_tokens, self.kv.block_size)
         have = seq.num_cached_tokens // self.kv.block_size  # cached here already
-        copy_blocks(
-            source, source_blocks[have:needed], self.kv.tensor, seq.block_table[have:needed]
+        copy_between_shards(
+            source, source_blocks[have:needed], self.kv_shards, seq.block_table[have:needed]
         )
         self._track(seq)
         stream = self._streams[seq.seq_id]
@@ -221,6 +286,11 @@ class LLMEngine:
     def cached_tokens(self, seq_id: int) -> int:
         """Prompt tokens of a running request that its pool's prefix cache supplied."""
         return self._seqs[seq_id].num_cached_tokens
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one KV block over all shards of this worker."""
+        return sum(s.tensor[:, :, :1].numel() * s.tensor.element_size() for s in self.kv_shards)
 
     @property
     def num_free_blocks(self) -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import Any, Protocol
 
 import torch
 
@@ -24,23 +25,54 @@ class StepInputs:
     attention: AttentionBatch
     sample_rows: torch.Tensor  # [samples] int64, last row of each completing chunk
     sample_requests: list[tuple[int, SamplingParams]]
+    use_int4: bool = False  # a decode-only step may use 4-bit weights (model/int4.py)
+
+
+def move_to(value: Any, device: torch.device) -> Any:
+    """The same step inputs (tensors, lists and dataclasses of them) on another device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [move_to(v, device) for v in value]
+    if is_dataclass(value) and not isinstance(value, type):
+        return replace(
+            value, **{f.name: move_to(getattr(value, f.name), device) for f in fields(value)}
+        )
+    return value
+
+
+def forward(model: CausalLM, inputs: StepInputs, kv_tensor: torch.Tensor) -> torch.Tensor:
+    """The model over one step's tokens: hidden states [tokens, hidden]. Every shard of a
+    tensor-parallel group runs this with its own weights and pool."""
+    if model.int4_switch is not None:
+        model.int4_switch.on = inputs.use_int4
+    return model(inputs.input_ids, inputs.positions, inputs.attention, kv_tensor)
+
+
+class StepFollowers(Protocol):
+    """Other shards of this worker's model, handed every step before it runs here."""
+
+    def run_step(self, inputs: StepInputs) -> None: ...
 
 
 class ModelRunner:
     """One worker's model and KV pool; `run` executes a scheduled step."""
 
-    def __init__(self, model: CausalLM, kv: KVCache, sampler: Sampler) -> None:
+    def __init__(
+        self, model: CausalLM, kv: KVCache, sampler: Sampler, followers: StepFollowers | None = None
+    ) -> None:
         self.model = model
         self.kv = kv
         self.sampler = sampler
         self.device = model.device
+        self.followers = followers
 
     def run(self, out: SchedulerOutput) -> dict[int, int]:
         """Compute the step; return {seq_id: next token} for sequences whose chunk completed."""
         inputs = self.prepare(out)
-        if self.model.int4_switch is not None:
-            self.model.int4_switch.on = not out.prefills
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv.tensor)
+        if self.followers is not None:
+            self.followers.run_step(inputs)
+        hidden = forward(self.model, inputs, self.kv.tensor)
         if not inputs.sample_requests:
             return {}
         logits = self.model.logits(hidden[inputs.sample_rows])
@@ -80,6 +112,7 @@ class ModelRunner:
             attention=AttentionBatch(self._tensor(slots), segments, decode_start, groups),
             sample_rows=self._tensor(sample_rows),
             sample_requests=requests,
+            use_int4=not out.prefills,
         )
 
     def _add_tokens(

@@ -7,8 +7,51 @@ the CPU, a CUDA IPC handle on GPUs); the destination is the decode worker's own 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class KVShard:
+    """One tensor-parallel shard's KV pool: KV heads head_start.. of the model.
+
+    A worker of one process has a single shard with every head."""
+
+    head_start: int
+    tensor: torch.Tensor  # [layers, 2, num_blocks, block_size, shard_kv_heads, head_dim]
+
+    @property
+    def heads(self) -> range:
+        return range(self.head_start, self.head_start + self.tensor.shape[-2])
+
+
+def copy_between_shards(
+    src: list[KVShard], src_ids: list[int], dst: list[KVShard], dst_ids: list[int]
+) -> int:
+    """Copy blocks between pools split over KV heads in different ways (a 2-shard prefill
+    into a 1-shard decode gathers heads, the reverse splits them); returns bytes moved.
+
+    Each destination shard takes, from every source shard, the heads both hold."""
+    moved = 0
+    for to in dst:
+        for origin in src:
+            first = max(to.heads.start, origin.heads.start)
+            last = min(to.heads.stop, origin.heads.stop)
+            if first >= last:
+                continue
+            moved += copy_blocks(
+                _heads(origin, first, last), src_ids, _heads(to, first, last), dst_ids
+            )
+    if len(dst) > 1 and dst[0].tensor.is_cuda:
+        # Other shards' pools belong to other processes, whose streams do not wait for ours.
+        for to in dst:
+            torch.cuda.synchronize(to.tensor.device)
+    return moved
+
+
+def _heads(shard: KVShard, first: int, last: int) -> torch.Tensor:
+    return shard.tensor[..., first - shard.head_start : last - shard.head_start, :]
 
 
 def copy_blocks(

@@ -10,6 +10,14 @@ from appliance.model.attention import AttentionBatch, paged_attention
 from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig
 from appliance.model.rope import RotaryEmbedding, apply_rope
+from appliance.model.tensor_parallel import (
+    WHOLE_MODEL,
+    AllReduce,
+    Shard,
+    no_reduce,
+    shard_plan,
+    shard_state,
+)
 
 
 class RMSNorm(nn.Module):
@@ -24,14 +32,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This shard's heads: q/k/v column-parallel in, o row-parallel out (a partial sum)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        plan = shard_plan(config, shard)
+        self.num_heads = len(plan.q_heads)
+        self.num_kv_heads = len(plan.kv_heads)
         self.head_dim = config.head_dim
-        qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * config.head_dim, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
 
     def forward(
@@ -51,10 +62,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This shard's intermediate columns; down_proj gives a partial sum."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        columns = len(shard_plan(config, shard).mlp_columns)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * columns, bias=False)
+        self.down_proj = nn.Linear(columns, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -63,12 +77,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, all_reduce: AllReduce) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shard)
+        self.all_reduce = all_reduce
 
     def forward(
         self,
@@ -77,18 +92,27 @@ class DecoderLayer(nn.Module):
         kv_layer: torch.Tensor,
         batch: AttentionBatch,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_layer, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.all_reduce(self.self_attn(self.input_layernorm(x), rope, kv_layer, batch))
+        return x + self.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class CausalLM(nn.Module):
-    """The whole model. forward() gives hidden states; logits() the next-token scores."""
+    """The whole model, or one tensor-parallel shard of it (`shard`, whose partial sums
+    `all_reduce` adds up over the group). forward() gives hidden states, whole on every
+    shard; logits() the next-token scores."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        shard: Shard = WHOLE_MODEL,
+        all_reduce: AllReduce = no_reduce,
     ) -> None:
         super().__init__()
         self.config = config
+        self.shard = shard
         self.dtype = dtype
         self.device = device
         self.max_positions = max_positions
@@ -97,7 +121,9 @@ class CausalLM(nn.Module):
         # torch's compiler stack and costs a second at every start.
         embedding = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, shard, all_reduce) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None
@@ -130,11 +156,13 @@ class CausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
-        """Take Hugging Face-named float weights, fusing q/k/v and gate/up projections."""
+        """Take Hugging Face-named float weights, fusing q/k/v and gate/up projections and
+        keeping this shard's part of them."""
         try:
             state = _fuse(weights)
         except KeyError as exc:
             raise ModelLoadError(source, f"weight {exc.args[0]} is missing") from None
+        state = shard_state(state, self.config, self.shard)
         freq_factors = state.pop("rope_freqs", None)
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)

@@ -44,12 +44,13 @@ class SharePool:
 
 @dataclass
 class PeerPool:
-    """To a decode worker: prefill worker `worker_id`'s KV tensor, pickled by that worker
-    for this one (a shared-memory fd or a CUDA IPC handle). The supervisor relays the bytes
+    """To a decode worker: prefill worker `worker_id`'s KV tensors, one per tensor-parallel
+    shard as (first KV head, pickled tensor), each pickled by the shard's own process for
+    this worker (a shared-memory fd or a CUDA IPC handle). The supervisor relays the bytes
     without opening them: a CUDA tensor a process received cannot be sent on."""
 
     worker_id: int
-    data: bytes
+    data: list[tuple[int, bytes]]
 
 
 @dataclass
@@ -101,11 +102,11 @@ class Ready:
 
 @dataclass
 class PoolShared:
-    """A prefill worker's KV tensor pickled for decode worker `consumer` (see PeerPool)."""
+    """A prefill worker's KV tensors pickled for decode worker `consumer` (see PeerPool)."""
 
     worker_id: int
     consumer: int
-    data: bytes
+    data: list[tuple[int, bytes]]
 
 
 @dataclass

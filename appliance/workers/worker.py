@@ -19,6 +19,7 @@ import torch.multiprocessing  # registers the tensor reducers ForkingPickler use
 from appliance.config import Settings
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.kv.handoff import KVShard
 from appliance.topology import Device, pin_to_cores
 from appliance.workers.messages import (
     Abort,
@@ -39,6 +40,7 @@ from appliance.workers.messages import (
     TokenBatch,
     Tune,
 )
+from appliance.workers.shard_group import TensorGroup, pickle_pool
 
 IDLE_WAIT_S = 0.05  # how long an idle worker blocks on its inbox before looking again
 LEASE_S = 30.0  # parked blocks nobody pulled within this are freed
@@ -51,20 +53,40 @@ class WorkerState:
     worker_id: int
     engine: LLMEngine
     outbox: Any
-    peers: dict[int, torch.Tensor] = field(default_factory=dict)  # prefill id -> its KV
+    group: TensorGroup | None = None  # the other shards, for a worker over several devices
+    peers: dict[int, list[KVShard]] = field(default_factory=dict)  # prefill id -> its KV
     to_engine: dict[int, int] = field(default_factory=dict)  # request id -> engine id
     to_request: dict[int, int] = field(default_factory=dict)  # engine id -> request id
     announced: set[int] = field(default_factory=set)  # engine ids reported as started
 
 
 def run_worker(
-    worker_id: int, role: str, settings: Settings, device: Device, inbox: Any, outbox: Any
+    worker_id: int,
+    role: str,
+    settings: Settings,
+    devices: tuple[Device, ...],
+    inbox: Any,
+    outbox: Any,
 ) -> None:
-    """Process entry point: take the device, load, say Ready, serve messages until Shutdown."""
-    settings = use_device(settings, device)
-    engine = LLMEngine.from_settings(settings, shared_kv=role == "prefill")
-    state = WorkerState(worker_id, engine, outbox)
-    outbox.put(Ready(worker_id, engine.kv.num_blocks))
+    """Process entry point: take the device (the first of a tensor-parallel group, whose
+    other shards it starts), load, say Ready, serve messages until Shutdown."""
+    settings = use_device(settings, devices[0])
+    group = None
+    if len(devices) > 1:
+        group = TensorGroup.start(settings, devices, settings.recovery.start_timeout_s)
+    try:
+        engine = LLMEngine.from_settings(settings, shared_kv=role == "prefill", group=group)
+        state = WorkerState(worker_id, engine, outbox, group)
+        outbox.put(Ready(worker_id, engine.kv.num_blocks))
+        serve(state, inbox)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def serve(state: WorkerState, inbox: Any) -> None:
+    """Step the engine while it has work, handling messages in between, until Shutdown."""
+    engine, outbox, worker_id = state.engine, state.outbox, state.worker_id
     while True:
         idle = not engine.has_unfinished()
         handled = drain(state, inbox, IDLE_WAIT_S if idle else 0.0)
@@ -119,11 +141,15 @@ def handle(state: WorkerState, message: Any) -> None:
     elif isinstance(message, Handoff):
         take_handoff(state, message)
     elif isinstance(message, SharePool):
-        # Pickled here, once per consumer: each gets its own fd / IPC reference.
-        data = bytes(ForkingPickler.dumps(engine.kv.tensor))
-        state.outbox.put(PoolShared(state.worker_id, message.consumer, data))
+        # Pickled by each shard's own process, once per consumer: each consumer gets its
+        # own fd / IPC reference.
+        pools = [pickle_pool(0, engine.kv.tensor)]
+        if state.group is not None:
+            pools += state.group.share_pools()
+        state.outbox.put(PoolShared(state.worker_id, message.consumer, pools))
     elif isinstance(message, PeerPool):
-        state.peers[message.worker_id] = ForkingPickler.loads(message.data)
+        shards = [KVShard(head, ForkingPickler.loads(data)) for head, data in message.data]
+        state.peers[message.worker_id] = shards
     elif isinstance(message, Release):
         engine_id = state.to_engine.pop(message.request_id, None)
         if engine_id is not None and engine_id in engine.scheduler.parked:
@@ -172,7 +198,7 @@ def take_handoff(state: WorkerState, message: Handoff) -> None:
         state.to_request[engine_id] = message.request_id
         blocks = blocks_for_tokens(message.num_prompt_tokens, engine.kv.block_size)
         blocks -= engine.cached_tokens(engine_id) // engine.kv.block_size  # not copied
-        moved = blocks * engine.kv.layout.bytes_per_block()
+        moved = blocks * engine.bytes_per_block
     state.outbox.put(HandoffResult(state.worker_id, message.request_id, accepted, moved))
 
 

@@ -1,0 +1,124 @@
+"""Tensor parallelism, Megatron style: which heads and MLP columns each shard of a group holds.
+
+Attention is split by KV head, each shard keeping the query heads that read its KV heads
+(so grouped-query attention stays local), and the MLP by intermediate column. The
+projections into a shard (q/k/v, gate/up) are column-parallel; the ones out of it (o, down)
+are row-parallel, and their partial sums meet in one all-reduce per block. Embeddings,
+norms and the LM head are replicated. Splits need not be even: SmolLM2's 3 KV heads go
+2 + 1 over two shards.
+
+The planning here is pure (no process group), so it is tested on plain data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from appliance.model.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's place in its tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"shard rank {self.rank} of a group of {self.size}")
+
+
+WHOLE_MODEL = Shard()  # a group of one: the unsplit model
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The slices of the model one shard holds."""
+
+    q_heads: range
+    kv_heads: range
+    mlp_columns: range
+
+
+def split_evenly(n: int, parts: int) -> list[range]:
+    """Contiguous ranges covering range(n), sizes differing by at most one (larger first)."""
+    base, extra = divmod(n, parts)
+    ranges, start = [], 0
+    for index in range(parts):
+        stop = start + base + (index < extra)
+        ranges.append(range(start, stop))
+        start = stop
+    return ranges
+
+
+def kv_head_ranges(num_kv_heads: int, size: int) -> list[range]:
+    """Each shard's KV heads; every shard needs at least one."""
+    if size > num_kv_heads:
+        raise ValueError(
+            f"tensor-parallel degree {size} is more than the model's {num_kv_heads} KV heads"
+        )
+    return split_evenly(num_kv_heads, size)
+
+
+def shard_plan(config: ModelConfig, shard: Shard) -> ShardPlan:
+    """What `shard` holds of a model with `config`."""
+    kv = kv_head_ranges(config.num_kv_heads, shard.size)[shard.rank]
+    group = config.num_heads // config.num_kv_heads  # query heads per KV head
+    q = range(kv.start * group, kv.stop * group)
+    mlp = split_evenly(config.intermediate_size, shard.size)[shard.rank]
+    return ShardPlan(q, kv, mlp)
+
+
+def shard_state(
+    state: dict[str, torch.Tensor], config: ModelConfig, shard: Shard
+) -> dict[str, torch.Tensor]:
+    """Cut fused full weights (qkv_proj, gate_up_proj, o_proj, down_proj) to one shard's."""
+    if shard.size == 1:
+        return state
+    plan = shard_plan(config, shard)
+    qkv_rows = _qkv_rows(config, plan)
+    mlp = _rows(plan.mlp_columns, 1)
+    gate_up_rows = torch.cat([mlp, mlp + config.intermediate_size])
+    o_columns = _rows(plan.q_heads, config.head_dim)
+    out = {}
+    for name, tensor in state.items():
+        if ".qkv_proj." in name:
+            tensor = tensor[qkv_rows]
+        elif ".gate_up_proj." in name:
+            tensor = tensor[gate_up_rows]
+        elif ".o_proj." in name:
+            tensor = tensor[:, o_columns]
+        elif ".down_proj." in name:
+            tensor = tensor[:, mlp]
+        out[name] = tensor.contiguous()
+    return out
+
+
+def _qkv_rows(config: ModelConfig, plan: ShardPlan) -> torch.Tensor:
+    """Rows of the fused [q; k; v] projection that belong to the shard's heads."""
+    d = config.head_dim
+    k_base = config.num_heads * d
+    v_base = k_base + config.num_kv_heads * d
+    return torch.cat(
+        [
+            _rows(plan.q_heads, d),
+            k_base + _rows(plan.kv_heads, d),
+            v_base + _rows(plan.kv_heads, d),
+        ]
+    )
+
+
+def _rows(heads: range, width: int) -> torch.Tensor:
+    return torch.arange(heads.start * width, heads.stop * width)
+
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    """A group of one: its partial sums are already whole."""
+    return x

@@ -1,0 +1,85 @@
+"""A follower shard of a tensor-parallel worker: its part of the model and of the KV pool,
+run step by step as its leader commands (see workers/shard_group.py).
+
+Started by the leader as `python -m appliance.workers.shard_follower` with a pickled
+FollowerSpec on stdin.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from appliance.engine.llm_engine import ShardParts, load_shard
+from appliance.engine.model_runner import forward, move_to
+from appliance.model.tensor_parallel import Shard, shard_plan
+from appliance.workers.shard_group import (
+    FollowerSpec,
+    RunStep,
+    ShareKV,
+    Stop,
+    all_reduce,
+    join_group,
+    pickle_pool,
+)
+from appliance.workers.worker import use_device
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to kill this process when its leader exits, however the leader ends."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the leader died before the request took effect
+        os._exit(1)
+
+
+def serve(spec: FollowerSpec) -> None:
+    """Join the group, load this shard, then follow commands until Stop."""
+    multiprocessing.current_process().authkey = spec.authkey
+    settings = use_device(spec.settings, spec.device)
+    store = dist.TCPStore(
+        "127.0.0.1", spec.port, world_size=spec.size, is_master=False,
+        timeout=timedelta(seconds=spec.timeout_s),
+    )  # fmt: skip
+    commands = join_group(store, spec.rank, spec.size, spec.device, spec.timeout_s)
+    shard = Shard(spec.rank, spec.size)
+    parts = load_shard(settings, shard, all_reduce, shared_kv=True)
+    head_start = shard_plan(parts.files.config, shard).kv_heads.start
+    while True:
+        received: list[Any] = [None]
+        dist.broadcast_object_list(received, src=0, group=commands)
+        command = received[0]
+        if isinstance(command, RunStep):
+            run_step(parts, command)
+        elif isinstance(command, ShareKV):
+            pool = pickle_pool(head_start, parts.kv.tensor)
+            dist.gather_object(pool, None, dst=0, group=commands)
+        elif isinstance(command, Stop):
+            dist.destroy_process_group()
+            return
+
+
+def run_step(parts: ShardParts, command: RunStep) -> None:
+    inputs = move_to(command.inputs, parts.model.device)
+    forward(parts.model, inputs, parts.kv.tensor)
+
+
+def main() -> None:
+    spec = pickle.load(sys.stdin.buffer)
+    die_with_parent(spec.leader_pid)
+    serve(spec)
+
+
+if __name__ == "__main__":
+    main()

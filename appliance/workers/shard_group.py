@@ -1,0 +1,188 @@
+"""A worker's tensor-parallel group, seen from its leader (shard 0).
+
+A worker over several devices runs one process per shard. The supervisor talks to the
+leader only: it schedules, samples and answers as a one-device worker does. The leader
+starts the other shards (workers/shard_follower.py), and before each model step hands them
+the step's inputs; every shard then runs the same forward over its own heads and MLP
+columns, meeting in torch.distributed all-reduces (NCCL on GPUs, gloo on the CPU).
+Commands travel on a gloo group, pickled. Followers die with their leader (a Linux
+parent-death signal), and a follower that dies breaks the leader's next collective, so
+the supervisor sees one worker crash and restarts the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing  # registers the tensor reducers ForkingPickler uses
+
+from appliance.config import Settings
+from appliance.engine.model_runner import StepInputs, move_to
+from appliance.kv.handoff import KVShard
+from appliance.topology import Device
+
+STOP_WAIT_S = 10.0  # how long followers get to exit after Stop before they are killed
+
+
+@dataclass(frozen=True)
+class FollowerSpec:
+    """What a follower process starts from (pickled onto its stdin)."""
+
+    rank: int
+    size: int
+    port: int  # the leader's TCPStore
+    settings: Settings
+    device: Device
+    authkey: bytes  # the leader's, so shared-memory fds pass between the processes
+    timeout_s: float
+    leader_pid: int
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """Run the model over these inputs (the leader runs them too)."""
+
+    inputs: StepInputs
+
+
+@dataclass(frozen=True)
+class ShareKV:
+    """Pickle your KV pool once more and gather (first head, bytes) to the leader."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the process group and exit."""
+
+
+def backend_for(device: Device) -> str:
+    return "nccl" if device.kind == "cuda" else "gloo"
+
+
+def join_group(store: Any, rank: int, size: int, device: Device, timeout_s: float) -> Any:
+    """Join the group's default process group; returns the gloo group commands go over."""
+    backend = backend_for(device)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+    )
+    return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum a shard's partial output over the group, in place."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        # gloo sums float32 and float16 only; the sum in float32 rounds once at the end.
+        total = x.float()
+        dist.all_reduce(total)
+        return x.copy_(total)
+    dist.all_reduce(x)
+    return x
+
+
+def pickle_pool(head_start: int, tensor: torch.Tensor) -> tuple[int, bytes]:
+    """A pool as another process opens it: each pickle is one fd / IPC reference."""
+    return head_start, bytes(ForkingPickler.dumps(tensor))
+
+
+class TensorGroup:
+    """The leader's handle on its followers (see the module docstring)."""
+
+    def __init__(
+        self, store: Any, processes: list[subprocess.Popen], commands: Any, device: Device
+    ) -> None:
+        self.size = len(processes) + 1
+        self._store = store  # the TCPStore lives as long as the group
+        self._processes = processes
+        self._commands = commands
+        self._device = device
+
+    @classmethod
+    def start(
+        cls, settings: Settings, devices: tuple[Device, ...], timeout_s: float
+    ) -> TensorGroup:
+        """Start one follower per device after the first (this process's) and join them."""
+        size = len(devices)
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world_size=size, is_master=True,
+            timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        )  # fmt: skip
+        authkey = bytes(multiprocessing.current_process().authkey)
+        processes = [
+            _spawn(
+                FollowerSpec(
+                    rank, size, store.port, settings, device, authkey, timeout_s, os.getpid()
+                )
+            )
+            for rank, device in enumerate(devices[1:], start=1)
+        ]
+        try:
+            commands = join_group(store, 0, size, devices[0], timeout_s)
+        except Exception:
+            _kill(processes)
+            raise
+        return cls(store, processes, commands, devices[0])
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(x)
+
+    def run_step(self, inputs: StepInputs) -> None:
+        # Pickled tensors come back on the device they left: followers move them to theirs.
+        cpu_inputs = move_to(inputs, torch.device("cpu")) if self._device.kind == "cuda" else inputs
+        self._send(RunStep(cpu_inputs))
+
+    def share_pools(self) -> list[tuple[int, bytes]]:
+        """The followers' pools, each pickled by its own process for one consumer."""
+        self._send(ShareKV())
+        gathered: list[Any] = [None] * self.size
+        dist.gather_object(None, gathered, dst=0, group=self._commands)
+        return gathered[1:]
+
+    def kv_shards(self) -> list[KVShard]:
+        return [KVShard(head, ForkingPickler.loads(data)) for head, data in self.share_pools()]
+
+    def close(self) -> None:
+        """Stop the followers (killing any that linger) and leave the process group."""
+        # A follower already gone breaks the broadcast; the rest are killed below.
+        with contextlib.suppress(Exception):
+            self._send(Stop())
+        deadline = time.monotonic() + STOP_WAIT_S
+        for process in self._processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(max(0.0, deadline - time.monotonic()))
+        _kill(self._processes)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _send(self, command: Any) -> None:
+        dist.broadcast_object_list([command], src=0, group=self._commands)
+
+
+def _spawn(spec: FollowerSpec) -> subprocess.Popen:
+    # A plain subprocess: this worker is a daemonic multiprocessing child, which may not
+    # have multiprocessing children of its own.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "appliance.workers.shard_follower"], stdin=subprocess.PIPE
+    )
+    assert process.stdin is not None
+    process.stdin.write(pickle.dumps(spec))
+    process.stdin.close()
+    return process
+
+
+def _kill(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
