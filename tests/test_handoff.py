@@ -59,7 +59,7 @@ def run_disaggregated(
         for seq_id, blocks in pending:
             prompt = prompts[ids.index(seq_id)]
             new_id = decode.add_prefilled(
-                prompt + tokens[seq_id], len(prompt), params, prefill.kv.tensor, blocks
+                prompt + tokens[seq_id], len(prompt), params, prefill.kv_shards, blocks
             )
             if new_id is None:
                 still_pending.append((seq_id, blocks))

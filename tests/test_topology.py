@@ -32,6 +32,7 @@ from appliance.topology import (
     partition,
     pin_to_cores,
     prefill_count,
+    tp_groups,
 )
 
 MIB = 1 << 20
@@ -524,3 +525,20 @@ def test_devices_are_frozen() -> None:
     device = Device("cpu", 0, "cpu0", 1, 1)
     with pytest.raises(AttributeError):
         device.index = 1  # type: ignore[misc]
+
+
+def test_tensor_parallel_groups_take_the_nvlink_pairs_whatever_the_order() -> None:
+    topology = gpus(PCIE_4GPU)  # NVLink joins 0-1 and 2-3; PCIe elsewhere
+    assert tp_groups(topology, [0, 2, 1, 3], 2, "prefill_tp") == [(0, 1), (2, 3)]
+    assert tp_groups(topology, [3, 1, 2, 0], 4, "decode_tp") == [(0, 1, 2, 3)]
+    assert tp_groups(topology, [2, 0], 1, "decode_tp") == [(0,), (2,)]
+
+
+def test_tensor_parallel_groups_on_a_switch_box_are_in_device_order() -> None:
+    topology = gpus(H100_NVSWITCH)  # every pair equally linked
+    assert tp_groups(topology, range(8), 4, "prefill_tp") == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def test_a_pool_the_degree_does_not_divide_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"decode_tp=2 does not divide the pool's 3 device"):
+        tp_groups(cpu_box(4, 4), [1, 2, 3], 2, "decode_tp")

@@ -1,0 +1,245 @@
+"""Tensor parallelism: the split of heads and MLP columns, shards that add up to the whole
+model, KV handed between pools of different degrees, and real shard processes over gloo
+giving the same greedy outputs as one process.
+
+The e2e tests run on this 2-core machine with CPU devices sharing cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import threading
+
+import pytest
+import torch
+from test_runtime import QUESTIONS, cpu_topology, run_all, wait_all_free
+
+from appliance.appliance import Appliance
+from appliance.config import load_settings
+from appliance.engine.llm_engine import LLMEngine, load_shard
+from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
+from appliance.engine.sequence import SamplingParams, Sequence
+from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.kv.handoff import KVShard, copy_between_shards
+from appliance.model.tensor_parallel import Shard, kv_head_ranges, shard_plan, split_evenly
+
+GREEDY = SamplingParams(max_tokens=16)
+
+
+# --- the split, on plain data ----------------------------------------------------------
+
+
+def test_uneven_splits_are_contiguous_and_larger_first() -> None:
+    assert split_evenly(3, 2) == [range(0, 2), range(2, 3)]
+    assert split_evenly(1536, 2) == [range(0, 768), range(768, 1536)]
+    assert split_evenly(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+
+
+def test_query_heads_follow_their_kv_heads(engine: LLMEngine) -> None:
+    cfg = engine.model.config  # SmolLM2: 9 query heads over 3 KV heads
+    first, second = (shard_plan(cfg, Shard(r, 2)) for r in range(2))
+    assert (first.kv_heads, first.q_heads) == (range(0, 2), range(0, 6))
+    assert (second.kv_heads, second.q_heads) == (range(2, 3), range(6, 9))
+    assert (first.mlp_columns, second.mlp_columns) == (range(0, 768), range(768, 1536))
+
+
+def test_more_shards_than_kv_heads_is_refused() -> None:
+    with pytest.raises(ValueError, match="degree 4 is more than the model's 3 KV heads"):
+        kv_head_ranges(3, 4)
+    with pytest.raises(ValueError, match="rank 2 of a group of 2"):
+        Shard(2, 2)
+
+
+# --- shards add up to the whole model --------------------------------------------------
+
+
+class LockstepSum:
+    """An all-reduce for shards run as threads of this process: each waits for all."""
+
+    def __init__(self, size: int) -> None:
+        self.parts: list[torch.Tensor | None] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=60)
+
+    def for_rank(self, rank: int):
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = x.clone()
+            self.barrier.wait()
+            total = sum(self.parts[1:], self.parts[0].clone())  # same order on every rank
+            self.barrier.wait()
+            return x.copy_(total)
+
+        return reduce
+
+
+def shard_hidden_states(size: int, prompts: list[list[int]], engine: LLMEngine) -> torch.Tensor:
+    """Hidden states of one batched prefill, computed by `size` shards in lockstep."""
+    settings = load_settings(dtype="float32", device="cpu", kv={"num_blocks": 32})
+    summed = LockstepSum(size)
+    parts = [load_shard(settings, Shard(r, size), summed.for_rank(r)) for r in range(size)]
+    seqs = [Sequence(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
+    start = 0
+    for seq in seqs:  # the same blocks in every shard's pool
+        count = blocks_for_tokens(len(seq), 16)
+        seq.block_table = list(range(start, start + count))
+        start += count
+    out = SchedulerOutput(prefills=[ScheduledChunk(s, len(s)) for s in seqs])
+    inputs = engine.runner.prepare(out)
+    results: list[torch.Tensor | None] = [None] * size
+
+    def run(rank: int) -> None:
+        shard = parts[rank]
+        results[rank] = shard.model(
+            inputs.input_ids, inputs.positions, inputs.attention, shard.kv.tensor
+        )
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(results[0], r) for r in results[1:])  # replicated after reduce
+    return results[0]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_shards_add_up_to_the_whole_model(size: int, engine: LLMEngine) -> None:
+    texts = ["The capital of France is", "Bees make honey and", "One two three four five six"]
+    prompts = [engine.tokenizer.encode(t) for t in texts]
+    seqs = [Sequence(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        seq.block_table = engine.kv.allocator.allocate(blocks_for_tokens(len(seq), 16))
+    try:
+        inputs = engine.runner.prepare(
+            SchedulerOutput(prefills=[ScheduledChunk(s, len(s)) for s in seqs])
+        )
+        whole = engine.model(inputs.input_ids, inputs.positions, inputs.attention, engine.kv.tensor)
+    finally:
+        for seq in seqs:
+            engine.kv.allocator.free(seq.block_table)
+    sharded = shard_hidden_states(size, prompts, engine)
+    assert (sharded - whole).abs().max().item() < 1e-4
+
+
+# --- the KV handoff between degrees ----------------------------------------------------
+
+
+def split_pool(pool: torch.Tensor, size: int) -> list[KVShard]:
+    """A full-heads pool [layers, 2, blocks, block_size, heads, dim] cut by KV head."""
+    return [
+        KVShard(r.start, pool[..., r.start : r.stop, :].clone())
+        for r in kv_head_ranges(pool.shape[-2], size)
+    ]
+
+
+def join_shards(shards: list[KVShard]) -> torch.Tensor:
+    return torch.cat([s.tensor for s in shards], dim=-2)
+
+
+@pytest.mark.parametrize(("src_size", "dst_size"), [(2, 1), (1, 2), (2, 3), (3, 2), (1, 1)])
+def test_handoff_gathers_or_splits_kv_heads(src_size: int, dst_size: int) -> None:
+    pool = torch.randn(2, 2, 6, 4, 3, 8)  # [layers, 2, blocks, block_size, 3 heads, dim]
+    src = split_pool(pool, src_size)
+    dst = split_pool(torch.zeros(2, 2, 5, 4, 3, 8), dst_size)
+    moved = copy_between_shards(src, [4, 1, 2], dst, [0, 3, 4])
+    got = join_shards(dst)
+    assert torch.equal(got[:, :, [0, 3, 4]], pool[:, :, [4, 1, 2]])
+    assert got[:, :, [1, 2]].abs().sum() == 0  # nothing else written
+    assert moved == 3 * pool[:, :, 0].numel() * pool.element_size()  # every head once
+
+
+# --- real shard processes --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(engine: LLMEngine) -> list[list[int]]:
+    return [
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        for q in QUESTIONS[:8]
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(engine: LLMEngine, chat_prompts: list[list[int]]) -> list[list[int]]:
+    return [c.token_ids for c in engine.generate(chat_prompts, GREEDY)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "layout", "groups"),
+    [
+        ("colocated", {"prefill_tp": 2}, [("colocated", (0, 1))]),
+        (
+            "disaggregated",
+            {"prefill_tp": 2, "prefill_devices": "0,1", "decode_devices": "2"},
+            [("prefill", (0, 1)), ("decode", (2,))],
+        ),
+        (
+            "disaggregated",
+            {"decode_tp": 2, "prefill_devices": "2", "decode_devices": "0,1"},
+            [("prefill", (2,)), ("decode", (0, 1))],
+        ),
+    ],
+    ids=["colocated-TP2", "TP2-prefill-to-TP1-decode", "TP1-prefill-to-TP2-decode"],
+)
+def test_tensor_parallel_greedy_outputs_equal_one_process(
+    mode: str,
+    layout: dict,
+    groups: list,
+    chat_prompts: list[list[int]],
+    expected: list[list[int]],
+) -> None:
+    settings = load_settings(dtype="float32", device="cpu", mode=mode, **layout)
+    cores = [(0,), (1,)] if mode == "colocated" else [(0,), (1,), (0,)]
+
+    async def main() -> tuple[list, list[list[int]], dict]:
+        async with Appliance(settings, cpu_topology(*cores)) as app:
+            workers = app.supervisor.workers.values()
+            seen = [(w.role, w.devices) for w in workers]
+            followers = [child_pids(w.process.pid) for w in workers]
+            got = await run_all(app, chat_prompts)
+            counts = await wait_all_free(app.supervisor)
+        return seen, followers, got, counts
+
+    seen, followers, got, counts = asyncio.run(main())
+    assert seen == groups
+    assert [len(f) for f in followers] == [len(g) - 1 for _, g in groups]  # one per shard
+    assert got == expected
+    assert all(free == total for free, total in counts.values()), counts
+    assert not any(alive(pid) for pids in followers for pid in pids)  # all stopped
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_dead_shard_restarts_its_group_and_requests_still_complete(
+    chat_prompts: list[list[int]], expected: list[list[int]]
+) -> None:
+    """Killing one follower breaks its leader's next step: the supervisor sees the worker
+    crash, retries the requests, and restarts the whole group."""
+    settings = load_settings(dtype="float32", device="cpu", mode="colocated", prefill_tp=2)
+
+    async def main() -> tuple[list[list[int]], int, list[int], list[int]]:
+        async with Appliance(settings, cpu_topology((0,), (1,))) as app:
+            (worker,) = app.supervisor.workers.values()
+            (follower,) = child_pids(worker.process.pid)
+            os.kill(follower, signal.SIGKILL)
+            got = await run_all(app, chat_prompts[:4])
+            (now,) = app.supervisor.workers.values()
+            return got, now.restarts, child_pids(now.process.pid), [follower]
+
+    got, restarts, new_followers, old = asyncio.run(main())
+    assert got == expected[:4]
+    assert restarts == 1
+    assert len(new_followers) == 1 and new_followers != old
