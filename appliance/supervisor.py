@@ -103,6 +103,9 @@ class WorkerHandle:
     # prefill: keys of prompt blocks it prefilled lately (likely still in its prefix cache)
     prefix_keys: OrderedDict = field(default_factory=OrderedDict)
 
+    def __post_init__(self) -> None:
+        self.devices = self.devices or (self.device_index,)
+
     @property
     def routable(self) -> bool:
         """Whether new requests (or handoffs) may go to it."""
@@ -142,6 +145,7 @@ class WorkerView:
     device_index: int
     pid: int | None
     tokens_out: int
+    devices: tuple[int, ...] = ()  # its tensor-parallel group, device_index first
 
 
 @dataclass
@@ -263,8 +267,9 @@ class Supervisor:
         process.start()
         sending.close()  # the worker holds it now: its exit closes the pipe
         self._reader.add(worker_id, receiving)
+        name = "+".join(d.name for d in devices)  # a tensor-parallel group names them all
         worker = WorkerHandle(
-            worker_id, role, device_index, device.name, device.cores, inbox, process, group
+            worker_id, role, device_index, name, device.cores, inbox, process, group
         )
         self.workers[worker_id] = worker
         return worker
@@ -769,6 +774,7 @@ class Supervisor:
                 w.device_index,
                 w.process.pid,
                 w.tokens_out,
+                w.devices,
             )
             for w in self.workers.values()
         ]

@@ -180,6 +180,8 @@ def test_settings_error_is_a_value_error() -> None:
         ("APPLIANCE_KV__NUM_BLOCKS", "0", "kv.num_blocks"),
         ("APPLIANCE_BATCH__CHUNK_SIZE", "8", "batch.chunk_size"),
         ("APPLIANCE_BATCH__MAX_NUM_SEQS", "0", "batch.max_num_seqs"),
+        ("APPLIANCE_PREFILL_TP", "0", "prefill_tp"),
+        ("APPLIANCE_DECODE_TP", "two", "decode_tp"),
     ],
 )
 def test_bad_env_value_names_setting_and_env_var(

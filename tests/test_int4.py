@@ -131,3 +131,7 @@ def test_int4_setting_is_refused_where_it_cannot_run(engine: LLMEngine) -> None:
     assert use_int4("auto", files, torch.float32, torch.device("cpu")) is False
     assert use_int4("auto", files, torch.bfloat16, torch.device("cpu")) is True
     assert use_int4("dense", files, torch.bfloat16, torch.device("cpu")) is False
+    # A tensor-parallel shard keeps dense weights: the 4-bit ones are not split.
+    assert use_int4("auto", files, torch.bfloat16, torch.device("cpu"), shards=2) is False
+    with pytest.raises(ValueError, match="without tensor parallelism"):
+        use_int4("int4", files, torch.bfloat16, torch.device("cpu"), shards=2)

@@ -25,6 +25,7 @@ from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.handoff import KVShard, copy_between_shards
 from appliance.model.tensor_parallel import Shard, kv_head_ranges, shard_plan, split_evenly
+from appliance.pool_moves import MoveError
 
 GREEDY = SamplingParams(max_tokens=16)
 
@@ -198,6 +199,9 @@ def test_tensor_parallel_greedy_outputs_equal_one_process(
             workers = app.supervisor.workers.values()
             seen = [(w.role, w.devices) for w in workers]
             followers = [child_pids(w.process.pid) for w in workers]
+            if mode == "disaggregated":  # a group's devices do not change pools one by one
+                with pytest.raises(MoveError, match="one at a time"):
+                    app.pools.start(groups[0][1][0], "decode")
             got = await run_all(app, chat_prompts)
             counts = await wait_all_free(app.supervisor)
         return seen, followers, got, counts

@@ -29,6 +29,10 @@ class WorkerInfo(BaseModel):
     kv_blocks_total: int
     tokens_per_s: float = Field(description="Tokens it produced per second, lately.")
     restarts: int
+    devices: list[int] = Field(
+        default_factory=list,
+        description="Every device it runs on: several for a tensor-parallel worker.",
+    )
 
 
 class DeviceInfo(BaseModel):

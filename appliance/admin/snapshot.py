@@ -54,8 +54,9 @@ class SnapshotBuilder:
         )
 
     def _devices(self, views: list[WorkerView], now: float) -> list[DeviceInfo]:
-        by_device = {v.device_index: v for v in views if v.phase != "exited"}
-        by_device |= {v.device_index: v for v in views if v.device_index not in by_device}
+        # Every device of a tensor-parallel group shows its worker.
+        by_device = {d: v for v in views if v.phase != "exited" for d in v.devices}
+        by_device |= {d: v for v in views for d in v.devices if d not in by_device}
         devices = []
         for device in self.appliance.supervisor.topology.devices:
             view = by_device.get(device.index)
@@ -86,6 +87,7 @@ class SnapshotBuilder:
             kv_blocks_total=view.num_blocks,
             tokens_per_s=self._tokens_per_s(view, now),
             restarts=view.restarts,
+            devices=list(view.devices),
         )
 
     def _tokens_per_s(self, view: WorkerView, now: float) -> float:
