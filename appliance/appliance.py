@@ -14,6 +14,7 @@ from appliance.config import Settings
 from appliance.engine.sequence import SamplingParams
 from appliance.model.loader import model_name, prepare_tokenizer
 from appliance.model.model_config import ModelConfig
+from appliance.model.tensor_parallel import check_degree
 from appliance.model.tokenizer import Tokenizer
 from appliance.pool_moves import PoolMover
 from appliance.supervisor import Chunk, Supervisor
@@ -36,6 +37,8 @@ class Appliance:
         Writes the weight cache once, if missing, before the workers read it."""
         settings = self.settings
         self.config, self.tokenizer = prepare_tokenizer(settings.model, settings.cache_dir)
+        check_degree(self.config, settings.prefill_tp, "prefill_tp")
+        check_degree(self.config, settings.decode_tp, "decode_tp")
 
     async def start(self) -> None:
         """Spawn the pools' workers and wait until all are ready."""

@@ -76,3 +76,24 @@ def test_console_without_a_running_server_says_where_it_looked(tmp_path: Path) -
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert str(tmp_path / "admin" / "8765.token") in result.stderr
     assert "is the appliance running" in result.stderr
+
+
+def test_serve_refuses_tensor_parallel_degrees_that_do_not_fit() -> None:
+    import os
+
+    pool = {**os.environ, "APPLIANCE_PREFILL_TP": "2", "APPLIANCE_PORT": "0"}
+    result = run("serve", "--mode", "disaggregated", env=pool)  # 2 cores: 1 prefill device
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "prefill_tp=2 does not divide the pool's 1 device" in result.stderr
+    heads = {
+        **os.environ,
+        "APPLIANCE_DECODE_TP": "4",
+        "APPLIANCE_CPU_DEVICES": "8",
+        "APPLIANCE_CPU_SHARE_CORES": "true",
+        "APPLIANCE_PREFILL_DEVICES": "0,1,2,3",
+        "APPLIANCE_DECODE_DEVICES": "4,5,6,7",
+        "APPLIANCE_PORT": "0",
+    }
+    result = run("serve", "--mode", "disaggregated", env=heads)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "decode_tp=4: the model has 3 KV heads" in result.stderr
