@@ -350,7 +350,7 @@ class Supervisor:
         if failed_starts >= self.settings.recovery.max_crashes:  # however slowly it fails
             delay = None
         if delay is None:
-            self.failed_devices.add(device)
+            self.failed_devices.update(worker.devices)  # a group fails as one
             self.note("worker", f"{worker.device} crashed too often: no more restarts")
             self._fail_stalled(worker.role)
             return

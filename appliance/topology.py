@@ -371,6 +371,10 @@ def tp_groups(
     left = sorted(devices)
     groups: list[tuple[int, ...]] = []
     while left:
+        if math.comb(len(left), degree) > _MAX_CANDIDATES:  # too many to try: in order
+            groups.append(tuple(left[:degree]))
+            left = left[degree:]
+            continue
         best = max(combinations(left, degree), key=lambda g: _group_score(topology, g))
         groups.append(best)
         left = [d for d in left if d not in best]

@@ -151,6 +151,21 @@ def test_handoff_gathers_or_splits_kv_heads(src_size: int, dst_size: int) -> Non
     assert moved == 3 * pool[:, :, 0].numel() * pool.element_size()  # every head once
 
 
+def test_handoff_refuses_shards_that_miss_heads() -> None:
+    pool = torch.randn(2, 2, 6, 4, 3, 8)
+    src = split_pool(pool, 2)[:1]  # heads 0-1 only
+    dst = split_pool(torch.zeros(2, 2, 6, 4, 3, 8), 1)
+    with pytest.raises(ValueError, match=r"hold heads \[0, 1\], the destination wants"):
+        copy_between_shards(src, [0], dst, [0])
+
+
+def test_int4_weights_with_shards_are_refused_before_start() -> None:
+    settings = load_settings(mode="colocated", weights="int4", prefill_tp=2)
+    app = Appliance(settings, cpu_topology((0,), (1,)))
+    with pytest.raises(ValueError, match="weights=int4 cannot be split over shards"):
+        app.prepare()
+
+
 # --- real shard processes --------------------------------------------------------------
 
 
@@ -247,3 +262,28 @@ def test_a_dead_shard_restarts_its_group_and_requests_still_complete(
     assert got == expected[:4]
     assert restarts == 1
     assert len(new_followers) == 1 and new_followers != old
+
+
+def test_an_idle_group_outlives_its_collective_timeout(
+    chat_prompts: list[list[int]], expected: list[list[int]]
+) -> None:
+    """Followers wait for their next step without a deadline: a group idle for longer
+    than the collectives' timeout still serves, without a restart."""
+    settings = load_settings(
+        dtype="float32",
+        device="cpu",
+        mode="colocated",
+        prefill_tp=2,
+        recovery={"start_timeout_s": 3},  # also the group's collective timeout
+    )
+
+    async def main() -> tuple[list[list[int]], int]:
+        async with Appliance(settings, cpu_topology((0,), (1,))) as app:
+            await asyncio.sleep(6)
+            got = await run_all(app, chat_prompts[:2])
+            (worker,) = app.supervisor.workers.values()
+            return got, worker.restarts
+
+    got, restarts = asyncio.run(main())
+    assert got == expected[:2]
+    assert restarts == 0

@@ -197,8 +197,8 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.kv = kv
-        # The group's pools, split over KV heads: where handed-off blocks are copied to.
-        self.kv_shards = [KVShard(0, kv.tensor)] + (group.kv_shards() if group else [])
+        self._group = group
+        self._kv_shards = None if group else [KVShard(0, kv.tensor)]
         self.scheduler = Scheduler(kv.allocator, kv.block_size, limits, prefix_caching)
         self.runner = ModelRunner(model, kv, Sampler(model.device), group)
         self._ids = itertools.count()
@@ -215,8 +215,9 @@ class LLMEngine:
         group runs."""
         if group is None:
             parts = load_shard(settings, shared_kv=shared_kv)
-        else:  # the other shards copy handed-off blocks into it: always shared
-            parts = load_shard(settings, Shard(0, group.size), group.all_reduce, shared_kv=True)
+        else:
+            shard = Shard(0, group.size)
+            parts = load_shard(settings, shard, group.all_reduce, shared_kv=shared_kv)
         cfg = parts.files.config
         tokenizer = Tokenizer.load(parts.files.tokenizer_dir, cfg.eos_token_ids)
         limits = SchedulerLimits(
@@ -286,6 +287,15 @@ class LLMEngine:
     def cached_tokens(self, seq_id: int) -> int:
         """Prompt tokens of a running request that its pool's prefix cache supplied."""
         return self._seqs[seq_id].num_cached_tokens
+
+    @property
+    def kv_shards(self) -> list[KVShard]:
+        """This worker's pools split over KV heads, where handed-off blocks are copied to.
+        A tensor-parallel worker opens its followers' pools at its first handoff: only a
+        decode worker ever needs them."""
+        if self._kv_shards is None:
+            self._kv_shards = [KVShard(0, self.kv.tensor), *self._group.kv_shards()]
+        return self._kv_shards
 
     @property
     def bytes_per_block(self) -> int:

@@ -23,6 +23,7 @@ class KVShard:
 
     @property
     def heads(self) -> range:
+        """The model's KV heads this shard holds."""
         return range(self.head_start, self.head_start + self.tensor.shape[-2])
 
 
@@ -33,6 +34,7 @@ def copy_between_shards(
     into a 1-shard decode gathers heads, the reverse splits them); returns bytes moved.
 
     Each destination shard takes, from every source shard, the heads both hold."""
+    _check_covers(src, dst)
     moved = 0
     for to in dst:
         for origin in src:
@@ -43,11 +45,20 @@ def copy_between_shards(
             moved += copy_blocks(
                 _heads(origin, first, last), src_ids, _heads(to, first, last), dst_ids
             )
-    if len(dst) > 1 and dst[0].tensor.is_cuda:
-        # Other shards' pools belong to other processes, whose streams do not wait for ours.
-        for to in dst:
-            torch.cuda.synchronize(to.tensor.device)
+    if dst[0].tensor.is_cuda:
+        # The copy is queued; the source blocks are released once this returns, and other
+        # shards' pools are read by other processes, whose streams do not wait for ours.
+        for device in {to.tensor.device for to in dst}:
+            torch.cuda.synchronize(device)
     return moved
+
+
+def _check_covers(src: list[KVShard], dst: list[KVShard]) -> None:
+    """Every destination head must come from exactly one source shard."""
+    have = sorted(h for shard in src for h in shard.heads)
+    want = sorted(h for shard in dst for h in shard.heads)
+    if have != want:
+        raise ValueError(f"KV shards hold heads {have}, the destination wants {want}")
 
 
 def _heads(shard: KVShard, first: int, last: int) -> torch.Tensor:

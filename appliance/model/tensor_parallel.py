@@ -75,6 +75,11 @@ def check_degree(config: ModelConfig, degree: int, setting: str) -> None:
 
 def shard_plan(config: ModelConfig, shard: Shard) -> ShardPlan:
     """What `shard` holds of a model with `config`."""
+    if config.num_heads % config.num_kv_heads:
+        raise ValueError(
+            f"{config.num_heads} query heads do not group evenly over "
+            f"{config.num_kv_heads} KV heads"
+        )
     kv = kv_head_ranges(config.num_kv_heads, shard.size)[shard.rank]
     group = config.num_heads // config.num_kv_heads  # query heads per KV head
     q = range(kv.start * group, kv.stop * group)

@@ -39,7 +39,8 @@ def die_with_parent(parent_pid: int) -> None:
     """Ask Linux to kill this process when its leader exits, however the leader ends."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:  # the leader died before the request took effect
         os._exit(1)
 
@@ -68,9 +69,12 @@ def serve(spec: FollowerSpec) -> None:
         elif isinstance(command, Stop):
             dist.destroy_process_group()
             return
+        else:
+            raise TypeError(f"unknown command {command!r}")
 
 
 def run_step(parts: ShardParts, command: RunStep) -> None:
+    """This shard's part of the leader's step (its all-reduces meet the others')."""
     inputs = move_to(command.inputs, parts.model.device)
     forward(parts.model, inputs, parts.kv.tensor)
 
@@ -78,6 +82,8 @@ def run_step(parts: ShardParts, command: RunStep) -> None:
 def main() -> None:
     spec = pickle.load(sys.stdin.buffer)
     die_with_parent(spec.leader_pid)
+    # Ctrl-C reaches the whole process group; the leader decides when its shards stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(spec)
 
 

@@ -18,6 +18,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +35,9 @@ from appliance.kv.handoff import KVShard
 from appliance.topology import Device
 
 STOP_WAIT_S = 10.0  # how long followers get to exit after Stop before they are killed
+WATCH_S = 0.2  # how often the leader looks whether a follower has died
+# Followers block on the next command for as long as the worker is idle: no deadline.
+IDLE_TIMEOUT = timedelta(days=365)
 
 
 @dataclass(frozen=True)
@@ -68,16 +72,32 @@ class Stop:
 
 
 def backend_for(device: Device) -> str:
+    """The collectives' backend for shards on `device`'s kind."""
     return "nccl" if device.kind == "cuda" else "gloo"
 
 
-def join_group(store: Any, rank: int, size: int, device: Device, timeout_s: float) -> Any:
-    """Join the group's default process group; returns the gloo group commands go over."""
-    backend = backend_for(device)
+def join_group(
+    store: dist.Store, rank: int, size: int, device: Device, timeout_s: float
+) -> dist.ProcessGroup:
+    """Join the group's default process group (the all-reduces, which fail after
+    timeout_s); returns the gloo group commands go over, which waits without a deadline.
+    One all-reduce proves the links before the worker says it is ready."""
+    # The shards of one box talk over loopback, never over the host's other interfaces.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+        backend_for(device),
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
     )
-    return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    probe = torch.ones(1, device="cuda" if device.kind == "cuda" else "cpu")
+    dist.all_reduce(probe)
+    if probe.item() != size:
+        raise RuntimeError(f"tensor-parallel group of {size} summed ones to {probe.item()}")
+    return commands
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -100,9 +120,15 @@ class TensorGroup:
     """The leader's handle on its followers (see the module docstring)."""
 
     def __init__(
-        self, store: Any, processes: list[subprocess.Popen], commands: Any, device: Device
+        self,
+        store: dist.Store,
+        processes: list[subprocess.Popen],
+        commands: dist.ProcessGroup,
+        device: Device,
+        stopping: threading.Event,
     ) -> None:
         self.size = len(processes) + 1
+        self._stopping = stopping  # tells the watch thread the followers may exit now
         self._store = store  # the TCPStore lives as long as the group
         self._processes = processes
         self._commands = commands
@@ -127,17 +153,22 @@ class TensorGroup:
             )
             for rank, device in enumerate(devices[1:], start=1)
         ]
+        stopping = threading.Event()
+        watch = threading.Thread(target=_watch, args=(processes, stopping), daemon=True)
+        watch.start()
         try:
             commands = join_group(store, 0, size, devices[0], timeout_s)
         except Exception:
             _kill(processes)
             raise
-        return cls(store, processes, commands, devices[0])
+        return cls(store, processes, commands, devices[0], stopping)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum this shard's partial output with the followers'."""
         return all_reduce(x)
 
     def run_step(self, inputs: StepInputs) -> None:
+        """Hand the followers this step's inputs; the leader then runs it too."""
         # Pickled tensors come back on the device they left: followers move them to theirs.
         cpu_inputs = move_to(inputs, torch.device("cpu")) if self._device.kind == "cuda" else inputs
         self._send(RunStep(cpu_inputs))
@@ -150,10 +181,12 @@ class TensorGroup:
         return gathered[1:]
 
     def kv_shards(self) -> list[KVShard]:
+        """The followers' pools, opened in this process (the handoff copies into them)."""
         return [KVShard(head, ForkingPickler.loads(data)) for head, data in self.share_pools()]
 
     def close(self) -> None:
         """Stop the followers (killing any that linger) and leave the process group."""
+        self._stopping.set()
         # A follower already gone breaks the broadcast; the rest are killed below.
         with contextlib.suppress(Exception):
             self._send(Stop())
@@ -171,14 +204,34 @@ class TensorGroup:
 
 def _spawn(spec: FollowerSpec) -> subprocess.Popen:
     # A plain subprocess: this worker is a daemonic multiprocessing child, which may not
-    # have multiprocessing children of its own.
+    # have multiprocessing children of its own. It imports what this process imports.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "appliance.workers.shard_follower"], stdin=subprocess.PIPE
+        [sys.executable, "-m", "appliance.workers.shard_follower"],
+        stdin=subprocess.PIPE,
+        env=env,
     )
-    assert process.stdin is not None
+    assert process.stdin is not None  # asked for with stdin=PIPE
     process.stdin.write(pickle.dumps(spec))
     process.stdin.close()
     return process
+
+
+def _watch(processes: list[subprocess.Popen], stopping: threading.Event) -> None:
+    """Exit this worker as soon as a follower dies (at start, or during an NCCL step that
+    would otherwise wait for it until the stall timeout): the supervisor then restarts
+    the whole group."""
+    while not stopping.wait(WATCH_S):
+        dead = [p for p in processes if p.poll() is not None]
+        if dead and not stopping.is_set():
+            print(
+                f"tensor-parallel shard (pid {dead[0].pid}) exited with code "
+                f"{dead[0].returncode}; stopping its group",
+                file=sys.stderr,
+                flush=True,
+            )
+            _kill(processes)
+            os._exit(1)
 
 
 def _kill(processes: list[subprocess.Popen]) -> None:
