@@ -76,7 +76,12 @@ async def measure(app: Appliance, prompt: list[int], short: list[int]) -> Figure
 
 
 def run_layout(layout: Layout, prompt: list[int], short: list[int], repeats: int) -> Figures:
-    settings = load_settings(mode="colocated", weights="dense", prefill_tp=layout.tp)
+    settings = load_settings(
+        mode="colocated",
+        weights="dense",
+        prefill_tp=layout.tp,
+        kv={"prefix_caching": False},  # every repeat prefills the whole prompt
+    )
 
     async def main() -> Figures:
         async with Appliance(settings, topology(layout.core_sets)) as app:
@@ -122,7 +127,7 @@ def main() -> None:
     layouts = [
         Layout(f"TP=1, core {cores[0]}", [(cores[0],)], 1),
         Layout(f"TP=1, cores {cores[0]},{cores[1]} (threads)", [tuple(cores)], 1),
-        Layout(f"TP=2, one core per shard ({cores[0]} | {cores[1]})", [(c,) for c in cores], 2),
+        Layout(f"TP=2, core {cores[0]} and core {cores[1]}", [(c,) for c in cores], 2),
     ]
     results = {}
     for layout in layouts:
@@ -134,7 +139,7 @@ def main() -> None:
         f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}\n"
         f"- torch {torch.__version__}, python {platform.python_version()}, "
         f"{len(os.sched_getaffinity(0))} cores usable\n"
-        f"- colocated, dense weights, dtype auto; best of {args.repeats} after a warm-up; "
+        f"- colocated, dense weights, dtype auto, prefix caching off; best of {args.repeats} after a warm-up; "
         "'vs base' is against TP=1 on the same two cores\n\n"
     )
     print(header + body)
