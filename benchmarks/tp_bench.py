@@ -139,7 +139,8 @@ def main() -> None:
         f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}\n"
         f"- torch {torch.__version__}, python {platform.python_version()}, "
         f"{len(os.sched_getaffinity(0))} cores usable\n"
-        f"- colocated, dense weights, dtype auto, prefix caching off; best of {args.repeats} after a warm-up; "
+        "- colocated, dense weights, dtype auto, prefix caching off; "
+        f"best of {args.repeats} after a warm-up; "
         "'vs base' is against TP=1 on the same two cores\n\n"
     )
     print(header + body)
