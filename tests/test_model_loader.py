@@ -167,6 +167,34 @@ def test_hf_folder_corrupt_safetensors(tmp_path):
     assert_load_error(excinfo, shard, "safetensors")
 
 
+@pytest.mark.parametrize("cut", [4, 40, -8], ids=["no-header", "header-cut", "data-cut"])
+def test_hf_folder_truncated_safetensors(tmp_path, cut):
+    folder = hf_folder(tmp_path)
+    shard = folder / "b.safetensors"
+    save_file({"x": torch.arange(64, dtype=torch.float32)}, shard)
+    shard.write_bytes(shard.read_bytes()[:cut])
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_model_files(folder, tmp_path / "cache")
+    assert_load_error(excinfo, shard, "safetensors")
+
+
+def test_safetensors_are_mapped_with_every_dtype_and_shape(tmp_path):
+    tensors = {
+        "f32": torch.randn(3, 5),
+        "bf16": torch.randn(7).to(torch.bfloat16),
+        "u8": torch.arange(9, dtype=torch.uint8).view(3, 3),
+        "empty": torch.zeros(0, 4),
+    }
+    save_file(tensors, tmp_path / "t.safetensors")
+    mapped = loader._read_safetensors(tmp_path / "t.safetensors")
+    assert sorted(mapped) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert mapped[name].dtype == tensor.dtype and torch.equal(mapped[name], tensor)
+    mapped["f32"].mul_(0)  # copy-on-write: the file keeps its values
+    again = loader._read_safetensors(tmp_path / "t.safetensors")
+    assert torch.equal(again["f32"], tensors["f32"])
+
+
 # --- GGUF files ----------------------------------------------------------------------------
 
 

@@ -159,10 +159,9 @@ class CausalLM(nn.Module):
         """Take Hugging Face-named float weights, fusing q/k/v and gate/up projections and
         keeping this shard's part of them."""
         try:
-            state = _fuse(weights)
+            state = _fuse(shard_state(weights, self.config, self.shard))
         except KeyError as exc:
             raise ModelLoadError(source, f"weight {exc.args[0]} is missing") from None
-        state = shard_state(state, self.config, self.shard)
         freq_factors = state.pop("rope_freqs", None)
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)

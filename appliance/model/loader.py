@@ -9,15 +9,17 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
+import mmap
 import os
 import re
 import shutil
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from appliance.model import gguf_file
 from appliance.model.errors import ModelLoadError
@@ -112,11 +114,51 @@ def _load_hf_folder(path: Path) -> ModelFiles:
     return ModelFiles(path, config, weights, path)
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors as views of its pages, mapped copy-on-write: nothing is read
+    until used, a tensor-parallel shard reads only the rows it slices, and workers
+    loading the same file share its pages."""
     try:
-        return load_file(path)
-    except (SafetensorError, OSError) as exc:
+        with open(path, "rb") as file:
+            (header_size,) = struct.unpack("<Q", file.read(8))
+            if header_size > os.fstat(file.fileno()).st_size - 8:
+                raise ValueError(f"header of {header_size} bytes is past the end of the file")
+            header = json.loads(file.read(header_size))
+            pages = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+        base = 8 + header_size
+        return {
+            name: _view(pages, base, info)
+            for name, info in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
         raise ModelLoadError(path, f"cannot read safetensors ({exc})") from None
+
+
+def _view(pages: mmap.mmap, base: int, info: dict) -> torch.Tensor:
+    dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+    start, stop = info["data_offsets"]
+    count = (stop - start) // dtype.itemsize
+    if base + stop > len(pages) or count != math.prod(info["shape"]):
+        raise ValueError(f"a tensor of shape {info['shape']} does not fit its bytes")
+    if count == 0:
+        return torch.empty(info["shape"], dtype=dtype)
+    flat = torch.frombuffer(pages, dtype=dtype, count=count, offset=base + start)
+    return flat.view(info["shape"])
 
 
 def cache_entry(path: Path, cache_dir: Path) -> Path:

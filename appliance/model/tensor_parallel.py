@@ -90,44 +90,38 @@ def shard_plan(config: ModelConfig, shard: Shard) -> ShardPlan:
 def shard_state(
     state: dict[str, torch.Tensor], config: ModelConfig, shard: Shard
 ) -> dict[str, torch.Tensor]:
-    """Cut fused full weights (qkv_proj, gate_up_proj, o_proj, down_proj) to one shard's."""
+    """Cut Hugging Face-named full weights to one shard's, before q/k/v and gate/up are
+    fused, so a shard never holds a full copy of a split projection."""
     if shard.size == 1:
         return state
     plan = shard_plan(config, shard)
-    qkv_rows = _qkv_rows(config, plan)
-    mlp = _rows(plan.mlp_columns, 1)
-    gate_up_rows = torch.cat([mlp, mlp + config.intermediate_size])
-    o_columns = _rows(plan.q_heads, config.head_dim)
+    d = config.head_dim
+    rows = {  # projections split by output row (column-parallel): biases follow
+        ".q_proj.": _span(plan.q_heads, d),
+        ".k_proj.": _span(plan.kv_heads, d),
+        ".v_proj.": _span(plan.kv_heads, d),
+        ".gate_proj.": _span(plan.mlp_columns, 1),
+        ".up_proj.": _span(plan.mlp_columns, 1),
+    }
+    columns = {  # projections split by input column (row-parallel)
+        ".o_proj.": _span(plan.q_heads, d),
+        ".down_proj.": _span(plan.mlp_columns, 1),
+    }
     out = {}
     for name, tensor in state.items():
-        if ".qkv_proj." in name:
-            tensor = tensor[qkv_rows]
-        elif ".gate_up_proj." in name:
-            tensor = tensor[gate_up_rows]
-        elif ".o_proj." in name:
-            tensor = tensor[:, o_columns]
-        elif ".down_proj." in name:
-            tensor = tensor[:, mlp]
-        out[name] = tensor.contiguous()
+        row = next((r for key, r in rows.items() if key in name), None)
+        column = next((c for key, c in columns.items() if key in name), None)
+        if row is not None:
+            tensor = tensor[row]
+        elif column is not None:
+            tensor = tensor[:, column].contiguous()  # matmuls want rows in one piece
+        out[name] = tensor
     return out
 
 
-def _qkv_rows(config: ModelConfig, plan: ShardPlan) -> torch.Tensor:
-    """Rows of the fused [q; k; v] projection that belong to the shard's heads."""
-    d = config.head_dim
-    k_base = config.num_heads * d
-    v_base = k_base + config.num_kv_heads * d
-    return torch.cat(
-        [
-            _rows(plan.q_heads, d),
-            k_base + _rows(plan.kv_heads, d),
-            v_base + _rows(plan.kv_heads, d),
-        ]
-    )
-
-
-def _rows(heads: range, width: int) -> torch.Tensor:
-    return torch.arange(heads.start * width, heads.stop * width)
+def _span(units: range, width: int) -> slice:
+    """The rows (or columns) of `units` heads or columns, each `width` wide."""
+    return slice(units.start * width, units.stop * width)
 
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
