@@ -11,7 +11,8 @@ import time
 from collections import deque
 
 from appliance.admin.schema import Move
-from appliance.supervisor import Supervisor, WorkerHandle
+from appliance.supervisor import Supervisor
+from appliance.worker_handle import WorkerHandle
 
 DRAIN_POLL_S = 0.1
 START_TIMEOUT_S = 300.0

@@ -1,9 +1,8 @@
 """The supervisor: spawns the pools' workers, routes requests, moves handoffs, streams tokens.
 
 One asyncio loop owns all state. A reader thread turns the workers' pipes (one each)
-into calls on that loop. Routing: a prompt goes to the prefill (or colocated) worker with the
-fewest queued prompt tokens; a handoff goes to the decode worker with the most free KV
-blocks, fewest running sequences breaking ties.
+into calls on that loop. Where each prompt and handoff goes is the router's choice
+(appliance/router.py).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import itertools
 import logging
 import os
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -24,9 +23,10 @@ from appliance.admin.schema import Event, Tuning, TuningPatch
 from appliance.config import BatchSettings, Settings
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.block_allocator import blocks_for_tokens
-from appliance.kv.prefix_cache import prefix_keys
 from appliance.restart_policy import RestartPolicy
+from appliance.router import Router
 from appliance.topology import Partition, Topology, discover, partition, tp_groups
+from appliance.worker_handle import WorkerHandle, WorkerView
 from appliance.workers.messages import (
     Abort,
     DropPeer,
@@ -55,7 +55,6 @@ HANDOFF_RETRY_S = 0.01  # a decode pool without room is asked again this much la
 WATCH_INTERVAL_S = 0.2  # how often worker processes are checked for being alive
 DROP_PEER_TIMEOUT_S = 10.0  # how long decode workers get to let go of a retiring pool
 MAX_EVENTS = 200  # events kept for the admin API
-PREFIX_KEYS_KEPT = 8192  # per prefill worker: block keys of prompts it prefilled lately
 
 
 class RequestFailed(RuntimeError):
@@ -73,79 +72,6 @@ class Chunk:
     timing: dict[str, float] | None = None  # on the last chunk: the request's timestamps
     handoff_bytes: int = 0  # on the last chunk: KV bytes copied from prefill to decode pool
     cached_tokens: int = 0  # on the first chunk: prompt tokens the prefix cache supplied
-
-
-@dataclass
-class WorkerHandle:
-    worker_id: int
-    role: str  # "prefill", "decode" or "colocated"
-    device_index: int  # the first of its devices: the one its own process runs on
-    device: str
-    cores: tuple[int, ...]
-    inbox: Any
-    process: Any
-    devices: tuple[int, ...] = ()  # all of them: a tensor-parallel worker has several
-    loaded: bool = False  # it said Ready: the model is loaded
-    ready: bool = False  # loaded and wired to the other pool's KV tensors: it takes work
-    alive: bool = True  # False once its process has exited: routing skips it
-    draining: bool = False  # takes no new work (its device is moving to the other pool)
-    stopping: bool = False  # told to shut down: its exit is expected
-    started: asyncio.Future | None = None  # set when a worker joining a running pool is ready
-    num_blocks: int = 0
-    num_free: int = 0
-    running: int = 0
-    queued_tokens: int = 0  # prompt tokens sent and not yet answered
-    tokens_out: int = 0  # tokens it has produced
-    last_report: float = 0.0  # monotonic time of its last step report
-    last_work: float = 0.0  # monotonic time it was last sent a prompt or a handoff
-    restarts: int = 0
-    peers: set[int] = field(default_factory=set)  # decode: prefill workers whose KV it holds
-    # prefill: keys of prompt blocks it prefilled lately (likely still in its prefix cache)
-    prefix_keys: OrderedDict = field(default_factory=OrderedDict)
-
-    def __post_init__(self) -> None:
-        self.devices = self.devices or (self.device_index,)
-
-    @property
-    def routable(self) -> bool:
-        """Whether new requests (or handoffs) may go to it."""
-        return self.alive and self.ready and not self.draining
-
-    @property
-    def routable_soon(self) -> bool:
-        """Alive and not on its way out: it takes work once loaded and wired."""
-        return self.alive and not self.draining and not self.stopping
-
-    @property
-    def phase(self) -> str:
-        if not self.alive:
-            return "exited"
-        if self.stopping:
-            return "stopping"
-        if self.draining:
-            return "draining"
-        return "ready" if self.ready else "starting"
-
-
-@dataclass
-class WorkerView:
-    """One worker as the server's /health and /metrics show it."""
-
-    worker_id: int
-    role: str
-    device: str
-    ready: bool
-    alive: bool
-    waiting: int  # requests sent to it whose first model step has not run yet
-    running: int
-    num_free_blocks: int
-    num_blocks: int
-    restarts: int
-    phase: str  # starting, ready, draining, stopping, exited
-    device_index: int
-    pid: int | None
-    tokens_out: int
-    devices: tuple[int, ...] = ()  # its tensor-parallel group, device_index first
 
 
 @dataclass
@@ -207,7 +133,7 @@ class Supervisor:
         self._event_ids = itertools.count(1)
         self._ids = itertools.count()
         self._worker_ids = itertools.count()
-        self._turns = itertools.count()  # round-robin routing
+        self.router = Router(settings.kv.block_size, settings.kv.prefix_caching)
         self._ctx = mp.get_context("spawn")
         self._reader = OutboxReader(self._deliver)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -444,14 +370,7 @@ class Supervisor:
                 request.stream.put_nowait(RequestFailed(f"no {role} worker is running"))
             return
         token_ids = request.prompt + request.output_ids
-        # Only a prefix cache makes where a prefix went matter: otherwise skip the hashing.
-        caching = self.settings.kv.prefix_caching
-        keys = prefix_keys(token_ids, self.settings.kv.block_size) if caching else []
-        if self.tuning.routing == "round_robin":
-            worker = candidates[next(self._turns) % len(candidates)]
-        else:
-            worker = self._least_loaded(candidates, keys)
-        self._remember_prefix(worker, keys)
+        worker = self.router.prefill(candidates, token_ids, self.tuning)
         request.wire_id = next(self._ids)
         self._wire[request.wire_id] = request
         request.submitted_len = len(token_ids)
@@ -462,30 +381,6 @@ class Supervisor:
         worker.inbox.put(
             Submit(request.wire_id, token_ids, request.attempt_params, role == "prefill")
         )
-
-    def _least_loaded(self, candidates: list[WorkerHandle], keys: list[int]) -> WorkerHandle:
-        """The worker with the fewest queued prompt tokens, or, among those within one step
-        budget of it, the one that prefilled the longest prefix of this prompt lately
-        (its prefix cache likely still holds it)."""
-        least = min(w.queued_tokens for w in candidates)
-        near = [
-            w for w in candidates if w.queued_tokens <= least + self.tuning.prefill_token_budget
-        ]
-
-        def score(worker: WorkerHandle) -> tuple[int, int, int]:
-            matched = 0
-            while matched < len(keys) and keys[matched] in worker.prefix_keys:
-                matched += 1
-            return (-matched, worker.queued_tokens, worker.running)
-
-        return min(near, key=score)
-
-    def _remember_prefix(self, worker: WorkerHandle, keys: list[int]) -> None:
-        for key in keys:
-            worker.prefix_keys[key] = None
-            worker.prefix_keys.move_to_end(key)
-        while len(worker.prefix_keys) > PREFIX_KEYS_KEPT:
-            worker.prefix_keys.popitem(last=False)
 
     def _may_come_back(self, role: str) -> bool:
         """A worker of `role` is starting, or restarting after a crash."""
@@ -690,7 +585,7 @@ class Supervisor:
             self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, pending)
             return
         needed = blocks_for_tokens(request.submitted_len + 1, self.settings.kv.block_size)
-        decode = max(candidates, key=lambda w: (w.num_free, -w.running))
+        decode = self.router.decode(candidates)
         decode.num_free -= needed  # until its next report says otherwise
         decode.last_work = time.monotonic()
         request.decode_worker = decode.worker_id

@@ -226,16 +226,43 @@ def test_decode_workers_get_budget_for_every_sequence() -> None:
 
 
 def test_prompts_go_where_their_prefix_was_prefilled_unless_that_worker_is_far_behind() -> None:
-    from appliance.kv.prefix_cache import prefix_keys
-    from appliance.supervisor import Supervisor, WorkerHandle
+    from appliance.admin.schema import Tuning
+    from appliance.router import Router
+    from appliance.worker_handle import WorkerHandle
 
-    supervisor = Supervisor(load_settings(device="cpu", cpu_devices=2))
+    budget = 512
+    tuning = Tuning(
+        prefill_token_budget=budget,
+        chunk_size=256,
+        decode_max_seqs=64,
+        routing="least_loaded",
+        admission="open",
+    )
+    router = Router(block_size=16, prefix_caching=True)
     busy, idle = (WorkerHandle(i, "prefill", i, f"cpu{i}", (i,), None, None) for i in (0, 1))
     system = list(range(100, 164))  # four 16-token blocks
-    supervisor._remember_prefix(busy, prefix_keys([*system, 1, 2, 3], 16))
-    keys = prefix_keys([*system, 7, 8, 9], 16)
+    busy.queued_tokens = 0
+    assert router.prefill([busy, idle], [*system, 1, 2, 3], tuning) is busy  # ties: first
     busy.queued_tokens = 1000
-    assert supervisor._least_loaded([busy, idle], keys) is busy  # within a step's budget
-    busy.queued_tokens = idle.queued_tokens + supervisor.tuning.prefill_token_budget + 1
-    assert supervisor._least_loaded([busy, idle], keys) is idle  # too far behind
-    assert supervisor._least_loaded([busy, idle], prefix_keys(list(range(64)), 16)) is idle
+    idle.queued_tokens = 1000 - budget
+    assert router.prefill([busy, idle], [*system, 7, 8, 9], tuning) is busy  # within budget
+    busy.queued_tokens = idle.queued_tokens + budget + 1
+    assert router.prefill([busy, idle], [*system, 4, 5, 6], tuning) is idle  # too far behind
+    busy.queued_tokens, busy.running = idle.queued_tokens, 1
+    assert router.prefill([busy, idle], list(range(64)), tuning) is idle  # no prefix: fewer run
+    caching_off = Router(block_size=16, prefix_caching=False)
+    idle.queued_tokens = busy.queued_tokens - 1
+    assert caching_off.prefill([busy, idle], [*system, 1, 2, 3], tuning) is idle
+    in_turn = tuning.model_copy(update={"routing": "round_robin"})
+    picks = [router.prefill([busy, idle], [1, 2], in_turn) for _ in range(4)]
+    assert picks == [busy, idle, busy, idle]
+
+
+def test_handoffs_go_to_the_decode_worker_with_most_room() -> None:
+    from appliance.router import Router
+    from appliance.worker_handle import WorkerHandle
+
+    a, b, c = (WorkerHandle(i, "decode", i, f"cpu{i}", (i,), None, None) for i in range(3))
+    a.num_free, b.num_free, c.num_free = 10, 40, 40
+    b.running, c.running = 5, 2
+    assert Router(16, True).decode([a, b, c]) is c

@@ -9,7 +9,8 @@ from appliance.admin.device_stats import DeviceStats
 from appliance.admin.latency_window import LatencyWindow
 from appliance.admin.schema import DeviceInfo, RequestRow, Snapshot, WorkerInfo
 from appliance.appliance import Appliance
-from appliance.supervisor import RequestState, WorkerView
+from appliance.supervisor import RequestState
+from appliance.worker_handle import WorkerView
 
 MAX_REQUEST_ROWS = 50
 EVENTS_SHOWN = 20

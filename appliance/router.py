@@ -1,0 +1,72 @@
+"""Where work goes: which prefill (or colocated) worker takes a prompt, which decode
+worker continues it.
+
+Pure: it reads the counters the supervisor keeps on each WorkerHandle (queued prompt
+tokens, running sequences, free KV blocks, prompt blocks prefilled lately), never the
+processes, so it is tested on plain data.
+- A prompt goes to the worker with the fewest queued prompt tokens or, among those within
+  one step budget of it, the one that prefilled the longest prefix of the prompt lately
+  (its prefix cache likely still holds it). Round-robin when tuned so.
+- A handoff goes to the decode worker with the most free KV blocks, fewest running
+  sequences breaking ties.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from appliance.admin.schema import Tuning
+from appliance.kv.prefix_cache import prefix_keys
+from appliance.worker_handle import WorkerHandle
+
+PREFIX_KEYS_KEPT = 8192  # per prefill worker: block keys of prompts it prefilled lately
+
+
+class Router:
+    """The routing policy of one supervisor."""
+
+    def __init__(self, block_size: int, prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self._turns = itertools.count()  # round-robin routing
+
+    def prefill(
+        self, candidates: list[WorkerHandle], token_ids: list[int], tuning: Tuning
+    ) -> WorkerHandle:
+        """Pick the worker that prefills `token_ids`, and remember it got their prefix."""
+        # Only a prefix cache makes where a prefix went matter: otherwise skip the hashing.
+        keys = prefix_keys(token_ids, self.block_size) if self.prefix_caching else []
+        if tuning.routing == "round_robin":
+            worker = candidates[next(self._turns) % len(candidates)]
+        else:
+            worker = least_loaded(candidates, keys, tuning.prefill_token_budget)
+        remember_prefix(worker, keys)
+        return worker
+
+    def decode(self, candidates: list[WorkerHandle]) -> WorkerHandle:
+        """Pick the decode worker that continues a prefilled request."""
+        return max(candidates, key=lambda w: (w.num_free, -w.running))
+
+
+def least_loaded(candidates: list[WorkerHandle], keys: list[int], budget: int) -> WorkerHandle:
+    """The worker with the fewest queued prompt tokens, or, among those within `budget`
+    tokens of it, the one holding the longest run of `keys` (prompt block keys)."""
+    least = min(w.queued_tokens for w in candidates)
+    near = [w for w in candidates if w.queued_tokens <= least + budget]
+
+    def score(worker: WorkerHandle) -> tuple[int, int, int]:
+        matched = 0
+        while matched < len(keys) and keys[matched] in worker.prefix_keys:
+            matched += 1
+        return (-matched, worker.queued_tokens, worker.running)
+
+    return min(near, key=score)
+
+
+def remember_prefix(worker: WorkerHandle, keys: list[int]) -> None:
+    """Note that `worker` prefilled these blocks, forgetting the oldest beyond a bound."""
+    for key in keys:
+        worker.prefix_keys[key] = None
+        worker.prefix_keys.move_to_end(key)
+    while len(worker.prefix_keys) > PREFIX_KEYS_KEPT:
+        worker.prefix_keys.popitem(last=False)

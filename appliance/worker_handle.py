@@ -1,0 +1,83 @@
+"""A worker process as the supervisor keeps track of it, and the view /health shows."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class WorkerHandle:
+    """One worker: its process and inbox, its place in the pools, its last reported load."""
+
+    worker_id: int
+    role: str  # "prefill", "decode" or "colocated"
+    device_index: int  # the first of its devices: the one its own process runs on
+    device: str
+    cores: tuple[int, ...]
+    inbox: Any
+    process: Any
+    devices: tuple[int, ...] = ()  # all of them: a tensor-parallel worker has several
+    loaded: bool = False  # it said Ready: the model is loaded
+    ready: bool = False  # loaded and wired to the other pool's KV tensors: it takes work
+    alive: bool = True  # False once its process has exited: routing skips it
+    draining: bool = False  # takes no new work (its device is moving to the other pool)
+    stopping: bool = False  # told to shut down: its exit is expected
+    started: asyncio.Future | None = None  # set when a worker joining a running pool is ready
+    num_blocks: int = 0
+    num_free: int = 0
+    running: int = 0
+    queued_tokens: int = 0  # prompt tokens sent and not yet answered
+    tokens_out: int = 0  # tokens it has produced
+    last_report: float = 0.0  # monotonic time of its last step report
+    last_work: float = 0.0  # monotonic time it was last sent a prompt or a handoff
+    restarts: int = 0
+    peers: set[int] = field(default_factory=set)  # decode: prefill workers whose KV it holds
+    # prefill: keys of prompt blocks it prefilled lately (likely still in its prefix cache)
+    prefix_keys: OrderedDict = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        self.devices = self.devices or (self.device_index,)
+
+    @property
+    def routable(self) -> bool:
+        """Whether new requests (or handoffs) may go to it."""
+        return self.alive and self.ready and not self.draining
+
+    @property
+    def routable_soon(self) -> bool:
+        """Alive and not on its way out: it takes work once loaded and wired."""
+        return self.alive and not self.draining and not self.stopping
+
+    @property
+    def phase(self) -> str:
+        if not self.alive:
+            return "exited"
+        if self.stopping:
+            return "stopping"
+        if self.draining:
+            return "draining"
+        return "ready" if self.ready else "starting"
+
+
+@dataclass
+class WorkerView:
+    """One worker as the server's /health and /metrics show it."""
+
+    worker_id: int
+    role: str
+    device: str
+    ready: bool
+    alive: bool
+    waiting: int  # requests sent to it whose first model step has not run yet
+    running: int
+    num_free_blocks: int
+    num_blocks: int
+    restarts: int
+    phase: str  # starting, ready, draining, stopping, exited
+    device_index: int
+    pid: int | None
+    tokens_out: int
+    devices: tuple[int, ...] = ()  # its tensor-parallel group, device_index first
