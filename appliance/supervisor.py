@@ -477,6 +477,7 @@ class Supervisor:
         if worker is None:
             return
         worker.num_blocks = worker.num_free = message.num_blocks
+        worker.shard_pids = message.shard_pids
         worker.loaded = True
         # Each (prefill, decode) pair is wired once, when the second of the two has loaded.
         if worker.role == "decode":
@@ -670,6 +671,7 @@ class Supervisor:
                 w.process.pid,
                 w.tokens_out,
                 w.devices,
+                tuple(w.shard_pids),
             )
             for w in self.workers.values()
         ]

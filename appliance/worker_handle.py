@@ -20,6 +20,7 @@ class WorkerHandle:
     inbox: Any
     process: Any
     devices: tuple[int, ...] = ()  # all of them: a tensor-parallel worker has several
+    shard_pids: list[int] = field(default_factory=list)  # its other shards' processes
     loaded: bool = False  # it said Ready: the model is loaded
     ready: bool = False  # loaded and wired to the other pool's KV tensors: it takes work
     alive: bool = True  # False once its process has exited: routing skips it
@@ -81,3 +82,11 @@ class WorkerView:
     pid: int | None
     tokens_out: int
     devices: tuple[int, ...] = ()  # its tensor-parallel group, device_index first
+    shard_pids: tuple[int, ...] = ()  # the processes on devices[1:], once loaded
+
+    def pid_on(self, device: int) -> int | None:
+        """The process that computes on `device` (a shard's, in a tensor-parallel group)."""
+        index = self.devices.index(device) if device in self.devices else 0
+        if index == 0:
+            return self.pid
+        return self.shard_pids[index - 1] if index <= len(self.shard_pids) else None

@@ -214,6 +214,10 @@ def test_tensor_parallel_greedy_outputs_equal_one_process(
             workers = app.supervisor.workers.values()
             seen = [(w.role, w.devices) for w in workers]
             followers = [child_pids(w.process.pid) for w in workers]
+            for view, pids in zip(app.supervisor.views(), followers, strict=True):
+                # the console samples each device's load from the process computing on it
+                assert sorted(view.shard_pids) == sorted(pids)
+                assert [view.pid_on(d) for d in view.devices] == [view.pid, *view.shard_pids]
             if mode == "disaggregated":  # a group's devices do not change pools one by one
                 with pytest.raises(MoveError, match="one at a time"):
                     app.pools.start(groups[0][1][0], "decode")

@@ -38,7 +38,8 @@ class SnapshotBuilder:
         appliance = self.appliance
         supervisor = appliance.supervisor
         views = supervisor.views()
-        self.stats.forget_exited({v.pid for v in views if v.pid is not None})
+        pids = {v.pid for v in views if v.pid is not None}
+        self.stats.forget_exited(pids | {p for v in views for p in v.shard_pids})
         requests = sorted(supervisor.requests.values(), key=lambda r: r.request_id)
         return Snapshot(
             at=time.time(),
@@ -61,7 +62,7 @@ class SnapshotBuilder:
         devices = []
         for device in self.appliance.supervisor.topology.devices:
             view = by_device.get(device.index)
-            load = self.stats.sample(device, view.pid if view else None, now)
+            load = self.stats.sample(device, view.pid_on(device.index) if view else None, now)
             devices.append(
                 DeviceInfo(
                     index=device.index,

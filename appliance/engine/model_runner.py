@@ -69,9 +69,11 @@ class ModelRunner:
 
     def run(self, out: SchedulerOutput) -> dict[int, int]:
         """Compute the step; return {seq_id: next token} for sequences whose chunk completed."""
-        inputs = self.prepare(out)
+        inputs = self.prepare(out)  # built on the host: followers are sent these
         if self.followers is not None:
             self.followers.run_step(inputs)
+        if self.device.type != "cpu":
+            inputs = move_to(inputs, self.device)
         hidden = forward(self.model, inputs, self.kv.tensor)
         if not inputs.sample_requests:
             return {}
@@ -82,6 +84,7 @@ class ModelRunner:
         }
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The step's flat token batch as host (CPU) tensors."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -136,9 +139,10 @@ class ModelRunner:
         width = max(len(c.seq.block_table) for c in decodes)
         tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in decodes]
         context = self._tensor([c.start + 1 for c in decodes])
-        keys = torch.arange(width * self.kv.block_size, device=self.device)
+        keys = torch.arange(width * self.kv.block_size)
         padding = (keys[None, :] >= context[:, None])[:, None, None, :]  # [n, 1, 1, keys]
         return DecodeGroup(rows, self._tensor(tables), padding)
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        # On the host: one copy per tensor to the device later, none back for followers.
+        return torch.tensor(values, dtype=torch.int64)

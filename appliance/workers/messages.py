@@ -98,6 +98,7 @@ class Ready:
 
     worker_id: int
     num_blocks: int
+    shard_pids: list[int] = field(default_factory=list)  # its other shards' processes
 
 
 @dataclass

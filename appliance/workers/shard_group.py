@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing  # registers the tensor reducers ForkingPickler uses
 
 from appliance.config import Settings
-from appliance.engine.model_runner import StepInputs, move_to
+from appliance.engine.model_runner import StepInputs
 from appliance.kv.handoff import KVShard
 from appliance.topology import Device
 
@@ -124,15 +124,14 @@ class TensorGroup:
         store: dist.Store,
         processes: list[subprocess.Popen],
         commands: dist.ProcessGroup,
-        device: Device,
         stopping: threading.Event,
     ) -> None:
         self.size = len(processes) + 1
         self._stopping = stopping  # tells the watch thread the followers may exit now
+        self.pids = [p.pid for p in processes]  # shards 1.. in order
         self._store = store  # the TCPStore lives as long as the group
         self._processes = processes
         self._commands = commands
-        self._device = device
 
     @classmethod
     def start(
@@ -161,7 +160,7 @@ class TensorGroup:
         except Exception:
             _kill(processes)
             raise
-        return cls(store, processes, commands, devices[0], stopping)
+        return cls(store, processes, commands, stopping)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum this shard's partial output with the followers'."""
@@ -169,9 +168,8 @@ class TensorGroup:
 
     def run_step(self, inputs: StepInputs) -> None:
         """Hand the followers this step's inputs; the leader then runs it too."""
-        # Pickled tensors come back on the device they left: followers move them to theirs.
-        cpu_inputs = move_to(inputs, torch.device("cpu")) if self._device.kind == "cuda" else inputs
-        self._send(RunStep(cpu_inputs))
+        # Host tensors (ModelRunner.prepare): each follower moves them to its own device.
+        self._send(RunStep(inputs))
 
     def share_pools(self) -> list[tuple[int, bytes]]:
         """The followers' pools, each pickled by its own process for one consumer."""

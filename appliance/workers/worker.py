@@ -75,13 +75,27 @@ def run_worker(
     if len(devices) > 1:
         group = TensorGroup.start(settings, devices, settings.recovery.start_timeout_s)
     try:
-        engine = LLMEngine.from_settings(settings, shared_kv=role == "prefill", group=group)
-        state = WorkerState(worker_id, engine, outbox, group)
-        outbox.put(Ready(worker_id, engine.kv.num_blocks))
-        serve(state, inbox)
+        load_and_serve(worker_id, role, settings, group, inbox, outbox)
     finally:
+        # After the engine is gone: it may hold the followers' pools open.
         if group is not None:
             group.close()
+
+
+def load_and_serve(
+    worker_id: int,
+    role: str,
+    settings: Settings,
+    group: TensorGroup | None,
+    inbox: Any,
+    outbox: Any,
+) -> None:
+    """Load the engine (shard 0 of `group`), say Ready, serve until Shutdown."""
+    engine = LLMEngine.from_settings(settings, shared_kv=role == "prefill", group=group)
+    state = WorkerState(worker_id, engine, outbox, group)
+    shard_pids = group.pids if group is not None else []
+    outbox.put(Ready(worker_id, engine.kv.num_blocks, shard_pids))
+    serve(state, inbox)
 
 
 def serve(state: WorkerState, inbox: Any) -> None:
