@@ -54,6 +54,7 @@ class WorkerHandle:
 
     @property
     def phase(self) -> str:
+        """starting, ready, draining, stopping or exited."""
         if not self.alive:
             return "exited"
         if self.stopping:
@@ -86,7 +87,9 @@ class WorkerView:
 
     def pid_on(self, device: int) -> int | None:
         """The process that computes on `device` (a shard's, in a tensor-parallel group)."""
-        index = self.devices.index(device) if device in self.devices else 0
+        if self.phase == "exited" or device not in self.devices:
+            return None  # a pid of a process gone may name another one by now
+        index = self.devices.index(device)
         if index == 0:
             return self.pid
         return self.shard_pids[index - 1] if index <= len(self.shard_pids) else None

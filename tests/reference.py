@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.model_runner import move_to
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.kv.block_allocator import blocks_for_tokens
@@ -38,7 +39,7 @@ def our_prefill_logits(engine: LLMEngine, prompts: list[list[int]]) -> list[torc
         seq.block_table = engine.kv.allocator.allocate(blocks_for_tokens(len(seq), bs))
     try:
         out = SchedulerOutput(prefills=[ScheduledChunk(s, len(s)) for s in seqs])
-        inputs = engine.runner.prepare(out)
+        inputs = move_to(engine.runner.prepare(out), engine.model.device)
         hidden = engine.model(
             inputs.input_ids, inputs.positions, inputs.attention, engine.kv.tensor
         )

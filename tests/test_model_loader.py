@@ -178,6 +178,26 @@ def test_hf_folder_truncated_safetensors(tmp_path, cut):
     assert_load_error(excinfo, shard, "safetensors")
 
 
+@pytest.mark.parametrize(
+    ("header", "data", "why"),
+    [
+        ([1, 2], b"", "not a JSON object"),
+        ({"x": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}, b"\0\0", "F8_E4M3"),
+        ({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "8 bytes"),
+        ({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "outside"),
+        ({"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4, "outside"),
+        ({"x": {"dtype": "F32", "shape": [1]}}, b"\0" * 4, "data_offsets"),
+    ],
+    ids=["list-header", "dtype", "size", "past-end", "negative", "no-offsets"],
+)
+def test_malformed_safetensors_are_one_clear_error(tmp_path, header, data, why):
+    text = json.dumps(header).encode()
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    with pytest.raises(ModelLoadError, match=why):
+        loader._read_safetensors(path)
+
+
 def test_safetensors_are_mapped_with_every_dtype_and_shape(tmp_path):
     tensors = {
         "f32": torch.randn(3, 5),

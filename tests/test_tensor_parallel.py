@@ -278,7 +278,7 @@ def test_an_idle_group_outlives_its_collective_timeout(
         device="cpu",
         mode="colocated",
         prefill_tp=2,
-        recovery={"start_timeout_s": 3},  # also the group's collective timeout
+        recovery={"stall_timeout_s": 3},  # also how long an all-reduce may wait
     )
 
     async def main() -> tuple[list[list[int]], int]:

@@ -18,7 +18,10 @@ from appliance.model.llama import CausalLM
 
 @dataclass
 class StepInputs:
-    """A step's flat token batch and the rows whose logits pick next tokens."""
+    """A step's flat token batch and the rows whose logits pick next tokens.
+
+    prepare() makes them on the host; run() moves them to the model's device, and each
+    tensor-parallel follower to its own."""
 
     input_ids: torch.Tensor  # [tokens] int64
     positions: torch.Tensor  # [tokens] int64

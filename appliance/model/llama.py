@@ -181,8 +181,14 @@ class CausalLM(nn.Module):
                     f"weight {name} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(own[name].shape)}",
                 )
+        # Always a copy: the loaded tensors may view a mapped file (loader._read_safetensors),
+        # which a user could rewrite under a running worker. Only this shard's part is read.
+        state = {
+            name: tensor.to(self.device, self.dtype if tensor.is_floating_point() else None,
+                            copy=True)
+            for name, tensor in state.items()
+        }  # fmt: skip
         self.load_state_dict(state, assign=True)
-        self.to(device=self.device, dtype=self.dtype)
         self.rope = RotaryEmbedding(
             self.config, self.max_positions, self.dtype, self.device, freq_factors
         )

@@ -17,6 +17,7 @@ import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -37,7 +38,7 @@ class ModelFiles:
 
     source: Path
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]  # may view a mapped file: copy what you keep
     tokenizer_dir: Path
     int4: dict[str, torch.Tensor] = field(default_factory=dict)  # see model/int4.py
 
@@ -139,26 +140,34 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                 raise ValueError(f"header of {header_size} bytes is past the end of the file")
             header = json.loads(file.read(header_size))
             pages = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
         base = 8 + header_size
         return {
             name: _view(pages, base, info)
             for name, info in header.items()
             if name != "__metadata__"
         }
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
         raise ModelLoadError(path, f"cannot read safetensors ({exc})") from None
 
 
-def _view(pages: mmap.mmap, base: int, info: dict) -> torch.Tensor:
-    dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+def _view(pages: mmap.mmap, base: int, info: dict[str, Any]) -> torch.Tensor:
+    """One tensor of the file as a view of its mapped bytes."""
+    dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+    if dtype is None:
+        raise ValueError(f"tensors of dtype {info['dtype']} are not supported")
     start, stop = info["data_offsets"]
-    count = (stop - start) // dtype.itemsize
-    if base + stop > len(pages) or count != math.prod(info["shape"]):
-        raise ValueError(f"a tensor of shape {info['shape']} does not fit its bytes")
-    if count == 0:
-        return torch.empty(info["shape"], dtype=dtype)
+    shape = [int(d) for d in info["shape"]]
+    count = math.prod(shape)
+    if min(shape, default=0) < 0 or not 0 <= start <= stop <= len(pages) - base:
+        raise ValueError(f"a tensor of shape {shape} lies outside the file")
+    if stop - start != count * dtype.itemsize:
+        raise ValueError(f"a tensor of shape {shape} does not fit its {stop - start} bytes")
+    if count == 0:  # frombuffer refuses an empty view
+        return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(pages, dtype=dtype, count=count, offset=base + start)
-    return flat.view(info["shape"])
+    return flat.view(shape)
 
 
 def cache_entry(path: Path, cache_dir: Path) -> Path:

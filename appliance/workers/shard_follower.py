@@ -26,7 +26,6 @@ from appliance.workers.shard_group import (
     RunStep,
     ShareKV,
     Stop,
-    all_reduce,
     join_group,
     pickle_pool,
 )
@@ -51,11 +50,12 @@ def serve(spec: FollowerSpec) -> None:
     settings = use_device(spec.settings, spec.device)
     store = dist.TCPStore(
         "127.0.0.1", spec.port, world_size=spec.size, is_master=False,
-        timeout=timedelta(seconds=spec.timeout_s),
+        timeout=timedelta(seconds=settings.recovery.start_timeout_s),
     )  # fmt: skip
-    commands = join_group(store, spec.rank, spec.size, spec.device, spec.timeout_s)
+    links = join_group(store, spec.rank, spec.size, spec.device, settings.recovery)
+    commands = links.commands
     shard = Shard(spec.rank, spec.size)
-    parts = load_shard(settings, shard, all_reduce, shared_kv=True)
+    parts = load_shard(settings, shard, links.all_reduce, shared_kv=True)
     head_start = shard_plan(parts.files.config, shard).kv_heads.start
     while True:
         received: list[Any] = [None]

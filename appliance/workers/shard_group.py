@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing  # registers the tensor reducers ForkingPickler uses
 
-from appliance.config import Settings
+from appliance.config import RecoverySettings, Settings
 from appliance.engine.model_runner import StepInputs
 from appliance.kv.handoff import KVShard
 from appliance.topology import Device
@@ -50,7 +50,6 @@ class FollowerSpec:
     settings: Settings
     device: Device
     authkey: bytes  # the leader's, so shared-memory fds pass between the processes
-    timeout_s: float
     leader_pid: int
 
 
@@ -76,12 +75,29 @@ def backend_for(device: Device) -> str:
     return "nccl" if device.kind == "cuda" else "gloo"
 
 
+@dataclass(frozen=True)
+class GroupLinks:
+    """A shard's two process groups over the same processes."""
+
+    compute: dist.ProcessGroup  # the all-reduces: a peer silent past the stall timeout fails
+    commands: dist.ProcessGroup  # gloo, waits for the next step as long as the worker idles
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a shard's partial output over the group, in place."""
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            # gloo sums float32 and float16 only; the sum in float32 rounds once at the end.
+            total = x.float()
+            dist.all_reduce(total, group=self.compute)
+            return x.copy_(total)
+        dist.all_reduce(x, group=self.compute)
+        return x
+
+
 def join_group(
-    store: dist.Store, rank: int, size: int, device: Device, timeout_s: float
-) -> dist.ProcessGroup:
-    """Join the group's default process group (the all-reduces, which fail after
-    timeout_s); returns the gloo group commands go over, which waits without a deadline.
-    One all-reduce proves the links before the worker says it is ready."""
+    store: dist.Store, rank: int, size: int, device: Device, recovery: RecoverySettings
+) -> GroupLinks:
+    """Join the group (within recovery.start_timeout_s) and open its two process groups;
+    one all-reduce proves the links before the worker says it is ready."""
     # The shards of one box talk over loopback, never over the host's other interfaces.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -90,25 +106,18 @@ def join_group(
         store=store,
         rank=rank,
         world_size=size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=recovery.start_timeout_s),
     )
-    commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    stall = timedelta(seconds=recovery.stall_timeout_s)
+    links = GroupLinks(
+        dist.new_group(backend=backend_for(device), timeout=stall),
+        dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT),
+    )
     probe = torch.ones(1, device="cuda" if device.kind == "cuda" else "cpu")
-    dist.all_reduce(probe)
+    links.all_reduce(probe)
     if probe.item() != size:
         raise RuntimeError(f"tensor-parallel group of {size} summed ones to {probe.item()}")
-    return commands
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum a shard's partial output over the group, in place."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        # gloo sums float32 and float16 only; the sum in float32 rounds once at the end.
-        total = x.float()
-        dist.all_reduce(total)
-        return x.copy_(total)
-    dist.all_reduce(x)
-    return x
+    return links
 
 
 def pickle_pool(head_start: int, tensor: torch.Tensor) -> tuple[int, bytes]:
@@ -123,7 +132,7 @@ class TensorGroup:
         self,
         store: dist.Store,
         processes: list[subprocess.Popen],
-        commands: dist.ProcessGroup,
+        links: GroupLinks,
         stopping: threading.Event,
     ) -> None:
         self.size = len(processes) + 1
@@ -131,40 +140,36 @@ class TensorGroup:
         self.pids = [p.pid for p in processes]  # shards 1.. in order
         self._store = store  # the TCPStore lives as long as the group
         self._processes = processes
-        self._commands = commands
+        self._links = links
+        self._commands = links.commands
 
     @classmethod
-    def start(
-        cls, settings: Settings, devices: tuple[Device, ...], timeout_s: float
-    ) -> TensorGroup:
+    def start(cls, settings: Settings, devices: tuple[Device, ...]) -> TensorGroup:
         """Start one follower per device after the first (this process's) and join them."""
         size = len(devices)
+        timeout_s = settings.recovery.start_timeout_s
         store = dist.TCPStore(
             "127.0.0.1", 0, world_size=size, is_master=True,
             timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
         )  # fmt: skip
         authkey = bytes(multiprocessing.current_process().authkey)
         processes = [
-            _spawn(
-                FollowerSpec(
-                    rank, size, store.port, settings, device, authkey, timeout_s, os.getpid()
-                )
-            )
+            _spawn(FollowerSpec(rank, size, store.port, settings, device, authkey, os.getpid()))
             for rank, device in enumerate(devices[1:], start=1)
         ]
         stopping = threading.Event()
         watch = threading.Thread(target=_watch, args=(processes, stopping), daemon=True)
         watch.start()
         try:
-            commands = join_group(store, 0, size, devices[0], timeout_s)
+            links = join_group(store, 0, size, devices[0], settings.recovery)
         except Exception:
             _kill(processes)
             raise
-        return cls(store, processes, commands, stopping)
+        return cls(store, processes, links, stopping)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum this shard's partial output with the followers'."""
-        return all_reduce(x)
+        return self._links.all_reduce(x)
 
     def run_step(self, inputs: StepInputs) -> None:
         """Hand the followers this step's inputs; the leader then runs it too."""

@@ -73,7 +73,7 @@ def run_worker(
     settings = use_device(settings, devices[0])
     group = None
     if len(devices) > 1:
-        group = TensorGroup.start(settings, devices, settings.recovery.start_timeout_s)
+        group = TensorGroup.start(settings, devices)
     try:
         load_and_serve(worker_id, role, settings, group, inbox, outbox)
     finally:
@@ -93,9 +93,12 @@ def load_and_serve(
     """Load the engine (shard 0 of `group`), say Ready, serve until Shutdown."""
     engine = LLMEngine.from_settings(settings, shared_kv=role == "prefill", group=group)
     state = WorkerState(worker_id, engine, outbox, group)
-    shard_pids = group.pids if group is not None else []
-    outbox.put(Ready(worker_id, engine.kv.num_blocks, shard_pids))
-    serve(state, inbox)
+    try:
+        shard_pids = group.pids if group is not None else []
+        outbox.put(Ready(worker_id, engine.kv.num_blocks, shard_pids))
+        serve(state, inbox)
+    finally:  # a traceback would keep the engine (and the shards' pools it opened) alive
+        del state, engine
 
 
 def serve(state: WorkerState, inbox: Any) -> None:
