@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -141,11 +141,12 @@ def load_shard(
     kv_heads = kv_head_ranges(cfg.num_kv_heads, shard.size)
     int4 = use_int4(settings.weights, files, dtype, device, shard.size)
     model = build_model(files, dtype, device, max_len, int4, shard, all_reduce)
-    layout = KVLayout(cfg.num_layers, settings.kv.block_size, len(kv_heads[0]), cfg.head_dim, dtype)
-    num_blocks = settings.kv.num_blocks or layout.blocks_for_budget(settings.kv.memory_mb * 2**20)
-    own = KVLayout(
-        cfg.num_layers, settings.kv.block_size, len(kv_heads[shard.rank]), cfg.head_dim, dtype
+    largest = KVLayout(
+        cfg.num_layers, settings.kv.block_size, len(kv_heads[0]), cfg.head_dim, dtype
     )
+    budget = settings.kv.memory_mb * 2**20
+    num_blocks = settings.kv.num_blocks or largest.blocks_for_budget(budget)
+    own = replace(largest, num_kv_heads=len(kv_heads[shard.rank]))
     kv = KVCache(own, num_blocks, device, shared=shared_kv)
     return ShardParts(files, model, kv, max_len)
 

@@ -131,8 +131,8 @@ _SAFETENSORS_DTYPES = {
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """The file's tensors as views of its pages, mapped copy-on-write: nothing is read
-    until used, a tensor-parallel shard reads only the rows it slices, and workers
-    loading the same file share its pages."""
+    until used, so a tensor-parallel shard reads only the rows it slices (the model then
+    copies them: see CausalLM.load_weights)."""
     try:
         with open(path, "rb") as file:
             (header_size,) = struct.unpack("<Q", file.read(8))

@@ -125,6 +125,11 @@ def pickle_pool(head_start: int, tensor: torch.Tensor) -> tuple[int, bytes]:
     return head_start, bytes(ForkingPickler.dumps(tensor))
 
 
+def open_pools(pools: list[tuple[int, bytes]]) -> list[KVShard]:
+    """Pools pickled by pickle_pool (in other processes), mapped into this one."""
+    return [KVShard(head, ForkingPickler.loads(data)) for head, data in pools]
+
+
 class TensorGroup:
     """The leader's handle on its followers (see the module docstring)."""
 
@@ -185,7 +190,7 @@ class TensorGroup:
 
     def kv_shards(self) -> list[KVShard]:
         """The followers' pools, opened in this process (the handoff copies into them)."""
-        return [KVShard(head, ForkingPickler.loads(data)) for head, data in self.share_pools()]
+        return open_pools(self.share_pools())
 
     def close(self) -> None:
         """Stop the followers (killing any that linger) and leave the process group."""

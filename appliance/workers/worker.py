@@ -10,7 +10,6 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass, field, replace
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ from appliance.workers.messages import (
     TokenBatch,
     Tune,
 )
-from appliance.workers.shard_group import TensorGroup, pickle_pool
+from appliance.workers.shard_group import TensorGroup, open_pools, pickle_pool
 
 IDLE_WAIT_S = 0.05  # how long an idle worker blocks on its inbox before looking again
 LEASE_S = 30.0  # parked blocks nobody pulled within this are freed
@@ -165,8 +164,7 @@ def handle(state: WorkerState, message: Any) -> None:
             pools += state.group.share_pools()
         state.outbox.put(PoolShared(state.worker_id, message.consumer, pools))
     elif isinstance(message, PeerPool):
-        shards = [KVShard(head, ForkingPickler.loads(data)) for head, data in message.data]
-        state.peers[message.worker_id] = shards
+        state.peers[message.worker_id] = open_pools(message.data)
     elif isinstance(message, Release):
         engine_id = state.to_engine.pop(message.request_id, None)
         if engine_id is not None and engine_id in engine.scheduler.parked:
