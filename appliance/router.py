@@ -8,12 +8,15 @@ processes, so it is tested on plain data.
   one step budget of it, the one that prefilled the longest prefix of the prompt lately
   (its prefix cache likely still holds it). Round-robin when tuned so.
 - A handoff goes to the decode worker with the most free KV blocks, fewest running
-  sequences breaking ties.
+  sequences breaking ties. Free is what the worker last reported less the blocks of
+  handoffs sent to it and not answered yet: a worker answers a handoff before it reports
+  the step that holds its blocks, so no handoff is counted twice or missed.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 from appliance.admin.schema import Tuning
 from appliance.kv.prefix_cache import prefix_keys
@@ -43,9 +46,12 @@ class Router:
         remember_prefix(worker, keys)
         return worker
 
-    def decode(self, candidates: list[WorkerHandle]) -> WorkerHandle:
-        """Pick the decode worker that continues a prefilled request."""
-        return max(candidates, key=lambda w: (w.num_free, -w.running))
+    def decode(self, candidates: list[WorkerHandle], in_flight: Mapping[int, int]) -> WorkerHandle:
+        """Pick the decode worker that continues a prefilled request; `in_flight` maps a
+        worker id to the blocks of the handoffs it has been sent and not answered."""
+        return max(
+            candidates, key=lambda w: (w.num_free - in_flight.get(w.worker_id, 0), -w.running)
+        )
 
 
 def least_loaded(candidates: list[WorkerHandle], keys: list[int], budget: int) -> WorkerHandle:

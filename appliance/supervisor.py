@@ -12,7 +12,7 @@ import itertools
 import logging
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -585,9 +585,7 @@ class Supervisor:
         if not candidates:  # decode workers (re)starting or being wired to this prefill worker
             self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, pending)
             return
-        needed = blocks_for_tokens(request.submitted_len + 1, self.settings.kv.block_size)
-        decode = self.router.decode(candidates)
-        decode.num_free -= needed  # until its next report says otherwise
+        decode = self.router.decode(candidates, self._blocks_in_flight())
         decode.last_work = time.monotonic()
         request.decode_worker = decode.worker_id
         request.timing["handoff_sent"] = time.monotonic()
@@ -602,6 +600,15 @@ class Supervisor:
                 pending.blocks,
             )
         )
+
+    def _blocks_in_flight(self) -> Counter[int]:
+        """Decode worker id -> KV blocks of the handoffs sent to it and not answered yet."""
+        in_flight: Counter[int] = Counter()
+        block_size = self.settings.kv.block_size
+        for pending in self._pending.values():
+            tokens = pending.request.submitted_len + 1  # what the decode worker will hold
+            in_flight[pending.request.decode_worker] += blocks_for_tokens(tokens, block_size)
+        return in_flight
 
     def _on_handoff_result(self, result: HandoffResult) -> None:
         pending = self._pending.get(result.request_id)

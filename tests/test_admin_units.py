@@ -265,4 +265,8 @@ def test_handoffs_go_to_the_decode_worker_with_most_room() -> None:
     a, b, c = (WorkerHandle(i, "decode", i, f"cpu{i}", (i,), None, None) for i in range(3))
     a.num_free, b.num_free, c.num_free = 10, 40, 40
     b.running, c.running = 5, 2
-    assert Router(16, True).decode([a, b, c]) is c
+    router = Router(16, True)
+    assert router.decode([a, b, c], {}) is c
+    # c has been sent handoffs it has not answered: its report does not hold them yet
+    assert router.decode([a, b, c], {c.worker_id: 3}) is b
+    assert router.decode([a, b, c], {b.worker_id: 31, c.worker_id: 31}) is a
