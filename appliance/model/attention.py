@@ -132,24 +132,12 @@ def _decode(
     # [decodes * max_blocks, block_size, kv_heads, head_dim] -> [decodes, kv_heads, ctx, head_dim]
     k = k_cache.index_select(0, tables.flatten()).view(decodes, -1, kv_heads, head_dim)
     v = v_cache.index_select(0, tables.flatten()).view(decodes, -1, kv_heads, head_dim)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    if q.device.type == "cpu" and q.dtype != torch.float32:
-        # torch's fused CPU kernel is 3-4x slower than plain matmuls for a single query
-        # row in 16-bit floats (benchmarks/attention_bench.py); in float32 it is faster.
-        return _decode_matmuls(q, k, v, group.padding, scale)
+    # The query heads sharing a KV head are that head's query rows: [decodes, kv_heads,
+    # group, head_dim]. Plain multi-head SDPA over a few rows is 1.2-5x faster on the CPU
+    # than one row per query head with enable_gqa, and than matmuls in 16-bit floats
+    # (benchmarks/attention_bench.py). Every row sees the same keys: no mask among them.
+    grouped = q.view(decodes, kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=~group.padding, scale=scale, enable_gqa=True
-    )  # [decodes, heads, 1, head_dim]
-    return out.squeeze(2)
-
-
-def _decode_matmuls(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor, scale: float
-) -> torch.Tensor:
-    decodes, kv_heads, _, head_dim = k.shape
-    # Query heads grouped under their shared KV head: [decodes, kv_heads, group, head_dim]
-    q = q.view(decodes, kv_heads, -1, head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [decodes, kv, group, ctx]
-    scores = scores.masked_fill(padding, float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # [decodes, kv, group, head_dim]
-    return out.view(decodes, -1, head_dim)
+        grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=~group.padding, scale=scale
+    )
+    return out.reshape(decodes, -1, head_dim)
