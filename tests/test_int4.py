@@ -18,8 +18,10 @@ from appliance.model.int4 import (
     INT4_MAX_ROWS,
     Int4Linear,
     Int4Switch,
+    Q8Head,
     dequantize_int4,
     split_q4_blocks,
+    split_q8_blocks,
 )
 from appliance.model.loader import ModelFiles
 
@@ -34,6 +36,34 @@ def test_split_blocks_is_exactly_the_gguf_dequantization(qtype: str) -> None:
     ours = dequantize_int4(*(torch.from_numpy(a) for a in (q, scale, zero)))
     expected = dequantize(raw, GGMLQuantizationType[qtype])
     assert torch.equal(ours, torch.from_numpy(expected))
+
+
+def test_a_q8_0_head_in_two_4_bit_halves_is_the_file_weight() -> None:
+    rng = np.random.default_rng(2)
+    raw = quantize(rng.normal(size=(48, 96)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    q, d = split_q8_blocks(raw)
+    expected = dequantize(raw, GGMLQuantizationType.Q8_0)
+    assert q.dtype == np.int8 and d.shape == (48, 3)
+    assert np.array_equal(q.reshape(48, 3, 32) * d[..., None], expected.reshape(48, 3, 32))
+    head = Q8Head(torch.from_numpy(q), torch.from_numpy(d), torch.float32)
+    # The kernel in float32 is exact but slow: what the halves compute, not how fast.
+    x = torch.eye(96)  # row i picks input column i: the output is the weight, transposed
+    got = torch.cat([head(x[i : i + INT4_MAX_ROWS]) for i in range(0, 96, INT4_MAX_ROWS)])
+    assert torch.allclose(got.T, torch.from_numpy(expected), rtol=0, atol=1e-6)
+
+
+def test_a_bfloat16_q8_head_stays_as_close_as_the_dense_head() -> None:
+    rng = np.random.default_rng(3)
+    raw = quantize(rng.normal(size=(512, 256)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0))
+    head = Q8Head(*(torch.from_numpy(a) for a in split_q8_blocks(raw)), torch.bfloat16)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    exact = x.double() @ weight.double().T
+    dense = (x @ weight.to(torch.bfloat16).T).double()
+    ours = head(x).double()
+    assert torch.equal(ours.argmax(-1), exact.argmax(-1))
+    # bfloat16 scales and two rounded halves: within twice the dense head's error
+    assert (ours - exact).abs().mean() < 2 * (dense - exact).abs().mean()
 
 
 def make_linear(dtype: torch.dtype) -> tuple[Int4Linear, torch.Tensor]:
@@ -100,6 +130,20 @@ def int4_engine() -> LLMEngine:
 def test_every_projection_of_the_default_model_goes_4_bit(int4_engine: LLMEngine) -> None:
     int4 = [m for m in int4_engine.model.modules() if isinstance(m, Int4Linear)]
     assert len(int4) == 4 * int4_engine.model.config.num_layers
+    assert isinstance(int4_engine.model.int4_head, Q8Head)  # its tied Q8_0 embedding
+
+
+def test_only_few_decode_rows_take_the_q8_head(int4_engine: LLMEngine) -> None:
+    model = int4_engine.model
+    hidden = torch.randn(INT4_MAX_ROWS + 1, model.config.hidden_size, dtype=torch.bfloat16)
+    dense = torch.nn.functional.linear(hidden, model.embed_tokens.weight).float()
+    assert torch.equal(model.logits(hidden), dense)
+    assert not torch.equal(model.logits(hidden[:2]), dense[:2])  # the 4-bit halves
+    model.int4_switch.on = False  # a prefill step
+    try:
+        assert torch.equal(model.logits(hidden[:2]), dense[:2])
+    finally:
+        model.int4_switch.on = True
 
 
 def test_int4_logits_stay_close_to_float32(int4_engine: LLMEngine, engine: LLMEngine) -> None:

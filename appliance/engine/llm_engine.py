@@ -69,14 +69,15 @@ def use_int4(
 ) -> bool:
     """Whether to keep the file's 4-bit weights (appliance/model/int4.py)."""
     fits = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and shards == 1
-    if setting == "int4" and not files.int4:
+    has_4bit = any(name.endswith(".q4") for name in files.int4)
+    if setting == "int4" and not has_4bit:
         raise ValueError(f"weights=int4 but {files.source} has no Q4_0/Q4_1 weights")
     if setting == "int4" and not fits:
         raise ValueError(
             "weights=int4 runs on the CPU with dtype bfloat16 or float16, without tensor "
             "parallelism"
         )
-    return setting == "int4" or (setting == "auto" and fits and bool(files.int4))
+    return setting == "int4" or (setting == "auto" and fits and has_4bit)
 
 
 def build_model(

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from appliance.model.errors import ModelLoadError
-from appliance.model.int4 import split_q4_blocks
+from appliance.model.int4 import split_q4_blocks, split_q8_blocks
 from appliance.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 SUPPORTED_QUANTS = frozenset(
@@ -138,11 +138,16 @@ def read_int4_weights(
     reader: GGUFReader, config: ModelConfig, path: Path
 ) -> dict[str, torch.Tensor]:
     """Q4_0/Q4_1 projection weights kept 4-bit: `<hf name>.q4` [out, in] uint8 (0..15),
-    `.scale` and `.zero` float32 [out, in / 32] (see appliance/model/int4.py)."""
+    `.scale` and `.zero` float32 [out, in / 32]; a Q8_0 LM head as `<hf name>.q8` [out, in]
+    int8 and `.q8_scale` float32 [out, in / 32] (see appliance/model/int4.py)."""
     q4_types = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     out = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name, path)
+        if name == head and tensor.tensor_type == GGMLQuantizationType.Q8_0:
+            q, d = split_q8_blocks(tensor.data)
+            out[f"{name}.q8"], out[f"{name}.q8_scale"] = torch.from_numpy(q), torch.from_numpy(d)
         if tensor.tensor_type not in q4_types or ".layers." not in name:
             continue
         parts = split_q4_blocks(tensor.data, tensor.tensor_type == GGMLQuantizationType.Q4_1)

