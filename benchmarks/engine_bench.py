@@ -133,12 +133,15 @@ def now(device: torch.device) -> float:
 
 
 def load_engine(dtype: str, weights: str, device: str) -> tuple[LLMEngine, float]:
-    """Build the engine with the whole long prompt allowed in one chunk; time the build."""
+    """Build the engine with the whole long prompt allowed in one chunk; time the build.
+    Prefix caching is off: every run feeds the same ids, and a cached prompt would not be
+    computed at all (benchmarks/prefix_cache_bench.py measures that)."""
     settings = load_settings(
         dtype=dtype,
         weights=weights,
         device=device,
         batch={"chunk_size": 2048, "max_num_batched_tokens": 2048},
+        kv={"prefix_caching": False},
     )
     start = time.perf_counter()
     engine = LLMEngine.from_settings(settings)

@@ -22,6 +22,7 @@ from appliance.kv.handoff import KVShard, copy_between_shards
 from appliance.model.int4 import attach_int4
 from appliance.model.llama import CausalLM
 from appliance.model.loader import ModelFiles, load_model_files
+from appliance.model.packed_linear import pack_linears, packs_linears
 from appliance.model.tensor_parallel import (
     WHOLE_MODEL,
     AllReduce,
@@ -94,6 +95,8 @@ def build_model(
     model.load_weights(files.weights, str(files.source))
     if int4:
         attach_int4(model, files.int4)
+    if packs_linears(device, dtype):
+        pack_linears(model)
     model.eval()
     return model
 

@@ -155,8 +155,9 @@ class CausalLM(nn.Module):
         """[rows, hidden] -> float32 [rows, vocab]."""
         if self.int4_head is not None and self.int4_switch.takes(hidden):
             return self.int4_head(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied to the embedding
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
         """Take Hugging Face-named float weights, fusing q/k/v and gate/up projections and

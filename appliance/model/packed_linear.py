@@ -1,0 +1,57 @@
+"""On the CPU, projections run oneDNN's linear over weights packed once at load.
+
+`F.linear` hands oneDNN a plain [out, in] weight and oneDNN reorders it into its blocked
+layout on every call. Packing once with `torch.ops.mkldnn._reorder_linear_weight` (what
+torch.compile's CPU freezing does) leaves each call the matmul alone: 1.2-2.2x faster
+for bfloat16 at 1 to 32 rows, and bit-identical to `F.linear`
+(benchmarks/linear_bench.py). Only bfloat16 is packed: packed float32 is faster too but
+sums in another order, and float32 is the dtype that must match transformers' outputs.
+A GPU keeps `F.linear` (cuBLAS).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this device and dtype have oneDNN's packed bfloat16 linear."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+class PackedLinear(nn.Module):
+    """`F.linear(x, weight, bias)` with the weight in oneDNN's layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # The batch-size hint only tunes the layout; any number of rows runs on it.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, in] -> [rows, out]."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every nn.Linear in `model` (a CausalLM) for a PackedLinear of its weight, and
+    give a tied LM head its own packed copy of the embedding; returns how many."""
+    swaps = [
+        (owner, name, child)
+        for owner in model.modules()
+        for name, child in owner.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    for owner, name, child in swaps:
+        setattr(owner, name, PackedLinear(child.weight, child.bias))
+    if model.lm_head is None:  # tied: the lookup keeps the plain embedding
+        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+        return len(swaps) + 1
+    return len(swaps)

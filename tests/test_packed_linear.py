@@ -1,0 +1,70 @@
+"""oneDNN-packed projections on the CPU: the same numbers as F.linear, used where they run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from appliance.config import load_settings
+from appliance.engine.llm_engine import build_model
+from appliance.model.llama import CausalLM
+from appliance.model.loader import ModelFiles, default_model_path, load_model_files
+from appliance.model.packed_linear import PackedLinear, pack_linears, packs_linears
+
+CPU = torch.device("cpu")
+
+
+def test_packing_is_for_bfloat16_on_the_cpu_only() -> None:
+    assert packs_linears(CPU, torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not packs_linears(CPU, torch.float32)  # another summation order than transformers
+    assert not packs_linears(torch.device("cuda"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_is_bit_identical_to_f_linear(rows: int, bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=generator).to(torch.bfloat16)
+    b = torch.randn(96, generator=generator).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, 64, generator=generator).to(torch.bfloat16)
+    assert torch.equal(PackedLinear(weight, b)(x), F.linear(x, weight, b))
+
+
+@pytest.fixture(scope="module")
+def files() -> ModelFiles:
+    return load_model_files(default_model_path(), load_settings().cache_dir)
+
+
+def test_the_bfloat16_model_is_packed_and_answers_as_before(files: ModelFiles) -> None:
+    packed = build_model(files, torch.bfloat16, CPU, 256)
+    with torch.device("meta"):
+        plain = CausalLM(files.config, torch.bfloat16, CPU, 256)
+    plain.load_weights(files.weights, "test")
+    linears = [m for m in packed.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears == [] and isinstance(packed.lm_head, PackedLinear)  # tied head too
+    assert plain.lm_head is None
+    ids = torch.tensor([1, 504, 3458, 282, 4649, 314])
+    assert torch.equal(prefill_logits(packed, ids), prefill_logits(plain, ids))
+
+
+def test_packing_an_untied_head_packs_that_head(files: ModelFiles) -> None:
+    with torch.device("meta"):
+        model = CausalLM(files.config, torch.bfloat16, CPU, 64)
+    model.load_weights(files.weights, "test")
+    model.lm_head = torch.nn.Linear(576, 10, bias=False, dtype=torch.bfloat16)
+    head = model.lm_head.weight
+    count = pack_linears(model)
+    hidden = torch.randn(3, 576).to(torch.bfloat16)
+    assert count == 4 * files.config.num_layers + 1
+    assert torch.equal(model.logits(hidden), F.linear(hidden, head).float())
+
+
+def prefill_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
+    from appliance.model.attention import AttentionBatch, PrefillSegment
+
+    cfg = model.config
+    kv = torch.zeros(cfg.num_layers, 2, 1, 16, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+    n = len(ids)
+    batch = AttentionBatch(torch.arange(n), [PrefillSegment(0, n, n, torch.tensor([0]))], n, [])
+    return model.logits(model(ids, torch.arange(n), batch, kv))
