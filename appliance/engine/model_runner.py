@@ -143,8 +143,8 @@ class ModelRunner:
         tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in decodes]
         context = self._tensor([c.start + 1 for c in decodes])
         keys = torch.arange(width * self.kv.block_size)
-        padding = (keys[None, :] >= context[:, None])[:, None, None, :]  # [n, 1, 1, keys]
-        return DecodeGroup(rows, self._tensor(tables), padding)
+        visible = (keys[None, :] < context[:, None])[:, None, None, :]  # [n, 1, 1, keys]
+        return DecodeGroup(rows, self._tensor(tables), visible)
 
     def _tensor(self, values: list) -> torch.Tensor:
         # On the host: one copy per tensor to the device later, none back for followers.

@@ -29,8 +29,8 @@ class DecodeGroup:
 
     rows: torch.Tensor | None  # [n] int64 among the decode rows; None: all, in order
     block_tables: torch.Tensor  # [n, max_blocks] int64, padded with 0
-    padding: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True for key slots
-    # past a sequence's context (padding of its block table)
+    visible: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True for key slots
+    # inside a sequence's context, False for the padding of its block table
 
 
 @dataclass
@@ -67,12 +67,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> like q."""
     write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+    groups = batch.decode_groups
+    if not batch.prefills and len(groups) == 1 and groups[0].rows is None:
+        return _decode(q, k_cache, v_cache, groups[0], scale)  # every row: nothing to place
     out = torch.empty_like(q)
     for seg in batch.prefills:
         rows = slice(seg.start, seg.start + seg.length)
         out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
     decode_q, decode_out = q[batch.decode_start :], out[batch.decode_start :]
-    for group in batch.decode_groups:
+    for group in groups:
         if group.rows is None:
             decode_out[:] = _decode(decode_q, k_cache, v_cache, group, scale)
         else:
@@ -138,6 +141,6 @@ def _decode(
     # (benchmarks/attention_bench.py). Every row sees the same keys: no mask among them.
     grouped = q.view(decodes, kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
-        grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=~group.padding, scale=scale
+        grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.visible, scale=scale
     )
     return out.reshape(decodes, -1, head_dim)
