@@ -161,8 +161,9 @@ class Settings(BaseSettings):
     )
     weights: Literal["auto", "dense", "int4"] = Field(
         "auto",
-        description="int4 keeps a GGUF's Q4_0/Q4_1 weights 4-bit for small decode batches "
-        "(CPU, 16-bit dtype); auto does so where that applies; dense dequantizes all.",
+        description="int4 keeps a GGUF's Q4_0/Q4_1 weights (and a Q8_0 LM head, as two 4-bit "
+        "halves) 4-bit for small decode batches (CPU, 16-bit dtype); auto does so where that "
+        "applies; dense dequantizes all.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Accelerator kind; auto takes CUDA when present."
