@@ -8,9 +8,9 @@ processes, so it is tested on plain data.
   one step budget of it, the one that prefilled the longest prefix of the prompt lately
   (its prefix cache likely still holds it). Round-robin when tuned so.
 - A handoff goes to the decode worker with the most free KV blocks, fewest running
-  sequences breaking ties. Free is what the worker last reported less the blocks of
-  handoffs sent to it and not answered yet: a worker answers a handoff before it reports
-  the step that holds its blocks, so no handoff is counted twice or missed.
+  sequences breaking ties. Free is what the worker last reported less the blocks its
+  report does not show yet: of handoffs sent to it and not answered, and of those it
+  took since (it answers a handoff before it reports the step that holds its blocks).
 """
 
 from __future__ import annotations

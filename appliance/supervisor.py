@@ -524,6 +524,7 @@ class Supervisor:
         if worker is None or not worker.alive:  # retired or dead since it sent this
             return
         worker.num_free, worker.running = batch.num_free_blocks, batch.num_running
+        worker.taken_blocks = 0
         worker.last_report = time.monotonic()
         worker.tokens_out += sum(len(out.token_ids) for out in batch.outputs)
         for wire_id in batch.started:
@@ -602,13 +603,18 @@ class Supervisor:
         )
 
     def _blocks_in_flight(self) -> Counter[int]:
-        """Decode worker id -> KV blocks of the handoffs sent to it and not answered yet."""
+        """Decode worker id -> KV blocks its last report does not show yet: of handoffs sent
+        to it and not answered, and of those it took since that report."""
         in_flight: Counter[int] = Counter()
-        block_size = self.settings.kv.block_size
         for pending in self._pending.values():
-            tokens = pending.request.submitted_len + 1  # what the decode worker will hold
-            in_flight[pending.request.decode_worker] += blocks_for_tokens(tokens, block_size)
+            in_flight[pending.request.decode_worker] += self._handoff_blocks(pending.request)
+        for worker in self.workers.values():
+            in_flight[worker.worker_id] += worker.taken_blocks
         return in_flight
+
+    def _handoff_blocks(self, request: RequestState) -> int:
+        """The KV blocks a decode worker holds for a handed-off request."""
+        return blocks_for_tokens(request.submitted_len + 1, self.settings.kv.block_size)
 
     def _on_handoff_result(self, result: HandoffResult) -> None:
         pending = self._pending.get(result.request_id)
@@ -619,6 +625,9 @@ class Supervisor:
             return
         del self._pending[result.request_id]
         if result.accepted:
+            # Its next report holds these blocks: a worker answers before it steps again.
+            if (decode := self.workers.get(result.worker_id)) is not None:
+                decode.taken_blocks += self._handoff_blocks(request)
             request.timing["handoff"] = time.monotonic()
             request.handoff_bytes = result.bytes_moved
             self._tell(pending.source, Release(result.request_id))

@@ -28,7 +28,8 @@ class WorkerHandle:
     stopping: bool = False  # told to shut down: its exit is expected
     started: asyncio.Future | None = None  # set when a worker joining a running pool is ready
     num_blocks: int = 0
-    num_free: int = 0
+    num_free: int = 0  # free KV blocks, as of its last report
+    taken_blocks: int = 0  # KV blocks of handoffs it took since that report
     running: int = 0
     queued_tokens: int = 0  # prompt tokens sent and not yet answered
     tokens_out: int = 0  # tokens it has produced

@@ -169,6 +169,10 @@ def test_int4_setting_is_refused_where_it_cannot_run(engine: LLMEngine) -> None:
     files = ModelFiles(Path("m.gguf"), engine.model.config, {}, Path("."), {})
     with pytest.raises(ValueError, match="no Q4_0/Q4_1"):
         use_int4("int4", files, torch.bfloat16, torch.device("cpu"))
+    files.int4 = {"lm_head.weight.q8": torch.zeros(1)}  # only a Q8_0 head: nothing 4-bit
+    assert use_int4("auto", files, torch.bfloat16, torch.device("cpu")) is False
+    with pytest.raises(ValueError, match="no Q4_0/Q4_1"):
+        use_int4("int4", files, torch.bfloat16, torch.device("cpu"))
     files.int4 = {"x.q4": torch.zeros(1)}
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         use_int4("int4", files, torch.float32, torch.device("cpu"))

@@ -42,10 +42,20 @@ def test_the_bfloat16_model_is_packed_and_answers_as_before(files: ModelFiles) -
         plain = CausalLM(files.config, torch.bfloat16, CPU, 256)
     plain.load_weights(files.weights, "test")
     linears = [m for m in packed.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears == [] and isinstance(packed.lm_head, PackedLinear)  # tied head too
+    packs = packs_linears(CPU, torch.bfloat16)  # a CPU without oneDNN bf16 keeps F.linear
+    assert (linears == []) == packs
+    assert isinstance(packed.lm_head, PackedLinear) == packs  # the tied head too
     assert plain.lm_head is None
     ids = torch.tensor([1, 504, 3458, 282, 4649, 314])
     assert torch.equal(prefill_logits(packed, ids), prefill_logits(plain, ids))
+
+
+def test_a_follower_shard_packs_no_head(files: ModelFiles) -> None:
+    with torch.device("meta"):
+        model = CausalLM(files.config, torch.bfloat16, CPU, 64)
+    model.load_weights(files.weights, "test")
+    assert pack_linears(model, head=False) == 4 * files.config.num_layers
+    assert model.lm_head is None  # it computes no logits: no packed copy of the embedding
 
 
 def test_packing_an_untied_head_packs_that_head(files: ModelFiles) -> None:

@@ -96,7 +96,7 @@ def build_model(
     if int4:
         attach_int4(model, files.int4)
     if packs_linears(device, dtype):
-        pack_linears(model)
+        pack_linears(model, head=shard.rank == 0)  # followers compute no logits
     model.eval()
     return model
 

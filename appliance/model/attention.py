@@ -132,7 +132,7 @@ def _decode(
     """One query token per sequence against its cached keys."""
     tables = group.block_tables
     decodes, kv_heads, head_dim = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
-    # [decodes * max_blocks, block_size, kv_heads, head_dim] -> [decodes, kv_heads, ctx, head_dim]
+    # [decodes * max_blocks, block_size, kv_heads, head_dim] -> [decodes, ctx, kv_heads, head_dim]
     k = k_cache.index_select(0, tables.flatten()).view(decodes, -1, kv_heads, head_dim)
     v = v_cache.index_select(0, tables.flatten()).view(decodes, -1, kv_heads, head_dim)
     # The query heads sharing a KV head are that head's query rows: [decodes, kv_heads,
@@ -142,5 +142,5 @@ def _decode(
     grouped = q.view(decodes, kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
         grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.visible, scale=scale
-    )
+    )  # K/V seen as [decodes, kv_heads, ctx, head_dim]
     return out.reshape(decodes, -1, head_dim)

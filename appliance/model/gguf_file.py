@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from appliance.model.errors import ModelLoadError
-from appliance.model.int4 import split_q4_blocks, split_q8_blocks
+from appliance.model.int4 import head_weight_name, split_q4_blocks, split_q8_blocks
 from appliance.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 SUPPORTED_QUANTS = frozenset(
@@ -141,7 +141,7 @@ def read_int4_weights(
     `.scale` and `.zero` float32 [out, in / 32]; a Q8_0 LM head as `<hf name>.q8` [out, in]
     int8 and `.q8_scale` float32 [out, in / 32] (see appliance/model/int4.py)."""
     q4_types = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
-    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    head = head_weight_name(config)
     out = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name, path)

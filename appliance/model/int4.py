@@ -9,9 +9,11 @@ projection keeps its dense weight too and picks per call.
 
 The LM head (SmolLM2's tied embedding, Q8_0 in the file: 8 bits per weight, one scale d
 per 32) is the largest matmul of a batch-1 step. It goes through the same kernel as two
-4-bit halves: q + 128 = 16 * hi + lo with hi, lo in 0..15, so d * q = 16d * (hi - 8) + d * lo.
-The two products add up to the file's Q8_0 weight exactly, up to rounding d to the
-activation dtype, and read half the bytes of the dense bfloat16 head.
+4-bit halves: q + 128 = 16 * hi + lo with hi, lo in 0..15, so
+d * q = (16d * (hi - 8) + 8d) + d * (lo - 8), each half centred on zero. Their weights
+add up to the file's Q8_0 weight exactly, up to rounding d to the activation dtype; each
+half's output is rounded to that dtype before the two are added. They read half the
+bytes of the dense bfloat16 head.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
+
+from appliance.model.model_config import ModelConfig
 
 GROUP = 32  # GGUF's Q4_0 / Q4_1 block: 32 weights sharing one scale (and min)
 # At or below this many rows the int4 kernel is faster than dense bfloat16 on the CPU
@@ -32,6 +36,11 @@ def split_q8_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     q = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
     return q, d
+
+
+def head_weight_name(config: ModelConfig) -> str:
+    """The Hugging Face name of the weight the LM head multiplies by."""
+    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
 
 
 def split_q4_blocks(raw: np.ndarray, q4_1: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -96,10 +105,10 @@ class Q8Head(nn.Module):
         pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
         self.high = pack(unsigned >> 4, 1)
         self.low = pack(unsigned & 15, 1)
-        # The kernel's weight is (nibble - 8) * scale + zero per group: 16d * (hi - 8) for
-        # the high half, d * lo (scale d, zero 8d) for the low one.
-        self.high_scales = _scales_zeros(16 * d, torch.zeros_like(d), dtype)
-        self.low_scales = _scales_zeros(d, 8 * d, dtype)
+        # The kernel's weight is (nibble - 8) * scale + zero per group: 16d * (hi - 8) + 8d
+        # for the high half, d * (lo - 8) for the low one (whose output stays small).
+        self.high_scales = _scales_zeros(16 * d, 8 * d, dtype)
+        self.low_scales = _scales_zeros(d, torch.zeros_like(d), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> float32 [rows, vocab]."""
@@ -131,7 +140,7 @@ def attach_int4(model: nn.Module, int4: dict[str, torch.Tensor]) -> int:
     `model.int4_switch`, and the LM head a Q8Head when the file's is Q8_0; returns how
     many projections went 4-bit."""
     switch = model.int4_switch = Int4Switch()
-    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    head = head_weight_name(model.config)
     # The kernel packs output rows 16 at a time: another vocabulary keeps the dense head.
     if f"{head}.q8" in int4 and int4[f"{head}.q8"].shape[0] % 16 == 0:
         model.int4_head = Q8Head(int4[f"{head}.q8"], int4[f"{head}.q8_scale"], model.dtype)

@@ -40,9 +40,11 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear in `model` (a CausalLM) for a PackedLinear of its weight, and
-    give a tied LM head its own packed copy of the embedding; returns how many."""
+def pack_linears(model: nn.Module, head: bool = True) -> int:
+    """Swap every nn.Linear in `model` (a CausalLM) for a PackedLinear of its weight and,
+    with `head`, give a tied LM head its own packed copy of the embedding (one more copy
+    of the embedding's memory; tensor-parallel followers compute no logits and skip it);
+    returns how many."""
     swaps = [
         (owner, name, child)
         for owner in model.modules()
@@ -51,7 +53,7 @@ def pack_linears(model: nn.Module) -> int:
     ]
     for owner, name, child in swaps:
         setattr(owner, name, PackedLinear(child.weight, child.bias))
-    if model.lm_head is None:  # tied: the lookup keeps the plain embedding
+    if head and model.lm_head is None:  # tied: the lookup keeps the plain embedding
         model.lm_head = PackedLinear(model.embed_tokens.weight, None)
         return len(swaps) + 1
     return len(swaps)
