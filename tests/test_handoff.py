@@ -12,6 +12,7 @@ import torch
 
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
+from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.handoff import copy_blocks
 
 TEXT = (
@@ -58,12 +59,15 @@ def run_disaggregated(
         still_pending = []
         for seq_id, blocks in pending:
             prompt = prompts[ids.index(seq_id)]
-            new_id = decode.add_prefilled(
+            pulled = decode.add_prefilled(
                 prompt + tokens[seq_id], len(prompt), params, prefill.kv_shards, blocks
             )
-            if new_id is None:
+            if pulled is None:
                 still_pending.append((seq_id, blocks))
                 continue
+            new_id, moved = pulled
+            copied = blocks_for_tokens(len(prompt), decode.kv.block_size)  # no prefix cache
+            assert moved == copied * decode.kv.layout.bytes_per_block()
             origin[new_id] = seq_id
             prefill.release(seq_id)
         pending = still_pending

@@ -265,13 +265,14 @@ class LLMEngine:
         params: SamplingParams,
         source: list[KVShard],
         source_blocks: list[int],
-    ) -> int | None:
+    ) -> tuple[int, int] | None:
         """Continue a request another pool prefilled: pull its prompt K/V from `source`
         (that pool's KV tensors, one per shard) into this pool and decode from its first
         token.
 
-        token_ids is the prompt plus the first token. Returns the new id, or None when
-        this pool has no room now (nothing is copied; retry or pick another worker)."""
+        token_ids is the prompt plus the first token. Returns the new id and the bytes
+        copied (blocks this pool's prefix cache held are not), or None when this pool has
+        no room now (nothing is copied; retry or pick another worker)."""
         seq = self._new_sequence(list(token_ids), params)
         seq.num_prompt_tokens = num_prompt_tokens
         seq.num_computed_tokens = num_prompt_tokens
@@ -279,7 +280,7 @@ class LLMEngine:
             return None
         needed = blocks_for_tokens(num_prompt_tokens, self.kv.block_size)
         have = seq.num_cached_tokens // self.kv.block_size  # cached here already
-        copy_between_shards(
+        moved = copy_between_shards(
             source, source_blocks[have:needed], self.kv_shards, seq.block_table[have:needed]
         )
         self._track(seq)
@@ -287,11 +288,7 @@ class LLMEngine:
         # The prefill side already streamed the first token: prime the text state only.
         stream.stops.feed(stream.detokenizer.add(token_ids[-1]))
         stream.sent_tokens = len(seq.output_ids)
-        return seq.seq_id
-
-    def cached_tokens(self, seq_id: int) -> int:
-        """Prompt tokens of a running request that its pool's prefix cache supplied."""
-        return self._seqs[seq_id].num_cached_tokens
+        return seq.seq_id, moved
 
     @property
     def kv_shards(self) -> list[KVShard]:
@@ -301,11 +298,6 @@ class LLMEngine:
         if self._kv_shards is None:
             self._kv_shards = [KVShard(0, self.kv.tensor), *self._group.kv_shards()]
         return self._kv_shards
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes of one KV block over all shards of this worker."""
-        return sum(s.tensor[:, :, :1].numel() * s.tensor.element_size() for s in self.kv_shards)
 
     @property
     def num_free_blocks(self) -> int:

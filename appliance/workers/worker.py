@@ -17,7 +17,6 @@ import torch.multiprocessing  # registers the tensor reducers ForkingPickler use
 
 from appliance.config import Settings
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
-from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.handoff import KVShard
 from appliance.topology import Device, pin_to_cores
 from appliance.workers.messages import (
@@ -199,22 +198,20 @@ def take_handoff(state: WorkerState, message: Handoff) -> None:
     if message.source not in state.peers:  # that prefill worker is gone: it is prefilled again
         state.outbox.put(HandoffResult(state.worker_id, message.request_id, False))
         return
-    engine_id = engine.add_prefilled(
+    pulled = engine.add_prefilled(
         message.token_ids,
         message.num_prompt_tokens,
         message.params,
         state.peers[message.source],
         message.blocks,
     )
-    accepted = engine_id is not None
     moved = 0
-    if accepted:
+    if pulled is not None:
+        engine_id, moved = pulled
         state.to_engine[message.request_id] = engine_id
         state.to_request[engine_id] = message.request_id
-        blocks = blocks_for_tokens(message.num_prompt_tokens, engine.kv.block_size)
-        blocks -= engine.cached_tokens(engine_id) // engine.kv.block_size  # not copied
-        moved = blocks * engine.bytes_per_block
-    state.outbox.put(HandoffResult(state.worker_id, message.request_id, accepted, moved))
+    result = HandoffResult(state.worker_id, message.request_id, pulled is not None, moved)
+    state.outbox.put(result)
 
 
 def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) -> None:
