@@ -144,7 +144,7 @@ class ModelRunner:
         context = self._tensor([c.start + 1 for c in decodes])
         keys = torch.arange(width * self.kv.block_size)
         visible = (keys[None, :] < context[:, None])[:, None, None, :]  # [n, 1, 1, keys]
-        return DecodeGroup(rows, self._tensor(tables), visible)
+        return DecodeGroup(rows, self._tensor(tables), visible, context)
 
     def _tensor(self, values: list) -> torch.Tensor:
         # On the host: one copy per tensor to the device later, none back for followers.

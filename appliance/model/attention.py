@@ -1,8 +1,10 @@
-"""Attention over a paged KV cache with torch's SDPA (the same code on CPU and CUDA).
+"""Attention over a paged KV cache (the same code on CPU and CUDA).
 
 A step's tokens lie flat, one row each: first the prefill segments (several query
 tokens per sequence, possibly after a cached prefix), then the decode tokens (one per
-sequence), which attend in padded batches of similar context length (decode groups).
+sequence), which attend in batches of similar context length (decode groups). Prefill
+runs torch's SDPA. Decode runs the compiled CPU kernel (cpu_kernels.py) where it applies,
+SDPA over each group's gathered and padded context elsewhere (GPUs, other dtypes).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from appliance.model import cpu_kernels
 
 
 @dataclass
@@ -31,6 +35,7 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [n, max_blocks] int64, padded with 0
     visible: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True for key slots
     # inside a sequence's context, False for the padding of its block table
+    context_lens: torch.Tensor  # [n] int64, tokens in each sequence's context
 
 
 @dataclass
@@ -129,16 +134,32 @@ def _decode(
     group: DecodeGroup,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence against its cached keys."""
+    """One query token per sequence against its cached keys: on the CPU by the compiled
+    kernel, which reads the cache in place; elsewhere (and without it) by SDPA."""
+    if cpu_kernels.decode_takes(q, k_cache, v_cache):
+        return cpu_kernels.paged_decode(
+            q, k_cache, v_cache, group.block_tables, group.context_lens, scale
+        )
+    return sdpa_decode(q, k_cache, v_cache, group, scale)
+
+
+def sdpa_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: DecodeGroup,
+    scale: float,
+) -> torch.Tensor:
+    """_decode with torch's SDPA over the group's gathered, padded context."""
     tables = group.block_tables
     decodes, kv_heads, head_dim = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
     # [decodes * max_blocks, block_size, kv_heads, head_dim] -> [decodes, ctx, kv_heads, head_dim]
     k = k_cache.index_select(0, tables.flatten()).view(decodes, -1, kv_heads, head_dim)
     v = v_cache.index_select(0, tables.flatten()).view(decodes, -1, kv_heads, head_dim)
     # The query heads sharing a KV head are that head's query rows: [decodes, kv_heads,
-    # group, head_dim]. Plain multi-head SDPA over a few rows is 1.2-5x faster on the CPU
-    # than one row per query head with enable_gqa, and than matmuls in 16-bit floats
-    # (benchmarks/attention_bench.py). Every row sees the same keys: no mask among them.
+    # group, head_dim]. Plain multi-head SDPA over a few rows was 1.2-5x faster on the CPU
+    # than one row per query head with enable_gqa, and than matmuls in 16-bit floats.
+    # Every row sees the same keys: no mask among them.
     grouped = q.view(decodes, kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(
         grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.visible, scale=scale

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.model import cpu_kernels
 from appliance.model.attention import AttentionBatch, paged_attention
 from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig
@@ -26,9 +27,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op: it accumulates 16-bit inputs in float32, as the reference does.
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(
+        self, residual: torch.Tensor, delta: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds `delta` (when given) to the residual stream `residual` [tokens, hidden];
+        returns (the norm of the sum, the sum). On the CPU the compiled kernel does both
+        in one pass and updates `residual` in place."""
+        if cpu_kernels.norm_takes(residual):
+            return cpu_kernels.add_rms_norm(delta, residual, self.weight, self.eps)
+        if delta is not None:
+            residual = residual + delta
+        # F.rms_norm accumulates 16-bit inputs in float32, as the reference does.
+        return F.rms_norm(residual, (residual.shape[-1],), self.weight, self.eps), residual
 
 
 class Attention(nn.Module):
@@ -87,13 +97,19 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_layer: torch.Tensor,
         batch: AttentionBatch,
-    ) -> torch.Tensor:
-        x = x + self.all_reduce(self.self_attn(self.input_layernorm(x), rope, kv_layer, batch))
-        return x + self.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds the previous layer's output `delta` (None before the first layer) to the
+        residual stream; returns (this layer's output, the stream), its own output left
+        for the next norm to add (the add and the norm run as one)."""
+        h, residual = self.input_layernorm(residual, delta)
+        h = self.all_reduce(self.self_attn(h, rope, kv_layer, batch))
+        h, residual = self.post_attention_layernorm(residual, h)
+        return self.all_reduce(self.mlp(h)), residual
 
 
 class CausalLM(nn.Module):
@@ -144,11 +160,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [tokens]; kv_cache [layers, 2, blocks, block_size, kv_heads,
         head_dim]. Returns hidden states [tokens, hidden]."""
-        x = self.embed_tokens(input_ids)
+        residual, delta = self.embed_tokens(input_ids), None
         rope = self.rope.at(positions)
         for index, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[index], batch)
-        return self.norm(x)
+            delta, residual = layer(residual, delta, rope, kv_cache[index], batch)
+        return self.norm(residual, delta)[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,43 @@
+/* The CPU kernels' problems and entry points; module.c binds them to Python. */
+#ifndef APPLIANCE_KERNELS_H
+#define APPLIANCE_KERNELS_H
+
+#include <stdint.h>
+
+/* Decode attention over a paged KV cache (paged_decode.c). Elements, contiguous unless a
+ * stride is given:
+ *   q      [n, heads, head_dim], rows `q_row_stride` apart
+ *   k, v   caches [blocks, block_size, kv_heads, head_dim]
+ *   tables [n, table_width] block ids;  lens [n] tokens in each context
+ *   out    [n, heads, head_dim]
+ * The `heads / kv_heads` query heads of a KV head are consecutive. */
+typedef struct {
+    const void *q, *k, *v;
+    const int64_t *tables, *lens;
+    void *out;
+    long n, heads, kv_heads, head_dim, blocks, block_size, table_width, q_row_stride;
+    float scale;
+    int dtype;
+} PagedDecode;
+
+/* Why the kernel cannot run `p` (a context or block id reaching outside the cache, a head
+ * size or dtype it has no code for), or NULL. */
+const char *paged_decode_check(const PagedDecode *p);
+/* Runs a checked problem; -1 when out of memory. */
+int paged_decode_run(const PagedDecode *p);
+
+/* residual += x (when `x` is not NULL; else residual as is), then
+ * out = residual * rsqrt(mean(residual^2) + eps) * weight, row by row (add_rms_norm.c).
+ * residual, x, out [rows, dim] contiguous, weight [dim]; dim a multiple of 16. */
+typedef struct {
+    const void *x, *weight;
+    void *residual, *out;
+    long rows, dim;
+    float eps;
+    int dtype;
+} AddRmsNorm;
+
+const char *add_rms_norm_check(const AddRmsNorm *p);
+void add_rms_norm_run(const AddRmsNorm *p);
+
+#endif

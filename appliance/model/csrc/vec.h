@@ -1,0 +1,73 @@
+/* What the CPU kernels share: float vectors (GCC/Clang vector extensions, which the
+ * compiler maps to whatever SIMD the CPU has) and loads and stores of float32 or
+ * bfloat16 rows as float32. */
+#ifndef APPLIANCE_VEC_H
+#define APPLIANCE_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 }; /* element types, as cpu_kernels.py numbers them */
+#define LANES 16            /* floats per vector: one AVX-512 register, two AVX2 ones */
+#define INLINE static inline __attribute__((always_inline))
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float half_vec __attribute__((vector_size(LANES / 2 * sizeof(float))));
+typedef float quarter_vec __attribute__((vector_size(LANES / 4 * sizeof(float))));
+typedef uint16_t vec_u16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t vec_u32 __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+/* Element `offset` of a float32 or bfloat16 array. */
+INLINE const void *element(const void *base, int dtype, long offset) {
+    return dtype == F32 ? (const void *)((const float *)base + offset)
+                        : (const void *)((const uint16_t *)base + offset);
+}
+
+/* LANES elements from `src` as floats. */
+INLINE vec load(const void *src, int dtype) {
+    vec v;
+    if (dtype == F32) {
+        memcpy(&v, src, sizeof v);
+        return v;
+    }
+    vec_u16 half;
+    memcpy(&half, src, sizeof half);
+    vec_u32 bits = __builtin_convertvector(half, vec_u32) << 16; /* bfloat16: the top half */
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* `v` rounded to bfloat16 (to nearest even, as torch rounds), still as floats. */
+INLINE vec round_bf16(vec v) {
+    vec_u32 bits;
+    memcpy(&bits, &v, sizeof bits);
+    vec_u32 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    vec_u32 nan = (bits & 0x7fffffffu) > 0x7f800000u; /* all ones where v is NaN */
+    rounded = (rounded & ~nan) | ((bits | 0x400000u) & 0xffff0000u & nan);
+    memcpy(&v, &rounded, sizeof v);
+    return v;
+}
+
+/* Stores LANES floats at element `offset` of a float32 or bfloat16 array. */
+INLINE void store(void *base, int dtype, long offset, vec v) {
+    if (dtype == F32) {
+        memcpy((float *)base + offset, &v, sizeof v);
+        return;
+    }
+    vec_u32 bits;
+    vec rounded = round_bf16(v);
+    memcpy(&bits, &rounded, sizeof bits);
+    vec_u16 half = __builtin_convertvector(bits >> 16, vec_u16);
+    memcpy((uint16_t *)base + offset, &half, sizeof half);
+}
+
+/* The sum of a vector's lanes, folded in halves. */
+INLINE float fold(vec v) {
+    half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    quarter_vec q = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
+                    __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+#endif

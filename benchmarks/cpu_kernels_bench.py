@@ -1,0 +1,98 @@
+"""The compiled CPU kernels (appliance/model/cpu_kernels.py) against the torch ops they
+replace, on this machine, at SmolLM2-135M's sizes:
+
+- decode attention: one query token per sequence over a paged pool with shuffled block
+  tables and ragged contexts. The kernel reads the pool in place; the torch path
+  (`attention.sdpa_decode`, used on GPUs and where the kernel is not built) gathers
+  each sequence's blocks, pads them and runs SDPA with the query heads that share a KV
+  head as its query rows.
+- the residual add and the RMSNorm after it, as each decoder layer runs them twice:
+  the kernel in one pass against `residual + x` then `F.rms_norm`.
+
+Prints microseconds per call (best of 30) and the largest difference between the two.
+Run from the repository root: .venv/bin/python benchmarks/cpu_kernels_bench.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from timing import best_seconds
+
+from appliance.model import cpu_kernels
+from appliance.model.attention import DecodeGroup, sdpa_decode
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 9, 3, 64, 576  # SmolLM2-135M
+BLOCK = 16
+EPS = 1e-5
+
+
+def decode_case(decodes: int, ctx: int, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(kernel us, SDPA us, max abs difference) for `decodes` contexts of ctx/2..ctx."""
+    width = ctx // BLOCK
+    k_pool = torch.randn(decodes * width + 8, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    v_pool = torch.randn_like(k_pool)
+    tables = torch.randperm(k_pool.shape[0])[: decodes * width].view(decodes, width)
+    lens = torch.randint(ctx // 2, ctx + 1, (decodes,))
+    visible = (torch.arange(width * BLOCK)[None, :] < lens[:, None])[:, None, None, :]
+    group = DecodeGroup(None, tables, visible, lens)
+    q = torch.randn(decodes, HEADS, HEAD_DIM, dtype=dtype)
+    scale = HEAD_DIM**-0.5
+
+    def kernel() -> torch.Tensor:
+        return cpu_kernels.paged_decode(q, k_pool, v_pool, tables, lens, scale)
+
+    def sdpa() -> torch.Tensor:
+        return sdpa_decode(q, k_pool, v_pool, group, scale)
+
+    diff = (kernel().float() - sdpa().float()).abs().max().item()
+    return best_seconds(kernel) * 1e6, best_seconds(sdpa) * 1e6, diff
+
+
+def norm_case(rows: int, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(kernel us, torch us, max abs difference) of one residual add + RMSNorm."""
+    x = torch.randn(rows, HIDDEN, dtype=dtype)
+    start = torch.randn(rows, HIDDEN, dtype=dtype)
+    weight = torch.rand(HIDDEN, dtype=dtype) + 0.5
+
+    def kernel() -> torch.Tensor:
+        return cpu_kernels.add_rms_norm(x, start.clone(), weight, EPS)[0]
+
+    def torch_ops() -> torch.Tensor:
+        residual = start.clone() + x
+        return F.rms_norm(residual, (HIDDEN,), weight, EPS)
+
+    diff = (kernel().float() - torch_ops().float()).abs().max().item()
+    return best_seconds(kernel) * 1e6, best_seconds(torch_ops) * 1e6, diff
+
+
+def main() -> None:
+    if not cpu_kernels.available():
+        raise SystemExit("the CPU kernels are not built: install a C compiler, re-run ./install.sh")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}\n")
+    print("Decode attention, one layer")
+    print("| decodes | ctx | dtype | kernel (us) | gather + SDPA (us) | speed-up | max diff |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    for decodes, ctx in [(1, 64), (1, 1024), (8, 256), (32, 64), (32, 1024)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            ours, theirs, diff = decode_case(decodes, ctx, dtype)
+            name = str(dtype).removeprefix("torch.")
+            print(
+                f"| {decodes} | {ctx} | {name} | {ours:.0f} | {theirs:.0f} "
+                f"| {theirs / ours:.2f}x | {diff:.1e} |"
+            )
+    print("\nResidual add + RMSNorm, one call (each layer makes two)")
+    print("| rows | dtype | kernel (us) | add + F.rms_norm (us) | speed-up | max diff |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for rows in (1, 32, 1024):
+        for dtype in (torch.float32, torch.bfloat16):
+            ours, theirs, diff = norm_case(rows, dtype)
+            name = str(dtype).removeprefix("torch.")
+            print(
+                f"| {rows} | {name} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.2f}x "
+                f"| {diff:.1e} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

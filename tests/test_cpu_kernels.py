@@ -1,0 +1,205 @@
+"""The compiled CPU kernels against the torch ops they replace, and their input checks.
+
+`./install.sh` builds them with the machine's C compiler; a checkout where they are not
+built fails here (the model would still run, on the torch ops, but slower)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.sequence import SamplingParams
+from appliance.model import cpu_kernels
+from appliance.model.attention import DecodeGroup, sdpa_decode
+
+BLOCK = 16
+
+
+def test_the_kernels_are_built() -> None:
+    assert cpu_kernels.available(), "no CPU kernels: install a C compiler, re-run ./install.sh"
+
+
+def _decode_problem(
+    lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """Caches with shuffled blocks, and queries viewed out of a wider row as the model's
+    q is (its q/k rows share one tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max((n + BLOCK - 1) // BLOCK for n in lens)
+    blocks = len(lens) * width + 3
+    k_cache = torch.randn(blocks, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
+    qk = torch.randn(len(lens), heads + kv_heads, head_dim, generator=gen).to(dtype)
+    return qk[:, :heads], k_cache, v_cache, tables, torch.tensor(lens)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    keys = torch.arange(tables.shape[1] * BLOCK)
+    visible = (keys[None, :] < lens[:, None])[:, None, None, :]
+    return sdpa_decode(
+        q.contiguous(), k_cache, v_cache, DecodeGroup(None, tables, visible, lens), scale
+    )
+
+
+@pytest.mark.parametrize(
+    ("lens", "heads", "kv_heads", "head_dim"),
+    [
+        ([1], 9, 3, 64),  # a first decode token: one key
+        ([15, 16, 17, 33, 100], 9, 3, 64),  # ragged, around block edges
+        ([40, 7], 8, 8, 64),  # no grouping
+        ([64, 130, 5], 32, 8, 128),  # Llama-style groups of 4 at head size 128
+        ([300] * 40, 9, 3, 64),  # enough work to run on several threads
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_matches_sdpa(
+    lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    q, k_cache, v_cache, tables, context = _decode_problem(
+        lens, heads, kv_heads, head_dim, dtype, 0
+    )
+    assert cpu_kernels.decode_takes(q, k_cache, v_cache)
+    scale = head_dim**-0.5
+    got = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, context, scale)
+    want = _sdpa(q, k_cache, v_cache, tables, context, scale)
+    assert got.shape == want.shape == (len(lens), heads, head_dim)
+    assert got.dtype == dtype
+    # float32: the same sums in another order. bfloat16: one rounding of each output.
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_paged_decode_reads_only_each_context() -> None:
+    """Keys past a sequence's length, and blocks it does not own, change nothing."""
+    q, k_cache, v_cache, tables, lens = _decode_problem([20, 3], 9, 3, 64, torch.float32, 1)
+    before = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    k_cache[tables[0, 1], 4:] = 1e4  # slots 20.. of sequence 0's second block
+    v_cache[tables[1, 0], 3:] = 1e4
+    k_cache[tables[1, 1]] = float("nan")  # sequence 1 never reaches its second block
+    after = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t, n: (t, torch.tensor([17, 3])), "outside its block table"),  # 17 > 1 block
+        (lambda t, n: (t, torch.tensor([0, 3])), "outside its block table"),
+        (lambda t, n: (torch.full_like(t, 99), n), "outside the cache"),
+        (lambda t, n: (torch.full_like(t, -1), n), "outside the cache"),
+    ],
+)
+def test_paged_decode_refuses_reads_outside_the_cache(
+    change: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    message: str,
+) -> None:
+    q, k_cache, v_cache, tables, lens = _decode_problem([16, 3], 9, 3, 64, torch.float32, 2)
+    tables, lens = change(tables, lens)
+    with pytest.raises(ValueError, match=message):
+        cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+
+
+def test_paged_decode_refuses_mismatched_inputs() -> None:
+    q, k_cache, v_cache, tables, lens = _decode_problem([5], 9, 3, 64, torch.float32, 3)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernels.paged_decode(q[:, :8], k_cache, v_cache, tables, lens, 0.125)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_kernels.paged_decode(q, k_cache, v_cache, tables.int(), lens, 0.125)
+    with pytest.raises(ValueError, match="does not match"):
+        cpu_kernels.paged_decode(q, k_cache, v_cache[:2], tables, lens, 0.125)
+    with pytest.raises(ValueError, match="2 block tables"):
+        cpu_kernels.paged_decode(q.expand(2, -1, -1), k_cache, v_cache, tables, lens, 0.125)
+
+
+def test_decode_takes_only_what_it_has_code_for() -> None:
+    q, k_cache, v_cache, _, _ = _decode_problem([5], 9, 3, 64, torch.float32, 4)
+    assert cpu_kernels.decode_takes(q, k_cache, v_cache)
+    assert not cpu_kernels.decode_takes(q.half(), k_cache.half(), v_cache.half())
+    assert not cpu_kernels.decode_takes(q[..., :32], k_cache[..., :32], v_cache[..., :32])
+    assert not cpu_kernels.decode_takes(q, k_cache.transpose(0, 1), v_cache)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_torch(rows: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    start = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    residual = start.clone()
+    out, returned = cpu_kernels.add_rms_norm(x, residual, weight, 1e-5)
+    want_sum = start + x
+    assert returned is residual  # updated in place
+    assert torch.equal(residual, want_sum)  # the add rounds exactly as torch's
+    want = F.rms_norm(want_sum, (576,), weight, 1e-5)
+    # The sum of squares in another order: at most one rounding step apart.
+    torch.testing.assert_close(out, want, atol=0, rtol=1e-5 if dtype == torch.float32 else 8e-3)
+    if dtype == torch.bfloat16:
+        assert (out != want).float().mean() < 0.01
+
+
+def test_add_rms_norm_without_an_addend_only_normalizes() -> None:
+    residual = torch.randn(4, 64)
+    copy = residual.clone()
+    out, returned = cpu_kernels.add_rms_norm(None, residual, torch.ones(64), 1e-6)
+    assert torch.equal(returned, copy)
+    torch.testing.assert_close(out, F.rms_norm(copy, (64,), torch.ones(64), 1e-6))
+
+
+def test_add_rms_norm_refuses_mismatched_inputs() -> None:
+    residual = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_kernels.add_rms_norm(None, residual, torch.ones(32), 1e-6)
+    with pytest.raises(ValueError, match="cannot add"):
+        cpu_kernels.add_rms_norm(torch.randn(3, 64), residual, torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.add_rms_norm(None, torch.randn(64, 4).t(), torch.ones(64), 1e-6)
+    assert not cpu_kernels.norm_takes(torch.randn(4, 60))  # not a multiple of 16
+    assert not cpu_kernels.norm_takes(torch.randn(4, 64).half())
+
+
+def _greedy(engine: LLMEngine) -> list[list[int]]:
+    prompts = [
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        for text in ("What is the capital of France?", "Name three colours.", "Count to five.")
+    ]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    return [c.token_ids for c in engine.generate(prompts, params)]
+
+
+def test_the_model_decodes_alike_on_the_kernels_and_on_torch_ops(
+    make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32 greedy outputs are the same either way, and the kernels did run."""
+    calls: Counter[str] = Counter()
+    built = cpu_kernels._cpu_kernels
+
+    def counted(name: str) -> Callable[..., None]:
+        def call(*args: object) -> None:
+            calls[name] += 1
+            getattr(built, name)(*args)
+
+        return call
+
+    spy = SimpleNamespace(**{n: counted(n) for n in ("paged_decode", "add_rms_norm")})
+    monkeypatch.setattr(cpu_kernels, "_cpu_kernels", spy)
+    on_kernels = _greedy(make_engine())
+    layers = make_engine().model.config.num_layers
+    assert calls["paged_decode"] >= 23 * layers  # every decode step, every layer
+    assert calls["add_rms_norm"] >= 24 * (2 * layers + 1)  # prefill and decode steps
+    monkeypatch.setattr(cpu_kernels, "_cpu_kernels", None)
+    assert _greedy(make_engine()) == on_kernels
