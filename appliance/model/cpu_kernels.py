@@ -27,14 +27,23 @@ def available() -> bool:
     return _cpu_kernels is not None
 
 
+def decodes_ragged(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decode attention on this device, dtype and head size runs on the kernel,
+    which takes sequences of any mix of context lengths in one call (SDPA pads them all
+    to the longest, so the model runner first groups them by length)."""
+    return (
+        _cpu_kernels is not None
+        and device.type == "cpu"
+        and dtype in _DTYPES
+        and head_dim in HEAD_SIZES
+    )
+
+
 def decode_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether paged_decode() can run this decode: CPU tensors of one dtype and head size
     it knows, the caches contiguous and each query row's heads contiguous."""
     return (
-        _cpu_kernels is not None
-        and q.device.type == "cpu"
-        and q.dtype in _DTYPES
-        and q.shape[2] in HEAD_SIZES
+        decodes_ragged(q.device, q.dtype, q.shape[2])
         and k_cache.dtype == q.dtype
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -64,7 +73,8 @@ def paged_decode(
         )
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"value cache {tuple(v_cache.shape)} does not match the key cache")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1):
+    rows_contiguous = q.stride(1) == head_dim and q.stride(2) == 1
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and rows_contiguous):
         raise ValueError("the caches and each query row must be contiguous")
     for name, t in (("block tables", block_tables), ("context lengths", context_lens)):
         if t.dtype != torch.int64 or t.device.type != "cpu":
@@ -90,6 +100,7 @@ def paged_decode(
         q.stride(0),
         scale,
         _DTYPES[q.dtype],
+        torch.get_num_threads(),
     )
     return out
 
@@ -129,5 +140,6 @@ def add_rms_norm(
         dim,
         eps,
         _DTYPES[residual.dtype],
+        torch.get_num_threads(),
     )
     return out, residual

@@ -11,7 +11,7 @@
 #define PARALLEL_ROWS 64 /* fewer rows stay on one thread: waking others costs more */
 
 INLINE void norm_rows(const AddRmsNorm *p, const int DTYPE) {
-#pragma omp parallel for schedule(static) if (p->rows >= PARALLEL_ROWS)
+#pragma omp parallel for schedule(static) num_threads(p->threads) if (p->rows >= PARALLEL_ROWS)
     for (long r = 0; r < p->rows; r++) {
         long base = r * p->dim;
         vec squares = {0};
@@ -36,6 +36,7 @@ INLINE void norm_rows(const AddRmsNorm *p, const int DTYPE) {
 const char *add_rms_norm_check(const AddRmsNorm *p) {
     if (p->dim <= 0 || p->dim % LANES != 0) return "row size is not a multiple of 16";
     if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";
+    if (p->threads < 1) return "threads must be at least 1";
     return NULL;
 }
 

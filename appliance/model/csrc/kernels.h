@@ -17,7 +17,7 @@ typedef struct {
     void *out;
     long n, heads, kv_heads, head_dim, blocks, block_size, table_width, q_row_stride;
     float scale;
-    int dtype;
+    int dtype, threads; /* threads: at most this many (torch.get_num_threads()) */
 } PagedDecode;
 
 /* Why the kernel cannot run `p` (a context or block id reaching outside the cache, a head
@@ -34,7 +34,7 @@ typedef struct {
     void *residual, *out;
     long rows, dim;
     float eps;
-    int dtype;
+    int dtype, threads;
 } AddRmsNorm;
 
 const char *add_rms_norm_check(const AddRmsNorm *p);

@@ -10,9 +10,9 @@ static PyObject *paged_decode(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long q, k, v, tables, lens, out;
     PagedDecode p;
-    if (!PyArg_ParseTuple(args, "KKKKKKllllllllfi", &q, &k, &v, &tables, &lens, &out, &p.n,
+    if (!PyArg_ParseTuple(args, "KKKKKKllllllllfii", &q, &k, &v, &tables, &lens, &out, &p.n,
                           &p.heads, &p.kv_heads, &p.head_dim, &p.blocks, &p.block_size,
-                          &p.table_width, &p.q_row_stride, &p.scale, &p.dtype))
+                          &p.table_width, &p.q_row_stride, &p.scale, &p.dtype, &p.threads))
         return NULL;
     p.q = (const void *)(uintptr_t)q;
     p.k = (const void *)(uintptr_t)k;
@@ -37,8 +37,8 @@ static PyObject *add_rms_norm(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, weight, residual, out;
     AddRmsNorm p;
-    if (!PyArg_ParseTuple(args, "KKKKllfi", &x, &weight, &residual, &out, &p.rows, &p.dim,
-                          &p.eps, &p.dtype))
+    if (!PyArg_ParseTuple(args, "KKKKllfii", &x, &weight, &residual, &out, &p.rows, &p.dim,
+                          &p.eps, &p.dtype, &p.threads))
         return NULL;
     p.x = (const void *)(uintptr_t)x;
     p.weight = (const void *)(uintptr_t)weight;
@@ -58,9 +58,9 @@ static PyObject *add_rms_norm(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_decode", paged_decode, METH_VARARGS,
      "paged_decode(q, k, v, tables, lens, out, n, heads, kv_heads, head_dim, blocks, "
-     "block_size, table_width, q_row_stride, scale, dtype)"},
+     "block_size, table_width, q_row_stride, scale, dtype, threads)"},
     {"add_rms_norm", add_rms_norm, METH_VARARGS,
-     "add_rms_norm(x or 0, weight, residual, out, rows, dim, eps, dtype)"},
+     "add_rms_norm(x or 0, weight, residual, out, rows, dim, eps, dtype, threads)"},
     {NULL, NULL, 0, NULL},
 };
 

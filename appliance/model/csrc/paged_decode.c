@@ -11,7 +11,7 @@
 #include "kernels.h"
 #include "vec.h"
 
-#define PARALLEL_WORK 4096 /* (token, KV head) rows to read before using more threads */
+#define PARALLEL_WORK 1024 /* (token, KV head) rows to read before using more threads */
 
 /* e^x for x <= 0 (softmax scores less their maximum), about 1 ulp: e^x = 2^n e^r with n
  * rounded to nearest, |r| <= ln2 / 2, and Cephes' polynomial for e^r. A loop of these
@@ -105,6 +105,7 @@ const char *paged_decode_check(const PagedDecode *p) {
     if (p->kv_heads <= 0 || p->heads % p->kv_heads != 0) return "heads do not group over KV heads";
     if (p->head_dim != 64 && p->head_dim != 128) return "head size is not 64 or 128";
     if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";
+    if (p->threads < 1) return "threads must be at least 1";
     for (long i = 0; i < p->n; i++) {
         long len = p->lens[i];
         if (len < 1 || len > p->table_width * p->block_size)
@@ -118,6 +119,7 @@ const char *paged_decode_check(const PagedDecode *p) {
 }
 
 int paged_decode_run(const PagedDecode *p) {
+    if (p->n == 0) return 0;
     long longest = 0, work = 0, group = p->heads / p->kv_heads, units = p->n * p->kv_heads;
     for (long i = 0; i < p->n; i++) {
         longest = p->lens[i] > longest ? p->lens[i] : longest;
@@ -127,9 +129,9 @@ int paged_decode_run(const PagedDecode *p) {
         p->head_dim == 64 ? (p->dtype == F32 ? attend_64_f32 : attend_64_bf16)
                           : (p->dtype == F32 ? attend_128_f32 : attend_128_bf16);
     int failed = 0;
-    /* torch's own OpenMP threads (the extension shares its libgomp, loaded first); a
-     * small problem stays on one, where waking the others would cost more. */
-#pragma omp parallel if (work >= PARALLEL_WORK) reduction(| : failed)
+    /* torch's own OpenMP threads (the extension shares its libgomp, loaded first), as
+     * many as torch uses; a small problem stays on one: waking others would cost more. */
+#pragma omp parallel num_threads(p->threads) if (work >= PARALLEL_WORK) reduction(| : failed)
     {
         float *scores = malloc(group * longest * sizeof(float));
         if (scores == NULL) {
