@@ -7,6 +7,7 @@ from reference import hf_greedy
 
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
+from appliance.model import cpu_kernels
 
 GREEDY = SamplingParams(max_tokens=24)
 TEXT = (
@@ -144,10 +145,17 @@ def test_bad_requests_raise_clear_errors(engine: LLMEngine) -> None:
     assert all_free(engine) and not engine.has_unfinished()
 
 
-def test_short_decodes_beside_a_long_one_match_each_alone(make_engine) -> None:
-    """A long sequence among short ones is decoded in its own group (decode_groups.py);
-    the grouping must not change any sequence's tokens."""
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernel", "sdpa-groups"])
+def test_short_decodes_beside_a_long_one_match_each_alone(
+    make_engine, monkeypatch: pytest.MonkeyPatch, kernels: bool
+) -> None:
+    """On the CPU kernel all decodes attend in one call; on SDPA a long sequence among
+    short ones is decoded in its own group (decode_groups.py). Neither may change any
+    sequence's tokens."""
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "_cpu_kernels", None)
     engine = make_engine()
+    assert engine.runner.ragged_decode == kernels
     long_prompt = engine.tokenizer.encode(TEXT * 20)[:600]
     prompts = [prompt_of(engine, n) for n in (5, 9, 12, 3, 7)] + [long_prompt]
     params = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -12,6 +12,7 @@ from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.cache import KVCache
+from appliance.model import cpu_kernels
 from appliance.model.attention import AttentionBatch, DecodeGroup, PrefillSegment
 from appliance.model.llama import CausalLM
 
@@ -69,6 +70,10 @@ class ModelRunner:
         self.sampler = sampler
         self.device = model.device
         self.followers = followers
+        # The CPU kernel attends any mix of context lengths at once: no grouping needed.
+        self.ragged_decode = cpu_kernels.decodes_ragged(
+            model.device, model.dtype, model.config.head_dim
+        )
 
     def run(self, out: SchedulerOutput) -> dict[int, int]:
         """Compute the step; return {seq_id: next token} for sequences whose chunk completed."""
@@ -131,6 +136,8 @@ class ModelRunner:
         slots.extend(seq.block_table[p // bs] * bs + p % bs for p in span)
 
     def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
+        if self.ragged_decode:
+            return [self._decode_group(decodes, None)] if decodes else []
         groups = decode_groups([len(c.seq.block_table) for c in decodes])
         if len(groups) == 1:  # all of them, in their row order
             return [self._decode_group(decodes, None)]
