@@ -15,7 +15,8 @@ setup(
             "appliance.model._cpu_kernels",
             [f"appliance/model/csrc/{name}" for name in SOURCES],
             depends=["appliance/model/csrc/kernels.h", "appliance/model/csrc/vec.h"],
-            # Built on the machine that runs it (install.sh): its own vector width. Fused
+            # Built on the machine that runs it (install.sh): its own vector width (a venv
+            # copied to a CPU with fewer vector instructions must re-run install.sh). Fused
             # multiply-adds are off by default in ISO C mode. OpenMP: the kernels run on
             # torch's threads (its libgomp, loaded before the extension, is the one used).
             extra_compile_args=[
@@ -26,6 +27,7 @@ setup(
                 "-fopenmp",
             ],
             extra_link_args=["-fopenmp"],
+            libraries=["m"],
             optional=True,
         )
     ]

@@ -22,7 +22,9 @@ BLOCK = 16
 
 
 def test_the_kernels_are_built() -> None:
-    assert cpu_kernels.available(), "no CPU kernels: install a C compiler, re-run ./install.sh"
+    assert cpu_kernels.available(), (
+        "no CPU kernels built from these sources: install a C compiler, re-run ./install.sh"
+    )
 
 
 def _decode_problem(
@@ -119,10 +121,18 @@ def test_paged_decode_refuses_mismatched_inputs() -> None:
         cpu_kernels.paged_decode(q[:, :8], k_cache, v_cache, tables, lens, 0.125)
     with pytest.raises(ValueError, match="int64"):
         cpu_kernels.paged_decode(q, k_cache, v_cache, tables.int(), lens, 0.125)
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError, match="match each other"):
         cpu_kernels.paged_decode(q, k_cache, v_cache[:2], tables, lens, 0.125)
     with pytest.raises(ValueError, match="2 block tables"):
         cpu_kernels.paged_decode(q.expand(2, -1, -1), k_cache, v_cache, tables, lens, 0.125)
+    with pytest.raises(ValueError, match="2-D int64"):
+        cpu_kernels.paged_decode(q, k_cache, v_cache, tables[None], lens, 0.125)
+    with pytest.raises(ValueError, match="match each other"):  # read at the wrong width
+        cpu_kernels.paged_decode(q, k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.125)
+    with pytest.raises(ValueError, match="do not fit"):  # 72 query heads on one KV head
+        cpu_kernels.paged_decode(
+            q.repeat(1, 8, 1), k_cache[:, :, :1], v_cache[:, :, :1], tables, lens, 0.125
+        )
 
 
 def test_decode_takes_only_what_it_has_code_for() -> None:
@@ -167,9 +177,13 @@ def test_add_rms_norm_refuses_mismatched_inputs() -> None:
     with pytest.raises(ValueError, match="cannot add"):
         cpu_kernels.add_rms_norm(torch.randn(3, 64), residual, torch.ones(64), 1e-6)
     with pytest.raises(ValueError, match="contiguous"):
-        cpu_kernels.add_rms_norm(None, torch.randn(64, 4).t(), torch.ones(64), 1e-6)
-    assert not cpu_kernels.norm_takes(torch.randn(4, 60))  # not a multiple of 16
-    assert not cpu_kernels.norm_takes(torch.randn(4, 64).half())
+        cpu_kernels.add_rms_norm(None, torch.randn(64, 4).t(), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_kernels.add_rms_norm(None, residual, torch.ones(64).bfloat16(), 1e-6)
+    assert cpu_kernels.norm_takes(None, residual, torch.ones(64))
+    assert not cpu_kernels.norm_takes(None, torch.randn(4, 60), torch.ones(60))  # not 16k
+    assert not cpu_kernels.norm_takes(None, residual.half(), torch.ones(64).half())
+    assert not cpu_kernels.norm_takes(torch.randn(4, 64).bfloat16(), residual, torch.ones(64))
 
 
 def _greedy(engine: LLMEngine) -> list[list[int]]:

@@ -4,7 +4,7 @@ and the residual add fused with the RMSNorm after it.
 Both replace several small torch ops whose fixed costs dominate on the CPU at decode
 sizes: SDPA spends microseconds of set-up per (sequence, KV head) on top of a gather
 of the padded context; an add and a norm are half a dozen passes and dispatches per
-layer (benchmarks/attention_bench.py, benchmarks/engine_bench.py). `pip install` builds
+layer (benchmarks/cpu_kernels_bench.py, benchmarks/engine_bench.py). `pip install` builds
 them (setup.py); where it could not, or for other devices, dtypes and shapes, the model
 runs the torch ops instead: `*_takes()` says which.
 """
@@ -18,13 +18,37 @@ try:
 except ImportError:  # not built: no C compiler at install time
     _cpu_kernels = None
 
+ABI = 2  # module.c's ABI: the argument lists these calls pass
+if _cpu_kernels is not None and getattr(_cpu_kernels, "ABI", None) != ABI:
+    _cpu_kernels = None  # built from older sources: ./install.sh was not re-run after a pull
+
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 HEAD_SIZES = (64, 128)  # decode attention is compiled for these (unrolled into registers)
+MAX_GROUP = 64  # query heads per KV head that decode attention takes (paged_decode.c)
+
+
+def _openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return {line.split()[-1] for line in maps if "omp" in line.rsplit("/", 1)[-1]}
+    except OSError:
+        return set()
+
+
+# The kernels are linked to libgomp.so.1 and find torch's, already loaded under that
+# name. A torch build whose runtime is renamed would give them a second thread pool
+# competing with torch's for the same cores: then they keep to one thread.
+_SHARES_TORCHS_THREADS = _cpu_kernels is None or len(_openmp_runtimes()) <= 1
 
 
 def available() -> bool:
-    """Whether the kernels were built for this install."""
+    """Whether the kernels were built, from these sources, for this install."""
     return _cpu_kernels is not None
+
+
+def _threads() -> int:
+    return torch.get_num_threads() if _SHARES_TORCHS_THREADS else 1
 
 
 def decodes_ragged(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -39,17 +63,35 @@ def decodes_ragged(device: torch.device, dtype: torch.dtype, head_dim: int) -> b
     )
 
 
+def _decode_problem(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str:
+    """Why paged_decode() cannot take these tensors, or "" when it can."""
+    if q.dim() != 3 or k_cache.dim() != 4:
+        return "q must be [n, heads, head_dim] and the caches [blocks, block, kv_heads, dim]"
+    if not decodes_ragged(q.device, q.dtype, q.shape[2]):
+        return "the kernel runs float32 or bfloat16 CPU tensors of head size 64 or 128"
+    heads, head_dim, kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
+    grouped = kv_heads >= 1 and heads % kv_heads == 0 and 1 <= heads // kv_heads <= MAX_GROUP
+    if k_cache.shape[3] != head_dim or not grouped:
+        return (
+            f"{heads} query heads of {head_dim} do not fit a cache of {kv_heads} KV heads "
+            f"of {k_cache.shape[3]}"
+        )
+    if any(
+        c.shape != k_cache.shape or c.dtype != q.dtype or c.device != q.device
+        for c in (k_cache, v_cache)
+    ):
+        return "the key and value caches must match each other and the queries' dtype"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "the caches must be contiguous"
+    if q.stride(1) != head_dim or q.stride(2) != 1:
+        return "each query row's heads must be contiguous"
+    return ""
+
+
 def decode_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether paged_decode() can run this decode: CPU tensors of one dtype and head size
     it knows, the caches contiguous and each query row's heads contiguous."""
-    return (
-        decodes_ragged(q.device, q.dtype, q.shape[2])
-        and k_cache.dtype == q.dtype
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and q.stride(2) == 1
-        and q.stride(1) == q.shape[2]
-    )
+    return not _decode_problem(q, k_cache, v_cache)
 
 
 def paged_decode(
@@ -64,25 +106,18 @@ def paged_decode(
     kv_heads, head_dim]; block_tables [n, width] and context_lens [n] int64 -> [n, heads,
     head_dim]. Each query attends to its sequence's first context_lens[i] cached tokens.
     The kernel checks each context and block id it reads through against the cache."""
+    problem = _decode_problem(q, k_cache, v_cache)
+    if problem:
+        raise ValueError(problem)
     n, heads, head_dim = q.shape
     blocks, block_size, kv_heads, _ = k_cache.shape
-    if k_cache.shape[3] != head_dim or heads % kv_heads:
-        raise ValueError(
-            f"{heads} query heads of {head_dim} do not fit a cache of {kv_heads} KV heads "
-            f"of {k_cache.shape[3]}"
-        )
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"value cache {tuple(v_cache.shape)} does not match the key cache")
-    rows_contiguous = q.stride(1) == head_dim and q.stride(2) == 1
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and rows_contiguous):
-        raise ValueError("the caches and each query row must be contiguous")
-    for name, t in (("block tables", block_tables), ("context lengths", context_lens)):
-        if t.dtype != torch.int64 or t.device.type != "cpu":
-            raise ValueError(f"{name} must be int64 on the CPU")
+    for name, t, dims in (("block tables", block_tables, 2), ("context lengths", context_lens, 1)):
+        if t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != dims:
+            raise ValueError(f"{name} must be a {dims}-D int64 CPU tensor")
     tables, lens = block_tables.contiguous(), context_lens.contiguous()
-    if tables.shape[0] != n or lens.shape != (n,):
+    if tables.shape[0] != n or lens.shape[0] != n:
         raise ValueError(f"{n} queries need {n} block tables and context lengths")
-    out = torch.empty(n, heads, head_dim, dtype=q.dtype)
+    out = torch.empty(n, heads, head_dim, dtype=q.dtype, device=q.device)
     _cpu_kernels.paged_decode(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -100,20 +135,31 @@ def paged_decode(
         q.stride(0),
         scale,
         _DTYPES[q.dtype],
-        torch.get_num_threads(),
+        _threads(),
     )
     return out
 
 
-def norm_takes(residual: torch.Tensor) -> bool:
-    """Whether add_rms_norm() can run on rows like `residual` [rows, dim]."""
-    return (
-        _cpu_kernels is not None
-        and residual.device.type == "cpu"
-        and residual.dtype in _DTYPES
-        and residual.dim() == 2
-        and residual.shape[1] % 16 == 0
-    )
+def _norm_problem(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> str:
+    """Why add_rms_norm() cannot take these tensors, or "" when it can."""
+    if _cpu_kernels is None or residual.device.type != "cpu" or residual.dtype not in _DTYPES:
+        return "the kernel runs float32 or bfloat16 CPU tensors"
+    if residual.dim() != 2 or residual.shape[1] == 0 or residual.shape[1] % 16:
+        return f"rows {tuple(residual.shape)} are not [rows, a multiple of 16]"
+    if not residual.is_contiguous():
+        return "the residual must be contiguous: it is updated in place"
+    if weight.shape != residual.shape[1:] or weight.dtype != residual.dtype:
+        return f"norm weight {tuple(weight.shape)} does not fit rows of {residual.shape[1]}"
+    if x is not None and (x.shape != residual.shape or x.dtype != residual.dtype):
+        return f"cannot add {tuple(x.shape)} to a residual {tuple(residual.shape)}"
+    if any(t is not None and t.device != residual.device for t in (x, weight)):
+        return "the addend and the weight must be on the residual's device"
+    return ""
+
+
+def norm_takes(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether add_rms_norm() can run on these."""
+    return not _norm_problem(x, residual, weight)
 
 
 def add_rms_norm(
@@ -121,13 +167,9 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x (in place; x None adds nothing), then (rms_norm(residual) * weight,
     residual). Both [rows, dim], weight [dim], one dtype."""
-    rows, dim = residual.shape
-    if weight.shape != (dim,) or weight.dtype != residual.dtype:
-        raise ValueError(f"norm weight {tuple(weight.shape)} does not fit rows of {dim}")
-    if x is not None and (x.shape != residual.shape or x.dtype != residual.dtype):
-        raise ValueError(f"cannot add {tuple(x.shape)} to a residual {tuple(residual.shape)}")
-    if not residual.is_contiguous():
-        raise ValueError("the residual must be contiguous: it is updated in place")
+    problem = _norm_problem(x, residual, weight)
+    if problem:
+        raise ValueError(problem)
     x = None if x is None else x.contiguous()
     weight = weight.contiguous()
     out = torch.empty_like(residual)
@@ -136,10 +178,10 @@ def add_rms_norm(
         weight.data_ptr(),
         residual.data_ptr(),
         out.data_ptr(),
-        rows,
-        dim,
+        residual.shape[0],
+        residual.shape[1],
         eps,
         _DTYPES[residual.dtype],
-        torch.get_num_threads(),
+        _threads(),
     )
     return out, residual

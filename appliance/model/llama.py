@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
         """Adds `delta` (when given) to the residual stream `residual` [tokens, hidden];
         returns (the norm of the sum, the sum). On the CPU the compiled kernel does both
         in one pass and updates `residual` in place."""
-        if cpu_kernels.norm_takes(residual):
+        if cpu_kernels.norm_takes(delta, residual, self.weight):
             return cpu_kernels.add_rms_norm(delta, residual, self.weight, self.eps)
         if delta is not None:
             residual = residual + delta

@@ -34,7 +34,7 @@ INLINE void norm_rows(const AddRmsNorm *p, const int DTYPE) {
 }
 
 const char *add_rms_norm_check(const AddRmsNorm *p) {
-    if (p->dim <= 0 || p->dim % LANES != 0) return "row size is not a multiple of 16";
+    if (p->dim <= 0 || p->dim % LANES != 0) return "row size is not a positive multiple of 16";
     if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";
     if (p->threads < 1) return "threads must be at least 1";
     return NULL;

@@ -64,7 +64,18 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* Bumped whenever an entry point's arguments change: cpu_kernels.py refuses a module
+ * built from older sources (an editable install not re-run after a pull). */
+#define ABI 2
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, .m_name = "_cpu_kernels", .m_size = -1, .m_methods = methods};
 
-PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu_kernels(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "ABI", ABI) != 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

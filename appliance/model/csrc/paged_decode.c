@@ -6,12 +6,14 @@
  * spends that on the arithmetic. Sums and the softmax are in float32, as SDPA's CPU
  * kernel does for 16-bit inputs. Layouts: kernels.h. */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "kernels.h"
 #include "vec.h"
 
 #define PARALLEL_WORK 1024 /* (token, KV head) rows to read before using more threads */
+#define MAX_GROUP 64       /* query heads per KV head: their rows live on the stack */
 
 /* e^x for x <= 0 (softmax scores less their maximum), about 1 ulp: e^x = 2^n e^r with n
  * rounded to nearest, |r| <= ln2 / 2, and Cephes' polynomial for e^r. A loop of these
@@ -102,7 +104,9 @@ static void attend_128_f32(const PagedDecode *p, long i, long h, float *s) { att
 static void attend_128_bf16(const PagedDecode *p, long i, long h, float *s) { attend(p, i, h, s, 128, BF16); }
 
 const char *paged_decode_check(const PagedDecode *p) {
-    if (p->kv_heads <= 0 || p->heads % p->kv_heads != 0) return "heads do not group over KV heads";
+    if (p->kv_heads <= 0 || p->heads < p->kv_heads || p->heads % p->kv_heads != 0)
+        return "heads do not group over KV heads";
+    if (p->heads / p->kv_heads > MAX_GROUP) return "more than 64 query heads share a KV head";
     if (p->head_dim != 64 && p->head_dim != 128) return "head size is not 64 or 128";
     if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";
     if (p->threads < 1) return "threads must be at least 1";
@@ -125,23 +129,21 @@ int paged_decode_run(const PagedDecode *p) {
         longest = p->lens[i] > longest ? p->lens[i] : longest;
         work += p->lens[i] * p->kv_heads;
     }
+    /* torch's own OpenMP threads (the extension shares its libgomp, loaded first), as
+     * many as torch uses; a small problem stays on one: waking others would cost more. */
+    int threads = work >= PARALLEL_WORK ? p->threads : 1;
+    long per_thread = group * longest;
+    /* Allocated before the threads start: one failing inside would skip the loop that
+     * every thread of the team must reach, and the others would wait for it forever. */
+    float *scratch = malloc(threads * per_thread * sizeof(float));
+    if (scratch == NULL) return -1;
     void (*one)(const PagedDecode *, long, long, float *) =
         p->head_dim == 64 ? (p->dtype == F32 ? attend_64_f32 : attend_64_bf16)
                           : (p->dtype == F32 ? attend_128_f32 : attend_128_bf16);
-    int failed = 0;
-    /* torch's own OpenMP threads (the extension shares its libgomp, loaded first), as
-     * many as torch uses; a small problem stays on one: waking others would cost more. */
-#pragma omp parallel num_threads(p->threads) if (work >= PARALLEL_WORK) reduction(| : failed)
-    {
-        float *scores = malloc(group * longest * sizeof(float));
-        if (scores == NULL) {
-            failed = 1;
-        } else {
-#pragma omp for schedule(static)
-            for (long unit = 0; unit < units; unit++)
-                one(p, unit / p->kv_heads, unit % p->kv_heads, scores);
-        }
-        free(scores);
-    }
-    return failed ? -1 : 0;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long unit = 0; unit < units; unit++)
+        one(p, unit / p->kv_heads, unit % p->kv_heads,
+            scratch + omp_get_thread_num() * per_thread);
+    free(scratch);
+    return 0;
 }
