@@ -141,6 +141,10 @@ def test_decode_takes_only_what_it_has_code_for() -> None:
     assert not cpu_kernels.decode_takes(q.half(), k_cache.half(), v_cache.half())
     assert not cpu_kernels.decode_takes(q[..., :32], k_cache[..., :32], v_cache[..., :32])
     assert not cpu_kernels.decode_takes(q, k_cache.transpose(0, 1), v_cache)
+    cpu = torch.device("cpu")
+    assert cpu_kernels.decodes_ragged(cpu, torch.bfloat16, 128, group=8)
+    assert not cpu_kernels.decodes_ragged(cpu, torch.bfloat16, 128, group=65)
+    assert not cpu_kernels.decodes_ragged(torch.device("cuda"), torch.bfloat16, 64)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])

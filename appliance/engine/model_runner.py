@@ -71,8 +71,9 @@ class ModelRunner:
         self.device = model.device
         self.followers = followers
         # The CPU kernel attends any mix of context lengths at once: no grouping needed.
+        cfg = model.config
         self.ragged_decode = cpu_kernels.decodes_ragged(
-            model.device, model.dtype, model.config.head_dim
+            model.device, model.dtype, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
         )
 
     def run(self, out: SchedulerOutput) -> dict[int, int]:

@@ -51,15 +51,17 @@ def _threads() -> int:
     return torch.get_num_threads() if _SHARES_TORCHS_THREADS else 1
 
 
-def decodes_ragged(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether decode attention on this device, dtype and head size runs on the kernel,
-    which takes sequences of any mix of context lengths in one call (SDPA pads them all
-    to the longest, so the model runner first groups them by length)."""
+def decodes_ragged(device: torch.device, dtype: torch.dtype, head_dim: int, group: int = 1) -> bool:
+    """Whether decode attention on this device, dtype, head size and number of query
+    heads per KV head runs on the kernel, which takes sequences of any mix of context
+    lengths in one call (SDPA pads them all to the longest, so the model runner first
+    groups them by length)."""
     return (
         _cpu_kernels is not None
         and device.type == "cpu"
         and dtype in _DTYPES
         and head_dim in HEAD_SIZES
+        and 1 <= group <= MAX_GROUP
     )
 
 
