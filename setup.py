@@ -1,5 +1,5 @@
-"""The one compiled part: CPU kernels for decode attention and the residual add + RMSNorm
-(appliance/model/csrc/). Everything else is in pyproject.toml.
+"""The one compiled part: CPU kernels for decode attention, the residual add + RMSNorm and
+the rotary embedding + KV store (appliance/model/csrc/). Everything else is in pyproject.toml.
 
 The kernels are optional: where they do not build (no C compiler), the model runs the
 same steps with torch ops instead (appliance/model/cpu_kernels.py says which).
@@ -7,7 +7,7 @@ same steps with torch ops instead (appliance/model/cpu_kernels.py says which).
 
 from setuptools import Extension, setup
 
-SOURCES = ["module.c", "paged_decode.c", "add_rms_norm.c"]
+SOURCES = ["module.c", "paged_decode.c", "add_rms_norm.c", "rope_store.c"]
 
 setup(
     ext_modules=[

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
-from appliance.model.attention import DecodeGroup, sdpa_decode
+from appliance.model.attention import DecodeGroup, sdpa_decode, write_kv
+from appliance.model.rope import apply_rope
 
 BLOCK = 16
 
@@ -202,7 +203,7 @@ def _greedy(engine: LLMEngine) -> list[list[int]]:
 def test_the_model_decodes_alike_on_the_kernels_and_on_torch_ops(
     make_engine: Callable[..., LLMEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """float32 greedy outputs are the same either way, and the kernels did run."""
+    """float32 greedy outputs are the same either way, and every kernel did run."""
     calls: Counter[str] = Counter()
     built = cpu_kernels._cpu_kernels
 
@@ -213,11 +214,56 @@ def test_the_model_decodes_alike_on_the_kernels_and_on_torch_ops(
 
         return call
 
-    spy = SimpleNamespace(**{n: counted(n) for n in ("paged_decode", "add_rms_norm")})
+    names = ("paged_decode", "add_rms_norm", "rope_store")
+    spy = SimpleNamespace(**{n: counted(n) for n in names})
     monkeypatch.setattr(cpu_kernels, "_cpu_kernels", spy)
     on_kernels = _greedy(make_engine())
     layers = make_engine().model.config.num_layers
     assert calls["paged_decode"] >= 23 * layers  # every decode step, every layer
     assert calls["add_rms_norm"] >= 24 * (2 * layers + 1)  # prefill and decode steps
+    assert calls["rope_store"] >= 24 * layers
     monkeypatch.setattr(cpu_kernels, "_cpu_kernels", None)
     assert _greedy(make_engine()) == on_kernels
+
+
+def _rope_problem(dtype: torch.dtype, tokens: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 9 + 2 * 3, 64, generator=gen).to(dtype)
+    angles = torch.rand(tokens, 32, generator=gen) * 100
+    cos, sin = angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+    slots = torch.randperm(8 * BLOCK, generator=gen)[:tokens]
+    k_cache = torch.zeros(8, BLOCK, 3, 64, dtype=dtype)
+    return qkv, cos, sin, slots, k_cache, torch.zeros_like(k_cache)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_matches_apply_rope_and_write_kv(tokens: int, dtype: torch.dtype) -> None:
+    qkv, cos, sin, slots, k_cache, v_cache = _rope_problem(dtype, tokens)
+    rotated = apply_rope(qkv[:, :12], cos, sin)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    write_kv(want_k, want_v, rotated[:, 9:], qkv[:, 12:], slots)
+    got = qkv.clone()
+    cpu_kernels.rope_store(got, cos, sin, slots, k_cache, v_cache, heads=9)
+    # One rounding of x1 cos - x2 sin, where torch rounds the product first: 1 step apart.
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got[:, :12], rotated, atol=tolerance, rtol=tolerance)
+    assert torch.equal(got[:, 12:], qkv[:, 12:])  # values are not rotated
+    torch.testing.assert_close(k_cache, want_k, atol=tolerance, rtol=tolerance)
+    assert torch.equal(v_cache, want_v)  # the same slots, and only them
+
+
+def test_rope_store_refuses_slots_outside_the_cache_and_odd_shapes() -> None:
+    qkv, cos, sin, slots, k_cache, v_cache = _rope_problem(torch.float32, 3)
+    for bad in (torch.tensor([0, 1, 8 * BLOCK]), torch.tensor([0, -1, 2])):
+        with pytest.raises(ValueError, match="outside the cache"):
+            cpu_kernels.rope_store(qkv, cos, sin, bad, k_cache, v_cache, heads=9)
+    with pytest.raises(ValueError, match="not 8 \\+ 2 x 3"):
+        cpu_kernels.rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads=8)
+    with pytest.raises(ValueError, match="are not"):
+        cpu_kernels.rope_store(qkv, cos[:2], sin[:2], slots, k_cache, v_cache, heads=9)
+    with pytest.raises(ValueError, match="slots"):
+        cpu_kernels.rope_store(qkv, cos, sin, slots.int(), k_cache, v_cache, heads=9)
+    half = (t.half() for t in (qkv, cos, sin))
+    assert not cpu_kernels.rope_store_takes(*half, slots, k_cache.half(), v_cache.half())
+    assert not cpu_kernels.rope_store_takes(qkv, cos, sin, slots, k_cache.bfloat16(), v_cache)

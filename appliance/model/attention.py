@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.model import cpu_kernels
+from appliance.model.rope import apply_rope
 
 
 @dataclass
@@ -61,6 +62,27 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
+def rotate_and_store(
+    qkv: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's projections qkv [tokens, heads + 2 * kv_heads, head_dim] -> q, k (both
+    rotated) and v, with k and v stored in the cache. On the CPU one compiled pass rotates
+    qkv in place and stores (cpu_kernels.rope_store); elsewhere torch ops do."""
+    kv_heads = (qkv.shape[1] - heads) // 2
+    if cpu_kernels.rope_store_takes(qkv, *rope, slot_mapping, k_cache, v_cache):
+        cpu_kernels.rope_store(qkv, *rope, slot_mapping, k_cache, v_cache, heads)
+        return qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    qk = apply_rope(qkv[:, : heads + kv_heads], *rope)
+    q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q, k, v
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,8 +92,8 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
 ) -> torch.Tensor:
-    """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> like q."""
-    write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+    """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> like q. The step's
+    k/v are already in the cache (rotate_and_store)."""
     groups = batch.decode_groups
     if not batch.prefills and len(groups) == 1 and groups[0].rows is None:
         return _decode(q, k_cache, v_cache, groups[0], scale)  # every row: nothing to place

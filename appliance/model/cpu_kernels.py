@@ -1,12 +1,14 @@
 """The compiled CPU kernels (csrc/): decode attention read in place from the paged cache,
-and the residual add fused with the RMSNorm after it.
+the residual add fused with the RMSNorm after it, and the rotary embedding fused with
+storing the step's keys and values.
 
 Both replace several small torch ops whose fixed costs dominate on the CPU at decode
 sizes: SDPA spends microseconds of set-up per (sequence, KV head) on top of a gather
-of the padded context; an add and a norm are half a dozen passes and dispatches per
-layer (benchmarks/cpu_kernels_bench.py, benchmarks/engine_bench.py). `pip install` builds
-them (setup.py); where it could not, or for other devices, dtypes and shapes, the model
-runs the torch ops instead: `*_takes()` says which.
+of the padded context; an add and a norm, or a rotation and two cache writes, are half
+a dozen passes and dispatches per layer (benchmarks/cpu_kernels_bench.py,
+benchmarks/engine_bench.py). `pip install` builds them (setup.py); where it could not,
+or for other devices, dtypes and shapes, the model runs the torch ops instead:
+`*_takes()` says which.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ try:
 except ImportError:  # not built: no C compiler at install time
     _cpu_kernels = None
 
-ABI = 2  # module.c's ABI: the argument lists these calls pass
+ABI = 3  # module.c's ABI: the argument lists these calls pass
 if _cpu_kernels is not None and getattr(_cpu_kernels, "ABI", None) != ABI:
     _cpu_kernels = None  # built from older sources: ./install.sh was not re-run after a pull
 
@@ -187,3 +189,82 @@ def add_rms_norm(
         _threads(),
     )
     return out, residual
+
+
+def _rope_problem(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> str:
+    """Why rope_store() cannot take these tensors, or "" when it can."""
+    if _cpu_kernels is None or qkv.device.type != "cpu" or qkv.dtype not in _DTYPES:
+        return "the kernel runs float32 or bfloat16 CPU tensors"
+    if qkv.dim() != 3 or k_cache.dim() != 4 or qkv.shape[2] % 32:
+        return "qkv must be [tokens, heads, head_dim], head_dim a multiple of 32"
+    tokens, _, head_dim = qkv.shape
+    if k_cache.shape[3] != head_dim or qkv.shape[1] < 2 * k_cache.shape[2]:
+        return f"qkv {tuple(qkv.shape)} does not fit a cache of {tuple(k_cache.shape)}"
+    tensors = (qkv, cos, sin, k_cache, v_cache)
+    if any(
+        t.dtype != qkv.dtype or t.device != qkv.device or not t.is_contiguous() for t in tensors
+    ):
+        return "qkv, cos, sin and the caches must be contiguous, of one dtype and device"
+    if v_cache.shape != k_cache.shape or cos.shape != sin.shape:
+        return "the caches, and cos and sin, must match each other"
+    if cos.numel() != tokens * head_dim // 2:
+        return f"cos and sin {tuple(cos.shape)} are not [tokens, head_dim / 2]"
+    if slots.dtype != torch.int64 or slots.device.type != "cpu" or slots.shape != (tokens,):
+        return "slots must be [tokens] int64 on the CPU"
+    return ""
+
+
+def rope_store_takes(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> bool:
+    """Whether rope_store() can run on these."""
+    return not _rope_problem(qkv, cos, sin, slots, k_cache, v_cache)
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    heads: int,
+) -> None:
+    """Rotates the `heads` query heads and the key heads of qkv [tokens, heads + 2 *
+    kv_heads, head_dim] in place (rotate-half layout, cos/sin [tokens, ..., head_dim /
+    2]), then stores each token's key and value heads in cache slot slots[t] (block *
+    block_size + offset) of the caches [blocks, block_size, kv_heads, head_dim]. The
+    kernel checks every slot against the cache."""
+    problem = _rope_problem(qkv, cos, sin, slots, k_cache, v_cache)
+    if problem:
+        raise ValueError(problem)
+    kv_heads = k_cache.shape[2]
+    if qkv.shape[1] != heads + 2 * kv_heads:
+        raise ValueError(f"qkv has {qkv.shape[1]} heads, not {heads} + 2 x {kv_heads}")
+    _cpu_kernels.rope_store(
+        qkv.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        qkv.shape[0],
+        heads,
+        kv_heads,
+        qkv.shape[2],
+        k_cache.shape[0] * k_cache.shape[1],
+        _DTYPES[qkv.dtype],
+        _threads(),
+    )

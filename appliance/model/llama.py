@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from appliance.model import cpu_kernels
-from appliance.model.attention import AttentionBatch, paged_attention
+from appliance.model.attention import AttentionBatch, paged_attention, rotate_and_store
 from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig
-from appliance.model.rope import RotaryEmbedding, apply_rope
+from appliance.model.rope import RotaryEmbedding
 from appliance.model.tensor_parallel import (
     WHOLE_MODEL,
     AllReduce,
@@ -64,9 +64,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # [tokens, q_heads + 2 * kv_heads, head_dim]
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
-        qk_heads = self.num_heads + self.num_kv_heads
-        qk = apply_rope(qkv[:, :qk_heads], *rope)
-        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_heads:]
+        q, k, v = rotate_and_store(
+            qkv, rope, kv_layer[0], kv_layer[1], batch.slot_mapping, self.num_heads
+        )
         out = paged_attention(q, k, v, kv_layer[0], kv_layer[1], batch, self.scale)
         return self.o_proj(out.flatten(1))
 

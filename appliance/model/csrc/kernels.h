@@ -40,4 +40,19 @@ typedef struct {
 const char *add_rms_norm_check(const AddRmsNorm *p);
 void add_rms_norm_run(const AddRmsNorm *p);
 
+/* Rotates each token's query and key heads in place in `qkv` [tokens, heads + 2 *
+ * kv_heads, head_dim] (rotate-half layout: cos, sin [tokens, head_dim / 2]), then copies
+ * its key and value heads to slot `slots[t]` of the caches [cache_slots, kv_heads,
+ * head_dim] (rope_store.c). All contiguous, one dtype. */
+typedef struct {
+    void *qkv, *k_cache, *v_cache;
+    const void *cos, *sin;
+    const int64_t *slots;
+    long tokens, heads, kv_heads, head_dim, cache_slots;
+    int dtype, threads;
+} RopeStore;
+
+const char *rope_store_check(const RopeStore *p);
+void rope_store_run(const RopeStore *p);
+
 #endif
