@@ -8,6 +8,9 @@ replace, on this machine, at SmolLM2-135M's sizes:
   head as its query rows.
 - the residual add and the RMSNorm after it, as each decoder layer runs them twice:
   the kernel in one pass against `residual + x` then `F.rms_norm`.
+- the rotary embedding of a step's queries and keys and the store of its keys and
+  values in their cache slots: the kernel in one pass against `rope.apply_rope` and
+  `attention.write_kv`.
 
 Prints microseconds per call (best of 30) and the largest difference between the two.
 Run from the repository root: .venv/bin/python benchmarks/cpu_kernels_bench.py
@@ -20,7 +23,8 @@ import torch.nn.functional as F
 from timing import best_seconds
 
 from appliance.model import cpu_kernels
-from appliance.model.attention import DecodeGroup, sdpa_decode
+from appliance.model.attention import DecodeGroup, sdpa_decode, write_kv
+from appliance.model.rope import apply_rope
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 9, 3, 64, 576  # SmolLM2-135M
 BLOCK = 16
@@ -66,6 +70,31 @@ def norm_case(rows: int, dtype: torch.dtype) -> tuple[float, float, float]:
     return best_seconds(kernel) * 1e6, best_seconds(torch_ops) * 1e6, diff
 
 
+def rope_case(tokens: int, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(kernel us, torch us, max abs difference of the rotated q/k) of one layer's rotation
+    and K/V store."""
+    qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, dtype=dtype)
+    angles = torch.rand(tokens, HEAD_DIM // 2) * 100
+    cos, sin = angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+    k_cache = torch.zeros(tokens // BLOCK + 1, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(k_cache.shape[0] * BLOCK)[:tokens]
+    qk = HEADS + KV_HEADS
+
+    def kernel() -> torch.Tensor:
+        rotated = qkv.clone()  # rotated in place: each call starts from the same values
+        cpu_kernels.rope_store(rotated, cos, sin, slots, k_cache, v_cache, HEADS)
+        return rotated[:, :qk]
+
+    def torch_ops() -> torch.Tensor:
+        rotated = apply_rope(qkv.clone()[:, :qk], cos, sin)
+        write_kv(k_cache, v_cache, rotated[:, HEADS:], qkv[:, qk:], slots)
+        return rotated
+
+    diff = (kernel().float() - torch_ops().float()).abs().max().item()
+    return best_seconds(kernel) * 1e6, best_seconds(torch_ops) * 1e6, diff
+
+
 def main() -> None:
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels are not built: install a C compiler, re-run ./install.sh")
@@ -90,6 +119,17 @@ def main() -> None:
             name = str(dtype).removeprefix("torch.")
             print(
                 f"| {rows} | {name} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.2f}x "
+                f"| {diff:.1e} |"
+            )
+    print("\nRotary embedding + K/V store, one layer (each call copies qkv first, both sides)")
+    print("| tokens | dtype | kernel (us) | apply_rope + write_kv (us) | speed-up | max diff |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for tokens in (1, 32, 1024):
+        for dtype in (torch.float32, torch.bfloat16):
+            ours, theirs, diff = rope_case(tokens, dtype)
+            name = str(dtype).removeprefix("torch.")
+            print(
+                f"| {tokens} | {name} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.2f}x "
                 f"| {diff:.1e} |"
             )
 
