@@ -18,6 +18,8 @@ Run from the repository root: .venv/bin/python benchmarks/cpu_kernels_bench.py
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from timing import best_seconds
@@ -95,43 +97,57 @@ def rope_case(tokens: int, dtype: torch.dtype) -> tuple[float, float, float]:
     return best_seconds(kernel) * 1e6, best_seconds(torch_ops) * 1e6, diff
 
 
+def table(
+    title: str,
+    size_names: tuple[str, ...],
+    torch_ops: str,
+    sizes: list[tuple[int, ...]],
+    case: Callable[..., tuple[float, float, float]],
+    digits: int,
+) -> None:
+    """One markdown table: `case(*size, dtype)` per size and dtype, kernel beside torch."""
+    print(f"\n{title}")
+    names = " | ".join(size_names)
+    print(f"| {names} | dtype | kernel (us) | {torch_ops} (us) | speed-up | max diff |")
+    print("|" + "---:|" * len(size_names) + "---|---:|---:|---:|---:|")
+    for size in sizes:
+        for dtype in (torch.float32, torch.bfloat16):
+            ours, theirs, diff = case(*size, dtype)
+            cells = " | ".join(str(n) for n in size)
+            print(
+                f"| {cells} | {str(dtype).removeprefix('torch.')} | {ours:.{digits}f} "
+                f"| {theirs:.{digits}f} | {theirs / ours:.2f}x | {diff:.1e} |"
+            )
+
+
 def main() -> None:
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels are not built: install a C compiler, re-run ./install.sh")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}\n")
-    print("Decode attention, one layer")
-    print("| decodes | ctx | dtype | kernel (us) | gather + SDPA (us) | speed-up | max diff |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
-    for decodes, ctx in [(1, 64), (1, 1024), (8, 256), (32, 64), (32, 1024)]:
-        for dtype in (torch.float32, torch.bfloat16):
-            ours, theirs, diff = decode_case(decodes, ctx, dtype)
-            name = str(dtype).removeprefix("torch.")
-            print(
-                f"| {decodes} | {ctx} | {name} | {ours:.0f} | {theirs:.0f} "
-                f"| {theirs / ours:.2f}x | {diff:.1e} |"
-            )
-    print("\nResidual add + RMSNorm, one call (each layer makes two)")
-    print("| rows | dtype | kernel (us) | add + F.rms_norm (us) | speed-up | max diff |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for rows in (1, 32, 1024):
-        for dtype in (torch.float32, torch.bfloat16):
-            ours, theirs, diff = norm_case(rows, dtype)
-            name = str(dtype).removeprefix("torch.")
-            print(
-                f"| {rows} | {name} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.2f}x "
-                f"| {diff:.1e} |"
-            )
-    print("\nRotary embedding + K/V store, one layer (each call copies qkv first, both sides)")
-    print("| tokens | dtype | kernel (us) | apply_rope + write_kv (us) | speed-up | max diff |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for tokens in (1, 32, 1024):
-        for dtype in (torch.float32, torch.bfloat16):
-            ours, theirs, diff = rope_case(tokens, dtype)
-            name = str(dtype).removeprefix("torch.")
-            print(
-                f"| {tokens} | {name} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.2f}x "
-                f"| {diff:.1e} |"
-            )
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    table(
+        "Decode attention, one layer",
+        ("decodes", "ctx"),
+        "gather + SDPA",
+        [(1, 64), (1, 1024), (8, 256), (32, 64), (32, 1024)],
+        decode_case,
+        0,
+    )
+    table(
+        "Residual add + RMSNorm, one call (each layer makes two)",
+        ("rows",),
+        "add + F.rms_norm",
+        [(1,), (32,), (1024,)],
+        norm_case,
+        1,
+    )
+    table(
+        "Rotary embedding + K/V store, one layer (each call copies qkv first, both sides)",
+        ("tokens",),
+        "apply_rope + write_kv",
+        [(1,), (32,), (1024,)],
+        rope_case,
+        1,
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 the residual add fused with the RMSNorm after it, and the rotary embedding fused with
 storing the step's keys and values.
 
-Both replace several small torch ops whose fixed costs dominate on the CPU at decode
+Each replaces several small torch ops whose fixed costs dominate on the CPU at decode
 sizes: SDPA spends microseconds of set-up per (sequence, KV head) on top of a gather
 of the padded context; an add and a norm, or a rotation and two cache writes, are half
 a dozen passes and dispatches per layer (benchmarks/cpu_kernels_bench.py,
