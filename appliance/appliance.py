@@ -39,11 +39,6 @@ class Appliance:
         self.config, self.tokenizer = prepare_tokenizer(settings.model, settings.cache_dir)
         check_degree(self.config, settings.prefill_tp, "prefill_tp")
         check_degree(self.config, settings.decode_tp, "decode_tp")
-        if settings.weights == "int4" and max(settings.prefill_tp, settings.decode_tp) > 1:
-            raise ValueError(
-                "weights=int4 cannot be split over shards: use prefill_tp=1 and "
-                "decode_tp=1, or weights=auto"
-            )
 
     async def start(self) -> None:
         """Spawn the pools' workers and wait until all are ready."""

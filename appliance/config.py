@@ -159,11 +159,22 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations dtype; auto picks per device."
     )
-    weights: Literal["auto", "dense", "int4"] = Field(
+    weights: Literal["auto", "dense", "quantized"] = Field(
         "auto",
-        description="int4 keeps a GGUF's Q4_0/Q4_1 weights (and a Q8_0 LM head, as two 4-bit "
-        "halves) 4-bit for small decode batches (CPU, 16-bit dtype); auto does so where that "
-        "applies; dense dequantizes all.",
+        description="quantized multiplies a GGUF's block-format weights (Q4_0, Q4_1, Q8_0, "
+        "Q4_K, Q5_K, Q6_K) in place with the CPU kernels, reading a fraction of the bytes "
+        "(int4 is an older name for it); auto does so wherever that applies (CPU, kernels "
+        "built); dense dequantizes all to the dtype.",
+    )
+    quantize: Literal["none", "q8_0", "q4_0"] = Field(
+        "none",
+        description="On the quantized path, quantize float weights (an F16/F32 GGUF, a "
+        "Hugging Face folder) at load to this block format; none keeps them dense.",
+    )
+    cpu_isa: Literal["auto", "avx512", "avx2", "generic"] = Field(
+        "auto",
+        description="The highest instruction-set level the CPU kernels may use; auto takes "
+        "the best this CPU has (a cap: a level the CPU lacks falls to the next below).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Accelerator kind; auto takes CUDA when present."
@@ -240,6 +251,11 @@ class Settings(BaseSettings):
         if value is not None and not value.exists():
             raise ValueError(f"no such file or folder: {value}")
         return value
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _int4_is_quantized(cls, value: object) -> object:
+        return "quantized" if value == "int4" else value
 
     @field_validator("api_key", mode="before")
     @classmethod

@@ -462,8 +462,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
         "--dtypes",
-        default="float32,bfloat16:dense,bfloat16:int4",
-        help="comma-separated dtypes, each with an optional :weights (dense, int4, auto); "
+        default="float32:dense,bfloat16:dense,float32:quantized",
+        help="comma-separated dtypes, each with an optional :weights (dense, quantized, auto); "
         "transformers always runs dense weights of that dtype",
     )
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement")

@@ -17,8 +17,16 @@ from appliance.model.loader import default_model_path
 
 @pytest.fixture(scope="session")
 def engine() -> LLMEngine:
-    """The default model (SmolLM2-135M GGUF) in float32 on the CPU."""
-    return LLMEngine.from_settings(load_settings(dtype="float32", device="cpu"))
+    """The default model (SmolLM2-135M GGUF) dequantized to float32 on the CPU: the
+    engine that must match transformers."""
+    return LLMEngine.from_settings(load_settings(dtype="float32", device="cpu", weights="dense"))
+
+
+@pytest.fixture(scope="session")
+def quant_engine() -> LLMEngine:
+    """The default model with its Q4_1/Q8_0 blocks multiplied in place (the CPU default),
+    at the cpu_isa the settings give (APPLIANCE_CPU_ISA runs the suite at a lower level)."""
+    return LLMEngine.from_settings(load_settings(device="cpu", weights="quantized"))
 
 
 @pytest.fixture(scope="session")

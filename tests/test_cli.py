@@ -61,9 +61,9 @@ def test_serve_with_a_corrupt_model_fails_before_listening(tmp_path: Path) -> No
 def test_serve_exits_when_its_workers_cannot_start() -> None:
     import os
 
-    # int4 weights need a 16-bit dtype: every worker fails while loading.
-    env = {**os.environ, "APPLIANCE_WEIGHTS": "int4", "APPLIANCE_PORT": "0"}
-    result = run("serve", "--dtype", "float32", env=env)
+    # Quantized weights take float32 or bfloat16 activations: every worker fails loading.
+    env = {**os.environ, "APPLIANCE_WEIGHTS": "quantized", "APPLIANCE_PORT": "0"}
+    result = run("serve", "--dtype", "float16", env=env)
     assert result.returncode == 1
     assert "the workers could not start" in result.stderr
 

@@ -15,8 +15,12 @@ from appliance.model.packed_linear import PackedLinear, pack_linears, packs_line
 CPU = torch.device("cpu")
 
 
+PACKS = packs_linears(CPU, torch.bfloat16)  # needs AVX512BW/VL/DQ or AVX-NE-CONVERT
+
+
 def test_packing_is_for_bfloat16_on_the_cpu_only() -> None:
-    assert packs_linears(CPU, torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if PACKS:
+        assert torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert not packs_linears(CPU, torch.float32)  # another summation order than transformers
     assert not packs_linears(torch.device("cuda"), torch.bfloat16)
 
@@ -28,6 +32,10 @@ def test_a_packed_linear_is_bit_identical_to_f_linear(rows: int, bias: bool) -> 
     weight = torch.randn(96, 64, generator=generator).to(torch.bfloat16)
     b = torch.randn(96, generator=generator).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, 64, generator=generator).to(torch.bfloat16)
+    if not PACKS:  # this CPU lacks the path: it is refused, and the model keeps F.linear
+        with pytest.raises(ValueError, match="oneDNN cannot pack"):
+            PackedLinear(weight, b)
+        return
     assert torch.equal(PackedLinear(weight, b)(x), F.linear(x, weight, b))
 
 
@@ -54,6 +62,10 @@ def test_a_follower_shard_packs_no_head(files: ModelFiles) -> None:
     with torch.device("meta"):
         model = CausalLM(files.config, torch.bfloat16, CPU, 64)
     model.load_weights(files.weights, "test")
+    if not PACKS:
+        with pytest.raises(ValueError, match=r"packs no torch\.bfloat16"):
+            pack_linears(model, head=False)
+        return
     assert pack_linears(model, head=False) == 4 * files.config.num_layers
     assert model.lm_head is None  # it computes no logits: no packed copy of the embedding
 
@@ -64,6 +76,10 @@ def test_packing_an_untied_head_packs_that_head(files: ModelFiles) -> None:
     model.load_weights(files.weights, "test")
     model.lm_head = torch.nn.Linear(576, 10, bias=False, dtype=torch.bfloat16)
     head = model.lm_head.weight
+    if not PACKS:
+        with pytest.raises(ValueError, match=r"packs no torch\.bfloat16"):
+            pack_linears(model)
+        return
     count = pack_linears(model)
     hidden = torch.randn(3, 576).to(torch.bfloat16)
     assert count == 4 * files.config.num_layers + 1

@@ -29,7 +29,6 @@ class StepInputs:
     attention: AttentionBatch
     sample_rows: torch.Tensor  # [samples] int64, last row of each completing chunk
     sample_requests: list[tuple[int, SamplingParams]]
-    use_int4: bool = False  # a decode-only step may use 4-bit weights (model/int4.py)
 
 
 def move_to(value: Any, device: torch.device) -> Any:
@@ -48,8 +47,6 @@ def move_to(value: Any, device: torch.device) -> Any:
 def forward(model: CausalLM, inputs: StepInputs, kv_tensor: torch.Tensor) -> torch.Tensor:
     """The model over one step's tokens: hidden states [tokens, hidden]. Every shard of a
     tensor-parallel group runs this with its own weights and pool."""
-    if model.int4_switch is not None:
-        model.int4_switch.on = inputs.use_int4
     return model(inputs.input_ids, inputs.positions, inputs.attention, kv_tensor)
 
 
@@ -124,7 +121,6 @@ class ModelRunner:
             attention=AttentionBatch(self._tensor(slots), segments, decode_start, groups),
             sample_rows=self._tensor(sample_rows),
             sample_requests=requests,
-            use_int4=not out.prefills,
         )
 
     def _add_tokens(

@@ -1,32 +1,79 @@
-"""The compiled CPU kernels (csrc/): decode attention read in place from the paged cache,
-the residual add fused with the RMSNorm after it, and the rotary embedding fused with
-storing the step's keys and values.
+"""The compiled CPU kernels (csrc/): matrix products with block-quantized weights read in
+place, decode attention read in place from the paged cache, the residual add fused with
+the RMSNorm after it, and the rotary embedding fused with storing the step's keys and
+values.
 
-Each replaces several small torch ops whose fixed costs dominate on the CPU at decode
-sizes: SDPA spends microseconds of set-up per (sequence, KV head) on top of a gather
-of the padded context; an add and a norm, or a rotation and two cache writes, are half
-a dozen passes and dispatches per layer (benchmarks/cpu_kernels_bench.py,
-benchmarks/engine_bench.py). `pip install` builds them (setup.py); where it could not,
-or for other devices, dtypes and shapes, the model runs the torch ops instead:
-`*_takes()` says which.
+Each replaces torch ops that either read far more bytes (dense float weights) or whose
+fixed costs dominate on the CPU at decode sizes: SDPA spends microseconds of set-up per
+(sequence, KV head) on top of a gather of the padded context; an add and a norm, or a
+rotation and two cache writes, are half a dozen passes and dispatches per layer
+(benchmarks/cpu_kernels_bench.py, benchmarks/engine_bench.py). `pip install` builds them
+(setup.py) once per instruction-set level; `select()` loads the best level this CPU runs,
+capped by the `cpu_isa` setting. Where they were not built, or for other devices, dtypes
+and shapes, the model runs torch ops instead: `*_takes()` says which.
+
+Which compiled module serves is one choice per process, like torch's thread count: the
+worker makes it once at start (`select(settings.cpu_isa)`).
 """
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-try:
-    from appliance.model import _cpu_kernels
-except ImportError:  # not built: no C compiler at install time
-    _cpu_kernels = None
+ABI = 4  # module.c's ABI: the argument lists these calls pass
+LEVELS = ("generic", "avx2", "avx512")  # lowest first; setup.py builds each
+# The CPU features each level's build was compiled for (setup.py's flags).
+_NEEDS = {
+    "generic": frozenset(),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "avx512": frozenset(
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"}
+    ),
+}
 
-ABI = 3  # module.c's ABI: the argument lists these calls pass
-if _cpu_kernels is not None and getattr(_cpu_kernels, "ABI", None) != ABI:
-    _cpu_kernels = None  # built from older sources: ./install.sh was not re-run after a pull
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-HEAD_SIZES = (64, 128)  # decode attention is compiled for these (unrolled into registers)
-MAX_GROUP = 64  # query heads per KV head that decode attention takes (paged_decode.c)
+def _import(level: str) -> object | None:
+    """The compiled module of `level`, or None when it was not built from these sources
+    (no C compiler, another architecture, or ./install.sh not re-run after a pull)."""
+    try:
+        module = importlib.import_module(f"appliance.model._cpu_kernels_{level}")
+    except ImportError:
+        return None
+    return module if getattr(module, "ABI", None) == ABI else None
+
+
+def cpu_levels() -> list[str]:
+    """The built levels this CPU can run, lowest first (the generic build finds out which:
+    it runs everywhere)."""
+    generic = _import("generic")
+    if generic is None:
+        return []
+    features = set(generic.cpu_features())
+    return [level for level in LEVELS if _NEEDS[level] <= features and _import(level)]
+
+
+def select(cap: str = "auto") -> str | None:
+    """Load the highest built level this CPU runs, at most `cap` ('auto': no cap); returns
+    it, or None when no kernels are built (the torch ops then serve)."""
+    global _cpu_kernels  # one choice per process: see the module doc
+    if cap != "auto" and cap not in LEVELS:
+        raise ValueError(f"cpu_isa {cap!r} is not one of auto, {', '.join(LEVELS)}")
+    runnable = cpu_levels()
+    if cap != "auto":
+        runnable = [lv for lv in runnable if LEVELS.index(lv) <= LEVELS.index(cap)]
+    _cpu_kernels = _import(runnable[-1]) if runnable else None
+    return runnable[-1] if runnable else None
+
+
+def level() -> str | None:
+    """The level serving now, or None when no kernels are loaded."""
+    return None if _cpu_kernels is None else _cpu_kernels.LEVEL
+
+
+_cpu_kernels: object | None = None
+select()
 
 
 def _openmp_runtimes() -> set[str]:
@@ -51,6 +98,11 @@ def available() -> bool:
 
 def _threads() -> int:
     return torch.get_num_threads() if _SHARES_TORCHS_THREADS else 1
+
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+HEAD_SIZES = (64, 128)  # decode attention is compiled for these (unrolled into registers)
+MAX_GROUP = 64  # query heads per KV head that decode attention takes (paged_decode.c)
 
 
 def decodes_ragged(device: torch.device, dtype: torch.dtype, head_dim: int, group: int = 1) -> bool:
@@ -268,3 +320,87 @@ def rope_store(
         _DTYPES[qkv.dtype],
         _threads(),
     )
+
+
+def quant_takes(x: torch.Tensor) -> bool:
+    """Whether quant_matmul() can take activations `x` [rows, in]: float32 or bfloat16 CPU
+    rows whose values are contiguous."""
+    return (
+        _cpu_kernels is not None
+        and x.device.type == "cpu"
+        and x.dtype in _DTYPES
+        and x.dim() == 2
+        and x.stride(1) == 1
+    )
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    format_id: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [rows, in] @ W.T (+ bias) -> [rows, out_features] in x's dtype, for W stored as
+    `blocks` [out_features, row bytes] uint8 in GGML format `format_id` (one row of blocks
+    per output feature). `out` may be a column slice of a wider tensor (rows apart by its
+    stride). The kernel checks the format, sizes and strides."""
+    if not quant_takes(x):
+        raise ValueError("x must be [rows, in] float32 or bfloat16 on the CPU, rows contiguous")
+    if x.shape[1] != in_features:
+        raise ValueError(f"x has {x.shape[1]} features, the weight takes {in_features}")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+        raise ValueError("the weight's blocks must be a contiguous 2-D uint8 tensor")
+    rows, n = x.shape[0], blocks.shape[0]
+    if out is None:
+        out = torch.empty(rows, n, dtype=x.dtype)
+    if out.shape != (rows, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [{rows}, {n}] of x's dtype, rows contiguous")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+        raise ValueError(f"bias must be [{n}] float32")
+    bias = None if bias is None else bias.contiguous()
+    _cpu_kernels.quant_matmul(
+        x.data_ptr(),
+        blocks.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        in_features,
+        blocks.shape[1],
+        x.stride(0),
+        out.stride(0),
+        format_id,
+        _DTYPES[x.dtype],
+        _threads(),
+    )
+    return out
+
+
+def quant_rows(
+    blocks: torch.Tensor,
+    format_id: int,
+    in_features: int,
+    rows: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows `rows` (int64 ids) of a block-quantized weight, dequantized: [len(rows), in]."""
+    if _cpu_kernels is None or dtype not in _DTYPES:
+        raise ValueError("dequantizing rows needs the kernels and float32 or bfloat16")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+        raise ValueError("the weight's blocks must be a contiguous 2-D uint8 tensor")
+    rows = rows.to(torch.int64).contiguous().view(-1)
+    out = torch.empty(rows.shape[0], in_features, dtype=dtype)
+    _cpu_kernels.quant_rows(
+        blocks.data_ptr(),
+        rows.data_ptr(),
+        out.data_ptr(),
+        rows.shape[0],
+        blocks.shape[0],
+        in_features,
+        blocks.shape[1],
+        format_id,
+        _DTYPES[dtype],
+    )
+    return out

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from appliance.model.errors import ModelLoadError
-from appliance.model.int4 import head_weight_name, split_q4_blocks, split_q8_blocks
 from appliance.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from appliance.model.quant import FORMATS, QuantWeight
 
 SUPPORTED_QUANTS = frozenset(
     GGMLQuantizationType[name]
@@ -134,28 +134,33 @@ def read_weights(reader: GGUFReader, config: ModelConfig, path: Path) -> dict[st
     return weights
 
 
-def read_int4_weights(
-    reader: GGUFReader, config: ModelConfig, path: Path
-) -> dict[str, torch.Tensor]:
-    """Q4_0/Q4_1 projection weights kept 4-bit: `<hf name>.q4` [out, in] uint8 (0..15),
-    `.scale` and `.zero` float32 [out, in / 32]; a Q8_0 LM head as `<hf name>.q8` [out, in]
-    int8 and `.q8_scale` float32 [out, in / 32] (see appliance/model/int4.py)."""
-    q4_types = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
-    head = head_weight_name(config)
+def quant_names(path: Path) -> list[str]:
+    """Hugging Face names of the file's 2-D weights in block formats (model/quant.py)."""
+    reader = open_gguf(path)
+    return [
+        hf_name(t.name, path)
+        for t in reader.tensors
+        if t.tensor_type.name in FORMATS and len(t.shape) == 2
+    ]
+
+
+def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight]:
+    """The file's weights in block formats (model/quant.py), kept in their blocks under
+    their Hugging Face names, Q/K rows in Hugging Face order; copies in this process's
+    memory (a user rewriting the file cannot reach a running worker)."""
+    reader = open_gguf(path)
     out = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name, path)
-        if name == head and tensor.tensor_type == GGMLQuantizationType.Q8_0:
-            q, d = split_q8_blocks(tensor.data)
-            out[f"{name}.q8"], out[f"{name}.q8_scale"] = torch.from_numpy(q), torch.from_numpy(d)
-        if tensor.tensor_type not in q4_types or ".layers." not in name:
+        fmt = FORMATS.get(tensor.tensor_type.name)
+        if fmt is None or len(tensor.shape) != 2:
             continue
-        parts = split_q4_blocks(tensor.data, tensor.tensor_type == GGMLQuantizationType.Q4_1)
+        name = hf_name(tensor.name, path)
+        in_features, rows = int(tensor.shape[0]), int(tensor.shape[1])  # fastest first
+        blocks = np.asarray(tensor.data).reshape(rows, -1)  # [rows, row bytes]
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            parts = tuple(unpermute_rope_rows(p, heads) for p in parts)
-        for suffix, array in zip(("q4", "scale", "zero"), parts, strict=True):
-            out[f"{name}.{suffix}"] = torch.from_numpy(np.ascontiguousarray(array))
+            blocks = unpermute_rope_rows(blocks, heads)  # whole rows move: blocks stay
+        out[name] = QuantWeight(fmt, torch.from_numpy(np.array(blocks, copy=True)), in_features)
     return out
 
 

@@ -132,8 +132,6 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.max_positions = max_positions
-        self.int4_switch = None  # set when 4-bit weights are attached (model/int4.py)
-        self.int4_head: nn.Module | None = None  # likewise, when the file's head is Q8_0
         # An explicit (empty) weight skips normal_ init, which on meta tensors imports
         # torch's compiler stack and costs a second at every start.
         embedding = torch.empty(config.vocab_size, config.hidden_size)
@@ -169,8 +167,6 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> float32 [rows, vocab]."""
-        if self.int4_head is not None and self.int4_switch.takes(hidden):
-            return self.int4_head(hidden)
         if self.lm_head is None:  # tied to the embedding
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()

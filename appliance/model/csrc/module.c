@@ -80,6 +80,95 @@ static PyObject *rope_store(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *quant_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, w, bias, out;
+    QuantMatmul p;
+    if (!PyArg_ParseTuple(args, "KKKKlllllliii", &x, &w, &bias, &out, &p.m, &p.n, &p.k,
+                          &p.row_bytes, &p.x_row_stride, &p.out_row_stride, &p.format,
+                          &p.dtype, &p.threads))
+        return NULL;
+    p.x = (const void *)(uintptr_t)x;
+    p.w = (const uint8_t *)(uintptr_t)w;
+    p.bias = (const float *)(uintptr_t)bias;
+    p.out = (void *)(uintptr_t)out;
+    const char *problem = quant_matmul_check(&p);
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = quant_matmul_run(&p);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *quant_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long w, rows, out;
+    QuantRows p;
+    if (!PyArg_ParseTuple(args, "KKKllllii", &w, &rows, &out, &p.count, &p.total_rows, &p.k,
+                          &p.row_bytes, &p.format, &p.dtype))
+        return NULL;
+    p.w = (const uint8_t *)(uintptr_t)w;
+    p.rows = (const int64_t *)(uintptr_t)rows;
+    p.out = (void *)(uintptr_t)out;
+    const char *problem = quant_rows_check(&p);
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = quant_rows_run(&p);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* The instruction-set features this CPU (and its OS) offers, of those the builds use. */
+static PyObject *cpu_features(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    const struct {
+        const char *name;
+        int present;
+    } features[] = {
+        {"avx2", __builtin_cpu_supports("avx2")},
+        {"fma", __builtin_cpu_supports("fma")},
+        {"f16c", 0},
+        {"avx512f", __builtin_cpu_supports("avx512f")},
+        {"avx512bw", __builtin_cpu_supports("avx512bw")},
+        {"avx512vl", __builtin_cpu_supports("avx512vl")},
+        {"avx512dq", __builtin_cpu_supports("avx512dq")},
+        {"avx512vnni", __builtin_cpu_supports("avx512vnni")},
+    };
+    for (size_t i = 0; i < sizeof features / sizeof features[0]; i++) {
+        int present = features[i].present;
+        if (i == 2) { /* F16C: CPUID leaf 1, ECX bit 29 (no __builtin_cpu_supports name) */
+            unsigned a, b, c, d;
+            __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+            present = (c >> 29) & 1;
+        }
+        if (!present) continue;
+        PyObject *name = PyUnicode_FromString(features[i].name);
+        if (name == NULL || PyList_Append(out, name) != 0) {
+            Py_XDECREF(name);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(name);
+    }
+#endif
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"paged_decode", paged_decode, METH_VARARGS,
      "paged_decode(q, k, v, tables, lens, out, n, heads, kv_heads, head_dim, blocks, "
@@ -89,19 +178,37 @@ static PyMethodDef methods[] = {
     {"rope_store", rope_store, METH_VARARGS,
      "rope_store(qkv, cos, sin, slots, k, v, tokens, heads, kv_heads, head_dim, cache_slots, "
      "dtype, threads)"},
+    {"quant_matmul", quant_matmul, METH_VARARGS,
+     "quant_matmul(x, w, bias or 0, out, m, n, k, row_bytes, x_row_stride, out_row_stride, "
+     "format, dtype, threads)"},
+    {"quant_rows", quant_rows, METH_VARARGS,
+     "quant_rows(w, rows, out, count, total_rows, k, row_bytes, format, dtype)"},
+    {"cpu_features", cpu_features, METH_NOARGS, "cpu_features() -> [feature names]"},
     {NULL, NULL, 0, NULL},
 };
 
 /* Bumped whenever an entry point's arguments change: cpu_kernels.py refuses a module
  * built from older sources (an editable install not re-run after a pull). */
-#define ABI 3
+#define ABI 4
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, .m_name = "_cpu_kernels", .m_size = -1, .m_methods = methods};
+/* setup.py builds this file once per instruction-set level: KERNELS_LEVEL names it
+ * (generic, avx2, avx512), and the module is _cpu_kernels_<level>. */
+#ifndef KERNELS_LEVEL
+#define KERNELS_LEVEL generic
+#endif
+#define STR2(x) #x
+#define STR(x) STR2(x)
+#define CAT2(a, b) a##b
+#define CAT(a, b) CAT2(a, b)
 
-PyMODINIT_FUNC PyInit__cpu_kernels(void) {
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,
+                                    .m_name = "_cpu_kernels_" STR(KERNELS_LEVEL),
+                                    .m_size = -1, .m_methods = methods};
+
+PyMODINIT_FUNC CAT(PyInit__cpu_kernels_, KERNELS_LEVEL)(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "ABI", ABI) != 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "ABI", ABI) != 0 ||
+                      PyModule_AddStringConstant(m, "LEVEL", STR(KERNELS_LEVEL)) != 0)) {
         Py_DECREF(m);
         return NULL;
     }

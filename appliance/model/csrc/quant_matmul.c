@@ -1,0 +1,453 @@
+/* Matrix products with weights kept in GGUF's block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+ * Q6_K), read in place: decode is bound by the bytes a step reads, and 4.5 bits a weight
+ * read 7x fewer than float32.
+ *
+ * How: each call quantizes its activations per 32 values to int8 (one float scale each,
+ * as llama.cpp's Q8 activations), then each weight row is unpacked once into 32-value
+ * groups of small integers with a float scale and offset per 16 values (every format
+ * above fits this form), and integer dot products of those groups with up to four
+ * activation rows at a time accumulate in float. The offsets meet the activation sums
+ * (precomputed per 16 values) in one float dot per row at the end.
+ *
+ * This file is compiled once per instruction-set level (setup.py): the AVX2 build uses
+ * vpmaddubsw, the AVX-512 build VNNI's vpdpbusd, the generic build plain C (NEON on ARM,
+ * through the compiler). The unpacking is written with vector extensions, which each
+ * build maps to its own registers. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "kernels.h"
+#include "vec.h"
+
+#define GROUP 32   /* values per activation block and per unpacked weight group */
+#define TILE 4     /* activation rows per pass over an unpacked weight row */
+#define M_BLOCK 64 /* activation rows sharing one unpacking of a weight row */
+#define ROWS_PER_TASK 8
+
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+/* One format: values and bytes per block. */
+typedef struct {
+    int values, bytes;
+} Format;
+
+static int format_of(int format, Format *f) {
+    switch (format) {
+    case QUANT_Q4_0: *f = (Format){32, 18}; return 1;
+    case QUANT_Q4_1: *f = (Format){32, 20}; return 1;
+    case QUANT_Q8_0: *f = (Format){32, 34}; return 1;
+    case QUANT_Q4_K: *f = (Format){256, 144}; return 1;
+    case QUANT_Q5_K: *f = (Format){256, 176}; return 1;
+    case QUANT_Q6_K: *f = (Format){256, 210}; return 1;
+    default: return 0;
+    }
+}
+
+INLINE float fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        float f = ldexpf((float)man, -24);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Two consecutive half floats. */
+INLINE void fp16_pair(const uint8_t *p, float out[2]) {
+#if defined(__F16C__)
+    uint32_t both;
+    memcpy(&both, p, 4);
+    __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)both));
+    _mm_storel_pi((__m64 *)out, f);
+#else
+    out[0] = fp16(p);
+    out[1] = fp16(p + 2);
+#endif
+}
+
+INLINE u8x32 join16(u8x16 lo, u8x16 hi) {
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                   16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+}
+
+INLINE u8x16 load16(const uint8_t *p) {
+    u8x16 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+
+INLINE u8x32 load32(const uint8_t *p) {
+    u8x32 v;
+    memcpy(&v, p, 32);
+    return v;
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and min of sub-block j (llama.cpp's get_scale_min_k4). */
+INLINE void scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Group `g` (32 values) of a weight row: its values as small integers (0..63, or int8 for
+ * Q8_0) and, for its first and last 16 values, the scale and offset that make them
+ * weights (weight = scale * value + offset). A compile-time `format` specializes it. */
+typedef struct {
+    float scale[2], offset[2];
+} GroupScales;
+
+INLINE u8x32 unpack_group(const int format, const uint8_t *row, long g, GroupScales *s) {
+    const u8x32 low4 = (u8x32){0} + 0xF;
+    if (format == QUANT_Q4_0 || format == QUANT_Q4_1 || format == QUANT_Q8_0) {
+        const int bytes = format == QUANT_Q4_0 ? 18 : format == QUANT_Q4_1 ? 20 : 34;
+        const uint8_t *b = row + g * bytes;
+        if (format == QUANT_Q4_1) { /* d and m side by side: one conversion */
+            float dm[2];
+            fp16_pair(b, dm);
+            s->scale[0] = s->scale[1] = dm[0];
+            s->offset[0] = s->offset[1] = dm[1];
+        } else {
+            float d = fp16(b);
+            s->scale[0] = s->scale[1] = d;
+            s->offset[0] = s->offset[1] = format == QUANT_Q4_0 ? -8.0f * d : 0.0f;
+        }
+        if (format == QUANT_Q8_0) return load32(b + 2);
+        u8x16 q = load16(b + bytes - 16); /* low nibbles: values 0..15, high: 16..31 */
+        return join16(q & 0xF, q >> 4);
+    }
+    const long block = g / 8;
+    const int j = (int)(g % 8);
+    if (format == QUANT_Q4_K || format == QUANT_Q5_K) {
+        const uint8_t *b = row + block * (format == QUANT_Q4_K ? 144 : 176);
+        float d = fp16(b), dmin = fp16(b + 2);
+        int sc, m;
+        scale_min_k4(j, b + 4, &sc, &m);
+        s->scale[0] = s->scale[1] = d * (float)sc;
+        s->offset[0] = s->offset[1] = -dmin * (float)m;
+        const uint8_t *qs = b + (format == QUANT_Q4_K ? 16 : 48);
+        u8x32 q = load32(qs + 32 * (j / 2));
+        u8x32 v = (j % 2) ? (q >> 4) : (q & low4);
+        /* Q5_K: bit j of qh[l] (32 bytes after the scales) is value l's fifth bit. */
+        if (format == QUANT_Q5_K) v |= ((load32(b + 16) >> j) & 1) << 4;
+        return v;
+    }
+    /* Q6_K: ql[128] low 4 bits, qh[64] high 2 bits, int8 scales[16] per 16 values, d;
+     * value = d * scale * (v - 32). Each half of 128 values has 4 groups. */
+    const uint8_t *b = row + block * 210;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    float d = fp16(b + 208);
+    int half = j / 4, part = j % 4;
+    u8x32 low = load32(b + 64 * half + 32 * (part % 2));
+    low = part >= 2 ? (low >> 4) : (low & low4);
+    u8x32 high = (load32(b + 128 + 32 * half) >> (2 * part)) & 3;
+    s->scale[0] = d * (float)scales[2 * j];
+    s->scale[1] = d * (float)scales[2 * j + 1];
+    s->offset[0] = -32.0f * s->scale[0];
+    s->offset[1] = -32.0f * s->scale[1];
+    return low | (high << 4);
+}
+
+/* Activations quantized per 32: q [m, k] int8, scale [m, k / 32], and per 16 values
+ * scale * (their sum of q) [m, k / 16]. */
+typedef struct {
+    int8_t *q;
+    float *scale, *sums;
+} Acts;
+
+static void quantize_row(const void *x, int dtype, long k, int8_t *q, float *scale,
+                         float *sums) {
+    for (long g = 0; g < k / GROUP; g++) {
+        float v[GROUP], amax = 0.0f;
+        for (int i = 0; i < GROUP; i++) {
+            long at = g * GROUP + i;
+            if (dtype == F32) {
+                v[i] = ((const float *)x)[at];
+            } else {
+                uint32_t bits = (uint32_t)((const uint16_t *)x)[at] << 16;
+                memcpy(&v[i], &bits, 4);
+            }
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+        }
+        float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int s0 = 0, s1 = 0;
+        for (int i = 0; i < GROUP; i++) {
+            int r = (int)lrintf(v[i] * inv); /* to nearest even, as vcvtps2dq */
+            q[g * GROUP + i] = (int8_t)r;
+            if (i < 16) s0 += r; else s1 += r;
+        }
+        scale[g] = d;
+        sums[2 * g] = d * (float)s0;
+        sums[2 * g + 1] = d * (float)s1;
+    }
+}
+
+/* The sum over a row's halves of offset * (activation scale * sum of q): what the offsets
+ * add to a dot product. Four sums in flight: a single one waits on each add. */
+INLINE float offset_dot(const float *offsets, const float *sums, long halves) {
+    float acc[4] = {0};
+    long h = 0;
+    for (; h + 4 <= halves; h += 4)
+        for (int i = 0; i < 4; i++) acc[i] += offsets[h + i] * sums[h + i];
+    for (; h < halves; h++) acc[0] += offsets[h] * sums[h];
+    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+#if defined(__AVX2__)
+/* acc[i] += group g of weight row `w` . the same group of activation row first + i. */
+INLINE void group_dot(const int format, const int rows, const uint8_t *w, const Acts *a,
+                      long first, long k, long g, float *offsets, __m256 *acc) {
+    const long groups = k / GROUP;
+    const int is_signed = format == QUANT_Q8_0;
+    GroupScales s;
+    __m256i values = (__m256i)unpack_group(format, w, g, &s);
+    offsets[2 * g] = s.offset[0];
+    offsets[2 * g + 1] = s.offset[1];
+    /* int32 lane l of a dot holds bytes 4l..4l+3: lanes 0-3 the first 16 values. */
+    __m256 sv = format == QUANT_Q6_K
+                    ? _mm256_set_m128(_mm_set1_ps(s.scale[1]), _mm_set1_ps(s.scale[0]))
+                    : _mm256_set1_ps(s.scale[0]);
+    /* The unsigned operand: |w| for Q8_0, its sign moved onto x. */
+    __m256i wu = is_signed ? _mm256_sign_epi8(values, values) : values;
+    for (int i = 0; i < rows; i++) {
+        long r = first + i;
+        __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + r * k + g * GROUP));
+        if (is_signed) x = _mm256_sign_epi8(x, values);
+#if defined(__AVX512VNNI__)
+        __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x);
+#else
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), _mm256_set1_epi16(1));
+#endif
+        __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), sv);
+        acc[i] = _mm256_fmadd_ps(scaled, _mm256_set1_ps(a->scale[r * groups + g]), acc[i]);
+    }
+}
+#endif
+
+/* out[i] (i < rows) = weight row `w` . activation row first + i, for i < `rows`; the
+ * group offsets go to `offsets` [k / 16] on the way. `format` and `rows` are compile-time
+ * constants at every call (see tiles()), so each pair gets its own loop. */
+INLINE void dot_tile(const int format, const int rows, const uint8_t *w, const Acts *a,
+                     long first, long k, float *offsets, float *out) {
+    const long groups = k / GROUP;
+    const int is_signed = format == QUANT_Q8_0;
+#if defined(__AVX2__)
+    __m256 acc[TILE];
+    for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
+    /* Two groups a pass, each with its own accumulators: one chain of fused adds would
+     * wait on the one before. */
+    __m256 odd[TILE];
+    for (int i = 0; i < rows; i++) odd[i] = _mm256_setzero_ps();
+    long g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        group_dot(format, rows, w, a, first, k, g, offsets, acc);
+        group_dot(format, rows, w, a, first, k, g + 1, offsets, odd);
+    }
+    if (g < groups) group_dot(format, rows, w, a, first, k, g, offsets, acc);
+    for (int i = 0; i < rows; i++) acc[i] = _mm256_add_ps(acc[i], odd[i]);
+    for (int i = 0; i < rows; i++) {
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        out[i] = _mm_cvtss_f32(h);
+    }
+#else
+    float acc[TILE] = {0};
+    for (long g = 0; g < groups; g++) {
+        GroupScales s;
+        u8x32 values = unpack_group(format, w, g, &s);
+        offsets[2 * g] = s.offset[0];
+        offsets[2 * g + 1] = s.offset[1];
+        for (int i = 0; i < rows; i++) {
+            long r = first + i;
+            const int8_t *x = a->q + r * k + g * GROUP;
+            int lo = 0, hi = 0;
+            for (int j = 0; j < 16; j++) {
+                lo += (is_signed ? (int)(int8_t)values[j] : (int)values[j]) * x[j];
+                hi += (is_signed ? (int)(int8_t)values[j + 16] : (int)values[j + 16]) * x[j + 16];
+            }
+            float sum = (float)lo * s.scale[0] + (float)hi * s.scale[1];
+            acc[i] += sum * a->scale[r * groups + g];
+        }
+    }
+    for (int i = 0; i < rows; i++) out[i] = acc[i];
+#endif
+    for (int i = 0; i < rows; i++)
+        out[i] += offset_dot(offsets, a->sums + (first + i) * (k / 16), k / 16);
+}
+
+/* Weight row `c` against activation rows m0..m1, TILE at a time. */
+INLINE void tiles(const QuantMatmul *p, const int format, const Acts *a, long c, long m0,
+                  long m1, float *offsets);
+
+INLINE void store_out(const QuantMatmul *p, long r, long c, float v) {
+    if (p->bias != NULL) v += p->bias[c];
+    long at = r * p->out_row_stride + c;
+    if (p->dtype == F32) {
+        ((float *)p->out)[at] = v;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    bits = (bits & 0x7fffffffu) > 0x7f800000u ? (bits | 0x400000u)
+                                             : bits + 0x7fffu + ((bits >> 16) & 1u);
+    ((uint16_t *)p->out)[at] = (uint16_t)(bits >> 16);
+}
+
+const char *quant_matmul_check(const QuantMatmul *p) {
+    Format f;
+    if (!format_of(p->format, &f)) return "unknown weight format";
+    if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";
+    if (p->m < 0 || p->n < 0 || p->k <= 0 || p->k % f.values != 0)
+        return "k must be a positive multiple of the format's block size";
+    if (p->row_bytes != p->k / f.values * f.bytes) return "row_bytes does not fit k";
+    if (p->x_row_stride < p->k || p->out_row_stride < p->n) return "a row stride is too small";
+    if (p->threads < 1) return "threads must be at least 1";
+    return NULL;
+}
+
+INLINE void tiles(const QuantMatmul *p, const int format, const Acts *a, long c, long m0,
+                  long m1, float *offsets) {
+    const uint8_t *w = p->w + c * p->row_bytes;
+    float out[TILE];
+    for (long r = m0; r < m1; r += TILE) {
+        long rows = m1 - r < TILE ? m1 - r : TILE;
+        switch (rows) {
+        case 4: dot_tile(format, 4, w, a, r, p->k, offsets, out); break;
+        case 3: dot_tile(format, 3, w, a, r, p->k, offsets, out); break;
+        case 2: dot_tile(format, 2, w, a, r, p->k, offsets, out); break;
+        default: dot_tile(format, 1, w, a, r, p->k, offsets, out); break;
+        }
+        for (long i = 0; i < rows; i++) store_out(p, r + i, c, out[i]);
+    }
+}
+
+/* Output columns first..last (weight rows) for activation rows m0..m1. */
+static void columns(const QuantMatmul *p, const Acts *a, long first, long last, long m0,
+                    long m1, float *offsets) {
+    for (long c = first; c < last; c++) {
+        switch (p->format) {
+        case QUANT_Q4_0: tiles(p, QUANT_Q4_0, a, c, m0, m1, offsets); break;
+        case QUANT_Q4_1: tiles(p, QUANT_Q4_1, a, c, m0, m1, offsets); break;
+        case QUANT_Q8_0: tiles(p, QUANT_Q8_0, a, c, m0, m1, offsets); break;
+        case QUANT_Q4_K: tiles(p, QUANT_Q4_K, a, c, m0, m1, offsets); break;
+        case QUANT_Q5_K: tiles(p, QUANT_Q5_K, a, c, m0, m1, offsets); break;
+        default: tiles(p, QUANT_Q6_K, a, c, m0, m1, offsets); break;
+        }
+    }
+}
+
+int quant_matmul_run(const QuantMatmul *p) {
+    const long k = p->k, m = p->m, n = p->n, groups = k / GROUP;
+    if (m == 0 || n == 0) return 0;
+    const int threads = p->threads;
+    int8_t *q = malloc((size_t)(m * k));
+    float *scales = malloc(sizeof(float) * (size_t)(m * groups));
+    float *sums = malloc(sizeof(float) * (size_t)(m * (k / 16)));
+    float *offsets = malloc(sizeof(float) * (size_t)(k / 16) * (size_t)threads);
+    int status = (q && scales && sums && offsets) ? 0 : -1;
+    if (status == 0) {
+        const int elem = p->dtype == F32 ? 4 : 2;
+        const Acts acts = {q, scales, sums};
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m >= 16)
+        for (long r = 0; r < m; r++)
+            quantize_row((const char *)p->x + (size_t)(r * p->x_row_stride) * elem, p->dtype,
+                         k, q + r * k, scales + r * groups, sums + r * (k / 16));
+        const long tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+        {
+#if defined(_OPENMP)
+            float *mine = offsets + (size_t)(k / 16) * (size_t)omp_get_thread_num();
+#else
+            float *mine = offsets;
+#endif
+            for (long m0 = 0; m0 < m; m0 += M_BLOCK) {
+                long m1 = m0 + M_BLOCK < m ? m0 + M_BLOCK : m;
+#pragma omp for schedule(static)
+                for (long t = 0; t < tasks; t++) {
+                    long last = (t + 1) * ROWS_PER_TASK < n ? (t + 1) * ROWS_PER_TASK : n;
+                    columns(p, &acts, t * ROWS_PER_TASK, last, m0, m1, mine);
+                }
+            }
+        }
+    }
+    free(q);
+    free(scales);
+    free(sums);
+    free(offsets);
+    return status;
+}
+
+const char *quant_rows_check(const QuantRows *p) {
+    Format f;
+    if (!format_of(p->format, &f)) return "unknown weight format";
+    if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";
+    if (p->k <= 0 || p->k % f.values != 0)
+        return "k must be a positive multiple of the format's block size";
+    if (p->row_bytes != p->k / f.values * f.bytes) return "row_bytes does not fit k";
+    for (long i = 0; i < p->count; i++)
+        if (p->rows[i] < 0 || p->rows[i] >= p->total_rows) return "a row index is out of range";
+    return NULL;
+}
+
+int quant_rows_run(const QuantRows *p) {
+    const long k = p->k;
+    const int is_signed = p->format == QUANT_Q8_0;
+    for (long i = 0; i < p->count; i++) {
+        const uint8_t *row = p->w + p->rows[i] * p->row_bytes;
+        for (long g = 0; g < k / GROUP; g++) {
+            GroupScales s;
+            u8x32 values;
+            switch (p->format) {
+            case QUANT_Q4_0: values = unpack_group(QUANT_Q4_0, row, g, &s); break;
+            case QUANT_Q4_1: values = unpack_group(QUANT_Q4_1, row, g, &s); break;
+            case QUANT_Q8_0: values = unpack_group(QUANT_Q8_0, row, g, &s); break;
+            case QUANT_Q4_K: values = unpack_group(QUANT_Q4_K, row, g, &s); break;
+            case QUANT_Q5_K: values = unpack_group(QUANT_Q5_K, row, g, &s); break;
+            default: values = unpack_group(QUANT_Q6_K, row, g, &s); break;
+            }
+            for (int j = 0; j < GROUP; j++) {
+                float q = is_signed ? (float)(int8_t)values[j] : (float)values[j];
+                float v = s.scale[j / 16] * q + s.offset[j / 16];
+                long at = i * k + g * GROUP + j;
+                if (p->dtype == F32) {
+                    ((float *)p->out)[at] = v;
+                } else {
+                    uint32_t bits;
+                    memcpy(&bits, &v, 4);
+                    bits = bits + 0x7fffu + ((bits >> 16) & 1u);
+                    ((uint16_t *)p->out)[at] = (uint16_t)(bits >> 16);
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,249 @@
+"""Weights kept in GGUF's block formats and multiplied in place (cpu_kernels.quant_matmul).
+
+Decode reads every weight once a step, so its speed is the bytes a weight takes: Q4_1 is
+5 bits a weight where float32 is 32. A `QuantWeight` is one matrix as the file stores it
+(a row of blocks per output feature, rows in Hugging Face order); `QuantLinear` and
+`QuantEmbedding` take its place in the model. Float weights (an F16/F32 GGUF, a Hugging
+Face folder) can be quantized at load to Q8_0 or Q4_0 (`quantize`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from appliance.model import cpu_kernels
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One of GGML's block formats: `values` weights in `bytes` bytes."""
+
+    name: str
+    ggml_id: int
+    values: int
+    bytes: int
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        BlockFormat("Q4_0", 2, 32, 18),
+        BlockFormat("Q4_1", 3, 32, 20),
+        BlockFormat("Q8_0", 8, 32, 34),
+        BlockFormat("Q4_K", 12, 256, 144),
+        BlockFormat("Q5_K", 13, 256, 176),
+        BlockFormat("Q6_K", 14, 256, 210),
+    )
+}
+
+
+@dataclass
+class QuantWeight:
+    """A [rows, in_features] weight as blocks: `blocks` [rows, in / values * bytes] uint8."""
+
+    format: BlockFormat
+    blocks: torch.Tensor
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.in_features % self.format.values:
+            raise ValueError(
+                f"{self.format.name} holds rows of whole {self.format.values}-value blocks, "
+                f"not {self.in_features} values"
+            )
+        row_bytes = self.in_features // self.format.values * self.format.bytes
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2:
+            raise ValueError("blocks must be a 2-D uint8 tensor")
+        if self.blocks.shape[1] != row_bytes:
+            raise ValueError(
+                f"rows of {self.blocks.shape[1]} bytes do not hold {self.in_features} "
+                f"{self.format.name} values ({row_bytes} bytes)"
+            )
+
+    @property
+    def rows(self) -> int:
+        return self.blocks.shape[0]
+
+    def row_slice(self, rows: slice) -> QuantWeight:
+        """Some output rows (a column-parallel shard's)."""
+        return QuantWeight(self.format, self.blocks[rows], self.in_features)
+
+    def column_slice(self, columns: slice) -> QuantWeight:
+        """Some input columns (a row-parallel shard's): whole blocks only."""
+        start, stop = columns.start, columns.stop
+        per = self.format.values
+        if start % per or stop % per:
+            raise ValueError(
+                f"columns {start}:{stop} split {self.format.name} blocks of {per} values; "
+                "this model cannot be split over these shards with quantized weights "
+                "(use weights=dense)"
+            )
+        size = self.format.bytes
+        blocks = self.blocks[:, start // per * size : stop // per * size]
+        return QuantWeight(self.format, blocks.contiguous(), stop - start)
+
+    def owned(self) -> QuantWeight:
+        """A copy in this process's own memory (the blocks may view a mapped file)."""
+        return QuantWeight(self.format, self.blocks.contiguous().clone(), self.in_features)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight (or some of its rows)."""
+        ids = torch.arange(self.rows) if rows is None else rows
+        return cpu_kernels.quant_rows(self.blocks, self.format.ggml_id, self.in_features, ids)
+
+
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight | None:
+    """One weight of the parts' rows stacked (a fused q/k/v or gate/up), or None when their
+    formats differ."""
+    if len({(p.format, p.in_features) for p in parts}) != 1:
+        return None
+    if len(parts) == 1:  # as it is: a tied head shares the embedding's blocks
+        return parts[0]
+    return QuantWeight(parts[0].format, torch.cat([p.blocks for p in parts]), parts[0].in_features)
+
+
+class QuantLinear(nn.Module):
+    """A projection whose output columns come from one or more block-quantized weights (a
+    fused projection whose parts the file stores in different formats keeps them apart)."""
+
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        fused = concat_rows(parts)
+        self.parts = [fused] if fused is not None else parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.rows for p in parts)
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, in] -> [rows, out] in x's dtype."""
+        x = x if cpu_kernels.quant_takes(x) else x.contiguous()
+        if len(self.parts) == 1:
+            part = self.parts[0]
+            return cpu_kernels.quant_matmul(
+                x, part.blocks, part.format.ggml_id, self.in_features, self.bias
+            )
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        start = 0
+        for part in self.parts:
+            stop = start + part.rows
+            bias = None if self.bias is None else self.bias[start:stop]
+            cpu_kernels.quant_matmul(
+                x, part.blocks, part.format.ggml_id, self.in_features, bias, out[:, start:stop]
+            )
+            start = stop
+        return out
+
+    def weight_bytes(self) -> int:
+        return sum(p.blocks.numel() for p in self.parts)
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings looked up from a block-quantized table, a row dequantized per token."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """[tokens] int64 -> [tokens, hidden]."""
+        w = self.weight_q
+        return cpu_kernels.quant_rows(w.blocks, w.format.ggml_id, w.in_features, ids, self.dtype)
+
+
+def quantize(weight: torch.Tensor, format_name: str) -> QuantWeight:
+    """A float [rows, in] weight as Q8_0 or Q4_0 blocks (llama.cpp's rounding)."""
+    array = weight.detach().float().numpy()
+    rows, columns = array.shape
+    if columns % 32:
+        raise ValueError(f"cannot quantize rows of {columns} values into 32-value blocks")
+    groups = array.reshape(rows, columns // 32, 32)
+    if format_name == "Q8_0":
+        d = np.abs(groups).max(axis=-1) / 127.0
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+        q = np.round(groups * inv[..., None]).astype(np.int8)
+        blocks = np.concatenate(
+            [d.astype(np.float16)[..., None].view(np.uint8), q.view(np.uint8)], axis=-1
+        )
+    elif format_name == "Q4_0":
+        # The value of largest magnitude maps to -8, so its sign sets d's.
+        index = np.abs(groups).argmax(axis=-1)[..., None]
+        extreme = np.take_along_axis(groups, index, axis=-1)[..., 0]
+        d = extreme / -8.0
+        inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+        q = np.clip(np.floor(groups * inv[..., None] + 8.5), 0, 15).astype(np.uint8)
+        packed = q[..., :16] | (q[..., 16:] << 4)
+        blocks = np.concatenate([d.astype(np.float16)[..., None].view(np.uint8), packed], axis=-1)
+    else:
+        raise ValueError(f"can quantize to Q8_0 or Q4_0, not {format_name}")
+    data = torch.from_numpy(np.ascontiguousarray(blocks.reshape(rows, -1)))
+    return QuantWeight(FORMATS[format_name], data, columns)
+
+
+# Our fused projections and the Hugging Face-named parts they are made of, in row order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def quantizable(name: str) -> bool:
+    """Whether a Hugging Face-named weight is one the quantized path multiplies in place
+    (a projection, the embedding or the LM head)."""
+    parts = [p for fused in _FUSED.values() for p in fused]
+    return name in (EMBEDDING, "lm_head.weight") or (
+        name.endswith(".weight") and any(f".{p}." in name for p in parts)
+    )
+
+
+def quantize_weights(
+    dense: dict[str, torch.Tensor], have: dict[str, QuantWeight], format_name: str
+) -> dict[str, QuantWeight]:
+    """`have` plus every float projection, embedding and head of `dense` it lacks,
+    quantized to `format_name` (rows of a multiple of 32 values only)."""
+    out = dict(have)
+    for name, tensor in dense.items():
+        if (
+            name not in out
+            and quantizable(name)
+            and tensor.dim() == 2
+            and tensor.shape[1] % 32 == 0
+        ):
+            out[name] = quantize(tensor, format_name)
+    return out
+
+
+def attach_quant(
+    model: nn.Module, quant: dict[str, QuantWeight], dense: dict[str, torch.Tensor]
+) -> set[str]:
+    """Give every projection of `model` (a CausalLM) whose parts are all in `quant` a
+    QuantLinear (its biases from `dense`, this shard's), and the embedding and LM head
+    theirs when quantized; returns the Hugging Face names now served, which the dense
+    load must skip."""
+    served: set[str] = set()
+    for index, layer in enumerate(model.layers):
+        for fused, parts in _FUSED.items():
+            names = [f"model.layers.{index}.{p}.weight" for p in parts]
+            if not all(n in quant for n in names):
+                continue
+            bias_names = [n.removesuffix("weight") + "bias" for n in names]
+            biases = [dense[b] for b in bias_names if b in dense]
+            bias = torch.cat(biases) if len(biases) == len(names) else None
+            owner, attr = fused.split(".")
+            setattr(getattr(layer, owner), attr, QuantLinear([quant[n] for n in names], bias))
+            served |= set(names) | ({*bias_names} if bias is not None else set())
+    if EMBEDDING in quant:
+        model.embed_tokens = QuantEmbedding(quant[EMBEDDING], model.dtype)
+        served.add(EMBEDDING)
+    head = EMBEDDING if model.config.tie_word_embeddings else "lm_head.weight"
+    if head in quant:
+        model.lm_head = QuantLinear([quant[head]], None)  # tied: the same blocks, no copy
+        served.add(head)
+    return served
