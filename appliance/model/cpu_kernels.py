@@ -22,7 +22,7 @@ import importlib
 
 import torch
 
-ABI = 4  # module.c's ABI: the argument lists these calls pass
+ABI = 5  # module.c's ABI: the argument lists these calls pass
 LEVELS = ("generic", "avx2", "avx512")  # lowest first; setup.py builds each
 # The CPU features each level's build was compiled for (setup.py's flags).
 _NEEDS = {
@@ -341,11 +341,14 @@ def quant_matmul(
     in_features: int,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    precise: bool = True,
 ) -> torch.Tensor:
     """x [rows, in] @ W.T (+ bias) -> [rows, out_features] in x's dtype, for W stored as
     `blocks` [out_features, row bytes] uint8 in GGML format `format_id` (one row of blocks
     per output feature). `out` may be a column slice of a wider tensor (rows apart by its
-    stride). The kernel checks the format, sizes and strides."""
+    stride). `precise` carries the activations as two int8 parts (about 16 bits; see
+    csrc/quant_matmul.c), else one (llama.cpp's 8). The kernel checks the format, sizes
+    and strides."""
     if not quant_takes(x):
         raise ValueError("x must be [rows, in] float32 or bfloat16 on the CPU, rows contiguous")
     if x.shape[1] != in_features:
@@ -374,6 +377,7 @@ def quant_matmul(
         format_id,
         _DTYPES[x.dtype],
         _threads(),
+        int(precise),
     )
     return out
 

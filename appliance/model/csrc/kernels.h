@@ -62,14 +62,15 @@ enum { QUANT_Q4_0 = 2, QUANT_Q4_1 = 3, QUANT_Q8_0 = 8, QUANT_Q4_K = 12, QUANT_Q5
 /* out[:, :n] = x @ W.T (+ bias) with W [n, k] in a block format, `row_bytes` per row:
  *   x    [m, k] float32 or bfloat16 (`dtype`), rows `x_row_stride` elements apart
  *   bias [n] float32, or NULL
- *   out  [m, n] of x's dtype, rows `out_row_stride` elements apart */
+ *   out  [m, n] of x's dtype, rows `out_row_stride` elements apart
+ * precise: activations as two int8 parts (about 16 bits) instead of one. */
 typedef struct {
     const void *x;
     const uint8_t *w;
     const float *bias;
     void *out;
     long m, n, k, row_bytes, x_row_stride, out_row_stride;
-    int format, dtype, threads;
+    int format, dtype, threads, precise;
 } QuantMatmul;
 
 const char *quant_matmul_check(const QuantMatmul *p);

@@ -84,9 +84,9 @@ static PyObject *quant_matmul(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, w, bias, out;
     QuantMatmul p;
-    if (!PyArg_ParseTuple(args, "KKKKlllllliii", &x, &w, &bias, &out, &p.m, &p.n, &p.k,
+    if (!PyArg_ParseTuple(args, "KKKKlllllliiii", &x, &w, &bias, &out, &p.m, &p.n, &p.k,
                           &p.row_bytes, &p.x_row_stride, &p.out_row_stride, &p.format,
-                          &p.dtype, &p.threads))
+                          &p.dtype, &p.threads, &p.precise))
         return NULL;
     p.x = (const void *)(uintptr_t)x;
     p.w = (const uint8_t *)(uintptr_t)w;
@@ -180,7 +180,7 @@ static PyMethodDef methods[] = {
      "dtype, threads)"},
     {"quant_matmul", quant_matmul, METH_VARARGS,
      "quant_matmul(x, w, bias or 0, out, m, n, k, row_bytes, x_row_stride, out_row_stride, "
-     "format, dtype, threads)"},
+     "format, dtype, threads, precise)"},
     {"quant_rows", quant_rows, METH_VARARGS,
      "quant_rows(w, rows, out, count, total_rows, k, row_bytes, format, dtype)"},
     {"cpu_features", cpu_features, METH_NOARGS, "cpu_features() -> [feature names]"},
@@ -189,7 +189,7 @@ static PyMethodDef methods[] = {
 
 /* Bumped whenever an entry point's arguments change: cpu_kernels.py refuses a module
  * built from older sources (an editable install not re-run after a pull). */
-#define ABI 4
+#define ABI 5
 
 /* setup.py builds this file once per instruction-set level: KERNELS_LEVEL names it
  * (generic, avx2, avx512), and the module is _cpu_kernels_<level>. */

@@ -176,14 +176,16 @@ INLINE u8x32 unpack_group(const int format, const uint8_t *row, long g, GroupSca
 }
 
 /* Activations quantized per 32: q [m, k] int8, scale [m, k / 32], and per 16 values
- * scale * (their sum of q) [m, k / 16]. */
+ * the sum of the values q stands for [m, k / 16]. With `lo` (the precise form), each
+ * value is q * 256 + lo steps of scale: lo [m, k] int8 holds what rounding x to 8 bits
+ * left, so activations carry about 16 bits and a dot product is 256 * (w . q) + w . lo. */
 typedef struct {
-    int8_t *q;
+    int8_t *q, *lo;
     float *scale, *sums;
 } Acts;
 
-static void quantize_row(const void *x, int dtype, long k, int8_t *q, float *scale,
-                         float *sums) {
+static void quantize_row(const void *x, int dtype, long k, int8_t *q, int8_t *lo,
+                         float *scale, float *sums) {
     for (long g = 0; g < k / GROUP; g++) {
         float v[GROUP], amax = 0.0f;
         for (int i = 0; i < GROUP; i++) {
@@ -202,11 +204,19 @@ static void quantize_row(const void *x, int dtype, long k, int8_t *q, float *sca
         for (int i = 0; i < GROUP; i++) {
             int r = (int)lrintf(v[i] * inv); /* to nearest even, as vcvtps2dq */
             q[g * GROUP + i] = (int8_t)r;
+            if (lo != NULL) {
+                /* The remainder, within half a step, in steps of d / 256. */
+                int rest = (int)lrintf((v[i] - (float)r * d) * inv * 256.0f);
+                rest = rest > 127 ? 127 : rest < -127 ? -127 : rest;
+                lo[g * GROUP + i] = (int8_t)rest;
+                r = r * 256 + rest;
+            }
             if (i < 16) s0 += r; else s1 += r;
         }
-        scale[g] = d;
-        sums[2 * g] = d * (float)s0;
-        sums[2 * g + 1] = d * (float)s1;
+        float step = lo != NULL ? d / 256.0f : d;
+        scale[g] = step;
+        sums[2 * g] = step * (float)s0;
+        sums[2 * g + 1] = step * (float)s1;
     }
 }
 
@@ -223,31 +233,50 @@ INLINE float offset_dot(const float *offsets, const float *sums, long halves) {
 
 #if defined(__AVX2__)
 /* acc[i] += group g of weight row `w` . the same group of activation row first + i. */
-INLINE void group_dot(const int format, const int rows, const uint8_t *w, const Acts *a,
-                      long first, long k, long g, float *offsets, __m256 *acc) {
-    const long groups = k / GROUP;
+INLINE __m256i dot32(__m256i wu, __m256i x) {
+#if defined(__AVX512VNNI__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* One tile's activation rows, their own pointers: held in registers through the loop
+ * (Python builds with -fno-strict-aliasing, so fields read through a struct would be
+ * read again after every store). */
+typedef struct {
+    const int8_t *q[TILE], *lo[TILE];
+    const float *scale[TILE];
+} TileRows;
+
+INLINE void group_dot(const int format, const int rows, const int precise, const uint8_t *w,
+                      const TileRows *t, long g, float *restrict offsets, __m256 *acc) {
     const int is_signed = format == QUANT_Q8_0;
     GroupScales s;
     __m256i values = (__m256i)unpack_group(format, w, g, &s);
     offsets[2 * g] = s.offset[0];
     offsets[2 * g + 1] = s.offset[1];
     /* int32 lane l of a dot holds bytes 4l..4l+3: lanes 0-3 the first 16 values. */
-    __m256 sv = format == QUANT_Q6_K
-                    ? _mm256_set_m128(_mm_set1_ps(s.scale[1]), _mm_set1_ps(s.scale[0]))
-                    : _mm256_set1_ps(s.scale[0]);
+    __m256 sv = _mm256_set_m128(_mm_set1_ps(s.scale[1]), _mm_set1_ps(s.scale[0]));
     /* The unsigned operand: |w| for Q8_0, its sign moved onto x. */
     __m256i wu = is_signed ? _mm256_sign_epi8(values, values) : values;
     for (int i = 0; i < rows; i++) {
-        long r = first + i;
-        __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + r * k + g * GROUP));
+        __m256i x = _mm256_loadu_si256((const __m256i *)(t->q[i] + g * GROUP));
         if (is_signed) x = _mm256_sign_epi8(x, values);
-#if defined(__AVX512VNNI__)
-        __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x);
-#else
-        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), _mm256_set1_epi16(1));
-#endif
-        __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), sv);
-        acc[i] = _mm256_fmadd_ps(scaled, _mm256_set1_ps(a->scale[r * groups + g]), acc[i]);
+        __m256i dot = dot32(wu, x);
+        if (precise) {
+            __m256i rest = _mm256_loadu_si256((const __m256i *)(t->lo[i] + g * GROUP));
+            if (is_signed) rest = _mm256_sign_epi8(rest, values);
+            dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), dot32(wu, rest));
+        }
+        float dx = t->scale[i][g];
+        if (format == QUANT_Q6_K) { /* a scale per 16 values */
+            __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), sv);
+            acc[i] = _mm256_fmadd_ps(scaled, _mm256_set1_ps(dx), acc[i]);
+        } else { /* one scale per 32: fold the activation's in */
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s.scale[0] * dx),
+                                     acc[i]);
+        }
     }
 }
 #endif
@@ -255,11 +284,17 @@ INLINE void group_dot(const int format, const int rows, const uint8_t *w, const 
 /* out[i] (i < rows) = weight row `w` . activation row first + i, for i < `rows`; the
  * group offsets go to `offsets` [k / 16] on the way. `format` and `rows` are compile-time
  * constants at every call (see tiles()), so each pair gets its own loop. */
-INLINE void dot_tile(const int format, const int rows, const uint8_t *w, const Acts *a,
-                     long first, long k, float *offsets, float *out) {
+INLINE void dot_tile(const int format, const int rows, const int precise, const uint8_t *w,
+                     const Acts *a, long first, long k, float *offsets, float *out) {
     const long groups = k / GROUP;
     const int is_signed = format == QUANT_Q8_0;
 #if defined(__AVX2__)
+    TileRows t;
+    for (int i = 0; i < rows; i++) {
+        t.q[i] = a->q + (first + i) * k;
+        t.lo[i] = precise ? a->lo + (first + i) * k : NULL;
+        t.scale[i] = a->scale + (first + i) * groups;
+    }
     __m256 acc[TILE];
     for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
     /* Two groups a pass, each with its own accumulators: one chain of fused adds would
@@ -268,10 +303,10 @@ INLINE void dot_tile(const int format, const int rows, const uint8_t *w, const A
     for (int i = 0; i < rows; i++) odd[i] = _mm256_setzero_ps();
     long g = 0;
     for (; g + 2 <= groups; g += 2) {
-        group_dot(format, rows, w, a, first, k, g, offsets, acc);
-        group_dot(format, rows, w, a, first, k, g + 1, offsets, odd);
+        group_dot(format, rows, precise, w, &t, g, offsets, acc);
+        group_dot(format, rows, precise, w, &t, g + 1, offsets, odd);
     }
-    if (g < groups) group_dot(format, rows, w, a, first, k, g, offsets, acc);
+    if (g < groups) group_dot(format, rows, precise, w, &t, g, offsets, acc);
     for (int i = 0; i < rows; i++) acc[i] = _mm256_add_ps(acc[i], odd[i]);
     for (int i = 0; i < rows; i++) {
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
@@ -289,10 +324,12 @@ INLINE void dot_tile(const int format, const int rows, const uint8_t *w, const A
         for (int i = 0; i < rows; i++) {
             long r = first + i;
             const int8_t *x = a->q + r * k + g * GROUP;
+            const int8_t *rest = precise ? a->lo + r * k + g * GROUP : NULL;
             int lo = 0, hi = 0;
-            for (int j = 0; j < 16; j++) {
-                lo += (is_signed ? (int)(int8_t)values[j] : (int)values[j]) * x[j];
-                hi += (is_signed ? (int)(int8_t)values[j + 16] : (int)values[j + 16]) * x[j + 16];
+            for (int j = 0; j < 32; j++) {
+                int wj = is_signed ? (int)(int8_t)values[j] : (int)values[j];
+                int xj = precise ? x[j] * 256 + rest[j] : x[j];
+                if (j < 16) lo += wj * xj; else hi += wj * xj;
             }
             float sum = (float)lo * s.scale[0] + (float)hi * s.scale[1];
             acc[i] += sum * a->scale[r * groups + g];
@@ -340,11 +377,16 @@ INLINE void tiles(const QuantMatmul *p, const int format, const Acts *a, long c,
     float out[TILE];
     for (long r = m0; r < m1; r += TILE) {
         long rows = m1 - r < TILE ? m1 - r : TILE;
-        switch (rows) {
-        case 4: dot_tile(format, 4, w, a, r, p->k, offsets, out); break;
-        case 3: dot_tile(format, 3, w, a, r, p->k, offsets, out); break;
-        case 2: dot_tile(format, 2, w, a, r, p->k, offsets, out); break;
-        default: dot_tile(format, 1, w, a, r, p->k, offsets, out); break;
+        const int precise = a->lo != NULL;
+        switch (rows * 2 + precise) {
+        case 9: dot_tile(format, 4, 1, w, a, r, p->k, offsets, out); break;
+        case 8: dot_tile(format, 4, 0, w, a, r, p->k, offsets, out); break;
+        case 7: dot_tile(format, 3, 1, w, a, r, p->k, offsets, out); break;
+        case 6: dot_tile(format, 3, 0, w, a, r, p->k, offsets, out); break;
+        case 5: dot_tile(format, 2, 1, w, a, r, p->k, offsets, out); break;
+        case 4: dot_tile(format, 2, 0, w, a, r, p->k, offsets, out); break;
+        case 3: dot_tile(format, 1, 1, w, a, r, p->k, offsets, out); break;
+        default: dot_tile(format, 1, 0, w, a, r, p->k, offsets, out); break;
         }
         for (long i = 0; i < rows; i++) store_out(p, r + i, c, out[i]);
     }
@@ -370,17 +412,19 @@ int quant_matmul_run(const QuantMatmul *p) {
     if (m == 0 || n == 0) return 0;
     const int threads = p->threads;
     int8_t *q = malloc((size_t)(m * k));
+    int8_t *lo = p->precise ? malloc((size_t)(m * k)) : NULL;
     float *scales = malloc(sizeof(float) * (size_t)(m * groups));
     float *sums = malloc(sizeof(float) * (size_t)(m * (k / 16)));
     float *offsets = malloc(sizeof(float) * (size_t)(k / 16) * (size_t)threads);
-    int status = (q && scales && sums && offsets) ? 0 : -1;
+    int status = (q && scales && sums && offsets && (lo || !p->precise)) ? 0 : -1;
     if (status == 0) {
         const int elem = p->dtype == F32 ? 4 : 2;
-        const Acts acts = {q, scales, sums};
+        const Acts acts = {q, lo, scales, sums};
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m >= 16)
         for (long r = 0; r < m; r++)
             quantize_row((const char *)p->x + (size_t)(r * p->x_row_stride) * elem, p->dtype,
-                         k, q + r * k, scales + r * groups, sums + r * (k / 16));
+                         k, q + r * k, lo ? lo + r * k : NULL, scales + r * groups,
+                         sums + r * (k / 16));
         const long tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
         {
@@ -400,6 +444,7 @@ int quant_matmul_run(const QuantMatmul *p) {
         }
     }
     free(q);
+    free(lo);
     free(scales);
     free(sums);
     free(offsets);
