@@ -75,7 +75,7 @@ def rotate_and_store(
     qkv in place and stores (cpu_kernels.rope_store); elsewhere torch ops do."""
     kv_heads = (qkv.shape[1] - heads) // 2
     if cpu_kernels.rope_store_takes(qkv, *rope, slot_mapping, k_cache, v_cache):
-        cpu_kernels.rope_store(qkv, *rope, slot_mapping, k_cache, v_cache, heads)
+        cpu_kernels.rope_store(qkv, *rope, slot_mapping, k_cache, v_cache, heads, checked=True)
         return qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
     qk = apply_rope(qkv[:, : heads + kv_heads], *rope)
     q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
@@ -160,7 +160,7 @@ def _decode(
     kernel, which reads the cache in place; elsewhere (and without it) by SDPA."""
     if cpu_kernels.decode_takes(q, k_cache, v_cache):
         return cpu_kernels.paged_decode(
-            q, k_cache, v_cache, group.block_tables, group.context_lens, scale
+            q, k_cache, v_cache, group.block_tables, group.context_lens, scale, checked=True
         )
     return sdpa_decode(q, k_cache, v_cache, group, scale)
 

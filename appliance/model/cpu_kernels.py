@@ -157,12 +157,14 @@ def paged_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    checked: bool = False,
 ) -> torch.Tensor:
     """q [n, heads, head_dim] (one token per sequence); caches [blocks, block_size,
     kv_heads, head_dim]; block_tables [n, width] and context_lens [n] int64 -> [n, heads,
     head_dim]. Each query attends to its sequence's first context_lens[i] cached tokens.
-    The kernel checks each context and block id it reads through against the cache."""
-    problem = _decode_problem(q, k_cache, v_cache)
+    The kernel checks each context and block id it reads through against the cache.
+    `checked`: decode_takes() said yes to q and the caches."""
+    problem = "" if checked else _decode_problem(q, k_cache, v_cache)
     if problem:
         raise ValueError(problem)
     n, heads, head_dim = q.shape
@@ -219,11 +221,16 @@ def norm_takes(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Ten
 
 
 def add_rms_norm(
-    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | None,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x (in place; x None adds nothing), then (rms_norm(residual) * weight,
-    residual). Both [rows, dim], weight [dim], one dtype."""
-    problem = _norm_problem(x, residual, weight)
+    residual). Both [rows, dim], weight [dim], one dtype. `checked`: norm_takes() said
+    yes to these tensors, so they are not checked again (a decode step's hot path)."""
+    problem = "" if checked else _norm_problem(x, residual, weight)
     if problem:
         raise ValueError(problem)
     x = None if x is None else x.contiguous()
@@ -293,13 +300,14 @@ def rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     heads: int,
+    checked: bool = False,
 ) -> None:
     """Rotates the `heads` query heads and the key heads of qkv [tokens, heads + 2 *
     kv_heads, head_dim] in place (rotate-half layout, cos/sin [tokens, ..., head_dim /
     2]), then stores each token's key and value heads in cache slot slots[t] (block *
     block_size + offset) of the caches [blocks, block_size, kv_heads, head_dim]. The
-    kernel checks every slot against the cache."""
-    problem = _rope_problem(qkv, cos, sin, slots, k_cache, v_cache)
+    kernel checks every slot against the cache. `checked`: rope_store_takes() said yes."""
+    problem = "" if checked else _rope_problem(qkv, cos, sin, slots, k_cache, v_cache)
     if problem:
         raise ValueError(problem)
     kv_heads = k_cache.shape[2]

@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         returns (the norm of the sum, the sum). On the CPU the compiled kernel does both
         in one pass and updates `residual` in place."""
         if cpu_kernels.norm_takes(delta, residual, self.weight):
-            return cpu_kernels.add_rms_norm(delta, residual, self.weight, self.eps)
+            return cpu_kernels.add_rms_norm(delta, residual, self.weight, self.eps, checked=True)
         if delta is not None:
             residual = residual + delta
         # F.rms_norm accumulates 16-bit inputs in float32, as the reference does.

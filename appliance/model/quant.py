@@ -119,8 +119,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else bias.float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[rows, in] -> [rows, out] in x's dtype."""
-        x = x if cpu_kernels.quant_takes(x) else x.contiguous()
+        """[rows, in] -> [rows, out] in x's dtype (float32 or bfloat16 CPU rows)."""
         if len(self.parts) == 1:
             part = self.parts[0]
             return cpu_kernels.quant_matmul(

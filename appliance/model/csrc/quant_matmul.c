@@ -182,10 +182,11 @@ INLINE u8x32 unpack_group(const int format, const uint8_t *row, long g, GroupSca
 typedef struct {
     int8_t *q, *lo;
     float *scale, *sums;
+    float *wide; /* AVX-512 builds: each scale 8 times [m, k / 32 * 8], one vector a pair */
 } Acts;
 
 static void quantize_row(const void *x, int dtype, long k, int8_t *q, int8_t *lo,
-                         float *scale, float *sums) {
+                         float *scale, float *sums, float *wide) {
     for (long g = 0; g < k / GROUP; g++) {
         float v[GROUP], amax = 0.0f;
         for (int i = 0; i < GROUP; i++) {
@@ -215,6 +216,8 @@ static void quantize_row(const void *x, int dtype, long k, int8_t *q, int8_t *lo
         }
         float step = lo != NULL ? d / 256.0f : d;
         scale[g] = step;
+        if (wide != NULL)
+            for (int i = 0; i < 8; i++) wide[g * 8 + i] = step;
         sums[2 * g] = step * (float)s0;
         sums[2 * g + 1] = step * (float)s1;
     }
@@ -246,7 +249,7 @@ INLINE __m256i dot32(__m256i wu, __m256i x) {
  * read again after every store). */
 typedef struct {
     const int8_t *q[TILE], *lo[TILE];
-    const float *scale[TILE];
+    const float *scale[TILE], *wide[TILE];
 } TileRows;
 
 INLINE void group_dot(const int format, const int rows, const int precise, const uint8_t *w,
@@ -281,6 +284,41 @@ INLINE void group_dot(const int format, const int rows, const int precise, const
 }
 #endif
 
+#if defined(__AVX512F__)
+/* group_dot for groups g and g + 1 at once, in 512-bit registers (VNNI). */
+INLINE void pair_dot(const int format, const int rows, const int precise, const uint8_t *w,
+                     const TileRows *t, long g, float *restrict offsets, __m512 *acc) {
+    const int is_signed = format == QUANT_Q8_0;
+    GroupScales s0, s1;
+    __m256i v0 = (__m256i)unpack_group(format, w, g, &s0);
+    __m256i v1 = (__m256i)unpack_group(format, w, g + 1, &s1);
+    offsets[2 * g] = s0.offset[0];
+    offsets[2 * g + 1] = s0.offset[1];
+    offsets[2 * g + 2] = s1.offset[0];
+    offsets[2 * g + 3] = s1.offset[1];
+    __m512i values = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
+    __m256 lo = _mm256_set_m128(_mm_set1_ps(s0.scale[1]), _mm_set1_ps(s0.scale[0]));
+    __m256 hi = _mm256_set_m128(_mm_set1_ps(s1.scale[1]), _mm_set1_ps(s1.scale[0]));
+    __m512 sv = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+    /* The unsigned operand: |w| for Q8_0, x negated where w is negative. */
+    __m512i wu = is_signed ? _mm512_abs_epi8(values) : values;
+    __mmask64 negative = is_signed ? _mm512_movepi8_mask(values) : 0;
+    for (int i = 0; i < rows; i++) {
+        __m512i x = _mm512_loadu_si512((const void *)(t->q[i] + g * GROUP));
+        if (is_signed) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, x);
+        if (precise) {
+            __m512i rest = _mm512_loadu_si512((const void *)(t->lo[i] + g * GROUP));
+            if (is_signed) rest = _mm512_mask_sub_epi8(rest, negative, _mm512_setzero_si512(), rest);
+            dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8),
+                                   _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, rest));
+        }
+        __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sv);
+        acc[i] = _mm512_fmadd_ps(scaled, _mm512_loadu_ps(t->wide[i] + g * 8), acc[i]);
+    }
+}
+#endif
+
 /* out[i] (i < rows) = weight row `w` . activation row first + i, for i < `rows`; the
  * group offsets go to `offsets` [k / 16] on the way. `format` and `rows` are compile-time
  * constants at every call (see tiles()), so each pair gets its own loop. */
@@ -289,12 +327,28 @@ INLINE void dot_tile(const int format, const int rows, const int precise, const 
     const long groups = k / GROUP;
     const int is_signed = format == QUANT_Q8_0;
 #if defined(__AVX2__)
+    (void)is_signed; /* the generic loop's: the vector code asks the format itself */
     TileRows t;
     for (int i = 0; i < rows; i++) {
         t.q[i] = a->q + (first + i) * k;
         t.lo[i] = precise ? a->lo + (first + i) * k : NULL;
         t.scale[i] = a->scale + (first + i) * groups;
+        t.wide[i] = a->wide != NULL ? a->wide + (first + i) * groups * 8 : NULL;
     }
+#if defined(__AVX512F__)
+    __m512 wide[TILE];
+    __m256 acc[TILE];
+    for (int i = 0; i < rows; i++) {
+        wide[i] = _mm512_setzero_ps();
+        acc[i] = _mm256_setzero_ps();
+    }
+    long g = 0;
+    for (; g + 2 <= groups; g += 2) pair_dot(format, rows, precise, w, &t, g, offsets, wide);
+    if (g < groups) group_dot(format, rows, precise, w, &t, g, offsets, acc);
+    for (int i = 0; i < rows; i++)
+        acc[i] = _mm256_add_ps(acc[i], _mm256_add_ps(_mm512_castps512_ps256(wide[i]),
+                                                     _mm512_extractf32x8_ps(wide[i], 1)));
+#else
     __m256 acc[TILE];
     for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
     /* Two groups a pass, each with its own accumulators: one chain of fused adds would
@@ -308,6 +362,7 @@ INLINE void dot_tile(const int format, const int rows, const int precise, const 
     }
     if (g < groups) group_dot(format, rows, precise, w, &t, g, offsets, acc);
     for (int i = 0; i < rows; i++) acc[i] = _mm256_add_ps(acc[i], odd[i]);
+#endif
     for (int i = 0; i < rows; i++) {
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -413,18 +468,26 @@ int quant_matmul_run(const QuantMatmul *p) {
     const int threads = p->threads;
     int8_t *q = malloc((size_t)(m * k));
     int8_t *lo = p->precise ? malloc((size_t)(m * k)) : NULL;
+#if defined(__AVX512F__)
+    float *wide = malloc(sizeof(float) * (size_t)(m * groups * 8));
+#else
+    float *wide = NULL;
+#endif
     float *scales = malloc(sizeof(float) * (size_t)(m * groups));
     float *sums = malloc(sizeof(float) * (size_t)(m * (k / 16)));
     float *offsets = malloc(sizeof(float) * (size_t)(k / 16) * (size_t)threads);
     int status = (q && scales && sums && offsets && (lo || !p->precise)) ? 0 : -1;
+#if defined(__AVX512F__)
+    if (wide == NULL) status = -1;
+#endif
     if (status == 0) {
         const int elem = p->dtype == F32 ? 4 : 2;
-        const Acts acts = {q, lo, scales, sums};
+        const Acts acts = {q, lo, scales, sums, wide};
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m >= 16)
         for (long r = 0; r < m; r++)
             quantize_row((const char *)p->x + (size_t)(r * p->x_row_stride) * elem, p->dtype,
                          k, q + r * k, lo ? lo + r * k : NULL, scales + r * groups,
-                         sums + r * (k / 16));
+                         sums + r * (k / 16), wide ? wide + r * groups * 8 : NULL);
         const long tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
         {
@@ -445,6 +508,7 @@ int quant_matmul_run(const QuantMatmul *p) {
     }
     free(q);
     free(lo);
+    free(wide);
     free(scales);
     free(sums);
     free(offsets);

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Serving at 16 concurrent streams: llama.cpp's own llama-server (-np 16 -t 2) against
+# `appliance serve` in each pool layout, the same closed-loop load from `appliance bench`
+# (fixed 260-token prompts, 128 tokens out, ignore_eos), one after the other on this
+# machine's cores. Tables land in benchmarks/results/llama_cpp_serving/.
+#
+#   benchmarks/build_llama_cpp.sh && benchmarks/llama_cpp_serving.sh    # about 10 minutes
+#   NUM_REQUESTS=96 LAYOUTS="colocated" benchmarks/llama_cpp_serving.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=benchmarks/results/llama_cpp_serving
+bin=${LLAMA_BIN:-.bench/llama.cpp/bin}
+model=$(.venv/bin/python -c "from appliance.model.loader import default_model_path as d; print(d())")
+port=8931
+load=(--workload fixed --input-len 260 --output-len 128 --concurrency 16
+      --num-requests "${NUM_REQUESTS:-64}" --warmup 4 --seed 0
+      --extra-body '{"ignore_eos": true}')
+mkdir -p "$out"
+
+wait_for() {  # URL: until it answers, at most 120 s
+  for _ in $(seq 240); do curl -sf "$1" >/dev/null && return 0; sleep 0.5; done
+  echo "no answer from $1" >&2; return 1
+}
+
+"$bin/llama-server" -m "$model" -t "$(nproc)" -np 16 -c $((16 * 512)) --host 127.0.0.1 \
+  --port $port >"$out/llama-server.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+wait_for "http://127.0.0.1:$port/v1/models"
+.venv/bin/appliance bench "${load[@]}" --url "http://127.0.0.1:$port/v1" \
+  --label "llama-server -np 16" --out "$out/llama-server"
+kill $server; wait $server 2>/dev/null || true
+
+for layout in ${LAYOUTS:-colocated disaggregated}; do
+  APPLIANCE_PORT=$port APPLIANCE_MODE=$layout .venv/bin/appliance serve \
+    >"$out/appliance-$layout.log" 2>&1 &
+  server=$!
+  wait_for "http://127.0.0.1:$port/v1/models"
+  .venv/bin/appliance bench "${load[@]}" --url "http://127.0.0.1:$port/v1" \
+    --label "appliance $layout" --out "$out/appliance-$layout"
+  kill -TERM $server; wait $server 2>/dev/null || true
+done
