@@ -21,15 +21,14 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import cProfile
 import csv
 import io
 import platform
-import pstats
 import re
 import statistics
 import subprocess
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -100,30 +99,50 @@ def ours_decode(engine: LLMEngine, batch: int, prompt: int, new: int) -> float:
     return made / (time.perf_counter() - start)
 
 
+class TimedKernels:
+    """The compiled module with a clock on each call (about a microsecond a call)."""
+
+    def __init__(self, module: object) -> None:
+        self.module = module
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def __getattr__(self, name: str) -> object:
+        function = getattr(self.module, name)
+        if not callable(function):
+            return function
+
+        def timed(*args: object) -> object:
+            start = time.perf_counter()
+            try:
+                return function(*args)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        return timed
+
+
 def step_breakdown(engine: LLMEngine, steps: int = 64) -> list[tuple[str, float]]:
-    """Milliseconds per batch-1 decode step in each kind of call, from cProfile."""
+    """Milliseconds per batch-1 decode step in each compiled kernel, and the rest."""
     ids = list(range(100, 132))
     engine.add_request(ids, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
     engine.step()
-    profile = cProfile.Profile()
-    start = time.perf_counter()
-    profile.enable()
-    while engine.has_unfinished():
-        engine.step()
-    profile.disable()
-    total = (time.perf_counter() - start) / steps * 1000
-    stats = pstats.Stats(profile).stats
+    timed = TimedKernels(cpu_kernels._cpu_kernels)
+    cpu_kernels._cpu_kernels = timed
+    try:
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        total = (time.perf_counter() - start) / steps * 1000
+    finally:
+        cpu_kernels._cpu_kernels = timed.module
     parts = {"quantized matmuls": "quant_matmul", "decode attention": "paged_decode",
              "add + RMSNorm": "add_rms_norm", "RoPE + KV store": "rope_store",
              "embedding rows": "quant_rows"}  # fmt: skip
-    out = []
-    for label, name in parts.items():
-        # cProfile keys a C function as ("~", 0, "<built-in method module.name>")
-        seconds = sum(v[2] for k, v in stats.items() if k[0] == "~" and k[2].endswith(f".{name}>"))
-        out.append((label, seconds / steps * 1000))
+    out = [(label, timed.seconds[name] / steps * 1000) for label, name in parts.items()]
     kernels = sum(ms for _, ms in out)
     out.append(("everything else (Python, torch ops, sampling)", total - kernels))
-    out.append(("step (under the profiler)", total))
+    out.append(("step", total))
+    out.append(("step / its kernels (a ratio, not ms)", total / kernels))
     return out
 
 
@@ -137,7 +156,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = default_model_path()
-    settings = load_settings(device="cpu", cpu_isa=args.cpu_isa, kv={"memory_mb": 1024})
+    # No prefix caching: every run feeds the same prompt, and a hit is no prefill.
+    kv = {"memory_mb": 1024, "prefix_caching": False}
+    settings = load_settings(device="cpu", cpu_isa=args.cpu_isa, kv=kv)
     engine = LLMEngine.from_settings(settings)
     ours: dict[str, list[float]] = {"prefill 512": [], "decode b1": [], f"decode b{args.batch}": []}
     theirs: dict[str, list[float]] = {k: [] for k in ours}
@@ -159,7 +180,7 @@ def main() -> int:
         a, b = max(theirs[kind]), max(ours[kind])
         spread = f" (median {statistics.median(ours[kind]):.0f})"
         print(f"| {kind} | {a:.1f} | {b:.1f}{spread} | {b / a:.2f}x |")
-    print("\nwhere one batch-1 decode step of ours goes (ms, cProfile)\n")
+    print("\nwhere one batch-1 decode step of ours goes (ms, a clock around each kernel call)\n")
     print("| part | ms |")
     print("|---|---:|")
     for label, ms in step_breakdown(engine):

@@ -46,12 +46,13 @@ _TOP_NAMES = {
 }
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Open a GGUF file or raise ModelLoadError saying why it is not one."""
+def open_gguf(path: Path, mode: str = "r") -> GGUFReader:
+    """Open a GGUF file or raise ModelLoadError saying why it is not one; mode "c" maps it
+    copy-on-write (its tensors writable views, private only where written)."""
     if not path.is_file():
         raise ModelLoadError(path, "no such file")
     try:
-        return GGUFReader(path)
+        return GGUFReader(path, mode)
     except Exception as exc:  # the reader raises many kinds on a damaged file
         raise ModelLoadError(path, f"not a valid GGUF file ({type(exc).__name__}: {exc})") from None
 
@@ -146,9 +147,11 @@ def quant_names(path: Path) -> list[str]:
 
 def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight]:
     """The file's weights in block formats (model/quant.py), kept in their blocks under
-    their Hugging Face names, Q/K rows in Hugging Face order; copies in this process's
-    memory (a user rewriting the file cannot reach a running worker)."""
-    reader = open_gguf(path)
+    their Hugging Face names, Q/K rows in Hugging Face order: views of the mapped file
+    (Q/K rows reordered are copies), which the model copies once into its own memory
+    (QuantWeight.owned, concat_rows), so a user rewriting the file cannot reach a
+    running worker and no weight is held twice."""
+    reader = open_gguf(path, "c")
     out = {}
     for tensor in reader.tensors:
         fmt = FORMATS.get(tensor.tensor_type.name)
@@ -160,7 +163,7 @@ def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             blocks = unpermute_rope_rows(blocks, heads)  # whole rows move: blocks stay
-        out[name] = QuantWeight(fmt, torch.from_numpy(np.array(blocks, copy=True)), in_features)
+        out[name] = QuantWeight(fmt, torch.from_numpy(blocks), in_features)
     return out
 
 

@@ -48,6 +48,7 @@ class QuantWeight:
     format: BlockFormat
     blocks: torch.Tensor
     in_features: int
+    in_memory: bool = False  # the blocks are this process's (not a view of a mapped file)
 
     def __post_init__(self) -> None:
         if self.in_features % self.format.values:
@@ -70,7 +71,7 @@ class QuantWeight:
 
     def row_slice(self, rows: slice) -> QuantWeight:
         """Some output rows (a column-parallel shard's)."""
-        return QuantWeight(self.format, self.blocks[rows], self.in_features)
+        return QuantWeight(self.format, self.blocks[rows], self.in_features, self.in_memory)
 
     def column_slice(self, columns: slice) -> QuantWeight:
         """Some input columns (a row-parallel shard's): whole blocks only."""
@@ -84,11 +85,13 @@ class QuantWeight:
             )
         size = self.format.bytes
         blocks = self.blocks[:, start // per * size : stop // per * size]
-        return QuantWeight(self.format, blocks.contiguous(), stop - start)
+        return QuantWeight(self.format, blocks.contiguous().clone(), stop - start, True)
 
     def owned(self) -> QuantWeight:
-        """A copy in this process's own memory (the blocks may view a mapped file)."""
-        return QuantWeight(self.format, self.blocks.contiguous().clone(), self.in_features)
+        """Itself, with blocks in this process's own memory (they may view a mapped file)."""
+        if self.in_memory:
+            return self
+        return QuantWeight(self.format, self.blocks.contiguous().clone(), self.in_features, True)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight (or some of its rows)."""
@@ -97,13 +100,14 @@ class QuantWeight:
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight | None:
-    """One weight of the parts' rows stacked (a fused q/k/v or gate/up), or None when their
-    formats differ."""
+    """One weight of the parts' rows stacked in this process's memory (a fused q/k/v or
+    gate/up), or None when their formats differ."""
     if len({(p.format, p.in_features) for p in parts}) != 1:
         return None
-    if len(parts) == 1:  # as it is: a tied head shares the embedding's blocks
-        return parts[0]
-    return QuantWeight(parts[0].format, torch.cat([p.blocks for p in parts]), parts[0].in_features)
+    if len(parts) == 1:
+        return parts[0].owned()
+    blocks = torch.cat([p.blocks for p in parts])
+    return QuantWeight(parts[0].format, blocks, parts[0].in_features, True)
 
 
 class QuantLinear(nn.Module):
@@ -113,17 +117,21 @@ class QuantLinear(nn.Module):
     def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None) -> None:
         super().__init__()
         fused = concat_rows(parts)
-        self.parts = [fused] if fused is not None else parts
+        self.parts = [fused] if fused is not None else [p.owned() for p in parts]
         self.in_features = parts[0].in_features
         self.out_features = sum(p.rows for p in parts)
         self.bias = None if bias is None else bias.float().contiguous()
+        # Activations as two int8 parts (about 16 bits) rather than llama.cpp's one: the
+        # 8-bit form changed SmolLM2's answers (benchmarks/quant_accuracy.py) for 10-15%
+        # less kernel time.
+        self.precise = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in] -> [rows, out] in x's dtype (float32 or bfloat16 CPU rows)."""
         if len(self.parts) == 1:
             part = self.parts[0]
             return cpu_kernels.quant_matmul(
-                x, part.blocks, part.format.ggml_id, self.in_features, self.bias
+                x, part.blocks, part.format.ggml_id, self.in_features, self.bias, None, self.precise
             )
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         start = 0
@@ -131,7 +139,13 @@ class QuantLinear(nn.Module):
             stop = start + part.rows
             bias = None if self.bias is None else self.bias[start:stop]
             cpu_kernels.quant_matmul(
-                x, part.blocks, part.format.ggml_id, self.in_features, bias, out[:, start:stop]
+                x,
+                part.blocks,
+                part.format.ggml_id,
+                self.in_features,
+                bias,
+                out[:, start:stop],
+                self.precise,
             )
             start = stop
         return out
@@ -180,7 +194,7 @@ def quantize(weight: torch.Tensor, format_name: str) -> QuantWeight:
     else:
         raise ValueError(f"can quantize to Q8_0 or Q4_0, not {format_name}")
     data = torch.from_numpy(np.ascontiguousarray(blocks.reshape(rows, -1)))
-    return QuantWeight(FORMATS[format_name], data, columns)
+    return QuantWeight(FORMATS[format_name], data, columns, True)
 
 
 # Our fused projections and the Hugging Face-named parts they are made of, in row order.
@@ -238,11 +252,12 @@ def attach_quant(
             owner, attr = fused.split(".")
             setattr(getattr(layer, owner), attr, QuantLinear([quant[n] for n in names], bias))
             served |= set(names) | ({*bias_names} if bias is not None else set())
-    if EMBEDDING in quant:
-        model.embed_tokens = QuantEmbedding(quant[EMBEDDING], model.dtype)
+    owned = {n: quant[n].owned() for n in (EMBEDDING, "lm_head.weight") if n in quant}
+    if EMBEDDING in owned:
+        model.embed_tokens = QuantEmbedding(owned[EMBEDDING], model.dtype)
         served.add(EMBEDDING)
     head = EMBEDDING if model.config.tie_word_embeddings else "lm_head.weight"
-    if head in quant:
-        model.lm_head = QuantLinear([quant[head]], None)  # tied: the same blocks, no copy
+    if head in owned:
+        model.lm_head = QuantLinear([owned[head]], None)  # tied: the same blocks, no copy
         served.add(head)
     return served
