@@ -64,6 +64,8 @@ class LatencyPanel(Vertical):
             self._last_at = snapshot.at
             for key, value in values.items():
                 self.history[key].append(value or 0.0)
+        if not self.query(f"#spark-{SERIES[0][0]}"):  # not composed yet: shown next time
+            return
         for key, value in values.items():
             self.query_one(f"#spark-{key}", Sparkline).data = list(self.history[key])
             self.query_one(f"#value-{key}", Label).update(ms(value))
