@@ -101,9 +101,15 @@ async def load(url: str, outcomes: Counter, started: asyncio.Event) -> None:
         await asyncio.gather(*(client_loop(i, client) for i in range(CLIENTS)))
 
 
-async def kill_and_wait(server: ServerProcess, device: int) -> None:
-    """SIGKILL the worker on `device`; wait until a new one serves there."""
+async def kill_and_wait(server: ServerProcess, device: int, busy: bool = False) -> None:
+    """SIGKILL the worker on `device` (with `busy`, once it runs requests: a slow prefill
+    pool may leave a decode worker idle for a moment); wait until a new one serves there."""
     before = (await asyncio.to_thread(state, server)).devices[device].worker
+    deadline = time.monotonic() + 60
+    while busy and before.running == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        before = (await asyncio.to_thread(state, server)).devices[device].worker
+    assert before.running > 0 or not busy, f"the worker on device {device} never ran a request"
     os.kill(before.pid, signal.SIGKILL)
     await _back_after(server, device, before.pid)
     worker = (await asyncio.to_thread(state, server)).devices[device].worker
@@ -117,7 +123,7 @@ def test_killed_workers_lose_no_request_and_come_back(fault_server: ServerProces
         started = asyncio.Event()
         traffic = asyncio.create_task(load(fault_server.url, outcomes, started))
         await asyncio.wait_for(started.wait(), REQUEST_BOUND_S)
-        await kill_and_wait(fault_server, 1)  # a decode worker
+        await kill_and_wait(fault_server, 1, busy=True)  # a decode worker: its requests re-run
         await kill_and_wait(fault_server, 0)  # the only prefill worker
         await traffic
 
