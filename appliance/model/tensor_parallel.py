@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from appliance.model.model_config import ModelConfig
 from appliance.model.quant import QuantWeight
+
+W = TypeVar("W")  # a weight: a tensor, or a QuantWeight
 
 
 @dataclass(frozen=True)
@@ -112,19 +115,12 @@ def shard_state(
 ) -> dict[str, torch.Tensor]:
     """Cut Hugging Face-named full weights to one shard's, before q/k/v and gate/up are
     fused, so a shard never holds a full copy of a split projection."""
-    if shard.size == 1:
-        return state
-    rows, columns = _spans(config, shard)
-    out = {}
-    for name, tensor in state.items():
-        row = next((r for key, r in rows.items() if key in name), None)
-        column = next((c for key, c in columns.items() if key in name), None)
-        if row is not None:
-            tensor = tensor[row]
-        elif column is not None:
-            tensor = tensor[:, column].contiguous()  # matmuls want rows in one piece
-        out[name] = tensor
-    return out
+    return _cut(
+        state,
+        _spans(config, shard) if shard.size > 1 else None,
+        lambda tensor, rows: tensor[rows],
+        lambda tensor, columns: tensor[:, columns].contiguous(),  # rows stay in one piece
+    )
 
 
 def shard_quant(
@@ -132,17 +128,32 @@ def shard_quant(
 ) -> dict[str, QuantWeight]:
     """shard_state for block-quantized weights: rows of whole blocks, or input columns on
     block edges (a split that cuts a block raises, naming the remedy)."""
-    if shard.size == 1:
-        return quant
-    rows, columns = _spans(config, shard)
+    return _cut(
+        quant,
+        _spans(config, shard) if shard.size > 1 else None,
+        QuantWeight.row_slice,
+        QuantWeight.column_slice,
+    )
+
+
+def _cut(
+    weights: dict[str, W],
+    spans: tuple[dict[str, slice], dict[str, slice]] | None,
+    cut_rows: Callable[[W, slice], W],
+    cut_columns: Callable[[W, slice], W],
+) -> dict[str, W]:
+    """Each weight cut to the rows or columns `spans` names for it (None: all whole)."""
+    if spans is None:
+        return weights
+    rows, columns = spans
     out = {}
-    for name, weight in quant.items():
+    for name, weight in weights.items():
         row = next((r for key, r in rows.items() if key in name), None)
         column = next((c for key, c in columns.items() if key in name), None)
         if row is not None:
-            weight = weight.row_slice(row)
+            weight = cut_rows(weight, row)
         elif column is not None:
-            weight = weight.column_slice(column)
+            weight = cut_columns(weight, column)
         out[name] = weight
     return out
 

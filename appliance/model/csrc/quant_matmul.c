@@ -2,12 +2,15 @@
  * Q6_K), read in place: decode is bound by the bytes a step reads, and 4.5 bits a weight
  * read 7x fewer than float32.
  *
- * How: each call quantizes its activations per 32 values to int8 (one float scale each,
- * as llama.cpp's Q8 activations), then each weight row is unpacked once into 32-value
- * groups of small integers with a float scale and offset per 16 values (every format
- * above fits this form), and integer dot products of those groups with up to four
- * activation rows at a time accumulate in float. The offsets meet the activation sums
- * (precomputed per 16 values) in one float dot per row at the end.
+ * How: each call quantizes its activations per 32 values (one float scale each, as
+ * llama.cpp's Q8 activations), into one int8 or, in the precise form, two: the value and
+ * its rounding remainder at 1/256 of the step (about 16 bits). Each weight row is then
+ * unpacked, in registers, one 32-value group at a time, into small integers with a float
+ * scale and offset per 16 values (every format above fits this form), once per tile of
+ * up to four activation rows; the groups' integer dot products with the tile's rows
+ * accumulate in float. The offsets meet the activation sums (precomputed per 16 values)
+ * in one float dot per row at the end. Each row's result is computed the same way
+ * whatever the batch, so a row does not change with what it is batched with.
  *
  * This file is compiled once per instruction-set level (setup.py): the AVX2 build uses
  * vpmaddubsw, the AVX-512 build VNNI's vpdpbusd, the generic build plain C (NEON on ARM,
@@ -28,8 +31,8 @@
 #include "vec.h"
 
 #define GROUP 32   /* values per activation block and per unpacked weight group */
-#define TILE 4     /* activation rows per pass over an unpacked weight row */
-#define M_BLOCK 64 /* activation rows sharing one unpacking of a weight row */
+#define TILE 4     /* activation rows per pass over a weight row */
+#define M_BLOCK 64 /* activation rows swept per weight row before the next (stay in cache) */
 #define ROWS_PER_TASK 8
 
 typedef uint8_t u8x32 __attribute__((vector_size(32)));
