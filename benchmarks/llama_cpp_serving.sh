@@ -27,7 +27,7 @@ wait_for() {  # URL: until it answers, at most 120 s
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 wait_for "http://127.0.0.1:$port/v1/models"
-.venv/bin/appliance bench "${load[@]}" --url "http://127.0.0.1:$port/v1" \
+.venv/bin/appliance bench "${load[@]}" --url "http://127.0.0.1:$port" \
   --label "llama-server -np 16" --out "$out/llama-server"
 kill $server; wait $server 2>/dev/null || true
 
@@ -35,8 +35,8 @@ for layout in ${LAYOUTS:-colocated disaggregated}; do
   APPLIANCE_PORT=$port APPLIANCE_MODE=$layout .venv/bin/appliance serve \
     >"$out/appliance-$layout.log" 2>&1 &
   server=$!
-  wait_for "http://127.0.0.1:$port/v1/models"
-  .venv/bin/appliance bench "${load[@]}" --url "http://127.0.0.1:$port/v1" \
+  wait_for "http://127.0.0.1:$port/health"  # 503 until every worker has loaded
+  .venv/bin/appliance bench "${load[@]}" --url "http://127.0.0.1:$port" \
     --label "appliance $layout" --out "$out/appliance-$layout"
   kill -TERM $server; wait $server 2>/dev/null || true
 done
