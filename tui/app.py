@@ -133,6 +133,8 @@ class ConsoleApp(App[None]):
 
     async def on_snapshot_arrived(self, message: SnapshotArrived) -> None:
         """Show a new snapshot in every panel."""
+        if not self.is_running:  # shutting down: the panels' children are being removed
+            return
         snapshot = message.snapshot
         self._snapshot = snapshot
         await self._pools.show(snapshot)
@@ -143,6 +145,8 @@ class ConsoleApp(App[None]):
 
     def on_event_arrived(self, message: EventArrived) -> None:
         """Log a new event."""
+        if not self.is_running:
+            return
         self._events.add(message.event)
 
     def on_connection_changed(self, message: ConnectionChanged) -> None:
