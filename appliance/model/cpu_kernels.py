@@ -342,6 +342,65 @@ def quant_takes(x: torch.Tensor) -> bool:
     )
 
 
+class QuantMatrix:
+    """A block-quantized weight W [out_features, in] (`blocks` [out_features, row bytes]
+    uint8 in GGML format `format_id`, one row of blocks per output feature) and its
+    optional float32 `bias`, checked once: a product then checks only its activations,
+    which a decode step multiplies a hundred times."""
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        format_id: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+            raise ValueError("the weight's blocks must be a contiguous 2-D uint8 tensor")
+        n = blocks.shape[0]
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+            raise ValueError(f"bias must be [{n}] float32")
+        self.blocks = blocks
+        self.bias = None if bias is None else bias.contiguous()
+        self.format_id = format_id
+        self.in_features = in_features
+        self.out_features = n
+
+    def __call__(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, precise: bool = True
+    ) -> torch.Tensor:
+        """x [rows, in] @ W.T (+ bias) -> [rows, out_features] in x's dtype. `out` may be
+        a column slice of a wider tensor (rows apart by its stride). `precise` carries the
+        activations as two int8 parts (about 16 bits; see csrc/quant_matmul.c), else one
+        (llama.cpp's 8). The kernel checks the format, sizes and strides."""
+        if not quant_takes(x):
+            raise ValueError("x must be [rows, in] float32 or bfloat16 on the CPU, rows contiguous")
+        if x.shape[1] != self.in_features:
+            raise ValueError(f"x has {x.shape[1]} features, the weight takes {self.in_features}")
+        rows, n = x.shape[0], self.out_features
+        if out is None:
+            out = torch.empty(rows, n, dtype=x.dtype)
+        elif out.shape != (rows, n) or out.dtype != x.dtype or out.stride(1) != 1:
+            raise ValueError(f"out must be [{rows}, {n}] of x's dtype, rows contiguous")
+        _cpu_kernels.quant_matmul(
+            x.data_ptr(),
+            self.blocks.data_ptr(),
+            0 if self.bias is None else self.bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            n,
+            self.in_features,
+            self.blocks.shape[1],
+            x.stride(0),
+            out.stride(0),
+            self.format_id,
+            _DTYPES[x.dtype],
+            _threads(),
+            int(precise),
+        )
+        return out
+
+
 def quant_matmul(
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -351,43 +410,8 @@ def quant_matmul(
     out: torch.Tensor | None = None,
     precise: bool = True,
 ) -> torch.Tensor:
-    """x [rows, in] @ W.T (+ bias) -> [rows, out_features] in x's dtype, for W stored as
-    `blocks` [out_features, row bytes] uint8 in GGML format `format_id` (one row of blocks
-    per output feature). `out` may be a column slice of a wider tensor (rows apart by its
-    stride). `precise` carries the activations as two int8 parts (about 16 bits; see
-    csrc/quant_matmul.c), else one (llama.cpp's 8). The kernel checks the format, sizes
-    and strides."""
-    if not quant_takes(x):
-        raise ValueError("x must be [rows, in] float32 or bfloat16 on the CPU, rows contiguous")
-    if x.shape[1] != in_features:
-        raise ValueError(f"x has {x.shape[1]} features, the weight takes {in_features}")
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
-        raise ValueError("the weight's blocks must be a contiguous 2-D uint8 tensor")
-    rows, n = x.shape[0], blocks.shape[0]
-    if out is None:
-        out = torch.empty(rows, n, dtype=x.dtype)
-    if out.shape != (rows, n) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [{rows}, {n}] of x's dtype, rows contiguous")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
-        raise ValueError(f"bias must be [{n}] float32")
-    bias = None if bias is None else bias.contiguous()
-    _cpu_kernels.quant_matmul(
-        x.data_ptr(),
-        blocks.data_ptr(),
-        0 if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        rows,
-        n,
-        in_features,
-        blocks.shape[1],
-        x.stride(0),
-        out.stride(0),
-        format_id,
-        _DTYPES[x.dtype],
-        _threads(),
-        int(precise),
-    )
-    return out
+    """One product by a weight not kept (QuantMatrix's __init__ and __call__ in one)."""
+    return QuantMatrix(blocks, format_id, in_features, bias)(x, out, precise)
 
 
 def quant_rows(

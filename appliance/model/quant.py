@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from appliance.model import cpu_kernels
+from appliance.model.cpu_kernels import QuantMatrix
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,17 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight | None:
     return QuantWeight(parts[0].format, blocks, parts[0].in_features, True)
 
 
+def _matrices(parts: list[QuantWeight], bias: torch.Tensor | None) -> list[QuantMatrix]:
+    """The parts (with their columns of `bias`) as the kernels' checked weights."""
+    out, start = [], 0
+    for part in parts:
+        stop = start + part.rows
+        bias_part = None if bias is None else bias[start:stop]
+        out.append(QuantMatrix(part.blocks, part.format.ggml_id, part.in_features, bias_part))
+        start = stop
+    return out
+
+
 class QuantLinear(nn.Module):
     """A projection whose output columns come from one or more block-quantized weights (a
     fused projection whose parts the file stores in different formats keeps them apart)."""
@@ -121,6 +133,7 @@ class QuantLinear(nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.rows for p in parts)
         self.bias = None if bias is None else bias.float().contiguous()
+        self._matrices = _matrices(self.parts, self.bias)  # checked once, not every product
         # Activations as two int8 parts (about 16 bits) rather than llama.cpp's one: the
         # 8-bit form changed SmolLM2's answers (benchmarks/quant_accuracy.py) for 10-15%
         # less kernel time.
@@ -128,25 +141,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in] -> [rows, out] in x's dtype (float32 or bfloat16 CPU rows)."""
-        if len(self.parts) == 1:
-            part = self.parts[0]
-            return cpu_kernels.quant_matmul(
-                x, part.blocks, part.format.ggml_id, self.in_features, self.bias, None, self.precise
-            )
+        if len(self._matrices) == 1:
+            return self._matrices[0](x, None, self.precise)
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         start = 0
-        for part in self.parts:
-            stop = start + part.rows
-            bias = None if self.bias is None else self.bias[start:stop]
-            cpu_kernels.quant_matmul(
-                x,
-                part.blocks,
-                part.format.ggml_id,
-                self.in_features,
-                bias,
-                out[:, start:stop],
-                self.precise,
-            )
+        for matrix in self._matrices:
+            stop = start + matrix.out_features
+            matrix(x, out[:, start:stop], self.precise)
             start = stop
         return out
 

@@ -34,6 +34,12 @@
 #define TILE 4     /* activation rows per pass over a weight row */
 #define M_BLOCK 64 /* activation rows swept per weight row before the next (stay in cache) */
 #define ROWS_PER_TASK 8
+#define CHUNK 8    /* groups the 32-value block path takes a pass (scales in one vector) */
+#if defined(__AVX512F__)
+#define SET 4 /* 4-bit groups unpacked into one register by the block path */
+#else
+#define SET 2
+#endif
 
 typedef uint8_t u8x32 __attribute__((vector_size(32)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -53,6 +59,17 @@ static int format_of(int format, Format *f) {
     case QUANT_Q6_K: *f = (Format){256, 210}; return 1;
     default: return 0;
     }
+}
+
+/* Whether this build multiplies `format` by the 32-value block path (block_tile()): the
+ * formats of one scale per 32 values, whose scales it reads a chunk at a time. */
+INLINE int block_path(int format) {
+#if defined(__AVX512F__)
+    return format == QUANT_Q4_0 || format == QUANT_Q4_1 || format == QUANT_Q8_0;
+#else
+    (void)format;
+    return 0;
+#endif
 }
 
 INLINE float fp16(const uint8_t *p) {
@@ -185,37 +202,78 @@ INLINE u8x32 unpack_group(const int format, const uint8_t *row, long g, GroupSca
 typedef struct {
     int8_t *q, *lo;
     float *scale, *sums;
-    float *wide; /* AVX-512 builds: each scale 8 times [m, k / 32 * 8], one vector a pair */
+    float *wide;   /* AVX-512 builds: each scale 8 times [m, k / 32 * 8], one vector a pair */
+    float *gsums;  /* the sums per 32 values [m, k / 32] (the 32-value block path's) */
+    long groups;   /* groups a row of the arrays above holds: k / 32 padded to a CHUNK's
+                    * multiple, the padding zero (the block path reads whole chunks) */
+    int interleave; /* the Q4 layout (see placed()) rather than the values in order */
 } Acts;
 
-static void quantize_row(const void *x, int dtype, long k, int8_t *q, int8_t *lo,
-                         float *scale, float *sums, float *wide) {
+/* Where value i of group g goes in a quantized activation row. In order, unless
+ * `interleave`: the block path unpacks SET groups of 4-bit weights into one register,
+ * their first 16 values from the low nibbles and their last 16 from the high ones, so
+ * each set of SET groups is stored as [first halves of its groups | last halves]. */
+INLINE long placed(int interleave, long g, int i) {
+    if (!interleave) return g * GROUP + i;
+    long set = g / SET, within = g % SET;
+    return set * SET * GROUP + (i < 16 ? 0 : SET * 16) + within * 16 + i % 16;
+}
+
+/* One group's 32 values (float32 or bfloat16 at x) as floats. */
+INLINE void load_group(const void *x, int dtype, long g, float v[GROUP]) {
+    if (dtype == F32) {
+        memcpy(v, (const float *)x + g * GROUP, GROUP * sizeof(float));
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)x + g * GROUP;
+    uint32_t bits[GROUP];
+    for (int i = 0; i < GROUP; i++) bits[i] = (uint32_t)h[i] << 16;
+    memcpy(v, bits, sizeof bits);
+}
+
+/* The largest |v|: as integers, the bits of non-negative floats order as the floats do
+ * (and so the loop vectorizes). */
+INLINE float largest(const float v[GROUP]) {
+    uint32_t bits[GROUP], top = 0;
+    memcpy(bits, v, sizeof bits);
+    for (int i = 0; i < GROUP; i++) {
+        uint32_t b = bits[i] & 0x7fffffffu;
+        top = b > top ? b : top;
+    }
+    float out;
+    memcpy(&out, &top, 4);
+    return out;
+}
+
+/* The loops below are written element by element for the compiler to vectorize. */
+static void quantize_row(const void *x, int dtype, long k, int interleave, int8_t *q,
+                         int8_t *lo, float *scale, float *sums, float *wide, float *gsums) {
     for (long g = 0; g < k / GROUP; g++) {
-        float v[GROUP], amax = 0.0f;
-        for (int i = 0; i < GROUP; i++) {
-            long at = g * GROUP + i;
-            if (dtype == F32) {
-                v[i] = ((const float *)x)[at];
-            } else {
-                uint32_t bits = (uint32_t)((const uint16_t *)x)[at] << 16;
-                memcpy(&v[i], &bits, 4);
+        float v[GROUP];
+        load_group(x, dtype, g, v);
+        float d = largest(v) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int r[GROUP];
+        int8_t qv[GROUP], rest[GROUP];
+        for (int i = 0; i < GROUP; i++) r[i] = (int)rintf(v[i] * inv); /* to nearest even */
+        for (int i = 0; i < GROUP; i++) qv[i] = (int8_t)r[i];
+        if (lo != NULL) {
+            /* The remainder, within half a step, in steps of d / 256. */
+            for (int i = 0; i < GROUP; i++) {
+                float e = rintf((v[i] - (float)r[i] * d) * inv * 256.0f);
+                e = e > 127.0f ? 127.0f : e < -127.0f ? -127.0f : e;
+                rest[i] = (int8_t)(int)e;
+                r[i] = r[i] * 256 + (int)e;
             }
-            float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
         }
-        float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
         int s0 = 0, s1 = 0;
-        for (int i = 0; i < GROUP; i++) {
-            int r = (int)lrintf(v[i] * inv); /* to nearest even, as vcvtps2dq */
-            q[g * GROUP + i] = (int8_t)r;
-            if (lo != NULL) {
-                /* The remainder, within half a step, in steps of d / 256. */
-                int rest = (int)lrintf((v[i] - (float)r * d) * inv * 256.0f);
-                rest = rest > 127 ? 127 : rest < -127 ? -127 : rest;
-                lo[g * GROUP + i] = (int8_t)rest;
-                r = r * 256 + rest;
-            }
-            if (i < 16) s0 += r; else s1 += r;
+        for (int i = 0; i < 16; i++) s0 += r[i];
+        for (int i = 16; i < GROUP; i++) s1 += r[i];
+        long first = placed(interleave, g, 0), last = placed(interleave, g, 16);
+        memcpy(q + first, qv, 16);
+        memcpy(q + last, qv + 16, 16);
+        if (lo != NULL) {
+            memcpy(lo + first, rest, 16);
+            memcpy(lo + last, rest + 16, 16);
         }
         float step = lo != NULL ? d / 256.0f : d;
         scale[g] = step;
@@ -223,6 +281,7 @@ static void quantize_row(const void *x, int dtype, long k, int8_t *q, int8_t *lo
             for (int i = 0; i < 8; i++) wide[g * 8 + i] = step;
         sums[2 * g] = step * (float)s0;
         sums[2 * g + 1] = step * (float)s1;
+        gsums[g] = step * (float)(s0 + s1);
     }
 }
 
@@ -322,21 +381,178 @@ INLINE void pair_dot(const int format, const int rows, const int precise, const 
 }
 #endif
 
+#if defined(__AVX512F__)
+/* The weight scales of groups g..g+7 of a row and the offsets (weight = scale * value +
+ * offset) that go with them; from group `count` on, zeros. One gather reads the eight
+ * blocks' leading half floats. Q8_0's values are taken as unsigned (+128), so its offset
+ * is -128 scales, as Q4_0's is -8. */
+INLINE void chunk_scales(const int format, const uint8_t *w, long g, int count, __m256 *scale,
+                         __m256 *offset) {
+    const int bytes = format == QUANT_Q4_0 ? 18 : format == QUANT_Q4_1 ? 20 : 34;
+    const __m256i at = _mm256_setr_epi32(0, bytes, 2 * bytes, 3 * bytes, 4 * bytes, 5 * bytes,
+                                         6 * bytes, 7 * bytes);
+    const __mmask8 mask = count >= CHUNK ? 0xFF : (__mmask8)((1u << count) - 1);
+    __m256i raw = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), mask, at,
+                                               (const void *)(w + g * bytes), 1);
+    *scale = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(raw)); /* the low half: d */
+    if (format == QUANT_Q4_1)
+        *offset = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(raw, 16)));
+    else
+        *offset = _mm256_mul_ps(*scale, _mm256_set1_ps(format == QUANT_Q4_0 ? -8.0f : -128.0f));
+}
+
+/* The packed nibbles of groups g..g+3 (those below `count`, zeros after), a group per
+ * 128-bit lane. */
+INLINE __m512i nibble_set(const int bytes, const uint8_t *w, long g, int count) {
+    const uint8_t *b = w + g * bytes + bytes - 16;
+    __m128i part[SET];
+    for (int j = 0; j < SET; j++)
+        part[j] = j < count ? _mm_loadu_si128((const __m128i *)(b + j * bytes))
+                            : _mm_setzero_si128();
+    __m512i v = _mm512_castsi128_si512(part[0]);
+    v = _mm512_inserti32x4(v, part[1], 1);
+    v = _mm512_inserti32x4(v, part[2], 2);
+    return _mm512_inserti32x4(v, part[3], 3);
+}
+
+/* Q8_0 groups g and g + 1 (those below `count`) as unsigned bytes, a group per half. */
+INLINE __m512i q8_pair(const uint8_t *w, long g, int count) {
+    const uint8_t *b = w + g * 34 + 2;
+    __m256i lo = count > 0 ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
+    __m256i hi = count > 1 ? _mm256_loadu_si256((const __m256i *)(b + 34)) : _mm256_setzero_si256();
+    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+}
+
+/* The integer dot of unsigned weights `w` with the activations at x, or in the precise
+ * form 256 times that plus the dot with the second part at `rest`. */
+INLINE __m512i dot_parts(const int precise, __m512i w, const int8_t *x, const int8_t *rest) {
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                      _mm512_loadu_si512((const void *)x));
+    if (!precise) return dot;
+    __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                      _mm512_loadu_si512((const void *)rest));
+    return _mm512_add_epi32(_mm512_slli_epi32(dot, 8), low);
+}
+
+/* One chunk (groups g..g+7, `count` of them real) of the block path for a tile's rows. */
+INLINE void block_chunk(const int format, const int rows, const int precise, const uint8_t *w,
+                        const Acts *a, long first, long g, int count, __m512 acc[][2],
+                        __m256 *offset_acc) {
+    __m256 scale, offset;
+    chunk_scales(format, w, g, count, &scale, &offset);
+    const long stride = a->groups * GROUP;
+    if (format == QUANT_Q8_0) {
+        const int pairs = (count + 1) / 2; /* fewer in the last chunk of a row */
+        __m512i v[4];
+        for (int p = 0; p < pairs; p++) v[p] = q8_pair(w, g + 2 * p, count - 2 * p);
+        for (int i = 0; i < rows; i++) {
+            const long r = first + i;
+            const int8_t *x = a->q + r * stride + g * GROUP;
+            const int8_t *rest = precise ? a->lo + r * stride + g * GROUP : NULL;
+            __m256 both = _mm256_mul_ps(scale, _mm256_loadu_ps(a->scale + r * a->groups + g));
+            offset_acc[i] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a->gsums + r * a->groups + g),
+                                            offset_acc[i]);
+            __m512 wide = _mm512_castps256_ps512(both);
+            for (int p = 0; p < pairs; p++) {
+                __m512i dot = dot_parts(precise, v[p], x + 64 * p, precise ? rest + 64 * p : NULL);
+                /* int32 lane l holds group 2p + l / 8 */
+                __m512i spread = _mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                                  2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                                  2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p,
+                                                  2 * p, 2 * p);
+                acc[i][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                                _mm512_permutexvar_ps(spread, wide), acc[i][p & 1]);
+            }
+        }
+        return;
+    }
+    const int bytes = format == QUANT_Q4_0 ? 18 : 20;
+    const __m512i low4 = _mm512_set1_epi8(0xF);
+    const int sets = count > SET ? 2 : 1;
+    __m512i first_half[2], last_half[2];
+    for (int h = 0; h < sets; h++) {
+        __m512i packed = nibble_set(bytes, w, g + SET * h, count - SET * h);
+        first_half[h] = _mm512_and_si512(packed, low4);
+        last_half[h] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+    }
+    for (int i = 0; i < rows; i++) {
+        const long r = first + i;
+        const int8_t *x = a->q + r * stride + g * GROUP;
+        const int8_t *rest = precise ? a->lo + r * stride + g * GROUP : NULL;
+        __m256 both = _mm256_mul_ps(scale, _mm256_loadu_ps(a->scale + r * a->groups + g));
+        offset_acc[i] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a->gsums + r * a->groups + g),
+                                        offset_acc[i]);
+        __m512 wide = _mm512_castps256_ps512(both);
+        for (int h = 0; h < sets; h++) {
+            /* A set of 4 groups: 64 bytes of first halves, then 64 of last halves. */
+            const int8_t *xs = x + 128 * h;
+            const int8_t *rs = precise ? rest + 128 * h : NULL;
+            __m512i dq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first_half[h],
+                                             _mm512_loadu_si512((const void *)xs));
+            dq = _mm512_dpbusd_epi32(dq, last_half[h], _mm512_loadu_si512((const void *)(xs + 64)));
+            if (precise) {
+                __m512i dr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first_half[h],
+                                                 _mm512_loadu_si512((const void *)rs));
+                dr = _mm512_dpbusd_epi32(dr, last_half[h],
+                                         _mm512_loadu_si512((const void *)(rs + 64)));
+                dq = _mm512_add_epi32(_mm512_slli_epi32(dq, 8), dr);
+            }
+            /* int32 lane l holds group 4h + l / 4 */
+            __m512i spread = _mm512_set_epi32(4 * h + 3, 4 * h + 3, 4 * h + 3, 4 * h + 3,
+                                              4 * h + 2, 4 * h + 2, 4 * h + 2, 4 * h + 2,
+                                              4 * h + 1, 4 * h + 1, 4 * h + 1, 4 * h + 1,
+                                              4 * h, 4 * h, 4 * h, 4 * h);
+            acc[i][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dq),
+                                        _mm512_permutexvar_ps(spread, wide), acc[i][h]);
+        }
+    }
+}
+
+/* out[i] = weight row `w` . activation row first + i (i < rows), for the formats of one
+ * scale per 32 values: a chunk of 8 groups a pass, their scales in one vector; every row
+ * summed in the same order whatever `rows` is. */
+INLINE void block_tile(const int format, const int rows, const int precise, const uint8_t *w,
+                       const Acts *a, long first, long k, float *out) {
+    const long groups = k / GROUP;
+    __m512 acc[TILE][2];
+    __m256 offset_acc[TILE];
+    for (int i = 0; i < rows; i++) {
+        acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        offset_acc[i] = _mm256_setzero_ps();
+    }
+    long g = 0;
+    for (; g + CHUNK <= groups; g += CHUNK)
+        block_chunk(format, rows, precise, w, a, first, g, CHUNK, acc, offset_acc);
+    if (g < groups)
+        block_chunk(format, rows, precise, w, a, first, g, (int)(groups - g), acc, offset_acc);
+    for (int i = 0; i < rows; i++)
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(
+            _mm512_add_ps(acc[i][0], acc[i][1]), _mm512_zextps256_ps512(offset_acc[i])));
+}
+#endif
+
 /* out[i] (i < rows) = weight row `w` . activation row first + i, for i < `rows`; the
  * group offsets go to `offsets` [k / 16] on the way. `format` and `rows` are compile-time
  * constants at every call (see tiles()), so each pair gets its own loop. */
 INLINE void dot_tile(const int format, const int rows, const int precise, const uint8_t *w,
                      const Acts *a, long first, long k, float *offsets, float *out) {
+#if defined(__AVX512F__)
+    if (block_path(format)) {
+        block_tile(format, rows, precise, w, a, first, k, out);
+        return;
+    }
+#endif
     const long groups = k / GROUP;
     const int is_signed = format == QUANT_Q8_0;
 #if defined(__AVX2__)
     (void)is_signed; /* the generic loop's: the vector code asks the format itself */
     TileRows t;
     for (int i = 0; i < rows; i++) {
-        t.q[i] = a->q + (first + i) * k;
-        t.lo[i] = precise ? a->lo + (first + i) * k : NULL;
-        t.scale[i] = a->scale + (first + i) * groups;
-        t.wide[i] = a->wide != NULL ? a->wide + (first + i) * groups * 8 : NULL;
+        t.q[i] = a->q + (first + i) * a->groups * GROUP;
+        t.lo[i] = precise ? a->lo + (first + i) * a->groups * GROUP : NULL;
+        t.scale[i] = a->scale + (first + i) * a->groups;
+        t.wide[i] = a->wide != NULL ? a->wide + (first + i) * a->groups * 8 : NULL;
     }
 #if defined(__AVX512F__)
     __m512 wide[TILE];
@@ -381,8 +597,8 @@ INLINE void dot_tile(const int format, const int rows, const int precise, const 
         offsets[2 * g + 1] = s.offset[1];
         for (int i = 0; i < rows; i++) {
             long r = first + i;
-            const int8_t *x = a->q + r * k + g * GROUP;
-            const int8_t *rest = precise ? a->lo + r * k + g * GROUP : NULL;
+            const int8_t *x = a->q + r * a->groups * GROUP + g * GROUP;
+            const int8_t *rest = precise ? a->lo + r * a->groups * GROUP + g * GROUP : NULL;
             int lo = 0, hi = 0;
             for (int j = 0; j < 32; j++) {
                 int wj = is_signed ? (int)(int8_t)values[j] : (int)values[j];
@@ -390,13 +606,13 @@ INLINE void dot_tile(const int format, const int rows, const int precise, const 
                 if (j < 16) lo += wj * xj; else hi += wj * xj;
             }
             float sum = (float)lo * s.scale[0] + (float)hi * s.scale[1];
-            acc[i] += sum * a->scale[r * groups + g];
+            acc[i] += sum * a->scale[r * a->groups + g];
         }
     }
     for (int i = 0; i < rows; i++) out[i] = acc[i];
 #endif
     for (int i = 0; i < rows; i++)
-        out[i] += offset_dot(offsets, a->sums + (first + i) * (k / 16), k / 16);
+        out[i] += offset_dot(offsets, a->sums + (first + i) * 2 * a->groups, k / 16);
 }
 
 /* Weight row `c` against activation rows m0..m1, TILE at a time. */
@@ -466,31 +682,38 @@ static void columns(const QuantMatmul *p, const Acts *a, long first, long last, 
 }
 
 int quant_matmul_run(const QuantMatmul *p) {
-    const long k = p->k, m = p->m, n = p->n, groups = k / GROUP;
+    const long k = p->k, m = p->m, n = p->n;
     if (m == 0 || n == 0) return 0;
     const int threads = p->threads;
-    int8_t *q = malloc((size_t)(m * k));
-    int8_t *lo = p->precise ? malloc((size_t)(m * k)) : NULL;
+    /* Rows padded to whole chunks, zero (calloc): the block path reads whole chunks. */
+    const long groups = (k / GROUP + CHUNK - 1) / CHUNK * CHUNK;
+    const size_t values = (size_t)m * (size_t)groups * GROUP;
+    int8_t *q = calloc(values, 1);
+    int8_t *lo = p->precise ? calloc(values, 1) : NULL;
 #if defined(__AVX512F__)
-    float *wide = malloc(sizeof(float) * (size_t)(m * groups * 8));
+    float *wide = calloc((size_t)m * (size_t)groups * 8, sizeof(float));
 #else
     float *wide = NULL;
 #endif
-    float *scales = malloc(sizeof(float) * (size_t)(m * groups));
-    float *sums = malloc(sizeof(float) * (size_t)(m * (k / 16)));
+    float *scales = calloc((size_t)m * (size_t)groups, sizeof(float));
+    float *gsums = calloc((size_t)m * (size_t)groups, sizeof(float));
+    float *sums = calloc((size_t)m * (size_t)groups * 2, sizeof(float));
     float *offsets = malloc(sizeof(float) * (size_t)(k / 16) * (size_t)threads);
-    int status = (q && scales && sums && offsets && (lo || !p->precise)) ? 0 : -1;
+    int status = (q && scales && gsums && sums && offsets && (lo || !p->precise)) ? 0 : -1;
 #if defined(__AVX512F__)
     if (wide == NULL) status = -1;
 #endif
     if (status == 0) {
         const int elem = p->dtype == F32 ? 4 : 2;
-        const Acts acts = {q, lo, scales, sums, wide};
+        const int interleave = block_path(p->format) && p->format != QUANT_Q8_0;
+        const Acts acts = {q, lo, scales, sums, wide, gsums, groups, interleave};
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m >= 16)
         for (long r = 0; r < m; r++)
             quantize_row((const char *)p->x + (size_t)(r * p->x_row_stride) * elem, p->dtype,
-                         k, q + r * k, lo ? lo + r * k : NULL, scales + r * groups,
-                         sums + r * (k / 16), wide ? wide + r * groups * 8 : NULL);
+                         k, interleave, q + r * groups * GROUP,
+                         lo ? lo + r * groups * GROUP : NULL, scales + r * groups,
+                         sums + r * groups * 2, wide ? wide + r * groups * 8 : NULL,
+                         gsums + r * groups);
         const long tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
         {
@@ -513,6 +736,7 @@ int quant_matmul_run(const QuantMatmul *p) {
     free(lo);
     free(wide);
     free(scales);
+    free(gsums);
     free(sums);
     free(offsets);
     return status;
