@@ -1,5 +1,6 @@
 """The one compiled part: CPU kernels (appliance/model/csrc/): block-quantized matrix
-products, decode attention, the residual add + RMSNorm and the rotary embedding + KV store.
+products, decode attention, the residual add + RMSNorm, the rotary embedding + KV store, and
+a decode step's layers in one call.
 Everything else is in pyproject.toml.
 
 The same sources are built once per instruction-set level of the build machine's
@@ -17,7 +18,14 @@ import platform
 
 from setuptools import Extension, setup
 
-SOURCES = ["module.c", "paged_decode.c", "add_rms_norm.c", "rope_store.c", "quant_matmul.c"]
+SOURCES = [
+    "module.c",
+    "paged_decode.c",
+    "add_rms_norm.c",
+    "rope_store.c",
+    "quant_matmul.c",
+    "decode_step.c",
+]
 X86_LEVELS = {
     "generic": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],

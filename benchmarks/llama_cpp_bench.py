@@ -135,7 +135,8 @@ def step_breakdown(engine: LLMEngine, steps: int = 64) -> list[tuple[str, float]
         total = (time.perf_counter() - start) / steps * 1000
     finally:
         cpu_kernels._cpu_kernels = timed.module
-    parts = {"quantized matmuls": "quant_matmul", "decode attention": "paged_decode",
+    parts = {"the layers, one compiled call": "decode_step",
+             "quantized matmuls": "quant_matmul", "decode attention": "paged_decode",
              "add + RMSNorm": "add_rms_norm", "RoPE + KV store": "rope_store",
              "embedding rows": "quant_rows"}  # fmt: skip
     out = [(label, timed.seconds[name] / steps * 1000) for label, name in parts.items()]
@@ -143,6 +144,18 @@ def step_breakdown(engine: LLMEngine, steps: int = 64) -> list[tuple[str, float]
     out.append(("everything else (Python, torch ops, sampling)", total - kernels))
     out.append(("step", total))
     out.append(("step / its kernels (a ratio, not ms)", total / kernels))
+    return out
+
+
+def breakdowns(engine: LLMEngine) -> dict[str, list[tuple[str, float]]]:
+    """step_breakdown() with the compiled decode step and with the Python layers."""
+    compiled = engine.model.decode_step
+    out = {"compiled step": step_breakdown(engine)} if compiled is not None else {}
+    engine.model.decode_step = None
+    try:
+        out["Python layers"] = step_breakdown(engine)
+    finally:
+        engine.model.decode_step = compiled
     return out
 
 
@@ -180,11 +193,14 @@ def main() -> int:
         a, b = max(theirs[kind]), max(ours[kind])
         spread = f" (median {statistics.median(ours[kind]):.0f})"
         print(f"| {kind} | {a:.1f} | {b:.1f}{spread} | {b / a:.2f}x |")
-    print("\nwhere one batch-1 decode step of ours goes (ms, a clock around each kernel call)\n")
-    print("| part | ms |")
-    print("|---|---:|")
-    for label, ms in step_breakdown(engine):
-        print(f"| {label} | {ms:.2f} |")
+    print("\nwhere one batch-1 decode step of ours goes (ms, a clock around each kernel call):")
+    print("the compiled step the engine takes, and the same step through the Python layers\n")
+    columns = breakdowns(engine)
+    print("| part | " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * len(columns))
+    for row, (label, _) in enumerate(next(iter(columns.values()))):
+        cells = " | ".join(f"{parts[row][1]:.2f}" for parts in columns.values())
+        print(f"| {label} | {cells} |")
     return 0
 
 

@@ -34,8 +34,11 @@ from appliance.model.errors import ModelLoadError
 from appliance.model.gguf_file import (
     dequantize_tensor,
     open_gguf,
+    quant_names,
     read_model_config,
+    read_quant_weights,
     read_weights,
+    tensor_index,
     unpermute_rope_rows,
 )
 from appliance.model.model_config import ModelConfig
@@ -467,3 +470,39 @@ def test_embedded_model_metadata():
     assert config.head_dim == 64
     assert config.tie_word_embeddings is True
     assert config.vocab_size == 49152
+
+
+# --- the tensor index read from the header alone ---------------------------------------
+
+
+def test_tensor_index_agrees_with_gguf_reader(tmp_path, rng):
+    """Every tensor's type, dimensions and data offset as gguf-py reads them, past
+    metadata of every kind (strings, string and number arrays, a custom alignment)."""
+    tensors = model_tensors(rng)
+    blocks = rng.integers(0, 256, (VOCAB, HIDDEN // 32 * 18), dtype=np.uint8)
+    tensors["token_embd.weight"] = (blocks, GGMLQuantizationType.Q4_0)
+    path = tmp_path / "model.gguf"
+    writer_args = dict(tokens=[f"t{i}" for i in range(VOCAB)], merges=["a b", "c d"],
+                       token_types=[1] * VOCAB, eos=2)  # fmt: skip
+    write_gguf(path, tensors, **writer_args)
+    reader = gguf.GGUFReader(path)
+    index = tensor_index(path)
+    assert [e.name for e in index] == [t.name for t in reader.tensors]
+    for entry, tensor in zip(index, reader.tensors, strict=True):
+        assert entry.type_id == int(tensor.tensor_type)
+        assert entry.dims == tuple(int(d) for d in tensor.shape)
+        assert entry.offset == tensor.data_offset
+    assert quant_names(path) == ["model.embed_tokens.weight"]
+    config = read_model_config(reader, path)
+    weight = read_quant_weights(path, config)["model.embed_tokens.weight"]
+    assert np.array_equal(weight.blocks.numpy(), blocks)
+
+
+@pytest.mark.parametrize("keep", [0, 3, 40, 200])
+def test_tensor_index_refuses_a_cut_header(tmp_path, rng, keep):
+    good = write_gguf(tmp_path / "good.gguf", model_tensors(rng), tokens=["a", "b"])
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(good.read_bytes()[:keep])
+    with pytest.raises(ModelLoadError) as excinfo:
+        tensor_index(path)
+    assert_load_error(excinfo, path, "not a valid GGUF file")

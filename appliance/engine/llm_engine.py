@@ -20,6 +20,7 @@ from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache, KVLayout
 from appliance.kv.handoff import KVShard, copy_between_shards
 from appliance.model import cpu_kernels
+from appliance.model.decode_step import CompiledDecode, compiled_problem
 from appliance.model.llama import CausalLM
 from appliance.model.loader import ModelFiles, load_model_files
 from appliance.model.packed_linear import pack_linears, packs_linears
@@ -116,6 +117,8 @@ def build_model(
         served = attach_quant(model, quant, shard_state(dense, files.config, shard))
         dense = {name: t for name, t in dense.items() if name not in served}
     model.load_weights(dense, str(files.source))
+    if quantized and not compiled_problem(model):
+        model.decode_step = CompiledDecode(model)
     if packs_linears(device, dtype):
         pack_linears(model, head=shard.rank == 0)  # followers compute no logits
     model.eval()

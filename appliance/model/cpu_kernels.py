@@ -1,7 +1,7 @@
 """The compiled CPU kernels (csrc/): matrix products with block-quantized weights read in
 place, decode attention read in place from the paged cache, the residual add fused with
-the RMSNorm after it, and the rotary embedding fused with storing the step's keys and
-values.
+the RMSNorm after it, the rotary embedding fused with storing the step's keys and
+values, and a whole decode step's layers in one call (decode_step()).
 
 Each replaces torch ops that either read far more bytes (dense float weights) or whose
 fixed costs dominate on the CPU at decode sizes: SDPA spends microseconds of set-up per
@@ -19,10 +19,11 @@ worker makes it once at start (`select(settings.cpu_isa)`).
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 
-ABI = 5  # module.c's ABI: the argument lists these calls pass
+ABI = 6  # module.c's ABI: the argument lists these calls pass
 LEVELS = ("generic", "avx2", "avx512")  # lowest first; setup.py builds each
 # The CPU features each level's build was compiled for (setup.py's flags).
 _NEEDS = {
@@ -438,5 +439,97 @@ def quant_rows(
         blocks.shape[1],
         format_id,
         _DTYPES[dtype],
+    )
+    return out
+
+
+@dataclass
+class StepShape:
+    """The sizes of a model that decode_step() runs: per layer `heads` query heads and
+    `kv_heads` KV heads of `head_dim`, an MLP of `intermediate` columns."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+def decode_step(
+    layers: torch.Tensor,
+    shape: StepShape,
+    residual: torch.Tensor,
+    final_norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    kv_cache: torch.Tensor,
+    precise: bool = True,
+) -> torch.Tensor:
+    """A decode step's decoder layers and final norm in one call (csrc/decode_step.c):
+    residual [n, hidden] (the embeddings; left holding the residual stream) -> the final
+    norm [n, hidden]. `layers` [num_layers, 22] int64 addresses and sizes of each layer's
+    norms and block-quantized projections (kernels.h says which); cos, sin [n, 1,
+    head_dim / 2]; slots [n], tables [n, width], lens [n] int64; kv_cache [layers, 2,
+    blocks, block_size, kv_heads, head_dim]. The kernel checks sizes, slots, block ids
+    and the projections' formats; the caller keeps what `layers` points to alive."""
+    dtype, n = residual.dtype, residual.shape[0]
+    if _cpu_kernels is None or dtype not in _DTYPES or residual.device.type != "cpu":
+        raise ValueError("the decode step runs float32 or bfloat16 CPU tensors, compiled")
+    if layers.dtype != torch.int64 or layers.dim() != 2 or not layers.is_contiguous():
+        raise ValueError("layers must be a contiguous [layers, 22] int64 tensor")
+    if residual.shape != (n, shape.hidden) or final_norm.shape != (shape.hidden,):
+        raise ValueError(
+            f"residual must be [n, {shape.hidden}] and the final norm [{shape.hidden}]"
+        )
+    fits = kv_cache.dim() == 6 and (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[4:]) == (
+        len(layers),
+        2,
+        shape.kv_heads,
+        shape.head_dim,
+    )
+    if not fits:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not fit the model's layers")
+    floats = (residual, final_norm, cos, sin, kv_cache)
+    if any(t.dtype != dtype or not t.is_contiguous() for t in floats):
+        raise ValueError("residual, norms, cos, sin and the cache must be contiguous, one dtype")
+    if cos.numel() != n * shape.head_dim // 2 or sin.shape != cos.shape:
+        raise ValueError("cos and sin must be [n, 1, head_dim / 2]")
+    ints = (slots, tables, lens)
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in ints):
+        raise ValueError("slots, tables and lens must be contiguous int64")
+    if slots.shape != (n,) or lens.shape != (n,) or tables.dim() != 2 or tables.shape[0] != n:
+        raise ValueError("slots and lens must be [n], tables [n, width]")
+    out = torch.empty_like(residual)
+    _cpu_kernels.decode_step(
+        layers.data_ptr(),
+        len(layers),
+        residual.data_ptr(),
+        out.data_ptr(),
+        kv_cache.data_ptr(),
+        final_norm.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        n,
+        shape.hidden,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.intermediate,
+        kv_cache.shape[2],
+        kv_cache.shape[3],
+        tables.shape[1],
+        shape.eps,
+        shape.scale,
+        _DTYPES[dtype],
+        _threads(),
+        int(precise),
     )
     return out

@@ -6,7 +6,10 @@ GGUF files and safetensors folders alike.
 
 from __future__ import annotations
 
+import mmap
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ from gguf.quants import dequantize
 
 from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from appliance.model.quant import FORMATS, QuantWeight
+from appliance.model.quant import FORMATS, BlockFormat, QuantWeight
 
 SUPPORTED_QUANTS = frozenset(
     GGMLQuantizationType[name]
@@ -135,35 +138,126 @@ def read_weights(reader: GGUFReader, config: ModelConfig, path: Path) -> dict[st
     return weights
 
 
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a GGUF file's index: its GGML type, its dimensions fastest first, and
+    where its data starts in the file."""
+
+    name: str
+    type_id: int
+    dims: tuple[int, ...]
+    offset: int
+
+
+# Bytes of each GGUF metadata value type of fixed size (8: string, 9: array are not).
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def tensor_index(path: Path) -> list[TensorEntry]:
+    """The file's tensors, read from its header alone. GGUFReader builds a numpy object
+    for every string of the tokenizer's lists (a hundred thousand here), 20-40 MiB of
+    Python heap that a worker then keeps; this skips over the metadata instead."""
+    if not path.is_file():
+        raise ModelLoadError(path, "no such file")
+    try:
+        with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as raw:
+            return _read_index(raw)
+    except (struct.error, ValueError, KeyError) as exc:
+        # ValueError: mapping an empty file; KeyError: a value type GGUF does not have
+        raise ModelLoadError(path, f"not a valid GGUF file ({exc})") from None
+
+
+def _read_index(raw: mmap.mmap) -> list[TensorEntry]:
+    at = 0
+
+    def take(fmt: str) -> tuple:
+        nonlocal at
+        values = struct.unpack_from("<" + fmt, raw, at)
+        at += struct.calcsize("<" + fmt)
+        return values
+
+    def text() -> str:
+        nonlocal at
+        (length,) = take("Q")
+        at += length
+        return raw[at - length : at].decode("utf-8")
+
+    def skip(kind: int) -> int | None:
+        """Steps over a value; returns it when it is an unsigned 32-bit one."""
+        nonlocal at
+        if kind == 8:
+            text()
+        elif kind == 9:
+            item, count = take("IQ")
+            if item in _VALUE_SIZES:
+                at += count * _VALUE_SIZES[item]
+            else:
+                for _ in range(count):
+                    skip(item)
+        elif kind == 4:
+            return take("I")[0]
+        else:
+            at += _VALUE_SIZES[kind]
+        return None
+
+    magic, version = take("4sI")
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"magic {magic!r}, version {version}: not GGUF version 2 or 3")
+    tensors, fields = take("QQ")
+    alignment = 32
+    for _ in range(fields):
+        key = text()
+        value = skip(take("I")[0])
+        if key == "general.alignment" and value:
+            alignment = value
+    infos = []
+    for _ in range(tensors):
+        name = text()
+        (dims,) = take("I")
+        shape = take("Q" * dims)
+        type_id, offset = take("IQ")
+        infos.append((name, type_id, shape, offset))
+    start = -(-at // alignment) * alignment
+    return [TensorEntry(n, t, tuple(d), start + o) for n, t, d, o in infos]
+
+
+def _quant_entries(path: Path) -> list[tuple[TensorEntry, BlockFormat]]:
+    """The file's 2-D tensors in block formats (model/quant.py), with their formats."""
+    by_id = {fmt.ggml_id: fmt for fmt in FORMATS.values()}
+    return [
+        (entry, by_id[entry.type_id])
+        for entry in tensor_index(path)
+        if entry.type_id in by_id and len(entry.dims) == 2
+    ]
+
+
 def quant_names(path: Path) -> list[str]:
     """Hugging Face names of the file's 2-D weights in block formats (model/quant.py)."""
-    reader = open_gguf(path)
-    return [
-        hf_name(t.name, path)
-        for t in reader.tensors
-        if t.tensor_type.name in FORMATS and len(t.shape) == 2
-    ]
+    return [hf_name(entry.name, path) for entry, _ in _quant_entries(path)]
 
 
 def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight]:
     """The file's weights in block formats (model/quant.py), kept in their blocks under
-    their Hugging Face names, Q/K rows in Hugging Face order: views of the mapped file
-    (Q/K rows reordered are copies), which the model copies once into its own memory
-    (QuantWeight.owned, concat_rows), so a user rewriting the file cannot reach a
-    running worker and no weight is held twice."""
-    reader = open_gguf(path, "c")
+    their Hugging Face names, Q/K rows in Hugging Face order: views of the file mapped
+    copy-on-write (Q/K rows reordered are copies), which the model copies once into its
+    own memory (QuantWeight.owned, concat_rows), so a user rewriting the file cannot reach
+    a running worker and no weight is held twice."""
+    entries = _quant_entries(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="c") if entries else None
     out = {}
-    for tensor in reader.tensors:
-        fmt = FORMATS.get(tensor.tensor_type.name)
-        if fmt is None or len(tensor.shape) != 2:
-            continue
-        name = hf_name(tensor.name, path)
-        in_features, rows = int(tensor.shape[0]), int(tensor.shape[1])  # fastest first
-        blocks = np.asarray(tensor.data).reshape(rows, -1)  # [rows, row bytes]
+    for entry, fmt in entries:
+        name = hf_name(entry.name, path)
+        in_features, rows = entry.dims  # fastest first
+        if in_features % fmt.values:
+            raise ModelLoadError(path, f"tensor {entry.name} rows are not whole blocks")
+        row_bytes = in_features // fmt.values * fmt.bytes
+        if entry.offset + rows * row_bytes > len(mapped):
+            raise ModelLoadError(path, f"tensor {entry.name} runs past the end of the file")
+        blocks = mapped[entry.offset : entry.offset + rows * row_bytes].reshape(rows, row_bytes)
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             blocks = unpermute_rope_rows(blocks, heads)  # whole rows move: blocks stay
-        out[name] = QuantWeight(fmt, torch.from_numpy(blocks), in_features)
+        out[name] = QuantWeight(fmt, torch.from_numpy(np.asarray(blocks)), in_features)
     return out
 
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from appliance.model import cpu_kernels
 from appliance.model.attention import AttentionBatch, paged_attention, rotate_and_store
+from appliance.model.decode_step import CompiledDecode
 from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig
 from appliance.model.rope import RotaryEmbedding
@@ -146,6 +147,8 @@ class CausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rope: RotaryEmbedding | None = None  # built by load_weights, on the real device
+        # Decode-only steps in one compiled call, where the model allows (build_model).
+        self.decode_step: CompiledDecode | None = None
         self.requires_grad_(False)
 
     @torch.inference_mode()
@@ -160,6 +163,8 @@ class CausalLM(nn.Module):
         head_dim]. Returns hidden states [tokens, hidden]."""
         residual, delta = self.embed_tokens(input_ids), None
         rope = self.rope.at(positions)
+        if self.decode_step is not None and self.decode_step.takes(batch):
+            return self.decode_step(residual, rope, batch, kv_cache)
         for index, layer in enumerate(self.layers):
             delta, residual = layer(residual, delta, rope, kv_cache[index], batch)
         return self.norm(residual, delta)[0]

@@ -89,4 +89,28 @@ typedef struct {
 const char *quant_rows_check(const QuantRows *p);
 int quant_rows_run(const QuantRows *p);
 
+/* A decode step's decoder layers (decode_step.c): `layers` [num_layers, 22] int64, per
+ * layer the addresses of its input and post-attention norm weights [hidden], then for each
+ * of its q/k/v, o, gate/up and down projections (block-quantized, as QuantMatmul takes
+ * them) the weights' address, the float32 bias's (or 0), its output rows, bytes per row
+ * and format. residual [n, hidden] holds the embeddings and is left holding the residual
+ * stream; out [n, hidden] gets its final norm. cos, sin [n, head_dim / 2]; slots [n];
+ * tables [n, table_width], lens [n] as PagedDecode's; kv [layers, 2, blocks, block_size,
+ * kv_heads, head_dim]. All contiguous, of `dtype`. */
+#define DECODE_LAYER_FIELDS 22
+typedef struct {
+    const int64_t *layers;
+    long num_layers;
+    void *residual, *out, *kv;
+    const void *final_norm, *cos, *sin;
+    const int64_t *slots, *tables, *lens;
+    long n, hidden, heads, kv_heads, head_dim, intermediate, blocks, block_size, table_width;
+    float eps, scale;
+    int dtype, threads, precise;
+} DecodeStep;
+
+const char *decode_step_check(const DecodeStep *p);
+/* Runs a checked step; -1 when out of memory. */
+int decode_step_run(const DecodeStep *p);
+
 #endif

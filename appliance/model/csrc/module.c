@@ -128,6 +128,39 @@ static PyObject *quant_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *decode_step(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long layers, residual, out, kv, final_norm, cos, sin, slots, tables, lens;
+    DecodeStep p;
+    if (!PyArg_ParseTuple(args, "KlKKKKKKKKKlllllllllffiii", &layers, &p.num_layers, &residual,
+                          &out, &kv, &final_norm, &cos, &sin, &slots, &tables, &lens, &p.n,
+                          &p.hidden, &p.heads, &p.kv_heads, &p.head_dim, &p.intermediate,
+                          &p.blocks, &p.block_size, &p.table_width, &p.eps, &p.scale, &p.dtype,
+                          &p.threads, &p.precise))
+        return NULL;
+    p.layers = (const int64_t *)(uintptr_t)layers;
+    p.residual = (void *)(uintptr_t)residual;
+    p.out = (void *)(uintptr_t)out;
+    p.kv = (void *)(uintptr_t)kv;
+    p.final_norm = (const void *)(uintptr_t)final_norm;
+    p.cos = (const void *)(uintptr_t)cos;
+    p.sin = (const void *)(uintptr_t)sin;
+    p.slots = (const int64_t *)(uintptr_t)slots;
+    p.tables = (const int64_t *)(uintptr_t)tables;
+    p.lens = (const int64_t *)(uintptr_t)lens;
+    const char *problem = decode_step_check(&p);
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = decode_step_run(&p);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* The instruction-set features this CPU (and its OS) offers, of those the builds use. */
 static PyObject *cpu_features(PyObject *self, PyObject *args) {
     (void)self;
@@ -183,13 +216,17 @@ static PyMethodDef methods[] = {
      "format, dtype, threads, precise)"},
     {"quant_rows", quant_rows, METH_VARARGS,
      "quant_rows(w, rows, out, count, total_rows, k, row_bytes, format, dtype)"},
+    {"decode_step", decode_step, METH_VARARGS,
+     "decode_step(layers, num_layers, residual, out, kv, final_norm, cos, sin, slots, tables, "
+     "lens, n, hidden, heads, kv_heads, head_dim, intermediate, blocks, block_size, "
+     "table_width, eps, scale, dtype, threads, precise)"},
     {"cpu_features", cpu_features, METH_NOARGS, "cpu_features() -> [feature names]"},
     {NULL, NULL, 0, NULL},
 };
 
 /* Bumped whenever an entry point's arguments change: cpu_kernels.py refuses a module
  * built from older sources (an editable install not re-run after a pull). */
-#define ABI 5
+#define ABI 6
 
 /* setup.py builds this file once per instruction-set level: KERNELS_LEVEL names it
  * (generic, avx2, avx512), and the module is _cpu_kernels_<level>. */

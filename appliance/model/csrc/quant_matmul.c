@@ -64,7 +64,7 @@ static int format_of(int format, Format *f) {
 /* Whether this build multiplies `format` by the 32-value block path (block_tile()): the
  * formats of one scale per 32 values, whose scales it reads a chunk at a time. */
 INLINE int block_path(int format) {
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
     return format == QUANT_Q4_0 || format == QUANT_Q4_1 || format == QUANT_Q8_0;
 #else
     (void)format;
@@ -381,26 +381,48 @@ INLINE void pair_dot(const int format, const int rows, const int precise, const 
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 /* The weight scales of groups g..g+7 of a row and the offsets (weight = scale * value +
  * offset) that go with them; from group `count` on, zeros. One gather reads the eight
- * blocks' leading half floats. Q8_0's values are taken as unsigned (+128), so its offset
- * is -128 scales, as Q4_0's is -8. */
+ * blocks' leading half floats. Q4_0's offset is -8 scales; the AVX-512 build takes Q8_0's
+ * values as unsigned (+128), so its offset is -128 scales (the AVX2 build moves the
+ * weights' signs onto the activations instead: no offset). */
 INLINE void chunk_scales(const int format, const uint8_t *w, long g, int count, __m256 *scale,
                          __m256 *offset) {
     const int bytes = format == QUANT_Q4_0 ? 18 : format == QUANT_Q4_1 ? 20 : 34;
     const __m256i at = _mm256_setr_epi32(0, bytes, 2 * bytes, 3 * bytes, 4 * bytes, 5 * bytes,
                                          6 * bytes, 7 * bytes);
+#if defined(__AVX512F__)
     const __mmask8 mask = count >= CHUNK ? 0xFF : (__mmask8)((1u << count) - 1);
     __m256i raw = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), mask, at,
                                                (const void *)(w + g * bytes), 1);
-    *scale = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(raw)); /* the low half: d */
+    __m128i low = _mm256_cvtepi32_epi16(raw);
+    __m128i high = _mm256_cvtepi32_epi16(_mm256_srli_epi32(raw, 16));
+    const float q8_offset = -128.0f;
+#else
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i raw = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(),
+                                              (const int *)(w + g * bytes), at, mask, 1);
+    /* the low (high) 16 bits of each lane, packed: bytes 0-7 of each 128-bit half */
+    const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1,
+                                          -1, -1);
+    __m128i low = _mm256_castsi256_si128(
+        _mm256_permute4x64_epi64(_mm256_shuffle_epi8(raw, pick), 0x08));
+    __m128i high = _mm256_castsi256_si128(_mm256_permute4x64_epi64(
+        _mm256_shuffle_epi8(_mm256_srli_epi32(raw, 16), pick), 0x08));
+    const float q8_offset = 0.0f;
+#endif
+    *scale = _mm256_cvtph_ps(low); /* d */
     if (format == QUANT_Q4_1)
-        *offset = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(raw, 16)));
+        *offset = _mm256_cvtph_ps(high); /* m */
     else
-        *offset = _mm256_mul_ps(*scale, _mm256_set1_ps(format == QUANT_Q4_0 ? -8.0f : -128.0f));
+        *offset = _mm256_mul_ps(*scale, _mm256_set1_ps(format == QUANT_Q4_0 ? -8.0f : q8_offset));
 }
+#endif
 
+#if defined(__AVX512F__)
 /* The packed nibbles of groups g..g+3 (those below `count`, zeros after), a group per
  * 128-bit lane. */
 INLINE __m512i nibble_set(const int bytes, const uint8_t *w, long g, int count) {
@@ -530,6 +552,100 @@ INLINE void block_tile(const int format, const int rows, const int precise, cons
         out[i] = _mm512_reduce_add_ps(_mm512_add_ps(
             _mm512_add_ps(acc[i][0], acc[i][1]), _mm512_zextps256_ps512(offset_acc[i])));
 }
+#elif defined(__AVX2__)
+/* The AVX2 build's block path: the AVX-512 one's (see there) in 256-bit registers, two
+ * 4-bit groups a register. vpmaddubsw's 16-bit sums hold Q4 products (at most
+ * 4 * 15 * 127) but not unsigned Q8_0 ones, so Q8_0 moves its weights' signs onto the
+ * activations instead. */
+
+/* Q4: the int32 dot of a set's unpacked first and last halves with the activation part at
+ * x (64 bytes: first halves, then last ones). */
+INLINE __m256i q4_dot(__m256i first, __m256i last, const int8_t *x) {
+    __m256i sum = _mm256_add_epi16(
+        _mm256_maddubs_epi16(first, _mm256_loadu_si256((const __m256i *)x)),
+        _mm256_maddubs_epi16(last, _mm256_loadu_si256((const __m256i *)(x + 32))));
+    return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+}
+
+/* Q8_0: the int32 dot of |w| with the 32 activation bytes at x signed as w is. */
+INLINE __m256i q8_dot(__m256i magnitude, __m256i w, const int8_t *x) {
+    __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), w);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), _mm256_set1_epi16(1));
+}
+
+INLINE void block_chunk(const int format, const int rows, const int precise, const uint8_t *w,
+                        const Acts *a, long first, long g, int count, __m256 acc[][2],
+                        __m256 *offset_acc) {
+    __m256 scale, offset;
+    chunk_scales(format, w, g, count, &scale, &offset);
+    const long stride = a->groups * GROUP;
+    const int bytes = format == QUANT_Q4_0 ? 18 : format == QUANT_Q4_1 ? 20 : 34;
+    /* Q8_0: a group a register; Q4: a set of SET groups */
+    const int per = format == QUANT_Q8_0 ? 1 : SET;
+    const int regs = (count + per - 1) / per;
+    __m256i one[CHUNK], other[CHUNK];
+    for (int p = 0; p < regs; p++) {
+        if (format == QUANT_Q8_0) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + (g + p) * bytes + 2));
+            one[p] = _mm256_sign_epi8(v, v);
+            other[p] = v;
+        } else {
+            const uint8_t *b = w + (g + SET * p) * bytes + bytes - 16;
+            __m128i lo = _mm_loadu_si128((const __m128i *)b);
+            __m128i hi = SET * p + 1 < count ? _mm_loadu_si128((const __m128i *)(b + bytes))
+                                             : _mm_setzero_si128();
+            __m256i packed = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+            const __m256i low4 = _mm256_set1_epi8(0xF);
+            one[p] = _mm256_and_si256(packed, low4);
+            other[p] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        const long r = first + i;
+        const int8_t *x = a->q + r * stride + g * GROUP;
+        const int8_t *rest = precise ? a->lo + r * stride + g * GROUP : NULL;
+        __m256 both = _mm256_mul_ps(scale, _mm256_loadu_ps(a->scale + r * a->groups + g));
+        offset_acc[i] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a->gsums + r * a->groups + g),
+                                        offset_acc[i]);
+        for (int p = 0; p < regs; p++) {
+            __m256i dot, low;
+            __m256i spread;
+            if (format == QUANT_Q8_0) {
+                dot = q8_dot(one[p], other[p], x + 32 * p);
+                if (precise) low = q8_dot(one[p], other[p], rest + 32 * p);
+                spread = _mm256_set1_epi32(p);
+            } else {
+                dot = q4_dot(one[p], other[p], x + 64 * p);
+                if (precise) low = q4_dot(one[p], other[p], rest + 64 * p);
+                /* int32 lane l holds group SET * p + l / 4 */
+                spread = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1,
+                                           2 * p + 1, 2 * p + 1);
+            }
+            if (precise) dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), low);
+            acc[i][p & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                            _mm256_permutevar8x32_ps(both, spread), acc[i][p & 1]);
+        }
+    }
+}
+
+INLINE void block_tile(const int format, const int rows, const int precise, const uint8_t *w,
+                       const Acts *a, long first, long k, float *out) {
+    const long groups = k / GROUP;
+    __m256 acc[TILE][2];
+    __m256 offset_acc[TILE];
+    for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = offset_acc[i] = _mm256_setzero_ps();
+    long g = 0;
+    for (; g + CHUNK <= groups; g += CHUNK)
+        block_chunk(format, rows, precise, w, a, first, g, CHUNK, acc, offset_acc);
+    if (g < groups)
+        block_chunk(format, rows, precise, w, a, first, g, (int)(groups - g), acc, offset_acc);
+    for (int i = 0; i < rows; i++) {
+        __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), offset_acc[i]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        out[i] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+}
 #endif
 
 /* out[i] (i < rows) = weight row `w` . activation row first + i, for i < `rows`; the
@@ -537,7 +653,7 @@ INLINE void block_tile(const int format, const int rows, const int precise, cons
  * constants at every call (see tiles()), so each pair gets its own loop. */
 INLINE void dot_tile(const int format, const int rows, const int precise, const uint8_t *w,
                      const Acts *a, long first, long k, float *offsets, float *out) {
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
     if (block_path(format)) {
         block_tile(format, rows, precise, w, a, first, k, out);
         return;

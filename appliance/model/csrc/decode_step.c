@@ -1,0 +1,176 @@
+/* A decode step's decoder layers in one call, for a whole model (no tensor parallelism)
+ * whose projections are all block-quantized. Per layer, the kernels the Python layer
+ * calls one by one, in the same order on the same buffers: add + RMSNorm, q/k/v, RoPE and
+ * the KV store, decode attention, o, add + RMSNorm, gate/up, SiLU * up, down; then the
+ * final add + RMSNorm. At batch 1 a step's kernels take a few milliseconds, and the ~15
+ * Python-level calls a layer made took almost as long again. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+#include "vec.h"
+
+INLINE float bf16_value(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float f;
+    memcpy(&f, &wide, 4);
+    return f;
+}
+
+/* To nearest even, as torch rounds (NaN stays NaN). */
+INLINE uint16_t bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits | 0x400000u) >> 16);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* The fields of one layer in DecodeStep.layers, in order. */
+enum { INPUT_NORM, POST_NORM, PROJECTIONS };
+enum { P_WEIGHTS, P_BIAS, P_ROWS, P_ROW_BYTES, P_FORMAT, P_FIELDS };
+enum { QKV, O, GATE_UP, DOWN };
+
+static const int64_t *projection(const DecodeStep *p, long layer, int which) {
+    return p->layers + layer * DECODE_LAYER_FIELDS + PROJECTIONS + which * P_FIELDS;
+}
+
+/* The product problem of projection `which` of `layer` on x [n, k] (rows x_stride apart)
+ * into out [n, rows]. */
+static QuantMatmul product(const DecodeStep *p, long layer, int which, const void *x, long k,
+                           long x_stride, void *out) {
+    const int64_t *f = projection(p, layer, which);
+    return (QuantMatmul){.x = x,
+                         .w = (const uint8_t *)(uintptr_t)f[P_WEIGHTS],
+                         .bias = (const float *)(uintptr_t)f[P_BIAS],
+                         .out = out,
+                         .m = p->n,
+                         .n = f[P_ROWS],
+                         .k = k,
+                         .row_bytes = f[P_ROW_BYTES],
+                         .x_row_stride = x_stride,
+                         .out_row_stride = f[P_ROWS],
+                         .format = (int)f[P_FORMAT],
+                         .dtype = p->dtype,
+                         .threads = p->threads,
+                         .precise = p->precise};
+}
+
+static long qkv_rows(const DecodeStep *p) { return (p->heads + 2 * p->kv_heads) * p->head_dim; }
+
+static AddRmsNorm norm(const DecodeStep *p, const void *x, const void *weight, void *out) {
+    return (AddRmsNorm){.x = x, .weight = weight, .residual = p->residual, .out = out,
+                        .rows = p->n, .dim = p->hidden, .eps = p->eps, .dtype = p->dtype,
+                        .threads = p->threads};
+}
+
+static const void *layer_norm(const DecodeStep *p, long layer, int which) {
+    return (const void *)(uintptr_t)p->layers[layer * DECODE_LAYER_FIELDS + which];
+}
+
+/* This layer's key (value: second) cache [blocks, block_size, kv_heads, head_dim]. */
+static void *cache(const DecodeStep *p, long layer, int value) {
+    long size = p->blocks * p->block_size * p->kv_heads * p->head_dim;
+    return (char *)p->kv + (size_t)((2 * layer + value) * size) * (p->dtype == F32 ? 4 : 2);
+}
+
+static RopeStore rope(const DecodeStep *p, long layer, void *qkv) {
+    return (RopeStore){.qkv = qkv, .k_cache = cache(p, layer, 0), .v_cache = cache(p, layer, 1),
+                       .cos = p->cos, .sin = p->sin, .slots = p->slots, .tokens = p->n,
+                       .heads = p->heads, .kv_heads = p->kv_heads, .head_dim = p->head_dim,
+                       .cache_slots = p->blocks * p->block_size, .dtype = p->dtype,
+                       .threads = p->threads};
+}
+
+static PagedDecode attention(const DecodeStep *p, long layer, const void *qkv, void *out) {
+    return (PagedDecode){.q = qkv, .k = cache(p, layer, 0), .v = cache(p, layer, 1),
+                         .tables = p->tables, .lens = p->lens, .out = out, .n = p->n,
+                         .heads = p->heads, .kv_heads = p->kv_heads, .head_dim = p->head_dim,
+                         .blocks = p->blocks, .block_size = p->block_size,
+                         .table_width = p->table_width, .q_row_stride = qkv_rows(p),
+                         .scale = p->scale, .dtype = p->dtype, .threads = p->threads};
+}
+
+const char *decode_step_check(const DecodeStep *p) {
+    if (p->n < 1 || p->num_layers < 1) return "no rows or no layers";
+    if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";
+    const char *problem = NULL;
+    AddRmsNorm n = norm(p, NULL, p->final_norm, p->out);
+    if ((problem = add_rms_norm_check(&n)) != NULL) return problem;
+    RopeStore r = rope(p, 0, NULL);
+    if ((problem = rope_store_check(&r)) != NULL) return problem;
+    PagedDecode a = attention(p, 0, NULL, NULL);
+    if ((problem = paged_decode_check(&a)) != NULL) return problem;
+    const long in[] = {p->hidden, p->heads * p->head_dim, p->hidden, p->intermediate};
+    const long rows[] = {qkv_rows(p), p->hidden, 2 * p->intermediate, p->hidden};
+    for (long layer = 0; layer < p->num_layers; layer++) {
+        for (int which = QKV; which <= DOWN; which++) {
+            QuantMatmul m = product(p, layer, which, NULL, in[which], in[which], NULL);
+            if (m.n != rows[which]) return "a projection's output size does not fit the model";
+            if (m.w == NULL) return "a projection has no weights";
+            if ((problem = quant_matmul_check(&m)) != NULL) return problem;
+        }
+        if (layer_norm(p, layer, INPUT_NORM) == NULL || layer_norm(p, layer, POST_NORM) == NULL)
+            return "a layer has no norm weights";
+    }
+    return NULL;
+}
+
+/* gate_up [n, 2 * inter]: its first half becomes silu(gate) * up, rounded as torch's
+ * in-place silu_ then mul_ round (bfloat16: twice). */
+static void silu_mul(const DecodeStep *p, void *gate_up) {
+    const long inter = p->intermediate;
+    for (long r = 0; r < p->n; r++) {
+        for (long j = 0; j < inter; j++) {
+            long at = r * 2 * inter + j;
+            if (p->dtype == F32) {
+                float *row = gate_up;
+                float g = row[at];
+                row[at] = g / (1.0f + expf(-g)) * row[at + inter];
+            } else {
+                uint16_t *row = gate_up;
+                float g = bf16_value(row[at]), up = bf16_value(row[at + inter]);
+                row[at] = bf16_bits(bf16_value(bf16_bits(g / (1.0f + expf(-g)))) * up);
+            }
+        }
+    }
+}
+
+int decode_step_run(const DecodeStep *p) {
+    const long n = p->n, elem = p->dtype == F32 ? 4 : 2;
+    const long attn = p->heads * p->head_dim, inter = p->intermediate;
+    char *h = malloc((size_t)(n * p->hidden * elem));
+    char *delta = malloc((size_t)(n * p->hidden * elem));
+    char *qkv = malloc((size_t)(n * qkv_rows(p) * elem));
+    char *heads = malloc((size_t)(n * attn * elem));
+    char *gate_up = malloc((size_t)(n * 2 * inter * elem));
+    int status = (h && delta && qkv && heads && gate_up) ? 0 : -1;
+    for (long layer = 0; status == 0 && layer < p->num_layers; layer++) {
+        AddRmsNorm first = norm(p, layer ? delta : NULL, layer_norm(p, layer, INPUT_NORM), h);
+        add_rms_norm_run(&first);
+        QuantMatmul m = product(p, layer, QKV, h, p->hidden, p->hidden, qkv);
+        status |= quant_matmul_run(&m);
+        RopeStore r = rope(p, layer, qkv);
+        rope_store_run(&r);
+        PagedDecode a = attention(p, layer, qkv, heads);
+        status |= paged_decode_run(&a);
+        m = product(p, layer, O, heads, attn, attn, delta);
+        status |= quant_matmul_run(&m);
+        AddRmsNorm second = norm(p, delta, layer_norm(p, layer, POST_NORM), h);
+        add_rms_norm_run(&second);
+        m = product(p, layer, GATE_UP, h, p->hidden, p->hidden, gate_up);
+        status |= quant_matmul_run(&m);
+        silu_mul(p, gate_up);
+        m = product(p, layer, DOWN, gate_up, inter, 2 * inter, delta);
+        status |= quant_matmul_run(&m);
+    }
+    if (status == 0) {
+        AddRmsNorm last = norm(p, delta, p->final_norm, p->out);
+        add_rms_norm_run(&last);
+    }
+    free(h);
+    free(delta);
+    free(qkv);
+    free(heads);
+    free(gate_up);
+    return status;
+}
