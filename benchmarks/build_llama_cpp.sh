@@ -6,9 +6,12 @@
 #
 #   benchmarks/build_llama_cpp.sh            # about 12 minutes on 2 cores
 #   LLAMA_CPP_PYTHON_VERSION=0.3.36 benchmarks/build_llama_cpp.sh
+#   LLAMA_CPP_ISA=avx2 benchmarks/build_llama_cpp.sh   # AVX2 + FMA + F16C only: bin-avx2/
 #
 # llama.cpp is built as its README says for a CPU (GGML_NATIVE: tuned for this CPU), which
-# is the fastest it can be here: the bar we measure against.
+# is the fastest it can be here: the bar we measure against. LLAMA_CPP_ISA=avx2 builds it
+# for an AVX2 CPU without AVX-512 instead, to set against our avx2 kernels (cpu_isa=avx2)
+# on a machine that has more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
@@ -21,10 +24,18 @@ if [ ! -d "$root/src-$version" ]; then
   mkdir -p "$root/src-$version"
   tar xzf "$root/llama_cpp_python-$version.tar.gz" -C "$root/src-$version" --strip-components=1
 fi
-cmake -S "$root/src-$version/vendor/llama.cpp" -B "$root/build-$version" \
-  -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+isa=${LLAMA_CPP_ISA:-native}
+case "$isa" in
+  native) flags=(-DGGML_NATIVE=ON); build="build-$version"; bin=bin ;;
+  avx2) flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+               -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF)
+        build="build-$version-avx2"; bin=bin-avx2 ;;
+  *) echo "LLAMA_CPP_ISA is native or avx2, not $isa" >&2; exit 2 ;;
+esac
+cmake -S "$root/src-$version/vendor/llama.cpp" -B "$root/$build" \
+  -DCMAKE_BUILD_TYPE=Release "${flags[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >/dev/null
-cmake --build "$root/build-$version" -j "$(nproc)" \
+cmake --build "$root/$build" -j "$(nproc)" \
   --target llama-server llama-bench llama-batched-bench >/dev/null
-ln -sfn "build-$version/bin" "$root/bin"
-echo "built: $root/bin/{llama-server,llama-bench,llama-batched-bench}"
+ln -sfn "$build/bin" "$root/$bin"
+echo "built: $root/$bin/{llama-server,llama-bench,llama-batched-bench}"

@@ -159,6 +159,13 @@ def breakdowns(engine: LLMEngine) -> dict[str, list[tuple[str, float]]]:
     return out
 
 
+def built_for(llama_bin: Path) -> str:
+    """How build_llama_cpp.sh built the binaries in `llama_bin` (bin-avx2: LLAMA_CPP_ISA)."""
+    if llama_bin.name.endswith("avx2"):
+        return "for AVX2 + FMA + F16C only (LLAMA_CPP_ISA=avx2)"
+    return "with GGML_NATIVE for this CPU"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-bin", type=Path, default=REPO_ROOT / ".bench/llama.cpp/bin")
@@ -186,7 +193,7 @@ def main() -> int:
         theirs[f"decode b{args.batch}"].append(batched)
     print(f"CPU: {cpu_name()} ({cpu_isa()}); {args.threads} threads; model {model.name}")
     print(f"our kernels: {cpu_kernels.level()} (cpu_isa={args.cpu_isa}); "
-          f"llama.cpp built with GGML_NATIVE for this CPU; best of {args.repeats}\n")  # fmt: skip
+          f"llama.cpp built {built_for(args.llama_bin)}; best of {args.repeats}\n")  # fmt: skip
     print("| tok/s | llama.cpp | ours | ours / llama.cpp |")
     print("|---|---:|---:|---:|")
     for kind in ours:

@@ -128,6 +128,30 @@ def test_bias_strided_rows_and_bfloat16(dtype: torch.dtype) -> None:
     assert out[:, :10].abs().sum() == 0 and out[:, 58:].abs().sum() == 0
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_prefill_sized_product_is_the_dequantized_weights_gemm(name) -> None:
+    """From GEMM_ROWS rows on, float32 products dequantize the weight and run torch's
+    GEMM: the float product of the dequantized weights (no activation rounding), into a
+    column slice of a wider output, bias added."""
+    rows, n, k = cpu_kernels.GEMM_ROWS + 3, 40, 256
+    raw = random_blocks(name, n, k, seed=7)
+    weight = QuantWeight(FORMATS[name], torch.from_numpy(raw), k)
+    w = dequantize(raw, GGMLQuantizationType[name]).reshape(n, k).astype(np.float64)
+    x, bias = torch.randn(rows, k), torch.randn(n)
+    out = torch.zeros(rows, n + 8)
+    matrix = cpu_kernels.QuantMatrix(weight.blocks, weight.format.ggml_id, k, bias)
+    got = matrix(x, out[:, 4 : 4 + n])
+    exact = x.double().numpy() @ w.T + bias.double().numpy()
+    size = np.abs(x.double().numpy()) @ np.abs(w).T + 1
+    assert got.data_ptr() == out[:, 4:].data_ptr()
+    assert np.max(np.abs(got.double().numpy() - exact) / size) < 1e-6
+    assert out[:, :4].abs().sum() == 0 and out[:, 4 + n :].abs().sum() == 0
+    # one row fewer: the integer kernel, the activations rounded to about 16 bits
+    fewer = matrix(x[: cpu_kernels.GEMM_ROWS - 1]).double().numpy()
+    below = cpu_kernels.GEMM_ROWS - 1
+    assert np.max(np.abs(fewer - exact[:below]) / size[:below]) < 1e-4
+
+
 def test_bad_problems_are_refused() -> None:
     weight = quantize(torch.randn(8, 64), "Q4_0")
     x = torch.randn(2, 64)

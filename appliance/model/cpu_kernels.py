@@ -343,6 +343,14 @@ def quant_takes(x: torch.Tensor) -> bool:
     )
 
 
+GEMM_ROWS = 128
+"""From this many float32 activation rows (a prefill chunk) a product dequantizes the
+weight and runs torch's GEMM: the integer kernel's work grows with the rows, and past a
+hundred or so a float GEMM (blocked for the caches, ~10x the kernel's rate per row) is
+faster for all the dequantizing. Below it, and for every decode step, the integer kernel
+reads the blocks in place."""
+
+
 class QuantMatrix:
     """A block-quantized weight W [out_features, in] (`blocks` [out_features, row bytes]
     uint8 in GGML format `format_id`, one row of blocks per output feature) and its
@@ -366,6 +374,7 @@ class QuantMatrix:
         self.format_id = format_id
         self.in_features = in_features
         self.out_features = n
+        self._all_rows: torch.Tensor | None = None  # every row's id, for _by_gemm
 
     def __call__(
         self, x: torch.Tensor, out: torch.Tensor | None = None, precise: bool = True
@@ -379,10 +388,14 @@ class QuantMatrix:
         if x.shape[1] != self.in_features:
             raise ValueError(f"x has {x.shape[1]} features, the weight takes {self.in_features}")
         rows, n = x.shape[0], self.out_features
+        if out is not None and (
+            out.shape != (rows, n) or out.dtype != x.dtype or out.stride(1) != 1
+        ):
+            raise ValueError(f"out must be [{rows}, {n}] of x's dtype, rows contiguous")
+        if rows >= GEMM_ROWS and x.dtype == torch.float32:
+            return self._by_gemm(x, out)
         if out is None:
             out = torch.empty(rows, n, dtype=x.dtype)
-        elif out.shape != (rows, n) or out.dtype != x.dtype or out.stride(1) != 1:
-            raise ValueError(f"out must be [{rows}, {n}] of x's dtype, rows contiguous")
         _cpu_kernels.quant_matmul(
             x.data_ptr(),
             self.blocks.data_ptr(),
@@ -400,6 +413,17 @@ class QuantMatrix:
             int(precise),
         )
         return out
+
+    def _by_gemm(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The product as torch's float32 GEMM with the weight dequantized for it."""
+        if self._all_rows is None:
+            self._all_rows = torch.arange(self.out_features)
+        weight = quant_rows(self.blocks, self.format_id, self.in_features, self._all_rows)
+        if self.bias is None:
+            result = torch.mm(x, weight.t())
+        else:
+            result = torch.addmm(self.bias, x, weight.t())
+        return result if out is None else out.copy_(result)
 
 
 def quant_matmul(
@@ -439,6 +463,7 @@ def quant_rows(
         blocks.shape[1],
         format_id,
         _DTYPES[dtype],
+        _threads(),
     )
     return out
 

@@ -83,7 +83,7 @@ typedef struct {
     const int64_t *rows;
     void *out;
     long count, total_rows, k, row_bytes;
-    int format, dtype;
+    int format, dtype, threads;
 } QuantRows;
 
 const char *quant_rows_check(const QuantRows *p);

@@ -109,8 +109,8 @@ static PyObject *quant_rows(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long w, rows, out;
     QuantRows p;
-    if (!PyArg_ParseTuple(args, "KKKllllii", &w, &rows, &out, &p.count, &p.total_rows, &p.k,
-                          &p.row_bytes, &p.format, &p.dtype))
+    if (!PyArg_ParseTuple(args, "KKKlllliii", &w, &rows, &out, &p.count, &p.total_rows, &p.k,
+                          &p.row_bytes, &p.format, &p.dtype, &p.threads))
         return NULL;
     p.w = (const uint8_t *)(uintptr_t)w;
     p.rows = (const int64_t *)(uintptr_t)rows;
@@ -215,7 +215,7 @@ static PyMethodDef methods[] = {
      "quant_matmul(x, w, bias or 0, out, m, n, k, row_bytes, x_row_stride, out_row_stride, "
      "format, dtype, threads, precise)"},
     {"quant_rows", quant_rows, METH_VARARGS,
-     "quant_rows(w, rows, out, count, total_rows, k, row_bytes, format, dtype)"},
+     "quant_rows(w, rows, out, count, total_rows, k, row_bytes, format, dtype, threads)"},
     {"decode_step", decode_step, METH_VARARGS,
      "decode_step(layers, num_layers, residual, out, kv, final_norm, cos, sin, slots, tables, "
      "lens, n, hidden, heads, kv_heads, head_dim, intermediate, blocks, block_size, "

@@ -865,40 +865,52 @@ const char *quant_rows_check(const QuantRows *p) {
     if (p->k <= 0 || p->k % f.values != 0)
         return "k must be a positive multiple of the format's block size";
     if (p->row_bytes != p->k / f.values * f.bytes) return "row_bytes does not fit k";
+    if (p->threads < 1) return "threads must be at least 1";
     for (long i = 0; i < p->count; i++)
         if (p->rows[i] < 0 || p->rows[i] >= p->total_rows) return "a row index is out of range";
     return NULL;
 }
 
+/* Row `row` of a weight dequantized into out[0:k] (float32 or bfloat16); `format` is a
+ * compile-time constant at each call, so the inner loop vectorizes. */
+INLINE void dequantize_row(const int format, const uint8_t *row, long k, int dtype, void *out) {
+    const int is_signed = format == QUANT_Q8_0;
+    for (long g = 0; g < k / GROUP; g++) {
+        GroupScales s;
+        u8x32 values = unpack_group(format, row, g, &s);
+        float v[GROUP];
+        for (int j = 0; j < GROUP; j++) {
+            float q = is_signed ? (float)(int8_t)values[j] : (float)values[j];
+            v[j] = s.scale[j / 16] * q + s.offset[j / 16];
+        }
+        if (dtype == F32) {
+            memcpy((float *)out + g * GROUP, v, sizeof v);
+            continue;
+        }
+        for (int j = 0; j < GROUP; j++) {
+            uint32_t bits;
+            memcpy(&bits, &v[j], 4);
+            bits = bits + 0x7fffu + ((bits >> 16) & 1u);
+            ((uint16_t *)out)[g * GROUP + j] = (uint16_t)(bits >> 16);
+        }
+    }
+}
+
 int quant_rows_run(const QuantRows *p) {
     const long k = p->k;
-    const int is_signed = p->format == QUANT_Q8_0;
+    const size_t row_out = (size_t)k * (p->dtype == F32 ? 4 : 2);
+    /* a whole matrix (the prefill's dequantize-then-multiply) is worth the threads */
+#pragma omp parallel for schedule(static) num_threads(p->threads) if (p->count * k >= 1L << 18)
     for (long i = 0; i < p->count; i++) {
         const uint8_t *row = p->w + p->rows[i] * p->row_bytes;
-        for (long g = 0; g < k / GROUP; g++) {
-            GroupScales s;
-            u8x32 values;
-            switch (p->format) {
-            case QUANT_Q4_0: values = unpack_group(QUANT_Q4_0, row, g, &s); break;
-            case QUANT_Q4_1: values = unpack_group(QUANT_Q4_1, row, g, &s); break;
-            case QUANT_Q8_0: values = unpack_group(QUANT_Q8_0, row, g, &s); break;
-            case QUANT_Q4_K: values = unpack_group(QUANT_Q4_K, row, g, &s); break;
-            case QUANT_Q5_K: values = unpack_group(QUANT_Q5_K, row, g, &s); break;
-            default: values = unpack_group(QUANT_Q6_K, row, g, &s); break;
-            }
-            for (int j = 0; j < GROUP; j++) {
-                float q = is_signed ? (float)(int8_t)values[j] : (float)values[j];
-                float v = s.scale[j / 16] * q + s.offset[j / 16];
-                long at = i * k + g * GROUP + j;
-                if (p->dtype == F32) {
-                    ((float *)p->out)[at] = v;
-                } else {
-                    uint32_t bits;
-                    memcpy(&bits, &v, 4);
-                    bits = bits + 0x7fffu + ((bits >> 16) & 1u);
-                    ((uint16_t *)p->out)[at] = (uint16_t)(bits >> 16);
-                }
-            }
+        void *out = (char *)p->out + (size_t)i * row_out;
+        switch (p->format) {
+        case QUANT_Q4_0: dequantize_row(QUANT_Q4_0, row, k, p->dtype, out); break;
+        case QUANT_Q4_1: dequantize_row(QUANT_Q4_1, row, k, p->dtype, out); break;
+        case QUANT_Q8_0: dequantize_row(QUANT_Q8_0, row, k, p->dtype, out); break;
+        case QUANT_Q4_K: dequantize_row(QUANT_Q4_K, row, k, p->dtype, out); break;
+        case QUANT_Q5_K: dequantize_row(QUANT_Q5_K, row, k, p->dtype, out); break;
+        default: dequantize_row(QUANT_Q6_K, row, k, p->dtype, out); break;
         }
     }
     return 0;
