@@ -93,7 +93,9 @@ def test_the_compiled_step_gives_the_layers_hidden_states(quant_engine, layers) 
 def test_bad_inputs_are_refused(quant_engine) -> None:
     model = quant_engine.model
     step = model.decode_step
-    cache = quant_engine.kv.tensor
+    # a pool of its own: slot 0 of the engine's may hold a cached prefix other tests reuse
+    layers, _, _, block_size, kv_heads, head_dim = quant_engine.kv.tensor.shape
+    cache = torch.zeros(layers, 2, 4, block_size, kv_heads, head_dim)
     hidden = model.config.hidden_size
     cos, sin = model.rope.at(torch.tensor([0]))
     one = torch.zeros(1, dtype=torch.int64)
