@@ -10,21 +10,6 @@
 #include "kernels.h"
 #include "vec.h"
 
-INLINE float bf16_value(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float f;
-    memcpy(&f, &wide, 4);
-    return f;
-}
-
-/* To nearest even, as torch rounds (NaN stays NaN). */
-INLINE uint16_t bf16_bits(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits | 0x400000u) >> 16);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* The fields of one layer in DecodeStep.layers, in order. */
 enum { INPUT_NORM, POST_NORM, PROJECTIONS };
 enum { P_WEIGHTS, P_BIAS, P_ROWS, P_ROW_BYTES, P_FORMAT, P_FIELDS };

@@ -61,6 +61,11 @@ static int format_of(int format, Format *f) {
     }
 }
 
+/* Bytes per block of the formats of 32 values a block (Q4_0, Q4_1, Q8_0). */
+INLINE int block32_bytes(int format) {
+    return format == QUANT_Q4_0 ? 18 : format == QUANT_Q4_1 ? 20 : 34;
+}
+
 /* Whether this build multiplies `format` by the 32-value block path (block_tile()): the
  * formats of one scale per 32 values, whose scales it reads a chunk at a time. */
 INLINE int block_path(int format) {
@@ -147,7 +152,7 @@ typedef struct {
 INLINE u8x32 unpack_group(const int format, const uint8_t *row, long g, GroupScales *s) {
     const u8x32 low4 = (u8x32){0} + 0xF;
     if (format == QUANT_Q4_0 || format == QUANT_Q4_1 || format == QUANT_Q8_0) {
-        const int bytes = format == QUANT_Q4_0 ? 18 : format == QUANT_Q4_1 ? 20 : 34;
+        const int bytes = block32_bytes(format);
         const uint8_t *b = row + g * bytes;
         if (format == QUANT_Q4_1) { /* d and m side by side: one conversion */
             float dm[2];
@@ -390,7 +395,7 @@ INLINE void pair_dot(const int format, const int rows, const int precise, const 
  * AVX2 build moves the weights' signs onto the activations instead: no offset). */
 INLINE void chunk_scales(const int format, const uint8_t *w, long g, int count, __m256 *scale,
                          __m256 *offset) {
-    const int bytes = format == QUANT_Q4_0 ? 18 : format == QUANT_Q4_1 ? 20 : 34;
+    const int bytes = block32_bytes(format);
     const uint8_t *b = w + g * bytes;
     uint32_t head[CHUNK];
     for (int j = 0; j < CHUNK; j++) {
@@ -445,58 +450,41 @@ INLINE __m512i q8_pair(const uint8_t *w, long g, int count) {
     return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
 }
 
-/* The integer dot of unsigned weights `w` with the activations at x, or in the precise
- * form 256 times that plus the dot with the second part at `rest`. */
-INLINE __m512i dot_parts(const int precise, __m512i w, const int8_t *x, const int8_t *rest) {
-    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+/* The int32 dot of unsigned weights with activation bytes at x: `first` against x's 64
+ * bytes and, for a Q4 set (`q4`), `last` against the 64 after them. */
+INLINE __m512i dot64(const int q4, __m512i first, __m512i last, const int8_t *x) {
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first,
                                       _mm512_loadu_si512((const void *)x));
-    if (!precise) return dot;
-    __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
-                                      _mm512_loadu_si512((const void *)rest));
-    return _mm512_add_epi32(_mm512_slli_epi32(dot, 8), low);
+    return q4 ? _mm512_dpbusd_epi32(dot, last, _mm512_loadu_si512((const void *)(x + 64))) : dot;
 }
 
-/* One chunk (groups g..g+7, `count` of them real) of the block path for a tile's rows. */
+/* One chunk (groups g..g+7, `count` of them real) of the block path for a tile's rows. A
+ * register holds a pair of Q8_0 groups, or a set of 4 Q4 groups as their first and last
+ * halves (`one`, `other`). */
 INLINE void block_chunk(const int format, const int rows, const int precise, const uint8_t *w,
                         const Acts *a, long first, long g, int count, __m512 acc[][2],
                         __m256 *offset_acc) {
     __m256 scale, offset;
     chunk_scales(format, w, g, count, &scale, &offset);
     const long stride = a->groups * GROUP;
-    if (format == QUANT_Q8_0) {
-        const int pairs = (count + 1) / 2; /* fewer in the last chunk of a row */
-        __m512i v[4];
-        for (int p = 0; p < pairs; p++) v[p] = q8_pair(w, g + 2 * p, count - 2 * p);
-        for (int i = 0; i < rows; i++) {
-            const long r = first + i;
-            const int8_t *x = a->q + r * stride + g * GROUP;
-            const int8_t *rest = precise ? a->lo + r * stride + g * GROUP : NULL;
-            __m256 both = _mm256_mul_ps(scale, _mm256_loadu_ps(a->scale + r * a->groups + g));
-            offset_acc[i] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a->gsums + r * a->groups + g),
-                                            offset_acc[i]);
-            __m512 wide = _mm512_castps256_ps512(both);
-            for (int p = 0; p < pairs; p++) {
-                __m512i dot = dot_parts(precise, v[p], x + 64 * p, precise ? rest + 64 * p : NULL);
-                /* int32 lane l holds group 2p + l / 8 */
-                __m512i spread = _mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
-                                                  2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
-                                                  2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p,
-                                                  2 * p, 2 * p);
-                acc[i][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                                _mm512_permutexvar_ps(spread, wide), acc[i][p & 1]);
-            }
+    const int q4 = format != QUANT_Q8_0;
+    const int per = q4 ? SET : 2, span = per * GROUP; /* groups, activation bytes a register */
+    const int regs = (count + per - 1) / per;         /* fewer in the last chunk of a row */
+    __m512i one[4], other[4];
+    for (int p = 0; p < regs; p++) {
+        if (q4) {
+            const __m512i low4 = _mm512_set1_epi8(0xF);
+            __m512i packed = nibble_set(block32_bytes(format), w, g + SET * p, count - SET * p);
+            one[p] = _mm512_and_si512(packed, low4);
+            other[p] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        } else {
+            one[p] = other[p] = q8_pair(w, g + 2 * p, count - 2 * p);
         }
-        return;
     }
-    const int bytes = format == QUANT_Q4_0 ? 18 : 20;
-    const __m512i low4 = _mm512_set1_epi8(0xF);
-    const int sets = count > SET ? 2 : 1;
-    __m512i first_half[2], last_half[2];
-    for (int h = 0; h < sets; h++) {
-        __m512i packed = nibble_set(bytes, w, g + SET * h, count - SET * h);
-        first_half[h] = _mm512_and_si512(packed, low4);
-        last_half[h] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-    }
+    /* int32 lane l holds group per * p + l / 4 (Q4) or l / 8 (Q8_0) */
+    const __m512i lane_group =
+        q4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+           : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int i = 0; i < rows; i++) {
         const long r = first + i;
         const int8_t *x = a->q + r * stride + g * GROUP;
@@ -505,27 +493,14 @@ INLINE void block_chunk(const int format, const int rows, const int precise, con
         offset_acc[i] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a->gsums + r * a->groups + g),
                                         offset_acc[i]);
         __m512 wide = _mm512_castps256_ps512(both);
-        for (int h = 0; h < sets; h++) {
-            /* A set of 4 groups: 64 bytes of first halves, then 64 of last halves. */
-            const int8_t *xs = x + 128 * h;
-            const int8_t *rs = precise ? rest + 128 * h : NULL;
-            __m512i dq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first_half[h],
-                                             _mm512_loadu_si512((const void *)xs));
-            dq = _mm512_dpbusd_epi32(dq, last_half[h], _mm512_loadu_si512((const void *)(xs + 64)));
-            if (precise) {
-                __m512i dr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first_half[h],
-                                                 _mm512_loadu_si512((const void *)rs));
-                dr = _mm512_dpbusd_epi32(dr, last_half[h],
-                                         _mm512_loadu_si512((const void *)(rs + 64)));
-                dq = _mm512_add_epi32(_mm512_slli_epi32(dq, 8), dr);
-            }
-            /* int32 lane l holds group 4h + l / 4 */
-            __m512i spread = _mm512_set_epi32(4 * h + 3, 4 * h + 3, 4 * h + 3, 4 * h + 3,
-                                              4 * h + 2, 4 * h + 2, 4 * h + 2, 4 * h + 2,
-                                              4 * h + 1, 4 * h + 1, 4 * h + 1, 4 * h + 1,
-                                              4 * h, 4 * h, 4 * h, 4 * h);
-            acc[i][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dq),
-                                        _mm512_permutexvar_ps(spread, wide), acc[i][h]);
+        for (int p = 0; p < regs; p++) {
+            __m512i dot = dot64(q4, one[p], other[p], x + span * p);
+            if (precise)
+                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8),
+                                       dot64(q4, one[p], other[p], rest + span * p));
+            __m512i spread = _mm512_add_epi32(lane_group, _mm512_set1_epi32(per * p));
+            acc[i][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                            _mm512_permutexvar_ps(spread, wide), acc[i][p & 1]);
         }
     }
 }
@@ -578,7 +553,7 @@ INLINE void block_chunk(const int format, const int rows, const int precise, con
     __m256 scale, offset;
     chunk_scales(format, w, g, count, &scale, &offset);
     const long stride = a->groups * GROUP;
-    const int bytes = format == QUANT_Q4_0 ? 18 : format == QUANT_Q4_1 ? 20 : 34;
+    const int bytes = block32_bytes(format);
     /* Q8_0: a group a register; Q4: a set of SET groups */
     const int per = format == QUANT_Q8_0 ? 1 : SET;
     const int regs = (count + per - 1) / per;
@@ -741,11 +716,7 @@ INLINE void store_out(const QuantMatmul *p, long r, long c, float v) {
         ((float *)p->out)[at] = v;
         return;
     }
-    uint32_t bits;
-    memcpy(&bits, &v, 4);
-    bits = (bits & 0x7fffffffu) > 0x7f800000u ? (bits | 0x400000u)
-                                             : bits + 0x7fffu + ((bits >> 16) & 1u);
-    ((uint16_t *)p->out)[at] = (uint16_t)(bits >> 16);
+    ((uint16_t *)p->out)[at] = bf16_bits(v);
 }
 
 const char *quant_matmul_check(const QuantMatmul *p) {

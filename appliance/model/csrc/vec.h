@@ -48,6 +48,22 @@ INLINE vec round_bf16(vec v) {
     return v;
 }
 
+/* One bfloat16 as a float. */
+INLINE float bf16_value(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float f;
+    memcpy(&f, &wide, 4);
+    return f;
+}
+
+/* One float rounded to bfloat16 (to nearest even, as torch rounds; NaN stays NaN). */
+INLINE uint16_t bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits | 0x400000u) >> 16);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 /* Stores LANES floats at element `offset` of a float32 or bfloat16 array. */
 INLINE void store(void *base, int dtype, long offset, vec v) {
     if (dtype == F32) {
