@@ -374,7 +374,6 @@ class QuantMatrix:
         self.format_id = format_id
         self.in_features = in_features
         self.out_features = n
-        self._all_rows: torch.Tensor | None = None  # every row's id, for _by_gemm
 
     def __call__(
         self, x: torch.Tensor, out: torch.Tensor | None = None, precise: bool = True
@@ -416,9 +415,8 @@ class QuantMatrix:
 
     def _by_gemm(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """The product as torch's float32 GEMM with the weight dequantized for it."""
-        if self._all_rows is None:
-            self._all_rows = torch.arange(self.out_features)
-        weight = quant_rows(self.blocks, self.format_id, self.in_features, self._all_rows)
+        every_row = torch.arange(self.out_features)
+        weight = quant_rows(self.blocks, self.format_id, self.in_features, every_row)
         if self.bias is None:
             result = torch.mm(x, weight.t())
         else:
@@ -511,13 +509,9 @@ def decode_step(
         raise ValueError(
             f"residual must be [n, {shape.hidden}] and the final norm [{shape.hidden}]"
         )
-    fits = kv_cache.dim() == 6 and (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[4:]) == (
-        len(layers),
-        2,
-        shape.kv_heads,
-        shape.head_dim,
-    )
-    if not fits:
+    blocks, block_size = kv_cache.shape[2:4] if kv_cache.dim() == 6 else (0, 0)
+    cache = (len(layers), 2, blocks, block_size, shape.kv_heads, shape.head_dim)
+    if tuple(kv_cache.shape) != cache:
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not fit the model's layers")
     floats = (residual, final_norm, cos, sin, kv_cache)
     if any(t.dtype != dtype or not t.is_contiguous() for t in floats):
@@ -548,8 +542,8 @@ def decode_step(
         shape.kv_heads,
         shape.head_dim,
         shape.intermediate,
-        kv_cache.shape[2],
-        kv_cache.shape[3],
+        blocks,
+        block_size,
         tables.shape[1],
         shape.eps,
         shape.scale,

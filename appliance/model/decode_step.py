@@ -15,12 +15,10 @@ import torch
 
 from appliance.model import cpu_kernels
 from appliance.model.attention import AttentionBatch
-from appliance.model.quant import QuantLinear
+from appliance.model.quant import QuantLinear, projections
 
 if TYPE_CHECKING:
     from appliance.model.llama import CausalLM
-
-_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def compiled_problem(model: CausalLM) -> str:
@@ -34,9 +32,7 @@ def compiled_problem(model: CausalLM) -> str:
     if model.config.head_dim not in cpu_kernels.HEAD_SIZES:
         return f"decode attention is compiled for head sizes {cpu_kernels.HEAD_SIZES}"
     for layer in model.layers:
-        for name in _PROJECTIONS:
-            owner, attr = name.split(".")
-            linear = getattr(getattr(layer, owner), attr)
+        for name, linear in projections(layer).items():
             if not isinstance(linear, QuantLinear) or len(linear.parts) != 1:
                 return f"{name} is not one block-quantized weight"
     return ""
@@ -78,7 +74,7 @@ class CompiledDecode:
         """The embeddings residual [n, hidden] -> the final norm [n, hidden], as the
         layers give it."""
         group = batch.decode_groups[0]
-        head = self.model.layers[0].self_attn.qkv_proj
+        first = self.model.layers[0].self_attn.qkv_proj  # every projection's setting
         return cpu_kernels.decode_step(
             self.layers,
             self.shape,
@@ -89,7 +85,7 @@ class CompiledDecode:
             group.block_tables,
             group.context_lens,
             kv_cache,
-            head.precise,
+            first.precise,
         )
 
 
@@ -99,9 +95,7 @@ def _fields(layer: torch.nn.Module) -> list[int]:
         layer.input_layernorm.weight.data_ptr(),
         layer.post_attention_layernorm.weight.data_ptr(),
     ]
-    for name in _PROJECTIONS:
-        owner, attr = name.split(".")
-        linear: QuantLinear = getattr(getattr(layer, owner), attr)
+    for linear in projections(layer).values():  # kernels.h's order: q/k/v, o, gate/up, down
         part = linear.parts[0]
         bias = 0 if linear.bias is None else linear.bias.data_ptr()
         row += [part.blocks.data_ptr(), bias, part.rows, part.blocks.shape[1], part.format.ggml_id]

@@ -49,11 +49,15 @@ _TOP_NAMES = {
 }
 
 
+def _require_file(path: Path) -> None:
+    if not path.is_file():
+        raise ModelLoadError(path, "no such file")
+
+
 def open_gguf(path: Path, mode: str = "r") -> GGUFReader:
     """Open a GGUF file or raise ModelLoadError saying why it is not one; mode "c" maps it
     copy-on-write (its tensors writable views, private only where written)."""
-    if not path.is_file():
-        raise ModelLoadError(path, "no such file")
+    _require_file(path)
     try:
         return GGUFReader(path, mode)
     except Exception as exc:  # the reader raises many kinds on a damaged file
@@ -157,8 +161,7 @@ def tensor_index(path: Path) -> list[TensorEntry]:
     """The file's tensors, read from its header alone. GGUFReader builds a numpy object
     for every string of the tokenizer's lists (a hundred thousand here), 20-40 MiB of
     Python heap that a worker then keeps; this skips over the metadata instead."""
-    if not path.is_file():
-        raise ModelLoadError(path, "no such file")
+    _require_file(path)
     try:
         with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as raw:
             return _read_index(raw)

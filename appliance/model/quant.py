@@ -208,6 +208,16 @@ _FUSED = {
 EMBEDDING = "model.embed_tokens.weight"
 
 
+def projections(layer: nn.Module) -> dict[str, nn.Module]:
+    """A decoder layer's fused projections by name, in _FUSED's order (q/k/v, o, gate/up,
+    down)."""
+    out = {}
+    for name in _FUSED:
+        owner, attr = name.split(".")
+        out[name] = getattr(getattr(layer, owner), attr)
+    return out
+
+
 def quantizable(name: str) -> bool:
     """Whether a Hugging Face-named weight is one the quantized path multiplies in place
     (a projection, the embedding or the LM head)."""
