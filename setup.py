@@ -22,6 +22,7 @@ SOURCES = [
     "module.c",
     "paged_decode.c",
     "add_rms_norm.c",
+    "silu_mul.c",
     "rope_store.c",
     "quant_matmul.c",
     "decode_step.c",

@@ -191,6 +191,33 @@ def test_add_rms_norm_refuses_mismatched_inputs() -> None:
     assert not cpu_kernels.norm_takes(torch.randn(4, 64).bfloat16(), residual, torch.ones(64))
 
 
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(rows: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 96, generator=gen) * 8).to(dtype)
+    gate_up[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 0.0])  # past the exp's clamps
+    gate, up = gate_up.chunk(2, dim=-1)
+    exact = F.silu(gate.double()) * up.double()
+    torch_way = F.silu(gate) * up  # in the dtype: silu rounded, then the product
+    out = cpu_kernels.silu_mul(gate_up)
+    assert out.data_ptr() == gate_up.data_ptr() and out.shape == (rows, 96)  # in place
+    if dtype == torch.float32:  # a few ulps of float32
+        torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-30)
+    else:  # rounded as torch rounds: where its exp's last bit tips a rounding, one step
+        torch.testing.assert_close(out, torch_way, rtol=8e-3, atol=1e-30)
+        assert (out != torch_way).float().mean() < 0.02
+
+
+def test_silu_mul_refuses_what_it_has_no_code_for() -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernels.silu_mul(torch.randn(2, 40))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.silu_mul(torch.randn(64, 2).t())
+    assert not cpu_kernels.silu_takes(torch.randn(2, 64).half())
+    assert cpu_kernels.silu_takes(torch.randn(2, 64))
+
+
 def _greedy(engine: LLMEngine) -> list[list[int]]:
     prompts = [
         engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
@@ -214,7 +241,7 @@ def test_the_model_decodes_alike_on_the_kernels_and_on_torch_ops(
 
         return call
 
-    names = ("paged_decode", "add_rms_norm", "rope_store")
+    names = ("paged_decode", "add_rms_norm", "rope_store", "silu_mul")
     spy = SimpleNamespace(**{n: counted(n) for n in names})
     monkeypatch.setattr(cpu_kernels, "_cpu_kernels", spy)
     on_kernels = _greedy(make_engine())
@@ -222,6 +249,7 @@ def test_the_model_decodes_alike_on_the_kernels_and_on_torch_ops(
     assert calls["paged_decode"] >= 23 * layers  # every decode step, every layer
     assert calls["add_rms_norm"] >= 24 * (2 * layers + 1)  # prefill and decode steps
     assert calls["rope_store"] >= 24 * layers
+    assert calls["silu_mul"] >= 24 * layers
     monkeypatch.setattr(cpu_kernels, "_cpu_kernels", None)
     assert _greedy(make_engine()) == on_kernels
 

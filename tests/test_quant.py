@@ -14,6 +14,7 @@ is measured against):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import numpy as np
@@ -152,6 +153,35 @@ def test_a_prefill_sized_product_is_the_dequantized_weights_gemm(name) -> None:
     assert np.max(np.abs(fewer - exact[:below]) / size[:below]) < 1e-4
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("rows", [3, cpu_kernels.GEMM_ROWS + 1])  # integer kernel, GEMM
+def test_shards_of_whole_spans_sum_to_the_whole_product_bit_for_bit(name, rows, at_level) -> None:
+    """A product summed span by span (a row-parallel projection's): shards holding whole
+    spans give float64 partials whose sum rounds to the whole product's float32 result,
+    at every level; and the spans only regroup the sums (close to the plain product)."""
+    span = 256 if name.endswith("_K") else 96
+    n, k = 40, 3 * 256
+    raw = random_blocks(name, n, k, seed=11)
+    weight = QuantWeight(FORMATS[name], torch.from_numpy(raw), k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    for level in LEVELS:
+        at_level(level)
+        whole = cpu_kernels.QuantMatrix(weight.blocks, weight.format.ggml_id, k, span=span)(x)
+        cut = (0, 2 * span, k)  # uneven: two spans, then the rest
+        partials = []
+        for start, stop in itertools.pairwise(cut):
+            part = weight.column_slice(slice(start, stop))
+            shard = cpu_kernels.QuantMatrix(
+                part.blocks, part.format.ggml_id, stop - start, span=span, partial=True
+            )
+            partials.append(shard(x[:, start:stop].contiguous()))
+        assert partials[0].dtype == torch.float64
+        assert torch.equal((partials[0] + partials[1]).float(), whole), level
+        plain = cpu_kernels.quant_matmul(x, weight.blocks, weight.format.ggml_id, k)
+        size = x.abs() @ weight.dequantize().abs().t()
+        assert ((whole - plain).abs() / size).max() < 1e-5, level
+
+
 def test_bad_problems_are_refused() -> None:
     weight = quantize(torch.randn(8, 64), "Q4_0")
     x = torch.randn(2, 64)
@@ -169,6 +199,12 @@ def test_bad_problems_are_refused() -> None:
         QuantWeight(FORMATS["Q4_0"], torch.zeros(2, 30, dtype=torch.uint8), 64)
     with pytest.raises(ValueError, match="Q8_0 or Q4_0"):
         quantize(torch.randn(2, 64), "Q5_K")
+    with pytest.raises(ValueError, match="span 48 does not divide"):
+        cpu_kernels.QuantMatrix(weight.blocks, 2, 64, span=48)
+    with pytest.raises(ValueError, match="multiple of the format's block size"):
+        cpu_kernels.quant_matmul(x, weight.blocks, 2, 64, span=16)
+    with pytest.raises(ValueError, match="takes no bias"):
+        cpu_kernels.QuantMatrix(weight.blocks, 2, 64, torch.zeros(8), partial=True)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0"])

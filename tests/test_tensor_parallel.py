@@ -25,7 +25,13 @@ from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.handoff import KVShard, copy_between_shards
 from appliance.model.quant import quantize
-from appliance.model.tensor_parallel import Shard, kv_head_ranges, shard_plan, split_evenly
+from appliance.model.tensor_parallel import (
+    Shard,
+    kv_head_ranges,
+    row_parallel_spans,
+    shard_plan,
+    split_evenly,
+)
 from appliance.pool_moves import MoveError
 
 GREEDY = SamplingParams(max_tokens=16)
@@ -80,7 +86,9 @@ def shard_hidden_states(
     size: int, prompts: list[list[int]], engine: LLMEngine, weights: str
 ) -> torch.Tensor:
     """Hidden states of one batched prefill, computed by `size` shards in lockstep."""
-    settings = load_settings(dtype="float32", device="cpu", weights=weights, kv={"num_blocks": 32})
+    settings = load_settings(
+        dtype="float32", device="cpu", weights=weights, kv={"num_blocks": 32}, prefill_tp=size
+    )
     summed = LockstepSum(size)
     parts = [load_shard(settings, Shard(r, size), summed.for_rank(r)) for r in range(size)]
     seqs = [Sequence(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
@@ -110,17 +118,17 @@ def shard_hidden_states(
 
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("weights", ["dense", "quantized"])
-def test_shards_add_up_to_the_whole_model(
-    size: int, weights: str, engine: LLMEngine, quant_engine: LLMEngine
-) -> None:
-    # Quantized shards split blocks by whole rows, or input columns on block edges: each
-    # product sums the same integer dots, only their float sums meet in another order;
-    # but where that moves an activation across an int8 rounding edge the next layer's
-    # input differs by a rounding step, so after 30 layers the states agree to about 1%
-    # (a wrong split would miss by their whole size).
-    engine = engine if weights == "dense" else quant_engine
-    tolerance = 1e-6 if weights == "dense" else 3e-2
-    texts = ["The capital of France is", "Bees make honey and", "One two three four five six"]
+def test_shards_add_up_to_the_whole_model(size: int, weights: str, engine: LLMEngine) -> None:
+    # Dense shards' partial sums meet in another float order than one process's sums:
+    # close, not equal. Quantized products of an appliance with groups of `size` sum each
+    # span a split falls on by itself and add the spans in float64, so shards give one
+    # process's states (on the same settings) bit for bit.
+    if weights == "quantized":
+        settings = load_settings(device="cpu", weights="quantized", prefill_tp=size)
+        engine = LLMEngine.from_settings(settings)
+    # the last prompt alone takes a quantized product past GEMM_ROWS, to torch's GEMM
+    long = " ".join(f"{n} bees visit {n + 1} flowers." for n in range(40))
+    texts = ["The capital of France is", "Bees make honey and", long]
     prompts = [engine.tokenizer.encode(t) for t in texts]
     seqs = [Sequence(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
     for seq in seqs:
@@ -134,7 +142,10 @@ def test_shards_add_up_to_the_whole_model(
         for seq in seqs:
             engine.kv.allocator.free(seq.block_table)
     sharded = shard_hidden_states(size, prompts, engine, weights)
-    assert (sharded - whole).abs().max().item() < tolerance * whole.abs().max().item() + 1e-4
+    if weights == "quantized":
+        assert torch.equal(sharded, whole)
+    else:
+        assert (sharded - whole).abs().max().item() < 1e-6 * whole.abs().max().item() + 1e-4
 
 
 # --- the KV handoff between degrees ----------------------------------------------------
@@ -172,6 +183,21 @@ def test_handoff_refuses_shards_that_miss_heads() -> None:
         copy_between_shards(src, [0], dst, [0])
 
 
+def test_row_parallel_products_sum_apart_only_what_a_configured_split_cuts(
+    engine: LLMEngine,
+) -> None:
+    cfg = engine.model.config  # SmolLM2: 3 KV heads of 3 query heads of 64; MLP 1536
+    assert row_parallel_spans(cfg, (1, 1)) == {}  # nothing split: whole rows, fastest
+    assert row_parallel_spans(cfg, (2, 1)) == {"self_attn.o_proj": 192, "mlp.down_proj": 768}
+    assert row_parallel_spans(cfg, (3,))["mlp.down_proj"] == 512
+    # groups of 2 and of 3 in one appliance: every split of either
+    assert row_parallel_spans(cfg, (2, 3))["mlp.down_proj"] == 256
+    for size in (2, 3):  # the MLP splits on whole 256-column units (K-quant blocks)
+        assert all(
+            shard_plan(cfg, Shard(r, size)).mlp_columns.start % 256 == 0 for r in range(size)
+        )
+
+
 def test_quantized_shards_refuse_a_split_inside_a_block() -> None:
     weight = quantize(torch.randn(8, 64), "Q4_0")
     assert weight.column_slice(slice(32, 64)).in_features == 32
@@ -192,37 +218,63 @@ def chat_prompts(engine: LLMEngine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected(engine: LLMEngine, chat_prompts: list[list[int]]) -> list[list[int]]:
-    """What one process answers with dense float32 weights, as the groups below run: on
-    the quantized path a partial sum's other float order can flip an activation's int8
-    rounding, so groups there answer close to one process, not token for token."""
+    """What one process answers with dense float32 weights, as the groups below run."""
     return [c.token_ids for c in engine.generate(chat_prompts, GREEDY)]
 
 
+@pytest.fixture(scope="module")
+def expected_quantized(chat_prompts: list[list[int]]) -> list[list[int]]:
+    """What one process answers on the quantized path (its decode steps compiled), set up
+    for an appliance with groups of 2 (row_parallel_spans)."""
+    one = LLMEngine.from_settings(load_settings(device="cpu", weights="quantized", prefill_tp=2))
+    return [c.token_ids for c in one.generate(chat_prompts, GREEDY)]
+
+
 @pytest.mark.parametrize(
-    ("mode", "layout", "groups"),
+    ("weights", "mode", "layout", "groups"),
     [
-        ("colocated", {"prefill_tp": 2}, [("colocated", (0, 1))]),
+        ("dense", "colocated", {"prefill_tp": 2}, [("colocated", (0, 1))]),
         (
+            "dense",
             "disaggregated",
             {"prefill_tp": 2, "prefill_devices": "0,1", "decode_devices": "2"},
             [("prefill", (0, 1)), ("decode", (2,))],
         ),
         (
+            "dense",
+            "disaggregated",
+            {"decode_tp": 2, "prefill_devices": "2", "decode_devices": "0,1"},
+            [("prefill", (2,)), ("decode", (0, 1))],
+        ),
+        ("quantized", "colocated", {"prefill_tp": 2}, [("colocated", (0, 1))]),
+        (
+            "quantized",
             "disaggregated",
             {"decode_tp": 2, "prefill_devices": "2", "decode_devices": "0,1"},
             [("prefill", (2,)), ("decode", (0, 1))],
         ),
     ],
-    ids=["colocated-TP2", "TP2-prefill-to-TP1-decode", "TP1-prefill-to-TP2-decode"],
+    ids=[
+        "colocated-TP2",
+        "TP2-prefill-to-TP1-decode",
+        "TP1-prefill-to-TP2-decode",
+        "quantized-colocated-TP2",
+        "quantized-TP1-prefill-to-TP2-decode",
+    ],
 )
 def test_tensor_parallel_greedy_outputs_equal_one_process(
+    weights: str,
     mode: str,
     layout: dict,
     groups: list,
     chat_prompts: list[list[int]],
-    expected: list[list[int]],
+    request: pytest.FixtureRequest,
 ) -> None:
-    settings = load_settings(dtype="float32", device="cpu", weights="dense", mode=mode, **layout)
+    """Quantized shards give one process's answers token for token too: their products
+    sum the spans a split falls on by themselves (see cpu_kernels.QuantMatrix)."""
+    expected = request.getfixturevalue("expected" if weights == "dense" else "expected_quantized")
+    dtype = "float32" if weights == "dense" else "auto"
+    settings = load_settings(dtype=dtype, device="cpu", weights=weights, mode=mode, **layout)
     cores = [(0,), (1,)] if mode == "colocated" else [(0,), (1,), (0,)]
 
     async def main() -> tuple[list, list[list[int]], dict]:

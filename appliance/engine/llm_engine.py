@@ -31,6 +31,7 @@ from appliance.model.tensor_parallel import (
     Shard,
     kv_head_ranges,
     no_reduce,
+    row_parallel_spans,
     shard_quant,
     shard_state,
 )
@@ -103,9 +104,12 @@ def build_model(
     shard: Shard = WHOLE_MODEL,
     all_reduce: AllReduce = no_reduce,
     quantize_to: str = "none",
+    tp_degrees: tuple[int, ...] = (1,),
 ) -> CausalLM:
     """The model (or `shard` of it) on `device`; `quantized` keeps the file's block-format
-    weights in their blocks (and quantizes float ones to `quantize_to` unless 'none')."""
+    weights in their blocks (and quantizes float ones to `quantize_to` unless 'none').
+    `tp_degrees`: those of the appliance's groups, whose splits its quantized products
+    sum apart (row_parallel_spans), so every worker answers alike."""
     with torch.device("meta"):  # no time spent initialising weights about to be replaced
         model = CausalLM(files.config, dtype, device, max_positions, shard, all_reduce)
     dense = files.weights
@@ -114,7 +118,8 @@ def build_model(
         if quantize_to != "none":
             quant = quantize_weights(dense, quant, quantize_to.upper())
         quant = shard_quant(quant, files.config, shard)
-        served = attach_quant(model, quant, shard_state(dense, files.config, shard))
+        spans = row_parallel_spans(files.config, tp_degrees)
+        served = attach_quant(model, quant, shard_state(dense, files.config, shard), spans)
         dense = {name: t for name, t in dense.items() if name not in served}
     model.load_weights(dense, str(files.source))
     if quantized and not compiled_problem(model):
@@ -175,8 +180,9 @@ def load_shard(
         settings.batch.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
     )
     kv_heads = kv_head_ranges(cfg.num_kv_heads, shard.size)
+    degrees = (settings.prefill_tp, settings.decode_tp)
     model = build_model(
-        files, dtype, device, max_len, quantized, shard, all_reduce, settings.quantize
+        files, dtype, device, max_len, quantized, shard, all_reduce, settings.quantize, degrees
     )
     largest = KVLayout(
         cfg.num_layers, settings.kv.block_size, len(kv_heads[0]), cfg.head_dim, dtype

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-ABI = 6  # module.c's ABI: the argument lists these calls pass
+ABI = 7  # module.c's ABI: the argument lists these calls pass
 LEVELS = ("generic", "avx2", "avx512")  # lowest first; setup.py builds each
 # The CPU features each level's build was compiled for (setup.py's flags).
 _NEEDS = {
@@ -102,6 +102,7 @@ def _threads() -> int:
 
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_OUT_DTYPES = {**_DTYPES, torch.float64: 2}
 HEAD_SIZES = (64, 128)  # decode attention is compiled for these (unrolled into registers)
 MAX_GROUP = 64  # query heads per KV head that decode attention takes (paged_decode.c)
 
@@ -331,6 +332,30 @@ def rope_store(
     )
 
 
+def silu_takes(gate_up: torch.Tensor) -> bool:
+    """Whether silu_mul() can take `gate_up`: contiguous float32 or bfloat16 CPU rows
+    whose halves are a multiple of 16 wide."""
+    return (
+        _cpu_kernels is not None
+        and gate_up.device.type == "cpu"
+        and gate_up.dtype in _DTYPES
+        and gate_up.dim() == 2
+        and gate_up.is_contiguous()
+        and gate_up.shape[1] % 32 == 0
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2 * inter] -> silu(gate) * up [rows, inter], computed in place into
+    its first half (returned as a view; csrc/silu_mul.c), as the compiled step does."""
+    if not silu_takes(gate_up):
+        raise ValueError("gate_up must be contiguous [rows, 2 * inter] float32 or bfloat16 "
+                         "CPU rows, inter a multiple of 16")  # fmt: skip
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    _cpu_kernels.silu_mul(gate_up.data_ptr(), rows, inter, _DTYPES[gate_up.dtype], _threads())
+    return gate_up[:, :inter]
+
+
 def quant_takes(x: torch.Tensor) -> bool:
     """Whether quant_matmul() can take activations `x` [rows, in]: float32 or bfloat16 CPU
     rows whose values are contiguous."""
@@ -355,7 +380,13 @@ class QuantMatrix:
     """A block-quantized weight W [out_features, in] (`blocks` [out_features, row bytes]
     uint8 in GGML format `format_id`, one row of blocks per output feature) and its
     optional float32 `bias`, checked once: a product then checks only its activations,
-    which a decode step multiplies a hundred times."""
+    which a decode step multiplies a hundred times.
+
+    A product sums each output over `span` inputs at a time in float32 (default: all of
+    them) and those sums in float64. A row-parallel projection takes the span its
+    tensor-parallel splits fall on: a shard then computes the same span sums, and with
+    `partial` returns their float64 total for the group's all-reduce, which rounds to what
+    the whole product gives (float32 totals of a few float32 sums are exact in float64)."""
 
     def __init__(
         self,
@@ -363,38 +394,49 @@ class QuantMatrix:
         format_id: int,
         in_features: int,
         bias: torch.Tensor | None = None,
+        span: int | None = None,
+        partial: bool = False,
     ) -> None:
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
             raise ValueError("the weight's blocks must be a contiguous 2-D uint8 tensor")
         n = blocks.shape[0]
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
             raise ValueError(f"bias must be [{n}] float32")
+        span = in_features if span is None else span
+        if span < 1 or in_features % span:
+            raise ValueError(f"span {span} does not divide the {in_features} inputs")
+        if partial and bias is not None:
+            raise ValueError("a partial product (a row-parallel shard's) takes no bias")
         self.blocks = blocks
         self.bias = None if bias is None else bias.contiguous()
         self.format_id = format_id
         self.in_features = in_features
         self.out_features = n
+        self.span = span
+        self.partial = partial
 
     def __call__(
         self, x: torch.Tensor, out: torch.Tensor | None = None, precise: bool = True
     ) -> torch.Tensor:
-        """x [rows, in] @ W.T (+ bias) -> [rows, out_features] in x's dtype. `out` may be
-        a column slice of a wider tensor (rows apart by its stride). `precise` carries the
-        activations as two int8 parts (about 16 bits; see csrc/quant_matmul.c), else one
-        (llama.cpp's 8). The kernel checks the format, sizes and strides."""
+        """x [rows, in] @ W.T (+ bias) -> [rows, out_features] in x's dtype (float64 when
+        `partial`). `out` may be a column slice of a wider tensor (rows apart by its
+        stride). `precise` carries the activations as two int8 parts (about 16 bits; see
+        csrc/quant_matmul.c), else one (llama.cpp's 8). The kernel checks the format,
+        sizes, span and strides."""
         if not quant_takes(x):
             raise ValueError("x must be [rows, in] float32 or bfloat16 on the CPU, rows contiguous")
         if x.shape[1] != self.in_features:
             raise ValueError(f"x has {x.shape[1]} features, the weight takes {self.in_features}")
         rows, n = x.shape[0], self.out_features
+        out_dtype = torch.float64 if self.partial else x.dtype
         if out is not None and (
-            out.shape != (rows, n) or out.dtype != x.dtype or out.stride(1) != 1
+            out.shape != (rows, n) or out.dtype != out_dtype or out.stride(1) != 1
         ):
-            raise ValueError(f"out must be [{rows}, {n}] of x's dtype, rows contiguous")
+            raise ValueError(f"out must be [{rows}, {n}] {out_dtype}, rows contiguous")
         if rows >= GEMM_ROWS and x.dtype == torch.float32:
             return self._by_gemm(x, out)
         if out is None:
-            out = torch.empty(rows, n, dtype=x.dtype)
+            out = torch.empty(rows, n, dtype=out_dtype)
         _cpu_kernels.quant_matmul(
             x.data_ptr(),
             self.blocks.data_ptr(),
@@ -406,22 +448,35 @@ class QuantMatrix:
             self.blocks.shape[1],
             x.stride(0),
             out.stride(0),
+            self.span,
             self.format_id,
             _DTYPES[x.dtype],
+            _OUT_DTYPES[out_dtype],
             _threads(),
             int(precise),
         )
         return out
 
     def _by_gemm(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """The product as torch's float32 GEMM with the weight dequantized for it."""
+        """The product as torch's float32 GEMM with the weight dequantized for it, a GEMM
+        a span (each span's inputs contiguous, as a shard's are)."""
         every_row = torch.arange(self.out_features)
         weight = quant_rows(self.blocks, self.format_id, self.in_features, every_row)
-        if self.bias is None:
-            result = torch.mm(x, weight.t())
-        else:
-            result = torch.addmm(self.bias, x, weight.t())
-        return result if out is None else out.copy_(result)
+        if self.span == self.in_features and not self.partial:
+            if self.bias is None:
+                result = torch.mm(x, weight.t())
+            else:
+                result = torch.addmm(self.bias, x, weight.t())
+            return result if out is None else out.copy_(result)
+        total = torch.zeros(x.shape[0], self.out_features, dtype=torch.float64)
+        for start in range(0, self.in_features, self.span):
+            part = slice(start, start + self.span)
+            total += torch.mm(x[:, part].contiguous(), weight[:, part].contiguous().t())
+        if not self.partial:
+            total = total.float()
+            if self.bias is not None:
+                total += self.bias
+        return total if out is None else out.copy_(total)
 
 
 def quant_matmul(
@@ -432,9 +487,11 @@ def quant_matmul(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     precise: bool = True,
+    span: int | None = None,
+    partial: bool = False,
 ) -> torch.Tensor:
     """One product by a weight not kept (QuantMatrix's __init__ and __call__ in one)."""
-    return QuantMatrix(blocks, format_id, in_features, bias)(x, out, precise)
+    return QuantMatrix(blocks, format_id, in_features, bias, span, partial)(x, out, precise)
 
 
 def quant_rows(
@@ -466,6 +523,9 @@ def quant_rows(
     return out
 
 
+LAYER_FIELDS = 26  # kernels.h's DECODE_LAYER_FIELDS
+
+
 @dataclass
 class StepShape:
     """The sizes of a model that decode_step() runs: per layer `heads` query heads and
@@ -495,7 +555,7 @@ def decode_step(
 ) -> torch.Tensor:
     """A decode step's decoder layers and final norm in one call (csrc/decode_step.c):
     residual [n, hidden] (the embeddings; left holding the residual stream) -> the final
-    norm [n, hidden]. `layers` [num_layers, 22] int64 addresses and sizes of each layer's
+    norm [n, hidden]. `layers` [num_layers, 26] int64 addresses and sizes of each layer's
     norms and block-quantized projections (kernels.h says which); cos, sin [n, 1,
     head_dim / 2]; slots [n], tables [n, width], lens [n] int64; kv_cache [layers, 2,
     blocks, block_size, kv_heads, head_dim]. The kernel checks sizes, slots, block ids
@@ -503,8 +563,13 @@ def decode_step(
     dtype, n = residual.dtype, residual.shape[0]
     if _cpu_kernels is None or dtype not in _DTYPES or residual.device.type != "cpu":
         raise ValueError("the decode step runs float32 or bfloat16 CPU tensors, compiled")
-    if layers.dtype != torch.int64 or layers.dim() != 2 or not layers.is_contiguous():
-        raise ValueError("layers must be a contiguous [layers, 22] int64 tensor")
+    if (
+        layers.dtype != torch.int64
+        or layers.dim() != 2
+        or not layers.is_contiguous()
+        or (layers.shape[1] != LAYER_FIELDS)
+    ):
+        raise ValueError("layers must be a contiguous [layers, 26] int64 tensor")
     if residual.shape != (n, shape.hidden) or final_norm.shape != (shape.hidden,):
         raise ValueError(
             f"residual must be [n, {shape.hidden}] and the final norm [{shape.hidden}]"

@@ -98,5 +98,6 @@ def _fields(layer: torch.nn.Module) -> list[int]:
     for linear in projections(layer).values():  # kernels.h's order: q/k/v, o, gate/up, down
         part = linear.parts[0]
         bias = 0 if linear.bias is None else linear.bias.data_ptr()
-        row += [part.blocks.data_ptr(), bias, part.rows, part.blocks.shape[1], part.format.ggml_id]
+        row += [part.blocks.data_ptr(), bias, part.rows, part.blocks.shape[1]]
+        row += [part.format.ggml_id, linear.span]
     return row

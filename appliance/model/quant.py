@@ -111,39 +111,57 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight | None:
     return QuantWeight(parts[0].format, blocks, parts[0].in_features, True)
 
 
-def _matrices(parts: list[QuantWeight], bias: torch.Tensor | None) -> list[QuantMatrix]:
+def _matrices(
+    parts: list[QuantWeight], bias: torch.Tensor | None, span: int | None, partial: bool
+) -> list[QuantMatrix]:
     """The parts (with their columns of `bias`) as the kernels' checked weights."""
     out, start = [], 0
     for part in parts:
         stop = start + part.rows
         bias_part = None if bias is None else bias[start:stop]
-        out.append(QuantMatrix(part.blocks, part.format.ggml_id, part.in_features, bias_part))
+        format_id = part.format.ggml_id
+        out.append(QuantMatrix(part.blocks, format_id, part.in_features, bias_part, span, partial))
         start = stop
     return out
 
 
 class QuantLinear(nn.Module):
     """A projection whose output columns come from one or more block-quantized weights (a
-    fused projection whose parts the file stores in different formats keeps them apart)."""
+    fused projection whose parts the file stores in different formats keeps them apart).
 
-    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None) -> None:
+    `span` and `partial` as QuantMatrix takes them: a row-parallel projection sums its
+    inputs a tensor-parallel unit at a time (`span`), and a shard of one returns float64
+    partial sums for its group's all-reduce (`partial`)."""
+
+    def __init__(
+        self,
+        parts: list[QuantWeight],
+        bias: torch.Tensor | None,
+        span: int | None = None,
+        partial: bool = False,
+    ) -> None:
         super().__init__()
         fused = concat_rows(parts)
         self.parts = [fused] if fused is not None else [p.owned() for p in parts]
         self.in_features = parts[0].in_features
         self.out_features = sum(p.rows for p in parts)
         self.bias = None if bias is None else bias.float().contiguous()
-        self._matrices = _matrices(self.parts, self.bias)  # checked once, not every product
+        self.span = self.in_features if span is None else span
+        self.partial = partial
+        # checked once, not every product
+        self._matrices = _matrices(self.parts, self.bias, self.span, partial)
         # Activations as two int8 parts (about 16 bits) rather than llama.cpp's one: the
         # 8-bit form changed SmolLM2's answers (benchmarks/quant_accuracy.py) for 10-15%
         # less kernel time.
         self.precise = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[rows, in] -> [rows, out] in x's dtype (float32 or bfloat16 CPU rows)."""
+        """[rows, in] -> [rows, out] in x's dtype (float32 or bfloat16 CPU rows; float64
+        when `partial`)."""
         if len(self._matrices) == 1:
             return self._matrices[0](x, None, self.precise)
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        out_dtype = torch.float64 if self.partial else x.dtype
+        out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
         start = 0
         for matrix in self._matrices:
             stop = start + matrix.out_features
@@ -245,13 +263,19 @@ def quantize_weights(
 
 
 def attach_quant(
-    model: nn.Module, quant: dict[str, QuantWeight], dense: dict[str, torch.Tensor]
+    model: nn.Module,
+    quant: dict[str, QuantWeight],
+    dense: dict[str, torch.Tensor],
+    spans: dict[str, int] | None = None,
 ) -> set[str]:
     """Give every projection of `model` (a CausalLM) whose parts are all in `quant` a
     QuantLinear (its biases from `dense`, this shard's), and the embedding and LM head
     theirs when quantized; returns the Hugging Face names now served, which the dense
-    load must skip."""
+    load must skip. `spans`: the row-parallel projections' (by _FUSED name; see
+    tensor_parallel.row_parallel_spans), which a shard of a group of several returns as
+    float64 partial sums."""
     served: set[str] = set()
+    spans = spans or {}
     for index, layer in enumerate(model.layers):
         for fused, parts in _FUSED.items():
             names = [f"model.layers.{index}.{p}.weight" for p in parts]
@@ -260,8 +284,11 @@ def attach_quant(
             bias_names = [n.removesuffix("weight") + "bias" for n in names]
             biases = [dense[b] for b in bias_names if b in dense]
             bias = torch.cat(biases) if len(biases) == len(names) else None
+            weights = [quant[n] for n in names]
+            span = _span_for(weights[0], spans.get(fused))
+            partial = fused in spans and model.shard.size > 1
             owner, attr = fused.split(".")
-            setattr(getattr(layer, owner), attr, QuantLinear([quant[n] for n in names], bias))
+            setattr(getattr(layer, owner), attr, QuantLinear(weights, bias, span, partial))
             served |= set(names) | ({*bias_names} if bias is not None else set())
     owned = {n: quant[n].owned() for n in (EMBEDDING, "lm_head.weight") if n in quant}
     if EMBEDDING in owned:
@@ -272,3 +299,10 @@ def attach_quant(
         model.lm_head = QuantLinear([owned[head]], None)  # tied: the same blocks, no copy
         served.add(head)
     return served
+
+
+def _span_for(weight: QuantWeight, span: int | None) -> int | None:
+    """`span` where the weight's blocks tile it (None, the whole row, elsewhere: a K-quant
+    weight cannot be split on a span of 32-value blocks anyway)."""
+    fits = span is not None and span % weight.format.values == 0
+    return span if fits and weight.in_features % span == 0 else None

@@ -12,7 +12,8 @@ The planning here is pure (no process group), so it is tested on plain data.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -87,8 +88,39 @@ def shard_plan(config: ModelConfig, shard: Shard) -> ShardPlan:
     kv = kv_head_ranges(config.num_kv_heads, shard.size)[shard.rank]
     group = config.num_heads // config.num_kv_heads  # query heads per KV head
     q = range(kv.start * group, kv.stop * group)
-    mlp = split_evenly(config.intermediate_size, shard.size)[shard.rank]
-    return ShardPlan(q, kv, mlp)
+    unit = mlp_unit(config)
+    units = split_evenly(config.intermediate_size // unit, shard.size)[shard.rank]
+    return ShardPlan(q, kv, range(units.start * unit, units.stop * unit))
+
+
+def mlp_unit(config: ModelConfig) -> int:
+    """The MLP columns a shard takes whole: 256 (a K-quant block, eight 32-value ones)
+    where the MLP's width is a multiple of it, else 32, else 1; so a quantized down
+    projection splits on block edges."""
+    width = config.intermediate_size
+    return next(unit for unit in (256, 32, 1) if width % unit == 0)
+
+
+def row_parallel_spans(config: ModelConfig, degrees: Iterable[int]) -> dict[str, int]:
+    """The spans (cpu_kernels.QuantMatrix's) of the row-parallel projections, by their names
+    in the layer, for an appliance whose groups have `degrees`: the widest inputs every
+    split of those degrees falls between. A quantized product sums each span on its own,
+    so a shard's partial sums are exactly what one process sums, and a group answers as
+    one process does. Empty where no degree splits the model: a product then sums its
+    whole row, as fast as it can (a span's sum costs a batch-1 step about 10%)."""
+    splits = sorted({d for d in degrees if d > 1})
+    if not splits:
+        return {}
+    group = config.num_heads // config.num_kv_heads
+    width = group * config.head_dim  # o_proj inputs per KV head
+    heads = [r.start * width for d in splits for r in kv_head_ranges(config.num_kv_heads, d)]
+    columns = [
+        shard_plan(config, Shard(rank, d)).mlp_columns.start for d in splits for rank in range(d)
+    ]
+    return {
+        "self_attn.o_proj": math.gcd(config.num_heads * config.head_dim, *heads),
+        "mlp.down_proj": math.gcd(config.intermediate_size, *columns),
+    }
 
 
 def _spans(config: ModelConfig, shard: Shard) -> tuple[dict[str, slice], dict[str, slice]]:

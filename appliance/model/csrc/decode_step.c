@@ -4,7 +4,6 @@
  * the KV store, decode attention, o, add + RMSNorm, gate/up, SiLU * up, down; then the
  * final add + RMSNorm. At batch 1 a step's kernels take a few milliseconds, and the ~15
  * Python-level calls a layer made took almost as long again. */
-#include <math.h>
 #include <stdlib.h>
 
 #include "kernels.h"
@@ -12,7 +11,7 @@
 
 /* The fields of one layer in DecodeStep.layers, in order. */
 enum { INPUT_NORM, POST_NORM, PROJECTIONS };
-enum { P_WEIGHTS, P_BIAS, P_ROWS, P_ROW_BYTES, P_FORMAT, P_FIELDS };
+enum { P_WEIGHTS, P_BIAS, P_ROWS, P_ROW_BYTES, P_FORMAT, P_SPAN, P_FIELDS };
 enum { QKV, O, GATE_UP, DOWN };
 
 static const int64_t *projection(const DecodeStep *p, long layer, int which) {
@@ -34,8 +33,10 @@ static QuantMatmul product(const DecodeStep *p, long layer, int which, const voi
                          .row_bytes = f[P_ROW_BYTES],
                          .x_row_stride = x_stride,
                          .out_row_stride = f[P_ROWS],
+                         .span = f[P_SPAN],
                          .format = (int)f[P_FORMAT],
                          .dtype = p->dtype,
+                         .out_dtype = p->dtype,
                          .threads = p->threads,
                          .precise = p->precise};
 }
@@ -75,6 +76,11 @@ static PagedDecode attention(const DecodeStep *p, long layer, const void *qkv, v
                          .scale = p->scale, .dtype = p->dtype, .threads = p->threads};
 }
 
+static SiluMul silu(const DecodeStep *p, void *gate_up) {
+    return (SiluMul){.gate_up = gate_up, .rows = p->n, .intermediate = p->intermediate,
+                     .dtype = p->dtype, .threads = p->threads};
+}
+
 const char *decode_step_check(const DecodeStep *p) {
     if (p->n < 1 || p->num_layers < 1) return "no rows or no layers";
     if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";
@@ -85,6 +91,8 @@ const char *decode_step_check(const DecodeStep *p) {
     if ((problem = rope_store_check(&r)) != NULL) return problem;
     PagedDecode a = attention(p, 0, NULL, NULL);
     if ((problem = paged_decode_check(&a)) != NULL) return problem;
+    SiluMul act = silu(p, NULL);
+    if ((problem = silu_mul_check(&act)) != NULL) return problem;
     const long in[] = {p->hidden, p->heads * p->head_dim, p->hidden, p->intermediate};
     const long rows[] = {qkv_rows(p), p->hidden, 2 * p->intermediate, p->hidden};
     for (long layer = 0; layer < p->num_layers; layer++) {
@@ -98,26 +106,6 @@ const char *decode_step_check(const DecodeStep *p) {
             return "a layer has no norm weights";
     }
     return NULL;
-}
-
-/* gate_up [n, 2 * inter]: its first half becomes silu(gate) * up, rounded as torch's
- * in-place silu_ then mul_ round (bfloat16: twice). */
-static void silu_mul(const DecodeStep *p, void *gate_up) {
-    const long inter = p->intermediate;
-    for (long r = 0; r < p->n; r++) {
-        for (long j = 0; j < inter; j++) {
-            long at = r * 2 * inter + j;
-            if (p->dtype == F32) {
-                float *row = gate_up;
-                float g = row[at];
-                row[at] = g / (1.0f + expf(-g)) * row[at + inter];
-            } else {
-                uint16_t *row = gate_up;
-                float g = bf16_value(row[at]), up = bf16_value(row[at + inter]);
-                row[at] = bf16_bits(bf16_value(bf16_bits(g / (1.0f + expf(-g)))) * up);
-            }
-        }
-    }
 }
 
 int decode_step_run(const DecodeStep *p) {
@@ -144,7 +132,8 @@ int decode_step_run(const DecodeStep *p) {
         add_rms_norm_run(&second);
         m = product(p, layer, GATE_UP, h, p->hidden, p->hidden, gate_up);
         status |= quant_matmul_run(&m);
-        silu_mul(p, gate_up);
+        SiluMul act = silu(p, gate_up);
+        silu_mul_run(&act);
         m = product(p, layer, DOWN, gate_up, inter, 2 * inter, delta);
         status |= quant_matmul_run(&m);
     }

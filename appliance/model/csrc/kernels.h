@@ -55,6 +55,17 @@ typedef struct {
 const char *rope_store_check(const RopeStore *p);
 void rope_store_run(const RopeStore *p);
 
+/* gate_up [rows, 2 * intermediate] (contiguous, `dtype`): its first half becomes
+ * silu(first half) * second half (silu_mul.c). */
+typedef struct {
+    void *gate_up;
+    long rows, intermediate;
+    int dtype, threads;
+} SiluMul;
+
+const char *silu_mul_check(const SiluMul *p);
+void silu_mul_run(const SiluMul *p);
+
 /* Weight formats, numbered as GGML numbers them (quant_matmul.c). */
 enum { QUANT_Q4_0 = 2, QUANT_Q4_1 = 3, QUANT_Q8_0 = 8, QUANT_Q4_K = 12, QUANT_Q5_K = 13,
        QUANT_Q6_K = 14 };
@@ -62,15 +73,20 @@ enum { QUANT_Q4_0 = 2, QUANT_Q4_1 = 3, QUANT_Q8_0 = 8, QUANT_Q4_K = 12, QUANT_Q5
 /* out[:, :n] = x @ W.T (+ bias) with W [n, k] in a block format, `row_bytes` per row:
  *   x    [m, k] float32 or bfloat16 (`dtype`), rows `x_row_stride` elements apart
  *   bias [n] float32, or NULL
- *   out  [m, n] of x's dtype, rows `out_row_stride` elements apart
- * precise: activations as two int8 parts (about 16 bits) instead of one. */
+ *   out  [m, n] of `out_dtype` (x's, or F64), rows `out_row_stride` elements apart
+ * precise: activations as two int8 parts (about 16 bits) instead of one.
+ * span: each output is summed in float32 over `span` inputs at a time (a multiple of the
+ * format's block size dividing k), and those sums in float64: a row-parallel shard whose
+ * inputs are whole spans then computes the same float64 partial sums as the whole
+ * product, so its group's all-reduce (of F64 `out`s) rounds to the whole product's
+ * float32 result. */
 typedef struct {
     const void *x;
     const uint8_t *w;
     const float *bias;
     void *out;
-    long m, n, k, row_bytes, x_row_stride, out_row_stride;
-    int format, dtype, threads, precise;
+    long m, n, k, row_bytes, x_row_stride, out_row_stride, span;
+    int format, dtype, out_dtype, threads, precise;
 } QuantMatmul;
 
 const char *quant_matmul_check(const QuantMatmul *p);
@@ -89,15 +105,15 @@ typedef struct {
 const char *quant_rows_check(const QuantRows *p);
 int quant_rows_run(const QuantRows *p);
 
-/* A decode step's decoder layers (decode_step.c): `layers` [num_layers, 22] int64, per
+/* A decode step's decoder layers (decode_step.c): `layers` [num_layers, 26] int64, per
  * layer the addresses of its input and post-attention norm weights [hidden], then for each
  * of its q/k/v, o, gate/up and down projections (block-quantized, as QuantMatmul takes
- * them) the weights' address, the float32 bias's (or 0), its output rows, bytes per row
- * and format. residual [n, hidden] holds the embeddings and is left holding the residual
+ * them) the weights' address, the float32 bias's (or 0), its output rows, bytes per row,
+ * format and span. residual [n, hidden] holds the embeddings and is left holding the residual
  * stream; out [n, hidden] gets its final norm. cos, sin [n, head_dim / 2]; slots [n];
  * tables [n, table_width], lens [n] as PagedDecode's; kv [layers, 2, blocks, block_size,
  * kv_heads, head_dim]. All contiguous, of `dtype`. */
-#define DECODE_LAYER_FIELDS 22
+#define DECODE_LAYER_FIELDS 26
 typedef struct {
     const int64_t *layers;
     long num_layers;

@@ -80,13 +80,32 @@ static PyObject *rope_store(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *silu_mul(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long gate_up;
+    SiluMul p;
+    if (!PyArg_ParseTuple(args, "Kllii", &gate_up, &p.rows, &p.intermediate, &p.dtype,
+                          &p.threads))
+        return NULL;
+    p.gate_up = (void *)(uintptr_t)gate_up;
+    const char *problem = silu_mul_check(&p);
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    silu_mul_run(&p);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *quant_matmul(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, w, bias, out;
     QuantMatmul p;
-    if (!PyArg_ParseTuple(args, "KKKKlllllliiii", &x, &w, &bias, &out, &p.m, &p.n, &p.k,
-                          &p.row_bytes, &p.x_row_stride, &p.out_row_stride, &p.format,
-                          &p.dtype, &p.threads, &p.precise))
+    if (!PyArg_ParseTuple(args, "KKKKllllllliiiii", &x, &w, &bias, &out, &p.m, &p.n, &p.k,
+                          &p.row_bytes, &p.x_row_stride, &p.out_row_stride, &p.span,
+                          &p.format, &p.dtype, &p.out_dtype, &p.threads, &p.precise))
         return NULL;
     p.x = (const void *)(uintptr_t)x;
     p.w = (const uint8_t *)(uintptr_t)w;
@@ -211,9 +230,11 @@ static PyMethodDef methods[] = {
     {"rope_store", rope_store, METH_VARARGS,
      "rope_store(qkv, cos, sin, slots, k, v, tokens, heads, kv_heads, head_dim, cache_slots, "
      "dtype, threads)"},
+    {"silu_mul", silu_mul, METH_VARARGS,
+     "silu_mul(gate_up, rows, intermediate, dtype, threads)"},
     {"quant_matmul", quant_matmul, METH_VARARGS,
      "quant_matmul(x, w, bias or 0, out, m, n, k, row_bytes, x_row_stride, out_row_stride, "
-     "format, dtype, threads, precise)"},
+     "span, format, dtype, out_dtype, threads, precise)"},
     {"quant_rows", quant_rows, METH_VARARGS,
      "quant_rows(w, rows, out, count, total_rows, k, row_bytes, format, dtype, threads)"},
     {"decode_step", decode_step, METH_VARARGS,
@@ -226,7 +247,7 @@ static PyMethodDef methods[] = {
 
 /* Bumped whenever an entry point's arguments change: cpu_kernels.py refuses a module
  * built from older sources (an editable install not re-run after a pull). */
-#define ABI 6
+#define ABI 7
 
 /* setup.py builds this file once per instruction-set level: KERNELS_LEVEL names it
  * (generic, avx2, avx512), and the module is _cpu_kernels_<level>. */

@@ -15,33 +15,12 @@
 #define PARALLEL_WORK 1024 /* (token, KV head) rows to read before using more threads */
 #define MAX_GROUP 64       /* query heads per KV head: their rows live on the stack */
 
-/* e^x for x <= 0 (softmax scores less their maximum), about 1 ulp: e^x = 2^n e^r with n
- * rounded to nearest, |r| <= ln2 / 2, and Cephes' polynomial for e^r. A loop of these
- * vectorizes, libm's expf does not. Below -87 it gives ~1e-38 instead of less. */
-INLINE float exp_nonpositive(float x) {
-    const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    x = x < -87.0f ? -87.0f : x;
-    float n = (x * 1.44269504088896341f + round) - round;
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
 /* Softmax of each of `rows` rows of `len` scores, in place. */
 static void softmax_rows(float *scores, long rows, long len) {
     for (long r = 0; r < rows; r++) {
         float *s = scores + r * len, top = -INFINITY, total = 0;
         for (long t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
-        for (long t = 0; t < len; t++) s[t] = exp_nonpositive(s[t] - top);
+        for (long t = 0; t < len; t++) s[t] = exp_approx(s[t] - top);
         for (long t = 0; t < len; t++) total += s[t];
         float inverse = 1.0f / total;
         for (long t = 0; t < len; t++) s[t] *= inverse;

@@ -387,6 +387,13 @@ INLINE void pair_dot(const int format, const int rows, const int precise, const 
 #endif
 
 #if defined(__AVX2__)
+/* Which block of a chunk's first `count` stands in for its block j: j itself, or for a
+ * block past them (past the span or the row, perhaps past the weights) the last one, so
+ * every read stays in the weights and the chunk's loops keep a fixed length. What those
+ * stand-ins multiply adds nothing: their scales are zeroed (chunk_scales()), and the
+ * activations they meet are a span's zero padding. */
+INLINE long real_block(long j, int count) { return j < count ? j : count - 1; }
+
 /* The weight scales of groups g..g+7 of a row and the offsets (weight = scale * value +
  * offset) that go with them; from group `count` on, zeros. The eight blocks' leading
  * four bytes (d, and m for Q4_1) are read one by one into a vector: a gather instruction
@@ -397,12 +404,14 @@ INLINE void chunk_scales(const int format, const uint8_t *w, long g, int count, 
                          __m256 *offset) {
     const int bytes = block32_bytes(format);
     const uint8_t *b = w + g * bytes;
-    uint32_t head[CHUNK];
-    for (int j = 0; j < CHUNK; j++) {
-        head[j] = 0;
-        if (j < count) memcpy(&head[j], b + j * bytes, 4);
-    }
-    __m256i raw = _mm256_loadu_si256((const __m256i *)head);
+    int32_t head[CHUNK];
+    for (int j = 0; j < CHUNK; j++) memcpy(&head[j], b + real_block(j, count) * bytes, 4);
+    /* built in registers, the stand-ins' lanes zeroed by a compare: eight small stores
+     * read back as one vector would stall on store forwarding */
+    __m256i raw = _mm256_setr_epi32(head[0], head[1], head[2], head[3], head[4], head[5],
+                                    head[6], head[7]);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    raw = _mm256_and_si256(raw, _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
 #if defined(__AVX512F__)
     __m128i low = _mm256_cvtepi32_epi16(raw);
     __m128i high = _mm256_cvtepi32_epi16(_mm256_srli_epi32(raw, 16));
@@ -427,25 +436,25 @@ INLINE void chunk_scales(const int format, const uint8_t *w, long g, int count, 
 #endif
 
 #if defined(__AVX512F__)
-/* The packed nibbles of groups g..g+3 (those below `count`, zeros after), a group per
- * 128-bit lane. */
+/* The packed nibbles of groups g..g+3 (stand-ins from `count` on: see real_block()), a
+ * group per 128-bit lane. */
 INLINE __m512i nibble_set(const int bytes, const uint8_t *w, long g, int count) {
     const uint8_t *b = w + g * bytes + bytes - 16;
     __m128i part[SET];
     for (int j = 0; j < SET; j++)
-        part[j] = j < count ? _mm_loadu_si128((const __m128i *)(b + j * bytes))
-                            : _mm_setzero_si128();
+        part[j] = _mm_loadu_si128((const __m128i *)(b + real_block(j, count) * bytes));
     __m512i v = _mm512_castsi128_si512(part[0]);
     v = _mm512_inserti32x4(v, part[1], 1);
     v = _mm512_inserti32x4(v, part[2], 2);
     return _mm512_inserti32x4(v, part[3], 3);
 }
 
-/* Q8_0 groups g and g + 1 (those below `count`) as unsigned bytes, a group per half. */
+/* Q8_0 groups g and g + 1 (stand-ins from `count` on) as unsigned bytes, a group per
+ * half. */
 INLINE __m512i q8_pair(const uint8_t *w, long g, int count) {
     const uint8_t *b = w + g * 34 + 2;
-    __m256i lo = count > 0 ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
-    __m256i hi = count > 1 ? _mm256_loadu_si256((const __m256i *)(b + 34)) : _mm256_setzero_si256();
+    __m256i lo = _mm256_loadu_si256((const __m256i *)(b + real_block(0, count) * 34));
+    __m256i hi = _mm256_loadu_si256((const __m256i *)(b + real_block(1, count) * 34));
     __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
 }
@@ -469,7 +478,7 @@ INLINE void block_chunk(const int format, const int rows, const int precise, con
     const long stride = a->groups * GROUP;
     const int q4 = format != QUANT_Q8_0;
     const int per = q4 ? SET : 2, span = per * GROUP; /* groups, activation bytes a register */
-    const int regs = (count + per - 1) / per;         /* fewer in the last chunk of a row */
+    const int regs = CHUNK / per; /* a fixed count, so one[] and other[] stay in registers */
     __m512i one[4], other[4];
     for (int p = 0; p < regs; p++) {
         if (q4) {
@@ -506,25 +515,37 @@ INLINE void block_chunk(const int format, const int rows, const int precise, con
 }
 
 /* out[i] = weight row `w` . activation row first + i (i < rows), for the formats of one
- * scale per 32 values: a chunk of 8 groups a pass, their scales in one vector; every row
- * summed in the same order whatever `rows` is. */
+ * scale per 32 values, span by span (`a`: one Acts a span): a chunk of 8 groups a pass,
+ * their scales in one vector; each span's float32 lanes are added into float64 ones, so
+ * the spans' sums meet exactly (see QuantMatmul.span). Every row is summed in the same
+ * order whatever `rows` is. */
 INLINE void block_tile(const int format, const int rows, const int precise, const uint8_t *w,
-                       const Acts *a, long first, long k, float *out) {
-    const long groups = k / GROUP;
-    __m512 acc[TILE][2];
-    __m256 offset_acc[TILE];
-    for (int i = 0; i < rows; i++) {
-        acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-        offset_acc[i] = _mm256_setzero_ps();
+                       const Acts *a, long spans, long span, long first, double *out) {
+    const long groups = span / GROUP, span_bytes = groups * block32_bytes(format);
+    __m512d total[TILE];
+    for (int i = 0; i < rows; i++) total[i] = _mm512_setzero_pd();
+    for (long s = 0; s < spans; s++) {
+        const uint8_t *ws = w + s * span_bytes;
+        __m512 acc[TILE][2];
+        __m256 offset_acc[TILE];
+        for (int i = 0; i < rows; i++) {
+            acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            offset_acc[i] = _mm256_setzero_ps();
+        }
+        long g = 0;
+        for (; g + CHUNK <= groups; g += CHUNK)
+            block_chunk(format, rows, precise, ws, a + s, first, g, CHUNK, acc, offset_acc);
+        if (g < groups)
+            block_chunk(format, rows, precise, ws, a + s, first, g, (int)(groups - g), acc,
+                        offset_acc);
+        for (int i = 0; i < rows; i++) {
+            __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]),
+                                       _mm512_zextps256_ps512(offset_acc[i]));
+            total[i] = _mm512_add_pd(total[i], _mm512_cvtps_pd(_mm512_castps512_ps256(sum)));
+            total[i] = _mm512_add_pd(total[i], _mm512_cvtps_pd(_mm512_extractf32x8_ps(sum, 1)));
+        }
     }
-    long g = 0;
-    for (; g + CHUNK <= groups; g += CHUNK)
-        block_chunk(format, rows, precise, w, a, first, g, CHUNK, acc, offset_acc);
-    if (g < groups)
-        block_chunk(format, rows, precise, w, a, first, g, (int)(groups - g), acc, offset_acc);
-    for (int i = 0; i < rows; i++)
-        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(
-            _mm512_add_ps(acc[i][0], acc[i][1]), _mm512_zextps256_ps512(offset_acc[i])));
+    for (int i = 0; i < rows; i++) out[i] = _mm512_reduce_add_pd(total[i]);
 }
 #elif defined(__AVX2__)
 /* The AVX2 build's block path: the AVX-512 one's (see there) in 256-bit registers, two
@@ -556,18 +577,19 @@ INLINE void block_chunk(const int format, const int rows, const int precise, con
     const int bytes = block32_bytes(format);
     /* Q8_0: a group a register; Q4: a set of SET groups */
     const int per = format == QUANT_Q8_0 ? 1 : SET;
-    const int regs = (count + per - 1) / per;
+    const int regs = CHUNK / per; /* a fixed count, so one[] and other[] stay in registers */
     __m256i one[CHUNK], other[CHUNK];
     for (int p = 0; p < regs; p++) {
         if (format == QUANT_Q8_0) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(w + (g + p) * bytes + 2));
+            const uint8_t *b = w + (g + real_block(p, count)) * bytes + 2;
+            __m256i v = _mm256_loadu_si256((const __m256i *)b);
             one[p] = _mm256_sign_epi8(v, v);
             other[p] = v;
         } else {
-            const uint8_t *b = w + (g + SET * p) * bytes + bytes - 16;
-            __m128i lo = _mm_loadu_si128((const __m128i *)b);
-            __m128i hi = SET * p + 1 < count ? _mm_loadu_si128((const __m128i *)(b + bytes))
-                                             : _mm_setzero_si128();
+            const uint8_t *b = w + g * bytes + bytes - 16;
+            __m128i lo = _mm_loadu_si128((const __m128i *)(b + real_block(SET * p, count) * bytes));
+            __m128i hi =
+                _mm_loadu_si128((const __m128i *)(b + real_block(SET * p + 1, count) * bytes));
             __m256i packed = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
             const __m256i low4 = _mm256_set1_epi8(0xF);
             one[p] = _mm256_and_si256(packed, low4);
@@ -603,21 +625,32 @@ INLINE void block_chunk(const int format, const int rows, const int precise, con
 }
 
 INLINE void block_tile(const int format, const int rows, const int precise, const uint8_t *w,
-                       const Acts *a, long first, long k, float *out) {
-    const long groups = k / GROUP;
-    __m256 acc[TILE][2];
-    __m256 offset_acc[TILE];
-    for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = offset_acc[i] = _mm256_setzero_ps();
-    long g = 0;
-    for (; g + CHUNK <= groups; g += CHUNK)
-        block_chunk(format, rows, precise, w, a, first, g, CHUNK, acc, offset_acc);
-    if (g < groups)
-        block_chunk(format, rows, precise, w, a, first, g, (int)(groups - g), acc, offset_acc);
+                       const Acts *a, long spans, long span, long first, double *out) {
+    const long groups = span / GROUP, span_bytes = groups * block32_bytes(format);
+    __m256d total[TILE][2];
+    for (int i = 0; i < rows; i++) total[i][0] = total[i][1] = _mm256_setzero_pd();
+    for (long s = 0; s < spans; s++) {
+        const uint8_t *ws = w + s * span_bytes;
+        __m256 acc[TILE][2];
+        __m256 offset_acc[TILE];
+        for (int i = 0; i < rows; i++)
+            acc[i][0] = acc[i][1] = offset_acc[i] = _mm256_setzero_ps();
+        long g = 0;
+        for (; g + CHUNK <= groups; g += CHUNK)
+            block_chunk(format, rows, precise, ws, a + s, first, g, CHUNK, acc, offset_acc);
+        if (g < groups)
+            block_chunk(format, rows, precise, ws, a + s, first, g, (int)(groups - g), acc,
+                        offset_acc);
+        for (int i = 0; i < rows; i++) {
+            __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), offset_acc[i]);
+            total[i][0] = _mm256_add_pd(total[i][0], _mm256_cvtps_pd(_mm256_castps256_ps128(sum)));
+            total[i][1] = _mm256_add_pd(total[i][1], _mm256_cvtps_pd(_mm256_extractf128_ps(sum, 1)));
+        }
+    }
     for (int i = 0; i < rows; i++) {
-        __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), offset_acc[i]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        out[i] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        __m256d t = _mm256_add_pd(total[i][0], total[i][1]);
+        __m128d h = _mm_add_pd(_mm256_castpd256_pd128(t), _mm256_extractf128_pd(t, 1));
+        out[i] = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
     }
 }
 #endif
@@ -627,12 +660,6 @@ INLINE void block_tile(const int format, const int rows, const int precise, cons
  * constants at every call (see tiles()), so each pair gets its own loop. */
 INLINE void dot_tile(const int format, const int rows, const int precise, const uint8_t *w,
                      const Acts *a, long first, long k, float *offsets, float *out) {
-#if defined(__AVX2__)
-    if (block_path(format)) {
-        block_tile(format, rows, precise, w, a, first, k, out);
-        return;
-    }
-#endif
     const long groups = k / GROUP;
     const int is_signed = format == QUANT_Q8_0;
 #if defined(__AVX2__)
@@ -705,14 +732,44 @@ INLINE void dot_tile(const int format, const int rows, const int precise, const 
         out[i] += offset_dot(offsets, a->sums + (first + i) * 2 * a->groups, k / 16);
 }
 
-/* Weight row `c` against activation rows m0..m1, TILE at a time. */
+/* out[i] (i < rows) = weight row `w` . activation row first + i, span by span (`a`: one
+ * Acts a span), each span's float32 sum added in float64. */
+INLINE void span_tile(const int format, const int rows, const int precise, const uint8_t *w,
+                      const Acts *a, long spans, long span, long first, float *offsets,
+                      double *out) {
+#if defined(__AVX2__)
+    if (block_path(format)) {
+        block_tile(format, rows, precise, w, a, spans, span, first, out);
+        return;
+    }
+#endif
+    Format f;
+    format_of(format, &f);
+    const long span_bytes = span / f.values * f.bytes;
+    for (int i = 0; i < rows; i++) out[i] = 0.0;
+    for (long s = 0; s < spans; s++) {
+        float part[TILE];
+        dot_tile(format, rows, precise, w + s * span_bytes, a + s, first, span, offsets, part);
+        for (int i = 0; i < rows; i++) out[i] += part[i];
+    }
+}
+
+/* Weight row `c` against activation rows m0..m1, TILE at a time, span by span (`a`:
+ * one Acts a span). */
 INLINE void tiles(const QuantMatmul *p, const int format, const Acts *a, long c, long m0,
                   long m1, float *offsets);
 
-INLINE void store_out(const QuantMatmul *p, long r, long c, float v) {
-    if (p->bias != NULL) v += p->bias[c];
+/* A float64 partial sum is stored as it is; a whole product's result is rounded to
+ * float32 first, as a shard group's all-reduced partials are. */
+INLINE void store_out(const QuantMatmul *p, long r, long c, double total) {
     long at = r * p->out_row_stride + c;
-    if (p->dtype == F32) {
+    if (p->out_dtype == F64) {
+        ((double *)p->out)[at] = total;
+        return;
+    }
+    float v = (float)total;
+    if (p->bias != NULL) v += p->bias[c];
+    if (p->out_dtype == F32) {
         ((float *)p->out)[at] = v;
         return;
     }
@@ -726,6 +783,10 @@ const char *quant_matmul_check(const QuantMatmul *p) {
     if (p->m < 0 || p->n < 0 || p->k <= 0 || p->k % f.values != 0)
         return "k must be a positive multiple of the format's block size";
     if (p->row_bytes != p->k / f.values * f.bytes) return "row_bytes does not fit k";
+    if (p->span <= 0 || p->span % f.values != 0 || p->k % p->span != 0)
+        return "span must be a multiple of the format's block size that divides k";
+    if (p->out_dtype != p->dtype && p->out_dtype != F64) return "out_dtype is not x's or float64";
+    if (p->out_dtype == F64 && p->bias != NULL) return "float64 partial sums take no bias";
     if (p->x_row_stride < p->k || p->out_row_stride < p->n) return "a row stride is too small";
     if (p->threads < 1) return "threads must be at least 1";
     return NULL;
@@ -733,26 +794,28 @@ const char *quant_matmul_check(const QuantMatmul *p) {
 
 INLINE void tiles(const QuantMatmul *p, const int format, const Acts *a, long c, long m0,
                   long m1, float *offsets) {
+    const long span = p->span, spans = p->k / span;
     const uint8_t *w = p->w + c * p->row_bytes;
-    float out[TILE];
+    const int precise = a->lo != NULL;
     for (long r = m0; r < m1; r += TILE) {
         long rows = m1 - r < TILE ? m1 - r : TILE;
-        const int precise = a->lo != NULL;
+        double total[TILE];
         switch (rows * 2 + precise) {
-        case 9: dot_tile(format, 4, 1, w, a, r, p->k, offsets, out); break;
-        case 8: dot_tile(format, 4, 0, w, a, r, p->k, offsets, out); break;
-        case 7: dot_tile(format, 3, 1, w, a, r, p->k, offsets, out); break;
-        case 6: dot_tile(format, 3, 0, w, a, r, p->k, offsets, out); break;
-        case 5: dot_tile(format, 2, 1, w, a, r, p->k, offsets, out); break;
-        case 4: dot_tile(format, 2, 0, w, a, r, p->k, offsets, out); break;
-        case 3: dot_tile(format, 1, 1, w, a, r, p->k, offsets, out); break;
-        default: dot_tile(format, 1, 0, w, a, r, p->k, offsets, out); break;
+        case 9: span_tile(format, 4, 1, w, a, spans, span, r, offsets, total); break;
+        case 8: span_tile(format, 4, 0, w, a, spans, span, r, offsets, total); break;
+        case 7: span_tile(format, 3, 1, w, a, spans, span, r, offsets, total); break;
+        case 6: span_tile(format, 3, 0, w, a, spans, span, r, offsets, total); break;
+        case 5: span_tile(format, 2, 1, w, a, spans, span, r, offsets, total); break;
+        case 4: span_tile(format, 2, 0, w, a, spans, span, r, offsets, total); break;
+        case 3: span_tile(format, 1, 1, w, a, spans, span, r, offsets, total); break;
+        default: span_tile(format, 1, 0, w, a, spans, span, r, offsets, total); break;
         }
-        for (long i = 0; i < rows; i++) store_out(p, r + i, c, out[i]);
+        for (long i = 0; i < rows; i++) store_out(p, r + i, c, total[i]);
     }
 }
 
-/* Output columns first..last (weight rows) for activation rows m0..m1. */
+/* Output columns first..last (weight rows) for activation rows m0..m1 (`a`: one Acts a
+ * span). */
 static void columns(const QuantMatmul *p, const Acts *a, long first, long last, long m0,
                     long m1, float *offsets) {
     for (long c = first; c < last; c++) {
@@ -768,43 +831,57 @@ static void columns(const QuantMatmul *p, const Acts *a, long first, long last, 
 }
 
 int quant_matmul_run(const QuantMatmul *p) {
-    const long k = p->k, m = p->m, n = p->n;
+    const long m = p->m, n = p->n, span = p->span, spans = p->k / span;
     if (m == 0 || n == 0) return 0;
     const int threads = p->threads;
-    /* Rows padded to whole chunks, zero (calloc): the block path reads whole chunks. */
-    const long groups = (k / GROUP + CHUNK - 1) / CHUNK * CHUNK;
-    const size_t values = (size_t)m * (size_t)groups * GROUP;
+    /* Each span's activations on their own [m, groups * 32], rows padded to whole chunks
+     * with zeros (calloc): the block path reads whole chunks. */
+    const long groups = (span / GROUP + CHUNK - 1) / CHUNK * CHUNK;
+    const size_t values = (size_t)spans * (size_t)m * (size_t)groups * GROUP;
+    const size_t group_count = values / GROUP;
     int8_t *q = calloc(values, 1);
     int8_t *lo = p->precise ? calloc(values, 1) : NULL;
 #if defined(__AVX512F__)
-    float *wide = calloc((size_t)m * (size_t)groups * 8, sizeof(float));
+    float *wide = calloc(group_count * 8, sizeof(float));
 #else
     float *wide = NULL;
 #endif
-    float *scales = calloc((size_t)m * (size_t)groups, sizeof(float));
-    float *gsums = calloc((size_t)m * (size_t)groups, sizeof(float));
-    float *sums = calloc((size_t)m * (size_t)groups * 2, sizeof(float));
-    float *offsets = malloc(sizeof(float) * (size_t)(k / 16) * (size_t)threads);
-    int status = (q && scales && gsums && sums && offsets && (lo || !p->precise)) ? 0 : -1;
+    float *scales = calloc(group_count, sizeof(float));
+    float *gsums = calloc(group_count, sizeof(float));
+    float *sums = calloc(group_count * 2, sizeof(float));
+    float *offsets = malloc(sizeof(float) * (size_t)(span / 16) * (size_t)threads);
+    Acts *acts = malloc(sizeof(Acts) * (size_t)spans);
+    int status = (q && scales && gsums && sums && offsets && acts && (lo || !p->precise)) ? 0 : -1;
 #if defined(__AVX512F__)
     if (wide == NULL) status = -1;
 #endif
     if (status == 0) {
         const int elem = p->dtype == F32 ? 4 : 2;
         const int interleave = block_path(p->format) && p->format != QUANT_Q8_0;
-        const Acts acts = {q, lo, scales, sums, wide, gsums, groups, interleave};
+        for (long s = 0; s < spans; s++) {
+            const size_t at = (size_t)s * (size_t)m * (size_t)groups; /* its first group */
+            acts[s] = (Acts){q + at * GROUP,   lo ? lo + at * GROUP : NULL,
+                             scales + at,      sums + at * 2,
+                             wide ? wide + at * 8 : NULL,
+                             gsums + at,       groups,
+                             interleave};
+        }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m >= 16)
-        for (long r = 0; r < m; r++)
-            quantize_row((const char *)p->x + (size_t)(r * p->x_row_stride) * elem, p->dtype,
-                         k, interleave, q + r * groups * GROUP,
-                         lo ? lo + r * groups * GROUP : NULL, scales + r * groups,
-                         sums + r * groups * 2, wide ? wide + r * groups * 8 : NULL,
-                         gsums + r * groups);
+        for (long r = 0; r < m; r++) {
+            for (long s = 0; s < spans; s++) {
+                const Acts *a = acts + s;
+                const long g = r * groups;
+                quantize_row((const char *)p->x + (size_t)(r * p->x_row_stride + s * span) * elem,
+                             p->dtype, span, interleave, a->q + g * GROUP,
+                             a->lo ? a->lo + g * GROUP : NULL, a->scale + g, a->sums + g * 2,
+                             a->wide ? a->wide + g * 8 : NULL, a->gsums + g);
+            }
+        }
         const long tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
         {
 #if defined(_OPENMP)
-            float *mine = offsets + (size_t)(k / 16) * (size_t)omp_get_thread_num();
+            float *mine = offsets + (size_t)(span / 16) * (size_t)omp_get_thread_num();
 #else
             float *mine = offsets;
 #endif
@@ -813,7 +890,7 @@ int quant_matmul_run(const QuantMatmul *p) {
 #pragma omp for schedule(static)
                 for (long t = 0; t < tasks; t++) {
                     long last = (t + 1) * ROWS_PER_TASK < n ? (t + 1) * ROWS_PER_TASK : n;
-                    columns(p, &acts, t * ROWS_PER_TASK, last, m0, m1, mine);
+                    columns(p, acts, t * ROWS_PER_TASK, last, m0, m1, mine);
                 }
             }
         }
@@ -825,6 +902,7 @@ int quant_matmul_run(const QuantMatmul *p) {
     free(gsums);
     free(sums);
     free(offsets);
+    free(acts);
     return status;
 }
 

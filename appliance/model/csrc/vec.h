@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1 }; /* element types, as cpu_kernels.py numbers them */
+enum { F32 = 0, BF16 = 1, F64 = 2 }; /* element types, as cpu_kernels.py numbers them */
 #define LANES 16            /* floats per vector: one AVX-512 register, two AVX2 ones */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -75,6 +75,27 @@ INLINE void store(void *base, int dtype, long offset, vec v) {
     memcpy(&bits, &rounded, sizeof bits);
     vec_u16 half = __builtin_convertvector(bits >> 16, vec_u16);
     memcpy((uint16_t *)base + offset, &half, sizeof half);
+}
+
+/* e^x, about 1 ulp: e^x = 2^n e^r with n rounded to nearest, |r| <= ln2 / 2, and Cephes'
+ * polynomial for e^r. A loop of these vectorizes, libm's expf does not. Below -87 it
+ * gives ~1e-38 instead of less (a softmax's far scores); from about 88.4 infinity. */
+INLINE float exp_approx(float x) {
+    const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    x = x < -87.0f ? -87.0f : x > 89.0f ? 89.0f : x; /* 89: n = 128, 2^n infinite */
+    float n = (x * 1.44269504088896341f + round) - round;
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
 }
 
 /* The sum of a vector's lanes, folded in halves. */
