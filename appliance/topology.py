@@ -4,8 +4,11 @@ Discovery reads NVIDIA GPUs through NVML (the `pynvml` module of nvidia-ml-py, p
 an argument so tests can hand in a fake) or, without GPUs, splits the usable CPU cores into
 CPU devices. Partitioning is pure: it only looks at a `Topology`.
 
-GPU indices are NVML's, which enumerate in PCI bus order; CUDA numbers GPUs the same way
-only under `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so launchers should set that for their workers.
+A GPU device sits at its position in `Topology.devices` (the number pools, settings and the
+console use) and carries the torch ordinal its worker passes to `torch.cuda.set_device`.
+Discovery maps NVML's GPUs to those ordinals the way CUDA numbers them under
+`CUDA_DEVICE_ORDER=PCI_BUS_ID` (which workers set before CUDA starts) and the process's
+`CUDA_VISIBLE_DEVICES`; NVML's own index stays on the device for its statistics.
 """
 
 from __future__ import annotations
@@ -29,13 +32,31 @@ DECODE_SETTING = "APPLIANCE_DECODE_DEVICES"
 _MAX_CANDIDATES = 10_000
 
 
+# Paths that show NVIDIA hardware or its driver on a host, whatever NVML says.
+NVIDIA_SIGNS = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version")
+
+
+class DeviceError(ValueError):
+    """The box's devices cannot serve as configured; the message says which and why.
+
+    A ValueError, so `appliance serve` prints it as one line and exits (see cli.py)."""
+
+
+class NvmlFailed(DeviceError):
+    """NVML could not be used: no library, no driver, a driver/library mismatch, a lost
+    GPU, no permission."""
+
+
 @dataclass(frozen=True)
 class Device:
     """One worker's device: a GPU, or a set of CPU cores.
 
-    Memory is in bytes. A CPU device reports an even share of the host's RAM, since all
-    CPU workers draw on the same memory. `utilization` is the GPU's busy percentage, None
-    where NVML cannot tell (and for CPU devices).
+    `index` is the device's position in its `Topology`. A GPU device also has `ordinal`,
+    the torch/CUDA device number its worker runs on (two devices may share one GPU), and
+    NVML's `nvml_index` and `uuid` for reading its statistics. Memory is in bytes. A CPU
+    device reports an even share of the host's RAM, since all CPU workers draw on the same
+    memory. `utilization` is the GPU's busy percentage, None where NVML cannot tell (and
+    for CPU devices).
     """
 
     kind: Literal["cuda", "cpu"]
@@ -46,6 +67,49 @@ class Device:
     utilization: int | None = None
     cores: tuple[int, ...] = ()
     pci_bus_id: str | None = None
+    ordinal: int | None = None
+    nvml_index: int | None = None
+    uuid: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "cuda" and (self.ordinal is None or self.ordinal < 0):
+            raise ValueError(
+                f"GPU device {self.index} ({self.name}) needs a torch ordinal >= 0, "
+                f"got {self.ordinal}"
+            )
+
+
+@dataclass(frozen=True)
+class NvmlGpu:
+    """One GPU as NVML lists it: the recorded data the CUDA numbering is worked out from."""
+
+    index: int  # NVML's index, as nvidia-smi shows it
+    pci_bus_id: str  # as `_bus_id` writes it
+    uuid: str  # "GPU-..."
+    name: str
+    mig: bool = False  # MIG mode is on
+    mig_uuids: tuple[str, ...] = ()  # "MIG-..." of its MIG devices
+
+    def describe(self) -> str:
+        return f"GPU {self.index} ({self.name} {self.pci_bus_id})"
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What GPU discovery needs from the host besides NVML (see `read_host`)."""
+
+    cuda_visible_devices: str | None = None  # as this process got it; None when unset
+    nvidia_signs: tuple[str, ...] = ()  # those of NVIDIA_SIGNS that exist
+
+
+@dataclass(frozen=True)
+class TorchFacts:
+    """What the installed torch can do with CUDA (see `read_torch`)."""
+
+    version: str
+    cuda: str | None  # the CUDA version torch was built for; None for a CPU-only build
+    available: bool  # torch.cuda.is_available()
+    device_count: int  # torch.cuda.device_count()
 
 
 @dataclass(frozen=True)
@@ -108,52 +172,101 @@ class Partition:
 # --- discovery -------------------------------------------------------------------------
 
 
-def discover_gpus(nvml: ModuleType | Any) -> Topology | None:
-    """Read the box's GPUs and their links through `nvml` (the pynvml module).
+def discover_gpus(nvml: ModuleType | Any, visible: str | None = None) -> Topology | None:
+    """Read the GPUs a CUDA process with CUDA_VISIBLE_DEVICES=`visible` (None: unset) sees,
+    and their links, through `nvml` (the pynvml module); device i has torch ordinal i.
 
-    Returns None when NVML is unusable (no driver, no library, no GPU) rather than raising,
-    so callers can fall back to the CPU.
+    Returns None when NVML lists no GPU. Raises NvmlFailed when NVML cannot be used, and
+    DeviceError when `visible` hides every GPU or a visible GPU is in MIG mode.
     """
     try:
         nvml.nvmlInit()
-    except nvml.NVMLError:
-        return None
+    except nvml.NVMLError as exc:
+        raise NvmlFailed(f"NVML did not start: {_said(exc)}") from exc
     try:
-        return _read_gpus(nvml)
-    except nvml.NVMLError:
-        return None
+        return _read_gpus(nvml, visible)
+    except nvml.NVMLError as exc:
+        raise NvmlFailed(f"NVML failed reading the GPUs: {_said(exc)}") from exc
     finally:
         with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
 
 
-def _read_gpus(nvml: Any) -> Topology | None:
+def _said(exc: Exception) -> str:
+    # Some NVML messages end in a full stop, which would end our sentence early.
+    return str(exc).rstrip(".")
+
+
+def _read_gpus(nvml: Any, visible: str | None) -> Topology | None:
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
     if not handles:
         return None
-    devices = tuple(_gpu_device(nvml, i, h) for i, h in enumerate(handles))
-    remotes = [_nvlink_remotes(nvml, h) for h in handles]
-    buses = [d.pci_bus_id or "" for d in devices]
-    links = [[Link("none")] * len(handles) for _ in handles]
-    for a, b in combinations(range(len(handles)), 2):
-        nvlinks = _nvlink_count(remotes, buses, a, b)
-        link = _gpu_link(nvml, handles[a], handles[b], nvlinks)
-        links[a][b] = links[b][a] = link
-    return Topology(devices, tuple(tuple(row) for row in links))
+    listed = [_nvml_gpu(nvml, i, h) for i, h in enumerate(handles)]
+    chosen = cuda_order(listed, visible)
+    if not chosen:
+        raise DeviceError(
+            f"CUDA_VISIBLE_DEVICES={visible!r} hides all {len(listed)} GPU(s) NVML lists "
+            f"({_summary(g.name for g in listed)}): unset it to serve on them, or set "
+            "APPLIANCE_DEVICE=cpu to serve on the CPU"
+        )
+    used = [handles[g.index] for g in chosen]
+    devices = tuple(_gpu_device(nvml, i, g, used[i]) for i, g in enumerate(chosen))
+    buses = [g.pci_bus_id for g in chosen]
+    return Topology(devices, _gpu_links(nvml, used, buses, {g.pci_bus_id for g in listed}))
 
 
-def _gpu_device(nvml: Any, index: int, handle: Any) -> Device:
-    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-    name = _text(nvml.nvmlDeviceGetName(handle))
+def _nvml_gpu(nvml: Any, index: int, handle: Any) -> NvmlGpu:
     bus = _bus_id(nvml.nvmlDeviceGetPciInfo(handle))
+    uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+    name = _text(nvml.nvmlDeviceGetName(handle))
+    mig = _mig_enabled(nvml, handle)
+    return NvmlGpu(index, bus, uuid, name, mig, _mig_uuids(nvml, handle) if mig else ())
+
+
+def _mig_enabled(nvml: Any, handle: Any) -> bool:
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except nvml.NVMLError as exc:
+        # A GPU without MIG says NOT_SUPPORTED; a driver older than MIG lacks the call.
+        if exc.value in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+            return False
+        raise
+    return current == nvml.NVML_DEVICE_MIG_ENABLE
+
+
+def _mig_uuids(nvml: Any, handle: Any) -> tuple[str, ...]:
+    """Its MIG devices' uuids, as far as NVML tells: they only let a CUDA_VISIBLE_DEVICES
+    entry name its GPU, which is refused either way."""
+    uuids = []
+    with contextlib.suppress(nvml.NVMLError):
+        for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            with contextlib.suppress(nvml.NVMLError):  # NOT_FOUND: an empty slot
+                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+                uuids.append(_text(nvml.nvmlDeviceGetUUID(mig)))
+    return tuple(uuids)
+
+
+def _gpu_device(nvml: Any, ordinal: int, gpu: NvmlGpu, handle: Any) -> Device:
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
     util = _utilization(nvml, handle)
-    return Device("cuda", index, name, memory.total, memory.free, util, pci_bus_id=bus)
+    return Device(
+        "cuda",
+        ordinal,
+        gpu.name,
+        memory.total,
+        memory.free,
+        util,
+        pci_bus_id=gpu.pci_bus_id,
+        ordinal=ordinal,
+        nvml_index=gpu.index,
+        uuid=gpu.uuid,
+    )
 
 
 def _utilization(nvml: Any, handle: Any) -> int | None:
     try:
         return int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-    except nvml.NVMLError:  # e.g. NOT_SUPPORTED on MIG-enabled GPUs
+    except nvml.NVMLError:  # e.g. NOT_SUPPORTED on some consumer GPUs
         return None
 
 
@@ -168,6 +281,20 @@ def _bus_id(pci: Any) -> str:
     return f"{pci.domain:08x}:{pci.bus:02x}:{pci.device:02x}.0"
 
 
+def _gpu_links(
+    nvml: Any, handles: list[Any], buses: list[str], gpu_buses: set[str]
+) -> tuple[tuple[Link, ...], ...]:
+    """The link matrix of the used GPUs (`handles`, at `buses`); `gpu_buses` holds every
+    GPU NVML lists, hidden ones too, so a link to one of those is not taken for a switch."""
+    remotes = [_nvlink_remotes(nvml, h) for h in handles]
+    links = [[Link("none")] * len(handles) for _ in handles]
+    for a, b in combinations(range(len(handles)), 2):
+        nvlinks = _nvlink_count(remotes, buses, gpu_buses, a, b)
+        link = _gpu_link(nvml, handles[a], handles[b], nvlinks)
+        links[a][b] = links[b][a] = link
+    return tuple(tuple(row) for row in links)
+
+
 def _nvlink_remotes(nvml: Any, handle: Any) -> list[str]:
     """Bus ids at the far end of each active NVLink of one GPU (repeats = parallel links)."""
     remotes = []
@@ -180,7 +307,9 @@ def _nvlink_remotes(nvml: Any, handle: Any) -> list[str]:
     return remotes
 
 
-def _nvlink_count(remotes: list[list[str]], buses: list[str], a: int, b: int) -> int:
+def _nvlink_count(
+    remotes: list[list[str]], buses: list[str], gpu_buses: set[str], a: int, b: int
+) -> int:
     """NVLinks usable between GPUs a and b.
 
     Direct links are counted from both ends (min, so a link down at either end is not
@@ -189,12 +318,12 @@ def _nvlink_count(remotes: list[list[str]], buses: list[str], a: int, b: int) ->
     link count — what `nvidia-smi topo -m` shows as NV18 on an 8xH100 box.
     """
     direct = min(remotes[a].count(buses[b]), remotes[b].count(buses[a]))
-    switched = min(_switch_links(remotes[a], buses), _switch_links(remotes[b], buses))
+    switched = min(_switch_links(remotes[a], gpu_buses), _switch_links(remotes[b], gpu_buses))
     return direct + switched
 
 
-def _switch_links(remotes: list[str], buses: list[str]) -> int:
-    return sum(remote not in buses for remote in remotes)
+def _switch_links(remotes: list[str], gpu_buses: set[str]) -> int:
+    return sum(remote not in gpu_buses for remote in remotes)
 
 
 def _gpu_link(nvml: Any, a: Any, b: Any, nvlinks: int) -> Link:
@@ -211,6 +340,115 @@ def _p2p_read_ok(nvml: Any, a: Any, b: Any) -> bool:
         return nvml.nvmlDeviceGetP2PStatus(a, b, index) == nvml.NVML_P2P_STATUS_OK
     except nvml.NVMLError:
         return False
+
+
+# --- CUDA numbering --------------------------------------------------------------------
+
+
+def cuda_order(gpus: Sequence[NvmlGpu], visible: str | None) -> tuple[NvmlGpu, ...]:
+    """The GPUs a CUDA process sees under CUDA_DEVICE_ORDER=PCI_BUS_ID and
+    CUDA_VISIBLE_DEVICES=`visible` (None: unset), in order: element i is torch's cuda:i.
+
+    Pure: `gpus` is NVML's list, in whatever order NVML gave it. A visible GPU in MIG mode
+    is refused by name (CUDA shows it as its MIG devices, which this appliance does not run
+    on yet); a hidden one is fine.
+    """
+    by_bus = sorted(gpus, key=lambda g: _bus_key(g.pci_bus_id))
+    chosen = tuple(by_bus) if visible is None else _visible_gpus(by_bus, visible)
+    for gpu in chosen:
+        if gpu.mig:
+            raise DeviceError(
+                f"{gpu.describe()} is in MIG mode; MIG instances are not supported yet: "
+                f"disable MIG (nvidia-smi -i {gpu.index} -mig 0) or hide it with "
+                "CUDA_VISIBLE_DEVICES"
+            )
+    return chosen
+
+
+def _bus_key(bus_id: str) -> tuple[int, ...]:
+    domain, bus, rest = bus_id.split(":")
+    device, function = rest.split(".")
+    return tuple(int(part, 16) for part in (domain, bus, device, function))
+
+
+def _visible_gpus(by_bus: Sequence[NvmlGpu], visible: str) -> tuple[NvmlGpu, ...]:
+    """CUDA's reading of CUDA_VISIBLE_DEVICES: comma-separated entries, each an index into
+    the bus order (read like C's strtoul, so '4-7' is 4 and '-1' names nothing), a
+    GPU-UUID or a MIG-UUID (any unique prefix). The first entry that names no device hides
+    itself and everything after it; naming one device twice hides all (as torch.cuda's own
+    model of the variable has it)."""
+    seen: list[str] = []
+    chosen: list[NvmlGpu] = []
+    for entry in visible.split(","):
+        found = _lookup(by_bus, entry.strip())
+        if found is None:
+            break
+        key, gpu = found
+        if key in seen:
+            return ()
+        seen.append(key)
+        chosen.append(gpu)
+    return tuple(chosen)
+
+
+def _lookup(by_bus: Sequence[NvmlGpu], entry: str) -> tuple[str, NvmlGpu] | None:
+    """(what the entry names, the GPU it is or belongs to), or None if it names nothing."""
+    if entry.startswith("MIG-"):
+        return _mig_owner(by_bus, entry)
+    if entry.startswith("GPU-"):
+        gpu = _only([g for g in by_bus if g.uuid.startswith(entry)])
+        return None if gpu is None else (gpu.uuid, gpu)
+    number = re.match(r"\+?(\d+)", entry)
+    if number is None or int(number[1]) >= len(by_bus):
+        return None
+    gpu = by_bus[int(number[1])]
+    return gpu.uuid, gpu
+
+
+def _mig_owner(by_bus: Sequence[NvmlGpu], entry: str) -> tuple[str, NvmlGpu] | None:
+    """The GPU whose MIG device `entry` names: MIG-<uuid>, or the older form
+    MIG-GPU-<uuid>/<gpu instance>/<compute instance>."""
+    older = re.fullmatch(r"MIG-(GPU-[^/]+)/\d+/\d+", entry)
+    if older:
+        gpu = _only([g for g in by_bus if g.mig and g.uuid.startswith(older[1])])
+        return None if gpu is None else (entry, gpu)
+    owners = [(uuid, g) for g in by_bus for uuid in g.mig_uuids if uuid.startswith(entry)]
+    return owners[0] if len(owners) == 1 else None
+
+
+def _only(gpus: list[NvmlGpu]) -> NvmlGpu | None:
+    return gpus[0] if len(gpus) == 1 else None
+
+
+def _summary(names: Iterable[str]) -> str:
+    """'2x NVIDIA H100 80GB HBM3, 1x NVIDIA GeForce RTX 4090'."""
+    return ", ".join(f"{count}x {name}" for name, count in Counter(names).items())
+
+
+def check_torch(gpus: Sequence[Device], facts: TorchFacts, visible: str | None) -> None:
+    """Raise DeviceError unless torch (as `facts` describe it) can run on exactly the GPUs
+    discovery mapped (`visible` is the CUDA_VISIBLE_DEVICES they were mapped under)."""
+    found = f"{len(gpus)} GPU(s) NVML found ({_summary(d.name for d in gpus)})"
+    if facts.cuda is None:
+        raise DeviceError(
+            f"torch {facts.version} is a CPU-only build but this box has the {found}: "
+            "install torch built for CUDA (install.sh picks it on a GPU box), or set "
+            "APPLIANCE_DEVICE=cpu"
+        )
+    if not facts.available:
+        raise DeviceError(
+            f"torch {facts.version} (built for CUDA {facts.cuda}) cannot use the {found}: "
+            f"torch.cuda.is_available() is False, most often because the driver is older "
+            f"than CUDA {facts.cuda} needs (nvidia-smi shows the newest CUDA it supports): "
+            "update the driver or install torch built for an older CUDA"
+        )
+    if facts.device_count != len(gpus):
+        shown = "unset" if visible is None else repr(visible)
+        raise DeviceError(
+            f"torch sees {facts.device_count} CUDA device(s) but expects the {found} "
+            f"with CUDA_VISIBLE_DEVICES {shown}: name the GPUs to use by UUID "
+            "(nvidia-smi -L) in CUDA_VISIBLE_DEVICES, or set APPLIANCE_DEVICE=cpu"
+        )
 
 
 def cpu_devices(
@@ -268,20 +506,70 @@ def discover(
     num_cpu_devices: int,
     nvml: ModuleType | Any | None = None,
     share_cores: bool = False,
+    host: HostFacts | None = None,
+    torch_facts: TorchFacts | None = None,
 ) -> Topology:
     """The box's devices for the `device` setting: "cpu", "cuda", or "auto" (GPUs if NVML
-    finds any, else CPU). `nvml` defaults to the installed pynvml module."""
+    finds any, else CPU).
+
+    "auto" never means the CPU on a host that shows NVIDIA hardware: if NVML fails there,
+    it raises what failed. GPUs torch cannot use (a CPU-only build, a driver too old, a
+    different count) raise too. `nvml` defaults to the installed pynvml module, `host` to
+    `read_host()`, `torch_facts` to `read_torch()` (read only once GPUs are found).
+    """
     if device_setting not in ("auto", "cpu", "cuda"):
         raise ValueError(f"APPLIANCE_DEVICE={device_setting!r}: expected auto, cpu or cuda")
     if device_setting == "cpu":
         return Topology.without_links(cpu_devices(num_cpu_devices, share_cores=share_cores))
-    gpus = discover_gpus(nvml or import_nvml())
-    if gpus is None and device_setting == "cuda":
-        raise ValueError(
-            "APPLIANCE_DEVICE=cuda but NVML found no NVIDIA GPU (no driver, no GPU, or "
-            "nvidia-ml-py not installed); use APPLIANCE_DEVICE=cpu or auto"
+    host = host or read_host()
+    gpus, reason = _gpus_or_reason(nvml or import_nvml(), host.cuda_visible_devices)
+    if gpus is None:
+        if device_setting == "cuda" or host.nvidia_signs:
+            raise DeviceError(_no_gpu_message(device_setting, reason, host.nvidia_signs))
+        return Topology.without_links(cpu_devices(num_cpu_devices, share_cores=share_cores))
+    check_torch(gpus.devices, torch_facts or read_torch(), host.cuda_visible_devices)
+    return gpus
+
+
+def _gpus_or_reason(nvml: ModuleType | Any, visible: str | None) -> tuple[Topology | None, str]:
+    try:
+        return discover_gpus(nvml, visible), "NVML lists no GPU"
+    except NvmlFailed as exc:
+        return None, str(exc)
+
+
+def _no_gpu_message(device_setting: str, reason: str, signs: Sequence[str]) -> str:
+    if device_setting == "cuda":
+        return (
+            f"APPLIANCE_DEVICE=cuda but NVML found no NVIDIA GPU ({reason}); check the "
+            "driver with nvidia-smi, or use APPLIANCE_DEVICE=cpu or auto"
         )
-    return gpus or Topology.without_links(cpu_devices(num_cpu_devices, share_cores=share_cores))
+    return (
+        f"APPLIANCE_DEVICE=auto: this host shows NVIDIA hardware ({', '.join(signs)}) but "
+        f"NVML found no usable GPU ({reason}); not falling back to the CPU: fix the driver "
+        "until nvidia-smi lists the GPUs, or set APPLIANCE_DEVICE=cpu"
+    )
+
+
+def read_host() -> HostFacts:
+    """This host's facts for GPU discovery.
+
+    CUDA_VISIBLE_DEVICES is CUDA's own variable, not this appliance's configuration (which
+    lives in config.Settings, the only reader of APPLIANCE_* variables): it is read here, at
+    the one place discovery starts, and handed on as data. Workers inherit it unchanged.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return HostFacts(visible, tuple(p for p in NVIDIA_SIGNS if os.path.exists(p)))
+
+
+def read_torch() -> TorchFacts:
+    """What the installed torch can do with CUDA. Counting devices starts CUDA's driver in
+    this process but makes no context; workers are spawned, so they start CUDA afresh."""
+    import torch
+
+    available = torch.cuda.is_available()
+    count = torch.cuda.device_count() if available else 0
+    return TorchFacts(torch.__version__, torch.version.cuda, available, count)
 
 
 def import_nvml() -> ModuleType | Any:

@@ -39,9 +39,11 @@ GREEDY = SamplingParams(max_tokens=24)
 
 
 def one_gpu_as_two_devices() -> Topology:
+    """Devices 0 and 1 of the appliance, both on the GPU torch calls cuda:0."""
     props = torch.cuda.get_device_properties(0)
-    gpu = Device("cuda", 0, props.name, props.total_memory, props.total_memory)
-    return Topology.without_links([gpu, gpu])
+    memory = props.total_memory
+    gpus = [Device("cuda", i, props.name, memory, memory, ordinal=0) for i in (0, 1)]
+    return Topology.without_links(gpus)
 
 
 async def gpu_run(prompts: list[list[int]]) -> tuple[list[list[int]], dict]:

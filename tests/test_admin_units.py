@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 from starlette.requests import Request
 
+from appliance.admin.device_stats import DeviceStats
 from appliance.admin.latency_window import Finished, LatencyWindow
 from appliance.admin.schema import MoveRequest, Tuning, TuningPatch
 from appliance.admin.token import TokenError, read_token, remove_token, write_token
 from appliance.config import load_settings
 from appliance.server.admin import AdminState
 from appliance.server.errors import APIError
-from appliance.topology import cpu_devices
+from appliance.topology import Device, cpu_devices
 
 # ---------------------------------------------------------------- latency window
 
@@ -270,3 +272,36 @@ def test_handoffs_go_to_the_decode_worker_with_most_room() -> None:
     # c has been sent handoffs it has not answered: its report does not hold them yet
     assert router.decode([a, b, c], {c.worker_id: 3}) is b
     assert router.decode([a, b, c], {b.worker_id: 31, c.worker_id: 31}) is a
+
+
+class _RecordedNvml:
+    """NVML as data: each GPU's utilization by NVML index, and the indices asked for."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, busy: dict[int, int]) -> None:
+        self.busy = busy
+        self.asked: list[int] = []
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        self.asked.append(index)
+        return index
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> SimpleNamespace:
+        return SimpleNamespace(gpu=self.busy[handle])
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
+        return SimpleNamespace(used=handle * 2**30, total=80 * 2**30)
+
+
+def test_gpu_stats_are_read_from_nvmls_gpu_not_the_devices_position() -> None:
+    # CUDA_VISIBLE_DEVICES=4,5: device 0 (cuda:0) is NVML's GPU 4
+    nvml = _RecordedNvml({4: 91, 5: 7})
+    gpu = Device("cuda", 0, "H100", 80 * 2**30, 80 * 2**30, ordinal=0, nvml_index=4)
+    load = DeviceStats(nvml).sample(gpu, None, 0.0)
+    assert nvml.asked == [4]
+    assert (load.utilization, load.memory_used) == (91.0, 4 * 2**30)

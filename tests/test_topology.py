@@ -1,7 +1,9 @@
 """Device discovery and prefill/decode partitioning on plain-data models of real boxes.
 
 NVML cannot run here, so GPU discovery is driven by `FakeNvml`, which answers pynvml's
-calls from the box descriptions below (and keeps pynvml's own constants and errors).
+calls from the box descriptions below (and keeps pynvml's own constants and errors). The
+pure mapping from NVML's list to torch ordinals is tested in test_device_mapping.py; here
+it is tested through discovery, with links, CUDA_VISIBLE_DEVICES and host facts.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ import pytest
 
 from appliance.topology import (
     Device,
+    DeviceError,
+    HostFacts,
     Link,
+    NvmlFailed,
     Partition,
     Topology,
+    TorchFacts,
     cpu_devices,
     discover,
     discover_gpus,
@@ -89,10 +95,47 @@ TWO_GPU_NO_P2P = {
 
 NO_GPUS = {"gpus": [], "p2p": False}
 
+# A workstation of mixed GPUs. By PCI bus: RTX 4090, H100, RTX 4090, H100; CUDA's default
+# FASTEST_FIRST order would put both H100s first. One NVLink bridge joins the two H100s.
+# NVML lists them by bus, as it does on real boxes ("uuid": their nvidia-smi -L UUIDs).
+_H100_PCIE = {"name": "NVIDIA H100 PCIe", "total": 81559 * MIB, "free": 80000 * MIB, "util": 0}
+MIXED = {
+    "gpus": [
+        {**_RTX, "bus": "00000000:01:00.0", "util": 5, "nvlinks": None, "uuid": "GPU-4090a"},
+        {**_H100_PCIE, "bus": "00000000:21:00.0", "nvlinks": ["00000000:81:00.0"] * 12},
+        {**_RTX, "bus": "00000000:41:00.0", "util": 7, "nvlinks": None, "uuid": "GPU-4090b"},
+        {**_H100_PCIE, "bus": "00000000:81:00.0", "nvlinks": ["00000000:21:00.0"] * 12},
+    ],
+    "p2p": True,
+}
+
+# An A100 box whose GPU 3 is in MIG mode with two MIG devices; GPU 1 could use MIG but
+# does not ("mig": None). A GPU without a "mig" key does not support MIG.
+_MIG_UUIDS = ["MIG-8fe5b8a4-9b0e-5b4c-a0b2-5c1bdb5d0d31", "MIG-1dc3ec24-8a73-5e2c-9c1a-3a6e"]
+MIG_BOX = {
+    "gpus": [
+        {**_A100, "bus": "00000000:17:00.0", "nvlinks": None},
+        {**_A100, "bus": "00000000:31:00.0", "nvlinks": None, "mig": None},
+        {**_A100, "bus": "00000000:b1:00.0", "nvlinks": None},
+        {**_A100, "bus": "00000000:41:00.0", "nvlinks": None, "mig": _MIG_UUIDS, "util": None},
+    ],
+    "p2p": True,
+}
+
 
 @dataclass(frozen=True)
 class _Handle:
     index: int
+
+
+@dataclass(frozen=True)
+class _MigHandle:
+    gpu: _Handle
+    slot: int
+
+
+def _uuid(gpu: dict[str, Any]) -> str:
+    return gpu.get("uuid", f"GPU-{_pci(gpu['bus']).bus:08x}-5b4c-a0b2-5c1bdb5d0d31")
 
 
 def _pci(bus_id: str) -> SimpleNamespace:
@@ -115,6 +158,9 @@ class FakeNvml:
     NVML_FEATURE_ENABLED = pynvml.NVML_FEATURE_ENABLED
     NVML_P2P_CAPS_INDEX_READ = pynvml.NVML_P2P_CAPS_INDEX_READ  # really `(0,)` in pynvml
     NVML_P2P_STATUS_OK = pynvml.NVML_P2P_STATUS_OK
+    NVML_DEVICE_MIG_ENABLE = pynvml.NVML_DEVICE_MIG_ENABLE
+    NVML_ERROR_NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+    NVML_ERROR_FUNCTION_NOT_FOUND = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
 
     def __init__(self, box: dict[str, Any], init_error: int | None = None) -> None:
         self.box = box
@@ -161,6 +207,26 @@ class FakeNvml:
     def nvmlDeviceGetPciInfo(self, handle: _Handle) -> SimpleNamespace:
         return _pci(self._gpu(handle)["bus"])
 
+    def nvmlDeviceGetUUID(self, handle: _Handle | _MigHandle) -> str:
+        if isinstance(handle, _MigHandle):
+            return self._gpu(handle.gpu)["mig"][handle.slot]
+        return _uuid(self._gpu(handle))
+
+    def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:
+        gpu = self._gpu(handle)
+        if "mig" not in gpu:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        on = pynvml.NVML_DEVICE_MIG_ENABLE if gpu["mig"] else pynvml.NVML_DEVICE_MIG_DISABLE
+        return [on, on]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: _Handle) -> int:
+        return 7 if "mig" in self._gpu(handle) else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: _Handle, slot: int) -> _MigHandle:
+        if slot >= len(self._gpu(handle)["mig"] or []):
+            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
+        return _MigHandle(handle, slot)
+
     def _remote(self, handle: _Handle, link: int) -> str | None:
         links = self._gpu(handle)["nvlinks"]
         if links is None:
@@ -188,10 +254,19 @@ class FakeNvml:
         return pynvml.NVML_P2P_STATUS_OK if ok else pynvml.NVML_P2P_STATUS_NOT_SUPPORTED
 
 
-def gpus(box: dict[str, Any]) -> Topology:
-    topology = discover_gpus(FakeNvml(box))
+def gpus(box: dict[str, Any], visible: str | None = None) -> Topology:
+    topology = discover_gpus(FakeNvml(box), visible)
     assert topology is not None
     return topology
+
+
+NO_SIGNS = HostFacts()  # a host without NVIDIA hardware, CUDA_VISIBLE_DEVICES unset
+SIGNS = HostFacts(nvidia_signs=("/dev/nvidia0", "/proc/driver/nvidia/version"))
+
+
+def cuda_torch(count: int) -> TorchFacts:
+    """A CUDA build of torch that sees `count` GPUs."""
+    return TorchFacts("2.6.0+cu124", "12.4", True, count)
 
 
 def cpu_box(cores: int, devices: int) -> Topology:
@@ -221,6 +296,8 @@ def test_h100_nvswitch_box_links_every_pair_with_18_nvlinks() -> None:
     topology = discover_gpus(nvml)
     assert topology is not None and not nvml.open  # shut NVML down again
     assert [d.index for d in topology.devices] == list(range(8))
+    assert [d.ordinal for d in topology.devices] == list(range(8))
+    assert [d.nvml_index for d in topology.devices] == list(range(8))
     first = topology.devices[0]
     assert (first.kind, first.name, first.total_memory) == (
         "cuda",
@@ -250,9 +327,10 @@ def test_two_gpus_without_p2p_or_nvlink_have_no_link() -> None:
     assert [d.utilization for d in topology.devices] == [12, None]
 
 
-def test_nvml_that_fails_to_init_yields_nothing() -> None:
+def test_nvml_that_fails_to_init_says_why() -> None:
     nvml = FakeNvml(H100_NVSWITCH, init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
-    assert discover_gpus(nvml) is None
+    with pytest.raises(NvmlFailed, match="NVML did not start: Driver Not Loaded"):
+        discover_gpus(nvml)
 
 
 def test_nvml_without_gpus_yields_nothing() -> None:
@@ -260,30 +338,174 @@ def test_nvml_without_gpus_yields_nothing() -> None:
     assert discover_gpus(nvml) is None and not nvml.open
 
 
-def test_nvml_error_midway_yields_nothing_and_shuts_down() -> None:
+def test_nvml_error_midway_says_why_and_shuts_down() -> None:
     box = {**PCIE_4GPU, "gpus": [*PCIE_4GPU["gpus"][:3], {**PCIE_4GPU["gpus"][3], "lost": True}]}
     nvml = FakeNvml(box)
-    assert discover_gpus(nvml) is None and not nvml.open
+    with pytest.raises(NvmlFailed, match="NVML failed reading the GPUs: GPU is lost"):
+        discover_gpus(nvml)
+    assert not nvml.open
 
 
-def test_the_real_pynvml_never_crashes_discovery() -> None:
-    topology = discover_gpus(pynvml)  # None here (no driver); GPUs on a GPU box
-    assert topology is None or {d.kind for d in topology.devices} == {"cuda"}
+def test_the_real_pynvml_finds_gpus_or_says_why_not() -> None:
+    try:
+        topology = discover_gpus(pynvml)  # NvmlFailed here (no driver); GPUs on a GPU box
+    except NvmlFailed as exc:
+        assert str(exc).startswith("NVML did not start: ")
+    else:
+        assert topology is None or {d.kind for d in topology.devices} == {"cuda"}
 
 
-def test_discover_auto_prefers_gpus_and_falls_back_to_cpu() -> None:
-    assert len(discover("auto", 1, nvml=FakeNvml(H100_NVSWITCH)).devices) == 8
-    broken = FakeNvml(H100_NVSWITCH, init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
-    (device,) = discover("auto", 1, nvml=broken).devices
-    assert device.kind == "cpu" and device.cores == tuple(sorted(os.sched_getaffinity(0)))
+def test_discover_auto_prefers_gpus_and_falls_back_to_cpu_without_nvidia_signs() -> None:
+    h100 = FakeNvml(H100_NVSWITCH)
+    found = discover("auto", 1, nvml=h100, host=NO_SIGNS, torch_facts=cuda_torch(8))
+    assert [d.kind for d in found.devices] == ["cuda"] * 8
+    for nvml in (
+        FakeNvml(H100_NVSWITCH, init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND),
+        FakeNvml(NO_GPUS),
+    ):
+        (device,) = discover("auto", 1, nvml=nvml, host=NO_SIGNS).devices
+        assert device.kind == "cpu" and device.cores == tuple(sorted(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH, "RM has detected an NVML/RM version mismatch"),
+        (pynvml.NVML_ERROR_NO_PERMISSION, "Insufficient Permissions"),
+        (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, "NVML Shared Library Not Found"),
+    ],
+)
+def test_discover_auto_on_nvidia_hardware_says_what_failed_instead_of_using_the_cpu(
+    error: int, reason: str
+) -> None:
+    nvml = FakeNvml(H100_NVSWITCH, init_error=error)
+    with pytest.raises(DeviceError) as info:
+        discover("auto", 128, nvml=nvml, host=SIGNS, torch_facts=cuda_torch(8))
+    message = str(info.value)
+    assert message.startswith("APPLIANCE_DEVICE=auto: this host shows NVIDIA hardware")
+    assert "/dev/nvidia0, /proc/driver/nvidia/version" in message
+    assert f"NVML did not start: {reason}" in message
+    assert "not falling back to the CPU" in message and "APPLIANCE_DEVICE=cpu" in message
+    assert "\n" not in message
+
+
+def test_discover_auto_on_nvidia_hardware_with_a_lost_gpu_or_no_gpu_says_so() -> None:
+    box = {**PCIE_4GPU, "gpus": [*PCIE_4GPU["gpus"][:3], {**PCIE_4GPU["gpus"][3], "lost": True}]}
+    with pytest.raises(DeviceError, match="NVML failed reading the GPUs: GPU is lost"):
+        discover("auto", 1, nvml=FakeNvml(box), host=SIGNS)
+    with pytest.raises(DeviceError, match=r"NVIDIA hardware .* \(NVML lists no GPU\)"):
+        discover("auto", 1, nvml=FakeNvml(NO_GPUS), host=SIGNS)
 
 
 def test_discover_cuda_without_gpus_says_so() -> None:
     broken = FakeNvml(H100_NVSWITCH, init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
-    with pytest.raises(ValueError, match="APPLIANCE_DEVICE=cuda but NVML found no NVIDIA GPU"):
-        discover("cuda", 1, nvml=broken)
-    with pytest.raises(ValueError, match="APPLIANCE_DEVICE=cuda"):
-        discover("cuda", 1, nvml=FakeNvml(NO_GPUS))
+    with pytest.raises(
+        DeviceError,
+        match=r"APPLIANCE_DEVICE=cuda but NVML found no NVIDIA GPU \(NVML did not start: Dri",
+    ):
+        discover("cuda", 1, nvml=broken, host=NO_SIGNS)
+    with pytest.raises(DeviceError, match=r"APPLIANCE_DEVICE=cuda .*\(NVML lists no GPU\)"):
+        discover("cuda", 1, nvml=FakeNvml(NO_GPUS), host=NO_SIGNS)
+
+
+def test_discover_refuses_gpus_torch_cannot_use() -> None:
+    cpu_build = TorchFacts("2.6.0+cpu", None, False, 0)
+    with pytest.raises(DeviceError, match=r"torch 2.6.0\+cpu is a CPU-only build .* 8 GPU"):
+        discover("auto", 1, nvml=FakeNvml(H100_NVSWITCH), host=NO_SIGNS, torch_facts=cpu_build)
+    visible = HostFacts("4,5,6,7")
+    with pytest.raises(DeviceError, match=r"torch sees 8 CUDA device.* expects the 4 GPU"):
+        discover("cuda", 1, nvml=FakeNvml(H100_NVSWITCH), host=visible, torch_facts=cuda_torch(8))
+    topology = discover("cuda", 1, FakeNvml(H100_NVSWITCH), host=visible, torch_facts=cuda_torch(4))
+    assert len(topology.devices) == 4
+
+
+# --- GPUs through CUDA_VISIBLE_DEVICES -------------------------------------------------
+
+
+def test_a_visible_subset_gets_ordinals_from_zero_and_keeps_nvml_for_stats() -> None:
+    topology = gpus(H100_NVSWITCH, "4,5,6,7")
+    devices = topology.devices
+    assert [(d.index, d.ordinal, d.nvml_index) for d in devices] == [
+        (0, 0, 4),
+        (1, 1, 5),
+        (2, 2, 6),
+        (3, 3, 7),
+    ]
+    assert [d.pci_bus_id for d in devices] == [
+        f"00000000:{b}:00.0" for b in ("9a", "ab", "ba", "db")
+    ]
+    assert devices[1].utilization == 100  # NVML GPU 5's statistics, not GPU 1's
+    assert {topology.links[a][b] for a in range(4) for b in range(4) if a != b} == {
+        Link("nvlink", 18)
+    }
+
+
+def test_visible_gpus_take_the_order_cuda_visible_devices_gives() -> None:
+    topology = gpus(PCIE_4GPU, "3,0")
+    assert [d.nvml_index for d in topology.devices] == [3, 0]
+    assert topology.links[0][1] == Link("p2p-pcie")
+
+
+def test_an_nvlink_to_a_hidden_gpu_is_not_taken_for_a_switch() -> None:
+    # GPU 0's 12 NVLinks go to GPU 1; with GPU 1 hidden, 0 and 2 still share only PCIe.
+    topology = gpus(PCIE_4GPU, "0,2")
+    assert topology.links[0][1] == Link("p2p-pcie")
+
+
+def test_mixed_gpus_are_numbered_by_pci_bus_not_by_speed() -> None:
+    topology = gpus(MIXED)
+    names = [d.name for d in topology.devices]
+    assert names == ["NVIDIA GeForce RTX 4090", "NVIDIA H100 PCIe"] * 2
+    assert [d.ordinal for d in topology.devices] == [0, 1, 2, 3]
+    assert [d.uuid for d in topology.devices][::2] == ["GPU-4090a", "GPU-4090b"]
+    assert topology.links[1][3] == Link("nvlink", 12)  # the two H100s, wherever they sit
+    assert [d.utilization for d in topology.devices][::2] == [5, 7]
+
+
+def test_nvml_listing_gpus_out_of_bus_order_still_gets_bus_ordinals() -> None:
+    # NVML's index is not promised to follow the bus: the H100s listed first here.
+    box = {**MIXED, "gpus": [MIXED["gpus"][i] for i in (1, 3, 0, 2)]}
+    topology = gpus(box)
+    assert [d.pci_bus_id[9:11] for d in topology.devices] == ["01", "21", "41", "81"]
+    assert [d.nvml_index for d in topology.devices] == [2, 0, 3, 1]
+    assert topology.links[1][3] == Link("nvlink", 12)
+
+
+def test_mixed_gpus_picked_by_uuid() -> None:
+    topology = gpus(MIXED, "GPU-4090b,GPU-4090a")
+    assert [(d.ordinal, d.pci_bus_id) for d in topology.devices] == [
+        (0, "00000000:41:00.0"),
+        (1, "00000000:01:00.0"),
+    ]
+
+
+@pytest.mark.parametrize("visible", ["", "-1"])
+def test_hiding_every_gpu_is_refused_not_served_on_the_cpu(visible: str) -> None:
+    for setting in ("auto", "cuda"):
+        with pytest.raises(DeviceError) as info:
+            discover(setting, 1, nvml=FakeNvml(H100_NVSWITCH), host=HostFacts(visible))
+        assert str(info.value) == (
+            f"CUDA_VISIBLE_DEVICES={visible!r} hides all 8 GPU(s) NVML lists "
+            "(8x NVIDIA H100 80GB HBM3): unset it to serve on them, or set "
+            "APPLIANCE_DEVICE=cpu to serve on the CPU"
+        )
+
+
+def test_a_gpu_in_mig_mode_is_refused_by_name_unless_hidden() -> None:
+    nvml = FakeNvml(MIG_BOX)
+    with pytest.raises(DeviceError) as info:
+        discover_gpus(nvml)
+    assert str(info.value) == (
+        "GPU 3 (NVIDIA A100 80GB PCIe 00000000:41:00.0) is in MIG mode; MIG instances are "
+        "not supported yet: disable MIG (nvidia-smi -i 3 -mig 0) or hide it with "
+        "CUDA_VISIBLE_DEVICES"
+    )
+    assert not nvml.open
+    # By bus (17, 31, 41, b1) NVML's GPU 3 is CUDA's 2: hiding it leaves the other three.
+    topology = gpus(MIG_BOX, "0,1,3")
+    assert [d.nvml_index for d in topology.devices] == [0, 1, 2]
+    with pytest.raises(DeviceError, match=r"GPU 3 .* is in MIG mode"):
+        discover_gpus(FakeNvml(MIG_BOX), _MIG_UUIDS[1])
 
 
 def test_discover_cpu_ignores_gpus_and_bad_setting_is_named() -> None:
@@ -525,6 +747,13 @@ def test_devices_are_frozen() -> None:
     device = Device("cpu", 0, "cpu0", 1, 1)
     with pytest.raises(AttributeError):
         device.index = 1  # type: ignore[misc]
+
+
+def test_a_gpu_device_needs_a_torch_ordinal_and_may_share_it() -> None:
+    with pytest.raises(ValueError, match=r"GPU device 1 .* needs a torch ordinal"):
+        Device("cuda", 1, "NVIDIA H200", 1, 1)
+    two = [Device("cuda", i, "NVIDIA H200", 1, 1, ordinal=0) for i in (0, 1)]
+    assert [d.ordinal for d in Topology.without_links(two).devices] == [0, 0]
 
 
 def test_tensor_parallel_groups_take_the_nvlink_pairs_whatever_the_order() -> None:

@@ -67,7 +67,7 @@ class DeviceStats:
             if not self._nvml_ready:
                 nvml.nvmlInit()
                 self._nvml_ready = True
-            handle = nvml.nvmlDeviceGetHandleByIndex(device.index)
+            handle = nvml.nvmlDeviceGetHandleByIndex(_nvml_index(device))
             busy = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
             memory = nvml.nvmlDeviceGetMemoryInfo(handle)
         except nvml.NVMLError:
@@ -78,3 +78,12 @@ class DeviceStats:
         """Drop samples of processes that are gone (workers replaced by moves)."""
         for pid in set(self._cpu) - live_pids:
             del self._cpu[pid]
+
+
+def _nvml_index(device: Device) -> int:
+    """NVML's number for the GPU: discovery records it (it differs from the device's
+    position and its CUDA ordinal under CUDA_VISIBLE_DEVICES); a device made by hand
+    without it is taken to be NVML's GPU of its ordinal."""
+    if device.nvml_index is not None:
+        return device.nvml_index
+    return device.ordinal if device.ordinal is not None else device.index

@@ -7,6 +7,7 @@ worker; "decode" pulls parked blocks from a prefill worker's shared pool and dec
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from dataclasses import dataclass, field, replace
@@ -122,8 +123,12 @@ def serve(state: WorkerState, inbox: Any) -> None:
 def use_device(settings: Settings, device: Device) -> Settings:
     """Bind this process to its device: a GPU, or a set of CPU cores."""
     if device.kind == "cuda":
+        # Discovery numbered the GPUs in PCI bus order, under the CUDA_VISIBLE_DEVICES this
+        # process inherits; CUDA numbers them fastest-first unless told otherwise, and reads
+        # this once, as it starts: here, before this process's first CUDA call.
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         # Tensors made on "cuda" from here on land on this worker's GPU.
-        torch.cuda.set_device(device.index)
+        torch.cuda.set_device(device.ordinal)
         return settings.model_copy(update={"device": "cuda"})
     if device.cores:
         pin_to_cores(device.cores)
