@@ -479,6 +479,13 @@ class Supervisor:
         worker.num_blocks = worker.num_free = message.num_blocks
         worker.shard_pids = message.shard_pids
         worker.loaded = True
+        block_size = self.settings.kv.block_size
+        self.note(
+            "worker",
+            f"worker {worker.worker_id} ({worker.role}) loaded on {worker.device}: its "
+            f"{message.num_blocks} KV blocks of {block_size} tokens hold "
+            f"{message.num_blocks * block_size} tokens of context",
+        )
         # Each (prefill, decode) pair is wired once, when the second of the two has loaded.
         if worker.role == "decode":
             for prefill in self._wiring_peers("prefill"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,8 @@ def test_defaults() -> None:
     assert s.host == "127.0.0.1"
     assert s.port == 8000
     assert (s.kv.block_size, s.kv.memory_mb, s.kv.num_blocks) == (16, 512, None)
+    assert s.kv.gpu_memory_utilization == 0.9
+    assert not s.kv.memory_mb_given  # a GPU sizes its pool by the fraction
     assert s.batch.max_num_seqs == 64
     assert s.batch.max_num_batched_tokens == 2048
     assert s.batch.chunk_size == 512
@@ -156,6 +159,32 @@ def test_priority_inside_a_section(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     assert s.kv.num_blocks == 50  # only in TOML
 
 
+def test_memory_mb_counts_as_given_from_any_source(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On a GPU a given kv.memory_mb overrides kv.gpu_memory_utilization, even at the
+    default's value; other kv settings leave it ungiven."""
+    assert not load_settings(
+        kv={"block_size": 32, "gpu_memory_utilization": 0.5}
+    ).kv.memory_mb_given
+    assert load_settings(kv={"memory_mb": 512}).kv.memory_mb_given
+    assert load_settings(write_toml(tmp_path, "[kv]\nmemory_mb = 512\n")).kv.memory_mb_given
+    monkeypatch.setenv("APPLIANCE_KV__BLOCK_SIZE", "32")
+    assert not load_settings().kv.memory_mb_given
+    monkeypatch.setenv("APPLIANCE_KV__MEMORY_MB", "512")
+    s = load_settings()
+    assert s.kv.memory_mb_given
+    # A worker gets a copy bound to its device, pickled into its process.
+    worker = pickle.loads(pickle.dumps(s.model_copy(update={"device": "cuda"})))
+    assert worker.kv.memory_mb_given and worker.kv.block_size == 32
+
+
+def test_gpu_memory_utilization_is_a_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APPLIANCE_KV__GPU_MEMORY_UTILIZATION", "0.45")
+    assert load_settings().kv.gpu_memory_utilization == 0.45
+    assert load_settings(kv={"gpu_memory_utilization": 1}).kv.gpu_memory_utilization == 1.0
+
+
 def test_none_keywords_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("APPLIANCE_PORT", "2222")
     s = load_settings(port=None, dtype=None)
@@ -178,6 +207,9 @@ def test_settings_error_is_a_value_error() -> None:
         ("APPLIANCE_KV__BLOCK_SIZE", "0", "kv.block_size"),
         ("APPLIANCE_KV__BLOCK_SIZE", "many", "kv.block_size"),
         ("APPLIANCE_KV__NUM_BLOCKS", "0", "kv.num_blocks"),
+        ("APPLIANCE_KV__GPU_MEMORY_UTILIZATION", "0", "kv.gpu_memory_utilization"),
+        ("APPLIANCE_KV__GPU_MEMORY_UTILIZATION", "1.5", "kv.gpu_memory_utilization"),
+        ("APPLIANCE_KV__GPU_MEMORY_UTILIZATION", "most", "kv.gpu_memory_utilization"),
         ("APPLIANCE_BATCH__CHUNK_SIZE", "8", "batch.chunk_size"),
         ("APPLIANCE_BATCH__MAX_NUM_SEQS", "0", "batch.max_num_seqs"),
         ("APPLIANCE_PREFILL_TP", "0", "prefill_tp"),

@@ -44,6 +44,23 @@ def wait_all_free(url: str, bound_s: float = 10.0) -> list[dict]:
         time.sleep(0.05)
 
 
+def test_health_reports_the_context_each_pool_holds(server: ServerProcess) -> None:
+    health = httpx.get(server.url + "/health").json()
+    assert health["kv_block_size"] == 16
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, context 8192. The fixture's 128 MiB buys
+    # blocks of float32 or bfloat16 (the CPU's pick): on a CPU memory_mb sizes the pool.
+    expected = {128 * 2**20 // (30 * 2 * 16 * 3 * 64 * size) for size in (4, 2)}
+    contexts = []
+    for worker in [w for pool in health["pools"].values() for w in pool]:
+        assert worker["num_blocks"] in expected
+        assert worker["kv_tokens"] == worker["num_blocks"] * 16
+        assert worker["max_model_len"] == min(8192, worker["kv_tokens"])
+        contexts.append(worker["max_model_len"])
+    assert len(contexts) == 2 and health["max_model_len"] == min(contexts)
+    card = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]
+    assert card["max_model_len"] == health["max_model_len"]
+
+
 def test_dropped_streams_free_their_blocks_on_both_pools(server: ServerProcess) -> None:
     all_reading = asyncio.Event()
     drop = asyncio.Event()  # set once the busy pools have been looked at

@@ -77,11 +77,18 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     """200 while it serves: `ok`, or `degraded` when a worker is down (restarting, or its
     device failed) but every pool still has a live one; else 503 (`starting`, `stopping`,
-    `failed`, `unavailable`). The pools' states either way."""
+    `failed`, `unavailable`). The pools' states either way, each worker with the context
+    its KV pool holds (`kv_tokens`, and `max_model_len`, the longest prompt + output it
+    takes; null until it has loaded), and the longest a request may be (`max_model_len`)."""
     state: ServerState = request.app.state.server
     workers = [asdict(v) for v in state.appliance.supervisor.views()]
+    block_size = state.settings.kv.block_size
+    model_limit = _model_limit(state)
     pools = {}
     for worker in workers:
+        loaded = worker["num_blocks"] > 0
+        worker["kv_tokens"] = worker["num_blocks"] * block_size
+        worker["max_model_len"] = min(model_limit, worker["kv_tokens"]) if loaded else None
         pools.setdefault(worker["role"], []).append(worker)
     every_pool_alive = all(any(w["alive"] for w in pool) for pool in pools.values())
     if state.startup_error is not None:
@@ -98,11 +105,20 @@ async def health(request: Request) -> Response:
         "model": state.appliance.model_name,
         "mode": state.settings.mode,
         "pools": pools,
+        "kv_block_size": block_size,
+        "max_model_len": state.appliance.max_model_len if state.appliance.ready else None,
         "generations_admitted": state.in_flight,
         "failed_devices": sorted(state.appliance.supervisor.failed_devices),
         "error": state.startup_error,
     }
     return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
+
+
+def _model_limit(state: ServerState) -> int:
+    """The longest prompt + output the model and batch.max_model_len allow, whatever the
+    KV pools hold."""
+    context = state.appliance.config.max_position_embeddings
+    return min(state.settings.batch.max_model_len or context, context)
 
 
 async def metrics(request: Request) -> Response:
