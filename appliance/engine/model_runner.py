@@ -13,7 +13,7 @@ from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.cache import KVCache
 from appliance.model import cpu_kernels
-from appliance.model.attention import AttentionBatch, DecodeGroup, PrefillSegment
+from appliance.model.attention import AttentionBatch, DecodeGroup, PrefillSegment, runs_triton
 from appliance.model.llama import CausalLM
 
 
@@ -67,11 +67,12 @@ class ModelRunner:
         self.sampler = sampler
         self.device = model.device
         self.followers = followers
-        # The CPU kernel attends any mix of context lengths at once: no grouping needed.
+        # The CPU kernel and the Triton one (CUDA) attend any mix of context lengths at
+        # once: no grouping needed, one decode group a step.
         cfg = model.config
         self.ragged_decode = cpu_kernels.decodes_ragged(
             model.device, model.dtype, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
-        )
+        ) or runs_triton(model.device)
 
     def run(self, out: SchedulerOutput) -> dict[int, int]:
         """Compute the step; return {seq_id: next token} for sequences whose chunk completed."""

@@ -4,11 +4,14 @@ A step's tokens lie flat, one row each: first the prefill segments (several quer
 tokens per sequence, possibly after a cached prefix), then the decode tokens (one per
 sequence), which attend in batches of similar context length (decode groups). Prefill
 runs torch's SDPA. Decode runs the compiled CPU kernel (cpu_kernels.py) where it applies,
-SDPA over each group's gathered and padded context elsewhere (GPUs, other dtypes).
+SDPA over each group's gathered and padded context elsewhere (other dtypes). On CUDA, with
+triton installed, both run the Triton kernel (triton_attention.py), which reads K/V in place
+through the block tables.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +19,9 @@ import torch.nn.functional as F
 
 from appliance.model import cpu_kernels
 from appliance.model.rope import apply_rope
+
+# Looked up, not imported: CPU processes never load triton.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 @dataclass
@@ -94,6 +100,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> like q. The step's
     k/v are already in the cache (rotate_and_store)."""
+    if runs_triton(q.device):
+        from appliance.model import triton_attention  # on first CUDA use, never on CPU
+
+        return triton_attention.attend(q, k_cache, v_cache, batch, scale)
     groups = batch.decode_groups
     if not batch.prefills and len(groups) == 1 and groups[0].rows is None:
         return _decode(q, k_cache, v_cache, groups[0], scale)  # every row: nothing to place
@@ -109,6 +119,13 @@ def paged_attention(
             result = _decode(decode_q.index_select(0, group.rows), k_cache, v_cache, group, scale)
             decode_out.index_copy_(0, group.rows, result)
     return out
+
+
+def runs_triton(device: torch.device) -> bool:
+    """Whether attention on this device runs the Triton kernel (CUDA with triton installed).
+    It takes decodes of any mix of context lengths in one launch: the model runner need not
+    group them."""
+    return device.type == "cuda" and _TRITON_INSTALLED
 
 
 def _prefill(

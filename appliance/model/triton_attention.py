@@ -1,0 +1,278 @@
+"""Paged attention in Triton: decode and chunked prefill read K/V in place through the
+block table (the attention of the CUDA path; attention.py routes CUDA tensors here).
+
+One kernel serves both. A step's query rows lie flat ([tokens, heads, head_dim]); each
+sequence owns a run of them, the last `query_len` positions of its context, whose earlier
+tokens (a cached prefix, earlier chunks) are already in the paged pool like this step's.
+A decode is the run of one. Keys are gathered slot by slot from the pool through the
+sequence's block table inside the kernel, so no prefix is copied out and no [heads,
+queries, context] score matrix is ever stored: scores live one tile at a time in
+registers, folded by an online softmax (running max and sum in float32).
+
+Grid: (sequence, KV head, query-row tile). A program takes ROWS query rows of one KV head:
+the (token, query head) pairs of that head's GQA group, token-major, so one key tile
+loaded serves every query head that shares it; a decode's few rows (its one token's
+group) are padded to tl.dot's 16, masked. It walks the keys in tiles of BLOCK_N positions, up to the
+last key its rows may see (causal within the chunk).
+
+Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) runs the same
+kernel on CPU tensors; the tests use it. It computes no bfloat16 tl.dot (numpy has no
+bfloat16; triton-lang/triton#11584), so there bfloat16 operands are widened to float32
+after the same rounding the GPU path does (UPCAST).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:  # attention.py imports this module when it first runs on CUDA
+    from appliance.model.attention import AttentionBatch
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KEY_TILE = 64  # BLOCK_N: keys per loop step; 64 x 128 bf16 = 16 KiB per K (and V) tile
+_PREFILL_ROWS = 64  # ROWS of a chunked-prefill program: 64 (token, head) pairs
+_MIN_DOT = 16  # tl.dot needs at least 16 rows on NVIDIA GPUs
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [tokens, heads, head_dim]
+    out_ptr,  # [tokens, heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache_ptr,  # like k_cache (same strides)
+    block_tables_ptr,  # [seqs, max_blocks] int: the sequence's blocks in order
+    context_lens_ptr,  # [seqs] int: tokens in the cache after this step
+    query_starts_ptr,  # [seqs + 1] int: each sequence's first row; read only if VARLEN
+    query_len,  # queries per sequence (uniform), or the longest (VARLEN)
+    qk_scale,  # softmax scale * log2(e): the kernel exponentiates in base 2
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (tl.arange)
+    GROUP: tl.constexpr,  # query heads per KV head
+    ROWS: tl.constexpr,  # (token, query head) pairs per program, a power of two >= 16
+    BLOCK_N: tl.constexpr,  # keys per loop step
+    VARLEN: tl.constexpr,  # query runs from query_starts, else query_len rows per sequence
+    UPCAST: tl.constexpr,  # widen 16-bit dot operands to float32 (the interpreter)
+    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" keeps float32 exact (no
+    # TF32); None, the backend's default, for 16-bit inputs
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+
+    if VARLEN:
+        q_start = tl.load(query_starts_ptr + seq)
+        q_len = tl.load(query_starts_ptr + seq + 1) - q_start
+    else:
+        q_start = seq * query_len
+        q_len = query_len
+    first_row = tile * ROWS
+    if first_row >= q_len * GROUP:
+        return  # a shorter run than the grid's longest: nothing left for this program
+    context_len = tl.load(context_lens_ptr + seq)
+
+    # The program's rows: pair r is query token r // GROUP, head kv_head * GROUP + r % GROUP.
+    rows = first_row + tl.arange(0, ROWS)  # [ROWS]
+    token = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = token < q_len
+    # A query token's position in its sequence: the run is the context's last q_len tokens.
+    q_pos = context_len - q_len + token  # [ROWS]
+    dims = tl.arange(0, HEAD_PAD)  # [HEAD_PAD]
+    dim_ok = dims < HEAD_DIM
+
+    q_offsets = (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(
+        q_ptr + q_offsets + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0
+    )  # [ROWS, HEAD_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Online softmax state, float32 whatever the inputs: running max (base 2), running
+    # sum of exponentials, and the unnormalized output.
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], dtype=tl.float32)
+
+    # Causal: the program's last valid token sees keys up to its own position, none later.
+    last_token = tl.minimum(q_len - 1, (first_row + ROWS - 1) // GROUP)
+    key_end = context_len - q_len + last_token + 1
+    table = block_tables_ptr + seq * stride_bt
+    for key_start in range(0, key_end, BLOCK_N):
+        keys = key_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions in the sequence
+        key_ok = keys < key_end
+        # Each key's slot: its block from the table (any ids, any order), then the offset.
+        block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)  # [BLOCK_N]
+        kv_offsets = (
+            block.to(tl.int64)[:, None] * stride_cb
+            + (keys % BLOCK_SIZE)[:, None] * stride_cs
+            + kv_head * stride_ch
+            + dims[None, :]
+        )  # [BLOCK_N, HEAD_PAD]
+        # Masked loads: slots past the context (a partly filled last block, padding of
+        # the table) are never read, whatever they hold.
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_PAD]
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [ROWS, BLOCK_N]
+        visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # Key 0 is visible to every row (q_pos >= 0; padding rows have q_pos >= context_len),
+        # so the first tile makes every row's max finite and later all-masked tiles give
+        # exp2(-inf) = 0, never NaN.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [ROWS]
+        alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old max
+        p = tl.math.exp2(s - m_new[:, None])  # [ROWS, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # The probabilities enter the second product in the cache's dtype, as in flash
+        # attention: a 16-bit dot on the tensor cores, float32 accumulation.
+        p_dot = p.to(v_cache_ptr.dtype.element_ty)
+        if UPCAST:
+            p_dot = p_dot.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]  # [ROWS, HEAD_PAD]
+    o_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(
+        out_ptr + o_offsets + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    query_len: int = 1,
+    query_starts: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of q [tokens, heads, head_dim] over the paged caches [num_blocks,
+    block_size, kv_heads, head_dim] -> like q (written into `out` when given, which may be
+    a view such as a row slice of a larger output).
+
+    Sequence i has context_lens[i] tokens in the cache (this step's included), in the
+    blocks block_tables[i] ([seqs, max_blocks], any ids in any order, padding past the
+    context ignored). Its queries are the last positions of that context, causal among
+    themselves: rows i * query_len .. (i + 1) * query_len of q (decode: query_len 1), or,
+    with query_starts [seqs + 1], rows query_starts[i] .. query_starts[i + 1] with
+    query_len the longest run (it sizes the grid). Integer tensors may be int32 or int64;
+    nothing here reads a device tensor back to the host."""
+    tokens, heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and caches must share one of {_DTYPES}: {q.dtype}, {k_cache.dtype}")
+    if heads % kv_heads or k_cache.shape[3] != head_dim or k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"q of {heads} heads x {head_dim} does not fit caches {tuple(k_cache.shape)} "
+            f"with strides {k_cache.stride()} and {v_cache.stride()}"
+        )
+    if out is None:
+        out = torch.empty_like(q)
+    # The kernel steps the head dimension by 1; heads and tokens go by their strides.
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError("q, out and the caches need a contiguous head dimension")
+    seqs = block_tables.shape[0]
+    group = heads // kv_heads
+    if seqs == 0 or tokens == 0:
+        return out
+    # Decode: one token's group of heads in a minimal tl.dot; prefill: 64 pairs a program.
+    rows = triton.next_power_of_2(max(_MIN_DOT, group if query_len == 1 else _PREFILL_ROWS))
+    grid = (seqs, kv_heads, triton.cdiv(query_len * group, rows))
+    interpreted = q.device.type == "cpu"  # a CPU tensor only runs under the interpreter
+    _paged_attention_kernel[grid](
+        q,
+        out,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_starts if query_starts is not None else context_lens,  # unread unless VARLEN
+        query_len,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
+        GROUP=group,
+        ROWS=rows,
+        BLOCK_N=_KEY_TILE,
+        VARLEN=query_starts is not None,
+        UPCAST=interpreted and q.dtype == torch.bfloat16,
+        PRECISION="ieee" if q.dtype == torch.float32 else None,
+    )
+    return out
+
+
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+) -> torch.Tensor:
+    """attention.paged_attention on the kernel: q [tokens, heads, head_dim] -> like q, the
+    step's K/V already in the caches. One launch per prefill segment and per decode group
+    (one group when the model runner makes one, as it may: the kernel takes any mix of
+    context lengths)."""
+    out = torch.empty_like(q)
+    for seg in batch.prefills:
+        rows = slice(seg.start, seg.start + seg.length)
+        # A fill kernel, not a host-to-device copy: no sync with the device.
+        context_len = torch.full((1,), seg.context_len, dtype=torch.int32, device=q.device)
+        paged_attention(
+            q[rows],
+            k_cache,
+            v_cache,
+            seg.block_table[None],  # [1, blocks]
+            context_len,
+            scale,
+            query_len=seg.length,
+            out=out[rows],
+        )
+    decode_q, decode_out = q[batch.decode_start :], out[batch.decode_start :]
+    for group in batch.decode_groups:
+        if group.rows is None:  # every decode row, in order: written in place
+            tables, lens = group.block_tables, group.context_lens
+            paged_attention(decode_q, k_cache, v_cache, tables, lens, scale, out=decode_out)
+        else:
+            result = paged_attention(
+                decode_q.index_select(0, group.rows),
+                k_cache,
+                v_cache,
+                group.block_tables,
+                group.context_lens,
+                scale,
+            )
+            decode_out.index_copy_(0, group.rows, result)
+    return out

@@ -1,0 +1,247 @@
+"""The Triton paged-attention kernel (appliance/model/triton_attention.py) against a dense
+float64 reference, on the CPU under Triton's interpreter.
+
+Why a child process: triton decides at @triton.jit time, when the kernel module is first
+imported, whether a kernel is compiled or interpreted, from TRITON_INTERPRET. Setting the
+variable at the top of this file would work only if nothing in the pytest process had
+imported the kernel module before (test order, a future test of gpu_check's dry run), and
+it would leak into every later test and the workers they spawn. So one child Python with
+TRITON_INTERPRET=1 runs every case once (a module fixture: one torch + triton start-up)
+and reports each case's error as JSON; each case is its own test here. triton is a dev
+dependency: without it the child fails and every test here errors, none is skipped.
+
+The caches start as NaN and only the slots inside each context are written, so a kernel
+that read a slot past a context (a partly filled last block, the zero padding of a block
+table) would return NaN. Block ids are shuffled: tables are non-contiguous, out of order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    """One launch of the kernel on random data."""
+
+    name: str
+    dtype: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    runs: tuple[tuple[int, int], ...]  # per sequence: (cached tokens, query tokens now)
+    varlen: bool  # query runs from query_starts; else one length for all (decode, a chunk)
+    tolerance: float  # max |kernel - reference| / (1 + |reference|), elementwise
+
+
+# Decode: one query per sequence, contexts from 1 token to three key tiles, block edges on
+# both sides of a block boundary.
+DECODES = ((0, 1), (15, 1), (16, 1), (74, 1), (139, 1))
+# Chunked prefill, several sequences in one launch: no prefix, a prefix hit ending
+# mid-block, a block-aligned prefix, a chunk of several query tiles, and a decode.
+CHUNKS = ((0, 33), (37, 20), (64, 5), (3, 90), (130, 1))
+# Tolerances, on the error over 1 + |reference|: float32 runs ieee dots and a float32
+# softmax (errors seen ~1e-7). 16-bit inputs round the probabilities to the input dtype
+# before the second product and the output at the end, as on the GPU: at most half an ulp
+# (2**-9 relative in bfloat16, 2**-12 in float16) of the output plus as much of the largest
+# |V| (randn: < 5 here), so < 0.01 in bfloat16 and < 0.0013 in float16.
+CASES = (
+    # GQA with 3 query heads per KV head (the default model's ratio), blocks of 16.
+    Case("decode_gqa_fp32", "float32", 6, 2, 64, 16, DECODES, False, 1e-5),
+    Case("decode_gqa_bf16", "bfloat16", 6, 2, 64, 16, DECODES, False, 1e-2),
+    # Multi-head (group 1), a head size that is no power of two, blocks of 8.
+    Case("decode_mha_odd_head_fp16", "float16", 4, 4, 48, 8, ((2, 1), (29, 1)), False, 1.3e-3),
+    Case("prefill_varlen_fp32", "float32", 6, 2, 64, 16, CHUNKS, True, 1e-5),
+    Case("prefill_varlen_bf16", "bfloat16", 6, 2, 64, 16, CHUNKS, True, 1e-2),
+    # One chunk after a cached prefix ending mid-block, as attention.py launches a prefill
+    # segment: GQA 4, blocks of 32.
+    Case("chunk_prefix_hit_fp32", "float32", 8, 2, 64, 32, ((45, 40),), False, 1e-5),
+    Case("chunk_prefix_hit_bf16", "bfloat16", 8, 2, 64, 32, ((45, 40),), False, 1e-2),
+)
+ATTEND_TOLERANCE = 1e-5  # attend() against the CPU path (SDPA, the C kernel), float32
+
+
+def _pool(
+    runs: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NaN caches [num_blocks, block_size, kv_heads, head_dim] with random K/V in the first
+    `runs[i]` slots of sequence i's blocks, and the tables [seqs, max_blocks] (int64, each
+    padded with block 0, never written: NaN)."""
+    widths = [-(-n // block_size) for n in runs]
+    num_blocks = 1 + sum(widths) + 5  # block 0 and a few that no table holds
+    ids = (torch.randperm(num_blocks - 1) + 1).tolist()  # shuffled: any ids, any order
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    tables = torch.zeros(len(runs), max(widths), dtype=torch.int64)
+    for i, (n, width) in enumerate(zip(runs, widths, strict=True)):
+        tables[i, :width] = torch.tensor(ids[:width])
+        ids = ids[width:]
+        for pos in range(n):
+            block, offset = tables[i, pos // block_size], pos % block_size
+            k_cache[block, offset] = torch.randn(kv_heads, head_dim).to(dtype)
+            v_cache[block, offset] = torch.randn(kv_heads, head_dim).to(dtype)
+    return k_cache, v_cache, tables
+
+
+def _reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    runs: list[tuple[int, int, int]],
+    scale: float,
+) -> torch.Tensor:
+    """Dense float64 attention: runs are (first row, query tokens, context tokens)."""
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i, (start, length, context) in enumerate(runs):
+        blocks = tables[i, torch.arange(context) // block_size]
+        slots = blocks * block_size + torch.arange(context) % block_size  # [ctx]
+        k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, 1)  # [ctx, heads, dim]
+        v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, 1)
+        qq = q[start : start + length].double()  # [length, heads, dim]
+        scores = torch.einsum("lhd,chd->hlc", qq, k) * scale  # [heads, length, ctx]
+        q_pos = torch.arange(context - length, context)
+        hidden = torch.arange(context)[None, :] > q_pos[:, None]  # causal: later keys hidden
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        out[start : start + length] = torch.einsum("hlc,chd->lhd", probs, v)
+    return out
+
+
+def _run_case(case: Case) -> float:
+    """The kernel's largest error against the reference, over 1 + |reference| (NaN if it
+    produced any NaN)."""
+    from appliance.model import triton_attention
+
+    dtype = getattr(torch, case.dtype)
+    contexts = [cached + new for cached, new in case.runs]
+    k_cache, v_cache, tables = _pool(contexts, case.block_size, case.kv_heads, case.head_dim, dtype)
+    lengths = [new for _, new in case.runs]
+    starts = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    # q as the model makes it: the query heads of a fused [tokens, heads + 2 kv, dim] tensor.
+    width = case.heads + 2 * case.kv_heads
+    q = torch.randn(starts[-1], width, case.head_dim).to(dtype)[:, : case.heads]
+    scale = case.head_dim**-0.5
+    if case.varlen:
+        # int32 metadata here, int64 below: the kernel takes either.
+        out = triton_attention.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            torch.tensor(contexts, dtype=torch.int32),
+            scale,
+            query_len=max(lengths),
+            query_starts=torch.tensor(starts, dtype=torch.int32),
+        )
+    else:
+        assert len(set(lengths)) == 1, "a uniform launch has one query length"
+        out = triton_attention.paged_attention(
+            q, k_cache, v_cache, tables, torch.tensor(contexts), scale, query_len=lengths[0]
+        )
+    runs = list(zip(starts[:-1], lengths, contexts, strict=True))
+    ref = _reference(q, k_cache, v_cache, tables, runs, scale)
+    return ((out.double() - ref).abs() / (1 + ref.abs())).max().item()
+
+
+def _run_attend() -> float:
+    """triton_attention.attend over a whole step (two prefill segments, one a prefix hit,
+    and two decode groups, one out of row order) against attention.paged_attention's CPU
+    path: the max abs difference."""
+    from appliance.model import triton_attention
+    from appliance.model.attention import AttentionBatch, DecodeGroup, PrefillSegment
+    from appliance.model.attention import paged_attention as cpu_paged_attention
+
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    chunks = [(0, 21), (40, 30)]  # prefill: (cached, chunk)
+    decodes = [35, 3, 80]  # decode contexts, the new token included
+    contexts = [c + n for c, n in chunks] + decodes
+    k_cache, v_cache, tables = _pool(contexts, block_size, kv_heads, head_dim, torch.float32)
+    # Zeros, not NaN, past the contexts: the CPU path's SDPA multiplies masked slots by 0.
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    tokens = sum(n for _, n in chunks) + len(decodes)
+    q = torch.randn(tokens, heads, head_dim)
+    k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    # The step's own K/V: the prefill chunks' slots (the decode tokens' are already random).
+    row = 0
+    for i, (cached, n) in enumerate(chunks):
+        for j, pos in enumerate(range(cached, cached + n)):
+            block, offset = tables[i, pos // block_size], pos % block_size
+            k_cache[block, offset], v_cache[block, offset] = k[row + j], v[row + j]
+        row += n
+    segments, row = [], 0
+    for i, (cached, n) in enumerate(chunks):
+        width = -(-(cached + n) // block_size)
+        segments.append(PrefillSegment(row, n, cached + n, tables[i, :width].clone()))
+        row += n
+
+    def group(members: list[int]) -> DecodeGroup:
+        seqs = [len(chunks) + m for m in members]
+        lens = torch.tensor([contexts[s] for s in seqs])
+        width = max(-(-int(n) // block_size) for n in lens)
+        visible = torch.arange(width * block_size)[None, :] < lens[:, None]
+        return DecodeGroup(
+            torch.tensor(members), tables[seqs, :width].clone(), visible[:, None, None], lens
+        )
+
+    groups = [group([2, 0]), group([1])]
+    batch = AttentionBatch(torch.zeros(0, dtype=torch.int64), segments, row, groups)
+    scale = head_dim**-0.5
+    ours = triton_attention.attend(q, k_cache, v_cache, batch, scale)
+    theirs = cpu_paged_attention(q, k, v, k_cache, v_cache, batch, scale)
+    return (ours - theirs).abs().max().item()
+
+
+def _child() -> dict[str, float | str]:
+    """Every case's error (or its traceback) under the interpreter."""
+    torch.manual_seed(0)
+    results: dict[str, float | str] = {}
+    jobs = {case.name: lambda case=case: _run_case(case) for case in CASES}
+    jobs["attend"] = _run_attend
+    for name, job in jobs.items():
+        try:
+            results[name] = job()
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def errors() -> dict[str, float | str]:
+    """The child's results: one interpreter process for every case."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_kernel_matches_dense_reference(errors: dict[str, float | str], case: Case) -> None:
+    error = errors[case.name]
+    assert not isinstance(error, str), error
+    assert error <= case.tolerance, f"{case.name}: error {error} over 1 + |reference|"
+
+
+def test_attend_matches_cpu_path(errors: dict[str, float | str]) -> None:
+    error = errors["attend"]
+    assert not isinstance(error, str), error
+    assert error <= ATTEND_TOLERANCE, f"max abs difference from the CPU path {error}"
+
+
+if __name__ == "__main__":
+    # The child: TRITON_INTERPRET must be in the environment before triton is imported
+    # (the fixture sets it; a bare run sets it here, before any import of the kernels).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    print(json.dumps(_child()))
