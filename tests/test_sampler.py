@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from appliance.engine.sampler import Sampler
+from appliance.engine.sampler import Sampler, batch_probabilities
+from appliance.engine.sampler import _cuts as cuts_of
 from appliance.engine.sequence import SamplingParams
 
 CPU = torch.device("cpu")
@@ -193,3 +196,174 @@ def test_empirical_frequencies_follow_probabilities() -> None:
     expected = torch.softmax(logits[0], -1).tolist()
     for token in (0, 1, 3):
         assert abs(counts[token] / 600 - expected[token]) < 0.08
+
+
+# The batched sampler: one draw for all rows, each row after its own settings. The
+# frequency tests count tokens over many seeded draws (deterministic: each seed is its
+# own stream) and compare them with distributions computed here by hand, by a chi-square
+# test; each also checks that a wrong distribution would have been rejected.
+SMALL = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.5])  # distinct: softmax ~.54/.20/.12/.07/.04/.02
+
+
+def seeded_counts(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+    """Token counts of `draws` rows of the same logits, each with its own seed, sampled
+    in one call (the batched path)."""
+    requests = [(i, replace(params, seed=i)) for i in range(draws)]
+    tokens = Sampler(CPU).sample(logits.expand(draws, -1).contiguous(), requests)
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).double()
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """The p-value of `counts` under `probs` (Pearson's test over the nonzero entries)."""
+    support_mask = probs > 0
+    expected = probs.double() * counts.sum()
+    stat = ((counts - expected)[support_mask] ** 2 / expected[support_mask]).sum()
+    df = torch.tensor(float(support_mask.sum() - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+def hand_made(kept: list[int], weights: torch.Tensor) -> torch.Tensor:
+    """`weights` renormalized over the `kept` tokens, zero elsewhere."""
+    probs = torch.zeros_like(weights)
+    probs[kept] = weights[kept] / weights[kept].sum()
+    return probs
+
+
+@pytest.mark.parametrize(
+    ("params", "expected", "wrong"),
+    [
+        # Temperature: softmax(logits / T); the wrong one ignores T.
+        (
+            SamplingParams(temperature=0.7),
+            torch.softmax(SMALL / 0.7, -1),
+            torch.softmax(SMALL, -1),
+        ),
+        # Top-k 3: the three largest, renormalized; the wrong one keeps four.
+        (
+            SamplingParams(temperature=1.0, top_k=3),
+            hand_made([0, 1, 2], torch.softmax(SMALL, -1)),
+            hand_made([0, 1, 2, 3], torch.softmax(SMALL, -1)),
+        ),
+        # Top-p 0.8 at T=1: cumulative .54, .74, .86 -> the first three reach it; the
+        # wrong one stops at two.
+        (
+            SamplingParams(temperature=1.0, top_p=0.8),
+            hand_made([0, 1, 2], torch.softmax(SMALL, -1)),
+            hand_made([0, 1], torch.softmax(SMALL, -1)),
+        ),
+        # All three at T=2: softmax(SMALL / 2) is ~.34/.21/.16/.13/.10/.06; top-k 4 keeps
+        # four (renormalized .41/.25/.19/.15), top-p .6 then the first two (.41 + .25
+        # reach it); the wrong one keeps a third.
+        (
+            SamplingParams(temperature=2.0, top_k=4, top_p=0.6),
+            hand_made([0, 1], torch.softmax(SMALL / 2, -1)),
+            hand_made([0, 1, 2], torch.softmax(SMALL / 2, -1)),
+        ),
+    ],
+    ids=["temperature", "top_k", "top_p", "all_three"],
+)
+def test_batched_draws_follow_the_distribution(
+    params: SamplingParams, expected: torch.Tensor, wrong: torch.Tensor
+) -> None:
+    counts = seeded_counts(SMALL, params, draws=3000)
+    assert counts[expected == 0].sum() == 0  # nothing outside the support
+    assert chi_square_p(counts, expected) > 1e-3
+    # The test has the power to tell: the near miss is rejected outright.
+    if (counts[wrong == 0] > 0).any():
+        return  # tokens outside the wrong support already refute it
+    assert chi_square_p(counts, wrong) < 1e-6
+
+
+def test_one_seeded_request_over_many_steps_follows_the_distribution() -> None:
+    params = SamplingParams(temperature=1.5, top_k=5, seed=31)
+    sampler = Sampler(CPU)
+    tokens = [sampler.sample(SMALL[None], [(0, params)])[0] for _ in range(2000)]
+    counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
+    expected = hand_made([0, 1, 2, 3, 4], torch.softmax(SMALL / 1.5, -1))
+    assert counts[5] == 0
+    assert chi_square_p(counts, expected) > 1e-3
+
+
+def test_unseeded_rows_follow_the_distribution() -> None:
+    # Unseeded rows share one generator and draw in one call: random across runs, so the
+    # bar is loose (a false alarm about once in a million runs).
+    draws = 3000
+    requests = [(i, SamplingParams(temperature=1.0, top_p=0.9)) for i in range(draws)]
+    tokens = Sampler(CPU).sample(SMALL.expand(draws, -1).contiguous(), requests)
+    counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
+    expected = hand_made([0, 1, 2, 3], torch.softmax(SMALL, -1))  # cumulative .85 < .9
+    assert counts[4:].sum() == 0
+    assert chi_square_p(counts, expected) > 1e-6
+
+
+def test_unseeded_requests_differ_between_samplers() -> None:
+    logits = torch.zeros(1, VOCAB)
+    params = SamplingParams(temperature=1.0)
+    runs = [[Sampler(CPU).sample(logits, [(0, params)])[0] for _ in range(20)] for _ in "ab"]
+    assert runs[0] != runs[1]
+
+
+def test_mixed_batch_rows_each_follow_their_own_settings() -> None:
+    logits = random_logits(5, seed=8)
+    logits[2, 4] = 50.0  # top_k=1 row: a clear maximum
+    requests = [
+        (0, SamplingParams()),  # greedy
+        (1, SamplingParams(temperature=1e-6, seed=3)),  # below GREEDY_BELOW: greedy too
+        (2, SamplingParams(temperature=0.8, top_k=1, seed=4)),
+        (3, SamplingParams(temperature=1.2, top_p=0.5, seed=5)),
+        (4, SamplingParams(temperature=1.0, seed=6)),
+    ]
+    sampler = Sampler(CPU)
+    for _ in range(20):
+        tokens = sampler.sample(logits, requests)
+        assert all(isinstance(t, int) for t in tokens)
+        assert tokens[0] == int(logits[0].argmax())
+        assert tokens[1] == int(logits[1].argmax())
+        assert tokens[2] == 4
+        assert tokens[3] in support(Sampler.probabilities(logits[3], requests[3][1]))
+
+
+def test_seeded_row_ignores_what_the_others_cut() -> None:
+    # A temperature-only row sampled beside rows that need top-k and top-p (the sorting
+    # path) draws exactly what it draws alone (the softmax-only path).
+    params = SamplingParams(temperature=1.1, seed=77)
+    alone, crowded = Sampler(CPU), Sampler(CPU)
+    for step in range(15):
+        logits = random_logits(3, 500 + step)
+        solo = alone.sample(logits[1:2], [(9, params)])[0]
+        requests = [
+            (1, SamplingParams(temperature=0.9, top_k=4, seed=1)),
+            (9, params),
+            (2, SamplingParams(temperature=1.0, top_p=0.7, seed=2)),
+        ]
+        assert crowded.sample(logits, requests)[1] == solo
+
+
+def test_batch_rows_equal_single_row_probabilities() -> None:
+    logits = random_logits(4, seed=12)
+    settings = [
+        SamplingParams(temperature=0.6),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.4, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=7, top_p=0.6),
+    ]
+    requests = list(enumerate(settings))
+    batch = batch_probabilities(
+        logits,
+        torch.tensor([p.temperature for p in settings]),
+        torch.tensor([p.top_k for p in settings]),
+        torch.tensor([p.top_p for p in settings]),
+        cuts=cuts_of(requests, VOCAB),
+    )
+    for row, params in enumerate(settings):
+        assert torch.equal(batch[row], Sampler.probabilities(logits[row], params))
+    assert [len(support(batch[r])) for r in range(4)][:2] == [VOCAB, 5]
+
+
+def test_zero_noise_never_picks_a_cut_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Exp(1) noise may round to 0; 0/0 would be NaN, which argmax would pick. Forced to
+    # zero everywhere, the draw must still land inside the support.
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, **_: self.zero_())
+    logits = torch.tensor([[float("-inf"), 1.0, float("-inf"), 3.0, 2.0]])
+    params = SamplingParams(temperature=1.0, top_k=2, seed=1)
+    assert Sampler(CPU).sample(logits, [(0, params)]) == [3]

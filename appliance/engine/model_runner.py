@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, Protocol
 
@@ -32,14 +33,52 @@ class StepInputs:
 
 
 def move_to(value: Any, device: torch.device) -> Any:
-    """The same step inputs (tensors, lists and dataclasses of them) on another device."""
+    """The same step inputs (tensors, lists and dataclasses of them) on another device.
+
+    To CUDA they go packed: one pinned host buffer and one non-blocking copy per dtype,
+    so the step queues behind the previous one instead of waiting for it (a copy from
+    pageable memory blocks the host until the device has run everything before it)."""
+    if device.type == "cuda":
+        return pack_to(value, device, pin=True)
+    return map_tensors(value, lambda tensor: tensor.to(device))
+
+
+def pack_to(value: Any, device: torch.device, *, pin: bool) -> Any:
+    """move_to's CUDA path: `value`'s host (CPU) tensors as views of one `device` buffer
+    per dtype, copied from one host buffer per dtype (pinned if `pin`) without blocking.
+    Other tensors go to `device` on their own (there are none in a step's inputs). With
+    `device` the CPU and pin False the packing runs the same: that is its test."""
+    leaves: list[torch.Tensor] = []
+    map_tensors(value, leaves.append)
+    moved: dict[int, torch.Tensor] = {}  # leaf index -> its tensor on the device
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(leaves):
+        if tensor.device.type == "cpu":
+            by_dtype.setdefault(tensor.dtype, []).append(index)
+        else:
+            moved[index] = tensor.to(device, non_blocking=True)
+    for dtype, members in by_dtype.items():
+        sizes = [leaves[i].numel() for i in members]
+        host = torch.empty(sum(sizes), dtype=dtype, pin_memory=pin)
+        torch.cat([leaves[i].reshape(-1) for i in members], out=host)
+        # The caching host allocator keeps `host` from reuse until this copy has run.
+        pieces = host.to(device, non_blocking=True).split(sizes)
+        for i, piece in zip(members, pieces, strict=True):
+            moved[i] = piece.view(leaves[i].shape)
+    order = iter(range(len(leaves)))
+    return map_tensors(value, lambda _: moved[next(order)])
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`value` with each tensor inside it (in lists and dataclass fields, depth first, in
+    order) replaced by fn(tensor)."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return fn(value)
     if isinstance(value, list):
-        return [move_to(v, device) for v in value]
+        return [map_tensors(v, fn) for v in value]
     if is_dataclass(value) and not isinstance(value, type):
         return replace(
-            value, **{f.name: move_to(getattr(value, f.name), device) for f in fields(value)}
+            value, **{f.name: map_tensors(getattr(value, f.name), fn) for f in fields(value)}
         )
     return value
 
@@ -73,18 +112,37 @@ class ModelRunner:
         self.ragged_decode = cpu_kernels.decodes_ragged(
             model.device, model.dtype, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
         ) or runs_triton(model.device)
+        # Off unless enable_decode_graphs() is called (CUDA only, not yet run on a GPU).
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, batch_sizes: tuple[int, ...], max_len: int) -> None:
+        """Capture CUDA graphs of decode-only steps of these batch sizes, for sequences of
+        up to max_len tokens; other steps still run eagerly. Call before serving: capture
+        runs the model on dummy rows, which write K/V into the pool's slot 0.
+
+        Experimental and off by default: no GPU has run it yet (the CPU tests replay the
+        same static buffers eagerly)."""
+        if not runs_triton(self.device):
+            raise ValueError(f"decode graphs need CUDA with triton, not {self.device}")
+        if self.followers is not None:
+            raise ValueError("decode graphs do not capture tensor-parallel steps")
+        self.decode_graphs = DecodeGraphs(self.model, self.kv, batch_sizes, max_len, True)
 
     def run(self, out: SchedulerOutput) -> dict[int, int]:
         """Compute the step; return {seq_id: next token} for sequences whose chunk completed."""
         inputs = self.prepare(out)  # built on the host: followers are sent these
         if self.followers is not None:
             self.followers.run_step(inputs)
-        if self.device.type != "cpu":
-            inputs = move_to(inputs, self.device)
-        hidden = forward(self.model, inputs, self.kv.tensor)
-        if not inputs.sample_requests:
-            return {}
-        logits = self.model.logits(hidden[inputs.sample_rows])
+        if self.decode_graphs is not None and self.decode_graphs.takes(inputs):
+            logits = self.decode_graphs.run(inputs)  # every decode row is sampled
+        else:
+            if self.device.type != "cpu":
+                inputs = move_to(inputs, self.device)
+            hidden = forward(self.model, inputs, self.kv.tensor)
+            if not inputs.sample_requests:
+                return {}
+            logits = self.model.logits(hidden[inputs.sample_rows])
+        # The step's one read from the device: the sampled ids, all rows at once.
         tokens = self.sampler.sample(logits, inputs.sample_requests)
         return {
             seq_id: tok for (seq_id, _), tok in zip(inputs.sample_requests, tokens, strict=True)
@@ -154,3 +212,126 @@ class ModelRunner:
     def _tensor(self, values: list) -> torch.Tensor:
         # On the host: one copy per tensor to the device later, none back for followers.
         return torch.tensor(values, dtype=torch.int64)
+
+
+class DecodeGraphs:
+    """Decode-only steps of a few batch sizes replayed from CUDA graphs: one launch for the
+    whole model instead of hundreds, which at small batches costs more than the math.
+
+    Graphs read fixed addresses, so each step's inputs are copied into static buffers
+    sized for the largest batch and the longest sequence; a step of n rows runs the
+    graph of the smallest captured size >= n, its padding rows repeating the last real
+    row (same token, position and slot: their K/V writes store what that row stores, so
+    no other sequence's cache is touched). Sampling stays outside the graph (per-request
+    generators). With capture False (the CPU tests) the same buffers run eagerly."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVCache,
+        batch_sizes: tuple[int, ...],
+        max_len: int,
+        capture: bool,
+    ) -> None:
+        if not batch_sizes or min(batch_sizes) < 1 or max_len < 1:
+            raise ValueError(f"batch sizes {batch_sizes} and max_len {max_len} must be >= 1")
+        self.model = model
+        self.kv = kv
+        self.sizes = sorted(set(batch_sizes))
+        self.max_blocks = -(-max_len // kv.block_size)
+        rows, device = self.sizes[-1], model.device
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.context = torch.ones(rows, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(rows, self.max_blocks, dtype=torch.int64, device=device)
+        self.keys = torch.arange(self.max_blocks * kv.block_size, device=device)
+        self._pool: Any = None  # one memory pool shared by every captured size
+        # Largest first: the smaller graphs then fit in the memory the largest reserved.
+        self._steps = {size: self._record(size, capture) for size in reversed(self.sizes)}
+
+    def takes(self, inputs: StepInputs) -> bool:
+        """Whether `inputs` (host tensors) are a decode-only step a graph can run: one
+        group in row order, every row sampled, few and short enough."""
+        batch = inputs.attention
+        groups = batch.decode_groups
+        if batch.prefills or len(groups) != 1 or groups[0].rows is not None:
+            return False
+        rows = int(inputs.input_ids.shape[0])
+        return (
+            batch.decode_start == 0
+            and rows == len(inputs.sample_requests)
+            and rows <= self.sizes[-1]
+            and groups[0].block_tables.shape[1] <= self.max_blocks
+        )
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's logits [rows, vocab], from the graph of the smallest size that fits."""
+        rows = int(inputs.input_ids.shape[0])
+        size = next(s for s in self.sizes if s >= rows)
+        group = inputs.attention.decode_groups[0]
+        width = group.block_tables.shape[1]
+        sources = [
+            (self.input_ids[:size], inputs.input_ids),
+            (self.positions[:size], inputs.positions),
+            (self.slots[:size], inputs.attention.slot_mapping),
+            (self.context[:size], group.context_lens),
+            # Columns past `width` keep stale ids: the kernel reads none past the context.
+            (self.tables[:size, :width], group.block_tables),
+        ]
+        host = [_pad_rows(source, size) for _, source in sources]
+        pinned = self.model.device.type == "cuda"
+        moved = pack_to(host, self.model.device, pin=pinned)
+        for (target, _), piece in zip(sources, moved, strict=True):
+            target.copy_(piece)  # on the device, queued behind the upload: no wait
+        return self._steps[size]()[:rows]
+
+    def _step_inputs(self, size: int) -> StepInputs:
+        """The first `size` rows of the static buffers as a decode-only step."""
+        context = self.context[:size]
+        # Derived inside the step from the context lengths, so nothing this large is
+        # copied per step, and a backend that reads it sees the right mask.
+        visible = (self.keys[None, :] < context[:, None])[:, None, None, :]
+        group = DecodeGroup(None, self.tables[:size], visible, context)
+        return StepInputs(
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            attention=AttentionBatch(self.slots[:size], [], 0, [group]),
+            sample_rows=torch.arange(size, device=self.model.device),
+            sample_requests=[],
+        )
+
+    def _logits(self, size: int) -> torch.Tensor:
+        hidden = forward(self.model, self._step_inputs(size), self.kv.tensor)
+        return self.model.logits(hidden)
+
+    def _record(self, size: int, capture: bool) -> Callable[[], torch.Tensor]:
+        """A call that runs the step of `size` rows over the static buffers: a graph's
+        replay when capturing, the eager model otherwise."""
+        if not capture:
+            return lambda: self._logits(size)
+        # Warm up on a side stream first: Triton compiles and cuBLAS picks its kernels
+        # there, outside the capture (torch.cuda.graphs' recommended pattern).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._logits(size)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._logits(size)
+        self._pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return logits  # rewritten in place by every replay
+
+        return replay
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor` with its last row repeated up to `rows` rows."""
+    missing = rows - tensor.shape[0]
+    if missing == 0:
+        return tensor
+    return torch.cat([tensor, tensor[-1:].expand(missing, *tensor.shape[1:])])

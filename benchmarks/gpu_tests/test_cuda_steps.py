@@ -1,0 +1,60 @@
+"""CUDA-only checks of a step's host syncs and of decode CUDA graphs, run on a GPU machine
+by benchmarks/gpu_check.py (section "cuda_tests"): they have nothing to run on a CPU, so
+they are not in the CPU suite (tests/), where they would only be skipped.
+
+    .venv/bin/python -m pytest -q benchmarks/gpu_tests
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from appliance.config import load_settings
+from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.model_runner import move_to
+from appliance.engine.sampler import Sampler
+from appliance.engine.sequence import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12)
+
+if not torch.cuda.is_available():
+    pytest.fail("these checks need a CUDA device", pytrace=False)
+
+
+def prompts_for(engine: LLMEngine, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Prompts of these token counts (tests/test_step_syncs.py's)."""
+    text = "Graphs replay a whole decode step in one launch; padding rows copy the last."
+    ids = engine.tokenizer.encode(text * 6)
+    return [ids[:n] for n in lengths]
+
+
+def test_cuda_upload_and_sampling_never_sync() -> None:
+    device = torch.device("cuda")
+    logits = torch.randn(8, 1000, device=device)
+    requests = [
+        (i, SamplingParams(temperature=0.0 if i == 0 else 1.0, top_k=i, top_p=0.9, seed=i))
+        for i in range(8)
+    ]
+    sampler = Sampler(device)
+    inputs = [torch.arange(10), [torch.ones(3, dtype=torch.bool)], torch.arange(5.0)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved = move_to(inputs, device)
+        drawn = sampler.sample_tensor(logits, requests)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert drawn.device.type == "cuda" and drawn.shape == (8,)
+    assert drawn.tolist()[0] == int(logits[0].argmax())
+    assert torch.equal(moved[0].cpu(), torch.arange(10))
+    assert moved[1][0].dtype == torch.bool and bool(moved[1][0].all())
+
+
+def test_cuda_graphs_give_the_eager_tokens() -> None:
+    settings = load_settings(device="cuda", dtype="bfloat16", weights="dense")
+    eager, graphed = LLMEngine.from_settings(settings), LLMEngine.from_settings(settings)
+    graphed.runner.enable_decode_graphs((1, 2, 4, 8), max_len=512)
+    prompts = prompts_for(eager, (5, 17, 30))
+    expected = [c.token_ids for c in eager.generate(prompts, GREEDY)]
+    assert [c.token_ids for c in graphed.generate(prompts, GREEDY)] == expected
