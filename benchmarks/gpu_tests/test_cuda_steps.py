@@ -52,7 +52,10 @@ def test_cuda_upload_and_sampling_never_sync() -> None:
 
 
 def test_cuda_graphs_give_the_eager_tokens() -> None:
-    settings = load_settings(device="cuda", dtype="bfloat16", weights="dense")
+    # two engines on one GPU: a pool each of an explicit size, not 0.9 of the device each
+    settings = load_settings(
+        device="cuda", dtype="bfloat16", weights="dense", kv={"memory_mb": 1024}
+    )
     eager, graphed = LLMEngine.from_settings(settings), LLMEngine.from_settings(settings)
     graphed.runner.enable_decode_graphs((1, 2, 4, 8), max_len=512)
     prompts = prompts_for(eager, (5, 17, 30))
