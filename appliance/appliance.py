@@ -34,7 +34,7 @@ class Appliance:
 
     def prepare(self) -> None:
         """Load the tokenizer and the model's facts; raises ModelLoadError for a bad model.
-        Writes the weight cache once, if missing, before the workers read it."""
+        Reads no weights: the first worker that needs dense ones writes their cache."""
         settings = self.settings
         self.config, self.tokenizer = prepare_tokenizer(settings.model, settings.cache_dir)
         check_degree(self.config, settings.prefill_tp, "prefill_tp")

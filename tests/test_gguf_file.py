@@ -126,7 +126,7 @@ def test_quantized_tensor_round_trips(tmp_path, rng, qtype, tolerance):
     expected = gguf.quants.dequantize(encoded, qtype).astype(np.float32).reshape(VOCAB, HIDDEN)
     np.testing.assert_array_equal(array, expected)
 
-    weights = read_weights(reader, config, path)
+    weights = read_weights(path, config)
     embed = weights["model.embed_tokens.weight"]
     assert embed.dtype == torch.float32
     assert tuple(embed.shape) == (VOCAB, HIDDEN)
@@ -200,7 +200,7 @@ def test_k_quant_blocks_dequantize_to_known_values(tmp_path, qtype):
     assert array.dtype == np.float32
     np.testing.assert_array_equal(array, expected)
 
-    embed = read_weights(reader, config, path)["model.embed_tokens.weight"]
+    embed = read_weights(path, config)["model.embed_tokens.weight"]
     assert embed.dtype == torch.float32
     torch.testing.assert_close(embed, torch.from_numpy(expected), rtol=0, atol=0)
 
@@ -211,27 +211,108 @@ def test_unsupported_quant_type_is_refused_by_name(tmp_path):
     path = write_gguf(tmp_path / "iq.gguf", {"token_embd.weight": (raw, Q.IQ4_NL)})
     reader, config = load(path)
     with pytest.raises(ModelLoadError) as excinfo:
-        read_weights(reader, config, path)
+        read_weights(path, config)
     assert_load_error(excinfo, path, "IQ4_NL", "token_embd.weight")
     with pytest.raises(ModelLoadError) as excinfo:
         dequantize_tensor(reader.tensors[0], path)
     assert_load_error(excinfo, path, "IQ4_NL")
 
 
-def test_weights_do_not_alias_the_read_only_file_map(tmp_path, rng):
-    """Returned tensors must own writable memory, not view the reader's read-only memmap.
+def mappings_of(path: Path) -> list[str]:
+    """This process's memory mappings of `path` (lines of /proc/self/maps)."""
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(path) in line]
 
-    torch.from_numpy on that map warns "The given NumPy array is not writable ...
-    undefined behavior"; an in-place op on such a weight (e.g. embed.add_(1)) kills
-    the process with SIGSEGV. F16/quantized types are copied by dequantize; F32 is not.
-    """
+
+def test_weights_are_read_into_their_own_memory_and_the_file_is_not_mapped(tmp_path, rng):
+    """Each tensor is read when asked for, into writable memory of its own (an in-place op
+    on a view of a read-only map kills the process with SIGSEGV), and no page of the file
+    stays mapped in this process (it would count against the worker's memory)."""
     path = write_gguf(tmp_path / "m.gguf", model_tensors(rng))
-    reader, config = load(path)
-    weights = read_weights(reader, config, path)
-    start = reader.data.ctypes.data
-    end = start + reader.data.nbytes
-    aliased = sorted(name for name, t in weights.items() if start <= t.data_ptr() < end)
-    assert aliased == []
+    _, config = load(path)
+    before = mappings_of(path)
+    weights = read_weights(path, config)
+    embed = weights["model.embed_tokens.weight"]
+    embed.add_(1)
+    assert not torch.equal(embed, weights["model.embed_tokens.weight"])  # read afresh
+    assert all(weights[name].data_ptr() != embed.data_ptr() for name in weights)
+    assert mappings_of(path) == before
+
+
+# --- reading a tensor at a time ------------------------------------------------------------
+
+
+def encoded(array: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray | tuple:
+    """A float32 array as the builder takes it in `qtype`."""
+    if qtype == Q.F32:
+        return array
+    return gguf.quants.quantize(array, qtype), qtype
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
+def test_pieces_make_up_the_tensor(tmp_path, rng, qtype):
+    tensors = model_tensors(rng)
+    tensors["blk.0.ffn_gate.weight"] = encoded(tensors["blk.0.ffn_gate.weight"], qtype)
+    path = write_gguf(tmp_path / "m.gguf", tensors)
+    _, config = load(path)
+    weights = read_weights(path, config)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    pieces = list(weights.pieces([name], max_bytes=3 * HIDDEN * 4))  # 3 float32 rows
+    assert [n for n, _ in pieces] == [name] * len(pieces)
+    shapes = [tuple(p.shape) for _, p in pieces]
+    assert shapes == [(3, HIDDEN)] * (FF // 3) + [(FF % 3, HIDDEN)]
+    assert all(p.dtype == torch.float32 for _, p in pieces)
+    torch.testing.assert_close(torch.cat([p for _, p in pieces]), weights[name], rtol=0, atol=0)
+    assert weights.shape(name) == (FF, HIDDEN)
+
+
+def test_q_and_k_pieces_hold_whole_heads_in_hugging_face_order(tmp_path, rng):
+    tensors = model_tensors(rng)
+    original = tensors["blk.0.attn_q.weight"].copy()
+    tensors["blk.0.attn_q.weight"] = llama_cpp_permute(original, HEADS)
+    path = write_gguf(tmp_path / "m.gguf", tensors)
+    _, config = load(path)
+    weights = read_weights(path, config)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    pieces = [p for _, p in weights.pieces([name], max_bytes=HEAD_DIM * HIDDEN * 4 + 4)]
+    assert [p.shape[0] for p in pieces] == [HEAD_DIM] * HEADS  # a head each, not a row more
+    np.testing.assert_array_equal(torch.cat(pieces).numpy(), original)
+    ((_, norm),) = weights.pieces(["model.norm.weight"], max_bytes=1)
+    assert tuple(norm.shape) == (1, HIDDEN)
+    np.testing.assert_array_equal(norm[0].numpy(), tensors["output_norm.weight"])
+
+
+def test_pieces_read_by_threads_come_in_order(tmp_path, rng):
+    tensors = model_tensors(rng)
+    for name in ("blk.0.ffn_up.weight", "blk.1.attn_k.weight", "token_embd.weight"):
+        tensors[name] = encoded(tensors[name], Q.Q8_0)
+    path = write_gguf(tmp_path / "m.gguf", tensors)
+    _, config = load(path)
+    weights = read_weights(path, config)
+    alone = list(weights.pieces(weights, max_bytes=2 * FF * 4))
+    threaded = list(weights.pieces(weights, threads=3, max_bytes=2 * FF * 4))
+    assert [n for n, _ in threaded] == [n for n, _ in alone]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(alone, threaded, strict=True))
+    assert len(alone) > 3 * len(weights) // 2  # several pieces to a tensor
+
+
+def test_block_quantized_is_read_from_the_index(tmp_path, rng):
+    tensors = model_tensors(rng)
+    floats = write_gguf(tmp_path / "f.gguf", tensors)
+    tensors["blk.1.ffn_up.weight"] = encoded(tensors["blk.1.ffn_up.weight"], Q.Q8_0)
+    blocks = write_gguf(tmp_path / "q.gguf", tensors)
+    _, config = load(floats)
+    assert not read_weights(floats, config).block_quantized()
+    assert read_weights(blocks, config).block_quantized()
+
+
+def test_a_tensor_past_the_end_of_the_file_is_refused_before_reading(tmp_path, rng):
+    good = write_gguf(tmp_path / "good.gguf", model_tensors(rng))
+    _, config = load(good)
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(good.read_bytes()[:-64])
+    with pytest.raises(ModelLoadError) as excinfo:
+        read_weights(path, config)
+    assert_load_error(excinfo, path, "past the end")
 
 
 # --- RoPE row order ------------------------------------------------------------------------
@@ -265,8 +346,8 @@ def test_read_weights_unpermutes_llama_q_and_k_only(tmp_path, rng):
         tensors[f"blk.{i}.attn_q.weight"] = llama_cpp_permute(original[f"blk.{i}.attn_q.weight"], 4)
         tensors[f"blk.{i}.attn_k.weight"] = llama_cpp_permute(original[f"blk.{i}.attn_k.weight"], 2)
     path = write_gguf(tmp_path / "llama.gguf", tensors)
-    reader, config = load(path)
-    weights = read_weights(reader, config, path)
+    _, config = load(path)
+    weights = read_weights(path, config)
     for i in range(LAYERS):
         attn = f"model.layers.{i}.self_attn"
         for proj, gguf_name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v")):
@@ -286,10 +367,10 @@ def test_read_weights_leaves_qwen2_rows_alone(tmp_path, rng):
             tensors[f"blk.{i}.attn_{proj}.bias"] = rand(rng, n * HEAD_DIM)
         tensors[f"blk.{i}.attn_v.bias"] = rand(rng, KV_HEADS * HEAD_DIM)
     path = write_gguf(tmp_path / "qwen.gguf", tensors, arch="qwen2")
-    reader, config = load(path)
+    _, config = load(path)
     assert config.architecture == "qwen2"
     assert config.attention_bias is True
-    weights = read_weights(reader, config, path)
+    weights = read_weights(path, config)
     for i in range(LAYERS):
         attn = f"model.layers.{i}.self_attn"
         for proj in ("q", "k", "v"):
@@ -330,9 +411,9 @@ def _expected_hf_shapes(*, tied: bool) -> dict[str, tuple[int, ...]]:
 def test_tensor_names_map_to_hugging_face(tmp_path, rng, tied):
     tensors = model_tensors(rng, tied=tied)
     path = write_gguf(tmp_path / "m.gguf", tensors)
-    reader, config = load(path)
+    _, config = load(path)
     assert config.tie_word_embeddings is tied
-    weights = read_weights(reader, config, path)
+    weights = read_weights(path, config)
     assert {k: tuple(v.shape) for k, v in weights.items()} == _expected_hf_shapes(tied=tied)
     assert all(v.dtype == torch.float32 for v in weights.values())
     np.testing.assert_array_equal(
@@ -351,9 +432,9 @@ def test_tensor_names_map_to_hugging_face(tmp_path, rng, tied):
 
 def test_unexpected_tensor_name_is_refused(tmp_path, rng):
     path = write_gguf(tmp_path / "m.gguf", {"blk.0.mystery.weight": rand(rng, HIDDEN)})
-    reader, config = load(path)
+    _, config = load(path)
     with pytest.raises(ModelLoadError) as excinfo:
-        read_weights(reader, config, path)
+        read_weights(path, config)
     assert_load_error(excinfo, path, "blk.0.mystery.weight")
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from gguf_builder import (
     assert_load_error,
     model_tensors,
 )
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from appliance.model import gguf_file, loader
@@ -57,8 +60,9 @@ HF_CONFIG = {
 }
 
 
-def write_gguf(path: Path, *, seed: int = 0, tokenizer: bool = True) -> Path:
-    """A tiny tied llama GGUF with a gpt2-style tokenizer that transformers can convert."""
+def write_gguf(path: Path, *, seed: int = 0, tokenizer: bool = True, blocks: bool = True) -> Path:
+    """A tiny tied llama GGUF with a gpt2-style tokenizer that transformers can convert;
+    its matrices in Q8_0 blocks (`blocks`) or float32."""
     tokenizer_keys: dict[str, Any] = {}
     if tokenizer:
         tokenizer_keys = {
@@ -69,32 +73,46 @@ def write_gguf(path: Path, *, seed: int = 0, tokenizer: bool = True) -> Path:
             "bos": 0,
             "eos": 0,
         }
-    tensors = model_tensors(np.random.default_rng(seed), tied=True)
+    tensors: dict[str, Any] = dict(model_tensors(np.random.default_rng(seed), tied=True))
+    if blocks:
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        for name, array in tensors.items():
+            if array.ndim == 2:
+                tensors[name] = (gguf.quants.quantize(array, q8), q8)
     return gguf_builder.write_gguf(path, tensors, **tokenizer_keys)
 
 
 def read_directly(path: Path) -> dict[str, torch.Tensor]:
     reader = gguf_file.open_gguf(path)
     config = gguf_file.read_model_config(reader, path)
-    return {k: v.clone() for k, v in gguf_file.read_weights(reader, config, path).items()}
+    return dict(gguf_file.read_weights(path, config).items())
 
 
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
+def assert_same_weights(
+    a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32
+) -> None:
+    """`a` holds `b`'s float32 values: matrices in `dtype`, vectors in float32."""
+    assert sorted(a) == sorted(b)
     for name in a:
-        assert a[name].dtype == b[name].dtype == torch.float32, name
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+        expected = b[name].to(dtype) if b[name].dim() == 2 else b[name]
+        assert a[name].dtype == expected.dtype, name
+        torch.testing.assert_close(a[name], expected, rtol=0, atol=0, msg=name)
 
 
 def forbid_reading_gguf(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make any non-cached load fail loudly, so a success proves a cache hit."""
+    """Make reading the file's metadata, converting its tokenizer or dequantizing any of
+    its weights fail loudly, so a success proves they came from the cache."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("the GGUF file was read although the cache is complete")
 
     monkeypatch.setattr(gguf_file, "open_gguf", refuse)
-    monkeypatch.setattr(gguf_file, "read_weights", refuse)
+    monkeypatch.setattr(gguf_file.GGUFWeights, "_read", refuse)
     monkeypatch.setattr(loader, "convert_gguf_tokenizer", refuse)
+
+
+def cached_files(entry: Path) -> list[str]:
+    return sorted(p.name for p in entry.iterdir() if p.name.startswith("weights-"))
 
 
 # --- Hugging Face folders ------------------------------------------------------------------
@@ -268,35 +286,150 @@ def test_gguf_is_cached_and_reloaded_from_cache(tmp_path, monkeypatch):
     first = load_model_files(path, cache)
     entry = cache_entry(path, cache)
     assert first.source == path
-    assert first.tokenizer_dir == entry
+    assert first.tokenizer_dir == first.cache_entry == entry
     assert (entry / "complete").is_file()
-    assert (entry / "model.safetensors").is_file()
     assert (entry / "tokenizer.json").is_file()
     assert first.config.tie_word_embeddings is True
     assert first.config.eos_token_ids == (0,)
-    assert_same_weights(first.weights, expected)
+    assert cached_files(entry) == []  # weights are cached per dtype, when a model needs them
+    assert_same_weights(first.weights, expected)  # read from the file, a tensor at a time
+    assert_same_weights(first.dense_weights(torch.float32), expected)
+    assert cached_files(entry) == [
+        "weights-float32.safetensors",
+        "weights-float32.safetensors.lock",
+    ]
     assert [p.name for p in cache.iterdir()] == [entry.name]  # no staging folder left
 
     forbid_reading_gguf(monkeypatch)
     second = load_model_files(path, cache)
     assert second.tokenizer_dir == entry
     assert second.config == first.config
-    assert_same_weights(second.weights, expected)
+    assert_same_weights(second.dense_weights(torch.float32), expected)
 
 
-def test_prepare_model_caches_once_then_reads_no_weights(tmp_path, monkeypatch):
+def test_the_cache_holds_matrices_in_the_dtype_asked_for_and_vectors_in_float32(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf")
+    files = load_model_files(path, tmp_path / "cache")
+    weights = files.dense_weights(torch.bfloat16)
+    assert_same_weights(weights, read_directly(path), torch.bfloat16)
+    assert isinstance(weights, loader.MappedTensors)
+    # a file safetensors itself reads
+    stored = files.cache_entry / "weights-bfloat16.safetensors"
+    with safe_open(str(stored), "pt") as opened:
+        assert sorted(opened.keys()) == sorted(weights)
+        for name in opened.keys():
+            assert torch.equal(opened.get_tensor(name), weights[name]), name
+    assert stored.stat().st_size < sum(4 * t.numel() for t in read_directly(path).values())
+
+
+def test_a_gguf_of_float_tensors_is_read_as_it_is(tmp_path):
+    """Reading F32/F16 costs what reading a cache would: nothing is cached."""
+    path = write_gguf(tmp_path / "m.gguf", blocks=False)
+    files = load_model_files(path, tmp_path / "cache")
+    weights = files.dense_weights(torch.bfloat16)
+    assert weights is files.weights
+    assert cached_files(files.cache_entry) == []
+
+
+def test_the_serve_process_reads_no_weight(tmp_path, monkeypatch):
+    """prepare_model writes the entry (tokenizer, facts) without dequantizing anything,
+    then reads nothing but the entry."""
     path = write_gguf(tmp_path / "m.gguf")
     cache = tmp_path / "cache"
+    monkeypatch.setattr(gguf_file.GGUFWeights, "_read", forbid_weights)
     config, tokenizer_dir = loader.prepare_model(path, cache)
     assert tokenizer_dir == cache_entry(path, cache) and (tokenizer_dir / "complete").is_file()
+    assert cached_files(tokenizer_dir) == []
 
     forbid_reading_gguf(monkeypatch)
     monkeypatch.setattr(loader, "_read_safetensors", forbid_weights)
+    monkeypatch.setattr(gguf_file, "tensor_index", forbid_weights)
     assert loader.prepare_model(path, cache) == (config, tokenizer_dir)
 
 
 def forbid_weights(*args, **kwargs):
     raise AssertionError("weights were read although only the config was asked for")
+
+
+def test_a_waiting_worker_maps_the_cache_another_wrote(tmp_path):
+    """One process writes a dtype's cache at a time; one that waited for it maps it."""
+    path = write_gguf(tmp_path / "m.gguf")
+    files = load_model_files(path, tmp_path / "cache")
+    target = files.cache_entry / "weights-float32.safetensors"
+    result: list[Mapping[str, torch.Tensor]] = []
+    with loader._exclusive(target.with_name(target.name + ".lock")):
+        waiter = threading.Thread(target=lambda: result.append(files.dense_weights(torch.float32)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not target.exists()  # waiting for the lock
+        other = load_model_files(path, tmp_path / "cache").weights
+        layout = {n: loader._cached_layout(other.shape(n), torch.float32) for n in other}
+        loader.write_safetensors(target, layout, other.pieces(layout))
+        written = target.stat().st_mtime_ns
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert target.stat().st_mtime_ns == written  # not written again
+    assert_same_weights(result[0], read_directly(path))
+
+
+def test_a_cache_that_cannot_be_written_leaves_nothing_and_reads_the_file(tmp_path, monkeypatch):
+    path = write_gguf(tmp_path / "m.gguf")
+    files = load_model_files(path, tmp_path / "cache")
+    pieces = files.weights.pieces
+
+    def disk_full(*args, **kwargs):
+        for name, piece in pieces(*args, **kwargs):
+            if name.endswith("mlp.down_proj.weight"):
+                raise OSError(28, "No space left on device")
+            yield name, piece
+
+    monkeypatch.setattr(files.weights, "pieces", disk_full)
+    assert files.dense_weights(torch.float32) is files.weights
+    assert cached_files(files.cache_entry) == ["weights-float32.safetensors.lock"]
+
+
+@pytest.mark.parametrize(
+    ("pieces", "why"),
+    [
+        ([("a", torch.ones(2, 3)), ("b", torch.ones(3))], "pieces of b do not fill its 16 bytes"),
+        ([("a", torch.ones(1, 3)), ("b", torch.ones(4))], "pieces of a do not fill its 24 bytes"),
+        ([("b", torch.ones(4))], "pieces of b come out of the layout's order"),
+        ([("a", torch.ones(2, 3))], "do not fill the file"),
+    ],
+    ids=["short", "early", "order", "missing"],
+)
+def test_pieces_that_do_not_fill_the_layout_leave_no_file(tmp_path, pieces, why):
+    target = tmp_path / "w.safetensors"
+    layout = {"a": ((2, 3), torch.float32), "b": ((4,), torch.float32)}
+    with pytest.raises(ValueError, match=why):
+        loader.write_safetensors(target, layout, pieces)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_written_pieces_make_a_file_safetensors_reads(tmp_path):
+    layout = {
+        "a": ((2, 3), torch.bfloat16),
+        "empty": ((0, 3), torch.float32),
+        "b": ((4,), torch.float32),
+    }
+    a, b = torch.randn(2, 3), torch.randn(4)
+    loader.write_safetensors(
+        tmp_path / "w.safetensors", layout, [("a", a[:1]), ("a", a[1:]), ("b", b)]
+    )
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as opened:
+        assert torch.equal(opened.get_tensor("a"), a.to(torch.bfloat16))
+        assert opened.get_tensor("empty").shape == (0, 3)
+        assert torch.equal(opened.get_tensor("b"), b)
+
+
+def test_released_tensors_read_the_file_again(tmp_path):
+    big = torch.arange(3 * 4096, dtype=torch.float32)  # spans whole pages
+    save_file({"small": torch.ones(3), "big": big}, tmp_path / "t.safetensors")
+    mapped = loader._read_safetensors(tmp_path / "t.safetensors")
+    assert torch.equal(mapped["big"], big)
+    mapped.release("big")
+    mapped.release("small")  # within a page: nothing to give back
+    assert torch.equal(mapped["big"], big) and torch.equal(mapped["small"], torch.ones(3))
 
 
 def test_cached_tokenizer_is_usable(tmp_path):
@@ -308,11 +441,13 @@ def test_cached_tokenizer_is_usable(tmp_path):
     assert tokenizer.convert_ids_to_tokens(tokenizer("abcd")["input_ids"]) == ["ab", "cd"]
 
 
-def test_touched_gguf_gets_a_new_cache_entry(tmp_path):
+def test_touched_gguf_gets_a_new_cache_entry_and_the_old_one_goes(tmp_path):
     path = write_gguf(tmp_path / "m.gguf")
     cache = tmp_path / "cache"
-    load_model_files(path, cache)
+    load_model_files(path, cache).dense_weights(torch.float32)
     old_entry = cache_entry(path, cache)
+    other = write_gguf(tmp_path / "other.gguf")
+    load_model_files(other, cache)
 
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5_000_000_000))
@@ -323,20 +458,36 @@ def test_touched_gguf_gets_a_new_cache_entry(tmp_path):
     files = load_model_files(path, cache)
     assert files.tokenizer_dir == new_entry
     assert (new_entry / "complete").is_file()
-    assert_same_weights(files.weights, read_directly(path))
+    assert_same_weights(files.dense_weights(torch.float32), read_directly(path))
+    assert not old_entry.exists()  # stale: no start reads it again
+    assert (cache_entry(other, cache) / "complete").is_file()  # another file's stays
+
+
+def test_an_older_cache_format_is_removed(tmp_path, monkeypatch):
+    """A v4 entry held the whole model as float32: the first v5 start deletes it."""
+    path = write_gguf(tmp_path / "m.gguf")
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(loader, "CACHE_FORMAT", "v4")
+    old = cache_entry(path, cache)
+    old.mkdir(parents=True)
+    (old / "model.safetensors").write_bytes(b"float32 weights")
+    monkeypatch.undo()
+    assert loader.CACHE_FORMAT == "v5"
+    load_model_files(path, cache)
+    assert [p.name for p in cache.iterdir()] == [cache_entry(path, cache).name]
 
 
 def test_rewritten_gguf_is_not_served_stale_weights(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", seed=1)
     cache = tmp_path / "cache"
-    load_model_files(path, cache)
+    load_model_files(path, cache).dense_weights(torch.float32)
     before = path.stat()
     write_gguf(path, seed=2)  # same size, new contents
     # Coarse file-system clocks may give the rewrite the same mtime; make it differ.
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
     assert path.stat().st_size == before.st_size
     files = load_model_files(path, cache)
-    assert_same_weights(files.weights, read_directly(path))
+    assert_same_weights(files.dense_weights(torch.float32), read_directly(path))
 
 
 def test_same_named_files_in_different_folders_do_not_share_a_cache_entry(tmp_path):
@@ -350,6 +501,7 @@ def test_same_named_files_in_different_folders_do_not_share_a_cache_entry(tmp_pa
     stat = one.stat()
     os.utime(two, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     cache = tmp_path / "cache"
-    load_model_files(one, cache)
+    load_model_files(one, cache).dense_weights(torch.float32)
     files = load_model_files(two, cache)
-    assert_same_weights(files.weights, read_directly(two))
+    assert_same_weights(files.dense_weights(torch.float32), read_directly(two))
+    assert (cache_entry(one, cache) / "complete").is_file()

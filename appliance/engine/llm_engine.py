@@ -30,7 +30,7 @@ from appliance.kv.sizing import (
 from appliance.model import cpu_kernels
 from appliance.model.decode_step import CompiledDecode, compiled_problem
 from appliance.model.llama import CausalLM
-from appliance.model.loader import ModelFiles, load_model_files
+from appliance.model.loader import ModelFiles, Selected, load_model_files
 from appliance.model.packed_linear import pack_linears, packs_linears
 from appliance.model.quant import attach_quant, quantizable, quantize_weights
 from appliance.model.tensor_parallel import (
@@ -120,17 +120,20 @@ def build_model(
     weights in their blocks (and quantizes float ones to `quantize_to` unless 'none').
     `tp_degrees`: those of the appliance's groups, whose splits its quantized products
     sum apart (row_parallel_spans), so every worker answers alike."""
-    with torch.device("meta"):  # no time spent initialising weights about to be replaced
+    with torch.device("meta"):  # parameters are allocated as their weights are read
         model = CausalLM(files.config, dtype, device, max_positions, shard, all_reduce)
-    dense = files.weights
+    # Weight mappings read a tensor when asked for it: nothing here holds them all.
+    dense = files.weights if quantized else files.dense_weights(dtype)
     if quantized:
         quant = files.quant_weights()
         if quantize_to != "none":
-            quant = quantize_weights(dense, quant, quantize_to.upper())
+            floats = Selected(dense, [name for name in dense if name not in quant])
+            quant = quantize_weights(floats, quant, quantize_to.upper())
         quant = shard_quant(quant, files.config, shard)
         spans = row_parallel_spans(files.config, tp_degrees)
-        served = attach_quant(model, quant, shard_state(dense, files.config, shard), spans)
-        dense = {name: t for name, t in dense.items() if name not in served}
+        biases = {name: dense[name] for name in dense if name.endswith(".bias")}
+        served = attach_quant(model, quant, shard_state(biases, files.config, shard), spans)
+        dense = Selected(dense, [name for name in dense if name not in served])
     model.load_weights(dense, str(files.source))
     if quantized and not compiled_problem(model):
         model.decode_step = CompiledDecode(model)

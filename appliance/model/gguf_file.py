@@ -1,4 +1,5 @@
-"""Reading a GGUF file: architecture metadata and weights dequantized to float32 tensors.
+"""Reading a GGUF file: architecture metadata, and weights dequantized to float32 a tensor
+(or a piece of one) at a time.
 
 Weights come back under Hugging Face names and layouts, so one model class serves
 GGUF files and safetensors folders alike.
@@ -6,16 +7,20 @@ GGUF files and safetensors folders alike.
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 import struct
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from appliance.model.errors import ModelLoadError
@@ -128,18 +133,146 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
     return None
 
 
-def read_weights(reader: GGUFReader, config: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32 under its Hugging Face name and layout."""
-    weights = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name, path)
-        array = dequantize_tensor(tensor, path)
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            array = unpermute_rope_rows(array, heads)
-        # F32 data is a view of the read-only file map: copy it so the weights own their memory.
-        weights[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
-    return weights
+def read_weights(path: Path, config: ModelConfig) -> GGUFWeights:
+    """The file's tensors under their Hugging Face names and layouts, each read and
+    dequantized to float32 only when asked for (GGUFWeights)."""
+    return GGUFWeights(path, config)
+
+
+# Float32 bytes of one piece of a tensor at most (GGUFWeights.pieces): small host pieces.
+PIECE_BYTES = 16 * 2**20
+_FLOAT_TYPES = frozenset(GGMLQuantizationType[n] for n in ("F32", "F16", "BF16"))
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class GGUFWeights(Mapping[str, torch.Tensor]):
+    """A GGUF file's tensors by Hugging Face name, each read from the file (not mapped: no
+    page of it stays in this process) and dequantized to float32, in Hugging Face layout,
+    when asked for, and kept by nobody here: a load holds one tensor at a time, never a
+    float32 copy of the model. Reading the index checks every tensor's name, quant type
+    and extent, so a bad file fails before anything is read."""
+
+    def __init__(self, path: Path, config: ModelConfig) -> None:
+        self.path = path
+        self.config = config
+        size = path.stat().st_size
+        self._entries: dict[str, TensorEntry] = {}
+        for entry in tensor_index(path):
+            qtype = _supported_type(entry.name, entry.type_id, path)
+            if entry.offset + _row_bytes(entry, qtype) * _rows(entry) > size:
+                raise ModelLoadError(path, f"tensor {entry.name} runs past the end of the file")
+            self._entries[hf_name(entry.name, path)] = entry
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        rows = _rows(self._entries[name])
+        return torch.from_numpy(self._read(name, 0, rows)).view(self.shape(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, slowest dimension first, read from the index alone."""
+        return tuple(reversed(self._entries[name].dims))
+
+    def block_quantized(self) -> bool:
+        """Whether any tensor is in a block format (dequantizing it costs more than a read)."""
+        types = {GGMLQuantizationType(e.type_id) for e in self._entries.values()}
+        return not types <= _FLOAT_TYPES
+
+    def pieces(
+        self, names: Iterable[str], threads: int = 1, max_bytes: int = PIECE_BYTES
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors `names`, in order, as float32 pieces [rows, last dimension] of about
+        `max_bytes` at most (whole rows; whole heads of a Q/K projection, whose rows move
+        within their heads), each with its tensor's name: small host pieces, dequantized
+        by `threads` threads that run at most that many pieces ahead of the reader."""
+        spans = [
+            (name, start, stop) for name in names for start, stop in self._spans(name, max_bytes)
+        ]
+        for name, array in _in_order(lambda span: (span[0], self._read(*span)), spans, threads):
+            yield name, torch.from_numpy(array)
+
+    def _spans(self, name: str, max_bytes: int) -> list[tuple[int, int]]:
+        """The row ranges of a tensor's pieces."""
+        entry = self._entries[name]
+        rows = _rows(entry)
+        step = max(1, max_bytes // (4 * entry.dims[0]))
+        heads = _rope_heads(name, self.config)
+        if heads:
+            per_head = rows // heads
+            step = max(1, step // per_head) * per_head
+        return [(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+    def _read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop of a tensor as float32 [rows, last dimension], llama Q/K rows in
+        Hugging Face order."""
+        entry = self._entries[name]
+        qtype = GGMLQuantizationType(entry.type_id)
+        row_bytes = _row_bytes(entry, qtype)
+        raw = np.empty((stop - start, row_bytes), dtype=np.uint8)
+        with self.path.open("rb") as file:
+            file.seek(entry.offset + start * row_bytes)
+            got = file.readinto(memoryview(raw).cast("B"))
+        if got != raw.nbytes:  # the file shrank since its index was read
+            raise ModelLoadError(self.path, f"tensor {entry.name} runs past the end of the file")
+        array = dequantize(raw, qtype).reshape(stop - start, entry.dims[0])
+        heads = _rope_heads(name, self.config)
+        if heads:  # the span holds whole heads (_spans)
+            array = unpermute_rope_rows(array, heads * (stop - start) // _rows(entry))
+        # F32 rows view `raw`, which nothing else holds: the array owns writable memory.
+        return np.require(array, np.float32, ["C", "W"])
+
+
+def _in_order(function: Callable[[T], R], items: list[T], threads: int) -> Iterator[R]:
+    """function(item) for each item, in order, run by `threads` threads at most `threads`
+    items ahead of the consumer (numpy and torch release the GIL in their loops)."""
+    if threads <= 1:
+        yield from map(function, items)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        pending: deque[Future[R]] = deque()
+        for item in items:
+            pending.append(pool.submit(function, item))
+            if len(pending) > threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _rows(entry: TensorEntry) -> int:
+    """Rows of a tensor in PyTorch's layout: all but its fastest dimension."""
+    return math.prod(entry.dims[1:])
+
+
+def _row_bytes(entry: TensorEntry, qtype: GGMLQuantizationType) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return entry.dims[0] // block * size
+
+
+def _rope_heads(name: str, config: ModelConfig) -> int:
+    """The heads of a llama Q or K projection (whose rows llama.cpp reorders), else 0."""
+    if config.architecture != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+        return 0
+    return config.num_heads if "q_proj" in name else config.num_kv_heads
+
+
+def _supported_type(name: str, type_id: int, path: Path) -> GGMLQuantizationType:
+    """The tensor's GGML type, or ModelLoadError naming it when we cannot dequantize it."""
+    try:
+        qtype = GGMLQuantizationType(type_id)
+    except ValueError:
+        raise ModelLoadError(path, f"tensor {name} has unknown GGML type {type_id}") from None
+    if qtype not in SUPPORTED_QUANTS:
+        supported = ", ".join(sorted(q.name for q in SUPPORTED_QUANTS))
+        raise ModelLoadError(
+            path,
+            f"tensor {name} has unsupported quant type {qtype.name} (supported: {supported})",
+        )
+    return qtype
 
 
 @dataclass(frozen=True)
@@ -257,8 +390,8 @@ def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight
         if entry.offset + rows * row_bytes > len(mapped):
             raise ModelLoadError(path, f"tensor {entry.name} runs past the end of the file")
         blocks = mapped[entry.offset : entry.offset + rows * row_bytes].reshape(rows, row_bytes)
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+        heads = _rope_heads(name, config)
+        if heads:
             blocks = unpermute_rope_rows(blocks, heads)  # whole rows move: blocks stay
         out[name] = QuantWeight(fmt, torch.from_numpy(np.asarray(blocks)), in_features)
     return out
@@ -274,15 +407,8 @@ def hf_name(gguf_name: str, path: Path) -> str:
 
 
 def dequantize_tensor(tensor: Any, path: Path) -> np.ndarray:
-    """One tensor as float32 in row-major (PyTorch) shape."""
-    qtype = tensor.tensor_type
-    if qtype not in SUPPORTED_QUANTS:
-        supported = ", ".join(sorted(q.name for q in SUPPORTED_QUANTS))
-        raise ModelLoadError(
-            path,
-            f"tensor {tensor.name} has unsupported quant type {qtype.name} "
-            f"(supported: {supported})",
-        )
+    """One tensor of a GGUFReader as float32 in row-major (PyTorch) shape."""
+    qtype = _supported_type(tensor.name, int(tensor.tensor_type), path)
     # GGUF lists dimensions fastest-first; PyTorch wants them slowest-first.
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return dequantize(tensor.data, qtype).astype(np.float32, copy=False).reshape(shape)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -186,63 +188,101 @@ class CausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
-        """Take Hugging Face-named float weights, fusing q/k/v and gate/up projections and
-        keeping this shard's part of them."""
-        try:
-            state = _fuse(shard_state(weights, self.config, self.shard))
-        except KeyError as exc:
-            raise ModelLoadError(source, f"weight {exc.args[0]} is missing") from None
-        freq_factors = state.pop("rope_freqs", None)
-        if self.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        own = self.state_dict()
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
+    def load_weights(self, weights: Mapping[str, torch.Tensor], source: str) -> None:
+        """Take Hugging Face-named float weights: this shard's part of each is copied into
+        its parameter, in the model's dtype and on its device, as it is read, and q/k/v
+        and gate/up straight into their rows of the fused parameter. `weights` may read
+        each tensor only when asked for (loader.ModelFiles); one with `release(name)` is
+        told when a tensor is copied. So loading holds the model's own parameters and one
+        tensor being copied, never a full-size copy of the model. Parameters are
+        allocated here: the model may be built on the meta device."""
+        plan = self._load_plan()
+        self._check_names(plan, weights, source)
+        for name, parts in plan.items():
+            self._load_parameter(name, parts, weights, source)
+        factors = weights["rope_freqs"].float().clone() if "rope_freqs" in weights else None
+        self.rope = RotaryEmbedding(
+            self.config, self.max_positions, self.dtype, self.device, factors
+        )
+
+    def _load_plan(self) -> dict[str, list[tuple[str, int]]]:
+        """Each parameter's Hugging Face sources, in row order, with the rows of this
+        shard's part of each."""
+        plan = shard_plan(self.config, self.shard)
+        d = self.config.head_dim
+        rows = {
+            "q_proj": len(plan.q_heads) * d,
+            "k_proj": len(plan.kv_heads) * d,
+            "v_proj": len(plan.kv_heads) * d,
+            "gate_proj": len(plan.mlp_columns),
+            "up_proj": len(plan.mlp_columns),
+        }
+        out = {}
+        for name, param in self.named_parameters():
+            source = name if name.startswith("lm_head.") else "model." + name
+            fused = next((f for f in _FUSED if f".{f}." in name), None)
+            if fused is None:
+                out[name] = [(source, param.shape[0] if param.dim() else 1)]
+            else:
+                out[name] = [(source.replace(fused, p), rows[p]) for p in _FUSED[fused]]
+        return out
+
+    def _check_names(
+        self,
+        plan: dict[str, list[tuple[str, int]]],
+        weights: Mapping[str, torch.Tensor],
+        source: str,
+    ) -> None:
+        """Refuse weights that do not name exactly the parameters' sources (a tied model
+        may bring an LM head; a GGUF may bring RoPE factors)."""
+        wanted = {part for parts in plan.values() for part, _ in parts}
+        extra = {"rope_freqs"} | ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        missing = sorted(wanted - set(weights))
+        unexpected = sorted(set(weights) - wanted - extra)
         if missing or unexpected:
             raise ModelLoadError(
                 source,
                 f"weights do not fit the architecture (missing {missing[:3]}, "
                 f"unexpected {unexpected[:3]})",
             )
-        for name, tensor in state.items():
-            if tuple(tensor.shape) != tuple(own[name].shape):
+
+    def _load_parameter(
+        self,
+        name: str,
+        parts: list[tuple[str, int]],
+        weights: Mapping[str, torch.Tensor],
+        source: str,
+    ) -> None:
+        """Allocate one parameter and copy this shard's part of each of its sources into its
+        rows, one source in memory at a time. Always a copy: a source may view a mapped
+        file, which a user could rewrite under a running worker."""
+        shape = self.get_parameter(name).shape
+        target, start = None, 0
+        for part, rows in parts:
+            tensor = shard_state({part: weights[part]}, self.config, self.shard)[part]
+            if target is None:
+                dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+                target = torch.empty(shape, dtype=dtype, device=self.device)
+            into = target[start : start + rows] if len(parts) > 1 else target
+            if tensor.shape != into.shape:
                 raise ModelLoadError(
                     source,
-                    f"weight {name} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(own[name].shape)}",
+                    f"weight {part} has shape {tuple(tensor.shape)}, expected {tuple(into.shape)}",
                 )
-        # Always a copy: the loaded tensors may view a mapped file (loader._read_safetensors),
-        # which a user could rewrite under a running worker. Only this shard's part is read.
-        state = {
-            name: tensor.to(self.device, self.dtype if tensor.is_floating_point() else None,
-                            copy=True)
-            for name, tensor in state.items()
-        }  # fmt: skip
-        self.load_state_dict(state, assign=True)
-        self.rope = RotaryEmbedding(
-            self.config, self.max_positions, self.dtype, self.device, freq_factors
-        )
+            into.copy_(tensor)
+            del tensor  # before the next source is read
+            _release(weights, part)
+            start += rows
+        owner, _, leaf = name.rpartition(".")
+        setattr(self.get_submodule(owner), leaf, nn.Parameter(target, requires_grad=False))
 
 
-def _fuse(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename to this module's parameters; q/k/v and gate/up become one matmul each."""
-    state = {}
-    for name, tensor in weights.items():
-        name = name.removeprefix("model.")
-        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-            continue
-        if ".mlp.up_proj." in name:
-            continue
-        if ".self_attn.q_proj." in name:
-            parts = [
-                weights["model." + name.replace("q_proj", p)]
-                for p in ("q_proj", "k_proj", "v_proj")
-            ]
-            state[name.replace("q_proj", "qkv_proj")] = torch.cat(parts)
-        elif ".mlp.gate_proj." in name:
-            up = weights["model." + name.replace("gate_proj", "up_proj")]
-            state[name.replace("gate_proj", "gate_up_proj")] = torch.cat([tensor, up])
-        else:
-            state[name] = tensor
-    return state
+# Our fused parameters and the Hugging Face projections they are made of, in row order.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _release(weights: Mapping[str, torch.Tensor], name: str) -> None:
+    """Tell `weights` that its tensor `name` is copied (loader.MappedTensors.release)."""
+    release = getattr(weights, "release", None)
+    if release is not None:
+        release(name)
