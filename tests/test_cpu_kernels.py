@@ -295,3 +295,37 @@ def test_rope_store_refuses_slots_outside_the_cache_and_odd_shapes() -> None:
     half = (t.half() for t in (qkv, cos, sin))
     assert not cpu_kernels.rope_store_takes(*half, slots, k_cache.half(), v_cache.half())
     assert not cpu_kernels.rope_store_takes(qkv, cos, sin, slots, k_cache.bfloat16(), v_cache)
+
+
+FMA_LEVELS = [level for level in cpu_kernels.cpu_levels() if level != "generic"]
+
+
+@pytest.mark.skipif(len(FMA_LEVELS) < 2, reason="this CPU runs one level with FMA; needs two")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_level_with_fma_attends_and_normalizes_to_the_same_bits(
+    dtype: torch.dtype,
+) -> None:
+    """A vec is one register of its build (vec.h) but sums across lanes keep 16 logical
+    lanes, so AVX2 and AVX-512 add in the same order (the generic x86-64 build has no
+    fused multiply-add and rounds each product: it may differ in the last bit)."""
+    problems = [
+        _decode_problem([15, 16, 17, 33, 100], 9, 3, 64, dtype, seed=3),
+        _decode_problem([64, 130, 5], 32, 8, 128, dtype, seed=4),
+    ]
+    gen = torch.Generator().manual_seed(5)
+    x, residual, weight = (torch.randn(7, 576, generator=gen).to(dtype) for _ in range(3))
+    before = cpu_kernels.level()
+    results = {}
+    try:
+        for level in FMA_LEVELS:
+            cpu_kernels.select(level)
+            attended = [cpu_kernels.paged_decode(*problem, 0.125) for problem in problems]
+            summed = residual.clone()
+            normed, _ = cpu_kernels.add_rms_norm(x, summed, weight[0], 1e-5)
+            results[level] = [*attended, summed, normed]
+    finally:
+        cpu_kernels.select(before or "auto")
+    first, *others = results.values()
+    for level, got in zip(FMA_LEVELS[1:], others, strict=True):
+        for a, b in zip(first, got, strict=True):
+            assert torch.equal(a, b), f"{FMA_LEVELS[0]} and {level} differ"

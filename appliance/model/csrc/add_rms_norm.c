@@ -14,7 +14,7 @@ INLINE void norm_rows(const AddRmsNorm *p, const int DTYPE) {
 #pragma omp parallel for schedule(static) num_threads(p->threads) if (p->rows >= PARALLEL_ROWS)
     for (long r = 0; r < p->rows; r++) {
         long base = r * p->dim;
-        vec squares = {0};
+        vec squares[PARTS] = {0}; /* value j's square in lane j % 16 (see vec.h) */
         for (long j = 0; j < p->dim; j += LANES) {
             vec s = load(element(p->residual, DTYPE, base + j), DTYPE);
             if (p->x != NULL) {
@@ -22,7 +22,7 @@ INLINE void norm_rows(const AddRmsNorm *p, const int DTYPE) {
                 if (DTYPE == BF16) s = round_bf16(s); /* the sum as the dtype holds it */
                 store(p->residual, DTYPE, base + j, s);
             }
-            squares += s * s;
+            squares[j / LANES % PARTS] += s * s;
         }
         float rstd = 1.0f / sqrtf(fold(squares) / (float)p->dim + p->eps);
         for (long j = 0; j < p->dim; j += LANES) {
@@ -34,7 +34,7 @@ INLINE void norm_rows(const AddRmsNorm *p, const int DTYPE) {
 }
 
 const char *add_rms_norm_check(const AddRmsNorm *p) {
-    if (p->dim <= 0 || p->dim % LANES != 0) return "row size is not a positive multiple of 16";
+    if (p->dim <= 0 || p->dim % WIDE != 0) return "row size is not a positive multiple of 16";
     if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";
     if (p->threads < 1) return "threads must be at least 1";
     return NULL;

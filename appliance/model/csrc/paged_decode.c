@@ -13,7 +13,7 @@
 #include "vec.h"
 
 #define PARALLEL_WORK 1024 /* (token, KV head) rows to read before using more threads */
-#define MAX_GROUP 64       /* query heads per KV head: their rows live on the stack */
+#define MAX_GROUP 64       /* query heads per KV head (the checks and cpu_kernels.py agree) */
 
 /* Softmax of each of `rows` rows of `len` scores, in place. */
 static void softmax_rows(float *scores, long rows, long len) {
@@ -34,53 +34,114 @@ INLINE long block_offset(const PagedDecode *p, long i, long b, long h) {
     return (block * p->block_size * p->kv_heads + h) * p->head_dim;
 }
 
+/* q . the float32 key at k, as a 16-lane sum (vec.h): q's value j meets the key's in lane
+ * j % 16. */
+INLINE void token_dot(const vec *q, const float *k, vec part[PARTS], const long DIM) {
+    for (long j = 0; j < PARTS; j++) part[j] = q[j] * load(k + j * LANES, F32);
+    for (long j = PARTS; j < DIM / LANES; j++) part[j % PARTS] += q[j] * load(k + j * LANES, F32);
+}
+
+/* One query head's scores s[0..n) against n float32 keys `stride` apart from k: q (DIM /
+ * LANES vectors, pre-scaled) in registers; four tokens' products are folded together
+ * (one horizontal reduction for four, not one each). */
+INLINE void block_scores(const vec *q, const float *k, long stride, long n, float *s,
+                         const long DIM) {
+    long t = 0;
+    for (; t + 4 <= n; t += 4) {
+        vec part[4][PARTS];
+        for (int u = 0; u < 4; u++) token_dot(q, k + (t + u) * stride, part[u], DIM);
+        fold4(part, s + t);
+    }
+    for (; t < n; t++) {
+        vec part[PARTS];
+        token_dot(q, k + t * stride, part, DIM);
+        s[t] = fold(part);
+    }
+}
+
+/* One query head's output sums out[DIM] += its weights s[0..n) times n float32 value rows
+ * `stride` apart from v, 64 values at a time, whose sums stay in registers through the
+ * tokens (AVX2 has 16 registers). */
+INLINE void block_values(const float *v, long stride, long n, const float *s, float *out,
+                         const long DIM) {
+    enum { SLICE = 64 / LANES };
+    for (long j0 = 0; j0 < DIM; j0 += SLICE * LANES) {
+        vec acc[SLICE];
+        memcpy(acc, out + j0, sizeof acc);
+        for (long t = 0; t < n; t++)
+            for (long j = 0; j < SLICE; j++)
+                acc[j] += s[t] * load(v + t * stride + j0 + j * LANES, F32);
+        memcpy(out + j0, acc, sizeof acc);
+    }
+}
+
+/* Tokens t0..t1 of KV head `h` in block `b` of sequence `i` in `cache` (K or V) as float32
+ * rows: in place for a float32 cache (*stride: kv_heads * DIM), else widened once into
+ * `tile` [block_size, DIM] (*stride: DIM) for every query head to read. */
+INLINE const float *block_rows(const PagedDecode *p, const void *cache, long i, long b, long h,
+                               long n, float *tile, long *stride, const long DIM,
+                               const int DTYPE) {
+    const long row = block_offset(p, i, b, h);
+    *stride = p->kv_heads * DIM;
+    if (DTYPE == F32) return (const float *)cache + row;
+    for (long t = 0; t < n; t++)
+        for (long j = 0; j < DIM; j += LANES) {
+            vec x = load(element(cache, DTYPE, row + t * *stride + j), DTYPE);
+            memcpy(tile + t * DIM + j, &x, sizeof x);
+        }
+    *stride = DIM;
+    return tile;
+}
+
 /* The query heads of KV head `h` in sequence `i`, for a head size DIM and dtype fixed
- * when compiled (the loops over a row then unroll into registers). Scratch: `scores`
- * [group, len]. */
-INLINE void attend(const PagedDecode *p, long i, long h, float *scores, const long DIM,
-                   const int DTYPE) {
+ * when compiled (the loops over a row then unroll into registers). A block at a time,
+ * each query head in turn, so the block's keys and values are read from memory (and
+ * widened from bfloat16) once and from the L1 cache by the other heads. Scratch: `scores`
+ * [group, len], `sums` [group, DIM], `tile` [block_size, DIM]. */
+INLINE void attend(const PagedDecode *p, long i, long h, float *scores, float *sums,
+                   float *tile, const long DIM, const int DTYPE) {
     enum { V_MAX = 128 / LANES };
     const long V = DIM / LANES, group = p->heads / p->kv_heads, len = p->lens[i];
-    const long stride = p->kv_heads * DIM, bs = p->block_size;
-    vec q[group][V_MAX], acc[group][V_MAX];
-    for (long g = 0; g < group; g++)
-        for (long j = 0; j < V; j++) {
-            long offset = i * p->q_row_stride + (h * group + g) * DIM + j * LANES;
-            q[g][j] = load(element(p->q, DTYPE, offset), DTYPE) * p->scale;
-        }
-    for (long b = 0, t = 0; t < len; b++) {
-        long row = block_offset(p, i, b, h);
-        for (long end = t + bs < len ? t + bs : len; t < end; t++, row += stride) {
-            vec k[V_MAX];
-            for (long j = 0; j < V; j++) k[j] = load(element(p->k, DTYPE, row + j * LANES), DTYPE);
-            for (long g = 0; g < group; g++) {
-                vec part = q[g][0] * k[0];
-                for (long j = 1; j < V; j++) part += q[g][j] * k[j];
-                scores[g * len + t] = fold(part);
+    const long bs = p->block_size;
+    vec q[V_MAX];
+    for (long b = 0; b * bs < len; b++) {
+        const long n = (b + 1) * bs < len ? bs : len - b * bs;
+        long stride;
+        const float *k = block_rows(p, p->k, i, b, h, n, tile, &stride, DIM, DTYPE);
+        for (long g = 0; g < group; g++) {
+            for (long j = 0; j < V; j++) {
+                long offset = i * p->q_row_stride + (h * group + g) * DIM + j * LANES;
+                q[j] = load(element(p->q, DTYPE, offset), DTYPE) * p->scale;
             }
+            block_scores(q, k, stride, n, scores + g * len + b * bs, DIM);
         }
     }
     softmax_rows(scores, group, len);
-    for (long g = 0; g < group; g++)
-        for (long j = 0; j < V; j++) acc[g][j] = (vec){0};
-    for (long b = 0, t = 0; t < len; b++) {
-        long row = block_offset(p, i, b, h);
-        for (long end = t + bs < len ? t + bs : len; t < end; t++, row += stride) {
-            vec v[V_MAX];
-            for (long j = 0; j < V; j++) v[j] = load(element(p->v, DTYPE, row + j * LANES), DTYPE);
-            for (long g = 0; g < group; g++)
-                for (long j = 0; j < V; j++) acc[g][j] += scores[g * len + t] * v[j];
-        }
+    memset(sums, 0, group * DIM * sizeof(float));
+    for (long b = 0; b * bs < len; b++) {
+        const long n = (b + 1) * bs < len ? bs : len - b * bs;
+        long stride;
+        const float *v = block_rows(p, p->v, i, b, h, n, tile, &stride, DIM, DTYPE);
+        for (long g = 0; g < group; g++)
+            block_values(v, stride, n, scores + g * len + b * bs, sums + g * DIM, DIM);
     }
-    for (long g = 0; g < group; g++)
+    for (long g = 0; g < group; g++) {
+        const long out = (i * p->heads + h * group + g) * DIM;
         for (long j = 0; j < V; j++)
-            store(p->out, DTYPE, (i * p->heads + h * group + g) * DIM + j * LANES, acc[g][j]);
+            store(p->out, DTYPE, out + j * LANES, load(sums + g * DIM + j * LANES, F32));
+    }
 }
 
-static void attend_64_f32(const PagedDecode *p, long i, long h, float *s) { attend(p, i, h, s, 64, F32); }
-static void attend_64_bf16(const PagedDecode *p, long i, long h, float *s) { attend(p, i, h, s, 64, BF16); }
-static void attend_128_f32(const PagedDecode *p, long i, long h, float *s) { attend(p, i, h, s, 128, F32); }
-static void attend_128_bf16(const PagedDecode *p, long i, long h, float *s) { attend(p, i, h, s, 128, BF16); }
+#define ATTEND(NAME, DIM, DTYPE)                                                              \
+    static void NAME(const PagedDecode *p, long i, long h, float *scratch, long longest) {   \
+        const long group = p->heads / p->kv_heads;                                           \
+        float *sums = scratch + group * longest;                                             \
+        attend(p, i, h, scratch, sums, sums + group * DIM, DIM, DTYPE);                      \
+    }
+ATTEND(attend_64_f32, 64, F32)
+ATTEND(attend_64_bf16, 64, BF16)
+ATTEND(attend_128_f32, 128, F32)
+ATTEND(attend_128_bf16, 128, BF16)
 
 const char *paged_decode_check(const PagedDecode *p) {
     if (p->kv_heads <= 0 || p->heads < p->kv_heads || p->heads % p->kv_heads != 0)
@@ -111,18 +172,19 @@ int paged_decode_run(const PagedDecode *p) {
     /* torch's own OpenMP threads (the extension shares its libgomp, loaded first), as
      * many as torch uses; a small problem stays on one: waking others would cost more. */
     int threads = work >= PARALLEL_WORK ? p->threads : 1;
-    long per_thread = group * longest;
+    /* attend()'s scratch: scores, sums, tile */
+    long per_thread = group * (longest + p->head_dim) + p->block_size * p->head_dim;
     /* Allocated before the threads start: one failing inside would skip the loop that
      * every thread of the team must reach, and the others would wait for it forever. */
     float *scratch = malloc(threads * per_thread * sizeof(float));
     if (scratch == NULL) return -1;
-    void (*one)(const PagedDecode *, long, long, float *) =
+    void (*one)(const PagedDecode *, long, long, float *, long) =
         p->head_dim == 64 ? (p->dtype == F32 ? attend_64_f32 : attend_64_bf16)
                           : (p->dtype == F32 ? attend_128_f32 : attend_128_bf16);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long unit = 0; unit < units; unit++)
-        one(p, unit / p->kv_heads, unit % p->kv_heads,
-            scratch + omp_get_thread_num() * per_thread);
+        one(p, unit / p->kv_heads, unit % p->kv_heads, scratch + omp_get_thread_num() * per_thread,
+            longest);
     free(scratch);
     return 0;
 }

@@ -40,7 +40,7 @@ INLINE void rope_rows(const RopeStore *p, const int DTYPE) {
 }
 
 const char *rope_store_check(const RopeStore *p) {
-    if (p->head_dim <= 0 || p->head_dim % (2 * LANES) != 0)
+    if (p->head_dim <= 0 || p->head_dim % (2 * WIDE) != 0)
         return "head size is not a positive multiple of 32";
     if (p->heads < 0 || p->kv_heads < 1) return "bad head counts";
     if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";

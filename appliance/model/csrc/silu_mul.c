@@ -26,7 +26,7 @@ INLINE void silu_rows(const SiluMul *p, const int DTYPE) {
 
 const char *silu_mul_check(const SiluMul *p) {
     if (p->rows < 0) return "rows must not be negative";
-    if (p->intermediate <= 0 || p->intermediate % LANES != 0)
+    if (p->intermediate <= 0 || p->intermediate % WIDE != 0)
         return "the MLP width is not a positive multiple of 16";
     if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";
     if (p->threads < 1) return "threads must be at least 1";

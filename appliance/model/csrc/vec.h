@@ -8,12 +8,26 @@
 #include <string.h>
 
 enum { F32 = 0, BF16 = 1, F64 = 2 }; /* element types, as cpu_kernels.py numbers them */
-#define LANES 16            /* floats per vector: one AVX-512 register, two AVX2 ones */
 #define INLINE static inline __attribute__((always_inline))
 
+/* A vec is one register of the build: GCC keeps a vector wider than the registers in
+ * memory across loop iterations (16 floats on AVX2 made decode attention 2.6x slower than
+ * on AVX-512). Sums across a vector's lanes are defined on WIDE = 16 lanes in every build
+ * (a row's value j in lane j % 16), held as PARTS vecs, so each build adds in the same
+ * order and gives the same bits. */
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4 /* SSE2, NEON */
+#endif
+#define WIDE 16
+#define PARTS (WIDE / LANES)
+
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-typedef float half_vec __attribute__((vector_size(LANES / 2 * sizeof(float))));
-typedef float quarter_vec __attribute__((vector_size(LANES / 4 * sizeof(float))));
+typedef float half_vec __attribute__((vector_size(8 * sizeof(float))));
+typedef float quarter_vec __attribute__((vector_size(4 * sizeof(float))));
 typedef uint16_t vec_u16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t vec_u32 __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
@@ -98,13 +112,42 @@ INLINE float exp_approx(float x) {
     return p * two_n;
 }
 
-/* The sum of a vector's lanes, folded in halves. */
-INLINE float fold(vec v) {
-    half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+/* A 16-lane sum held as PARTS vecs, its lanes 0-7 added to lanes 8-15. */
+INLINE half_vec fold_half(const vec part[PARTS]) {
+#if LANES == 16
+    return __builtin_shufflevector(part[0], part[0], 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(part[0], part[0], 8, 9, 10, 11, 12, 13, 14, 15);
+#elif LANES == 8
+    return part[0] + part[1];
+#else
+    vec low = part[0] + part[2], high = part[1] + part[3];
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7);
+#endif
+}
+
+/* The sum of a 16-lane sum's lanes, folded in halves (the same order in every build). */
+INLINE float fold(const vec part[PARTS]) {
+    half_vec h = fold_half(part);
     quarter_vec q = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
                     __builtin_shufflevector(h, h, 4, 5, 6, 7);
     return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+/* fold() of four 16-lane sums into out[0..3], together: a shuffle serves four. */
+INLINE void fold4(const vec part[4][PARTS], float *out) {
+    half_vec h[4];
+    for (int u = 0; u < 4; u++) h[u] = fold_half(part[u]);
+    /* [h0's lanes 0-3 folded | h1's], then [h2's | h3's] */
+    half_vec a = __builtin_shufflevector(h[0], h[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                 __builtin_shufflevector(h[0], h[1], 4, 5, 6, 7, 12, 13, 14, 15);
+    half_vec b = __builtin_shufflevector(h[2], h[3], 0, 1, 2, 3, 8, 9, 10, 11) +
+                 __builtin_shufflevector(h[2], h[3], 4, 5, 6, 7, 12, 13, 14, 15);
+    /* two lanes a sum: [h0 h0 h1 h1 h2 h2 h3 h3] */
+    half_vec c = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) +
+                 __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+    quarter_vec d = __builtin_shufflevector(c, c, 0, 2, 4, 6) +
+                    __builtin_shufflevector(c, c, 1, 3, 5, 7);
+    memcpy(out, &d, sizeof d);
 }
 
 #endif
