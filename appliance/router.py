@@ -7,16 +7,20 @@ processes, so it is tested on plain data.
 - A prompt goes to the worker with the fewest queued prompt tokens or, among those within
   one step budget of it, the one that prefilled the longest prefix of the prompt lately
   (its prefix cache likely still holds it). Round-robin when tuned so.
-- A handoff goes to the decode worker with the most free KV blocks, fewest running
-  sequences breaking ties. Free is what the worker last reported less the blocks its
-  report does not show yet: of handoffs sent to it and not answered, and of those it
-  took since (it answers a handoff before it reports the step that holds its blocks).
+- A handoff goes, among the decode workers with room for it, to the one best linked to
+  the prefill worker holding its KV (an NVLink partner before a PCIe peer), then to the
+  one with the most free KV blocks, fewest running sequences breaking ties; with no room
+  anywhere, to the one with the most free blocks. Free is what the worker last reported
+  less the blocks its report does not show yet: of handoffs sent to it and not answered,
+  and of those it took since (it answers a handoff before it reports the step that holds
+  its blocks). CPU devices share RAM: all their links rank the same, so there the most
+  free blocks decide.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from appliance.admin.schema import Tuning
 from appliance.kv.prefix_cache import prefix_keys
@@ -24,13 +28,24 @@ from appliance.worker_handle import WorkerHandle
 
 PREFIX_KEYS_KEPT = 8192  # per prefill worker: block keys of prompts it prefilled lately
 
+LinkRank = Callable[[int, int], int]  # two device indices -> how fast they copy; higher wins
+
+
+def equal_links(a: int, b: int) -> int:
+    """A link rank under which every pair of devices is as good as any other."""
+    return 0
+
 
 class Router:
     """The routing policy of one supervisor."""
 
-    def __init__(self, block_size: int, prefix_caching: bool) -> None:
+    def __init__(
+        self, block_size: int, prefix_caching: bool, link_rank: LinkRank = equal_links
+    ) -> None:
+        """`link_rank` ranks the link between two devices (`Topology.bandwidth_rank`)."""
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.link_rank = link_rank
         self._turns = itertools.count()  # round-robin routing
 
     def prefill(
@@ -46,12 +61,29 @@ class Router:
         remember_prefix(worker, keys)
         return worker
 
-    def decode(self, candidates: list[WorkerHandle], in_flight: Mapping[int, int]) -> WorkerHandle:
-        """Pick the decode worker that continues a prefilled request; `in_flight` maps a
-        worker id to the blocks of the handoffs it has been sent and not answered."""
-        return max(
-            candidates, key=lambda w: (w.num_free - in_flight.get(w.worker_id, 0), -w.running)
-        )
+    def decode(
+        self,
+        candidates: list[WorkerHandle],
+        in_flight: Mapping[int, int],
+        source: WorkerHandle,
+        blocks: int,
+    ) -> WorkerHandle:
+        """Pick the decode worker that continues a request prefilled by `source` and needing
+        `blocks` KV blocks; `in_flight` maps a worker id to the blocks of the handoffs it
+        has been sent and not answered."""
+
+        def free(worker: WorkerHandle) -> int:
+            return worker.num_free - in_flight.get(worker.worker_id, 0)
+
+        roomy = [w for w in candidates if free(w) >= blocks]
+        if not roomy:  # it waits for room anyway: ask the one likeliest to have it soon
+            return max(candidates, key=lambda w: (free(w), -w.running))
+        return max(roomy, key=lambda w: (self._link(source, w), free(w), -w.running))
+
+    def _link(self, source: WorkerHandle, decode: WorkerHandle) -> int:
+        """How fast KV moves from `source` to `decode`: the slowest link between their
+        devices (a tensor-parallel handoff may copy between any of their shards)."""
+        return min(self.link_rank(a, b) for a in source.devices for b in decode.devices)
 
 
 def least_loaded(candidates: list[WorkerHandle], keys: list[int], budget: int) -> WorkerHandle:

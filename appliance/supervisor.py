@@ -133,7 +133,9 @@ class Supervisor:
         self._event_ids = itertools.count(1)
         self._ids = itertools.count()
         self._worker_ids = itertools.count()
-        self.router = Router(settings.kv.block_size, settings.kv.prefix_caching)
+        self.router = Router(
+            settings.kv.block_size, settings.kv.prefix_caching, self.topology.bandwidth_rank
+        )
         self._ctx = mp.get_context("spawn")
         self._reader = OutboxReader(self._deliver)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -593,7 +595,8 @@ class Supervisor:
         if not candidates:  # decode workers (re)starting or being wired to this prefill worker
             self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, pending)
             return
-        decode = self.router.decode(candidates, self._blocks_in_flight())
+        in_flight, blocks = self._blocks_in_flight(), self._handoff_blocks(request)
+        decode = self.router.decode(candidates, in_flight, source, blocks)
         decode.last_work = time.monotonic()
         request.decode_worker = decode.worker_id
         request.timing["handoff_sent"] = time.monotonic()

@@ -267,11 +267,12 @@ def test_handoffs_go_to_the_decode_worker_with_most_room() -> None:
     a, b, c = (WorkerHandle(i, "decode", i, f"cpu{i}", (i,), None, None) for i in range(3))
     a.num_free, b.num_free, c.num_free = 10, 40, 40
     b.running, c.running = 5, 2
+    source = WorkerHandle(3, "prefill", 3, "cpu3", (3,), None, None)
     router = Router(16, True)
-    assert router.decode([a, b, c], {}) is c
+    assert router.decode([a, b, c], {}, source, 1) is c
     # c has been sent handoffs it has not answered: its report does not hold them yet
-    assert router.decode([a, b, c], {c.worker_id: 3}) is b
-    assert router.decode([a, b, c], {b.worker_id: 31, c.worker_id: 31}) is a
+    assert router.decode([a, b, c], {c.worker_id: 3}, source, 1) is b
+    assert router.decode([a, b, c], {b.worker_id: 31, c.worker_id: 31}, source, 1) is a
 
 
 class _RecordedNvml:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from server_process import ServerProcess, wait_until
 
-from appliance.admin.schema import Snapshot
+from appliance.admin.schema import Snapshot, WorkerInfo
 from appliance.model.loader import model_name
 
 CLIENTS = 50
@@ -26,6 +26,8 @@ REQUESTS_PER_CLIENT = 3
 MAX_TOKENS = 16
 REQUEST_BOUND_S = 180.0  # a request still open after this long has hung
 RESTART_BOUND_S = 120.0
+HOLD_BOUND_S = 60.0  # for the decode worker to be seen holding requests
+SETTLE_S = 0.5  # between two reads of a stopped worker's requests
 
 
 @pytest.fixture(scope="module")
@@ -101,19 +103,57 @@ async def load(url: str, outcomes: Counter, started: asyncio.Event) -> None:
         await asyncio.gather(*(client_loop(i, client) for i in range(CLIENTS)))
 
 
-async def kill_and_wait(server: ServerProcess, device: int, busy: bool = False) -> None:
-    """SIGKILL the worker on `device` (with `busy`, once it runs requests: a slow prefill
-    pool may leave a decode worker idle for a moment); wait until a new one serves there."""
-    before = (await asyncio.to_thread(state, server)).devices[device].worker
-    deadline = time.monotonic() + 60
-    while busy and before.running == 0 and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
+async def kill_and_wait(server: ServerProcess, device: int, holding: bool = False) -> None:
+    """SIGKILL the worker on `device` (with `holding`, only while it holds requests the
+    supervisor would have to run again: see `stop_holding_requests`); wait until a new one
+    serves there."""
+    if holding:
+        before = await stop_holding_requests(server, device)
+    else:
         before = (await asyncio.to_thread(state, server)).devices[device].worker
-    assert before.running > 0 or not busy, f"the worker on device {device} never ran a request"
     os.kill(before.pid, signal.SIGKILL)
     await _back_after(server, device, before.pid)
     worker = (await asyncio.to_thread(state, server)).devices[device].worker
     assert worker.restarts == before.restarts + 1 and worker.role == before.role
+
+
+async def stop_holding_requests(server: ServerProcess, device: int) -> WorkerInfo:
+    """SIGSTOP the decode worker on `device` at a moment the supervisor has requests
+    decoding on it, and leave it stopped: a stopped worker cannot finish them, so they are
+    still its when it is killed. Until then it is stopped, checked once what it sent
+    before stopping has been read, and let go again, as often as it takes: a busy machine
+    may leave the worker idle for a while."""
+    deadline = time.monotonic() + HOLD_BOUND_S
+    while True:
+        snap = await asyncio.to_thread(state, server)
+        worker = snap.devices[device].worker
+        if decoding_on(snap, worker.worker_id):  # worth a look: stop it and see
+            os.kill(worker.pid, signal.SIGSTOP)
+            if await settled_requests(server, worker.worker_id):
+                return worker
+            os.kill(worker.pid, signal.SIGCONT)
+        assert time.monotonic() < deadline, f"the worker on device {device} never held requests"
+        await asyncio.sleep(0.2)
+
+
+def decoding_on(snap: Snapshot, worker_id: int) -> set[int]:
+    """Requests handed off to (and taken by) decode worker `worker_id`: if it dies, the
+    supervisor runs them again."""
+    return {
+        r.request_id for r in snap.requests if r.state == "decode" and r.decode_worker == worker_id
+    }
+
+
+async def settled_requests(server: ServerProcess, worker_id: int) -> set[int]:
+    """`decoding_on` once two reads SETTLE_S apart agree: a stopped worker's messages
+    still in its pipe (a request it finished just before) have reached the supervisor."""
+    held = decoding_on(await asyncio.to_thread(state, server), worker_id)
+    while True:
+        await asyncio.sleep(SETTLE_S)
+        again = decoding_on(await asyncio.to_thread(state, server), worker_id)
+        if again == held:
+            return held
+        held = again
 
 
 def test_killed_workers_lose_no_request_and_come_back(fault_server: ServerProcess) -> None:
@@ -123,7 +163,7 @@ def test_killed_workers_lose_no_request_and_come_back(fault_server: ServerProces
         started = asyncio.Event()
         traffic = asyncio.create_task(load(fault_server.url, outcomes, started))
         await asyncio.wait_for(started.wait(), REQUEST_BOUND_S)
-        await kill_and_wait(fault_server, 1, busy=True)  # a decode worker: its requests re-run
+        await kill_and_wait(fault_server, 1, holding=True)  # decode: its requests re-run
         await kill_and_wait(fault_server, 0)  # the only prefill worker
         await traffic
 

@@ -3,10 +3,15 @@ that never takes a block in use, and exact accounting."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from appliance.kv.block_allocator import BlockAllocator, OutOfBlocks
-from appliance.kv.prefix_cache import PrefixCache
+from appliance.kv.prefix_cache import PrefixCache, block_key, prefix_keys
 
 SIZE = 4
 
@@ -39,6 +44,47 @@ def test_keys_chain_so_equal_blocks_after_different_prefixes_do_not_match() -> N
     cache = cache_with()
     compute(cache, [1, 2, 3, 4, 5, 6, 7, 8])
     assert cache.match([9, 9, 9, 9, 5, 6, 7, 8], max_blocks=2) == ([], [])
+
+
+PROMPT = [151644, 8948, 198, *range(40_000, 40_061)]  # four 16-token blocks, ids past 2**16
+
+
+def keys_in_a_new_process(hash_seed: str) -> list[int]:
+    """PROMPT's block keys as another interpreter, with its own hash salt, computes them."""
+    code = (
+        "import json, sys; from appliance.kv.prefix_cache import prefix_keys; "
+        "print(json.dumps(prefix_keys(json.loads(sys.argv[1]), 16)))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(PROMPT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return json.loads(done.stdout)
+
+
+def test_block_keys_are_the_same_in_every_process_and_run() -> None:
+    here = prefix_keys(PROMPT, 16)
+    assert len(here) == 4 and len(set(here)) == 4
+    assert all(0 <= key < 2**64 for key in here)  # fit a uint64 wherever they are sent
+    seeds = {os.environ.get("PYTHONHASHSEED"), "1", "4242"} - {None}
+    for seed in sorted(seeds):
+        assert keys_in_a_new_process(seed) == here, f"PYTHONHASHSEED={seed}"
+
+
+def test_a_block_key_depends_on_every_earlier_block() -> None:
+    first, second, third = PROMPT[:16], PROMPT[16:32], PROMPT[32:48]
+    changed = [*first[:15], first[15] + 1]  # one token off, in the first block only
+    keys = prefix_keys([*first, *second, *third], 16)
+    other = prefix_keys([*changed, *second, *third], 16)
+    assert all(a != b for a, b in zip(keys, other, strict=True))  # every later key moves
+    assert prefix_keys([*first, *second, *third], 16) == keys  # and is a pure function
+    assert block_key(None, second) != block_key(keys[0], second)  # no prefix is a prefix too
+    assert block_key(keys[0], second) == keys[1]  # prefix_keys is the chain of block_key
 
 
 def test_max_blocks_caps_the_match() -> None:

@@ -102,10 +102,15 @@ def test_dropped_streams_free_their_blocks_on_both_pools(server: ServerProcess) 
 
 
 def test_a_whole_response_abandoned_by_its_client_is_cancelled(server: ServerProcess) -> None:
+    """A client that gives up on a whole (unstreamed) answer frees its KV blocks. The
+    answer must outlast the client's 1.5 s: it ignores end-of-turn tokens, so it runs its
+    full 2000 tokens, which the smallest pool takes (float32, 128 MiB: 2,912 tokens)."""
+    request = body("Count to a million.", 2000, stream=False)
+    assert request["ignore_eos"]  # else an early end of turn could answer within 1.5 s
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             server.url + "/v1/chat/completions",
-            json=body("Count to a million.", 2000, stream=False),  # fits a float32 128 MiB pool
+            json=request,
             headers=AUTH,
             timeout=httpx.Timeout(60, read=1.5),
         )

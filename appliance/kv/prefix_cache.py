@@ -1,10 +1,12 @@
 """Prefix caching over one paged KV pool: full blocks addressed by their content.
 
-A block's key is the hash of its token ids chained with the previous block's key, so two
-sequences whose first k blocks have the same keys share the same first k * block_size
-tokens and can share those blocks' K/V. Blocks in use are reference-counted; a cached
-block nobody uses stays cached until the pool needs room (least recently used first).
-A block in use is never evicted, so eviction cannot touch a running sequence.
+A block's key is a 64-bit BLAKE2b hash of its token ids chained with the previous block's
+key, so two sequences whose first k blocks have the same keys share the same first
+k * block_size tokens and can share those blocks' K/V. The hash is fixed (not Python's
+`hash`, which is salted for str and depends on None's address), so a key is the same in
+every process and every run. Blocks in use are reference-counted; a cached block nobody
+uses stays cached until the pool needs room (least recently used first). A block in use
+is never evicted, so eviction cannot touch a running sequence.
 
 Pure Python over a BlockAllocator, with the allocator's interface (num_free,
 can_allocate, allocate, free): `num_free` counts the cached blocks nobody uses, since
@@ -13,19 +15,32 @@ they are handed out when needed. Disabled, it is the allocator and nothing more.
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from appliance.kv.block_allocator import BlockAllocator, OutOfBlocks
 
-BlockKey = int
+BlockKey = int  # unsigned 64-bit
+
+_FIRST = b"\x00"  # tags a block with no prefix, so no chained block can hash like it
+_CHAINED = b"\x01"
 
 
 def block_key(previous: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
-    """The key of a full block of `tokens` after the prefix keyed `previous`. Python hashes
-    ints and tuples the same in every process, so the supervisor can compute the keys a
-    worker's cache uses."""
-    return hash((previous, tuple(tokens)))
+    """The key of a full block of `tokens` after the prefix keyed `previous` (None for a
+    sequence's first block): the same in every process and run, on any machine, so keys
+    computed by one process (the supervisor, another box) name the blocks of another's
+    cache."""
+    head = _FIRST if previous is None else _CHAINED + previous.to_bytes(8, "little")
+    packed = array("q", tokens)  # 8 bytes a token: packing ints is far cheaper than str
+    if sys.byteorder == "big":  # one byte order everywhere
+        packed.byteswap()
+    digest = hashlib.blake2b(head, digest_size=8)
+    digest.update(packed)
+    return int.from_bytes(digest.digest(), "little")
 
 
 def prefix_keys(token_ids: Sequence[int], block_size: int) -> list[BlockKey]:
