@@ -18,7 +18,7 @@ from appliance.model.tensor_parallel import check_degree
 from appliance.model.tokenizer import Tokenizer
 from appliance.pool_moves import PoolMover
 from appliance.supervisor import Chunk, Supervisor
-from appliance.topology import Topology
+from appliance.topology.devices import Topology
 
 
 class Appliance:

@@ -8,14 +8,16 @@ an optional TOML file, then the defaults below. Nothing else reads the environme
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     SecretStr,
     ValidationError,
     field_validator,
@@ -23,6 +25,7 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -31,6 +34,11 @@ from pydantic_settings import (
 
 class SettingsError(ValueError):
     """A setting has a bad value; the message names the setting."""
+
+
+# Device indices, sorted, each once; None: split automatically. NoDecode: pydantic-settings
+# would read a tuple's environment variable as JSON, and '0,1' or '0-3' is not JSON.
+DeviceList = Annotated[tuple[NonNegativeInt, ...] | None, NoDecode]
 
 
 class KVSettings(BaseModel):
@@ -221,10 +229,10 @@ class Settings(BaseSettings):
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="Split prefill and decode pools, or workers doing both."
     )
-    prefill_devices: str | None = Field(
+    prefill_devices: DeviceList = Field(
         None, description="Devices of the prefill pool, e.g. '0,1'; empty splits automatically."
     )
-    decode_devices: str | None = Field(
+    decode_devices: DeviceList = Field(
         None, description="Devices of the decode pool, e.g. '2,3'; empty splits automatically."
     )
     prefill_tp: int = Field(
@@ -281,6 +289,18 @@ class Settings(BaseSettings):
     def _int4_is_quantized(cls, value: object) -> object:
         return "quantized" if value == "int4" else value
 
+    @field_validator("prefill_devices", "decode_devices", mode="before")
+    @classmethod
+    def _read_device_list(cls, value: object) -> object:
+        # Env, TOML and keywords give text like '0-1,3'; indices from code pass on as they are.
+        return parse_devices(value) if isinstance(value, str) else value
+
+    @field_validator("prefill_devices", "decode_devices")
+    @classmethod
+    def _one_form(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        # Whatever the source, the partition gets sorted indices, each once; none is automatic.
+        return tuple(sorted(set(value or ()))) or None
+
     @field_validator("api_key", mode="before")
     @classmethod
     def _empty_key_is_none(cls, value: object) -> object:
@@ -325,6 +345,27 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         raise SettingsError(_describe(exc)) from None
     except ValueError as exc:  # e.g. malformed TOML or env JSON
         raise SettingsError(f"invalid settings: {exc}") from None
+
+
+def parse_devices(text: str | None) -> tuple[int, ...] | None:
+    """Device indices from '0,1', '0-3' or '0-1,3', sorted, each once; None when unset or
+    blank (automatic). Raises ValueError saying what is wrong with the text."""
+    if text is None or not text.strip():
+        return None
+    indices: set[int] = set()
+    for part in text.split(","):
+        indices.update(_parse_part(part.strip()))
+    return tuple(sorted(indices))
+
+
+def _parse_part(part: str) -> range:
+    match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+    if not match:
+        raise ValueError("write device indices like '0,1' or '0-3'")
+    low, high = int(match[1]), int(match[2] or match[1])
+    if high < low:
+        raise ValueError(f"range {part!r} runs backwards")
+    return range(low, high + 1)
 
 
 def is_loopback(host: str) -> bool:

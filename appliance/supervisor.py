@@ -25,7 +25,9 @@ from appliance.engine.sequence import SamplingParams
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.restart_policy import RestartPolicy
 from appliance.router import Router
-from appliance.topology import Partition, Topology, discover, partition, tp_groups
+from appliance.topology.devices import Topology
+from appliance.topology.discovery import discover
+from appliance.topology.partition import Partition, partition, tp_groups
 from appliance.worker_handle import WorkerHandle, WorkerView
 from appliance.workers.messages import (
     Abort,

@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from appliance.model.llama import CausalLM
     from appliance.model.model_config import ModelConfig
     from appliance.supervisor import Supervisor
-    from appliance.topology import Topology
+    from appliance.topology.devices import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the GPU machine runs a bare checkout, not installed
@@ -541,16 +541,16 @@ def model_facts(scale: Scale) -> dict[str, Any]:
 def discovered_devices(scale: Scale) -> tuple[dict[str, Any] | None, str | None]:
     """topology.discover's devices and links as the appliance would serve on (GPUs on a
     real run, 'auto' on a dry run), or the one-line error it stops serve with."""
-    from appliance import topology
+    from appliance.topology import discovery
 
     setting = "cuda" if scale.cuda else "auto"
     try:
-        found = topology.discover(setting, num_cpu_devices=2, share_cores=True)
+        found = discovery.discover(setting, num_cpu_devices=2, share_cores=True)
     except ValueError as exc:  # DeviceError and NvmlFailed are ValueErrors
         return None, f"{type(exc).__name__}: {exc}"
     devices = [dataclasses.asdict(device) for device in found.devices]
     links = [[f"{link.kind}:{link.nvlinks}" for link in row] for row in found.links]
-    host = dataclasses.asdict(topology.read_host())
+    host = dataclasses.asdict(discovery.read_host())
     return {"setting": setting, "devices": devices, "links": links, "host": host}, None
 
 
@@ -1113,7 +1113,7 @@ class PytestOutcomes:
 
 def one_gpu_as_two_devices() -> Topology:
     """Devices 0 and 1 of the appliance, both on the GPU torch calls cuda:0."""
-    from appliance.topology import Device, Topology
+    from appliance.topology.devices import Device, Topology
 
     props = torch.cuda.get_device_properties(0)
     memory = props.total_memory
@@ -1123,7 +1123,8 @@ def one_gpu_as_two_devices() -> Topology:
 
 def two_cpu_devices() -> Topology:
     """Two CPU devices over this process's cores (sharing one when there is one)."""
-    from appliance.topology import Topology, cpu_devices
+    from appliance.topology.cpu import cpu_devices
+    from appliance.topology.devices import Topology
 
     return Topology.without_links(cpu_devices(2, share_cores=True))
 

@@ -28,7 +28,7 @@ from appliance.appliance import Appliance
 from appliance.config import load_settings
 from appliance.engine.sequence import SamplingParams
 from appliance.model.loader import prepare_tokenizer
-from appliance.topology import Device, Topology
+from appliance.topology.devices import Device, Topology
 
 OUT = Path(__file__).resolve().parent / "results" / "tensor_parallel_cpu.md"
 PROMPT = "A lighthouse keeper kept a log of every ship that passed, and the weather. "

@@ -18,7 +18,8 @@ from appliance.admin.token import TokenError, read_token, remove_token, write_to
 from appliance.config import load_settings
 from appliance.server.admin import AdminState
 from appliance.server.errors import APIError
-from appliance.topology import Device, cpu_devices
+from appliance.topology.cpu import cpu_devices
+from appliance.topology.devices import Device
 
 # ---------------------------------------------------------------- latency window
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.config import Settings, SettingsError, load_settings
+from appliance.config import Settings, SettingsError, load_settings, parse_devices
 
 
 @pytest.fixture(autouse=True)
@@ -214,6 +214,8 @@ def test_settings_error_is_a_value_error() -> None:
         ("APPLIANCE_BATCH__MAX_NUM_SEQS", "0", "batch.max_num_seqs"),
         ("APPLIANCE_PREFILL_TP", "0", "prefill_tp"),
         ("APPLIANCE_DECODE_TP", "two", "decode_tp"),
+        ("APPLIANCE_PREFILL_DEVICES", "0,x", "prefill_devices"),
+        ("APPLIANCE_DECODE_DEVICES", "3-1", "decode_devices"),
     ],
 )
 def test_bad_env_value_names_setting_and_env_var(
@@ -294,3 +296,55 @@ def test_api_key_is_secret_and_server_limits_validate() -> None:
     assert s.api_key.get_secret_value() == "s3cr3t-key" and "s3cr3t" not in repr(s)
     with pytest.raises(SettingsError, match=r"server\.max_concurrent_requests"):
         load_settings(server={"max_concurrent_requests": 0})
+
+
+# --- device lists ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0,1", (0, 1)), ("0-3", (0, 1, 2, 3)), (" 0-1, 3 ", (0, 1, 3)), ("2,2", (2,))],
+)
+def test_parse_devices(text: str, expected: tuple[int, ...]) -> None:
+    assert parse_devices(text) == expected
+
+
+@pytest.mark.parametrize("text", [None, "", "  "])
+def test_blank_device_list_means_automatic(text: str | None) -> None:
+    assert parse_devices(text) is None
+
+
+@pytest.mark.parametrize(("text", "message"), [("a", "like '0,1' or '0-3'"), ("3-1", "backwards")])
+def test_unreadable_device_list_names_the_setting(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=f"APPLIANCE_DECODE_DEVICES='{text}'.*{message}"):
+        load_settings(decode_devices=text)
+
+
+def test_device_lists_are_read_from_env_toml_and_keywords(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # '0-1, 3' is not JSON: the env value must reach the parser as text.
+    monkeypatch.setenv("APPLIANCE_PREFILL_DEVICES", "0-1, 3")
+    monkeypatch.setenv("APPLIANCE_DECODE_DEVICES", "")
+    s = load_settings()
+    assert s.prefill_devices == (0, 1, 3) and s.decode_devices is None
+    monkeypatch.delenv("APPLIANCE_PREFILL_DEVICES")
+    monkeypatch.delenv("APPLIANCE_DECODE_DEVICES")
+    config = write_toml(tmp_path, 'prefill_devices = "2-3"\ndecode_devices = [1, 0, 1]\n')
+    s = load_settings(config)
+    assert s.prefill_devices == (2, 3) and s.decode_devices == (0, 1)
+    assert load_settings(decode_devices=()).decode_devices is None
+
+
+def test_a_bad_device_list_stops_the_start_naming_the_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("APPLIANCE_PREFILL_DEVICES", "0;1")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert str(info.value) == (
+        "invalid setting prefill_devices (APPLIANCE_PREFILL_DEVICES='0;1'): "
+        "Value error, write device indices like '0,1' or '0-3'"
+    )
+    with pytest.raises(SettingsError, match=r"decode_devices\.1 .*greater than or equal to 0"):
+        load_settings(decode_devices=[1, -2])

@@ -14,18 +14,18 @@ import pynvml
 import pytest
 import torch
 
-from appliance import cli, topology
+from appliance import cli
 from appliance.config import load_settings
-from appliance.topology import (
-    Device,
-    DeviceError,
-    HostFacts,
+from appliance.topology import discovery
+from appliance.topology.cuda_order import (
     NvmlGpu,
     TorchFacts,
     check_torch,
     cuda_order,
-    read_host,
+    read_torch,
 )
+from appliance.topology.devices import Device, DeviceError
+from appliance.topology.discovery import HostFacts, read_host
 from appliance.workers import worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,7 +208,7 @@ def test_torch_that_cannot_use_the_gpus_is_one_line_saying_why(
 
 
 def test_this_torch_is_described_as_it_is() -> None:
-    facts = topology.read_torch()
+    facts = read_torch()
     assert facts.version == torch.__version__ and facts.cuda == torch.version.cuda
     assert facts.available == torch.cuda.is_available()
     assert facts.device_count == (torch.cuda.device_count() if facts.available else 0)
@@ -222,7 +222,7 @@ def test_host_facts_read_cuda_visible_devices_and_nvidia_paths(
 ) -> None:
     (tmp_path / "nvidiactl").touch()
     signs = (str(tmp_path / "nvidiactl"), str(tmp_path / "version"))
-    monkeypatch.setattr(topology, "NVIDIA_SIGNS", signs)
+    monkeypatch.setattr(discovery, "NVIDIA_SIGNS", signs)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8932f937,1")
     host = read_host()
     assert host.cuda_visible_devices == "GPU-8932f937,1"
@@ -277,8 +277,8 @@ def test_serve_on_a_gpu_box_whose_nvml_fails_is_one_line_not_cpu_workers(
     def gpu_host() -> HostFacts:
         return HostFacts(None, ("/dev/nvidia0",))
 
-    monkeypatch.setattr(topology, "read_host", gpu_host)
-    monkeypatch.setattr(topology, "import_nvml", MismatchedNvml)
+    monkeypatch.setattr(discovery, "read_host", gpu_host)
+    monkeypatch.setattr(discovery, "import_nvml", MismatchedNvml)
     monkeypatch.setenv("APPLIANCE_DEVICE", "auto")
     # One CPU worker per core of a big box: were it taken, this fails at once (2 cores
     # here) instead of serving on the CPU.

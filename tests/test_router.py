@@ -8,7 +8,8 @@ from collections import Counter
 from test_topology import PCIE_4GPU, cpu_box, gpus
 
 from appliance.router import Router
-from appliance.topology import Topology, partition
+from appliance.topology.devices import Topology
+from appliance.topology.partition import partition
 from appliance.worker_handle import WorkerHandle
 
 BLOCKS = 3  # KV blocks each handoff below needs

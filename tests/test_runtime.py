@@ -16,7 +16,7 @@ from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.supervisor import Supervisor
-from appliance.topology import Device, Topology
+from appliance.topology.devices import Device, Topology
 
 GREEDY = SamplingParams(max_tokens=16)
 QUESTIONS = [

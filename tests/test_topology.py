@@ -21,22 +21,16 @@ from typing import Any
 import pynvml
 import pytest
 
-from appliance.topology import (
-    Device,
-    DeviceError,
-    HostFacts,
-    Link,
-    NvmlFailed,
+from appliance.config import parse_devices
+from appliance.topology.cpu import cpu_devices, pin_to_cores
+from appliance.topology.cuda_order import TorchFacts
+from appliance.topology.devices import Device, DeviceError, Link, NvmlFailed, Topology
+from appliance.topology.discovery import HostFacts, discover
+from appliance.topology.nvml import discover_gpus
+from appliance.topology.partition import (
     Partition,
-    Topology,
-    TorchFacts,
-    cpu_devices,
-    discover,
-    discover_gpus,
     pair_decode,
-    parse_devices,
     partition,
-    pin_to_cores,
     prefill_count,
     tp_groups,
 )
@@ -559,7 +553,7 @@ def test_pin_to_cores_pins_every_thread_and_torch() -> None:
     # A subprocess, so this test process keeps its affinity and torch thread count.
     script = """
 import json, os, threading, torch
-from appliance.topology import pin_to_cores
+from appliance.topology.cpu import pin_to_cores
 core = min(os.sched_getaffinity(0))
 done = threading.Event()
 thread = threading.Thread(target=done.wait)
@@ -668,39 +662,20 @@ def test_unknown_mode_is_named() -> None:
 # --- explicit device lists -------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [("0,1", (0, 1)), ("0-3", (0, 1, 2, 3)), (" 0-1, 3 ", (0, 1, 3)), ("2,2", (2,))],
-)
-def test_parse_devices(text: str, expected: tuple[int, ...]) -> None:
-    assert parse_devices(text, "APPLIANCE_PREFILL_DEVICES") == expected
-
-
-@pytest.mark.parametrize("text", [None, "", "  "])
-def test_blank_device_list_means_automatic(text: str | None) -> None:
-    assert parse_devices(text, "APPLIANCE_PREFILL_DEVICES") is None
-
-
-@pytest.mark.parametrize(("text", "message"), [("a", "like '0,1' or '0-3'"), ("3-1", "backwards")])
-def test_unreadable_device_list_names_the_setting(text: str, message: str) -> None:
-    with pytest.raises(ValueError, match=f"APPLIANCE_DECODE_DEVICES='{text}'.*{message}"):
-        parse_devices(text, "APPLIANCE_DECODE_DEVICES")
-
-
 def test_explicit_pools_are_paired_by_links() -> None:
-    part = partition(gpus(PCIE_4GPU), "disaggregated", prefill="1", decode="0,2-3")
+    part = partition(gpus(PCIE_4GPU), "disaggregated", parse_devices("1"), parse_devices("0,2-3"))
     assert (part.prefill, part.decode, part.pairs) == ((1,), (0, 2, 3), {0: 1, 2: 1, 3: 1})
 
 
 def test_one_list_leaves_the_rest_to_the_other_pool() -> None:
     topology = gpus(PCIE_4GPU)
-    part = partition(topology, "disaggregated", prefill="0-2")
+    part = partition(topology, "disaggregated", prefill=parse_devices("0-2"))
     assert (part.decode, part.pairs) == ((3,), {3: 2})  # 3's NVLink partner
-    assert partition(topology, "disaggregated", decode="3").prefill == (0, 1, 2)
+    assert partition(topology, "disaggregated", decode=parse_devices("3")).prefill == (0, 1, 2)
 
 
 def test_both_lists_may_leave_devices_idle() -> None:
-    part = partition(gpus(PCIE_4GPU), "disaggregated", prefill="0", decode="2")
+    part = partition(gpus(PCIE_4GPU), "disaggregated", parse_devices("0"), parse_devices("2"))
     assert (part.prefill, part.decode, part.pairs) == ((0,), (2,), {2: 0})
 
 
@@ -718,7 +693,7 @@ def test_bad_device_lists_name_the_setting(
     prefill: str | None, decode: str | None, message: str
 ) -> None:
     with pytest.raises(ValueError) as info:
-        partition(gpus(PCIE_4GPU), "disaggregated", prefill=prefill, decode=decode)
+        partition(gpus(PCIE_4GPU), "disaggregated", parse_devices(prefill), parse_devices(decode))
     assert message in str(info.value)
 
 
@@ -737,10 +712,10 @@ def test_colocated_puts_every_device_in_both_pools_without_pairs() -> None:
 
 def test_colocated_works_on_one_device_and_uses_listed_devices() -> None:
     assert partition(cpu_box(cores=2, devices=1), "colocated").prefill == (0,)
-    part = partition(gpus(PCIE_4GPU), "colocated", prefill="1", decode="3")
+    part = partition(gpus(PCIE_4GPU), "colocated", parse_devices("1"), parse_devices("3"))
     assert part.prefill == part.decode == (1, 3) and part.pairs == {}
     with pytest.raises(ValueError, match="APPLIANCE_DECODE_DEVICES='5'"):
-        partition(gpus(PCIE_4GPU), "colocated", decode="5")
+        partition(gpus(PCIE_4GPU), "colocated", decode=parse_devices("5"))
 
 
 def test_devices_are_frozen() -> None:

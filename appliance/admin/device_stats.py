@@ -8,7 +8,7 @@ from typing import Any
 
 import psutil
 
-from appliance.topology import Device
+from appliance.topology.devices import Device
 
 MIN_INTERVAL_S = 1.0  # shorter CPU-share windows are mostly noise
 

@@ -26,7 +26,7 @@ from appliance.server.errors import APIError, api_error, http_error, unexpected_
 from appliance.server.metrics import Metrics
 from appliance.server.sd_notify import Notifier, heartbeat
 from appliance.server.state import ServerState
-from appliance.topology import import_nvml
+from appliance.topology.nvml import import_nvml
 
 log = logging.getLogger("appliance.server")
 

@@ -32,7 +32,7 @@ import torch.multiprocessing  # registers the tensor reducers ForkingPickler use
 from appliance.config import RecoverySettings, Settings
 from appliance.engine.model_runner import StepInputs
 from appliance.kv.handoff import KVShard
-from appliance.topology import Device
+from appliance.topology.devices import Device
 
 STOP_WAIT_S = 10.0  # how long followers get to exit after Stop before they are killed
 WATCH_S = 0.2  # how often the leader looks whether a follower has died

@@ -19,7 +19,8 @@ import torch.multiprocessing  # registers the tensor reducers ForkingPickler use
 from appliance.config import Settings
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.kv.handoff import KVShard
-from appliance.topology import Device, pin_to_cores
+from appliance.topology.cpu import pin_to_cores
+from appliance.topology.devices import Device
 from appliance.workers.messages import (
     Abort,
     DropPeer,
