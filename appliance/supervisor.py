@@ -2,7 +2,9 @@
 
 One asyncio loop owns all state. A reader thread turns the workers' pipes (one each)
 into calls on that loop. Where each prompt and handoff goes is the router's choice
-(appliance/router.py).
+(appliance/router.py); each request's phase, timing and workers are the request table's
+(appliance/request_table.py), and what a lost worker means for them is recovery's
+(appliance/recovery.py): this class carries out what they decide.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -23,6 +25,8 @@ from appliance.admin.schema import Event, Tuning, TuningPatch
 from appliance.config import BatchSettings, Settings
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.recovery import Action, after_worker_lost, retry_action
+from appliance.request_table import ParkedKV, Phase, Request, RequestTable
 from appliance.restart_policy import RestartPolicy
 from appliance.router import Router
 from appliance.topology.devices import Topology
@@ -71,41 +75,9 @@ class Chunk:
     text: str
     finished: bool = False
     finish_reason: str | None = None
-    timing: dict[str, float] | None = None  # on the last chunk: the request's timestamps
+    timing: dict[str, float] | None = None  # on the last chunk: Timing.as_dict()
     handoff_bytes: int = 0  # on the last chunk: KV bytes copied from prefill to decode pool
     cached_tokens: int = 0  # on the first chunk: prompt tokens the prefix cache supplied
-
-
-@dataclass
-class RequestState:
-    request_id: int
-    prompt: list[int]
-    params: SamplingParams
-    stream: asyncio.Queue
-    prefill_worker: int = -1
-    decode_worker: int = -1
-    output_ids: list[int] = field(default_factory=list)
-    cancelled: bool = False
-    # The current attempt: it prefills prompt + output_ids so far (a retry after a worker
-    # was lost continues where the stream stopped) with what is left of max_tokens.
-    submitted_len: int = 0
-    attempt_params: SamplingParams | None = None
-    awaiting_first: bool = False  # sent to prefill, its first token not back yet
-    retries: int = 0
-    wire_id: int = -1  # the current attempt's id in messages to and from workers
-    # monotonic seconds: arrival, prefill_start (first step that ran it: queue time ends),
-    # first_token, handoff_sent and handoff (the accepted handoff's round trip), finished
-    timing: dict[str, float] = field(default_factory=dict)
-    handoff_bytes: int = 0
-    token_times: list[float] = field(default_factory=list)  # when each chunk of tokens came
-
-
-@dataclass
-class PendingHandoff:
-    request: RequestState
-    wire_id: int  # the attempt whose prompt K/V sits in `blocks`
-    source: int
-    blocks: list[int]
 
 
 class Supervisor:
@@ -123,7 +95,8 @@ class Supervisor:
         )
         self.layout = self._roles()  # checked here, so a bad tensor-parallel degree fails early
         self.workers: dict[int, WorkerHandle] = {}
-        self.requests: dict[int, RequestState] = {}
+        self.table = RequestTable()  # every request in flight: its phase, timing, workers
+        self._streams: dict[int, asyncio.Queue] = {}  # request id -> its consumer's chunks
         self.tuning = Tuning(
             prefill_token_budget=settings.batch.max_num_batched_tokens,
             chunk_size=min(settings.batch.chunk_size, settings.batch.max_num_batched_tokens),
@@ -133,7 +106,6 @@ class Supervisor:
         )
         self.events: deque[Event] = deque(maxlen=MAX_EVENTS)
         self._event_ids = itertools.count(1)
-        self._ids = itertools.count()
         self._worker_ids = itertools.count()
         self.router = Router(
             settings.kv.block_size, settings.kv.prefix_caching, self.topology.bandwidth_rank
@@ -143,8 +115,6 @@ class Supervisor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._all_ready: asyncio.Future | None = None
         self._peer_drops: dict[tuple[int, int], asyncio.Future] = {}  # (decode, prefill)
-        self._pending: dict[int, PendingHandoff] = {}  # wire id -> handoff not yet answered
-        self._wire: dict[int, RequestState] = {}  # wire id -> request, current attempts only
         self._capacity = 0
         self._watchdog: asyncio.Task | None = None
         recovery = settings.recovery
@@ -152,7 +122,11 @@ class Supervisor:
         self.failed_devices: set[int] = set()
         self._restarting: dict[int, str] = {}  # device -> role of the worker coming back
         self._tasks: set[asyncio.Task] = set()  # restarts in progress
-        self._stalled: deque[RequestState] = deque()  # waiting for a worker of their role
+
+    @property
+    def requests(self) -> dict[int, Request]:
+        """Every request in flight by id, oldest first (read it, do not change it)."""
+        return self.table.requests
 
     # ------------------------------------------------------------ lifecycle
 
@@ -224,16 +198,11 @@ class Supervisor:
                 elif self._stalled_for(worker, now) > self.settings.recovery.stall_timeout_s:
                     self.note("worker", f"worker {worker.worker_id} stalled: killing it")
                     worker.process.kill()
-            self._fail_stalled(self._entry_role)
+            self._fail_waiting(self._entry_role)
 
     def _stalled_for(self, worker: WorkerHandle, now: float) -> float:
         """How long a worker that has work to run has not reported a step (0 if idle)."""
-        wid = worker.worker_id
-        has_work = worker.running > 0
-        has_work = has_work or any(
-            r.prefill_worker == wid and r.awaiting_first for r in self.requests.values()
-        )
-        has_work = has_work or any(p.request.decode_worker == wid for p in self._pending.values())
+        has_work = worker.running > 0 or self.table.owes_answer(worker.worker_id)
         if not (worker.ready and has_work):
             return 0.0
         return now - max(worker.last_report, worker.last_work)
@@ -255,18 +224,22 @@ class Supervisor:
             return
         if not worker.draining:  # a moving device's successor is started by the move
             self._schedule_restart(worker)  # first: requests may wait for it to come back
-        # KV parked in a prefill pool is still there: hand it to another decode worker.
-        self._reroute_handoffs_to(worker.worker_id)
-        whole_requests = worker.role == "colocated"
-        for request in list(self.requests.values()):
-            if "finished" in request.timing:
-                continue
-            lost = request.decode_worker == worker.worker_id or (
-                request.prefill_worker == worker.worker_id
-                and (request.awaiting_first or whole_requests)
-            )
-            if lost:
-                self._retry(request, f"worker {worker.worker_id} exited")
+        self._recover(worker.worker_id, f"worker {worker.worker_id} exited")
+
+    def _recover(self, worker_id: int, reason: str) -> None:
+        """Carry out what losing this worker means for each request it held."""
+        held = self.table.held_by(worker_id)
+        for step in after_worker_lost(held, worker_id, self.settings.recovery.max_request_retries):
+            self._act(self.table.requests[step.request_id], step.action, reason)
+
+    def _act(self, request: Request, action: Action, reason: str) -> None:
+        match action:
+            case Action.REROUTE:  # KV parked in a prefill pool is still there
+                self._hand_off(self.table.take_back_handoff(request.request_id))
+            case Action.RERUN:
+                self._rerun(request, reason)
+            case Action.FAIL:
+                self._fail(request, f"{reason}; retried too often")
 
     def _forget_dead_pool(self, worker_id: int) -> None:
         for decode in self.workers.values():
@@ -282,7 +255,7 @@ class Supervisor:
         if delay is None:
             self.failed_devices.update(worker.devices)  # a group fails as one
             self.note("worker", f"{worker.device} crashed too often: no more restarts")
-            self._fail_stalled(worker.role)
+            self._fail_waiting(worker.role)
             return
         self._restarting[device] = worker.role
         task = asyncio.create_task(self._restart(worker, delay, failed_starts))
@@ -324,23 +297,24 @@ class Supervisor:
             if worker.process.is_alive():
                 worker.process.kill()
         await asyncio.to_thread(self._reader.stop)
-        for request in self.requests.values():
-            request.stream.put_nowait(RequestFailed("the appliance is shutting down"))
+        for request in list(self.table.requests.values()):
+            if not request.phase.terminal:
+                self.table.fail(request.request_id)
+            self._put(request, RequestFailed("the appliance is shutting down"))
 
     # ------------------------------------------------------------ requests
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
         """Stream one request's chunks; leaving the loop early cancels it on both sides."""
-        request = RequestState(next(self._ids), list(prompt), params, asyncio.Queue())
-        request.timing["arrival"] = time.monotonic()
-        request.attempt_params = params
-        self.requests[request.request_id] = request
+        arrival = time.monotonic()
+        request = self.table.add(prompt, params, arrival)
+        stream = self._streams[request.request_id] = asyncio.Queue()
         limit = self.settings.server.request_timeout_s
-        deadline = None if limit is None else request.timing["arrival"] + limit
+        deadline = None if limit is None else arrival + limit
         try:
             self._submit(request)
             while True:
-                item = await self._next_item(request, deadline)
+                item = await self._next_item(stream, deadline)
                 if isinstance(item, Exception):
                     raise item
                 yield item
@@ -349,102 +323,97 @@ class Supervisor:
         finally:
             self._forget(request)
 
-    async def _next_item(self, request: RequestState, deadline: float | None) -> Any:
+    async def _next_item(self, stream: asyncio.Queue, deadline: float | None) -> Any:
         if deadline is None:
-            return await request.stream.get()
+            return await stream.get()
         try:
-            return await asyncio.wait_for(request.stream.get(), deadline - time.monotonic())
+            return await asyncio.wait_for(stream.get(), deadline - time.monotonic())
         except TimeoutError:
             limit = self.settings.server.request_timeout_s
             return RequestFailed(f"the request ran past its deadline of {limit:.0f} s")
+
+    def _put(self, request: Request, item: Chunk | Exception) -> None:
+        """Pass a chunk (or the error that ends it) to the request's consumer."""
+        stream = self._streams.get(request.request_id)
+        if stream is not None:
+            stream.put_nowait(item)
 
     @property
     def _entry_role(self) -> str:
         return "colocated" if self.settings.mode == "colocated" else "prefill"
 
-    def _submit(self, request: RequestState) -> None:
-        """Send the request's current attempt to a prefill (or colocated) worker; while
-        none takes work but one is coming back, it waits for it."""
+    def _submit(self, request: Request) -> None:
+        """Send a WAITING request's next attempt to a prefill (or colocated) worker; while
+        none takes work but one is coming back, it stays WAITING for it."""
         role = self._entry_role
         candidates = [w for w in self.workers.values() if w.role == role and w.routable]
         if not candidates:
-            if self._may_come_back(role):
-                self._stalled.append(request)
-            else:
-                request.stream.put_nowait(RequestFailed(f"no {role} worker is running"))
+            if not self._may_come_back(role):
+                self._fail(request, f"no {role} worker is running")
             return
-        token_ids = request.prompt + request.output_ids
+        token_ids = request.tokens
         worker = self.router.prefill(candidates, token_ids, self.tuning)
-        request.wire_id = next(self._ids)
-        self._wire[request.wire_id] = request
-        request.submitted_len = len(token_ids)
-        request.awaiting_first = True
+        wire_id = self.table.submit(request.request_id, worker.worker_id)
         worker.queued_tokens += len(token_ids)
         worker.last_work = time.monotonic()
-        request.prefill_worker = worker.worker_id
-        worker.inbox.put(
-            Submit(request.wire_id, token_ids, request.attempt_params, role == "prefill")
-        )
+        worker.inbox.put(Submit(wire_id, token_ids, request.attempt_params, role == "prefill"))
 
     def _may_come_back(self, role: str) -> bool:
         """A worker of `role` is starting, or restarting after a crash."""
         starting = any(w.role == role and w.routable_soon for w in self.workers.values())
         return starting or role in self._restarting.values()
 
-    def _retry(self, request: RequestState, reason: str) -> None:
+    def _retry(self, request: Request, reason: str) -> None:
+        """The current attempt is lost: run it again, or fail it after too many tries."""
+        max_retries = self.settings.recovery.max_request_retries
+        self._act(request, retry_action(request, max_retries), reason)
+
+    def _rerun(self, request: Request, reason: str) -> None:
         """Run the request again from where its stream stopped: its prompt plus the tokens
         it already sent, for what is left of max_tokens."""
-        if request.cancelled or request.request_id not in self.requests:
-            return
-        if "finished" in request.timing:
-            return
-        self._end_attempt(request)
-        if request.retries >= self.settings.recovery.max_request_retries:
-            request.stream.put_nowait(RequestFailed(f"{reason}; retried too often"))
-            return
-        request.retries += 1
-        for key in ("handoff_sent", "handoff"):  # the new attempt is handed off anew
-            request.timing.pop(key, None)
-        request.prefill_worker = request.decode_worker = -1
-        left = request.params.max_tokens - len(request.output_ids)
-        request.attempt_params = replace(request.params, max_tokens=max(1, left))
+        self._unqueue(request)
+        self.table.rerun(request.request_id)
         self.note("worker", f"request {request.request_id}: {reason}; running it again")
         self._submit(request)
 
-    def _end_attempt(self, request: RequestState) -> None:
-        """Forget the current attempt: messages about it are stale from now on."""
-        self._wire.pop(request.wire_id, None)
-        self._pending.pop(request.wire_id, None)
-        if request.awaiting_first:
-            request.awaiting_first = False
-            if request.prefill_worker in self.workers:
-                self.workers[request.prefill_worker].queued_tokens -= request.submitted_len
+    def _fail(self, request: Request, message: str) -> None:
+        """End the request with an error its consumer raises."""
+        self._unqueue(request)
+        self.table.fail(request.request_id)
+        self._put(request, RequestFailed(message))
 
-    def _resubmit_stalled(self) -> None:
-        waiting, self._stalled = self._stalled, deque()
-        for request in waiting:
-            if request.request_id in self.requests and not request.cancelled:
-                self._submit(request)
-
-    def _fail_stalled(self, role: str) -> None:
-        if not self._stalled or self._may_come_back(role):
+    def _unqueue(self, request: Request) -> None:
+        """Its prompt leaves its prefill worker's queue (the router weighs queued tokens)."""
+        if not request.phase.awaiting_first or request.prefill_worker is None:
             return
-        waiting, self._stalled = self._stalled, deque()
-        for request in waiting:
-            request.stream.put_nowait(RequestFailed(f"no {role} worker is running"))
+        if (worker := self.workers.get(request.prefill_worker)) is not None:
+            worker.queued_tokens -= request.submitted_len
 
-    def _forget(self, request: RequestState) -> None:
-        if self.requests.pop(request.request_id, None) is None:
+    def _submit_waiting(self) -> None:
+        """Requests WAITING for a worker of their role try again (one may be ready now)."""
+        for request in self.table.in_phase(Phase.WAITING):
+            self._submit(request)
+
+    def _fail_waiting(self, role: str) -> None:
+        """WAITING requests fail once no worker of `role` can come back for them."""
+        waiting = self.table.in_phase(Phase.WAITING)
+        if not waiting or self._may_come_back(role):
             return
-        wire = request.wire_id
-        self._end_attempt(request)
-        finished = request.timing.get("finished")
-        if finished is None:  # the consumer left early: cancel wherever it runs
-            request.cancelled = True
-            self._tell(request.prefill_worker, Abort(wire))
-            self._tell(request.decode_worker, Abort(wire))
+        for request in waiting:
+            self._fail(request, f"no {role} worker is running")
 
-    def _tell(self, worker_id: int, message: Any) -> None:
+    def _forget(self, request: Request) -> None:
+        if request.request_id not in self.table.requests:
+            return
+        self._unqueue(request)
+        self._streams.pop(request.request_id, None)
+        wire_id = request.wire_id  # None: never sent to a worker
+        if self.table.forget(request.request_id) and wire_id is not None:
+            # The consumer left early: cancel it wherever it runs.
+            self._tell(request.prefill_worker, Abort(wire_id))
+            self._tell(request.decode_worker, Abort(wire_id))
+
+    def _tell(self, worker_id: int | None, message: Any) -> None:
         if worker_id in self.workers:
             self.workers[worker_id].inbox.put(message)
 
@@ -455,26 +424,25 @@ class Supervisor:
         self._loop.call_soon_threadsafe(self._dispatch, message)
 
     def _dispatch(self, message: Any) -> None:
-        if isinstance(message, Ready):
-            self._on_ready(message)
-        elif isinstance(message, TokenBatch):
-            self._on_tokens(message)
-        elif isinstance(message, HandoffResult):
-            self._on_handoff_result(message)
-        elif isinstance(message, PoolShared):
-            self._on_pool_shared(message)
-        elif isinstance(message, PeerDropped):
-            dropped = self._peer_drops.pop((message.worker_id, message.peer), None)
-            if dropped is not None and not dropped.done():
-                dropped.set_result(None)
-        elif isinstance(message, Failed):
-            request = self._wire.get(message.request_id)
-            if request is not None:
-                request.stream.put_nowait(RequestFailed(message.error))
-        elif isinstance(message, LeaseExpired):
-            pending = self._pending.get(message.request_id)
-            if pending is not None and pending.source == message.worker_id:
-                self._retry(pending.request, "its parked KV expired before a decode worker took it")
+        match message:
+            case Ready():
+                self._on_ready(message)
+            case TokenBatch():
+                self._on_tokens(message)
+            case HandoffResult():
+                self._on_handoff_result(message)
+            case PoolShared():
+                self._on_pool_shared(message)
+            case PeerDropped():
+                dropped = self._peer_drops.pop((message.worker_id, message.peer), None)
+                if dropped is not None and not dropped.done():
+                    dropped.set_result(None)
+            case Failed():
+                if (request := self.table.by_wire(message.request_id)) is not None:
+                    self._fail(request, message.error)
+            case LeaseExpired():
+                if (request := self.table.on_lease_expired(message)) is not None:
+                    self._retry(request, "its parked KV expired before a decode worker took it")
 
     def _on_ready(self, message: Ready) -> None:
         worker = self.workers.get(message.worker_id)
@@ -520,8 +488,7 @@ class Supervisor:
                     worker.started.set_result(None)
         if not self._all_ready.done() and all(w.ready for w in self.workers.values()):
             self._all_ready.set_result(None)
-        if self._stalled:
-            self._resubmit_stalled()
+        self._submit_waiting()
 
     def _wired(self, worker: WorkerHandle) -> bool:
         if worker.role == "decode":
@@ -538,79 +505,57 @@ class Supervisor:
         worker.taken_blocks = 0
         worker.last_report = time.monotonic()
         worker.tokens_out += sum(len(out.token_ids) for out in batch.outputs)
-        for wire_id in batch.started:
-            request = self._wire.get(wire_id)
-            if request is not None:
-                request.timing.setdefault("prefill_start", batch.step_started_at)
+        self.table.on_started(batch.started, batch.step_started_at)
         for out in batch.outputs:
             self._on_output(worker, out, batch.step_started_at)
 
     def _on_output(self, worker: WorkerHandle, out: Output, step_started_at: float) -> None:
-        request = self._wire.get(out.request_id)
-        if request is not None and worker.worker_id not in (
-            request.prefill_worker,
-            request.decode_worker,
-        ):
-            request = None  # not the worker running its current attempt
-        cached = 0
-        if request is not None and request.awaiting_first:
-            cached = out.cached_tokens if request.retries == 0 else 0
-            request.awaiting_first = False
-            request.timing.setdefault("first_token", time.monotonic())
-            request.timing.setdefault("prefill_start", step_started_at)
-            worker.queued_tokens -= request.submitted_len
-        if request is None:
+        current = self.table.by_wire(out.request_id)
+        first = current is not None and current.phase.awaiting_first  # before it moves on
+        request = self.table.on_output(worker.worker_id, out, time.monotonic(), step_started_at)
+        if request is None:  # not the worker running its current attempt
             if out.handoff_blocks is not None:  # cancelled while prefilling: nobody pulls
                 self._tell(worker.worker_id, Release(out.request_id))
             return
-        request.output_ids += out.token_ids
-        request.token_times.append(time.monotonic())
-        timing = None
-        if out.finished:
-            request.timing["finished"] = time.monotonic()
-            timing = dict(request.timing)
-        chunk = Chunk(
-            out.token_ids, out.text, out.finished, out.finish_reason, timing, cached_tokens=cached
-        )
-        if out.finished:
-            chunk.handoff_bytes = request.handoff_bytes
-        request.stream.put_nowait(chunk)
-        if out.handoff_blocks is not None:
-            pending = PendingHandoff(request, request.wire_id, worker.worker_id, out.handoff_blocks)
-            self._hand_off(pending)
+        if first:
+            worker.queued_tokens -= request.submitted_len
+        cached = out.cached_tokens if first and request.retries == 0 else 0
+        self._put(request, _chunk(request, out, cached))
+        if request.phase is Phase.PARKED:
+            self._hand_off(request.kv)
 
-    def _hand_off(self, pending: PendingHandoff) -> None:
-        request = pending.request
-        if request.cancelled or pending.wire_id != request.wire_id:  # nobody wants it now
-            self._tell(pending.source, Release(pending.wire_id))
+    def _hand_off(self, parked: ParkedKV) -> None:
+        """Ask the decode worker the router picks to pull a parked prompt's KV; without
+        one that can yet, ask again HANDOFF_RETRY_S later."""
+        request = self.table.by_wire(parked.wire_id)
+        if request is None:  # cancelled, failed or running again: nobody wants it now
+            self._tell(parked.source, Release(parked.wire_id))
             return
-        source = self.workers.get(pending.source)
+        source = self.workers.get(parked.source)
         if source is None or not source.alive:  # its blocks are gone: prefill again
-            self._retry(request, f"prefill worker {pending.source} exited")
+            self._retry(request, f"prefill worker {parked.source} exited")
             return
         decodes = [w for w in self.workers.values() if w.role == "decode" and w.routable_soon]
         if not decodes and not self._may_come_back("decode"):
-            self._tell(pending.source, Release(pending.wire_id))
-            request.stream.put_nowait(RequestFailed("no decode worker is running"))
+            self._tell(parked.source, Release(parked.wire_id))
+            self._fail(request, "no decode worker is running")
             return
-        candidates = [w for w in decodes if w.ready and pending.source in w.peers]
+        candidates = [w for w in decodes if w.ready and parked.source in w.peers]
         if not candidates:  # decode workers (re)starting or being wired to this prefill worker
-            self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, pending)
+            self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, parked)
             return
         in_flight, blocks = self._blocks_in_flight(), self._handoff_blocks(request)
         decode = self.router.decode(candidates, in_flight, source, blocks)
         decode.last_work = time.monotonic()
-        request.decode_worker = decode.worker_id
-        request.timing["handoff_sent"] = time.monotonic()
-        self._pending[pending.wire_id] = pending
+        self.table.send_handoff(request.request_id, decode.worker_id, time.monotonic())
         decode.inbox.put(
             Handoff(
-                pending.wire_id,
-                request.prompt + request.output_ids,
+                parked.wire_id,
+                request.tokens,
                 request.submitted_len,
                 request.attempt_params,
-                pending.source,
-                pending.blocks,
+                parked.source,
+                parked.blocks,
             )
         )
 
@@ -618,36 +563,29 @@ class Supervisor:
         """Decode worker id -> KV blocks its last report does not show yet: of handoffs sent
         to it and not answered, and of those it took since that report."""
         in_flight: Counter[int] = Counter()
-        for pending in self._pending.values():
-            in_flight[pending.request.decode_worker] += self._handoff_blocks(pending.request)
         for worker in self.workers.values():
+            sent = self.table.handoffs_to(worker.worker_id)
+            in_flight[worker.worker_id] += sum(self._handoff_blocks(r) for r in sent)
             in_flight[worker.worker_id] += worker.taken_blocks
         return in_flight
 
-    def _handoff_blocks(self, request: RequestState) -> int:
+    def _handoff_blocks(self, request: Request) -> int:
         """The KV blocks a decode worker holds for a handed-off request."""
         return blocks_for_tokens(request.submitted_len + 1, self.settings.kv.block_size)
 
     def _on_handoff_result(self, result: HandoffResult) -> None:
-        pending = self._pending.get(result.request_id)
-        request = pending.request if pending is not None else None
-        if request is None or request.decode_worker != result.worker_id:
+        request = self.table.on_handoff_result(result, time.monotonic())
+        if request is None:
             if result.accepted:  # a stale answer (from a worker given up on): undo it
                 self._tell(result.worker_id, Abort(result.request_id))
             return
-        del self._pending[result.request_id]
-        if result.accepted:
-            # Its next report holds these blocks: a worker answers before it steps again.
-            if (decode := self.workers.get(result.worker_id)) is not None:
-                decode.taken_blocks += self._handoff_blocks(request)
-            request.timing["handoff"] = time.monotonic()
-            request.handoff_bytes = result.bytes_moved
-            self._tell(pending.source, Release(result.request_id))
-            if request.cancelled:
-                self._tell(result.worker_id, Abort(result.request_id))
+        if not result.accepted:  # no room there now: ask again a little later
+            self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, request.kv)
             return
-        request.decode_worker = -1  # no worker holds it while it waits to be sent again
-        self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, pending)
+        # Its next report holds these blocks: a worker answers before it steps again.
+        if (decode := self.workers.get(result.worker_id)) is not None:
+            decode.taken_blocks += self._handoff_blocks(request)
+        self._tell(request.prefill_worker, Release(result.request_id))
 
     # ------------------------------------------------------------ state
 
@@ -675,13 +613,6 @@ class Supervisor:
 
     def views(self) -> list[WorkerView]:
         """A snapshot of every worker's state and load."""
-        waiting = dict.fromkeys(self.workers, 0)
-        for request in self.requests.values():
-            if "prefill_start" not in request.timing and request.prefill_worker in waiting:
-                waiting[request.prefill_worker] += 1
-        for pending in self._pending.values():
-            if pending.request.decode_worker in waiting:
-                waiting[pending.request.decode_worker] += 1
         return [
             WorkerView(
                 w.worker_id,
@@ -689,7 +620,7 @@ class Supervisor:
                 w.device,
                 w.ready,
                 w.alive,
-                waiting[w.worker_id],
+                self.table.waiting_at(w.worker_id),
                 w.running,
                 w.num_free,
                 w.num_blocks,
@@ -706,7 +637,7 @@ class Supervisor:
 
     def pending_handoffs(self) -> int:
         """Handoffs sent to a decode worker and not yet answered."""
-        return len(self._pending)
+        return len(self.table.in_phase(Phase.HANDING_OFF))
 
     # ------------------------------------------------------------ pool membership and tuning
 
@@ -745,15 +676,7 @@ class Supervisor:
     def busy_with(self, worker_id: int) -> int:
         """Requests that still need this worker: running on it, or parked in its blocks
         until a decode worker has copied them."""
-        return sum(
-            1
-            for r in self.requests.values()
-            if "finished" not in r.timing  # done, its last chunk not yet read by the client
-            and (
-                r.decode_worker == worker_id
-                or (r.prefill_worker == worker_id and "handoff" not in r.timing)
-            )
-        )
+        return len(self.table.held_by(worker_id))
 
     async def add_worker(
         self, role: str, devices: int | tuple[int, ...], timeout: float
@@ -806,11 +729,8 @@ class Supervisor:
 
     def _reroute_handoffs_to(self, worker_id: int) -> None:
         """Handoffs sent to a worker that is gone go to another one (or are released)."""
-        lost = [p for p in self._pending.values() if p.request.decode_worker == worker_id]
-        for pending in lost:
-            del self._pending[pending.wire_id]
-            pending.request.decode_worker = -1
-            self._hand_off(pending)
+        for request in self.table.handoffs_to(worker_id):
+            self._act(request, Action.REROUTE, f"worker {worker_id} retired")
 
     def batch_limits(self, role: str, tuning: Tuning) -> dict[str, int]:
         """The scheduler limits the live tuning sets for a worker of `role`."""
@@ -824,3 +744,17 @@ class Supervisor:
         budget = max(self.settings.batch.max_num_batched_tokens, tuning.decode_max_seqs)
         decode = {"max_num_seqs": tuning.decode_max_seqs, "max_num_batched_tokens": budget}
         return decode if role == "decode" else prefill | {"max_num_seqs": tuning.decode_max_seqs}
+
+
+def _chunk(request: Request, out: Output, cached_tokens: int) -> Chunk:
+    """A request's next chunk; the last one carries its timing and handoff bytes."""
+    finished = request.phase is Phase.FINISHED
+    return Chunk(
+        out.token_ids,
+        out.text,
+        out.finished,
+        out.finish_reason,
+        request.timing.as_dict() if finished else None,
+        request.handoff_bytes if finished else 0,
+        cached_tokens,
+    )

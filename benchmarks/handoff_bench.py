@@ -122,7 +122,7 @@ async def drain(app: Appliance, ids: list[int], params: SamplingParams) -> dict[
     request = None
     async for _ in stream:
         request = request or next(iter(app.supervisor.requests.values()))
-    return request.timing
+    return request.timing.as_dict()  # the public names: "handoff" is when the KV was taken
 
 
 def main() -> None:

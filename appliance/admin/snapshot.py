@@ -4,17 +4,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 from appliance.admin.device_stats import DeviceStats
 from appliance.admin.latency_window import LatencyWindow
 from appliance.admin.schema import DeviceInfo, RequestRow, Snapshot, WorkerInfo
 from appliance.appliance import Appliance
-from appliance.supervisor import RequestState
+from appliance.request_table import Phase, Request
 from appliance.worker_handle import WorkerView
 
 MAX_REQUEST_ROWS = 50
 EVENTS_SHOWN = 20
 RATE_INTERVAL_S = 1.0  # tokens/s is measured over at least this long
+RowState = Literal["queued", "prefill", "handoff", "decode"]
+# A request's phase as the admin API names it.
+ROW_STATES: dict[Phase, RowState] = {
+    Phase.WAITING: "queued",
+    Phase.QUEUED: "queued",
+    Phase.PREFILLING: "prefill",
+    Phase.PARKED: "handoff",
+    Phase.HANDING_OFF: "handoff",
+    Phase.DECODING: "decode",
+}
 
 
 @dataclass
@@ -49,7 +60,7 @@ class SnapshotBuilder:
             devices=self._devices(views, now),
             tuning=supervisor.tuning,
             latency=self.latency.summary(now),
-            requests=[_row(r, now, appliance.settings.mode) for r in requests[:MAX_REQUEST_ROWS]],
+            requests=[_row(r, now) for r in requests[:MAX_REQUEST_ROWS]],
             requests_in_flight=len(requests),
             moves=list(appliance.pools.moves),
             events=list(supervisor.events)[-EVENTS_SHOWN:],
@@ -103,23 +114,15 @@ class SnapshotBuilder:
         return rate.per_s
 
 
-def _row(request: RequestState, now: float, mode: str) -> RequestRow:
-    timing = request.timing
-    if "prefill_start" not in timing:
-        state = "queued"
-    elif "first_token" not in timing:
-        state = "prefill"
-    elif mode == "disaggregated" and "handoff" not in timing:
-        state = "handoff"
-    else:
-        state = "decode"
-    first = timing.get("first_token", now)
+def _row(request: Request, now: float) -> RequestRow:
+    # A request that ended, its last chunk not yet read, shows where it ended.
+    phase = request.previous if request.phase.terminal else request.phase
     return RequestRow(
         request_id=request.request_id,
-        state=state,
+        state=ROW_STATES[phase],
         prompt_tokens=len(request.prompt),
         output_tokens=len(request.output_ids),
-        ttft_ms=(first - timing["arrival"]) * 1000,
-        prefill_worker=request.prefill_worker if request.prefill_worker >= 0 else None,
-        decode_worker=request.decode_worker if request.decode_worker >= 0 else None,
+        ttft_ms=request.timing.time_to_first_token(now) * 1000,
+        prefill_worker=request.prefill_worker,
+        decode_worker=request.decode_worker,
     )

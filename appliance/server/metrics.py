@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from appliance.admin.latency_window import Finished, LatencyWindow
+from appliance.request_table import Timing
 from appliance.supervisor import Chunk, Supervisor
 
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -101,11 +102,11 @@ class Metrics:
         if tpot is not None:
             self.tpot.observe(tpot)
         self.recent.record(Finished(last, first - arrival, tpot, num_tokens))
-        timing = chunk.timing or {}
-        if "prefill_start" in timing and "arrival" in timing:
-            self.queue_time.observe(max(0.0, timing["prefill_start"] - timing["arrival"]))
-        if "handoff" in timing and "handoff_sent" in timing:
-            self.handoff_latency.observe(timing["handoff"] - timing["handoff_sent"])
+        timing = Timing.from_dict(chunk.timing or {})
+        if timing.queue_time is not None:
+            self.queue_time.observe(timing.queue_time)
+        if timing.handoff_latency is not None:
+            self.handoff_latency.observe(timing.handoff_latency)
             self.handoff_bytes.inc(chunk.handoff_bytes)
         self.requests.labels(chunk.finish_reason or "stop").inc()
 
