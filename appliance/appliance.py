@@ -40,6 +40,18 @@ class Appliance:
         check_degree(self.config, settings.prefill_tp, "prefill_tp")
         check_degree(self.config, settings.decode_tp, "decode_tp")
 
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's facts, which prepare() reads."""
+        if self.config is None:
+            raise RuntimeError("the appliance is not prepared: prepare() reads the model")
+        return self.config
+
+    def _prepared_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise RuntimeError("the appliance is not prepared: prepare() loads the tokenizer")
+        return self.tokenizer
+
     async def start(self) -> None:
         """Spawn the pools' workers and wait until all are ready."""
         await self.supervisor.start()
@@ -64,7 +76,7 @@ class Appliance:
     def max_model_len(self) -> int:
         """The longest prompt + output a request may have: the model's context, the
         configured limit, and what every worker's KV pool can hold."""
-        context = self.config.max_position_embeddings
+        context = self.model_config.max_position_embeddings
         limit = min(self.settings.batch.max_model_len or context, context)
         return min(limit, self.supervisor.capacity_tokens())
 
@@ -75,10 +87,11 @@ class Appliance:
         if (prompt is None) == (messages is None):
             raise ValueError("give either a prompt or messages")
         if messages is not None:
-            ids = self.tokenizer.apply_chat_template(messages)
+            ids = self._prepared_tokenizer().apply_chat_template(messages)
         elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self._prepared_tokenizer().encode(prompt)
         else:
+            assert prompt is not None  # exactly one of prompt and messages: checked above
             ids = list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     AliasChoices,
@@ -338,7 +338,8 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         if not config_file.is_file():
             raise SettingsError(f"config file not found: {config_file}")
         config = {**Settings.model_config, "toml_file": config_file}
-        cls = type("Settings", (Settings,), {"model_config": config})
+        # A subclass of Settings that reads this TOML file (`type` is typed as returning `type`)
+        cls = cast(type[Settings], type("Settings", (Settings,), {"model_config": config}))
     try:
         return cls(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:

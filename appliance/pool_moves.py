@@ -9,8 +9,9 @@ import contextlib
 import itertools
 import time
 from collections import deque
+from typing import cast
 
-from appliance.admin.schema import Move
+from appliance.admin.schema import Move, Role
 from appliance.supervisor import Supervisor
 from appliance.worker_handle import WorkerHandle
 
@@ -42,7 +43,7 @@ class PoolMover:
         last = self.moves[-1] if self.moves else None
         return last if last is not None and last.finished_at is None else None
 
-    def start(self, device: int, to: str) -> Move:
+    def start(self, device: int, to: Role) -> Move:
         """Begin moving `device` to the `to` pool; raises MoveError when it cannot be."""
         worker = self._movable_worker(device, to)
         supervisor = self.supervisor
@@ -50,7 +51,8 @@ class PoolMover:
         move = Move(
             move_id=next(self._ids),
             device=device,
-            from_role=worker.role,
+            # WorkerHandle.role holds one of Role's values, typed str (Move checks it too)
+            from_role=cast(Role, worker.role),
             to_role=to,
             phase="draining",
             remaining=supervisor.busy_with(worker.worker_id),
@@ -72,7 +74,7 @@ class PoolMover:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    def _movable_worker(self, device: int, to: str) -> WorkerHandle:
+    def _movable_worker(self, device: int, to: Role) -> WorkerHandle:
         supervisor = self.supervisor
         if supervisor.settings.mode == "colocated":
             raise MoveError("colocated mode has a single pool: no device can change pools", 400)

@@ -17,7 +17,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch.multiprocessing as mp
 
@@ -61,6 +61,8 @@ HANDOFF_RETRY_S = 0.01  # a decode pool without room is asked again this much la
 WATCH_INTERVAL_S = 0.2  # how often worker processes are checked for being alive
 DROP_PEER_TIMEOUT_S = 10.0  # how long decode workers get to let go of a retiring pool
 MAX_EVENTS = 200  # events kept for the admin API
+
+EventKind = Literal["move", "tuning", "worker", "admission"]  # as Event.kind allows
 
 
 class RequestFailed(RuntimeError):
@@ -122,6 +124,13 @@ class Supervisor:
         self.failed_devices: set[int] = set()
         self._restarting: dict[int, str] = {}  # device -> role of the worker coming back
         self._tasks: set[asyncio.Task] = set()  # restarts in progress
+
+    @property
+    def _started_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop start() runs on: every worker, reader and timer lives on it."""
+        if self._loop is None:
+            raise RuntimeError("the supervisor is not started: call start() first")
+        return self._loop
 
     @property
     def requests(self) -> dict[int, Request]:
@@ -215,6 +224,7 @@ class Supervisor:
             f"code {worker.process.exitcode}",
         )
         error = RuntimeError(f"worker {worker.worker_id} exited while starting")
+        assert self._all_ready is not None  # start() set it before spawning any worker
         if not self._all_ready.done():  # a failed start is reported, not retried
             self._all_ready.set_exception(error)
             return
@@ -421,7 +431,7 @@ class Supervisor:
 
     def _deliver(self, message: Any) -> None:
         """From the reader thread: handle the message on the loop."""
-        self._loop.call_soon_threadsafe(self._dispatch, message)
+        self._started_loop.call_soon_threadsafe(self._dispatch, message)
 
     def _dispatch(self, message: Any) -> None:
         match message:
@@ -486,6 +496,7 @@ class Supervisor:
                 worker.ready = True
                 if worker.started is not None and not worker.started.done():
                     worker.started.set_result(None)
+        assert self._all_ready is not None  # start() set it before spawning any worker
         if not self._all_ready.done() and all(w.ready for w in self.workers.values()):
             self._all_ready.set_result(None)
         self._submit_waiting()
@@ -542,7 +553,7 @@ class Supervisor:
             return
         candidates = [w for w in decodes if w.ready and parked.source in w.peers]
         if not candidates:  # decode workers (re)starting or being wired to this prefill worker
-            self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, parked)
+            self._started_loop.call_later(HANDOFF_RETRY_S, self._hand_off, parked)
             return
         in_flight, blocks = self._blocks_in_flight(), self._handoff_blocks(request)
         decode = self.router.decode(candidates, in_flight, source, blocks)
@@ -580,7 +591,7 @@ class Supervisor:
                 self._tell(result.worker_id, Abort(result.request_id))
             return
         if not result.accepted:  # no room there now: ask again a little later
-            self._loop.call_later(HANDOFF_RETRY_S, self._hand_off, request.kv)
+            self._started_loop.call_later(HANDOFF_RETRY_S, self._hand_off, request.kv)
             return
         # Its next report holds these blocks: a worker answers before it steps again.
         if (decode := self.workers.get(result.worker_id)) is not None:
@@ -641,7 +652,7 @@ class Supervisor:
 
     # ------------------------------------------------------------ pool membership and tuning
 
-    def note(self, kind: str, message: str) -> Event:
+    def note(self, kind: EventKind, message: str) -> Event:
         """Record an event for the admin API (and the log)."""
         event = Event(seq=next(self._event_ids), at=time.time(), kind=kind, message=message)
         self.events.append(event)
@@ -685,7 +696,7 @@ class Supervisor:
         the pools serve; returns once it takes requests. Raises RuntimeError if it exits
         or is not ready within `timeout`."""
         worker = self._spawn(role, devices)
-        worker.started = self._loop.create_future()
+        worker.started = self._started_loop.create_future()
         try:
             await asyncio.wait_for(asyncio.shield(worker.started), timeout)
         except TimeoutError:
@@ -720,7 +731,7 @@ class Supervisor:
                 decode.peers.discard(prefill_id)
                 if decode.alive:
                     dropped = self._peer_drops[(decode.worker_id, prefill_id)] = (
-                        self._loop.create_future()
+                        self._started_loop.create_future()
                     )
                     decode.inbox.put(DropPeer(prefill_id))
                     waits.append(dropped)

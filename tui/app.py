@@ -218,31 +218,35 @@ class ConsoleApp(App[None]):
 
     def action_tune(self) -> None:
         """Open the tuning form on the current values."""
-        if not self._ready_to_act():
+        ready = self._ready_to_act()
+        if ready is None:
             return
+        client, snapshot = ready
 
         def applied(tuning: Tuning | None) -> None:
             if tuning is not None:
                 self.notify(f"Tuning applied: {_tuning_line(tuning)}")
 
-        self.push_screen(TuningForm(self._snapshot.tuning, self._client.tune), applied)
+        self.push_screen(TuningForm(snapshot.tuning, client.tune), applied)
 
     def action_toggle_admission(self) -> None:
         """Pause admission if open, resume it if paused."""
-        if not self._ready_to_act():
+        ready = self._ready_to_act()
+        if ready is None:
             return
-        paused = self._snapshot.tuning.admission == "paused"
+        _, snapshot = ready
+        paused = snapshot.tuning.admission == "paused"
         self._send_admission("open" if paused else "paused")
 
-    def _ready_to_act(self) -> bool:
-        """Connected with a state to act on; otherwise say why not."""
+    def _ready_to_act(self) -> tuple[AdminClient, Snapshot] | None:
+        """The client and the state to act on; otherwise say why not (and None)."""
         if self._client is None:
             self.notify(NOT_CONNECTED, severity="warning")
-            return False
+            return None
         if self._snapshot is None:
             self.notify("No state from the appliance yet.", severity="warning")
-            return False
-        return True
+            return None
+        return self._client, self._snapshot
 
     def _selected_device_info(self) -> DeviceInfo | None:
         index = self.selected_device

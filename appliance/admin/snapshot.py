@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from appliance.admin.device_stats import DeviceStats
 from appliance.admin.latency_window import LatencyWindow
-from appliance.admin.schema import DeviceInfo, RequestRow, Snapshot, WorkerInfo
+from appliance.admin.schema import (
+    DeviceInfo,
+    RequestRow,
+    Role,
+    Snapshot,
+    WorkerInfo,
+    WorkerPhase,
+)
 from appliance.appliance import Appliance
 from appliance.request_table import Phase, Request
 from appliance.worker_handle import WorkerView
@@ -79,7 +86,8 @@ class SnapshotBuilder:
                     index=device.index,
                     name=device.name,
                     kind=device.kind,
-                    pool=view.role if view else None,
+                    # WorkerView.role holds one of Role's values, typed str (pydantic checks it)
+                    pool=cast(Role, view.role) if view else None,
                     worker=self._worker(view, now) if view else None,
                     utilization=load.utilization,
                     memory_used=load.memory_used,
@@ -91,8 +99,10 @@ class SnapshotBuilder:
     def _worker(self, view: WorkerView, now: float) -> WorkerInfo:
         return WorkerInfo(
             worker_id=view.worker_id,
-            role=view.role,
-            phase=view.phase,
+            # WorkerView types these str; they hold Role's and WorkerPhase's values
+            # (WorkerHandle.phase returns only those), and pydantic checks them here too.
+            role=cast(Role, view.role),
+            phase=cast(WorkerPhase, view.phase),
             pid=view.pid,
             waiting=view.waiting,
             running=view.running,

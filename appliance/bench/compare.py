@@ -58,7 +58,7 @@ def our_targets(cores: int) -> list[Target]:
     if cores < 2:
         raise ValueError("compare needs at least 2 cores: one per pool")
     serve = [sys.executable, "-m", "appliance.cli", "serve"]
-    ours = {"extra_body": {"ignore_eos": True}, "port_flag": None}  # same token counts
+    same_tokens: dict[str, Any] = {"ignore_eos": True}  # same token counts
     two_devices = {"APPLIANCE_CPU_DEVICES": "2"}  # each half of the cores
     return [
         Target(
@@ -70,14 +70,22 @@ def our_targets(cores: int) -> list[Target]:
                 "APPLIANCE_PREFILL_DEVICES": "0",
                 "APPLIANCE_DECODE_DEVICES": "1",
             },
-            **ours,
+            extra_body=same_tokens,
+            port_flag=None,
         ),
-        Target(BASELINE, serve, two_devices | {"APPLIANCE_MODE": "colocated"}, **ours),
+        Target(
+            BASELINE,
+            serve,
+            two_devices | {"APPLIANCE_MODE": "colocated"},
+            extra_body=same_tokens,
+            port_flag=None,
+        ),
         Target(
             "colocated x1 (all cores)",
             serve,
             {"APPLIANCE_MODE": "colocated", "APPLIANCE_CPU_DEVICES": "1"},
-            **ours,
+            extra_body=same_tokens,
+            port_flag=None,
         ),
     ]
 

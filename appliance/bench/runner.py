@@ -133,6 +133,7 @@ def _past(load: Load, start: float) -> bool:
 async def _open_loop(
     sender: _Sender, specs: Iterator[RequestSpec], load: Load, progress: tqdm
 ) -> list[RequestResult]:
+    assert load.rate is not None  # run_load takes the open loop only at a rate
     # Its own stream of randomness: the workload drew from Random(seed) already.
     gaps = poisson_gaps(load.rate, random.Random(f"arrivals:{load.seed}"))
     tasks = []
@@ -151,6 +152,7 @@ async def _open_loop(
 async def _closed_loop(
     sender: _Sender, specs: Iterator[RequestSpec], load: Load, progress: tqdm
 ) -> list[RequestResult]:
+    assert load.concurrency is not None  # a Load without a rate has a concurrency
     results: list[RequestResult] = []
 
     async def user() -> None:

@@ -435,6 +435,7 @@ class LLMEngine:
         A tensor-parallel worker opens its followers' pools at its first handoff: only a
         decode worker ever needs them."""
         if self._kv_shards is None:
+            assert self._group is not None  # only a worker with a group starts without them
             self._kv_shards = [KVShard(0, self.kv.tensor), *self._group.kv_shards()]
         return self._kv_shards
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -35,13 +36,63 @@ _NEEDS = {
 }
 
 
-def _import(level: str) -> object | None:
+class _Kernels(Protocol):
+    """A compiled module's calls (csrc/module.c at ABI 7): tensors go as their addresses,
+    each call returns None or raises."""
+
+    ABI: int
+    LEVEL: str
+
+    def cpu_features(self) -> list[str]: ...
+
+    def paged_decode(
+        self, q: int, k: int, v: int, tables: int, lens: int, out: int, n: int, heads: int,
+        kv_heads: int, head_dim: int, blocks: int, block_size: int, table_width: int,
+        q_row_stride: int, scale: float, dtype: int, threads: int, /,
+    ) -> None: ...  # fmt: skip
+
+    def add_rms_norm(
+        self, x: int, weight: int, residual: int, out: int, rows: int, dim: int, eps: float,
+        dtype: int, threads: int, /,
+    ) -> None: ...  # fmt: skip
+
+    def rope_store(
+        self, qkv: int, cos: int, sin: int, slots: int, k: int, v: int, tokens: int,
+        heads: int, kv_heads: int, head_dim: int, cache_slots: int, dtype: int, threads: int, /,
+    ) -> None: ...  # fmt: skip
+
+    def silu_mul(
+        self, gate_up: int, rows: int, intermediate: int, dtype: int, threads: int, /
+    ) -> None: ...
+
+    def quant_matmul(
+        self, x: int, w: int, bias: int, out: int, m: int, n: int, k: int, row_bytes: int,
+        x_row_stride: int, out_row_stride: int, span: int, format: int, dtype: int,
+        out_dtype: int, threads: int, precise: int, /,
+    ) -> None: ...  # fmt: skip
+
+    def quant_rows(
+        self, w: int, rows: int, out: int, count: int, total_rows: int, k: int,
+        row_bytes: int, format: int, dtype: int, threads: int, /,
+    ) -> None: ...  # fmt: skip
+
+    def decode_step(
+        self, layers: int, num_layers: int, residual: int, out: int, kv: int, final_norm: int,
+        cos: int, sin: int, slots: int, tables: int, lens: int, n: int, hidden: int,
+        heads: int, kv_heads: int, head_dim: int, intermediate: int, blocks: int,
+        block_size: int, table_width: int, eps: float, scale: float, dtype: int,
+        threads: int, precise: int, /,
+    ) -> None: ...  # fmt: skip
+
+
+def _import(level: str) -> _Kernels | None:
     """The compiled module of `level`, or None when it was not built from these sources
     (no C compiler, another architecture, or ./install.sh not re-run after a pull)."""
     try:
         module = importlib.import_module(f"appliance.model._cpu_kernels_{level}")
     except ImportError:
         return None
+    # A module of this ABI has _Kernels' calls (ModuleType passes as one: no stubs check it).
     return module if getattr(module, "ABI", None) == ABI else None
 
 
@@ -73,7 +124,7 @@ def level() -> str | None:
     return None if _cpu_kernels is None else _cpu_kernels.LEVEL
 
 
-_cpu_kernels: object | None = None
+_cpu_kernels: _Kernels | None = None
 select()
 
 
@@ -178,6 +229,7 @@ def paged_decode(
     if tables.shape[0] != n or lens.shape[0] != n:
         raise ValueError(f"{n} queries need {n} block tables and context lengths")
     out = torch.empty(n, heads, head_dim, dtype=q.dtype, device=q.device)
+    assert _cpu_kernels is not None  # decode_takes() found them loaded
     _cpu_kernels.paged_decode(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -238,6 +290,7 @@ def add_rms_norm(
     x = None if x is None else x.contiguous()
     weight = weight.contiguous()
     out = torch.empty_like(residual)
+    assert _cpu_kernels is not None  # norm_takes() found them loaded
     _cpu_kernels.add_rms_norm(
         0 if x is None else x.data_ptr(),
         weight.data_ptr(),
@@ -315,6 +368,7 @@ def rope_store(
     kv_heads = k_cache.shape[2]
     if qkv.shape[1] != heads + 2 * kv_heads:
         raise ValueError(f"qkv has {qkv.shape[1]} heads, not {heads} + 2 x {kv_heads}")
+    assert _cpu_kernels is not None  # rope_store_takes() found them loaded
     _cpu_kernels.rope_store(
         qkv.data_ptr(),
         cos.data_ptr(),
@@ -352,6 +406,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError("gate_up must be contiguous [rows, 2 * inter] float32 or bfloat16 "
                          "CPU rows, inter a multiple of 16")  # fmt: skip
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    assert _cpu_kernels is not None  # silu_takes() found them loaded
     _cpu_kernels.silu_mul(gate_up.data_ptr(), rows, inter, _DTYPES[gate_up.dtype], _threads())
     return gate_up[:, :inter]
 
@@ -437,6 +492,7 @@ class QuantMatrix:
             return self._by_gemm(x, out)
         if out is None:
             out = torch.empty(rows, n, dtype=out_dtype)
+        assert _cpu_kernels is not None  # quant_takes() found them loaded
         _cpu_kernels.quant_matmul(
             x.data_ptr(),
             self.blocks.data_ptr(),

@@ -9,7 +9,7 @@ the layers (their kernels' work dwarfs the calls).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -18,7 +18,7 @@ from appliance.model.attention import AttentionBatch
 from appliance.model.quant import QuantLinear, projections
 
 if TYPE_CHECKING:
-    from appliance.model.llama import CausalLM
+    from appliance.model.llama import CausalLM, DecoderLayer
 
 
 def compiled_problem(model: CausalLM) -> str:
@@ -74,7 +74,8 @@ class CompiledDecode:
         """The embeddings residual [n, hidden] -> the final norm [n, hidden], as the
         layers give it."""
         group = batch.decode_groups[0]
-        first = self.model.layers[0].self_attn.qkv_proj  # every projection's setting
+        first = _layer(self.model.layers[0]).self_attn.qkv_proj  # every projection's setting
+        assert isinstance(first, QuantLinear)  # compiled_problem() found them all quantized
         return cpu_kernels.decode_step(
             self.layers,
             self.shape,
@@ -89,13 +90,27 @@ class CompiledDecode:
         )
 
 
-def _fields(layer: torch.nn.Module) -> list[int]:
+def _quantized(linears: dict[str, torch.nn.Module]) -> list[QuantLinear]:
+    """A layer's projections, in order, which compiled_problem() found block-quantized."""
+    out = []
+    for linear in linears.values():
+        assert isinstance(linear, QuantLinear)  # CompiledDecode runs only where they are
+        out.append(linear)
+    return out
+
+
+def _layer(module: torch.nn.Module) -> DecoderLayer:
+    return cast("DecoderLayer", module)  # CausalLM.layers (a ModuleList) holds DecoderLayers
+
+
+def _fields(module: torch.nn.Module) -> list[int]:
     """A layer's row of the compiled step's table (kernels.h: DecodeStep.layers)."""
+    layer = _layer(module)
     row = [
         layer.input_layernorm.weight.data_ptr(),
         layer.post_attention_layernorm.weight.data_ptr(),
     ]
-    for linear in projections(layer).values():  # kernels.h's order: q/k/v, o, gate/up, down
+    for linear in _quantized(projections(layer)):  # kernels.h's order: q/k/v, o, gate/up, down
         part = linear.parts[0]
         bias = 0 if linear.bias is None else linear.bias.data_ptr()
         row += [part.blocks.data_ptr(), bias, part.rows, part.blocks.shape[1]]

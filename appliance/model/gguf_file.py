@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -59,7 +59,7 @@ def _require_file(path: Path) -> None:
         raise ModelLoadError(path, "no such file")
 
 
-def open_gguf(path: Path, mode: str = "r") -> GGUFReader:
+def open_gguf(path: Path, mode: Literal["r", "r+", "c"] = "r") -> GGUFReader:
     """Open a GGUF file or raise ModelLoadError saying why it is not one; mode "c" maps it
     copy-on-write (its tensors writable views, private only where written)."""
     _require_file(path)
@@ -216,7 +216,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         raw = np.empty((stop - start, row_bytes), dtype=np.uint8)
         with self.path.open("rb") as file:
             file.seek(entry.offset + start * row_bytes)
-            got = file.readinto(memoryview(raw).cast("B"))
+            got = file.readinto(raw.data.cast("B"))
         if got != raw.nbytes:  # the file shrank since its index was read
             raise ModelLoadError(self.path, f"tensor {entry.name} runs past the end of the file")
         array = dequantize(raw, qtype).reshape(stop - start, entry.dims[0])
@@ -379,8 +379,10 @@ def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight
     own memory (QuantWeight.owned, concat_rows), so a user rewriting the file cannot reach
     a running worker and no weight is held twice."""
     entries = _quant_entries(path)
-    mapped = np.memmap(path, dtype=np.uint8, mode="c") if entries else None
-    out = {}
+    out: dict[str, QuantWeight] = {}
+    if not entries:
+        return out
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")
     for entry, fmt in entries:
         name = hf_name(entry.name, path)
         in_features, rows = entry.dims  # fastest first

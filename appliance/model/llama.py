@@ -148,12 +148,16 @@ class CausalLM(nn.Module):
         # An explicit (empty) weight skips normal_ init, which on meta tensors imports
         # torch's compiler stack and costs a second at every start.
         embedding = torch.empty(config.vocab_size, config.hidden_size)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
+        # An nn.Embedding, or the QuantEmbedding attach_quant swaps in.
+        self.embed_tokens: nn.Module = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=embedding
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, shard, all_reduce) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
+        # None while tied to the embedding; attach_quant and pack_linears may swap in theirs.
+        self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -174,6 +178,8 @@ class CausalLM(nn.Module):
         """input_ids, positions [tokens]; kv_cache [layers, 2, blocks, block_size, kv_heads,
         head_dim]. Returns hidden states [tokens, hidden]."""
         residual, delta = self.embed_tokens(input_ids), None
+        if self.rope is None:
+            raise RuntimeError("the model has no weights yet: load_weights builds its RoPE")
         rope = self.rope.at(positions)
         if self.decode_step is not None and self.decode_step.takes(batch):
             return self.decode_step(residual, rope, batch, kv_cache)
@@ -185,8 +191,15 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> float32 [rows, vocab]."""
         if self.lm_head is None:  # tied to the embedding
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            return F.linear(hidden, self.embedding_weight()).float()
         return self.lm_head(hidden).float()
+
+    def embedding_weight(self) -> torch.Tensor:
+        """The float embedding's weight [vocab, hidden] (a quantized one has none)."""
+        weight = self.embed_tokens.weight  # nn.Module's __getattr__ is typed Tensor | Module
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"the embedding's weight is a {type(weight).__name__}")
+        return weight
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], source: str) -> None:
         """Take Hugging Face-named float weights: this shard's part of each is copied into
@@ -273,6 +286,7 @@ class CausalLM(nn.Module):
             del tensor  # before the next source is read
             _release(weights, part)
             start += rows
+        assert target is not None  # every parameter has a source: _load_plan lists one at least
         owner, _, leaf = name.rpartition(".")
         setattr(self.get_submodule(owner), leaf, nn.Parameter(target, requires_grad=False))
 

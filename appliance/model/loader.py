@@ -428,7 +428,7 @@ def _write_pieces(
             current = name
             if file.tell() != base + header[name]["data_offsets"][0]:
                 raise ValueError(f"the pieces of {name} come out of the layout's order")
-        file.write(piece.to(layout[name][1]).reshape(-1).view(torch.uint8).numpy())
+        file.write(piece.to(layout[name][1]).reshape(-1).view(torch.uint8).numpy().data)
     finish(current)
     end = max((h["data_offsets"][1] for h in header.values()), default=0)
     if file.tell() != base + end:

@@ -12,9 +12,13 @@ A GPU keeps `F.linear` (cuBLAS).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from appliance.model.llama import CausalLM
 
 
 def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
@@ -55,7 +59,7 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, head: bool = True) -> int:
+def pack_linears(model: CausalLM, head: bool = True) -> int:
     """Swap every nn.Linear in `model` (a CausalLM) for a PackedLinear of its weight and,
     with `head`, give a tied LM head its own packed copy of the embedding (one more copy
     of the embedding's memory; tensor-parallel followers compute no logits and skip it);
@@ -71,6 +75,6 @@ def pack_linears(model: nn.Module, head: bool = True) -> int:
     for owner, name, child in swaps:
         setattr(owner, name, PackedLinear(child.weight, child.bias))
     if head and model.lm_head is None:  # tied: the lookup keeps the plain embedding
-        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+        model.lm_head = PackedLinear(model.embedding_weight(), None)
         return len(swaps) + 1
     return len(swaps)

@@ -9,7 +9,9 @@ Face folder) can be quantized at load to Q8_0 or Q4_0 (`quantize`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +19,9 @@ from torch import nn
 
 from appliance.model import cpu_kernels
 from appliance.model.cpu_kernels import QuantMatrix
+
+if TYPE_CHECKING:
+    from appliance.model.llama import CausalLM
 
 
 @dataclass(frozen=True)
@@ -246,7 +251,7 @@ def quantizable(name: str) -> bool:
 
 
 def quantize_weights(
-    dense: dict[str, torch.Tensor], have: dict[str, QuantWeight], format_name: str
+    dense: Mapping[str, torch.Tensor], have: dict[str, QuantWeight], format_name: str
 ) -> dict[str, QuantWeight]:
     """`have` plus every float projection, embedding and head of `dense` it lacks,
     quantized to `format_name` (rows of a multiple of 32 values only)."""
@@ -263,7 +268,7 @@ def quantize_weights(
 
 
 def attach_quant(
-    model: nn.Module,
+    model: CausalLM,
     quant: dict[str, QuantWeight],
     dense: dict[str, torch.Tensor],
     spans: dict[str, int] | None = None,
@@ -304,5 +309,6 @@ def attach_quant(
 def _span_for(weight: QuantWeight, span: int | None) -> int | None:
     """`span` where the weight's blocks tile it (None, the whole row, elsewhere: a K-quant
     weight cannot be split on a span of 32-value blocks anyway)."""
-    fits = span is not None and span % weight.format.values == 0
-    return span if fits and weight.in_features % span == 0 else None
+    if span is None or span % weight.format.values != 0 or weight.in_features % span != 0:
+        return None
+    return span

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from starlette.requests import Request
 
@@ -17,6 +17,8 @@ from appliance.server.metrics import Metrics
 from appliance.supervisor import Chunk, RequestFailed, Supervisor
 
 T = TypeVar("T")
+Chunks = AsyncGenerator[Chunk, None]
+TaggedChunks = AsyncGenerator[tuple[int, Chunk], None]
 
 
 @dataclass
@@ -29,16 +31,16 @@ class Choice:
     arrival: float  # time.monotonic() when its HTTP request arrived
 
 
-async def observed(
-    supervisor: Supervisor, choice: Choice, metrics: Metrics
-) -> AsyncIterator[Chunk]:
+async def observed(supervisor: Supervisor, choice: Choice, metrics: Metrics) -> Chunks:
     """The choice's chunks, timed from the request's arrival as they reach the server."""
     arrival = choice.arrival
     first = last = 0.0
     num_tokens = 0
     outcome = "abort"  # unless it finishes or fails
     try:
-        async with aclosing(supervisor.generate(choice.prompt_ids, choice.params)) as chunks:
+        # supervisor.generate is an async generator, annotated AsyncIterator (no aclose).
+        generated = cast(Chunks, supervisor.generate(choice.prompt_ids, choice.params))
+        async with aclosing(generated) as chunks:
             async for chunk in chunks:
                 now = time.monotonic()
                 if num_tokens == 0:
@@ -63,7 +65,7 @@ async def observed(
             metrics.requests.labels(outcome).inc()
 
 
-async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+async def merged(streams: list[Chunks]) -> TaggedChunks:
     """(stream index, chunk) from several streams as they come; closing this closes all."""
     if len(streams) == 1:
         async with aclosing(streams[0]) as only:
@@ -72,7 +74,7 @@ async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int
         return
     queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[Chunk]) -> None:
+    async def pump(index: int, stream: Chunks) -> None:
         try:
             async with aclosing(stream) as chunks:
                 async for chunk in chunks:
@@ -99,17 +101,13 @@ async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def run_choices(
-    supervisor: Supervisor, choices: list[Choice], metrics: Metrics
-) -> AsyncIterator[tuple[int, Chunk]]:
+def run_choices(supervisor: Supervisor, choices: list[Choice], metrics: Metrics) -> TaggedChunks:
     """Every choice's chunks, tagged with the choice's index."""
     streams = [observed(supervisor, c, metrics) for c in choices]
     return _retag(merged(streams), [c.index for c in choices])
 
 
-async def _retag(
-    pairs: AsyncIterator[tuple[int, Chunk]], indices: list[int]
-) -> AsyncIterator[tuple[int, Chunk]]:
+async def _retag(pairs: TaggedChunks, indices: list[int]) -> TaggedChunks:
     async with aclosing(pairs) as items:
         async for position, chunk in items:
             yield indices[position], chunk

@@ -119,7 +119,7 @@ class PoolCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["worker", "role", "device"]
-        families = {
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "waiting": GaugeMetricFamily(
                 "appliance_worker_queue_depth",
                 "Requests waiting at a worker: prompts not yet started, handoffs not yet taken.",

@@ -152,6 +152,8 @@ class ChatMessage(Body):
     def for_template(self) -> dict[str, str]:
         # The template knows the classic roles; "developer" is OpenAI's new name for system.
         role = "system" if self.role == "developer" else self.role
+        # `_text_only` has joined any text parts: a validated message's content is a str.
+        assert isinstance(self.content, str)
         return {"role": role, "content": self.content}
 
 

@@ -6,6 +6,7 @@ context check -> admission -> the supervisor (generation.py) -> JSON or SSE."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -48,10 +49,10 @@ async def completions(request: Request) -> Response:
     state, body = await _accept(request)
     req = validated(CompletionRequest, body)
     _precheck(state, req, num_prompts=len(req.prompts()))
-    vocab = state.appliance.config.vocab_size
+    vocab = state.appliance.model_config.vocab_size
     prompts = []
     for prompt in req.prompts():
-        ids = await _tokenize(lambda p=prompt: state.appliance.tokenize(prompt=p), "prompt")
+        ids = await _tokenize(functools.partial(state.appliance.tokenize, prompt=prompt), "prompt")
         if max(ids) >= vocab:
             raise APIError(
                 400, f"token id {max(ids)} is outside the vocabulary ({vocab})", "prompt"
@@ -84,7 +85,7 @@ async def health(request: Request) -> Response:
     workers = [asdict(v) for v in state.appliance.supervisor.views()]
     block_size = state.settings.kv.block_size
     model_limit = _model_limit(state)
-    pools = {}
+    pools: dict[str, list[dict[str, Any]]] = {}
     for worker in workers:
         loaded = worker["num_blocks"] > 0
         worker["kv_tokens"] = worker["num_blocks"] * block_size
@@ -117,7 +118,7 @@ async def health(request: Request) -> Response:
 def _model_limit(state: ServerState) -> int:
     """The longest prompt + output the model and batch.max_model_len allow, whatever the
     KV pools hold."""
-    context = state.appliance.config.max_position_embeddings
+    context = state.appliance.model_config.max_position_embeddings
     return min(state.settings.batch.max_model_len or context, context)
 
 

@@ -25,7 +25,7 @@ class Notifier:
     def send(self, *lines: str) -> None:
         """One datagram; a failure is logged once and otherwise ignored (systemd may be
         gone, the service must not die of it)."""
-        if self._socket is None:
+        if self._socket is None or self._address is None:  # set together, in __init__
             return
         try:
             self._socket.sendto("\n".join(lines).encode(), self._address)

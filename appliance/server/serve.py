@@ -47,14 +47,15 @@ class DrainingServer(uvicorn.Server):
             self.on_listening()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.state.draining or self._loop is None or not self.started:
+        loop = self._loop
+        if self.state.draining or loop is None or not self.started:
             self._stop_now()
             return
         self.state.draining = True
         log.info(
             "signal %s: draining %d generations", signal.Signals(sig).name, self.state.in_flight
         )
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.state.settings.server.shutdown_timeout_s
@@ -88,6 +89,7 @@ def serve(settings: Settings) -> int:
     server: DrainingServer | None = None
 
     def stop_serving() -> None:
+        assert server is not None  # made before it runs the app, which calls this
         server.should_exit = True
 
     app = build_app(appliance, on_start_failed=stop_serving)

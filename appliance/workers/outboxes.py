@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 WAKE_EVERY_S = 0.2  # how soon a newly added pipe is read
 
@@ -54,7 +54,10 @@ class OutboxReader:
         while not self._stopping.is_set():
             with self._lock:
                 pipes = {c: w for w, c in self._pipes.items()}
-            for connection in wait(list(pipes), timeout=WAKE_EVERY_S):
+            # `wait` returns those of the objects it was given that are ready: Connections
+            # here (typeshed widens its return to any waitable object).
+            ready = cast(list[Connection], wait(list(pipes), timeout=WAKE_EVERY_S))
+            for connection in ready:
                 self._read(pipes[connection], connection)
 
     def _read(self, worker_id: int, connection: Connection) -> None:

@@ -39,8 +39,10 @@ def pool_columns(snapshot: Snapshot) -> Columns:
     columns: dict[str, list[int]] = {role: [] for role in roles}
     moves = running_moves(snapshot)
     for device in snapshot.devices:
-        role = device.pool
-        if role is None:
+        role: str
+        if device.pool is not None:
+            role = device.pool
+        else:
             role = moves[device.index].to_role if device.index in moves else "unassigned"
         columns.setdefault(role, []).append(device.index)
     return tuple((role, tuple(indices)) for role, indices in columns.items())
