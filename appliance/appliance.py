@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from appliance.admin.schema import Tuning, TuningPatch
 from appliance.config import Settings
 from appliance.engine.sequence import SamplingParams
 from appliance.model.loader import model_name, prepare_tokenizer
@@ -17,6 +18,7 @@ from appliance.model.model_config import ModelConfig
 from appliance.model.tensor_parallel import check_degree
 from appliance.model.tokenizer import Tokenizer
 from appliance.pool_moves import PoolMover
+from appliance.pool_state import PoolState
 from appliance.supervisor import Chunk, Supervisor
 from appliance.topology.devices import Topology
 
@@ -73,6 +75,17 @@ class Appliance:
         return self.supervisor.ready
 
     @property
+    def state(self) -> PoolState:
+        """The pools as the server, admin API and metrics read them: read-only, so what
+        they do goes through this class's methods (tune, generate_ids, pools)."""
+        return self.supervisor
+
+    def tune(self, patch: TuningPatch) -> Tuning:
+        """Apply new knobs now and return those in force. Raises ValueError for a bad
+        value (pydantic's ValidationError) or a combination the pools' layout refuses."""
+        return self.supervisor.tune(patch)
+
+    @property
     def max_model_len(self) -> int:
         """The longest prompt + output a request may have: the model's context, the
         configured limit, and what every worker's KV pool can hold."""
@@ -105,4 +118,9 @@ class Appliance:
     ) -> AsyncIterator[Chunk]:
         """Stream a completion of a raw prompt (text or token ids) or of chat messages."""
         ids = self.tokenize(prompt, messages)
-        return self.supervisor.generate(ids, params or SamplingParams())
+        return self.generate_ids(ids, params or SamplingParams())
+
+    def generate_ids(self, ids: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+        """Stream a completion of prompt token ids the caller has checked (not empty,
+        inside the vocabulary and the context)."""
+        return self.supervisor.generate(ids, params)

@@ -9,13 +9,13 @@ import contextlib
 import itertools
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import cast
 
 from appliance.admin.schema import Move, Role
 from appliance.supervisor import Supervisor
 from appliance.worker_handle import WorkerHandle
 
-DRAIN_POLL_S = 0.1
 START_TIMEOUT_S = 300.0
 MOVES_KEPT = 5
 
@@ -47,7 +47,6 @@ class PoolMover:
         """Begin moving `device` to the `to` pool; raises MoveError when it cannot be."""
         worker = self._movable_worker(device, to)
         supervisor = self.supervisor
-        worker.draining = True
         move = Move(
             move_id=next(self._ids),
             device=device,
@@ -64,7 +63,8 @@ class PoolMover:
             f"move {move.move_id}: {worker.device} leaves the {worker.role} pool for {to}; "
             f"draining {move.remaining} requests",
         )
-        self._task = asyncio.create_task(self._run(move, worker))
+        drained = supervisor.drain(worker.worker_id, self.drain_timeout_s, move_progress(move))
+        self._task = asyncio.create_task(self._run(move, worker, drained))
         return move
 
     async def stop(self) -> None:
@@ -106,11 +106,10 @@ class PoolMover:
             )
         return worker
 
-    async def _run(self, move: Move, worker: WorkerHandle) -> None:
+    async def _run(self, move: Move, worker: WorkerHandle, drained: Awaitable[bool]) -> None:
         supervisor = self.supervisor
         try:
-            if not await self._drained(move, worker):
-                worker.draining = False
+            if not await drained:
                 self._end(
                     move,
                     f"{move.remaining} requests still ran after {self.drain_timeout_s:.0f} s; "
@@ -135,17 +134,6 @@ class PoolMover:
             return f"; starting a {move.from_role} worker there again failed too: {exc}"
         return f"; the device is back in the {move.from_role} pool"
 
-    async def _drained(self, move: Move, worker: WorkerHandle) -> bool:
-        """Wait until the worker has no requests; False if the drain timeout passes."""
-        deadline = time.monotonic() + self.drain_timeout_s
-        while True:
-            move.remaining = self.supervisor.busy_with(worker.worker_id)
-            if move.remaining == 0:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(DRAIN_POLL_S)
-
     def _end(self, move: Move, error: str | None = None) -> None:
         move.phase = "failed" if error else "done"
         move.error = error
@@ -155,3 +143,12 @@ class PoolMover:
         self.supervisor.note(
             "move", f"move {move.move_id} of device {move.device} to {move.to_role} {outcome}"
         )
+
+
+def move_progress(move: Move) -> Callable[[int], None]:
+    """What a drain reports to: the move's count of requests its worker still has."""
+
+    def progress(remaining: int) -> None:
+        move.remaining = remaining
+
+    return progress

@@ -2,8 +2,8 @@
 worker continues it.
 
 Pure: it reads the counters the supervisor keeps on each WorkerHandle (queued prompt
-tokens, running sequences, free KV blocks, prompt blocks prefilled lately), never the
-processes, so it is tested on plain data.
+tokens, running sequences, free KV blocks) and writes none of them, never the processes,
+so it is tested on plain data. What each worker prefilled lately is its own memory.
 - A prompt goes to the worker with the fewest queued prompt tokens or, among those within
   one step budget of it, the one that prefilled the longest prefix of the prompt lately
   (its prefix cache likely still holds it). Round-robin when tuned so.
@@ -20,10 +20,11 @@ processes, so it is tested on plain data.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
-from appliance.admin.schema import Tuning
 from appliance.kv.prefix_cache import prefix_keys
+from appliance.tuning import Tuning
 from appliance.worker_handle import WorkerHandle
 
 PREFIX_KEYS_KEPT = 8192  # per prefill worker: block keys of prompts it prefilled lately
@@ -47,6 +48,8 @@ class Router:
         self.prefix_caching = prefix_caching
         self.link_rank = link_rank
         self._turns = itertools.count()  # round-robin routing
+        # worker id -> keys of prompt blocks it prefilled lately (likely still cached there)
+        self._prefixes: dict[int, OrderedDict[int, None]] = {}
 
     def prefill(
         self, candidates: list[WorkerHandle], token_ids: list[int], tuning: Tuning
@@ -57,9 +60,13 @@ class Router:
         if tuning.routing == "round_robin":
             worker = candidates[next(self._turns) % len(candidates)]
         else:
-            worker = least_loaded(candidates, keys, tuning.prefill_token_budget)
-        remember_prefix(worker, keys)
+            worker = least_loaded(candidates, keys, tuning.prefill_token_budget, self._prefixes)
+        remember_prefix(self._prefixes.setdefault(worker.worker_id, OrderedDict()), keys)
         return worker
+
+    def forget(self, worker_id: int) -> None:
+        """That worker is gone: what it prefilled is gone with it."""
+        self._prefixes.pop(worker_id, None)
 
     def decode(
         self,
@@ -86,25 +93,32 @@ class Router:
         return min(self.link_rank(a, b) for a in source.devices for b in decode.devices)
 
 
-def least_loaded(candidates: list[WorkerHandle], keys: list[int], budget: int) -> WorkerHandle:
+def least_loaded(
+    candidates: list[WorkerHandle],
+    keys: list[int],
+    budget: int,
+    prefixes: Mapping[int, Mapping[int, None]],
+) -> WorkerHandle:
     """The worker with the fewest queued prompt tokens, or, among those within `budget`
-    tokens of it, the one holding the longest run of `keys` (prompt block keys)."""
+    tokens of it, the one holding the longest run of `keys` (prompt block keys);
+    `prefixes` maps a worker id to the block keys it prefilled lately."""
     least = min(w.queued_tokens for w in candidates)
     near = [w for w in candidates if w.queued_tokens <= least + budget]
 
     def score(worker: WorkerHandle) -> tuple[int, int, int]:
+        held = prefixes.get(worker.worker_id, {})
         matched = 0
-        while matched < len(keys) and keys[matched] in worker.prefix_keys:
+        while matched < len(keys) and keys[matched] in held:
             matched += 1
         return (-matched, worker.queued_tokens, worker.running)
 
     return min(near, key=score)
 
 
-def remember_prefix(worker: WorkerHandle, keys: list[int]) -> None:
-    """Note that `worker` prefilled these blocks, forgetting the oldest beyond a bound."""
+def remember_prefix(held: OrderedDict[int, None], keys: list[int]) -> None:
+    """Note that a worker prefilled these blocks, forgetting the oldest beyond a bound."""
     for key in keys:
-        worker.prefix_keys[key] = None
-        worker.prefix_keys.move_to_end(key)
-    while len(worker.prefix_keys) > PREFIX_KEYS_KEPT:
-        worker.prefix_keys.popitem(last=False)
+        held[key] = None
+        held.move_to_end(key)
+    while len(held) > PREFIX_KEYS_KEPT:
+        held.popitem(last=False)

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import Protocol
+
+from appliance.workers.messages import ToWorker
+
+
+class Inbox(Protocol):
+    """A worker's inbox as the supervisor sees it: it only puts messages in."""
+
+    def put(self, message: ToWorker, /) -> None: ...
 
 
 @dataclass
@@ -17,8 +25,8 @@ class WorkerHandle:
     device_index: int  # the first of its devices: the one its own process runs on
     device: str
     cores: tuple[int, ...]
-    inbox: Any
-    process: Any
+    inbox: Inbox
+    process: BaseProcess
     devices: tuple[int, ...] = ()  # all of them: a tensor-parallel worker has several
     shard_pids: list[int] = field(default_factory=list)  # its other shards' processes
     loaded: bool = False  # it said Ready: the model is loaded
@@ -30,6 +38,7 @@ class WorkerHandle:
     num_blocks: int = 0
     num_free: int = 0  # free KV blocks, as of its last report
     taken_blocks: int = 0  # KV blocks of handoffs it took since that report
+    refused: bool = False  # refused a handoff since that report: no room until it says so
     running: int = 0
     queued_tokens: int = 0  # prompt tokens sent and not yet answered
     tokens_out: int = 0  # tokens it has produced
@@ -37,8 +46,6 @@ class WorkerHandle:
     last_work: float = 0.0  # monotonic time it was last sent a prompt or a handoff
     restarts: int = 0
     peers: set[int] = field(default_factory=set)  # decode: prefill workers whose KV it holds
-    # prefill: keys of prompt blocks it prefilled lately (likely still in its prefix cache)
-    prefix_keys: OrderedDict = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         self.devices = self.devices or (self.device_index,)
@@ -63,6 +70,28 @@ class WorkerHandle:
         if self.draining:
             return "draining"
         return "ready" if self.ready else "starting"
+
+    def view(self, waiting: int) -> WorkerView:
+        """What /health and the admin API show of it; `waiting`: requests sent to it whose
+        first step has not run (the request table knows)."""
+        return WorkerView(
+            worker_id=self.worker_id,
+            role=self.role,
+            device=self.device,
+            ready=self.ready,
+            alive=self.alive,
+            waiting=waiting,
+            running=self.running,
+            num_free_blocks=self.num_free,
+            num_blocks=self.num_blocks,
+            restarts=self.restarts,
+            phase=self.phase,
+            device_index=self.device_index,
+            pid=self.process.pid,
+            tokens_out=self.tokens_out,
+            devices=self.devices,
+            shard_pids=tuple(self.shard_pids),
+        )
 
 
 @dataclass

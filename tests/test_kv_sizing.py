@@ -284,9 +284,9 @@ def test_a_ready_worker_is_logged_with_the_context_its_pool_holds() -> None:
     supervisor = Supervisor(load_settings(device="cpu", cpu_devices=1, mode="colocated"))
     loop = asyncio.new_event_loop()
     try:
-        supervisor._all_ready = loop.create_future()
+        supervisor.processes.all_ready = loop.create_future()
         supervisor.workers[0] = WorkerHandle(0, "colocated", 0, "cpu0", (0,), None, None)
-        supervisor._on_ready(Ready(0, 182))
+        supervisor._dispatch(Ready(0, 182))
     finally:
         loop.close()
     assert supervisor.events[-1].kind == "worker"

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
+
+# Core types the admin API sends as they are (the console reads them from here).
+from appliance.events import Event as Event
+from appliance.tuning import Tuning as Tuning
+from appliance.tuning import TuningPatch as TuningPatch
 
 Role = Literal["prefill", "decode", "colocated"]
 WorkerPhase = Literal["starting", "ready", "draining", "stopping", "exited"]
@@ -79,51 +84,6 @@ class RequestRow(BaseModel):
     decode_worker: int | None
 
 
-class Tuning(BaseModel):
-    """The knobs applied live, without restarting workers."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prefill_token_budget: int = Field(
-        ge=16, description="Tokens one prefill (or colocated) step may run."
-    )
-    chunk_size: int = Field(ge=16, description="Longest piece of one prompt in one step.")
-    decode_max_seqs: int = Field(ge=1, description="Most sequences a decode worker runs at once.")
-    routing: Literal["least_loaded", "round_robin"] = Field(
-        description="How a prompt picks its prefill worker: fewest queued prompt tokens, or "
-        "in turn."
-    )
-    admission: Literal["open", "paused"] = Field(
-        description="paused answers new generations 503 until resumed; running ones go on."
-    )
-
-    @model_validator(mode="after")
-    def _chunk_fits_budget(self) -> Tuning:
-        if self.chunk_size > self.prefill_token_budget:
-            raise ValueError(
-                f"chunk_size ({self.chunk_size}) must not exceed prefill_token_budget "
-                f"({self.prefill_token_budget})"
-            )
-        return self
-
-
-class TuningPatch(BaseModel):
-    """PATCH /admin/tuning: the knobs to change; the rest keep their values."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prefill_token_budget: int | None = Field(None, ge=16)
-    chunk_size: int | None = Field(None, ge=16)
-    decode_max_seqs: int | None = Field(None, ge=1)
-    routing: Literal["least_loaded", "round_robin"] | None = None
-    admission: Literal["open", "paused"] | None = None
-
-    def applied_to(self, tuning: Tuning) -> Tuning:
-        """The tuning with this patch's fields set; raises ValueError if the result is bad."""
-        changes = self.model_dump(exclude_none=True)
-        return Tuning.model_validate({**tuning.model_dump(), **changes})
-
-
 class MoveRequest(BaseModel):
     """POST /admin/pools: move `device` (its index) to the `to` pool."""
 
@@ -145,15 +105,6 @@ class Move(BaseModel):
     started_at: float
     finished_at: float | None = None
     error: str | None = None
-
-
-class Event(BaseModel):
-    """Something that happened: a move's progress, a tuning change, a worker's start or exit."""
-
-    seq: int
-    at: float
-    kind: Literal["move", "tuning", "worker", "admission"]
-    message: str
 
 
 class Snapshot(BaseModel):

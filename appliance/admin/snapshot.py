@@ -1,4 +1,4 @@
-"""Builds the admin API's Snapshot from the appliance's live state."""
+"""Builds the admin API's Snapshot from the appliance's live state (Appliance.state)."""
 
 from __future__ import annotations
 
@@ -54,23 +54,23 @@ class SnapshotBuilder:
     def build(self) -> Snapshot:
         now = time.monotonic()
         appliance = self.appliance
-        supervisor = appliance.supervisor
-        views = supervisor.views()
+        state = appliance.state
+        views = state.views()
         pids = {v.pid for v in views if v.pid is not None}
         self.stats.forget_exited(pids | {p for v in views for p in v.shard_pids})
-        requests = sorted(supervisor.requests.values(), key=lambda r: r.request_id)
+        requests = sorted(state.requests.values(), key=lambda r: r.request_id)
         return Snapshot(
             at=time.time(),
             model=appliance.model_name,
             mode=appliance.settings.mode,
             ready=appliance.ready,
             devices=self._devices(views, now),
-            tuning=supervisor.tuning,
+            tuning=state.tuning,
             latency=self.latency.summary(now),
             requests=[_row(r, now) for r in requests[:MAX_REQUEST_ROWS]],
             requests_in_flight=len(requests),
             moves=list(appliance.pools.moves),
-            events=list(supervisor.events)[-EVENTS_SHOWN:],
+            events=list(state.events)[-EVENTS_SHOWN:],
         )
 
     def _devices(self, views: list[WorkerView], now: float) -> list[DeviceInfo]:
@@ -78,7 +78,7 @@ class SnapshotBuilder:
         by_device = {d: v for v in views if v.phase != "exited" for d in v.devices}
         by_device |= {d: v for v in views for d in v.devices if d not in by_device}
         devices = []
-        for device in self.appliance.supervisor.topology.devices:
+        for device in self.appliance.state.topology.devices:
             view = by_device.get(device.index)
             load = self.stats.sample(device, view.pid_on(device.index) if view else None, now)
             devices.append(

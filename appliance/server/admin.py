@@ -84,10 +84,10 @@ async def events(request: Request) -> Response:
 
 
 async def _stream(admin: AdminState, interval: float) -> AsyncIterator[dict[str, str]]:
-    supervisor = admin.appliance.supervisor
-    seen = supervisor.events[-1].seq if supervisor.events else 0
+    pools = admin.appliance.state
+    seen = pools.events[-1].seq if pools.events else 0
     while True:
-        for event in [e for e in supervisor.events if e.seq > seen]:
+        for event in [e for e in pools.events if e.seq > seen]:
             seen = event.seq
             yield {"event": "event", "data": event.model_dump_json()}
         yield {"event": "state", "data": admin.snapshots.build().model_dump_json()}
@@ -112,7 +112,7 @@ async def tuning(request: Request) -> Response:
     patch = validated(TuningPatch, await read_json_object(request, MAX_ADMIN_BODY))
     request.app.state.server.check_ready()
     try:
-        tuning = admin.appliance.supervisor.tune(patch)
+        tuning = admin.appliance.tune(patch)
     except ValidationError as exc:
         raise from_validation(exc) from None
     except ValueError as exc:  # knobs that clash with the pools' layout

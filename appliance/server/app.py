@@ -37,7 +37,7 @@ def build_app(
     """The HTTP app around a prepared (tokenizer loaded) appliance; starting the app
     starts the appliance's workers, stopping it stops them."""
     latency = LatencyWindow()
-    state = ServerState(appliance, Metrics(CollectorRegistry(), appliance.supervisor, latency))
+    state = ServerState(appliance, Metrics(CollectorRegistry(), appliance.state, latency))
     admin = _admin_state(appliance, latency)
     notifier = Notifier(appliance.settings.notify_socket)
 
@@ -82,7 +82,7 @@ def build_app(
 
 
 def _admin_state(appliance: Appliance, latency: LatencyWindow) -> AdminState:
-    devices = appliance.supervisor.topology.devices
+    devices = appliance.state.topology.devices
     nvml = import_nvml() if any(d.kind == "cuda" for d in devices) else None
     snapshots = SnapshotBuilder(appliance, latency, DeviceStats(nvml))
     return AdminState(appliance, snapshots, appliance.settings.admin_token_path())
@@ -122,7 +122,7 @@ def _started(
         return
     error = task.exception()
     if error is None:
-        views = state.appliance.supervisor.views()
+        views = state.appliance.state.views()
         pools = ", ".join(f"{v.role} worker on {v.device}" for v in views)
         log.info("ready: %s (%s)", state.appliance.model_name, pools)
         notifier.ready(state.status_line())

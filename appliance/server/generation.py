@@ -1,11 +1,11 @@
-"""Running a request's choices on the supervisor: each choice observed for the metrics,
+"""Running a request's choices on the pools: each choice observed for the metrics,
 several merged into one stream, a client that goes away cancelling them all."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -14,11 +14,13 @@ from starlette.requests import Request
 
 from appliance.engine.sequence import SamplingParams
 from appliance.server.metrics import Metrics
-from appliance.supervisor import Chunk, RequestFailed, Supervisor
+from appliance.supervisor import Chunk, RequestFailed
 
 T = TypeVar("T")
 Chunks = AsyncGenerator[Chunk, None]
 TaggedChunks = AsyncGenerator[tuple[int, Chunk], None]
+# Starts one generation of prompt token ids: Appliance.generate_ids.
+GenerateIds = Callable[[list[int], SamplingParams], AsyncIterator[Chunk]]
 
 
 @dataclass
@@ -31,15 +33,15 @@ class Choice:
     arrival: float  # time.monotonic() when its HTTP request arrived
 
 
-async def observed(supervisor: Supervisor, choice: Choice, metrics: Metrics) -> Chunks:
+async def observed(generate: GenerateIds, choice: Choice, metrics: Metrics) -> Chunks:
     """The choice's chunks, timed from the request's arrival as they reach the server."""
     arrival = choice.arrival
     first = last = 0.0
     num_tokens = 0
     outcome = "abort"  # unless it finishes or fails
     try:
-        # supervisor.generate is an async generator, annotated AsyncIterator (no aclose).
-        generated = cast(Chunks, supervisor.generate(choice.prompt_ids, choice.params))
+        # The supervisor's generate is an async generator, annotated AsyncIterator (no aclose).
+        generated = cast(Chunks, generate(choice.prompt_ids, choice.params))
         async with aclosing(generated) as chunks:
             async for chunk in chunks:
                 now = time.monotonic()
@@ -101,9 +103,9 @@ async def merged(streams: list[Chunks]) -> TaggedChunks:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def run_choices(supervisor: Supervisor, choices: list[Choice], metrics: Metrics) -> TaggedChunks:
+def run_choices(generate: GenerateIds, choices: list[Choice], metrics: Metrics) -> TaggedChunks:
     """Every choice's chunks, tagged with the choice's index."""
-    streams = [observed(supervisor, c, metrics) for c in choices]
+    streams = [observed(generate, c, metrics) for c in choices]
     return _retag(merged(streams), [c.index for c in choices])
 
 

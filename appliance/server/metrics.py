@@ -1,5 +1,5 @@
 """Prometheus metrics: latencies observed per request as its chunks reach the server,
-and the pools' load read from the supervisor at each scrape."""
+and the pools' load read from their state at each scrape."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from appliance.admin.latency_window import Finished, LatencyWindow
+from appliance.pool_state import PoolState
 from appliance.request_table import Timing
-from appliance.supervisor import Chunk, Supervisor
+from appliance.supervisor import Chunk
 
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
@@ -23,7 +24,7 @@ class Metrics:
     """The server's metrics, in their own registry (one per app, so tests can build many)."""
 
     def __init__(
-        self, registry: CollectorRegistry, supervisor: Supervisor, recent: LatencyWindow
+        self, registry: CollectorRegistry, pools: PoolState, recent: LatencyWindow
     ) -> None:
         self.registry = registry
         self.recent = recent  # the last minute's requests, for the admin API
@@ -85,7 +86,7 @@ class Metrics:
             "Requests answered with an error, by HTTP status.",
             ("status",),
         )
-        registry.register(PoolCollector(supervisor))
+        registry.register(PoolCollector(pools))
 
     def observe_first_token(self, seconds: float, prompt_tokens: int, cached: int = 0) -> None:
         self.ttft.observe(seconds)
@@ -112,10 +113,10 @@ class Metrics:
 
 
 class PoolCollector(Collector):
-    """Per-worker gauges read from the supervisor's state when Prometheus scrapes."""
+    """Per-worker gauges read from the pools' state when Prometheus scrapes."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.supervisor = supervisor
+    def __init__(self, pools: PoolState) -> None:
+        self.pools = pools
 
     def collect(self) -> Iterator[Metric]:
         labels = ["worker", "role", "device"]
@@ -141,7 +142,7 @@ class PoolCollector(Collector):
                 labels=labels,
             ),
         }
-        for view in self.supervisor.views():
+        for view in self.pools.views():
             key = [str(view.worker_id), view.role, view.device]
             used = 1 - view.num_free_blocks / view.num_blocks if view.num_blocks else 0.0
             families["waiting"].add_metric(key, view.waiting)
@@ -152,10 +153,10 @@ class PoolCollector(Collector):
         yield GaugeMetricFamily(
             "appliance_requests_in_flight",
             "Generations the supervisor holds.",
-            value=len(self.supervisor.requests),
+            value=len(self.pools.requests),
         )
         yield GaugeMetricFamily(
             "appliance_pending_handoffs",
             "Handoffs sent to a decode worker and not yet answered.",
-            value=self.supervisor.pending_handoffs(),
+            value=self.pools.pending_handoffs(),
         )

@@ -31,7 +31,8 @@ async def whole(
     reasons: list[str | None] = [None] * len(choices)
     cached = [0] * len(choices)
     generated = 0
-    async with aclosing(run_choices(state.appliance.supervisor, choices, state.metrics)) as chunks:
+    generate = state.appliance.generate_ids
+    async with aclosing(run_choices(generate, choices, state.metrics)) as chunks:
         async for index, chunk in chunks:
             texts[index] += chunk.text
             generated += len(chunk.token_ids)
@@ -84,8 +85,8 @@ async def _events(
             opening = envelope.shape.opening(c.index)
             if opening is not None:
                 yield chunk(opening)
-        supervisor = state.appliance.supervisor
-        async with aclosing(run_choices(supervisor, choices, state.metrics)) as chunks:
+        generate = state.appliance.generate_ids
+        async with aclosing(run_choices(generate, choices, state.metrics)) as chunks:
             async for index, piece in chunks:
                 generated += len(piece.token_ids)
                 cached[index] = max(cached[index], piece.cached_tokens)

@@ -1,7 +1,7 @@
 """The routes: OpenAI's chat and text completions and model list, health, metrics.
 
 A completion request goes: key -> readiness -> body -> validation -> model -> tokens ->
-context check -> admission -> the supervisor (generation.py) -> JSON or SSE."""
+context check -> admission -> the pools (generation.py) -> JSON or SSE."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ async def health(request: Request) -> Response:
     its KV pool holds (`kv_tokens`, and `max_model_len`, the longest prompt + output it
     takes; null until it has loaded), and the longest a request may be (`max_model_len`)."""
     state: ServerState = request.app.state.server
-    workers = [asdict(v) for v in state.appliance.supervisor.views()]
+    workers = [asdict(v) for v in state.appliance.state.views()]
     block_size = state.settings.kv.block_size
     model_limit = _model_limit(state)
     pools: dict[str, list[dict[str, Any]]] = {}
@@ -109,7 +109,7 @@ async def health(request: Request) -> Response:
         "kv_block_size": block_size,
         "max_model_len": state.appliance.max_model_len if state.appliance.ready else None,
         "generations_admitted": state.in_flight,
-        "failed_devices": sorted(state.appliance.supervisor.failed_devices),
+        "failed_devices": sorted(state.appliance.state.failed_devices),
         "error": state.startup_error,
     }
     return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)

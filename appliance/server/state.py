@@ -82,7 +82,7 @@ class ServerState:
                 code="shutting_down",
                 retry_after=STARTING_RETRY_S,
             )
-        if self.appliance.supervisor.tuning.admission == "paused":
+        if self.appliance.state.tuning.admission == "paused":
             raise APIError(
                 503,
                 "admission is paused by the operator; requests already running go on",
@@ -94,7 +94,7 @@ class ServerState:
         """The pools' state in a few words (systemd's STATUS=)."""
         if self.startup_error is not None:
             return f"failed to start: {self.startup_error}"
-        views = self.appliance.supervisor.views()
+        views = self.appliance.state.views()
         if not self.appliance.ready:
             return f"starting: {len(views)} workers loading the model"
         pools: dict[str, list[bool]] = {}

@@ -166,3 +166,9 @@ class Failed:
     worker_id: int
     request_id: int
     error: str
+
+
+# What a worker's inbox carries, and what comes back on its outbox: a handler matches on
+# these unions, so a message type added here and not handled is a type error there.
+ToWorker = Submit | Handoff | SharePool | PeerPool | DropPeer | Tune | Release | Abort | Shutdown
+FromWorker = Ready | PoolShared | PeerDropped | TokenBatch | HandoffResult | LeaseExpired | Failed

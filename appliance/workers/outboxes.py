@@ -10,7 +10,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any, cast
+from typing import cast
+
+from appliance.workers.messages import FromWorker
 
 WAKE_EVERY_S = 0.2  # how soon a newly added pipe is read
 
@@ -21,14 +23,14 @@ class Outbox:
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
 
-    def put(self, message: Any) -> None:
+    def put(self, message: FromWorker) -> None:
         self._connection.send(message)
 
 
 class OutboxReader:
     """Reads every worker's pipe on a thread and hands each message to `deliver`."""
 
-    def __init__(self, deliver: Callable[[Any], None]) -> None:
+    def __init__(self, deliver: Callable[[FromWorker], None]) -> None:
         self._deliver = deliver
         self._pipes: dict[int, Connection] = {}  # worker id -> the reading end
         self._lock = threading.Lock()

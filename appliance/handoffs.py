@@ -1,0 +1,146 @@
+"""Handoffs: a prompt prefilled in the prefill pool goes on in a decode worker, which pulls
+its KV blocks from the prefill worker's tensor, then the prefill worker frees them.
+
+A handoff goes to the decode worker the router picks among those with room. Without one
+it waits here, oldest first, and is tried again when something can have changed: a
+decode worker reports a step (blocks freed) or becomes ready, or a worker is gone. A
+decode worker that refused a handoff (no room after all) is not asked again until its
+next report says how much room it has.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.request_table import ParkedKV, Request, RequestTable
+from appliance.router import Router
+from appliance.worker_handle import WorkerHandle
+from appliance.workers.messages import Abort, Handoff, HandoffResult, Release, ToWorker
+
+
+@dataclass
+class HandoffParts:
+    """What the handoffs read and call, all owned by the supervisor."""
+
+    block_size: int
+    table: RequestTable
+    workers: Mapping[int, WorkerHandle]
+    router: Router
+    send: Callable[[int | None, ToWorker], None]
+    retry: Callable[[Request, str], None]  # prefill it again, or fail after retries
+    fail: Callable[[Request, str], None]
+    may_come_back: Callable[[str], bool]  # a worker of that role is (re)starting
+
+
+class Handoffs:
+    """The handoffs waiting for room, and the sending of each."""
+
+    def __init__(self, parts: HandoffParts) -> None:
+        self.parts = parts
+        self.table = parts.table
+        self._waiting: dict[int, ParkedKV] = {}  # wire id -> KV waiting for room, oldest first
+
+    @property
+    def waiting(self) -> int:
+        """Handoffs waiting for a decode worker with room."""
+        return len(self._waiting)
+
+    def hand_off(self, parked: ParkedKV) -> None:
+        """Ask the decode worker the router picks to pull a parked prompt's KV, or keep it
+        waiting until one has room."""
+        self._waiting.pop(parked.wire_id, None)
+        request = self.table.by_wire(parked.wire_id)
+        if request is None:  # cancelled, failed or running again: nobody wants it now
+            self.parts.send(parked.source, Release(parked.wire_id))
+            return
+        source = self.parts.workers.get(parked.source)
+        if source is None or not source.alive:  # its blocks are gone: prefill again
+            self.parts.retry(request, f"prefill worker {parked.source} exited")
+            return
+        decodes = [w for w in self.parts.workers.values() if w.role == "decode"]
+        if not any(w.routable_soon for w in decodes) and not self.parts.may_come_back("decode"):
+            self.parts.send(parked.source, Release(parked.wire_id))
+            self.parts.fail(request, "no decode worker is running")
+            return
+        decode = self._pick(decodes, source, request)
+        if decode is None:
+            self._waiting[parked.wire_id] = parked
+            return
+        decode.last_work = time.monotonic()
+        self.table.send_handoff(request.request_id, decode.worker_id, time.monotonic())
+        self.parts.send(
+            decode.worker_id,
+            Handoff(
+                parked.wire_id,
+                request.tokens,
+                request.submitted_len,
+                request.attempt_params,
+                parked.source,
+                parked.blocks,
+            ),
+        )
+
+    def _pick(
+        self, decodes: list[WorkerHandle], source: WorkerHandle, request: Request
+    ) -> WorkerHandle | None:
+        """The decode worker to send it to now, if one wired to `source` has room."""
+        candidates = [
+            w for w in decodes if w.routable and source.worker_id in w.peers and not w.refused
+        ]
+        if not candidates:  # decode workers (re)starting, being wired, or full
+            return None
+        in_flight, blocks = self._blocks_in_flight(), self._blocks(request)
+        decode = self.parts.router.decode(candidates, in_flight, source, blocks)
+        room = decode.num_free - in_flight.get(decode.worker_id, 0)
+        return decode if room >= blocks else None
+
+    def retry_waiting(self) -> None:
+        """Try every waiting handoff again, oldest first (room may have come)."""
+        waiting, self._waiting = self._waiting, {}
+        for parked in waiting.values():
+            self.hand_off(parked)
+
+    def on_result(self, result: HandoffResult) -> None:
+        """A decode worker took a handoff (the prefill worker frees its blocks) or had no
+        room (it goes to another one, or waits)."""
+        request = self.table.on_handoff_result(result, time.monotonic())
+        decode = self.parts.workers.get(result.worker_id)
+        if request is None:
+            if result.accepted:  # a stale answer (from a worker given up on): undo it
+                self.parts.send(result.worker_id, Abort(result.request_id))
+            return
+        if not result.accepted:
+            if decode is not None:
+                decode.refused = True  # until its next report says it has room
+            self.hand_off(request.kv)
+            return
+        # Its next report holds these blocks: a worker answers before it steps again.
+        if decode is not None:
+            decode.taken_blocks += self._blocks(request)
+        self.parts.send(request.prefill_worker, Release(result.request_id))
+
+    def take_back(self, request: Request) -> None:
+        """Its decode worker is gone before answering: the KV is still parked, send it on."""
+        self.hand_off(self.table.take_back_handoff(request.request_id))
+
+    def sent_to(self, worker_id: int) -> list[Request]:
+        """Handoffs sent to this decode worker and not answered."""
+        return self.table.handoffs_to(worker_id)
+
+    def _blocks_in_flight(self) -> Counter[int]:
+        """Decode worker id -> KV blocks its last report does not show yet: of handoffs sent
+        to it and not answered, and of those it took since that report."""
+        in_flight: Counter[int] = Counter()
+        for worker in self.parts.workers.values():
+            sent = self.table.handoffs_to(worker.worker_id)
+            in_flight[worker.worker_id] += sum(self._blocks(r) for r in sent)
+            in_flight[worker.worker_id] += worker.taken_blocks
+        return in_flight
+
+    def _blocks(self, request: Request) -> int:
+        """The KV blocks a decode worker holds for a handed-off request."""
+        return blocks_for_tokens(request.submitted_len + 1, self.parts.block_size)

@@ -1,0 +1,273 @@
+"""The pools' worker processes: spawning them, the transport to their inboxes, watching
+that they live, restarting the ones that crash (the restart policy's back-off), stopping.
+
+What a worker's exit means for the requests it held and for the other pool is not
+decided here: the supervisor is told through `ProcessHooks` and decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Protocol
+
+import torch.multiprocessing as mp
+
+from appliance.config import Settings
+from appliance.events import Event, EventKind
+from appliance.restart_policy import RestartPolicy
+from appliance.topology.devices import Topology
+from appliance.worker_handle import WorkerHandle
+from appliance.workers.messages import Shutdown, ToWorker
+from appliance.workers.outboxes import Outbox, OutboxReader
+from appliance.workers.worker import run_worker
+
+WATCH_INTERVAL_S = 0.2  # how often worker processes are checked for being alive
+
+
+class ProcessHooks(Protocol):
+    """What the process manager asks of, and tells, the supervisor."""
+
+    def settings_for(self, role: str) -> Settings:
+        """The settings (with the live tuning) a worker of `role` starts with."""
+        ...
+
+    def has_work(self, worker: WorkerHandle) -> bool:
+        """Whether requests wait on this worker (a silent one is then stalled)."""
+        ...
+
+    def on_exit(self, worker: WorkerHandle) -> None:
+        """A serving worker's process exited (a restart, if any, is already scheduled)."""
+        ...
+
+    def on_gone(self, role: str) -> None:
+        """A worker of `role` will not come (back): it crashed too often or failed to
+        start. Requests waiting for one may have nobody left."""
+        ...
+
+    async def release(self, worker: WorkerHandle) -> None:
+        """A live worker is about to stop: let the others let go of its KV tensor."""
+        ...
+
+    def note(self, kind: EventKind, message: str) -> Event:
+        """Record an event for the admin API."""
+        ...
+
+
+class ProcessManager:
+    """Owns every worker process and the handle the rest of the supervisor reads it by."""
+
+    def __init__(self, settings: Settings, topology: Topology, reader: OutboxReader) -> None:
+        self.settings = settings
+        self.topology = topology
+        self.workers: dict[int, WorkerHandle] = {}
+        self.failed_devices: set[int] = set()  # crashed too often: no more restarts
+        recovery = settings.recovery
+        self.restart_policy = RestartPolicy(recovery.max_crashes, recovery.crash_window_s)
+        self._restarting: dict[int, str] = {}  # device -> role of the worker coming back
+        self._ids = itertools.count()
+        self._ctx = mp.get_context("spawn")
+        self._reader = reader
+        self._hooks: ProcessHooks | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # restarts in progress
+        self.all_ready: asyncio.Future | None = None  # the first workers, all ready
+
+    @property
+    def hooks(self) -> ProcessHooks:
+        if self._hooks is None:
+            raise RuntimeError("the process manager is not started: call start() first")
+        return self._hooks
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop start() runs on: every worker, reader and timer lives on it."""
+        if self._loop is None:
+            raise RuntimeError("the process manager is not started: call start() first")
+        return self._loop
+
+    def start(self, layout: list[tuple[str, tuple[int, ...]]], hooks: ProcessHooks) -> None:
+        """Spawn a worker per (role, devices) of `layout`; `all_ready` resolves once every
+        one is marked ready, or fails if one exits first."""
+        self._hooks = hooks
+        self._loop = asyncio.get_running_loop()
+        self.all_ready = self._loop.create_future()
+        for role, group in layout:
+            self.spawn(role, group)
+        self._reader.start()
+        self._watchdog = asyncio.create_task(self._watch())
+
+    def spawn(self, role: str, group: int | tuple[int, ...]) -> WorkerHandle:
+        """Start a worker process of `role` on a device or a tensor-parallel group."""
+        group = (group,) if isinstance(group, int) else group
+        worker_id = next(self._ids)
+        devices = tuple(self.topology.devices[i] for i in group)
+        inbox = self._ctx.Queue()
+        receiving, sending = self._ctx.Pipe(duplex=False)
+        process = self._ctx.Process(
+            target=run_worker,
+            args=(worker_id, role, self.hooks.settings_for(role), devices, inbox, Outbox(sending)),
+            daemon=True,
+        )
+        process.start()
+        sending.close()  # the worker holds it now: its exit closes the pipe
+        self._reader.add(worker_id, receiving)
+        name = "+".join(d.name for d in devices)  # a tensor-parallel group names them all
+        worker = WorkerHandle(
+            worker_id, role, group[0], name, devices[0].cores, inbox, process, group
+        )
+        self.workers[worker_id] = worker
+        return worker
+
+    def send(self, worker_id: int | None, message: ToWorker) -> None:
+        """Put a message in a worker's inbox; a worker that is gone is skipped."""
+        if worker_id is not None and worker_id in self.workers:
+            self.workers[worker_id].inbox.put(message)
+
+    def mark_ready(self, worker: WorkerHandle) -> None:
+        """The worker is loaded and wired: it takes work, and whoever waits for it goes on."""
+        worker.ready = True
+        if worker.started is not None and not worker.started.done():
+            worker.started.set_result(None)
+        ready = self.all_ready
+        if ready is not None and not ready.done() and all(w.ready for w in self.workers.values()):
+            ready.set_result(None)
+
+    def may_come_back(self, role: str) -> bool:
+        """A worker of `role` is starting, or restarting after a crash."""
+        starting = any(w.role == role and w.routable_soon for w in self.workers.values())
+        return starting or role in self._restarting.values()
+
+    # ------------------------------------------------------------ watching
+
+    async def _watch(self) -> None:
+        """Every WATCH_INTERVAL_S: a worker whose process exited is handled within that
+        time; one that has work but has reported no step for too long is killed."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
+            for worker in list(self.workers.values()):
+                if not worker.alive or worker.stopping:
+                    continue
+                if not worker.process.is_alive():
+                    self._on_exit(worker)
+                elif self._stalled_for(worker, now) > self.settings.recovery.stall_timeout_s:
+                    self.hooks.note("worker", f"worker {worker.worker_id} stalled: killing it")
+                    worker.process.kill()
+
+    def _stalled_for(self, worker: WorkerHandle, now: float) -> float:
+        """How long a worker that has work to run has not reported a step (0 if idle)."""
+        has_work = worker.running > 0 or self.hooks.has_work(worker)
+        if not (worker.ready and has_work):
+            return 0.0
+        return now - max(worker.last_report, worker.last_work)
+
+    def _on_exit(self, worker: WorkerHandle) -> None:
+        worker.alive = False
+        self.hooks.note(
+            "worker",
+            f"worker {worker.worker_id} ({worker.role}, {worker.device}) exited with "
+            f"code {worker.process.exitcode}",
+        )
+        error = RuntimeError(f"worker {worker.worker_id} exited while starting")
+        assert self.all_ready is not None  # start() set it before spawning any worker
+        if not self.all_ready.done():  # a failed start is reported, not retried
+            self.all_ready.set_exception(error)
+            return
+        if worker.started is not None and not worker.started.done():
+            worker.started.set_exception(error)  # whoever started it decides what next
+        elif not worker.draining:  # a moving device's successor is started by the move
+            self._restart_later(worker)  # first: requests may wait for it to come back
+        self.hooks.on_exit(worker)
+
+    # ------------------------------------------------------------ restarts
+
+    def _restart_later(self, worker: WorkerHandle, failed_starts: int = 0) -> None:
+        device = worker.device_index
+        delay = self.restart_policy.on_crash(device, time.monotonic())
+        if failed_starts >= self.settings.recovery.max_crashes:  # however slowly it fails
+            delay = None
+        if delay is None:
+            self.failed_devices.update(worker.devices)  # a group fails as one
+            self.hooks.note("worker", f"{worker.device} crashed too often: no more restarts")
+            self.hooks.on_gone(worker.role)
+            return
+        self._restarting[device] = worker.role
+        task = asyncio.create_task(self._restart(worker, delay, failed_starts))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, dead: WorkerHandle, delay: float, failed_starts: int) -> None:
+        """Start a worker of the dead one's role on its device, after `delay`."""
+        await asyncio.sleep(delay)
+        device = dead.device_index
+        taken = any(w.device_index == device and w.alive for w in self.workers.values())
+        if dead.worker_id not in self.workers or taken:  # a pool move took the device over
+            self._restarting.pop(device, None)
+            return
+        del self.workers[dead.worker_id]
+        try:
+            worker = await self.add_worker(
+                dead.role, dead.devices, self.settings.recovery.start_timeout_s
+            )
+        except Exception as exc:  # it died loading, or could not even be spawned
+            self._restarting.pop(device, None)
+            self.hooks.note("worker", f"restarting {dead.device} failed: {exc}")
+            self._restart_later(dead, failed_starts + 1)
+            return
+        self._restarting.pop(device, None)
+        worker.restarts = dead.restarts + 1
+
+    # ------------------------------------------------------------ joining and leaving
+
+    async def add_worker(
+        self, role: str, devices: int | tuple[int, ...], timeout: float
+    ) -> WorkerHandle:
+        """Start a worker of `role` while the pools serve; returns once it takes requests.
+        Raises RuntimeError if it exits or is not ready within `timeout`."""
+        worker = self.spawn(role, devices)
+        worker.started = self.loop.create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(worker.started), timeout)
+        except TimeoutError:
+            await self.retire(worker.worker_id)
+            self.hooks.on_gone(role)
+            message = f"worker {worker.worker_id} not ready within {timeout:.0f} s"
+            raise RuntimeError(message) from None
+        except RuntimeError:
+            self.workers.pop(worker.worker_id, None)
+            self.hooks.on_gone(role)
+            raise
+        self.hooks.note("worker", f"worker {worker.worker_id} ({role}) serves on {worker.device}")
+        return worker
+
+    async def retire(self, worker_id: int, timeout: float = 10.0) -> None:
+        """Stop a worker and forget it. A prefill worker stops only after the decode
+        workers have let go of its KV tensor: a CUDA tensor's owner must outlive the
+        processes that mapped it."""
+        worker = self.workers[worker_id]
+        worker.draining = worker.stopping = True
+        await self.hooks.release(worker)
+        worker.inbox.put(Shutdown())
+        await asyncio.to_thread(worker.process.join, timeout)
+        if worker.process.is_alive():
+            worker.process.kill()
+            await asyncio.to_thread(worker.process.join, timeout)
+        del self.workers[worker_id]
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask every worker to stop, then make sure each has."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        for worker in self.workers.values():
+            worker.inbox.put(Shutdown())
+        deadline = time.monotonic() + timeout
+        for worker in self.workers.values():
+            await asyncio.to_thread(worker.process.join, max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+        await asyncio.to_thread(self._reader.stop)

@@ -1,0 +1,215 @@
+"""A request from its arrival to its last chunk: sent to a prefill (or colocated) worker,
+each step's tokens streamed to its consumer, run again or failed when its worker is lost,
+cancelled on both sides when its consumer leaves.
+
+Its phase, timing and workers are the request table's (appliance/request_table.py);
+where it goes is the router's; this module sends the messages and streams the chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+
+from appliance.config import Settings
+from appliance.engine.sequence import SamplingParams
+from appliance.events import Event, EventKind
+from appliance.request_table import Phase, Request, RequestTable
+from appliance.router import Router
+from appliance.tuning import Tuning
+from appliance.worker_handle import WorkerHandle
+from appliance.workers.messages import Abort, Output, Release, Submit, TokenBatch, ToWorker
+
+
+class RequestFailed(RuntimeError):
+    """A request ended with an error (bad input seen by a worker, a lost worker)."""
+
+
+@dataclass
+class Chunk:
+    """A piece of one request's stream."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    timing: dict[str, float] | None = None  # on the last chunk: Timing.as_dict()
+    handoff_bytes: int = 0  # on the last chunk: KV bytes copied from prefill to decode pool
+    cached_tokens: int = 0  # on the first chunk: prompt tokens the prefix cache supplied
+
+
+@dataclass
+class FlowParts:
+    """What the request flow reads and calls, all owned by the supervisor."""
+
+    settings: Settings
+    table: RequestTable
+    workers: Mapping[int, WorkerHandle]
+    router: Router
+    send: Callable[[int | None, ToWorker], None]
+    tuning: Callable[[], Tuning]  # the live tuning
+    may_come_back: Callable[[str], bool]  # a worker of that role is (re)starting
+    note: Callable[[EventKind, str], Event]
+    forgotten: Callable[[], None]  # a request left the table (a drain may be done)
+
+
+class RequestFlow:
+    """Every request's stream, and the sending of its attempts."""
+
+    def __init__(self, parts: FlowParts) -> None:
+        self.parts = parts
+        self.table = parts.table
+        self._streams: dict[int, asyncio.Queue[Chunk | Exception]] = {}  # request id -> chunks
+        mode = parts.settings.mode
+        self.entry_role = "colocated" if mode == "colocated" else "prefill"
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+        """Stream one request's chunks; leaving the loop early cancels it on both sides."""
+        arrival = time.monotonic()
+        request = self.table.add(prompt, params, arrival)
+        stream = self._streams[request.request_id] = asyncio.Queue()
+        limit = self.parts.settings.server.request_timeout_s
+        deadline = None if limit is None else arrival + limit
+        try:
+            self.submit(request)
+            while True:
+                item = await _next_item(stream, deadline, limit)
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.forget(request)
+
+    def put(self, request: Request, item: Chunk | Exception) -> None:
+        """Pass a chunk (or the error that ends it) to the request's consumer."""
+        stream = self._streams.get(request.request_id)
+        if stream is not None:
+            stream.put_nowait(item)
+
+    def submit(self, request: Request) -> None:
+        """Send a WAITING request's next attempt to a prefill (or colocated) worker; while
+        none takes work but one is coming back, it stays WAITING for it."""
+        role = self.entry_role
+        candidates = [w for w in self.parts.workers.values() if w.role == role and w.routable]
+        if not candidates:
+            if not self.parts.may_come_back(role):
+                self.fail(request, f"no {role} worker is running")
+            return
+        token_ids = request.tokens
+        worker = self.parts.router.prefill(candidates, token_ids, self.parts.tuning())
+        wire_id = self.table.submit(request.request_id, worker.worker_id)
+        worker.queued_tokens += len(token_ids)
+        worker.last_work = time.monotonic()
+        prefill_only = role == "prefill"
+        self.parts.send(
+            worker.worker_id, Submit(wire_id, token_ids, request.attempt_params, prefill_only)
+        )
+
+    def rerun(self, request: Request, reason: str) -> None:
+        """Run the request again from where its stream stopped: its prompt plus the tokens
+        it already sent, for what is left of max_tokens."""
+        self._unqueue(request)
+        self.table.rerun(request.request_id)
+        self.parts.note("worker", f"request {request.request_id}: {reason}; running it again")
+        self.submit(request)
+
+    def fail(self, request: Request, message: str) -> None:
+        """End the request with an error its consumer raises."""
+        self._unqueue(request)
+        self.table.fail(request.request_id)
+        self.put(request, RequestFailed(message))
+
+    def fail_all(self, message: str) -> None:
+        """End every request (the appliance is stopping)."""
+        for request in list(self.table.requests.values()):
+            if not request.phase.terminal:
+                self.table.fail(request.request_id)
+            self.put(request, RequestFailed(message))
+
+    def submit_waiting(self) -> None:
+        """Requests WAITING for a worker of their role try again (one may be ready now)."""
+        for request in self.table.in_phase(Phase.WAITING):
+            self.submit(request)
+
+    def fail_waiting(self, role: str) -> None:
+        """WAITING requests fail once no worker of `role` can come back for them."""
+        waiting = self.table.in_phase(Phase.WAITING)
+        if role != self.entry_role or not waiting or self.parts.may_come_back(role):
+            return
+        for request in waiting:
+            self.fail(request, f"no {role} worker is running")
+
+    def on_tokens(self, worker: WorkerHandle, batch: TokenBatch) -> list[Request]:
+        """Stream a step's tokens; returns the requests it parked (prefilled, to hand off)."""
+        self.table.on_started(batch.started, batch.step_started_at)
+        parked = []
+        for out in batch.outputs:
+            request = self._on_output(worker, out, batch.step_started_at)
+            if request is not None and request.phase is Phase.PARKED:
+                parked.append(request)
+        return parked
+
+    def _on_output(
+        self, worker: WorkerHandle, out: Output, step_started_at: float
+    ) -> Request | None:
+        current = self.table.by_wire(out.request_id)
+        first = current is not None and current.phase.awaiting_first  # before it moves on
+        request = self.table.on_output(worker.worker_id, out, time.monotonic(), step_started_at)
+        if request is None:  # not the worker running its current attempt
+            if out.handoff_blocks is not None:  # cancelled while prefilling: nobody pulls
+                self.parts.send(worker.worker_id, Release(out.request_id))
+            return None
+        if first:
+            worker.queued_tokens -= request.submitted_len
+        cached = out.cached_tokens if first and request.retries == 0 else 0
+        self.put(request, _chunk(request, out, cached))
+        return request
+
+    def forget(self, request: Request) -> None:
+        """Its consumer is done with it: drop it, cancelling it where it still runs."""
+        if request.request_id not in self.table.requests:
+            return
+        self._unqueue(request)
+        self._streams.pop(request.request_id, None)
+        wire_id = request.wire_id  # None: never sent to a worker
+        if self.table.forget(request.request_id) and wire_id is not None:
+            # The consumer left early: cancel it wherever it runs.
+            self.parts.send(request.prefill_worker, Abort(wire_id))
+            self.parts.send(request.decode_worker, Abort(wire_id))
+        self.parts.forgotten()
+
+    def _unqueue(self, request: Request) -> None:
+        """Its prompt leaves its prefill worker's queue (the router weighs queued tokens)."""
+        if not request.phase.awaiting_first or request.prefill_worker is None:
+            return
+        if (worker := self.parts.workers.get(request.prefill_worker)) is not None:
+            worker.queued_tokens -= request.submitted_len
+
+
+async def _next_item(
+    stream: asyncio.Queue[Chunk | Exception], deadline: float | None, limit: float | None
+) -> Chunk | Exception:
+    if deadline is None:
+        return await stream.get()
+    try:
+        return await asyncio.wait_for(stream.get(), deadline - time.monotonic())
+    except TimeoutError:
+        return RequestFailed(f"the request ran past its deadline of {limit:.0f} s")
+
+
+def _chunk(request: Request, out: Output, cached_tokens: int) -> Chunk:
+    """A request's next chunk; the last one carries its timing and handoff bytes."""
+    finished = request.phase is Phase.FINISHED
+    return Chunk(
+        out.token_ids,
+        out.text,
+        out.finished,
+        out.finish_reason,
+        request.timing.as_dict() if finished else None,
+        request.handoff_bytes if finished else 0,
+        cached_tokens,
+    )
