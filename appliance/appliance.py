@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from appliance.admin.schema import Tuning, TuningPatch
 from appliance.config import Settings
 from appliance.engine.sequence import SamplingParams
 from appliance.model.loader import model_name, prepare_tokenizer
@@ -21,6 +20,7 @@ from appliance.pool_moves import PoolMover
 from appliance.pool_state import PoolState
 from appliance.supervisor import Chunk, Supervisor
 from appliance.topology.devices import Topology
+from appliance.tuning import Tuning, TuningPatch
 
 
 class Appliance:

@@ -8,9 +8,10 @@ from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Protocol
 
-from appliance.admin.schema import Event, Tuning
+from appliance.events import Event
 from appliance.request_table import Request
 from appliance.topology.devices import Topology
+from appliance.tuning import Tuning
 from appliance.worker_handle import WorkerView
 
 
