@@ -31,6 +31,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+# Re-exported: `from appliance.config import BatchSettings, KVSettings` stays the import.
+from appliance.engine_settings import BatchSettings, KVSettings
+
 
 class SettingsError(ValueError):
     """A setting has a bad value; the message names the setting."""
@@ -39,66 +42,6 @@ class SettingsError(ValueError):
 # Device indices, sorted, each once; None: split automatically. NoDecode: pydantic-settings
 # would read a tuple's environment variable as JSON, and '0,1' or '0-3' is not JSON.
 DeviceList = Annotated[tuple[NonNegativeInt, ...] | None, NoDecode]
-
-
-class KVSettings(BaseModel):
-    """Paged KV cache of each worker."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
-    memory_mb: int = Field(
-        512,
-        ge=1,
-        description="Memory budget for one worker's KV tensor, in MiB. On the CPU it sizes "
-        "the pool; on a GPU only when set explicitly (else gpu_memory_utilization does).",
-    )
-    gpu_memory_utilization: float = Field(
-        0.9,
-        gt=0,
-        le=1,
-        description="On a GPU: the fraction of the device's total memory this worker may use "
-        "for its weights, a step's activations and its KV pool together (as vLLM's "
-        "gpu_memory_utilization). After the weights load and one profiled step of the "
-        "largest batch the scheduler allows, the KV pool gets what is left of that share "
-        "(never more than the device has free). Workers sharing one GPU need fractions "
-        "that add up to at most 1 (0.45 each for two). memory_mb or num_blocks, when set, "
-        "override it; the CPU ignores it.",
-    )
-    num_blocks: int | None = Field(
-        None,
-        ge=1,
-        description="Exact number of KV blocks; overrides memory_mb and "
-        "gpu_memory_utilization when set.",
-    )
-    prefix_caching: bool = Field(
-        True,
-        description="Keep full KV blocks of past requests, keyed by their tokens, so a "
-        "repeated prefix (a system prompt, a document) is not prefilled again.",
-    )
-
-    @property
-    def memory_mb_given(self) -> bool:
-        """Whether memory_mb was set (keyword, environment or TOML) rather than left at
-        its default: only then does it size a GPU's pool instead of gpu_memory_utilization."""
-        return "memory_mb" in self.model_fields_set
-
-
-class BatchSettings(BaseModel):
-    """Batching knobs of the scheduler."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_num_seqs: int = Field(64, ge=1, description="Most sequences running at once.")
-    max_num_batched_tokens: int = Field(
-        2048, ge=16, description="Token budget of one model step (prefill chunks + decodes)."
-    )
-    chunk_size: int = Field(
-        512, ge=16, description="Longest piece of one prompt prefilled in a single step."
-    )
-    max_model_len: int | None = Field(
-        None, ge=16, description="Longest prompt + output; defaults to the model's context."
-    )
 
 
 class ServerSettings(BaseModel):
@@ -305,6 +248,19 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_key_is_none(cls, value: object) -> object:
         return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _graphs_can_run(self) -> Settings:
+        # Only where the setting would otherwise be silently useless or fail every start.
+        decoding_tp = self.prefill_tp if self.mode == "colocated" else self.decode_tp
+        if self.batch.cuda_graphs and (self.device == "cpu" or decoding_tp > 1):
+            why = (
+                "device is cpu"
+                if self.device == "cpu"
+                else f"decoding workers span {decoding_tp} devices"
+            )
+            raise ValueError(f"batch.cuda_graphs needs one-device CUDA workers, but {why}")
+        return self
 
     @model_validator(mode="after")
     def _remote_needs_consent(self) -> Settings:

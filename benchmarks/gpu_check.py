@@ -12,7 +12,8 @@ report the moment it ends, so a run cut short still leaves every finished sectio
                    dense transformers model on the same weights, within the error a dense
                    bfloat16 model makes itself; which attention backend ran
 3. triton_kernel   the Triton paged-attention kernel against float64 on random data, timed
-4. cuda_tests      benchmarks/gpu_tests under pytest (host syncs, decode CUDA graphs)
+4. cuda_tests      benchmarks/gpu_tests under pytest (host syncs, decode CUDA graphs and
+                   batch.cuda_graphs, the handoff copy's side streams and IPC event)
 5. appliance       1 prefill + 1 decode worker on the one GPU (KV pulled over CUDA IPC):
                    greedy parity with the in-process engine on 8 questions, 64 concurrent
                    requests, a SIGKILLed prefill worker the decode worker survives, every
@@ -21,8 +22,8 @@ report the moment it ends, so a run cut short still leaves every finished sectio
 7. throughput      the default model's decode tokens/s at batch 1/16/64, prefill tokens/s
                    and peak memory up to an 8k prompt
 8. bandwidth       an 8B-shaped random-weight model: decode ms/step and GB/s against the
-                   HBM limit at batch 1/8/32/64 x context 512/2k/8k (eager, and with the
-                   runner's CUDA graphs), 8k and 32k chunked prefills
+                   HBM limit at batch 1/8/32/64 x context 512/2k/8k (eager, and with CUDA
+                   graphs as batch.cuda_graphs turns them on), 8k and 32k chunked prefills
 
 Here, on the CPU (device cpu, Triton's interpreter, small shapes, about two minutes):
     .venv/bin/python benchmarks/gpu_check.py --dry-run
@@ -1072,7 +1073,8 @@ GPU_TESTS = ROOT / "benchmarks" / "gpu_tests"
 
 def section_cuda_tests(scale: Scale) -> Result:
     """benchmarks/gpu_tests under pytest: the checks that need CUDA to run at all (a
-    step's host syncs, decode CUDA graphs against eager steps), kept out of the CPU suite."""
+    step's host syncs, decode CUDA graphs against eager steps, the handoff copy behind the
+    prefill side's IPC event on the decode side's streams), kept out of the CPU suite."""
     if not scale.cuda:
         return {
             "status": "skipped",
@@ -1628,14 +1630,15 @@ def decode_row(
 def graph_rows(
     runner: ModelRunner, weight_bytes: int, per_token: int, limit: dict[str, Any], scale: Scale
 ) -> dict[str, Any]:
-    """The decode rows again with the runner's CUDA graphs, where it has them."""
-    enable = getattr(runner, "enable_decode_graphs", None)
-    if enable is None:
-        return {"status": "skipped", "reason": "the model runner has no CUDA graphs"}
-    if not scale.cuda:
-        return {"status": "skipped", "reason": "CUDA graphs need a CUDA device"}
+    """The decode rows again with CUDA graphs, turned on as batch.cuda_graphs does
+    (runner.use_decode_graphs: sizes 1, 2, 4, ... up to the largest batch); on the CPU
+    that call says graphs are CUDA only and the rows are skipped."""
+    from appliance.engine.model_runner import decode_graph_sizes
+
+    largest, longest = max(scale.bandwidth_batches), max(scale.bandwidth_contexts)
     try:
-        enable(tuple(scale.bandwidth_batches), max(scale.bandwidth_contexts))
+        if not runner.use_decode_graphs(largest, longest):
+            return {"status": "skipped", "reason": "CUDA graphs apply to CUDA devices only"}
         rows = [
             decode_row(runner, batch, ctx, weight_bytes, per_token, limit, scale)
             for batch in scale.bandwidth_batches
@@ -1645,7 +1648,8 @@ def graph_rows(
         return {"status": "error", "error": traceback.format_exc()[-3000:]}
     finally:
         runner.decode_graphs = None
-    return {"status": "ran", "rows": rows, "table": markdown_table(rows)}
+    sizes = list(decode_graph_sizes(largest))
+    return {"status": "ran", "sizes": sizes, "rows": rows, "table": markdown_table(rows)}
 
 
 def prefill_row(runner: ModelRunner, length: int, scale: Scale) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from appliance.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from appliance.engine.stop_strings import StopStringMatcher
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache, KVLayout
-from appliance.kv.handoff import KVShard, copy_between_shards
+from appliance.kv.handoff import CopyStreams, KVShard, PendingCopies, start_copy
 from appliance.kv.sizing import (
     DeviceMemory,
     StepShape,
@@ -348,15 +348,26 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
         self._streams: dict[int, _Stream] = {}
+        # Handed-off requests whose blocks are being copied in (CUDA), held out of the batch.
+        self._copies: PendingCopies[Sequence] = PendingCopies()
+        self._copy_streams = CopyStreams()
+        self._landed: list[int] = []  # their ids once in the batch, until pop_landed
+        self._aborted: set[int] = set()  # of those in flight: freed once they land
+        # Recorded after a step that parks blocks; decode workers' copies wait for it.
+        self.handoff_ready = torch.cuda.Event(interprocess=True) if kv.tensor.is_cuda else None
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, shared_kv: bool = False, group: ShardGroup | None = None
+        cls,
+        settings: Settings,
+        shared_kv: bool = False,
+        group: ShardGroup | None = None,
+        decodes: bool = True,
     ) -> LLMEngine:
         """Load the configured model (cached after the first start) and size its KV pool;
         shared_kv puts a CPU pool in shared memory so other processes can map it. With a
         group this process is shard 0 of a tensor-parallel model whose other shards the
-        group runs."""
+        group runs. `decodes` (not a prefill worker): batch.cuda_graphs applies."""
         if group is None:
             parts = load_shard(settings, shared_kv=shared_kv)
         else:
@@ -370,7 +381,10 @@ class LLMEngine:
             chunk_size=settings.batch.chunk_size,
             max_model_len=parts.max_len,
         )
-        return cls(parts.model, tokenizer, parts.kv, limits, settings.kv.prefix_caching, group)
+        engine = cls(parts.model, tokenizer, parts.kv, limits, settings.kv.prefix_caching, group)
+        if decodes and settings.batch.cuda_graphs:
+            engine.runner.use_decode_graphs(settings.batch.max_num_seqs, parts.max_len)
+        return engine
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False
@@ -411,23 +425,58 @@ class LLMEngine:
 
         token_ids is the prompt plus the first token. Returns the new id and the bytes
         copied (blocks this pool's prefix cache held are not), or None when this pool has
-        no room now (nothing is copied; retry or pick another worker)."""
+        no room now (nothing is copied; retry or pick another worker).
+
+        The request joins the batch once its blocks have landed: at once on the CPU, on
+        CUDA at a later step (or admit_copied); pop_landed says which have. Release the
+        source blocks only then."""
+        if len(self.scheduler.running) + len(self._copies) >= self.scheduler.limits.max_num_seqs:
+            return None
         seq = self._new_sequence(list(token_ids), params)
         seq.num_prompt_tokens = num_prompt_tokens
         seq.num_computed_tokens = num_prompt_tokens
         if not self.scheduler.admit_prefilled(seq):
             return None
+        self.scheduler.running.remove(seq)  # until its blocks land: admit_copied
         needed = blocks_for_tokens(num_prompt_tokens, self.kv.block_size)
         have = seq.num_cached_tokens // self.kv.block_size  # cached here already
-        moved = copy_between_shards(
-            source, source_blocks[have:needed], self.kv_shards, seq.block_table[have:needed]
+        copy = start_copy(
+            source,
+            source_blocks[have:needed],
+            self.kv_shards,
+            seq.block_table[have:needed],
+            self._copy_streams,
         )
         self._track(seq)
         stream = self._streams[seq.seq_id]
         # The prefill side already streamed the first token: prime the text state only.
         stream.stops.feed(stream.detokenizer.add(token_ids[-1]))
         stream.sent_tokens = len(seq.output_ids)
-        return seq.seq_id, moved
+        self._copies.add(seq.seq_id, seq, copy.done)
+        self.admit_copied()
+        return seq.seq_id, copy.nbytes
+
+    def admit_copied(self) -> None:
+        """Move handed-off requests whose blocks have landed into the running batch (an
+        aborted one is freed instead); never waits for a copy."""
+        for seq in self._copies.landed():
+            self.scheduler.running.append(seq)
+            if seq.seq_id in self._aborted:
+                self._aborted.discard(seq.seq_id)
+                self.scheduler.finish(seq, "abort")
+                self._forget(seq.seq_id)
+            else:
+                self._landed.append(seq.seq_id)
+
+    def pop_landed(self) -> list[int]:
+        """Ids of handed-off requests that joined the batch since the last call."""
+        landed, self._landed = self._landed, []
+        return landed
+
+    @property
+    def copies_in_flight(self) -> int:
+        """Handed-off requests whose blocks are still being copied in."""
+        return len(self._copies)
 
     @property
     def kv_shards(self) -> list[KVShard]:
@@ -460,20 +509,29 @@ class LLMEngine:
     def abort(self, seq_id: int) -> None:
         """Drop a request now and free its blocks."""
         seq = self._seqs.pop(seq_id, None)
-        if seq is not None:
+        if seq is not None and seq_id in self._copies:
+            self._aborted.add(seq_id)  # its copy still writes its blocks: free them after
+        elif seq is not None:
             self.scheduler.finish(seq, "abort")
             self._forget(seq_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._copies)
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step; report every request that produced a token."""
+        """Admit landed handoffs, run one model step; report every request that produced a
+        token."""
+        self.admit_copied()
         out = self.scheduler.schedule()
         if out.empty:
             return []
         sampled = self.runner.run(out)
         updated = self.scheduler.update_from_output(out, sampled, time.monotonic())
+        if self.handoff_ready is not None and any(
+            s.seq_id in self.scheduler.parked for s in updated
+        ):
+            # After the step that wrote the parked blocks, before they are announced.
+            self.handoff_ready.record(torch.cuda.current_stream(self.kv.tensor.device))
         return [self._output(seq) for seq in updated]
 
     def _output(self, seq: Sequence) -> RequestOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, Protocol
@@ -128,6 +129,20 @@ class ModelRunner:
             raise ValueError("decode graphs do not capture tensor-parallel steps")
         self.decode_graphs = DecodeGraphs(self.model, self.kv, batch_sizes, max_len, True)
 
+    def use_decode_graphs(self, max_num_seqs: int, max_len: int) -> bool:
+        """What batch.cuda_graphs asks for: on CUDA, graphs of decode_graph_sizes(max_num_seqs)
+        (enable_decode_graphs, which raises where it cannot capture); elsewhere a warning
+        that they apply to CUDA only, and eager steps. Returns whether graphs are on."""
+        if self.device.type != "cuda":
+            logging.getLogger("appliance.engine").warning(
+                "batch.cuda_graphs is on, but this worker runs on %s: CUDA graphs apply to "
+                "CUDA devices only, its decode steps run eagerly",
+                self.device,
+            )
+            return False
+        self.enable_decode_graphs(decode_graph_sizes(max_num_seqs), max_len)
+        return True
+
     def run(self, out: SchedulerOutput) -> dict[int, int]:
         """Compute the step; return {seq_id: next token} for sequences whose chunk completed."""
         inputs = self.prepare(out)  # built on the host: followers are sent these
@@ -212,6 +227,15 @@ class ModelRunner:
     def _tensor(self, values: list) -> torch.Tensor:
         # On the host: one copy per tensor to the device later, none back for followers.
         return torch.tensor(values, dtype=torch.int64)
+
+
+def decode_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes to capture decode graphs for: the powers of two below max_num_seqs, and
+    max_num_seqs itself, so every batch the scheduler allows pads to at most twice its rows."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, not {max_num_seqs}")
+    powers = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    return (*powers, max_num_seqs)
 
 
 class DecodeGraphs:

@@ -2,24 +2,39 @@
 
 The source tensor is the prefill worker's pool, shared once at start (shared memory on
 the CPU, a CUDA IPC handle on GPUs); the destination is the decode worker's own pool.
+
+One code path for both: start_copy copies and returns a HandoffCopy. On the CPU the bytes
+have landed when it returns (no events). On CUDA the copy is queued on side streams of
+the decode process (CopyStreams), behind the prefill worker's `ready` event (recorded
+after each step that parks blocks, before they are announced), and start_copy returns
+at once; the decode worker keeps the request out of its batch (PendingCopies) until the
+copy's own event says it has landed, and only then are the source blocks released.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class KVShard:
     """One tensor-parallel shard's KV pool: KV heads head_start.. of the model.
 
-    A worker of one process has a single shard with every head."""
+    A worker of one process has a single shard with every head. `ready`, on CUDA: the
+    owning prefill worker's handoff event, opened from its IPC handle; a copy out of
+    this pool waits for it. Only a group's first shard has one: its step ends in the
+    all-reduces every shard's K/V writes come before."""
 
     head_start: int
     tensor: torch.Tensor  # [layers, 2, num_blocks, block_size, shard_kv_heads, head_dim]
+    ready: torch.cuda.Event | None = None
 
     @property
     def heads(self) -> range:
@@ -27,14 +42,94 @@ class KVShard:
         return range(self.head_start, self.head_start + self.tensor.shape[-2])
 
 
+@dataclass
+class HandoffCopy:
+    """A started copy of handed-off blocks: its bytes, and the events of the destination
+    streams it ran on (none on the CPU, where it has landed already)."""
+
+    nbytes: int
+    landed: list[torch.cuda.Event] = field(default_factory=list)
+    # The source pools stay mapped in this process until the copy has read them.
+    keep: tuple[torch.Tensor, ...] = ()
+
+    def done(self) -> bool:
+        """Whether the blocks are in the destination pool (never blocks)."""
+        return all(event.query() for event in self.landed)
+
+    def wait(self) -> None:
+        """Block until the blocks are in the destination pool."""
+        for event in self.landed:
+            event.synchronize()
+
+
+class CopyStreams:
+    """This process's side streams for handoff copies, one per CUDA device, made at first
+    use: the copies run beside the model's steps on the default stream, not behind them."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def on(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream of `device` (a CUDA device)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
+def start_copy(
+    src: list[KVShard],
+    src_ids: list[int],
+    dst: list[KVShard],
+    dst_ids: list[int],
+    streams: CopyStreams | None = None,
+) -> HandoffCopy:
+    """Start copying blocks between pools split over KV heads in any two ways (a 2-shard
+    prefill into a 1-shard decode gathers heads, the reverse splits them).
+
+    On CUDA the copy waits for the sources' `ready` events and runs on `streams` (this
+    process's side streams of every device involved): poll the result's done() before
+    the blocks are read or the sources released. On the CPU it has landed on return."""
+    _check_covers(src, dst)
+    if not dst[0].tensor.is_cuda:
+        return HandoffCopy(_copy_heads(src, src_ids, dst, dst_ids))
+    streams = streams or CopyStreams()
+    devices = sorted({shard.tensor.device for shard in [*src, *dst]}, key=str)
+    ready = [shard.ready for shard in src if shard.ready is not None]
+    with contextlib.ExitStack() as current:
+        for device in devices:
+            side = streams.on(device)
+            # Blocks just allocated here may have been read by a step still queued.
+            side.wait_stream(torch.cuda.current_stream(device))
+            for event in ready:
+                side.wait_event(event)
+            # torch copies between GPUs on both devices' current streams (the source's
+            # runs the copy): the side streams stand in for the model's on each.
+            current.enter_context(torch.cuda.stream(side))
+        moved = _copy_heads(src, src_ids, dst, dst_ids)
+        landed = [_record(streams.on(d)) for d in {shard.tensor.device for shard in dst}]
+    return HandoffCopy(moved, landed, tuple(shard.tensor for shard in src))
+
+
+def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
 def copy_between_shards(
     src: list[KVShard], src_ids: list[int], dst: list[KVShard], dst_ids: list[int]
 ) -> int:
-    """Copy blocks between pools split over KV heads in different ways (a 2-shard prefill
-    into a 1-shard decode gathers heads, the reverse splits them); returns bytes moved.
+    """start_copy, then wait until the blocks have landed; returns bytes moved."""
+    copy = start_copy(src, src_ids, dst, dst_ids)
+    copy.wait()
+    return copy.nbytes
 
-    Each destination shard takes, from every source shard, the heads both hold."""
-    _check_covers(src, dst)
+
+def _copy_heads(
+    src: list[KVShard], src_ids: list[int], dst: list[KVShard], dst_ids: list[int]
+) -> int:
+    """Each destination shard takes, from every source shard, the heads both hold, on the
+    current streams; returns bytes moved."""
     moved = 0
     for to in dst:
         for origin in src:
@@ -45,12 +140,30 @@ def copy_between_shards(
             moved += copy_blocks(
                 _heads(origin, first, last), src_ids, _heads(to, first, last), dst_ids
             )
-    if dst[0].tensor.is_cuda:
-        # The copy is queued; the source blocks are released once this returns, and other
-        # shards' pools are read by other processes, whose streams do not wait for ours.
-        for device in {to.tensor.device for to in dst}:
-            torch.cuda.synchronize(device)
     return moved
+
+
+class PendingCopies(Generic[T]):
+    """Items (handed-off requests) whose blocks are still being copied, by key in arrival
+    order; each leaves once its injected done() predicate holds (polled every step)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, tuple[T, Callable[[], bool]]] = {}
+
+    def add(self, key: int, item: T, done: Callable[[], bool]) -> None:
+        """Hold `item` until done() is true."""
+        self._waiting[key] = (item, done)
+
+    def landed(self) -> list[T]:
+        """Remove and return, in arrival order, every item whose copy is done."""
+        keys = [key for key, (_, done) in self._waiting.items() if done()]
+        return [self._waiting.pop(key)[0] for key in keys]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._waiting
+
+    def __len__(self) -> int:
+        return len(self._waiting)
 
 
 def _check_covers(src: list[KVShard], dst: list[KVShard]) -> None:
@@ -71,7 +184,7 @@ def copy_blocks(
     """dst[:, :, dst_ids] = src[:, :, src_ids] for pools [layers, 2, blocks, ...]; returns bytes.
 
     Across GPUs this is one device-to-device copy (over NVLink where peer access exists),
-    issued on the destination's current stream.
+    on the current streams (start_copy makes its side streams current).
     """
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"copying {len(src_ids)} blocks into {len(dst_ids)}")
@@ -80,8 +193,8 @@ def copy_blocks(
     with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
         # One strided copy per run of consecutive ids on both sides: a single pass over
         # the bytes, where index_select + index_copy_ would make two and a temporary.
-        # On CUDA it is queued on the destination's current stream; between GPUs with
-        # peer access (see peer_access) it goes device to device, else through the host.
+        # On CUDA it is queued, not waited for; between GPUs with peer access (see
+        # enable_peer_access) it goes device to device, else through the host.
         for src_start, dst_start, length in block_runs(src_ids, dst_ids):
             dst[:, :, dst_start : dst_start + length].copy_(
                 src[:, :, src_start : src_start + length], non_blocking=True
@@ -96,6 +209,20 @@ def peer_access(src: torch.device, dst: torch.device) -> bool:
     if src.index == dst.index:
         return True
     return torch.cuda.can_device_access_peer(dst.index, src.index)
+
+
+def enable_peer_access(src: torch.device, dst: torch.device, pool: torch.Tensor) -> bool:
+    """Let dst's GPU read src's memory directly (NVLink or PCIe P2P) where the GPUs allow
+    it, when a decode worker is paired with a prefill worker's `pool` (on src) rather than
+    at its first handoff; returns whether dst reads src directly."""
+    if not peer_access(src, dst):
+        return False
+    if src != dst:
+        # torch enables a pair of devices at its first copy between them (and keeps its
+        # own table of them): one element of the pool, read from dst, does it now.
+        torch.empty(1, dtype=pool.dtype, device=dst).copy_(pool.reshape(-1)[:1])
+        torch.cuda.synchronize(dst)
+    return True
 
 
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:

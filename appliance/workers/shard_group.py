@@ -120,14 +120,31 @@ def join_group(
     return links
 
 
-def pickle_pool(head_start: int, tensor: torch.Tensor) -> tuple[int, bytes]:
-    """A pool as another process opens it: each pickle is one fd / IPC reference."""
-    return head_start, bytes(ForkingPickler.dumps(tensor))
+def pickle_pool(
+    head_start: int, tensor: torch.Tensor, ready: torch.cuda.Event | None = None
+) -> tuple[int, bytes]:
+    """A pool as another process opens it: each pickle is one fd / IPC reference, with the
+    IPC handle of the owner's handoff event where it has one (a CUDA prefill worker's
+    first shard: see KVShard.ready)."""
+    handle = None if ready is None else ready.ipc_handle()
+    return head_start, bytes(ForkingPickler.dumps((tensor, handle)))
+
+
+def unpickle_pool(data: bytes) -> tuple[torch.Tensor, bytes | None]:
+    """One pool pickled by pickle_pool, mapped into this process, and its event's handle."""
+    tensor, handle = ForkingPickler.loads(data)
+    return tensor, handle
 
 
 def open_pools(pools: list[tuple[int, bytes]]) -> list[KVShard]:
-    """Pools pickled by pickle_pool (in other processes), mapped into this one."""
-    return [KVShard(head, ForkingPickler.loads(data)) for head, data in pools]
+    """Pools pickled by pickle_pool (in other processes), mapped into this one, their
+    handoff events opened on the device of their pool."""
+    shards = []
+    for head, data in pools:
+        tensor, handle = unpickle_pool(data)
+        ready = None if handle is None else torch.cuda.Event.from_ipc_handle(tensor.device, handle)
+        shards.append(KVShard(head, tensor, ready))
+    return shards
 
 
 class TensorGroup:

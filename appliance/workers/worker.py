@@ -18,7 +18,7 @@ import torch.multiprocessing  # registers the tensor reducers ForkingPickler use
 
 from appliance.config import Settings
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
-from appliance.kv.handoff import KVShard
+from appliance.kv.handoff import KVShard, enable_peer_access
 from appliance.topology.cpu import pin_to_cores
 from appliance.topology.devices import Device
 from appliance.workers.messages import (
@@ -43,6 +43,7 @@ from appliance.workers.messages import (
 from appliance.workers.shard_group import TensorGroup, open_pools, pickle_pool
 
 IDLE_WAIT_S = 0.05  # how long an idle worker blocks on its inbox before looking again
+COPY_POLL_S = 0.0005  # how often one with only handed-off copies in flight looks at them
 LEASE_S = 30.0  # parked blocks nobody pulled within this are freed
 
 
@@ -58,6 +59,9 @@ class WorkerState:
     to_engine: dict[int, int] = field(default_factory=dict)  # request id -> engine id
     to_request: dict[int, int] = field(default_factory=dict)  # engine id -> request id
     announced: set[int] = field(default_factory=set)  # engine ids reported as started
+    copying: dict[int, tuple[int, int]] = field(
+        default_factory=dict
+    )  # engine id -> (request, bytes)
 
 
 def run_worker(
@@ -91,7 +95,9 @@ def load_and_serve(
     outbox: Any,
 ) -> None:
     """Load the engine (shard 0 of `group`), say Ready, serve until Shutdown."""
-    engine = LLMEngine.from_settings(settings, shared_kv=role == "prefill", group=group)
+    engine = LLMEngine.from_settings(
+        settings, shared_kv=role == "prefill", group=group, decodes=role != "prefill"
+    )
     state = WorkerState(worker_id, engine, outbox, group)
     try:
         shard_pids = group.pids if group is not None else []
@@ -105,20 +111,41 @@ def serve(state: WorkerState, inbox: Any) -> None:
     """Step the engine while it has work, handling messages in between, until Shutdown."""
     engine, outbox, worker_id = state.engine, state.outbox, state.worker_id
     while True:
-        idle = not engine.has_unfinished()
-        handled = drain(state, inbox, IDLE_WAIT_S if idle else 0.0)
+        handled = drain(state, inbox, inbox_wait(engine))
         if handled is None:
             return
-        if engine.has_unfinished():
+        landed = send_landed(state)
+        if engine.scheduler.has_unfinished():
             started_at = time.monotonic()
             report(state, engine.step(), started_at)
-        elif handled:
+        elif handled or landed:
             report(state, [], 0.0)  # block counts changed (release, abort): say so
         for engine_id in engine.expire_leases(LEASE_S):
             request_id = state.to_request.pop(engine_id, None)
             if request_id is not None:
                 state.to_engine.pop(request_id, None)
                 outbox.put(LeaseExpired(worker_id, request_id))
+
+
+def inbox_wait(engine: LLMEngine) -> float:
+    """How long to block on the inbox: not at all with a batch to run, briefly while only
+    handed-off copies are in flight (the loop polls them), else IDLE_WAIT_S."""
+    if engine.scheduler.has_unfinished():
+        return 0.0
+    return COPY_POLL_S if engine.copies_in_flight else IDLE_WAIT_S
+
+
+def send_landed(state: WorkerState) -> int:
+    """Admit handed-off requests whose blocks have landed and answer their Handoffs, which
+    releases the source blocks; returns how many. Called before every report, so the
+    supervisor hears of a handoff before any of its tokens."""
+    state.engine.admit_copied()
+    landed = state.engine.pop_landed()
+    for engine_id in landed:
+        request_id, moved = state.copying.pop(engine_id, (None, 0))
+        if request_id is not None:  # else aborted meanwhile: nobody waits for the answer
+            state.outbox.put(HandoffResult(state.worker_id, request_id, True, moved))
+    return len(landed)
 
 
 def use_device(settings: Settings, device: Device) -> Settings:
@@ -164,12 +191,14 @@ def handle(state: WorkerState, message: Any) -> None:
     elif isinstance(message, SharePool):
         # Pickled by each shard's own process, once per consumer: each consumer gets its
         # own fd / IPC reference.
-        pools = [pickle_pool(0, engine.kv.tensor)]
+        pools = [pickle_pool(0, engine.kv.tensor, engine.handoff_ready)]
         if state.group is not None:
             pools += state.group.share_pools()
         state.outbox.put(PoolShared(state.worker_id, message.consumer, pools))
     elif isinstance(message, PeerPool):
         state.peers[message.worker_id] = open_pools(message.data)
+        for shard in state.peers[message.worker_id]:
+            enable_peer_access(shard.tensor.device, engine.kv.tensor.device, shard.tensor)
     elif isinstance(message, Release):
         engine_id = state.to_engine.pop(message.request_id, None)
         if engine_id is not None and engine_id in engine.scheduler.parked:
@@ -185,6 +214,7 @@ def handle(state: WorkerState, message: Any) -> None:
         if engine_id is not None:
             engine.abort(engine_id)
             state.to_request.pop(engine_id, None)
+            state.copying.pop(engine_id, None)
 
 
 def submit(state: WorkerState, message: Submit) -> None:
@@ -211,17 +241,21 @@ def take_handoff(state: WorkerState, message: Handoff) -> None:
         state.peers[message.source],
         message.blocks,
     )
-    moved = 0
-    if pulled is not None:
-        engine_id, moved = pulled
-        state.to_engine[message.request_id] = engine_id
-        state.to_request[engine_id] = message.request_id
-    result = HandoffResult(state.worker_id, message.request_id, pulled is not None, moved)
-    state.outbox.put(result)
+    if pulled is None:  # no room now: the supervisor asks again
+        state.outbox.put(HandoffResult(state.worker_id, message.request_id, False))
+        return
+    engine_id, moved = pulled
+    state.to_engine[message.request_id] = engine_id
+    state.to_request[engine_id] = message.request_id
+    # Accepted once its blocks have landed (on the CPU, now): send_landed answers then.
+    state.copying[engine_id] = (message.request_id, moved)
+    send_landed(state)
 
 
 def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) -> None:
-    """One message per step: the tokens made, the requests it started, this worker's load."""
+    """One message per step: the tokens made, the requests it started, this worker's load
+    (after the answers to handoffs that landed, which the step may have admitted)."""
+    send_landed(state)
     batch = TokenBatch(
         state.worker_id,
         num_free_blocks=state.engine.num_free_blocks,

@@ -61,3 +61,22 @@ def test_cuda_graphs_give_the_eager_tokens() -> None:
     prompts = prompts_for(eager, (5, 17, 30))
     expected = [c.token_ids for c in eager.generate(prompts, GREEDY)]
     assert [c.token_ids for c in graphed.generate(prompts, GREEDY)] == expected
+
+
+def test_the_cuda_graphs_setting_captures_powers_of_two_and_keeps_the_tokens() -> None:
+    from appliance.engine.model_runner import decode_graph_sizes
+
+    common = {"device": "cuda", "dtype": "bfloat16", "weights": "dense", "kv": {"memory_mb": 512}}
+    eager = LLMEngine.from_settings(load_settings(**common, batch={"max_num_seqs": 8}))
+    graphed = LLMEngine.from_settings(
+        load_settings(**common, batch={"max_num_seqs": 8, "cuda_graphs": True})
+    )
+    prefill_only = LLMEngine.from_settings(
+        load_settings(**common, batch={"max_num_seqs": 8, "cuda_graphs": True}), decodes=False
+    )
+    assert graphed.runner.decode_graphs is not None and eager.runner.decode_graphs is None
+    assert tuple(graphed.runner.decode_graphs.sizes) == decode_graph_sizes(8) == (1, 2, 4, 8)
+    assert prefill_only.runner.decode_graphs is None  # a prefill worker runs no decode step
+    prompts = prompts_for(eager, (5, 17, 30, 3, 11))
+    expected = [c.token_ids for c in eager.generate(prompts, GREEDY)]
+    assert [c.token_ids for c in graphed.generate(prompts, GREEDY)] == expected
