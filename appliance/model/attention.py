@@ -7,6 +7,11 @@ runs torch's SDPA. Decode runs the compiled CPU kernel (cpu_kernels.py) where it
 SDPA over each group's gathered and padded context elsewhere (other dtypes). On CUDA, with
 triton installed, both run the Triton kernel (triton_attention.py), which reads K/V in place
 through the block tables.
+
+A sliding window (Mistral) lets each query see only the last `window` keys, itself
+included, as transformers' mask does: SDPA through its mask, the compiled CPU kernel and
+the Triton one by reading only those. Blocks that fall out of the window stay allocated:
+the cache holds every token of a sequence.
 """
 
 from __future__ import annotations
@@ -97,26 +102,30 @@ def paged_attention(
     v_cache: torch.Tensor,
     batch: AttentionBatch,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> like q. The step's
-    k/v are already in the cache (rotate_and_store)."""
+    k/v are already in the cache (rotate_and_store). `window`: each query attends to the
+    last `window` keys only (None: its whole context)."""
     if runs_triton(q.device):
         from appliance.model import triton_attention  # on first CUDA use, never on CPU
 
-        return triton_attention.attend(q, k_cache, v_cache, batch, scale)
+        return triton_attention.attend(q, k_cache, v_cache, batch, scale, window)
     groups = batch.decode_groups
     if not batch.prefills and len(groups) == 1 and groups[0].rows is None:
-        return _decode(q, k_cache, v_cache, groups[0], scale)  # every row: nothing to place
+        # every row: nothing to place
+        return _decode(q, k_cache, v_cache, groups[0], scale, window)
     out = torch.empty_like(q)
     for seg in batch.prefills:
         rows = slice(seg.start, seg.start + seg.length)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale, window)
     decode_q, decode_out = q[batch.decode_start :], out[batch.decode_start :]
     for group in groups:
         if group.rows is None:
-            decode_out[:] = _decode(decode_q, k_cache, v_cache, group, scale)
+            decode_out[:] = _decode(decode_q, k_cache, v_cache, group, scale, window)
         else:
-            result = _decode(decode_q.index_select(0, group.rows), k_cache, v_cache, group, scale)
+            picked = decode_q.index_select(0, group.rows)
+            result = _decode(picked, k_cache, v_cache, group, scale, window)
             decode_out.index_copy_(0, group.rows, result)
     return out
 
@@ -136,17 +145,27 @@ def _prefill(
     v_cache: torch.Tensor,
     seg: PrefillSegment,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    if seg.context_len == seg.length:
+    if window is not None and seg.context_len <= window:
+        window = None  # the window hides nothing from this chunk
+    if seg.context_len == seg.length and window is None:
         # Nothing cached before this chunk: plain causal attention over its own K/V.
         mask, causal = None, True
     else:
-        k = _gather(k_cache, seg.block_table, seg.context_len)
-        v = _gather(v_cache, seg.block_table, seg.context_len)
+        # Keys from the first one the chunk's first query sees (all, without a window).
+        first = 0 if window is None else max(0, seg.context_len - seg.length - window + 1)
+        if seg.context_len != seg.length:
+            k = _gather(k_cache, seg.block_table, seg.context_len)
+            v = _gather(v_cache, seg.block_table, seg.context_len)
+        k, v = k[first:], v[first:]  # [keys, kv_heads, head_dim]
         # The chunk's query i sits at position context_len - length + i.
         q_pos = torch.arange(seg.context_len - seg.length, seg.context_len, device=q.device)
-        k_pos = torch.arange(seg.context_len, device=q.device)
-        mask, causal = k_pos[None, :] <= q_pos[:, None], False  # [length, context_len]
+        k_pos = torch.arange(first, seg.context_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [length, keys]
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        causal = False
     # 4-D [1, heads, length, head_dim]: SDPA's fused CPU kernel takes no 3-D input.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
@@ -172,14 +191,16 @@ def _decode(
     v_cache: torch.Tensor,
     group: DecodeGroup,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its cached keys: on the CPU by the compiled
     kernel, which reads the cache in place; elsewhere (and without it) by SDPA."""
     if cpu_kernels.decode_takes(q, k_cache, v_cache):
+        tables, lens = group.block_tables, group.context_lens
         return cpu_kernels.paged_decode(
-            q, k_cache, v_cache, group.block_tables, group.context_lens, scale, checked=True
+            q, k_cache, v_cache, tables, lens, scale, checked=True, window=window
         )
-    return sdpa_decode(q, k_cache, v_cache, group, scale)
+    return sdpa_decode(q, k_cache, v_cache, group, scale, window)
 
 
 def sdpa_decode(
@@ -188,8 +209,10 @@ def sdpa_decode(
     v_cache: torch.Tensor,
     group: DecodeGroup,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """_decode with torch's SDPA over the group's gathered, padded context."""
+    """_decode with torch's SDPA over the group's gathered, padded context (within the
+    last `window` keys of each, when given)."""
     tables = group.block_tables
     decodes, kv_heads, head_dim = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
     # [decodes * max_blocks, block_size, kv_heads, head_dim] -> [decodes, ctx, kv_heads, head_dim]
@@ -200,7 +223,13 @@ def sdpa_decode(
     # than one row per query head with enable_gqa, and than matmuls in 16-bit floats.
     # Every row sees the same keys: no mask among them.
     grouped = q.view(decodes, kv_heads, -1, head_dim)
+    visible = group.visible
+    if window is not None:
+        # The query sits at context_len - 1: it sees keys from context_len - window on.
+        keys = torch.arange(visible.shape[-1], device=visible.device)
+        inside = keys[None, :] >= (group.context_lens.to(visible.device) - window)[:, None]
+        visible = visible & inside[:, None, None, :]  # [decodes, 1, 1, ctx]
     out = F.scaled_dot_product_attention(
-        grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.visible, scale=scale
+        grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible, scale=scale
     )  # K/V seen as [decodes, kv_heads, ctx, head_dim]
     return out.reshape(decodes, -1, head_dim)

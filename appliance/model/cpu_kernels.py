@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-ABI = 7  # module.c's ABI: the argument lists these calls pass
+ABI = 8  # module.c's ABI: the argument lists these calls pass
 LEVELS = ("generic", "avx2", "avx512")  # lowest first; setup.py builds each
 # The CPU features each level's build was compiled for (setup.py's flags).
 _NEEDS = {
@@ -37,7 +37,7 @@ _NEEDS = {
 
 
 class _Kernels(Protocol):
-    """A compiled module's calls (csrc/module.c at ABI 7): tensors go as their addresses,
+    """A compiled module's calls (csrc/module.c at ABI 8): tensors go as their addresses,
     each call returns None or raises."""
 
     ABI: int
@@ -48,7 +48,7 @@ class _Kernels(Protocol):
     def paged_decode(
         self, q: int, k: int, v: int, tables: int, lens: int, out: int, n: int, heads: int,
         kv_heads: int, head_dim: int, blocks: int, block_size: int, table_width: int,
-        q_row_stride: int, scale: float, dtype: int, threads: int, /,
+        q_row_stride: int, window: int, scale: float, dtype: int, threads: int, /,
     ) -> None: ...  # fmt: skip
 
     def add_rms_norm(
@@ -80,8 +80,8 @@ class _Kernels(Protocol):
         self, layers: int, num_layers: int, residual: int, out: int, kv: int, final_norm: int,
         cos: int, sin: int, slots: int, tables: int, lens: int, n: int, hidden: int,
         heads: int, kv_heads: int, head_dim: int, intermediate: int, blocks: int,
-        block_size: int, table_width: int, eps: float, scale: float, dtype: int,
-        threads: int, precise: int, /,
+        block_size: int, table_width: int, window: int, eps: float, scale: float,
+        dtype: int, threads: int, precise: int, /,
     ) -> None: ...  # fmt: skip
 
 
@@ -211,10 +211,12 @@ def paged_decode(
     context_lens: torch.Tensor,
     scale: float,
     checked: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [n, heads, head_dim] (one token per sequence); caches [blocks, block_size,
     kv_heads, head_dim]; block_tables [n, width] and context_lens [n] int64 -> [n, heads,
-    head_dim]. Each query attends to its sequence's first context_lens[i] cached tokens.
+    head_dim]. Each query attends to its sequence's first context_lens[i] cached tokens,
+    or the last `window` of them (a sliding window).
     The kernel checks each context and block id it reads through against the cache.
     `checked`: decode_takes() said yes to q and the caches."""
     problem = "" if checked else _decode_problem(q, k_cache, v_cache)
@@ -245,6 +247,7 @@ def paged_decode(
         block_size,
         tables.shape[1],
         q.stride(0),
+        window or 0,
         scale,
         _DTYPES[q.dtype],
         _threads(),
@@ -579,13 +582,14 @@ def quant_rows(
     return out
 
 
-LAYER_FIELDS = 26  # kernels.h's DECODE_LAYER_FIELDS
+LAYER_FIELDS = 28  # kernels.h's DECODE_LAYER_FIELDS
 
 
 @dataclass
 class StepShape:
     """The sizes of a model that decode_step() runs: per layer `heads` query heads and
-    `kv_heads` KV heads of `head_dim`, an MLP of `intermediate` columns."""
+    `kv_heads` KV heads of `head_dim`, an MLP of `intermediate` columns; attention within
+    the last `window` tokens (0: all)."""
 
     hidden: int
     heads: int
@@ -594,6 +598,7 @@ class StepShape:
     intermediate: int
     eps: float
     scale: float
+    window: int = 0
 
 
 def decode_step(
@@ -611,7 +616,7 @@ def decode_step(
 ) -> torch.Tensor:
     """A decode step's decoder layers and final norm in one call (csrc/decode_step.c):
     residual [n, hidden] (the embeddings; left holding the residual stream) -> the final
-    norm [n, hidden]. `layers` [num_layers, 26] int64 addresses and sizes of each layer's
+    norm [n, hidden]. `layers` [num_layers, 28] int64 addresses and sizes of each layer's
     norms and block-quantized projections (kernels.h says which); cos, sin [n, 1,
     head_dim / 2]; slots [n], tables [n, width], lens [n] int64; kv_cache [layers, 2,
     blocks, block_size, kv_heads, head_dim]. The kernel checks sizes, slots, block ids
@@ -625,7 +630,7 @@ def decode_step(
         or not layers.is_contiguous()
         or (layers.shape[1] != LAYER_FIELDS)
     ):
-        raise ValueError("layers must be a contiguous [layers, 26] int64 tensor")
+        raise ValueError(f"layers must be a contiguous [layers, {LAYER_FIELDS}] int64 tensor")
     if residual.shape != (n, shape.hidden) or final_norm.shape != (shape.hidden,):
         raise ValueError(
             f"residual must be [n, {shape.hidden}] and the final norm [{shape.hidden}]"
@@ -666,6 +671,7 @@ def decode_step(
         blocks,
         block_size,
         tables.shape[1],
+        shape.window,
         shape.eps,
         shape.scale,
         _DTYPES[dtype],

@@ -56,6 +56,7 @@ class CompiledDecode:
             intermediate=config.intermediate_size,
             eps=model.norm.eps,
             scale=config.head_dim**-0.5,
+            window=config.sliding_window or 0,
         )
         self.layers = torch.tensor([_fields(layer) for layer in model.layers], dtype=torch.int64)
 
@@ -115,4 +116,5 @@ def _fields(module: torch.nn.Module) -> list[int]:
         bias = 0 if linear.bias is None else linear.bias.data_ptr()
         row += [part.blocks.data_ptr(), bias, part.rows, part.blocks.shape[1]]
         row += [part.format.ggml_id, linear.span]
-    return row
+    head_norms = (layer.self_attn.q_norm, layer.self_attn.k_norm)  # Qwen3's, or none: 0
+    return row + [0 if norm is None else norm.weight.data_ptr() for norm in head_norms]

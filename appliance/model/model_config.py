@@ -7,13 +7,18 @@ from typing import Any
 
 from appliance.model.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the forward pass needs to know about a Llama-family or Qwen2 model."""
+    """What the forward pass needs to know about a Llama-family, Qwen2 or Qwen3 model.
+
+    `architecture` is "llama" (Mistral too), "qwen2" or "qwen3": it says how a GGUF lays
+    out Q/K rows. `qk_norm`: an RMSNorm over each head of q and k before RoPE (Qwen3).
+    `sliding_window`: each query attends to the last this many keys, itself included
+    (Mistral); None: the whole context."""
 
     architecture: str
     vocab_size: int
@@ -30,6 +35,8 @@ class ModelConfig:
     attention_bias: bool
     rope_scaling: dict[str, Any] | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    qk_norm: bool = False
+    sliding_window: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,7 +63,7 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelConfig:
     )
     eos = cfg.get("eos_token_id")
     return ModelConfig(
-        architecture="qwen2" if arch == "qwen2" else "llama",
+        architecture=arch if arch in ("qwen2", "qwen3") else "llama",
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -71,7 +78,34 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelConfig:
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         rope_scaling=check_rope_scaling(scaling, source),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        qk_norm=arch == "qwen3",
+        sliding_window=_sliding_window(cfg, arch, source),
     )
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str, source: str) -> int | None:
+    """The window every layer attends within, or None. Mistral windows every layer; Qwen
+    configs carry a `sliding_window` that only counts with `use_sliding_window`, and then
+    for some layers only, which this server does not run: refused, never ignored."""
+    window = cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3"):
+        sliding = [t for t in cfg.get("layer_types") or () if t != "full_attention"]
+        if cfg.get("use_sliding_window") or sliding:
+            raise ModelLoadError(
+                source,
+                "use_sliding_window (sliding-window layers in a Qwen model) is not supported",
+            )
+        return None
+    return check_sliding_window(window, source)
+
+
+def check_sliding_window(window: Any, source: str) -> int | None:
+    """A sliding window as an int of at least 1, or None for none."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(source, f"sliding_window must be a positive integer, got {window!r}")
+    return window
 
 
 def check_rope_scaling(scaling: dict[str, Any] | None, source: str) -> dict[str, Any] | None:

@@ -50,6 +50,7 @@ def _paged_attention_kernel(
     query_starts_ptr,  # [seqs + 1] int: each sequence's first row; read only if VARLEN
     query_len,  # queries per sequence (uniform), or the longest (VARLEN)
     qk_scale,  # softmax scale * log2(e): the kernel exponentiates in base 2
+    window,  # with WINDOWED: each query sees its last `window` keys only
     stride_qt,
     stride_qh,
     stride_ot,
@@ -65,6 +66,7 @@ def _paged_attention_kernel(
     ROWS: tl.constexpr,  # (token, query head) pairs per program, a power of two >= 16
     BLOCK_N: tl.constexpr,  # keys per loop step
     VARLEN: tl.constexpr,  # query runs from query_starts, else query_len rows per sequence
+    WINDOWED: tl.constexpr,  # a sliding window (`window`)
     UPCAST: tl.constexpr,  # widen 16-bit dot operands to float32 (the interpreter)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" keeps float32 exact (no
     # TF32); None, the backend's default, for 16-bit inputs
@@ -110,8 +112,12 @@ def _paged_attention_kernel(
     # Causal: the program's last valid token sees keys up to its own position, none later.
     last_token = tl.minimum(q_len - 1, (first_row + ROWS - 1) // GROUP)
     key_end = context_len - q_len + last_token + 1
+    key_begin = 0
+    if WINDOWED:  # from the tile of the first key the program's first token sees
+        first_pos = context_len - q_len + first_row // GROUP
+        key_begin = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
     table = block_tables_ptr + seq * stride_bt
-    for key_start in range(0, key_end, BLOCK_N):
+    for key_start in range(key_begin, key_end, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions in the sequence
         key_ok = keys < key_end
         # Each key's slot: its block from the table (any ids, any order), then the offset.
@@ -133,13 +139,20 @@ def _paged_attention_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [ROWS, BLOCK_N]
         visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        if WINDOWED:
+            visible = visible & (keys[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         # Key 0 is visible to every row (q_pos >= 0; padding rows have q_pos >= context_len),
         # so the first tile makes every row's max finite and later all-masked tiles give
         # exp2(-inf) = 0, never NaN.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [ROWS]
-        alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old max
-        p = tl.math.exp2(s - m_new[:, None])  # [ROWS, BLOCK_N]
+        m_base = m_new
+        if WINDOWED:
+            # Not so in a window: a row may see nothing of the first tiles. Its max stays
+            # -inf; exponents against 0 then give 0 for what it has not seen, not NaN.
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_base)  # rescales what was summed under the old max
+        p = tl.math.exp2(s - m_base[:, None])  # [ROWS, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # The probabilities enter the second product in the cache's dtype, as in flash
         # attention: a 16-bit dot on the tensor cores, float32 accumulation.
@@ -169,6 +182,7 @@ def paged_attention(
     query_len: int = 1,
     query_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [tokens, heads, head_dim] over the paged caches [num_blocks,
     block_size, kv_heads, head_dim] -> like q (written into `out` when given, which may be
@@ -180,7 +194,8 @@ def paged_attention(
     themselves: rows i * query_len .. (i + 1) * query_len of q (decode: query_len 1), or,
     with query_starts [seqs + 1], rows query_starts[i] .. query_starts[i + 1] with
     query_len the longest run (it sizes the grid). Integer tensors may be int32 or int64;
-    nothing here reads a device tensor back to the host."""
+    nothing here reads a device tensor back to the host. `window`: each query sees its
+    last `window` keys only (itself included), as a sliding-window model's do."""
     tokens, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -213,6 +228,7 @@ def paged_attention(
         query_starts if query_starts is not None else context_lens,  # unread unless VARLEN
         query_len,
         scale * math.log2(math.e),
+        window or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -228,6 +244,7 @@ def paged_attention(
         ROWS=rows,
         BLOCK_N=_KEY_TILE,
         VARLEN=query_starts is not None,
+        WINDOWED=window is not None,
         UPCAST=interpreted and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
     )
@@ -240,11 +257,12 @@ def attend(
     v_cache: torch.Tensor,
     batch: AttentionBatch,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """attention.paged_attention on the kernel: q [tokens, heads, head_dim] -> like q, the
     step's K/V already in the caches. One launch per prefill segment and per decode group
     (one group when the model runner makes one, as it may: the kernel takes any mix of
-    context lengths)."""
+    context lengths). `window`: each query sees its last `window` keys only."""
     out = torch.empty_like(q)
     for seg in batch.prefills:
         rows = slice(seg.start, seg.start + seg.length)
@@ -259,12 +277,15 @@ def attend(
             scale,
             query_len=seg.length,
             out=out[rows],
+            window=window,
         )
     decode_q, decode_out = q[batch.decode_start :], out[batch.decode_start :]
     for group in batch.decode_groups:
         if group.rows is None:  # every decode row, in order: written in place
             tables, lens = group.block_tables, group.context_lens
-            paged_attention(decode_q, k_cache, v_cache, tables, lens, scale, out=decode_out)
+            paged_attention(
+                decode_q, k_cache, v_cache, tables, lens, scale, out=decode_out, window=window
+            )
         else:
             result = paged_attention(
                 decode_q.index_select(0, group.rows),
@@ -273,6 +294,7 @@ def attend(
                 group.block_tables,
                 group.context_lens,
                 scale,
+                window=window,
             )
             decode_out.index_copy_(0, group.rows, result)
     return out

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from appliance.engine.sequence import SamplingParams
+from appliance.server.errors import APIError
 
 # Fields OpenAI defines that this server does not implement: sent with a value other than
 # the one meaning "off", they are refused instead of silently ignored.
@@ -130,7 +131,7 @@ class ChatMessage(Body):
     """One turn; content is text or text parts (joined). Tools and images are not served."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]] = ""  # null is allowed (an assistant turn)
+    content: str | list[dict[str, Any]]  # present and not null: check_message_contents
     name: str | None = None
 
     @field_validator("content")
@@ -157,9 +158,44 @@ class ChatMessage(Body):
         return {"role": role, "content": self.content}
 
 
+def check_message_contents(messages: Any) -> None:
+    """Refuse, as OpenAI does with a 400, a message whose `content` is missing or null.
+
+    Runs on the raw body, before nulls become defaults (a null content would otherwise
+    read as "" and be generated from). Only an assistant turn carrying tool calls may lack
+    content in OpenAI's API, and this server serves no tools, so every role needs it."""
+    if not isinstance(messages, list):
+        return  # not a list: the field validation names it (422)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("content") is not None:
+            continue
+        where = f"messages[{i}]"
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            raise APIError(
+                400,
+                f"{where}.tool_calls: tool calls are not supported by this server",
+                f"{where}.tool_calls",
+                "unsupported",
+            )
+        raise APIError(
+            400,
+            f"Missing required parameter: '{where}.content'.",
+            f"{where}.content",
+            "missing_required_parameter",
+        )
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _contents_present(cls, data: Any) -> Any:
+        # An APIError is no ValueError: pydantic lets it through as it is (a 400, not 422).
+        if isinstance(data, dict):
+            check_message_contents(data.get("messages"))
+        return data
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

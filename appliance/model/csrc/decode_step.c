@@ -1,7 +1,8 @@
 /* A decode step's decoder layers in one call, for a whole model (no tensor parallelism)
  * whose projections are all block-quantized. Per layer, the kernels the Python layer
- * calls one by one, in the same order on the same buffers: add + RMSNorm, q/k/v, RoPE and
- * the KV store, decode attention, o, add + RMSNorm, gate/up, SiLU * up, down; then the
+ * calls one by one, in the same order on the same buffers: add + RMSNorm, q/k/v, the
+ * q and k head norms (Qwen3), RoPE and the KV store, decode attention, o, add + RMSNorm,
+ * gate/up, SiLU * up, down; then the
  * final add + RMSNorm. At batch 1 a step's kernels take a few milliseconds, and the ~15
  * Python-level calls a layer made took almost as long again. */
 #include <stdlib.h>
@@ -13,6 +14,7 @@
 enum { INPUT_NORM, POST_NORM, PROJECTIONS };
 enum { P_WEIGHTS, P_BIAS, P_ROWS, P_ROW_BYTES, P_FORMAT, P_SPAN, P_FIELDS };
 enum { QKV, O, GATE_UP, DOWN };
+enum { Q_NORM = PROJECTIONS + 4 * P_FIELDS, K_NORM }; /* after the projections */
 
 static const int64_t *projection(const DecodeStep *p, long layer, int which) {
     return p->layers + layer * DECODE_LAYER_FIELDS + PROJECTIONS + which * P_FIELDS;
@@ -73,7 +75,31 @@ static PagedDecode attention(const DecodeStep *p, long layer, const void *qkv, v
                          .heads = p->heads, .kv_heads = p->kv_heads, .head_dim = p->head_dim,
                          .blocks = p->blocks, .block_size = p->block_size,
                          .table_width = p->table_width, .q_row_stride = qkv_rows(p),
-                         .scale = p->scale, .dtype = p->dtype, .threads = p->threads};
+                         .window = p->window, .scale = p->scale, .dtype = p->dtype,
+                         .threads = p->threads};
+}
+
+/* The RMSNorm of `rows` heads [rows, head_dim] at `heads`, in place (the Python layers
+ * run the same kernel on the same rows: llama.HeadNorm). */
+static AddRmsNorm head_norm(const DecodeStep *p, const void *weight, void *heads, long rows) {
+    return (AddRmsNorm){.x = NULL, .weight = weight, .residual = heads, .out = heads,
+                        .rows = rows, .dim = p->head_dim, .eps = p->eps, .dtype = p->dtype,
+                        .threads = p->threads};
+}
+
+/* Each token's query heads, then its key heads, normalised in place in `qkv`, when the
+ * layer has head norms. */
+static void head_norms(const DecodeStep *p, long layer, char *qkv) {
+    const void *q_weight = layer_norm(p, layer, Q_NORM), *k_weight = layer_norm(p, layer, K_NORM);
+    if (q_weight == NULL || k_weight == NULL) return;
+    const long elem = p->dtype == F32 ? 4 : 2;
+    for (long t = 0; t < p->n; t++) {
+        char *q = qkv + t * qkv_rows(p) * elem;
+        AddRmsNorm nq = head_norm(p, q_weight, q, p->heads);
+        add_rms_norm_run(&nq);
+        AddRmsNorm nk = head_norm(p, k_weight, q + p->heads * p->head_dim * elem, p->kv_heads);
+        add_rms_norm_run(&nk);
+    }
 }
 
 static SiluMul silu(const DecodeStep *p, void *gate_up) {
@@ -93,6 +119,8 @@ const char *decode_step_check(const DecodeStep *p) {
     if ((problem = paged_decode_check(&a)) != NULL) return problem;
     SiluMul act = silu(p, NULL);
     if ((problem = silu_mul_check(&act)) != NULL) return problem;
+    AddRmsNorm heads = head_norm(p, NULL, NULL, p->heads);
+    if ((problem = add_rms_norm_check(&heads)) != NULL) return problem;
     const long in[] = {p->hidden, p->heads * p->head_dim, p->hidden, p->intermediate};
     const long rows[] = {qkv_rows(p), p->hidden, 2 * p->intermediate, p->hidden};
     for (long layer = 0; layer < p->num_layers; layer++) {
@@ -104,6 +132,8 @@ const char *decode_step_check(const DecodeStep *p) {
         }
         if (layer_norm(p, layer, INPUT_NORM) == NULL || layer_norm(p, layer, POST_NORM) == NULL)
             return "a layer has no norm weights";
+        if ((layer_norm(p, layer, Q_NORM) == NULL) != (layer_norm(p, layer, K_NORM) == NULL))
+            return "a layer has a query head norm without a key one, or the reverse";
     }
     return NULL;
 }
@@ -122,6 +152,7 @@ int decode_step_run(const DecodeStep *p) {
         add_rms_norm_run(&first);
         QuantMatmul m = product(p, layer, QKV, h, p->hidden, p->hidden, qkv);
         status |= quant_matmul_run(&m);
+        head_norms(p, layer, qkv);
         RopeStore r = rope(p, layer, qkv);
         rope_store_run(&r);
         PagedDecode a = attention(p, layer, qkv, heads);

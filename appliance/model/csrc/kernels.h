@@ -10,12 +10,13 @@
  *   k, v   caches [blocks, block_size, kv_heads, head_dim]
  *   tables [n, table_width] block ids;  lens [n] tokens in each context
  *   out    [n, heads, head_dim]
- * The `heads / kv_heads` query heads of a KV head are consecutive. */
+ * The `heads / kv_heads` query heads of a KV head are consecutive. window > 0: each query
+ * attends to its context's last `window` tokens only (a sliding window); 0: all of them. */
 typedef struct {
     const void *q, *k, *v;
     const int64_t *tables, *lens;
     void *out;
-    long n, heads, kv_heads, head_dim, blocks, block_size, table_width, q_row_stride;
+    long n, heads, kv_heads, head_dim, blocks, block_size, table_width, q_row_stride, window;
     float scale;
     int dtype, threads; /* threads: at most this many (torch.get_num_threads()) */
 } PagedDecode;
@@ -105,15 +106,16 @@ typedef struct {
 const char *quant_rows_check(const QuantRows *p);
 int quant_rows_run(const QuantRows *p);
 
-/* A decode step's decoder layers (decode_step.c): `layers` [num_layers, 26] int64, per
+/* A decode step's decoder layers (decode_step.c): `layers` [num_layers, 28] int64, per
  * layer the addresses of its input and post-attention norm weights [hidden], then for each
  * of its q/k/v, o, gate/up and down projections (block-quantized, as QuantMatmul takes
  * them) the weights' address, the float32 bias's (or 0), its output rows, bytes per row,
- * format and span. residual [n, hidden] holds the embeddings and is left holding the residual
+ * format and span, then those of its query and key head norms' weights [head_dim] (Qwen3;
+ * 0 and 0 for none). residual [n, hidden] holds the embeddings and is left holding the residual
  * stream; out [n, hidden] gets its final norm. cos, sin [n, head_dim / 2]; slots [n];
  * tables [n, table_width], lens [n] as PagedDecode's; kv [layers, 2, blocks, block_size,
- * kv_heads, head_dim]. All contiguous, of `dtype`. */
-#define DECODE_LAYER_FIELDS 26
+ * kv_heads, head_dim]. All contiguous, of `dtype`. window: PagedDecode's. */
+#define DECODE_LAYER_FIELDS 28
 typedef struct {
     const int64_t *layers;
     long num_layers;
@@ -121,6 +123,7 @@ typedef struct {
     const void *final_norm, *cos, *sin;
     const int64_t *slots, *tables, *lens;
     long n, hidden, heads, kv_heads, head_dim, intermediate, blocks, block_size, table_width;
+    long window;
     float eps, scale;
     int dtype, threads, precise;
 } DecodeStep;

@@ -10,9 +10,10 @@ static PyObject *paged_decode(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long q, k, v, tables, lens, out;
     PagedDecode p;
-    if (!PyArg_ParseTuple(args, "KKKKKKllllllllfii", &q, &k, &v, &tables, &lens, &out, &p.n,
+    if (!PyArg_ParseTuple(args, "KKKKKKlllllllllfii", &q, &k, &v, &tables, &lens, &out, &p.n,
                           &p.heads, &p.kv_heads, &p.head_dim, &p.blocks, &p.block_size,
-                          &p.table_width, &p.q_row_stride, &p.scale, &p.dtype, &p.threads))
+                          &p.table_width, &p.q_row_stride, &p.window, &p.scale, &p.dtype,
+                          &p.threads))
         return NULL;
     p.q = (const void *)(uintptr_t)q;
     p.k = (const void *)(uintptr_t)k;
@@ -151,11 +152,11 @@ static PyObject *decode_step(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long layers, residual, out, kv, final_norm, cos, sin, slots, tables, lens;
     DecodeStep p;
-    if (!PyArg_ParseTuple(args, "KlKKKKKKKKKlllllllllffiii", &layers, &p.num_layers, &residual,
-                          &out, &kv, &final_norm, &cos, &sin, &slots, &tables, &lens, &p.n,
-                          &p.hidden, &p.heads, &p.kv_heads, &p.head_dim, &p.intermediate,
-                          &p.blocks, &p.block_size, &p.table_width, &p.eps, &p.scale, &p.dtype,
-                          &p.threads, &p.precise))
+    if (!PyArg_ParseTuple(args, "KlKKKKKKKKKllllllllllffiii", &layers, &p.num_layers,
+                          &residual, &out, &kv, &final_norm, &cos, &sin, &slots, &tables, &lens,
+                          &p.n, &p.hidden, &p.heads, &p.kv_heads, &p.head_dim, &p.intermediate,
+                          &p.blocks, &p.block_size, &p.table_width, &p.window, &p.eps, &p.scale,
+                          &p.dtype, &p.threads, &p.precise))
         return NULL;
     p.layers = (const int64_t *)(uintptr_t)layers;
     p.residual = (void *)(uintptr_t)residual;
@@ -224,7 +225,7 @@ static PyObject *cpu_features(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_decode", paged_decode, METH_VARARGS,
      "paged_decode(q, k, v, tables, lens, out, n, heads, kv_heads, head_dim, blocks, "
-     "block_size, table_width, q_row_stride, scale, dtype, threads)"},
+     "block_size, table_width, q_row_stride, window, scale, dtype, threads)"},
     {"add_rms_norm", add_rms_norm, METH_VARARGS,
      "add_rms_norm(x or 0, weight, residual, out, rows, dim, eps, dtype, threads)"},
     {"rope_store", rope_store, METH_VARARGS,
@@ -247,7 +248,7 @@ static PyMethodDef methods[] = {
 
 /* Bumped whenever an entry point's arguments change: cpu_kernels.py refuses a module
  * built from older sources (an editable install not re-run after a pull). */
-#define ABI 7
+#define ABI 8
 
 /* setup.py builds this file once per instruction-set level: KERNELS_LEVEL names it
  * (generic, avx2, avx512), and the module is _cpu_kernels_<level>. */

@@ -75,14 +75,15 @@ INLINE void block_values(const float *v, long stride, long n, const float *s, fl
     }
 }
 
-/* Tokens t0..t1 of KV head `h` in block `b` of sequence `i` in `cache` (K or V) as float32
- * rows: in place for a float32 cache (*stride: kv_heads * DIM), else widened once into
- * `tile` [block_size, DIM] (*stride: DIM) for every query head to read. */
+/* `n` tokens of KV head `h` in block `b` of sequence `i` in `cache` (K or V), from the
+ * block's token `skip` on, as float32 rows: in place for a float32 cache (*stride:
+ * kv_heads * DIM), else widened once into `tile` [block_size, DIM] (*stride: DIM) for
+ * every query head to read. */
 INLINE const float *block_rows(const PagedDecode *p, const void *cache, long i, long b, long h,
-                               long n, float *tile, long *stride, const long DIM,
+                               long skip, long n, float *tile, long *stride, const long DIM,
                                const int DTYPE) {
-    const long row = block_offset(p, i, b, h);
     *stride = p->kv_heads * DIM;
+    const long row = block_offset(p, i, b, h) + skip * *stride;
     if (DTYPE == F32) return (const float *)cache + row;
     for (long t = 0; t < n; t++)
         for (long j = 0; j < DIM; j += LANES) {
@@ -93,37 +94,46 @@ INLINE const float *block_rows(const PagedDecode *p, const void *cache, long i, 
     return tile;
 }
 
+/* The first token sequence `i`'s query sees: its window's first, or 0. */
+INLINE long first_seen(const PagedDecode *p, long i) {
+    const long len = p->lens[i];
+    return p->window > 0 && len > p->window ? len - p->window : 0;
+}
+
 /* The query heads of KV head `h` in sequence `i`, for a head size DIM and dtype fixed
  * when compiled (the loops over a row then unroll into registers). A block at a time,
  * each query head in turn, so the block's keys and values are read from memory (and
- * widened from bfloat16) once and from the L1 cache by the other heads. Scratch: `scores`
- * [group, len], `sums` [group, DIM], `tile` [block_size, DIM]. */
+ * widened from bfloat16) once and from the L1 cache by the other heads. Only the tokens
+ * from first_seen() on count (a sliding window). Scratch: `scores` [group, seen], `sums`
+ * [group, DIM], `tile` [block_size, DIM]. */
 INLINE void attend(const PagedDecode *p, long i, long h, float *scores, float *sums,
                    float *tile, const long DIM, const int DTYPE) {
     enum { V_MAX = 128 / LANES };
     const long V = DIM / LANES, group = p->heads / p->kv_heads, len = p->lens[i];
-    const long bs = p->block_size;
+    const long bs = p->block_size, first = first_seen(p, i), seen = len - first;
     vec q[V_MAX];
-    for (long b = 0; b * bs < len; b++) {
-        const long n = (b + 1) * bs < len ? bs : len - b * bs;
+    for (long b = first / bs; b * bs < len; b++) {
+        const long t0 = b * bs > first ? b * bs : first; /* the block's first seen token */
+        const long n = ((b + 1) * bs < len ? (b + 1) * bs : len) - t0;
         long stride;
-        const float *k = block_rows(p, p->k, i, b, h, n, tile, &stride, DIM, DTYPE);
+        const float *k = block_rows(p, p->k, i, b, h, t0 - b * bs, n, tile, &stride, DIM, DTYPE);
         for (long g = 0; g < group; g++) {
             for (long j = 0; j < V; j++) {
                 long offset = i * p->q_row_stride + (h * group + g) * DIM + j * LANES;
                 q[j] = load(element(p->q, DTYPE, offset), DTYPE) * p->scale;
             }
-            block_scores(q, k, stride, n, scores + g * len + b * bs, DIM);
+            block_scores(q, k, stride, n, scores + g * seen + t0 - first, DIM);
         }
     }
-    softmax_rows(scores, group, len);
+    softmax_rows(scores, group, seen);
     memset(sums, 0, group * DIM * sizeof(float));
-    for (long b = 0; b * bs < len; b++) {
-        const long n = (b + 1) * bs < len ? bs : len - b * bs;
+    for (long b = first / bs; b * bs < len; b++) {
+        const long t0 = b * bs > first ? b * bs : first;
+        const long n = ((b + 1) * bs < len ? (b + 1) * bs : len) - t0;
         long stride;
-        const float *v = block_rows(p, p->v, i, b, h, n, tile, &stride, DIM, DTYPE);
+        const float *v = block_rows(p, p->v, i, b, h, t0 - b * bs, n, tile, &stride, DIM, DTYPE);
         for (long g = 0; g < group; g++)
-            block_values(v, stride, n, scores + g * len + b * bs, sums + g * DIM, DIM);
+            block_values(v, stride, n, scores + g * seen + t0 - first, sums + g * DIM, DIM);
     }
     for (long g = 0; g < group; g++) {
         const long out = (i * p->heads + h * group + g) * DIM;
@@ -150,6 +160,7 @@ const char *paged_decode_check(const PagedDecode *p) {
     if (p->head_dim != 64 && p->head_dim != 128) return "head size is not 64 or 128";
     if (p->dtype != F32 && p->dtype != BF16) return "dtype is not float32 or bfloat16";
     if (p->threads < 1) return "threads must be at least 1";
+    if (p->window < 0) return "the window is negative";
     for (long i = 0; i < p->n; i++) {
         long len = p->lens[i];
         if (len < 1 || len > p->table_width * p->block_size)
@@ -166,8 +177,9 @@ int paged_decode_run(const PagedDecode *p) {
     if (p->n == 0) return 0;
     long longest = 0, work = 0, group = p->heads / p->kv_heads, units = p->n * p->kv_heads;
     for (long i = 0; i < p->n; i++) {
-        longest = p->lens[i] > longest ? p->lens[i] : longest;
-        work += p->lens[i] * p->kv_heads;
+        const long seen = p->lens[i] - first_seen(p, i);
+        longest = seen > longest ? seen : longest;
+        work += seen * p->kv_heads;
     }
     /* torch's own OpenMP threads (the extension shares its libgomp, loaded first), as
      * many as torch uses; a small problem stays on one: waking others would cost more. */

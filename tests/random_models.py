@@ -1,0 +1,217 @@
+"""Small random-weight transformers models saved as Hugging Face folders or GGUF files,
+and the check that our engine answers as transformers does on them (float32)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from reference import our_prefill_logits
+
+from appliance.config import load_settings
+from appliance.engine.llm_engine import LLMEngine, load_shard
+from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
+from appliance.engine.sequence import SamplingParams, Sequence
+from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.model.loader import prepare_model
+from appliance.model.tensor_parallel import Shard
+
+LOGIT_TOLERANCE = 1e-3  # float32 prefill logits, ours against transformers'
+
+# A byte-level BPE vocabulary small enough for transformers to convert in milliseconds.
+TOY_TOKENS = ["<|endoftext|>", *(chr(c) for c in range(ord("a"), ord("z") + 1))]
+TOY_TOKENS += ["ab", "cd", "ef", "gh", "Ġ"]
+TOY_MERGES = ["a b", "c d", "e f", "g h"]
+
+
+def random_model(config: Any) -> torch.nn.Module:
+    """transformers' model for `config` with seeded random float32 weights."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def save_folder(model: torch.nn.Module, folder: Path, *, shard_size: str | None = None) -> Path:
+    """A Hugging Face folder of `model` (sharded safetensors with
+    model.safetensors.index.json when `shard_size` is given) with the embedded model's
+    tokenizer, which has the 49152-token vocabulary the random models are built with."""
+    if shard_size is None:
+        model.save_pretrained(folder, safe_serialization=True)
+    else:
+        model.save_pretrained(folder, safe_serialization=True, max_shard_size=shard_size)
+    tokenizer_dir = prepare_model(None, load_settings().cache_dir)[1]
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+def write_gguf(
+    model: torch.nn.Module,
+    path: Path,
+    arch: gguf.MODEL_ARCH,
+    metadata: Mapping[str, int | float],
+    *,
+    quantize: bool = False,
+) -> Path:
+    """`model` as a GGUF of architecture `arch` with the toy tokenizer (its vocabulary
+    must be len(TOY_TOKENS)): tensor names from the gguf package's own map, matrices in
+    Q8_0 blocks when `quantize`, else float32. Metadata keys lack the "<arch>." prefix."""
+    name = gguf.MODEL_ARCH_NAMES[arch]
+    layers = int(metadata["block_count"])
+    names = gguf.get_tensor_name_map(arch, layers)
+    writer = gguf.GGUFWriter(str(path), name)
+    for key, value in metadata.items():
+        add = writer.add_float32 if isinstance(value, float) else writer.add_uint32
+        add(f"{name}.{key}", value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TOY_TOKENS)
+    types = [gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (len(TOY_TOKENS) - 1)
+    writer.add_token_types(types)
+    writer.add_token_merges(TOY_MERGES)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(0)
+    tied = bool(model.config.tie_word_embeddings)
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":  # a GGUF without output.weight is tied
+            continue
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise KeyError(f"gguf has no name for {hf_name}")
+        array = tensor.float().numpy()
+        if arch == gguf.MODEL_ARCH.LLAMA and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = metadata[
+                "attention.head_count" if "q_proj" in hf_name else "attention.head_count_kv"
+            ]
+            array = _permute_rope_rows(array, int(heads))
+        if quantize and array.ndim == 2:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _permute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order for a llama GGUF (convert_hf_to_gguf's permute)."""
+    rows = weight.shape[0]
+    # [heads, 2, half, in] -> [heads, half, 2, in]
+    shaped = weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
+    return shaped.swapaxes(1, 2).reshape(weight.shape)
+
+
+def our_engine(model: Path, cache_dir: Path | None = None, **settings: Any) -> LLMEngine:
+    """Our float32 CPU engine for a folder or GGUF."""
+    extra = {"cache_dir": cache_dir} if cache_dir is not None else {}
+    fields = {"dtype": "float32", "device": "cpu", "kv": {"num_blocks": 128}}
+    return LLMEngine.from_settings(load_settings(model=model, **(fields | extra | settings)))
+
+
+def greedy(reference: torch.nn.Module, prompt: list[int], tokens: int) -> list[int]:
+    """transformers' greedy continuation, exactly `tokens` long (no stop at EOS)."""
+    with torch.inference_mode():
+        out = reference.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def assert_matches(
+    ours: LLMEngine, reference: torch.nn.Module, prompts: list[list[int]], tokens: int = 32
+) -> float:
+    """Our prefill logits within LOGIT_TOLERANCE of transformers' and our greedy tokens
+    equal to its, for every prompt (batched together); returns the largest logit error."""
+    worst = 0.0
+    with torch.inference_mode():
+        for prompt, logits in zip(prompts, our_prefill_logits(ours, prompts), strict=True):
+            expected = reference(torch.tensor([prompt])).logits[0].float()
+            worst = max(worst, (logits - expected).abs().max().item())
+    assert worst < LOGIT_TOLERANCE, f"prefill logits differ by {worst}"
+    completions = ours.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    for prompt, completion in zip(prompts, completions, strict=True):
+        assert completion.token_ids == greedy(reference, prompt, tokens), f"prompt {prompt[:8]}"
+    assert ours.num_free_blocks == ours.kv.num_blocks
+    return worst
+
+
+def token_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Random token-id prompts of these lengths."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, size=n).tolist() for n in lengths]
+
+
+class LockstepSum:
+    """An all-reduce for shards run as threads of this process: each waits for all."""
+
+    def __init__(self, size: int) -> None:
+        self.parts: list[torch.Tensor | None] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=60)
+
+    def for_rank(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = x.clone()
+            self.barrier.wait()
+            parts = [p for p in self.parts if p is not None]
+            total = sum(parts[1:], parts[0].clone())  # the same order on every rank
+            self.barrier.wait()
+            return x.copy_(total)
+
+        return reduce
+
+
+def sharded_prefill_logits(
+    model: Path, whole: LLMEngine, prompts: list[list[int]], size: int
+) -> list[torch.Tensor]:
+    """All-position logits of one batched prefill of `prompts`, computed by `size`
+    tensor-parallel shards of `model` (float32, CPU) in lockstep threads; `whole` (our
+    engine of the same model) lays out the step."""
+    settings = load_settings(
+        model=model, dtype="float32", device="cpu", kv={"num_blocks": 64}, prefill_tp=size
+    )
+    summed = LockstepSum(size)
+    parts = [load_shard(settings, Shard(r, size), summed.for_rank(r)) for r in range(size)]
+    seqs = [Sequence(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
+    start = 0
+    for seq in seqs:  # the same blocks in every shard's pool
+        count = blocks_for_tokens(len(seq), whole.kv.block_size)
+        seq.block_table = list(range(start, start + count))
+        start += count
+    inputs = whole.runner.prepare(
+        SchedulerOutput(prefills=[ScheduledChunk(s, len(s)) for s in seqs])
+    )
+    hidden: list[torch.Tensor | None] = [None] * size
+
+    def run(rank: int) -> None:
+        shard = parts[rank]
+        hidden[rank] = shard.model(
+            inputs.input_ids, inputs.positions, inputs.attention, shard.kv.tensor
+        )
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    first = hidden[0]
+    if first is None:
+        raise RuntimeError("shard 0 computed nothing (see the thread's traceback)")
+    logits = parts[0].model.logits(first)
+    return list(logits.split([len(p) for p in prompts]))
