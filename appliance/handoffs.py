@@ -118,7 +118,10 @@ class Handoffs:
                 decode.refused = True  # until its next report says it has room
             self.hand_off(request.kv)
             return
-        # Its next report holds these blocks: a worker answers before it steps again.
+        # Its next report holds these blocks: a worker answers before it reports again.
+        # (On a GPU its reports during the copy already hold them while the handoff is
+        # unanswered: counted twice for those milliseconds, which only errs towards
+        # waiting.)
         if decode is not None:
             decode.taken_blocks += self._blocks(request)
         self.parts.send(request.prefill_worker, Release(result.request_id))

@@ -11,7 +11,7 @@ import os
 import queue
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from multiprocessing.queues import Queue
 
 import torch
 import torch.multiprocessing  # registers the tensor reducers ForkingPickler uses
@@ -38,8 +38,10 @@ from appliance.workers.messages import (
     Shutdown,
     Submit,
     TokenBatch,
+    ToWorker,
     Tune,
 )
+from appliance.workers.outboxes import Outbox
 from appliance.workers.shard_group import TensorGroup, open_pools, pickle_pool
 
 IDLE_WAIT_S = 0.05  # how long an idle worker blocks on its inbox before looking again
@@ -53,7 +55,7 @@ class WorkerState:
 
     worker_id: int
     engine: LLMEngine
-    outbox: Any
+    outbox: Outbox
     group: TensorGroup | None = None  # the other shards, for a worker over several devices
     peers: dict[int, list[KVShard]] = field(default_factory=dict)  # prefill id -> its KV
     to_engine: dict[int, int] = field(default_factory=dict)  # request id -> engine id
@@ -69,8 +71,8 @@ def run_worker(
     role: str,
     settings: Settings,
     devices: tuple[Device, ...],
-    inbox: Any,
-    outbox: Any,
+    inbox: Queue[ToWorker],
+    outbox: Outbox,
 ) -> None:
     """Process entry point: take the device (the first of a tensor-parallel group, whose
     other shards it starts), load, say Ready, serve messages until Shutdown."""
@@ -91,8 +93,8 @@ def load_and_serve(
     role: str,
     settings: Settings,
     group: TensorGroup | None,
-    inbox: Any,
-    outbox: Any,
+    inbox: Queue[ToWorker],
+    outbox: Outbox,
 ) -> None:
     """Load the engine (shard 0 of `group`), say Ready, serve until Shutdown."""
     engine = LLMEngine.from_settings(
@@ -107,7 +109,7 @@ def load_and_serve(
         del state, engine
 
 
-def serve(state: WorkerState, inbox: Any) -> None:
+def serve(state: WorkerState, inbox: Queue[ToWorker]) -> None:
     """Step the engine while it has work, handling messages in between, until Shutdown."""
     engine, outbox, worker_id = state.engine, state.outbox, state.worker_id
     while True:
@@ -163,7 +165,7 @@ def use_device(settings: Settings, device: Device) -> Settings:
     return settings.model_copy(update={"device": "cpu"})
 
 
-def drain(state: WorkerState, inbox: Any, wait: float) -> int | None:
+def drain(state: WorkerState, inbox: Queue[ToWorker], wait: float) -> int | None:
     """Handle every waiting message (blocking up to `wait` for the first); returns how many,
     or None on Shutdown."""
     handled = 0
@@ -182,39 +184,42 @@ def drain(state: WorkerState, inbox: Any, wait: float) -> int | None:
             return handled
 
 
-def handle(state: WorkerState, message: Any) -> None:
+def handle(state: WorkerState, message: ToWorker) -> None:
     engine = state.engine
-    if isinstance(message, Submit):
-        submit(state, message)
-    elif isinstance(message, Handoff):
-        take_handoff(state, message)
-    elif isinstance(message, SharePool):
-        # Pickled by each shard's own process, once per consumer: each consumer gets its
-        # own fd / IPC reference.
-        pools = [pickle_pool(0, engine.kv.tensor, engine.handoff_ready)]
-        if state.group is not None:
-            pools += state.group.share_pools()
-        state.outbox.put(PoolShared(state.worker_id, message.consumer, pools))
-    elif isinstance(message, PeerPool):
-        state.peers[message.worker_id] = open_pools(message.data)
-        for shard in state.peers[message.worker_id]:
-            enable_peer_access(shard.tensor.device, engine.kv.tensor.device, shard.tensor)
-    elif isinstance(message, Release):
-        engine_id = state.to_engine.pop(message.request_id, None)
-        if engine_id is not None and engine_id in engine.scheduler.parked:
-            engine.release(engine_id)
-            state.to_request.pop(engine_id, None)
-    elif isinstance(message, DropPeer):
-        state.peers.pop(message.worker_id, None)
-        state.outbox.put(PeerDropped(state.worker_id, message.worker_id))
-    elif isinstance(message, Tune):
-        engine.scheduler.limits = replace(engine.scheduler.limits, **message.changes())
-    elif isinstance(message, Abort):
-        engine_id = state.to_engine.pop(message.request_id, None)
-        if engine_id is not None:
-            engine.abort(engine_id)
-            state.to_request.pop(engine_id, None)
-            state.copying.pop(engine_id, None)
+    match message:
+        case Submit():
+            submit(state, message)
+        case Handoff():
+            take_handoff(state, message)
+        case SharePool():
+            # Pickled by each shard's own process, once per consumer: each consumer gets
+            # its own fd / IPC reference.
+            pools = [pickle_pool(0, engine.kv.tensor, engine.handoff_ready)]
+            if state.group is not None:
+                pools += state.group.share_pools()
+            state.outbox.put(PoolShared(state.worker_id, message.consumer, pools))
+        case PeerPool():
+            state.peers[message.worker_id] = open_pools(message.data)
+            for shard in state.peers[message.worker_id]:
+                enable_peer_access(shard.tensor.device, engine.kv.tensor.device, shard.tensor)
+        case Release():
+            engine_id = state.to_engine.pop(message.request_id, None)
+            if engine_id is not None and engine_id in engine.scheduler.parked:
+                engine.release(engine_id)
+                state.to_request.pop(engine_id, None)
+        case DropPeer():
+            state.peers.pop(message.worker_id, None)
+            state.outbox.put(PeerDropped(state.worker_id, message.worker_id))
+        case Tune():
+            engine.scheduler.limits = replace(engine.scheduler.limits, **message.changes())
+        case Abort():
+            engine_id = state.to_engine.pop(message.request_id, None)
+            if engine_id is not None:
+                engine.abort(engine_id)
+                state.to_request.pop(engine_id, None)
+                state.copying.pop(engine_id, None)
+        case Shutdown():  # drain() stops at it before handing it here
+            raise AssertionError("Shutdown is drain()'s to handle")
 
 
 def submit(state: WorkerState, message: Submit) -> None:
