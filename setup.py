@@ -7,11 +7,11 @@ The same sources are built once per instruction-set level of the build machine's
 architecture, none for this machine alone (no -march=native): on x86-64 a generic build
 (SSE2, every x86-64 CPU), an AVX2 + FMA + F16C build and an AVX-512 (F/BW/VL/DQ + VNNI)
 build; elsewhere (ARM: NEON is part of its baseline) the generic build only. At run time
-appliance/model/cpu_kernels.py loads the highest level the CPU has, capped by the
+appliance/model/cpu_kernels/loading.py loads the highest level the CPU has, capped by the
 `cpu_isa` setting, so one install runs on every CPU of its architecture.
 
 The kernels are optional: where they do not build (no C compiler), the model runs the
-same steps with torch ops instead (appliance/model/cpu_kernels.py says which).
+same steps with torch ops instead (appliance/model/cpu_kernels/ says which).
 """
 
 import platform

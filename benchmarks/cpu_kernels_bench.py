@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (appliance/model/cpu_kernels.py) against the torch ops they
+"""The compiled CPU kernels (appliance/model/cpu_kernels/) against the torch ops they
 replace, on this machine, at SmolLM2-135M's sizes:
 
 - decode attention: one query token per sequence over a paged pool with shuffled block

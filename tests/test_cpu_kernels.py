@@ -17,6 +17,7 @@ from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
 from appliance.model.attention import DecodeGroup, sdpa_decode, write_kv
+from appliance.model.cpu_kernels import loading
 from appliance.model.rope import apply_rope
 
 BLOCK = 16
@@ -232,7 +233,7 @@ def test_the_model_decodes_alike_on_the_kernels_and_on_torch_ops(
 ) -> None:
     """float32 greedy outputs are the same either way, and every kernel did run."""
     calls: Counter[str] = Counter()
-    built = cpu_kernels._cpu_kernels
+    built = loading.compiled()
 
     def counted(name: str) -> Callable[..., None]:
         def call(*args: object) -> None:
@@ -243,14 +244,14 @@ def test_the_model_decodes_alike_on_the_kernels_and_on_torch_ops(
 
     names = ("paged_decode", "add_rms_norm", "rope_store", "silu_mul")
     spy = SimpleNamespace(**{n: counted(n) for n in names})
-    monkeypatch.setattr(cpu_kernels, "_cpu_kernels", spy)
+    monkeypatch.setattr(loading, "_cpu_kernels", spy)
     on_kernels = _greedy(make_engine())
     layers = make_engine().model.config.num_layers
     assert calls["paged_decode"] >= 23 * layers  # every decode step, every layer
     assert calls["add_rms_norm"] >= 24 * (2 * layers + 1)  # prefill and decode steps
     assert calls["rope_store"] >= 24 * layers
     assert calls["silu_mul"] >= 24 * layers
-    monkeypatch.setattr(cpu_kernels, "_cpu_kernels", None)
+    monkeypatch.setattr(loading, "_cpu_kernels", None)
     assert _greedy(make_engine()) == on_kernels
 
 

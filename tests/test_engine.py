@@ -7,7 +7,7 @@ from reference import hf_greedy
 
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
-from appliance.model import cpu_kernels
+from appliance.model.cpu_kernels import loading
 
 GREEDY = SamplingParams(max_tokens=24)
 TEXT = (
@@ -153,7 +153,7 @@ def test_short_decodes_beside_a_long_one_match_each_alone(
     short ones is decoded in its own group (decode_groups.py). Neither may change any
     sequence's tokens."""
     if not kernels:
-        monkeypatch.setattr(cpu_kernels, "_cpu_kernels", None)
+        monkeypatch.setattr(loading, "_cpu_kernels", None)
     engine = make_engine()
     assert engine.runner.ragged_decode == kernels
     long_prompt = engine.tokenizer.encode(TEXT * 20)[:600]

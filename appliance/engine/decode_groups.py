@@ -4,7 +4,7 @@ Decode attention gathers each sequence's keys padded to the longest in its batch
 2k-token sequence among short ones made every one of them pay for 2k keys (a 7x slower
 step in a measured 10-sequence batch). Grouping sequences by block-table width bounds
 that padding; each extra group costs one more gather and matmul per layer. The CPU
-kernel (model/cpu_kernels.py) reads each context unpadded, so where it runs the model
+kernel (model/cpu_kernels/) reads each context unpadded, so where it runs the model
 runner makes one group of all decodes instead.
 """
 

@@ -3,7 +3,7 @@
 A step's tokens lie flat, one row each: first the prefill segments (several query
 tokens per sequence, possibly after a cached prefix), then the decode tokens (one per
 sequence), which attend in batches of similar context length (decode groups). Prefill
-runs torch's SDPA. Decode runs the compiled CPU kernel (cpu_kernels.py) where it applies,
+runs torch's SDPA. Decode runs the compiled CPU kernel (the cpu_kernels package) where it applies,
 SDPA over each group's gathered and padded context elsewhere (other dtypes). On CUDA, with
 triton installed, both run the Triton kernel (triton_attention.py), which reads K/V in place
 through the block tables.

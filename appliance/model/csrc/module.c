@@ -1,5 +1,5 @@
 /* Python bindings of the CPU kernels (appliance.model._cpu_kernels). Tensors come as
- * their data_ptr() and sizes; appliance/model/cpu_kernels.py checks shapes, dtypes and
+ * their data_ptr() and sizes; appliance/model/cpu_kernels/ checks shapes, dtypes and
  * contiguity, each kernel's *_check() what it reads through. Each call releases the GIL. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -246,7 +246,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-/* Bumped whenever an entry point's arguments change: cpu_kernels.py refuses a module
+/* Bumped whenever an entry point's arguments change: cpu_kernels/loading.py refuses a module
  * built from older sources (an editable install not re-run after a pull). */
 #define ABI 8
 

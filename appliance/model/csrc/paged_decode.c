@@ -13,7 +13,7 @@
 #include "vec.h"
 
 #define PARALLEL_WORK 1024 /* (token, KV head) rows to read before using more threads */
-#define MAX_GROUP 64       /* query heads per KV head (the checks and cpu_kernels.py agree) */
+#define MAX_GROUP 64       /* query heads per KV head (the checks and cpu_kernels/attention.py agree) */
 
 /* Softmax of each of `rows` rows of `len` scores, in place. */
 static void softmax_rows(float *scores, long rows, long len) {

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1, F64 = 2 }; /* element types, as cpu_kernels.py numbers them */
+enum { F32 = 0, BF16 = 1, F64 = 2 }; /* element types, as cpu_kernels/loading.py numbers them */
 #define INLINE static inline __attribute__((always_inline))
 
 /* A vec is one register of the build: GCC keeps a vector wider than the registers in

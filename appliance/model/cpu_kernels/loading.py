@@ -1,0 +1,154 @@
+"""Which compiled kernel module serves this process: loading the build of each
+instruction-set level (setup.py builds `appliance.model._cpu_kernels_<level>`), choosing
+the highest one this CPU runs, and the facts every call passes along (element type codes,
+thread count).
+
+Every kernel call looks the module up through compiled() at call time, never keeping its
+own reference: select() can change it, and tests and benchmarks/llama_cpp_bench.py
+replace `_cpu_kernels` here (with None, a spy or a timing wrapper) and expect every call
+to see the replacement.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+
+ABI = 8  # module.c's ABI: the argument lists these calls pass
+LEVELS = ("generic", "avx2", "avx512")  # lowest first; setup.py builds each
+# The CPU features each level's build was compiled for (setup.py's flags).
+_NEEDS = {
+    "generic": frozenset(),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "avx512": frozenset(
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"}
+    ),
+}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # element types, as csrc/vec.h numbers them
+OUT_DTYPES = {**DTYPES, torch.float64: 2}
+
+
+class _Kernels(Protocol):
+    """A compiled module's calls (csrc/module.c at ABI 8): tensors go as their addresses,
+    each call returns None or raises."""
+
+    ABI: int
+    LEVEL: str
+
+    def cpu_features(self) -> list[str]: ...
+
+    def paged_decode(
+        self, q: int, k: int, v: int, tables: int, lens: int, out: int, n: int, heads: int,
+        kv_heads: int, head_dim: int, blocks: int, block_size: int, table_width: int,
+        q_row_stride: int, window: int, scale: float, dtype: int, threads: int, /,
+    ) -> None: ...  # fmt: skip
+
+    def add_rms_norm(
+        self, x: int, weight: int, residual: int, out: int, rows: int, dim: int, eps: float,
+        dtype: int, threads: int, /,
+    ) -> None: ...  # fmt: skip
+
+    def rope_store(
+        self, qkv: int, cos: int, sin: int, slots: int, k: int, v: int, tokens: int,
+        heads: int, kv_heads: int, head_dim: int, cache_slots: int, dtype: int, threads: int, /,
+    ) -> None: ...  # fmt: skip
+
+    def silu_mul(
+        self, gate_up: int, rows: int, intermediate: int, dtype: int, threads: int, /
+    ) -> None: ...
+
+    def quant_matmul(
+        self, x: int, w: int, bias: int, out: int, m: int, n: int, k: int, row_bytes: int,
+        x_row_stride: int, out_row_stride: int, span: int, format: int, dtype: int,
+        out_dtype: int, threads: int, precise: int, /,
+    ) -> None: ...  # fmt: skip
+
+    def quant_rows(
+        self, w: int, rows: int, out: int, count: int, total_rows: int, k: int,
+        row_bytes: int, format: int, dtype: int, threads: int, /,
+    ) -> None: ...  # fmt: skip
+
+    def decode_step(
+        self, layers: int, num_layers: int, residual: int, out: int, kv: int, final_norm: int,
+        cos: int, sin: int, slots: int, tables: int, lens: int, n: int, hidden: int,
+        heads: int, kv_heads: int, head_dim: int, intermediate: int, blocks: int,
+        block_size: int, table_width: int, window: int, eps: float, scale: float,
+        dtype: int, threads: int, precise: int, /,
+    ) -> None: ...  # fmt: skip
+
+
+def _import(level: str) -> _Kernels | None:
+    """The compiled module of `level`, or None when it was not built from these sources
+    (no C compiler, another architecture, or ./install.sh not re-run after a pull)."""
+    try:
+        module = importlib.import_module(f"appliance.model._cpu_kernels_{level}")
+    except ImportError:
+        return None
+    # A module of this ABI has _Kernels' calls (ModuleType passes as one: no stubs check it).
+    return module if getattr(module, "ABI", None) == ABI else None
+
+
+def cpu_levels() -> list[str]:
+    """The built levels this CPU can run, lowest first (the generic build finds out which:
+    it runs everywhere)."""
+    generic = _import("generic")
+    if generic is None:
+        return []
+    features = set(generic.cpu_features())
+    return [level for level in LEVELS if _NEEDS[level] <= features and _import(level)]
+
+
+def select(cap: str = "auto") -> str | None:
+    """Load the highest built level this CPU runs, at most `cap` ('auto': no cap); returns
+    it, or None when no kernels are built (the torch ops then serve)."""
+    global _cpu_kernels  # one choice per process: see the package doc
+    if cap != "auto" and cap not in LEVELS:
+        raise ValueError(f"cpu_isa {cap!r} is not one of auto, {', '.join(LEVELS)}")
+    runnable = cpu_levels()
+    if cap != "auto":
+        runnable = [lv for lv in runnable if LEVELS.index(lv) <= LEVELS.index(cap)]
+    _cpu_kernels = _import(runnable[-1]) if runnable else None
+    return runnable[-1] if runnable else None
+
+
+def compiled() -> _Kernels | None:
+    """The module serving now, or None when no kernels are loaded: the one place every
+    call reads it from (see the module doc)."""
+    return _cpu_kernels
+
+
+def level() -> str | None:
+    """The level serving now, or None when no kernels are loaded."""
+    kernels = compiled()
+    return None if kernels is None else kernels.LEVEL
+
+
+def available() -> bool:
+    """Whether the kernels were built, from these sources, for this install."""
+    return compiled() is not None
+
+
+_cpu_kernels: _Kernels | None = None
+select()
+
+
+def _openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return {line.split()[-1] for line in maps if "omp" in line.rsplit("/", 1)[-1]}
+    except OSError:
+        return set()
+
+
+# The kernels are linked to libgomp.so.1 and find torch's, already loaded under that
+# name. A torch build whose runtime is renamed would give them a second thread pool
+# competing with torch's for the same cores: then they keep to one thread.
+_SHARES_TORCHS_THREADS = _cpu_kernels is None or len(_openmp_runtimes()) <= 1
+
+
+def threads() -> int:
+    """The thread count a kernel call passes: torch's, where they share one pool."""
+    return torch.get_num_threads() if _SHARES_TORCHS_THREADS else 1

@@ -1,0 +1,189 @@
+"""Matrix products with block-quantized weights read in place (csrc/quant_matmul.c), in
+GGML's block formats: QuantMatrix (a weight checked once, multiplied many times),
+quant_matmul() (one product) and quant_rows() (rows dequantized, as an embedding reads
+them). Dense float weights would be several times the bytes a decode step reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from appliance.model.cpu_kernels.loading import DTYPES, OUT_DTYPES, compiled, threads
+
+
+def quant_takes(x: torch.Tensor) -> bool:
+    """Whether quant_matmul() can take activations `x` [rows, in]: float32 or bfloat16 CPU
+    rows whose values are contiguous."""
+    return (
+        compiled() is not None
+        and x.device.type == "cpu"
+        and x.dtype in DTYPES
+        and x.dim() == 2
+        and x.stride(1) == 1
+    )
+
+
+GEMM_ROWS = 128
+"""From this many float32 activation rows (a prefill chunk) a product dequantizes the
+weight and runs torch's GEMM: the integer kernel's work grows with the rows, a float GEMM
+blocked for the caches overtakes it, dequantizing included, at about 64 rows (1.5x at 512
+on a Zen 4). Below it, and for every decode step, the integer kernel reads the blocks in
+place, and a row's result does not depend on what it is batched with."""
+
+
+def _check_blocks(blocks: torch.Tensor) -> None:
+    """The kernel reads a weight's rows of blocks as one contiguous uint8 array."""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+        raise ValueError("the weight's blocks must be a contiguous 2-D uint8 tensor")
+
+
+class QuantMatrix:
+    """A block-quantized weight W [out_features, in] (`blocks` [out_features, row bytes]
+    uint8 in GGML format `format_id`, one row of blocks per output feature) and its
+    optional float32 `bias`, checked once: a product then checks only its activations,
+    which a decode step multiplies a hundred times.
+
+    A product sums each output over `span` inputs at a time in float32 (default: all of
+    them) and those sums in float64. A row-parallel projection takes the span its
+    tensor-parallel splits fall on: a shard then computes the same span sums, and with
+    `partial` returns their float64 total for the group's all-reduce, which rounds to what
+    the whole product gives (float32 totals of a few float32 sums are exact in float64)."""
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        format_id: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        span: int | None = None,
+        partial: bool = False,
+    ) -> None:
+        _check_blocks(blocks)
+        n = blocks.shape[0]
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+            raise ValueError(f"bias must be [{n}] float32")
+        span = in_features if span is None else span
+        if span < 1 or in_features % span:
+            raise ValueError(f"span {span} does not divide the {in_features} inputs")
+        if partial and bias is not None:
+            raise ValueError("a partial product (a row-parallel shard's) takes no bias")
+        self.blocks = blocks
+        self.bias = None if bias is None else bias.contiguous()
+        self.format_id = format_id
+        self.in_features = in_features
+        self.out_features = n
+        self.span = span
+        self.partial = partial
+
+    def __call__(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, precise: bool = True
+    ) -> torch.Tensor:
+        """x [rows, in] @ W.T (+ bias) -> [rows, out_features] in x's dtype (float64 when
+        `partial`). `out` may be a column slice of a wider tensor (rows apart by its
+        stride). `precise` carries the activations as two int8 parts (about 16 bits; see
+        csrc/quant_matmul.c), else one (llama.cpp's 8). The kernel checks the format,
+        sizes, span and strides."""
+        if not quant_takes(x):
+            raise ValueError("x must be [rows, in] float32 or bfloat16 on the CPU, rows contiguous")
+        if x.shape[1] != self.in_features:
+            raise ValueError(f"x has {x.shape[1]} features, the weight takes {self.in_features}")
+        rows, n = x.shape[0], self.out_features
+        out_dtype = torch.float64 if self.partial else x.dtype
+        if out is not None and (
+            out.shape != (rows, n) or out.dtype != out_dtype or out.stride(1) != 1
+        ):
+            raise ValueError(f"out must be [{rows}, {n}] {out_dtype}, rows contiguous")
+        if rows >= GEMM_ROWS and x.dtype == torch.float32:
+            return self._by_gemm(x, out)
+        if out is None:
+            out = torch.empty(rows, n, dtype=out_dtype)
+        return self._by_kernel(x, out, precise)
+
+    def _by_kernel(self, x: torch.Tensor, out: torch.Tensor, precise: bool) -> torch.Tensor:
+        """The product by the integer kernel, into `out` (checked by __call__)."""
+        kernels = compiled()
+        assert kernels is not None  # quant_takes() found them loaded
+        kernels.quant_matmul(
+            x.data_ptr(),
+            self.blocks.data_ptr(),
+            0 if self.bias is None else self.bias.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            self.out_features,
+            self.in_features,
+            self.blocks.shape[1],
+            x.stride(0),
+            out.stride(0),
+            self.span,
+            self.format_id,
+            DTYPES[x.dtype],
+            OUT_DTYPES[out.dtype],
+            threads(),
+            int(precise),
+        )
+        return out
+
+    def _by_gemm(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The product as torch's float32 GEMM with the weight dequantized for it, a GEMM
+        a span (each span's inputs contiguous, as a shard's are)."""
+        every_row = torch.arange(self.out_features)
+        weight = quant_rows(self.blocks, self.format_id, self.in_features, every_row)
+        if self.span == self.in_features and not self.partial:
+            if self.bias is None:
+                result = torch.mm(x, weight.t())
+            else:
+                result = torch.addmm(self.bias, x, weight.t())
+            return result if out is None else out.copy_(result)
+        total = torch.zeros(x.shape[0], self.out_features, dtype=torch.float64)
+        for start in range(0, self.in_features, self.span):
+            part = slice(start, start + self.span)
+            total += torch.mm(x[:, part].contiguous(), weight[:, part].contiguous().t())
+        if not self.partial:
+            total = total.float()
+            if self.bias is not None:
+                total += self.bias
+        return total if out is None else out.copy_(total)
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    format_id: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    precise: bool = True,
+    span: int | None = None,
+    partial: bool = False,
+) -> torch.Tensor:
+    """One product by a weight not kept (QuantMatrix's __init__ and __call__ in one)."""
+    return QuantMatrix(blocks, format_id, in_features, bias, span, partial)(x, out, precise)
+
+
+def quant_rows(
+    blocks: torch.Tensor,
+    format_id: int,
+    in_features: int,
+    rows: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows `rows` (int64 ids) of a block-quantized weight, dequantized: [len(rows), in]."""
+    kernels = compiled()
+    if kernels is None or dtype not in DTYPES:
+        raise ValueError("dequantizing rows needs the kernels and float32 or bfloat16")
+    _check_blocks(blocks)
+    rows = rows.to(torch.int64).contiguous().view(-1)
+    out = torch.empty(rows.shape[0], in_features, dtype=dtype)
+    kernels.quant_rows(
+        blocks.data_ptr(),
+        rows.data_ptr(),
+        out.data_ptr(),
+        rows.shape[0],
+        blocks.shape[0],
+        in_features,
+        blocks.shape[1],
+        format_id,
+        DTYPES[dtype],
+        threads(),
+    )
+    return out
