@@ -1517,7 +1517,7 @@ def shaped_config(scale: Scale) -> ModelConfig:
 
 def random_model(config: ModelConfig, device: torch.device) -> CausalLM:
     """The engine's model of `config` with random bfloat16 weights (std 0.02, norms 1)."""
-    from appliance.engine.llm_engine import build_model
+    from appliance.engine.shard_loading import build_model
     from appliance.model.loader import ModelFiles
 
     c = config

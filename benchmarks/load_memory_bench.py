@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 
 from appliance.config import load_settings
-from appliance.engine import llm_engine
-from appliance.engine.llm_engine import build_model, resolve_dtype, use_quant
+from appliance.engine import shard_loading
+from appliance.engine.shard_loading import build_model, resolve_dtype, use_quant
 from appliance.model.loader import load_model_files, prepare_model
 
 
@@ -96,7 +96,7 @@ if step == "serve":
 else:
     cpu = torch.device("cpu")
     if weights == "unpacked":
-        llm_engine.packs_linears = lambda device, dtype: False
+        shard_loading.packs_linears = lambda device, dtype: False
     setting = "dense" if weights == "unpacked" else weights
     settings = load_settings(device="cpu", weights=setting, dtype=dtype)
     files = load_model_files(Path(path), Path(cache))

@@ -20,7 +20,7 @@ CHILD = """
 import json, sys
 import torch
 from appliance.config import load_settings
-from appliance.engine.llm_engine import load_shard
+from appliance.engine.shard_loading import load_shard
 
 def rss():
     for line in open("/proc/self/status"):

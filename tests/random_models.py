@@ -15,9 +15,10 @@ import torch
 from reference import our_prefill_logits
 
 from appliance.config import load_settings
-from appliance.engine.llm_engine import LLMEngine, load_shard
+from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
+from appliance.engine.shard_loading import load_shard
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.model.loader import prepare_model
 from appliance.model.tensor_parallel import Shard

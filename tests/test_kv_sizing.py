@@ -1,5 +1,6 @@
 """KV pool sizing on a GPU (kv/sizing.py) on plain numbers, its wiring in load_shard's
-pool_blocks, the profiled dummy step (run here on the CPU), and the start-up report.
+pool_blocks (engine/kv_pool_sizing.py), the profiled dummy step (run here on the CPU), and
+the start-up report.
 
 The device numbers are representative of the cards named, not recordings: torch reports
 79.35 GiB for an 80 GB A100 and 23.65 GiB for a 24 GB RTX 4090."""
@@ -15,8 +16,9 @@ import pytest
 import torch
 
 from appliance.config import BatchSettings, load_settings
-from appliance.engine import llm_engine
-from appliance.engine.llm_engine import LLMEngine, fewest_blocks, pool_blocks, profile_step
+from appliance.engine import kv_pool_sizing
+from appliance.engine.kv_pool_sizing import fewest_blocks, pool_blocks, profile_step
+from appliance.engine.llm_engine import LLMEngine
 from appliance.kv.cache import KVCache, KVLayout
 from appliance.kv.sizing import (
     GIB,
@@ -248,7 +250,7 @@ def test_memory_mb_given_or_num_blocks_override_the_fraction_on_a_gpu(
     def no_measuring(*args: object, **kwargs: object) -> DeviceMemory:
         raise AssertionError("a given memory_mb or num_blocks needs no profiling")
 
-    monkeypatch.setattr(llm_engine, "measure_gpu", no_measuring)
+    monkeypatch.setattr(kv_pool_sizing, "measure_gpu", no_measuring)
     gpu = fake_model("cuda")
     assert pool_blocks(load_settings(kv={"memory_mb": 512}), gpu, LAYOUT, LAYOUT, 8192) == 256
     settings = load_settings(kv={"num_blocks": 7, "memory_mb": 512})
@@ -266,7 +268,7 @@ def test_a_gpu_sizes_by_the_fraction_after_profiling(
         measured.append((layout, batch.max_num_batched_tokens, max_len, head))
         return alone_on(A100_80GB, LLAMA3_8B_WEIGHTS, step_peak=int(1.3 * GIB))
 
-    monkeypatch.setattr(llm_engine, "measure_gpu", measure)
+    monkeypatch.setattr(kv_pool_sizing, "measure_gpu", measure)
     settings = load_settings(kv={"gpu_memory_utilization": 0.9})
     with caplog.at_level("INFO", logger="appliance.engine"):
         assert pool_blocks(settings, fake_model("cuda"), LAYOUT, LAYOUT, 8192) == 28_239

@@ -43,7 +43,7 @@ MiB = 2**20
 
 class Tracked(Mapping[str, torch.Tensor]):
     """Weights handed out as fresh tensors, counting how many are alive at once and which
-    were released (the protocol loader.MappedTensors follows)."""
+    were released (the protocol safetensors_file.MappedTensors follows)."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
         self._weights = weights
@@ -153,7 +153,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.engine.llm_engine import build_model
+from appliance.engine.shard_loading import build_model
 from appliance.model.gguf_file import read_weights
 from appliance.model.llama import CausalLM
 from appliance.model.loader import ModelFiles

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.config import load_settings
-from appliance.engine.llm_engine import build_model
+from appliance.engine.shard_loading import build_model
 from appliance.model.llama import CausalLM
 from appliance.model.loader import ModelFiles, default_model_path, load_model_files
 from appliance.model.packed_linear import PackedLinear, pack_linears, packs_linears

@@ -24,9 +24,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from appliance.config import load_settings
-from appliance.engine.llm_engine import LLMEngine, use_quant
+from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import SchedulerLimits
 from appliance.engine.sequence import SamplingParams
+from appliance.engine.shard_loading import use_quant
 from appliance.kv.cache import KVCache
 from appliance.model import cpu_kernels
 from appliance.model.loader import load_model_files

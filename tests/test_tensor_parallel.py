@@ -19,9 +19,10 @@ from test_runtime import QUESTIONS, cpu_topology, run_all, wait_all_free
 
 from appliance.appliance import Appliance
 from appliance.config import load_settings
-from appliance.engine.llm_engine import LLMEngine, load_shard
+from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
+from appliance.engine.shard_loading import load_shard
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.handoff import KVShard, copy_between_shards
 from appliance.model.quant import quantize

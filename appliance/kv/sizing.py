@@ -1,7 +1,7 @@
 """How many KV blocks a worker's pool on a GPU gets: arithmetic over measured numbers.
 
 Pure Python (no torch), so every case tests on plain data. The worker measures its GPU
-after the weights have loaded and after one profiled model step (engine/llm_engine.py);
+after the weights have loaded and after one profiled model step (engine/kv_pool_sizing.py);
 this module turns those numbers into a block count, the way vLLM's gpu_memory_utilization
 does: the fraction is of the device's total memory that this worker may use for its
 weights, a step's activations and its KV pool together.

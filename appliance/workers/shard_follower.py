@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from appliance.engine.llm_engine import ShardParts, load_shard
 from appliance.engine.model_runner import forward, move_to
+from appliance.engine.shard_loading import ShardParts, load_shard
 from appliance.model.tensor_parallel import Shard, shard_plan
 from appliance.workers.shard_group import (
     FollowerSpec,

@@ -1,0 +1,177 @@
+"""Loading one shard of a worker: the device and dtype chosen, whether weights stay in
+their block formats, the model built on the device, and its KV pool sized."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+import torch
+
+from appliance.config import Settings
+from appliance.engine.kv_pool_sizing import pool_blocks
+from appliance.kv.cache import KVCache, KVLayout
+from appliance.model import cpu_kernels
+from appliance.model.decode_step import CompiledDecode, compiled_problem
+from appliance.model.llama import CausalLM
+from appliance.model.loader import ModelFiles, Selected, load_model_files
+from appliance.model.packed_linear import pack_linears, packs_linears
+from appliance.model.quant import attach_quant, quantizable, quantize_weights
+from appliance.model.tensor_parallel import (
+    WHOLE_MODEL,
+    AllReduce,
+    Shard,
+    kv_head_ranges,
+    no_reduce,
+    row_parallel_spans,
+    shard_quant,
+    shard_state,
+)
+
+_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+)
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' takes the first CUDA device when there is one, else the CPU."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but torch sees no CUDA device")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto': bfloat16 where the hardware computes it natively (CUDA with bf16, CPUs with
+    AVX512-BF16 or AMX), else float16 on CUDA and float32 on the CPU.
+
+    bfloat16 keeps float32's range (the dtype these models are trained in) at half the
+    bytes; decode is memory-bound, so halving the bytes read per token is the main lever.
+    benchmarks/engine_bench.py measures both dtypes side by side.
+    """
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions torch's kernels use."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
+
+
+def use_quant(settings: Settings, files: ModelFiles, device: torch.device) -> bool:
+    """Whether to multiply weights in their block formats (model/quant.py): on the CPU with
+    the kernels built, where the file has such weights or `quantize` asks for them.
+    'auto' takes that path wherever it applies (it reads 4-7x fewer bytes a step than
+    dense float32 and keeps each worker's memory near the file's size); 'dense'
+    dequantizes everything, as before."""
+    if settings.weights == "dense":
+        return False
+    has_blocks = settings.quantize != "none" or any(
+        quantizable(name) for name in files.quant_names()
+    )
+    problem = ""
+    if device.type != "cpu":
+        problem = "block-quantized weights are multiplied by the CPU kernels only"
+    elif not cpu_kernels.available():
+        problem = "the CPU kernels are not built (install a C compiler, re-run ./install.sh)"
+    elif settings.dtype == "float16":
+        problem = "the kernels take float32 or bfloat16 activations, not float16"
+    elif not has_blocks:
+        problem = f"{files.source} has no weights in block formats (set quantize to make some)"
+    if problem and settings.weights == "quantized":
+        raise ValueError(f"weights=quantized: {problem}")
+    return not problem
+
+
+def build_model(
+    files: ModelFiles,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    quantized: bool = False,
+    shard: Shard = WHOLE_MODEL,
+    all_reduce: AllReduce = no_reduce,
+    quantize_to: str = "none",
+    tp_degrees: tuple[int, ...] = (1,),
+) -> CausalLM:
+    """The model (or `shard` of it) on `device`; `quantized` keeps the file's block-format
+    weights in their blocks (and quantizes float ones to `quantize_to` unless 'none').
+    `tp_degrees`: those of the appliance's groups, whose splits its quantized products
+    sum apart (row_parallel_spans), so every worker answers alike."""
+    with torch.device("meta"):  # parameters are allocated as their weights are read
+        model = CausalLM(files.config, dtype, device, max_positions, shard, all_reduce)
+    # Weight mappings read a tensor when asked for it: nothing here holds them all.
+    dense = files.weights if quantized else files.dense_weights(dtype)
+    if quantized:
+        quant = files.quant_weights()
+        if quantize_to != "none":
+            floats = Selected(dense, [name for name in dense if name not in quant])
+            quant = quantize_weights(floats, quant, quantize_to.upper())
+        quant = shard_quant(quant, files.config, shard)
+        spans = row_parallel_spans(files.config, tp_degrees)
+        biases = {name: dense[name] for name in dense if name.endswith(".bias")}
+        served = attach_quant(model, quant, shard_state(biases, files.config, shard), spans)
+        dense = Selected(dense, [name for name in dense if name not in served])
+    model.load_weights(dense, str(files.source))
+    if quantized and not compiled_problem(model):
+        model.decode_step = CompiledDecode(model)
+    if packs_linears(device, dtype):
+        pack_linears(model, head=shard.rank == 0)  # followers compute no logits
+    model.eval()
+    return model
+
+
+@dataclass
+class ShardParts:
+    """What one shard of a worker loads: its part of the model and its KV pool."""
+
+    files: ModelFiles
+    model: CausalLM
+    kv: KVCache
+    max_len: int
+
+
+def load_shard(
+    settings: Settings,
+    shard: Shard = WHOLE_MODEL,
+    all_reduce: AllReduce = no_reduce,
+    shared_kv: bool = False,
+) -> ShardParts:
+    """Load the configured model's `shard` (cached after the first start) and size its KV
+    pool; shared_kv puts a CPU pool in shared memory so other processes can map it.
+
+    Every shard of a group gets the same number of blocks: the budget buys blocks of the
+    largest shard (the first, when KV heads do not split evenly)."""
+    device = resolve_device(settings.device)
+    cpu_kernels.select(settings.cpu_isa)
+    files = load_model_files(settings.model, settings.cache_dir)
+    quantized = use_quant(settings, files, device)
+    # The quantized kernels take float32 activations (and bfloat16, converted as read):
+    # 'auto' keeps float32 there, its accuracy at no cost in bytes read.
+    dtype = (
+        torch.float32
+        if quantized and settings.dtype == "auto"
+        else resolve_dtype(settings.dtype, device)
+    )
+    cfg = files.config
+    max_len = min(
+        settings.batch.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+    )
+    kv_heads = kv_head_ranges(cfg.num_kv_heads, shard.size)
+    degrees = (settings.prefill_tp, settings.decode_tp)
+    model = build_model(
+        files, dtype, device, max_len, quantized, shard, all_reduce, settings.quantize, degrees
+    )
+    largest = KVLayout(
+        cfg.num_layers, settings.kv.block_size, len(kv_heads[0]), cfg.head_dim, dtype
+    )
+    own = replace(largest, num_kv_heads=len(kv_heads[shard.rank]))
+    num_blocks = pool_blocks(settings, model, largest, own, max_len, shard, all_reduce)
+    kv = KVCache(own, num_blocks, device, shared=shared_kv)
+    return ShardParts(files, model, kv, max_len)
