@@ -27,9 +27,10 @@ from gguf_builder import (
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from appliance.model import gguf_file, loader
+from appliance.model import gguf_cache, gguf_file, loader, safetensors_file
 from appliance.model.errors import ModelLoadError
-from appliance.model.loader import ModelFiles, cache_entry, load_model_files
+from appliance.model.gguf_cache import cache_entry
+from appliance.model.loader import ModelFiles, load_model_files
 
 # A byte-level BPE vocabulary small enough for transformers to convert in milliseconds.
 TOKENS = [
@@ -108,7 +109,7 @@ def forbid_reading_gguf(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(gguf_file, "open_gguf", refuse)
     monkeypatch.setattr(gguf_file.GGUFWeights, "_read", refuse)
-    monkeypatch.setattr(loader, "convert_gguf_tokenizer", refuse)
+    monkeypatch.setattr(gguf_cache, "convert_gguf_tokenizer", refuse)
 
 
 def cached_files(entry: Path) -> list[str]:
@@ -213,7 +214,7 @@ def test_malformed_safetensors_are_one_clear_error(tmp_path, header, data, why):
     path = tmp_path / "m.safetensors"
     path.write_bytes(len(text).to_bytes(8, "little") + text + data)
     with pytest.raises(ModelLoadError, match=why):
-        loader._read_safetensors(path)
+        safetensors_file.read_safetensors(path)
 
 
 def test_safetensors_are_mapped_with_every_dtype_and_shape(tmp_path):
@@ -224,12 +225,12 @@ def test_safetensors_are_mapped_with_every_dtype_and_shape(tmp_path):
         "empty": torch.zeros(0, 4),
     }
     save_file(tensors, tmp_path / "t.safetensors")
-    mapped = loader._read_safetensors(tmp_path / "t.safetensors")
+    mapped = safetensors_file.read_safetensors(tmp_path / "t.safetensors")
     assert sorted(mapped) == sorted(tensors)
     for name, tensor in tensors.items():
         assert mapped[name].dtype == tensor.dtype and torch.equal(mapped[name], tensor)
     mapped["f32"].mul_(0)  # copy-on-write: the file keeps its values
-    again = loader._read_safetensors(tmp_path / "t.safetensors")
+    again = safetensors_file.read_safetensors(tmp_path / "t.safetensors")
     assert torch.equal(again["f32"], tensors["f32"])
 
 
@@ -312,7 +313,7 @@ def test_the_cache_holds_matrices_in_the_dtype_asked_for_and_vectors_in_float32(
     files = load_model_files(path, tmp_path / "cache")
     weights = files.dense_weights(torch.bfloat16)
     assert_same_weights(weights, read_directly(path), torch.bfloat16)
-    assert isinstance(weights, loader.MappedTensors)
+    assert isinstance(weights, safetensors_file.MappedTensors)
     # a file safetensors itself reads
     stored = files.cache_entry / "weights-bfloat16.safetensors"
     with safe_open(str(stored), "pt") as opened:
@@ -342,7 +343,7 @@ def test_the_serve_process_reads_no_weight(tmp_path, monkeypatch):
     assert cached_files(tokenizer_dir) == []
 
     forbid_reading_gguf(monkeypatch)
-    monkeypatch.setattr(loader, "_read_safetensors", forbid_weights)
+    monkeypatch.setattr(safetensors_file, "read_safetensors", forbid_weights)
     monkeypatch.setattr(gguf_file, "tensor_index", forbid_weights)
     assert loader.prepare_model(path, cache) == (config, tokenizer_dir)
 
@@ -357,14 +358,14 @@ def test_a_waiting_worker_maps_the_cache_another_wrote(tmp_path):
     files = load_model_files(path, tmp_path / "cache")
     target = files.cache_entry / "weights-float32.safetensors"
     result: list[Mapping[str, torch.Tensor]] = []
-    with loader._exclusive(target.with_name(target.name + ".lock")):
+    with gguf_cache.exclusive(target.with_name(target.name + ".lock")):
         waiter = threading.Thread(target=lambda: result.append(files.dense_weights(torch.float32)))
         waiter.start()
         waiter.join(0.5)
         assert waiter.is_alive() and not target.exists()  # waiting for the lock
         other = load_model_files(path, tmp_path / "cache").weights
-        layout = {n: loader._cached_layout(other.shape(n), torch.float32) for n in other}
-        loader.write_safetensors(target, layout, other.pieces(layout))
+        layout = {n: gguf_cache.cached_layout(other.shape(n), torch.float32) for n in other}
+        safetensors_file.write_safetensors(target, layout, other.pieces(layout))
         written = target.stat().st_mtime_ns
     waiter.join(30)
     assert not waiter.is_alive()
@@ -402,7 +403,7 @@ def test_pieces_that_do_not_fill_the_layout_leave_no_file(tmp_path, pieces, why)
     target = tmp_path / "w.safetensors"
     layout = {"a": ((2, 3), torch.float32), "b": ((4,), torch.float32)}
     with pytest.raises(ValueError, match=why):
-        loader.write_safetensors(target, layout, pieces)
+        safetensors_file.write_safetensors(target, layout, pieces)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -413,7 +414,7 @@ def test_written_pieces_make_a_file_safetensors_reads(tmp_path):
         "b": ((4,), torch.float32),
     }
     a, b = torch.randn(2, 3), torch.randn(4)
-    loader.write_safetensors(
+    safetensors_file.write_safetensors(
         tmp_path / "w.safetensors", layout, [("a", a[:1]), ("a", a[1:]), ("b", b)]
     )
     with safe_open(str(tmp_path / "w.safetensors"), "pt") as opened:
@@ -425,7 +426,7 @@ def test_written_pieces_make_a_file_safetensors_reads(tmp_path):
 def test_released_tensors_read_the_file_again(tmp_path):
     big = torch.arange(3 * 4096, dtype=torch.float32)  # spans whole pages
     save_file({"small": torch.ones(3), "big": big}, tmp_path / "t.safetensors")
-    mapped = loader._read_safetensors(tmp_path / "t.safetensors")
+    mapped = safetensors_file.read_safetensors(tmp_path / "t.safetensors")
     assert torch.equal(mapped["big"], big)
     mapped.release("big")
     mapped.release("small")  # within a page: nothing to give back
@@ -467,12 +468,12 @@ def test_an_older_cache_format_is_removed(tmp_path, monkeypatch):
     """A v4 entry held the whole model as float32: the first v5 start deletes it."""
     path = write_gguf(tmp_path / "m.gguf")
     cache = tmp_path / "cache"
-    monkeypatch.setattr(loader, "CACHE_FORMAT", "v4")
+    monkeypatch.setattr(gguf_cache, "CACHE_FORMAT", "v4")
     old = cache_entry(path, cache)
     old.mkdir(parents=True)
     (old / "model.safetensors").write_bytes(b"float32 weights")
     monkeypatch.undo()
-    assert loader.CACHE_FORMAT == "v6"
+    assert gguf_cache.CACHE_FORMAT == "v6"
     load_model_files(path, cache)
     assert [p.name for p in cache.iterdir()] == [cache_entry(path, cache).name]
 

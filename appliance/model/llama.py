@@ -329,7 +329,7 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def _release(weights: Mapping[str, torch.Tensor], name: str) -> None:
-    """Tell `weights` that its tensor `name` is copied (loader.MappedTensors.release)."""
+    """Tell `weights` that its tensor `name` is copied (safetensors_file.MappedTensors.release)."""
     release = getattr(weights, "release", None)
     if release is not None:
         release(name)

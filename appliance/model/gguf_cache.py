@@ -1,0 +1,147 @@
+"""The on-disk cache of what a GGUF file converts to, one entry per file keyed by its
+path, size and mtime: its converted tokenizer and facts (so the serve process reads no
+weight at all), and its block-quantized weights per dtype a dense model loads them in
+(matrices in that dtype, vectors in float32), written in small pieces by the first
+worker that needs them, so later starts only map that file."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from appliance.model import gguf_file, safetensors_file
+from appliance.model.errors import ModelLoadError
+from appliance.model.model_config import ModelConfig
+
+log = logging.getLogger("appliance.model")
+
+# Bump when what a cache entry holds changes. v5: tokenizer and facts, and weights per
+# dtype (v4 held every weight as float32). v6: the facts hold q/k norms and the sliding
+# window (a v5 entry would read them as absent: a windowed model served without its window).
+CACHE_FORMAT = "v6"
+
+
+def cache_entry(path: Path, cache_dir: Path) -> Path:
+    """The cache folder for one GGUF file, keyed by its path, size and mtime."""
+    stat = path.stat()
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    return cache_dir / f"{path.stem}-{where}-{stat.st_size}-{stat.st_mtime_ns}-{CACHE_FORMAT}"
+
+
+def gguf_entry(path: Path, cache_dir: Path) -> Path:
+    """The GGUF's cache entry (its facts and converted tokenizer), written if missing."""
+    entry = cache_entry(path, cache_dir)
+    if not (entry / "complete").is_file():
+        _write_entry(path, entry)
+    return entry
+
+
+def cached_config(entry: Path) -> ModelConfig:
+    """The model's facts, as the entry holds them."""
+    return ModelConfig.from_dict(json.loads((entry / "model_config.json").read_text()))
+
+
+def _write_entry(path: Path, entry: Path) -> None:
+    """Check the file (metadata, every tensor's name, type and extent), convert its
+    tokenizer and write its facts: into a folder beside the entry, then renamed, so a
+    crash never leaves half an entry. Older entries of the same file go."""
+    reader = gguf_file.open_gguf(path)
+    config = gguf_file.read_model_config(reader, path)
+    gguf_file.read_weights(path, config)  # refuses a tensor it could not read, now
+    staging = entry.with_name(entry.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        convert_gguf_tokenizer(path, staging)
+        (staging / "model_config.json").write_text(json.dumps(config.to_dict()))
+        (staging / "complete").write_text(str(path))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if entry.exists() and not (entry / "complete").is_file():
+        shutil.rmtree(entry, ignore_errors=True)
+    try:
+        staging.rename(entry)
+    except OSError:  # another process wrote it first
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (entry / "complete").is_file():
+            raise
+    _remove_stale_entries(entry)
+
+
+def _remove_stale_entries(entry: Path) -> None:
+    """Delete the entries of the same file at another size, mtime or cache format: no
+    start reads them again (a v4 entry held the whole model as float32)."""
+    key = entry.name.rsplit("-", 3)[0]  # "<stem>-<path hash>"
+    for other in entry.parent.glob(glob.escape(key) + "-*"):
+        if other != entry and ".tmp" not in other.name and other.name.rsplit("-", 3)[0] == key:
+            shutil.rmtree(other, ignore_errors=True)
+
+
+def convert_gguf_tokenizer(path: Path, out_dir: Path) -> None:
+    """Turn the GGUF's tokenizer metadata and chat template into tokenizer.json files."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # transformers raises several kinds for unknown tokenizers
+        raise ModelLoadError(path, f"cannot convert its tokenizer ({exc})") from None
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def cached_weights(
+    weights: gguf_file.GGUFWeights, entry: Path, dtype: torch.dtype
+) -> Mapping[str, torch.Tensor]:
+    """The GGUF's weights for a dense model of `dtype`, mapped from the entry's file for
+    that dtype: written the first time (by one process at a time; others wait for it,
+    then map it). Where the cache cannot be written, `weights` themselves (dequantized
+    again at every start)."""
+    target = entry / f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
+    try:
+        if not target.is_file():
+            with exclusive(target.with_name(target.name + ".lock")):
+                if not target.is_file():
+                    layout = {n: cached_layout(weights.shape(n), dtype) for n in weights}
+                    pieces = weights.pieces(layout, _threads())
+                    safetensors_file.write_safetensors(target, layout, pieces)
+    except OSError as exc:
+        log.warning(
+            "cannot cache %s in %s (%s): it is read from the file", weights.path, entry, exc
+        )
+        return weights
+    return safetensors_file.read_safetensors(target)
+
+
+def cached_layout(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[tuple[int, ...], torch.dtype]:
+    """How the cache stores a tensor: matrices in the model's dtype, vectors (norms,
+    biases, RoPE factors: a few KB) in float32, as exact as the file."""
+    return shape, dtype if len(shape) >= 2 else torch.float32
+
+
+def _threads() -> int:
+    """Threads to dequantize with: this process's cores, up to 8 (each keeps a few pieces
+    of heap when done: glibc's arenas)."""
+    return min(8, len(os.sched_getaffinity(0)))
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path) -> Iterator[None]:
+    """Held by one process at a time (an advisory lock on `lock`)."""
+    with lock.open("a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
