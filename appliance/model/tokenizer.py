@@ -3,7 +3,8 @@
 The tokenizer.json and chat template are the ones transformers writes or reads for
 the model, run with the `tokenizers` library and a sandboxed Jinja environment set
 up as transformers sets it up, so a raw prompt is split exactly as transformers
-splits it (for SmolLM2: no BOS is added) without importing transformers at start.
+splits it (for SmolLM2: no BOS is added) and a chat renders exactly as transformers'
+`apply_chat_template` renders it, without importing transformers at start.
 """
 
 from __future__ import annotations
@@ -13,15 +14,39 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2.exceptions import TemplateError
+import jinja2.nodes
+import jinja2.parser
+import jinja2.utils
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RawTokenizer
 
 from appliance.model.errors import ModelLoadError
 
 # End-of-turn markers of common chat templates; one that the template uses stops generation.
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+_END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+)
+# The named special tokens transformers passes to a chat template (its SPECIAL_TOKENS_ATTRIBUTES);
+# any other `*_token` entry of tokenizer_config.json is passed too (a model-specific token).
+_SPECIAL_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# Names a message's reasoning comes under; transformers fills `reasoning_content` (and
+# `thinking`) from whichever is set, as templates read those.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class Tokenizer:
@@ -43,15 +68,21 @@ class Tokenizer:
 
     @classmethod
     def load(cls, folder: Path, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer:
-        """Load tokenizer.json, tokenizer_config.json and any chat_template.jinja from a folder."""
+        """Load tokenizer.json, tokenizer_config.json and any chat_template.jinja from a
+        folder; the eos_token_id of a generation_config.json there stops generation too."""
         try:
             raw = RawTokenizer.from_file(str(folder / "tokenizer.json"))
-            config_path = folder / "tokenizer_config.json"
-            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+            config = _read_json(folder / "tokenizer_config.json")
+            if "added_tokens_decoder" not in config:  # transformers' legacy layout
+                config.update(_read_json(folder / "special_tokens_map.json"))
+            generation = _read_json(folder / "generation_config.json")
         except Exception as exc:  # tokenizers raises plain Exception on a bad file
             raise ModelLoadError(folder, f"cannot load its tokenizer ({exc})") from None
-        specials = {k: _token_text(config[k]) for k in _SPECIAL_KEYS if config.get(k)}
-        return cls(raw, specials, _read_template(folder, config), extra_eos_ids)
+        eos_ids = extra_eos_ids + _token_ids(generation.get("eos_token_id"))
+        try:
+            return cls(raw, _special_tokens(config), _read_template(folder, config), eos_ids)
+        except ValueError as exc:  # a chat template that does not compile
+            raise ModelLoadError(folder, str(exc)) from None
 
     def _find_stop_ids(self, extra: tuple[int, ...]) -> frozenset[int]:
         ids = set(extra)
@@ -65,12 +96,19 @@ class Tokenizer:
         return self._raw.encode(text, add_special_tokens=True).ids
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """Messages rendered by the model's template, ready for the assistant's turn."""
+        """Messages rendered by the model's template, ready for the assistant's turn: what
+        transformers' apply_chat_template(messages, add_generation_prompt=True) renders."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a raw prompt instead")
+        if not messages:
+            raise ValueError("there are no messages to render")
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=True, **self.special_tokens
+                **self.special_tokens,
+                messages=_template_messages(messages),
+                tools=None,
+                documents=None,
+                add_generation_prompt=True,
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template rejected the messages: {exc}") from None
@@ -83,23 +121,124 @@ class Tokenizer:
         return self._raw.decode(ids, skip_special_tokens=True)
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """A generation config's eos_token_id: one id, a list of them, or none."""
+    values = value if isinstance(value, list) else [value]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+
 def _token_text(value: str | dict) -> str:
     return value["content"] if isinstance(value, dict) else value
 
 
+def _is_token(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, dict) and "content" in value)
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """The special tokens transformers hands a chat template (its special_tokens_map): the
+    named ones, then any other `*_token` string of the config or of a dict of
+    extra_special_tokens (model-specific tokens such as Gemma 3's `image_token`)."""
+    tokens = {k: _token_text(config[k]) for k in _SPECIAL_KEYS if _is_token(config.get(k))}
+    for key, value in config.items():
+        if key.endswith("_token") and key not in tokens and _is_token(value):
+            tokens[key] = _token_text(value)
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        tokens.update({k: _token_text(v) for k, v in extra.items() if _is_token(v)})
+    return tokens
+
+
 def _read_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja, else tokenizer_config.json's chat_template (as transformers
+    reads them), else a processor's chat_template.json (multimodal model folders)."""
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text()
+        return jinja_file.read_text(encoding="utf-8")
     template = config.get("chat_template")
+    if template is None:
+        template = _read_json(folder / "chat_template.json").get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
-        named = {t["name"]: t["template"] for t in template}
-        template = named.get("default") or next(iter(named.values()), None)
-    return template
+        template = {t["name"]: t["template"] for t in template}
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as transformers hands them to the template: keys whose value is None
+    dropped (templates handle a missing key, not a None), and a message's reasoning
+    under `reasoning_content` and `thinking` whatever name it came under."""
+    out = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}`, which marks the assistant's text for
+    transformers' assistant-token masks: rendered as its body, as transformers does."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares it so)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: Any) -> str:
+        return str(caller())
+
+
+class _TemplateDict:
+    """The template's `dict`: builds dicts, but exposes nothing of the dict type."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """The template's `namespace`, refusing underscore-prefixed attributes."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        # Jinja's own signature trick, so that `namespace(self=...)` still works.
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(
+                "Chat templates cannot store underscore-prefixed attributes on a namespace, "
+                f"but got {name!r}."
+            )
 
 
 def _compile_template(source: str) -> Any:
-    """The Jinja environment transformers renders chat templates in."""
+    """The Jinja environment transformers renders chat templates in
+    (transformers/utils/chat_template_utils.py, _compile_jinja_template)."""
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
@@ -111,6 +250,7 @@ def _compile_template(source: str) -> Any:
         separators: Any = None,
         sort_keys: bool = False,
     ) -> str:
+        # Jinja's own tojson escapes HTML characters; transformers' does not.
         return json.dumps(
             value,
             ensure_ascii=ensure_ascii,
@@ -119,13 +259,23 @@ def _compile_template(source: str) -> Any:
             sort_keys=sort_keys,
         )
 
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"],
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ValueError(f"the chat template does not compile: {exc}") from None
 
 
 class IncrementalDetokenizer:

