@@ -77,6 +77,8 @@ def write_gguf(
     merges: Sequence[str] | None = None,
     bos: int | None = None,
     eos: int | None = None,
+    eot: int | None = None,
+    eom: int | None = None,
 ) -> Path:
     """A GGUF file with `metadata` (less `drop`), an optional gpt2 tokenizer and these tensors.
 
@@ -106,6 +108,10 @@ def write_gguf(
         writer.add_bos_token_id(bos)
     if eos is not None:
         writer.add_eos_token_id(eos)
+    if eot is not None:
+        writer.add_eot_token_id(eot)
+    if eom is not None:
+        writer.add_eom_token_id(eom)
     for name, value in tensors.items():
         if isinstance(value, tuple):
             writer.add_tensor(name, value[0], raw_dtype=value[1])

@@ -458,6 +458,14 @@ def test_model_config_comes_from_metadata(tmp_path, rng):
     assert config.eos_token_ids == (7,)
 
 
+def test_end_of_turn_and_message_tokens_stop_too(tmp_path, rng):
+    """A Llama 3.1 GGUF names <|end_of_text|>, <|eot_id|> and <|eom_id|>: each stops."""
+    path = write_gguf(tmp_path / "m.gguf", model_tensors(rng), eos=7, eot=9, eom=11)
+    assert load(path)[1].eos_token_ids == (7, 9, 11)
+    same = write_gguf(tmp_path / "s.gguf", model_tensors(rng), eos=7, eot=7)
+    assert load(same)[1].eos_token_ids == (7,)
+
+
 def test_optional_metadata_falls_back(tmp_path, rng):
     path = write_gguf(
         tmp_path / "m.gguf",

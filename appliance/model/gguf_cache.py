@@ -28,7 +28,8 @@ log = logging.getLogger("appliance.model")
 # Bump when what a cache entry holds changes. v5: tokenizer and facts, and weights per
 # dtype (v4 held every weight as float32). v6: the facts hold q/k norms and the sliding
 # window (a v5 entry would read them as absent: a windowed model served without its window).
-CACHE_FORMAT = "v6"
+# v7: the stop ids include the GGUF's end-of-turn and end-of-message tokens.
+CACHE_FORMAT = "v7"
 
 
 def cache_entry(path: Path, cache_dir: Path) -> Path:

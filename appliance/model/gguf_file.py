@@ -103,7 +103,6 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         raise ModelLoadError(
             path, f"metadata key {arch}.vocab_size is missing and the file has no token list"
         )
-    eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch if arch in ("qwen2", "qwen3") else "llama",
         vocab_size=int(vocab),
@@ -119,7 +118,7 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
         rope_scaling=_rope_scaling(meta, arch),
-        eos_token_ids=(int(eos.contents()),) if eos is not None else (),
+        eos_token_ids=_stop_ids(reader),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=_sliding_window(meta.get(f"{arch}.attention.sliding_window"), path),
     )
@@ -130,6 +129,14 @@ def _sliding_window(value: Any, path: Path) -> int | None:
     if value is None:
         return None
     return check_sliding_window(int(value), str(path))
+
+
+def _stop_ids(reader: GGUFReader) -> tuple[int, ...]:
+    """End of text, of turn and of message: a Llama 3.1 GGUF names all three, and its
+    generation config (which the GGUF does not carry) stops on each."""
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    found = (reader.fields.get(f"tokenizer.ggml.{k}") for k in keys)
+    return tuple(dict.fromkeys(int(f.contents()) for f in found if f is not None))
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
