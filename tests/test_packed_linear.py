@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from appliance.config import load_settings
 from appliance.engine.shard_loading import build_model
+from appliance.model import packed_linear
 from appliance.model.llama import CausalLM
 from appliance.model.loader import ModelFiles, default_model_path, load_model_files
 from appliance.model.packed_linear import PackedLinear, pack_linears, packs_linears
@@ -68,6 +71,34 @@ def test_a_follower_shard_packs_no_head(files: ModelFiles) -> None:
         return
     assert pack_linears(model, head=False) == 4 * files.config.num_layers
     assert model.lm_head is None  # it computes no logits: no packed copy of the embedding
+
+
+def test_packing_frees_each_plain_weight_as_it_goes(
+    files: ModelFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The packed copies replace the plain weights one at a time: while the last one is
+    packed, the others are gone (not a second model's worth of memory at once)."""
+    with torch.device("meta"):
+        model = CausalLM(files.config, torch.bfloat16, CPU, 64)
+    model.load_weights(files.weights, "test")
+    plain = [weakref.ref(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    alive_at_each_pack: list[int] = []
+    if not PACKS:  # this CPU lacks the path: refused before any weight is touched
+        with pytest.raises(ValueError, match=r"packs no torch\.bfloat16"):
+            pack_linears(model, head=False)
+        assert all(ref() is not None for ref in plain)
+        return
+
+    class Counting(PackedLinear):
+        def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+            alive_at_each_pack.append(sum(ref() is not None for ref in plain))
+            super().__init__(weight, bias)
+
+    monkeypatch.setattr(packed_linear, "PackedLinear", Counting)
+    assert pack_linears(model, head=False) == len(plain)
+    assert alive_at_each_pack[0] == len(plain)
+    assert alive_at_each_pack[-1] <= 2  # the one being packed (and the one just replaced)
+    assert sum(ref() is not None for ref in plain) <= 1
 
 
 def test_packing_an_untied_head_packs_that_head(files: ModelFiles) -> None:

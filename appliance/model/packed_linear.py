@@ -72,9 +72,12 @@ def pack_linears(model: CausalLM, head: bool = True) -> int:
         for name, child in owner.named_children()
         if isinstance(child, nn.Linear)
     ]
-    for owner, name, child in swaps:
+    count = len(swaps)
+    while swaps:  # each plain weight freed once its packed copy exists: one at a time
+        owner, name, child = swaps.pop()
         setattr(owner, name, PackedLinear(child.weight, child.bias))
+        del child
     if head and model.lm_head is None:  # tied: the lookup keeps the plain embedding
         model.lm_head = PackedLinear(model.embedding_weight(), None)
-        return len(swaps) + 1
-    return len(swaps)
+        return count + 1
+    return count
