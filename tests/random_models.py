@@ -61,10 +61,12 @@ def write_gguf(
     metadata: Mapping[str, int | float],
     *,
     quantize: bool = False,
+    extra: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """`model` as a GGUF of architecture `arch` with the toy tokenizer (its vocabulary
     must be len(TOY_TOKENS)): tensor names from the gguf package's own map, matrices in
-    Q8_0 blocks when `quantize`, else float32. Metadata keys lack the "<arch>." prefix."""
+    Q8_0 blocks when `quantize`, else float32; `extra` tensors (float32, by GGUF name)
+    after the model's. Metadata keys lack the "<arch>." prefix."""
     name = gguf.MODEL_ARCH_NAMES[arch]
     layers = int(metadata["block_count"])
     names = gguf.get_tensor_name_map(arch, layers)
@@ -98,6 +100,8 @@ def write_gguf(
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, q8), raw_dtype=q8)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    for gguf_name, array in (extra or {}).items():
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

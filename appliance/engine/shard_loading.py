@@ -107,7 +107,7 @@ def build_model(
     with torch.device("meta"):  # parameters are allocated as their weights are read
         model = CausalLM(files.config, dtype, device, max_positions, shard, all_reduce)
     # Weight mappings read a tensor when asked for it: nothing here holds them all.
-    dense = files.weights if quantized else files.dense_weights(dtype)
+    dense = files.named_weights() if quantized else files.dense_weights(dtype)
     if quantized:
         quant = files.quant_weights()
         if quantize_to != "none":

@@ -7,6 +7,7 @@ GGUF files and safetensors folders alike.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import deque
@@ -20,11 +21,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from appliance.model import phi3
 from appliance.model.errors import ModelLoadError
 from appliance.model.gguf_index import TensorEntry, require_file, tensor_index
 from appliance.model.model_config import (
+    OWN_LAYOUTS,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
+    check_longrope,
     check_sliding_window,
 )
 from appliance.model.quant import FORMATS, BlockFormat, QuantWeight
@@ -43,6 +47,7 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's fused q/k/v
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's per-head norms
     "attn_k_norm.weight": "self_attn.k_norm.weight",
@@ -55,6 +60,8 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",
+    "rope_factors_long.weight": "rope_factors_long",  # Phi-3's LongRoPE (read as facts)
+    "rope_factors_short.weight": "rope_factors_short",
 }
 
 
@@ -103,8 +110,8 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         raise ModelLoadError(
             path, f"metadata key {arch}.vocab_size is missing and the file has no token list"
         )
-    return ModelConfig(
-        architecture=arch if arch in ("qwen2", "qwen3") else "llama",
+    config = ModelConfig(
+        architecture=arch if arch in OWN_LAYOUTS else "llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -120,13 +127,23 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         rope_scaling=_rope_scaling(meta, arch),
         eos_token_ids=_stop_ids(reader),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=_sliding_window(meta.get(f"{arch}.attention.sliding_window"), path),
+        sliding_window=_sliding_window(meta.get(f"{arch}.attention.sliding_window"), arch, path),
     )
+    if arch == "phi3":
+        factors = {
+            name: dequantize_tensor(t, path).tolist()
+            for t in reader.tensors
+            if (name := t.name.removesuffix(".weight")) in phi3.ROPE_FACTOR_NAMES
+        }
+        config = dataclasses.replace(config, **phi3.gguf_facts(meta, factors, config.head_dim))
+        check_longrope(config, str(path))
+    return config
 
 
-def _sliding_window(value: Any, path: Path) -> int | None:
-    """The file's `<arch>.attention.sliding_window` (a uint32 in GGUF), or None."""
-    if value is None:
+def _sliding_window(value: Any, arch: str, path: Path) -> int | None:
+    """The file's `<arch>.attention.sliding_window` (a uint32 in GGUF), or None (also a
+    phi3 file's 0, which llama.cpp writes for a model without a window)."""
+    if value is None or (arch == "phi3" and int(value) == 0):
         return None
     return check_sliding_window(int(value), str(path))
 
@@ -177,7 +194,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             qtype = _supported_type(entry.name, entry.type_id, path)
             if entry.offset + _row_bytes(entry, qtype) * _rows(entry) > size:
                 raise ModelLoadError(path, f"tensor {entry.name} runs past the end of the file")
-            self._entries[hf_name(entry.name, path)] = entry
+            self._entries[hf_name(entry.name, path, config.architecture)] = entry
 
     def __getitem__(self, name: str) -> torch.Tensor:
         rows = _rows(self._entries[name])
@@ -300,9 +317,9 @@ def _quant_entries(path: Path) -> list[tuple[TensorEntry, BlockFormat]]:
     ]
 
 
-def quant_names(path: Path) -> list[str]:
+def quant_names(path: Path, architecture: str = "llama") -> list[str]:
     """Hugging Face names of the file's 2-D weights in block formats (model/quant.py)."""
-    return [hf_name(entry.name, path) for entry, _ in _quant_entries(path)]
+    return [hf_name(entry.name, path, architecture) for entry, _ in _quant_entries(path)]
 
 
 def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight]:
@@ -317,7 +334,7 @@ def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight
         return out
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
     for entry, fmt in entries:
-        name = hf_name(entry.name, path)
+        name = hf_name(entry.name, path, config.architecture)
         in_features, rows = entry.dims  # fastest first
         if in_features % fmt.values:
             raise ModelLoadError(path, f"tensor {entry.name} rows are not whole blocks")
@@ -332,10 +349,13 @@ def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight
     return out
 
 
-def hf_name(gguf_name: str, path: Path) -> str:
+def hf_name(gguf_name: str, path: Path, architecture: str = "llama") -> str:
+    """A tensor's Hugging Face name; a phi3 file's ffn_up holds gate and up (gate_up_proj)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if match and architecture == "phi3" and match.group(2) == "ffn_up.weight":
+        return f"model.layers.{match.group(1)}.mlp.gate_up_proj.weight"
     if match and match.group(2) in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
     raise ModelLoadError(path, f"unexpected tensor {gguf_name!r}")

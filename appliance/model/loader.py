@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.model import gguf_file, safetensors_file
+from appliance.model import gguf_file, phi3, safetensors_file
 from appliance.model.errors import ModelLoadError
 from appliance.model.gguf_cache import cached_config, cached_weights, gguf_entry
 from appliance.model.model_config import ModelConfig, from_hf_config
@@ -37,7 +37,8 @@ class ModelFiles:
     source: Path
     config: ModelConfig
     # Each tensor read when asked for (a GGUF's dequantized to float32, a folder's views of
-    # its mapped files): copy what you keep, and do not hold them all at once.
+    # its mapped files): copy what you keep, and do not hold them all at once. Named as
+    # the files name them; named_weights() gives them as the model loads them.
     weights: Mapping[str, torch.Tensor]
     tokenizer_dir: Path
     cache_entry: Path | None = None  # a GGUF's (see gguf_cache.cache_entry)
@@ -46,13 +47,26 @@ class ModelFiles:
         """The Hugging Face names of the weights the file keeps in block formats."""
         if not self.source.is_file():
             return []
-        return gguf_file.quant_names(self.source)
+        names = gguf_file.quant_names(self.source, self.config.architecture)
+        return phi3.loaded_names(names, self.config) if self._phi3() else names
 
     def quant_weights(self) -> dict[str, QuantWeight]:
         """The weights the file keeps in block formats (a GGUF's; none for a folder)."""
         if not self.source.is_file():
             return {}
-        return gguf_file.read_quant_weights(self.source, self.config)
+        quant = gguf_file.read_quant_weights(self.source, self.config)
+        return phi3.split_quant(quant, self.config) if self._phi3() else quant
+
+    def named_weights(self) -> Mapping[str, torch.Tensor]:
+        """`weights` under the names and row orders the model loads (Phi-3's fused
+        projections cut apart: model/phi3.py), read a tensor at a time."""
+        return self._as_loaded(self.weights)
+
+    def _phi3(self) -> bool:
+        return self.config.architecture == "phi3"
+
+    def _as_loaded(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        return phi3.Phi3Weights(weights, self.config) if self._phi3() else weights
 
     def dense_weights(self, dtype: torch.dtype) -> Mapping[str, torch.Tensor]:
         """The weights a dense model of `dtype` loads, read a tensor at a time: a GGUF's
@@ -61,10 +75,10 @@ class ModelFiles:
         them (the model casts each as it copies it)."""
         weights = self.weights
         if not isinstance(weights, gguf_file.GGUFWeights) or self.cache_entry is None:
-            return weights
+            return self._as_loaded(weights)
         if not weights.block_quantized():  # F32/F16/BF16: a read costs what the cache's would
-            return weights
-        return cached_weights(weights, self.cache_entry, dtype)
+            return self._as_loaded(weights)
+        return self._as_loaded(cached_weights(weights, self.cache_entry, dtype))
 
 
 def default_model_path() -> Path:

@@ -7,18 +7,23 @@ from typing import Any
 
 from appliance.model.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# Architectures whose config.json model_type and GGUF general.architecture name a layout
+# of their own (the others run, and lay out a GGUF's Q/K rows, as "llama").
+OWN_LAYOUTS = ("qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the forward pass needs to know about a Llama-family, Qwen2 or Qwen3 model.
+    """What the forward pass needs to know about a Llama-family, Qwen2, Qwen3 or Phi-3 model.
 
-    `architecture` is "llama" (Mistral too), "qwen2" or "qwen3": it says how a GGUF lays
-    out Q/K rows. `qk_norm`: an RMSNorm over each head of q and k before RoPE (Qwen3).
+    `architecture` is "llama" (Mistral too), "qwen2", "qwen3" or "phi3": it says how a GGUF
+    lays out Q/K rows, and whether q/k/v and gate/up come fused (Phi-3: model/phi3.py).
+    `qk_norm`: an RMSNorm over each head of q and k before RoPE (Qwen3).
     `sliding_window`: each query attends to the last this many keys, itself included
-    (Mistral); None: the whole context."""
+    (Mistral, Phi-3); None: the whole context. `rotary_dim`: RoPE turns only the first this
+    many dimensions of each head (Phi-4-mini's partial_rotary_factor); None: all of them."""
 
     architecture: str
     vocab_size: int
@@ -37,6 +42,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     qk_norm: bool = False
     sliding_window: int | None = None
+    rotary_dim: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,26 +67,75 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelConfig:
     scaling = cfg.get("rope_scaling") or (
         rope if rope.get("rope_type", "default") != "default" else None
     )
+    rope_scaling = check_rope_scaling(scaling, source)
+    if rope_scaling and rope_scaling["rope_type"] == "longrope":
+        # Phi-3 keeps LongRoPE's pretraining length beside the scaling, not in it.
+        original = cfg.get("original_max_position_embeddings")
+        rope_scaling.setdefault("original_max_position_embeddings", original)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     eos = cfg.get("eos_token_id")
-    return ModelConfig(
-        architecture=arch if arch in ("qwen2", "qwen3") else "llama",
+    config = ModelConfig(
+        architecture=arch if arch in OWN_LAYOUTS else "llama",
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
         num_layers=cfg["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        rope_scaling=check_rope_scaling(scaling, source),
+        rope_scaling=rope_scaling,
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         qk_norm=arch == "qwen3",
         sliding_window=_sliding_window(cfg, arch, source),
+        rotary_dim=_rotary_dim(cfg, rope, arch, head_dim, source),
     )
+    check_longrope(config, source)
+    return config
+
+
+def _rotary_dim(
+    cfg: dict[str, Any], rope: dict[str, Any], arch: str, head_dim: int, source: str
+) -> int | None:
+    """The dimensions of each head RoPE turns, from partial_rotary_factor (top level, or
+    in transformers 5's rope_parameters), as transformers computes them; None for all.
+    Phi-3's layout alone is run partially (model/phi3.py): elsewhere it is refused."""
+    factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if factor is None or float(factor) == 1.0:
+        return None
+    dim = int(head_dim * float(factor))
+    if arch != "phi3":
+        raise ModelLoadError(
+            source, f"partial_rotary_factor {factor} is supported for phi3 models only"
+        )
+    if not 0 < dim < head_dim or dim % 2 or head_dim % 2:
+        raise ModelLoadError(
+            source,
+            f"partial_rotary_factor {factor} gives {dim} of {head_dim} head dimensions: "
+            "an even number between 0 and the head size is needed",
+        )
+    return dim
+
+
+def check_longrope(config: ModelConfig, source: str) -> None:
+    """A LongRoPE scaling needs its pretraining length and one short and one long factor
+    per pair of turned dimensions."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return
+    pairs = (config.rotary_dim or config.head_dim) // 2
+    if not scaling.get("original_max_position_embeddings"):
+        raise ModelLoadError(source, "longrope scaling needs original_max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != pairs:
+            raise ModelLoadError(
+                source, f"longrope {key} must list {pairs} numbers (one per rotated pair)"
+            )
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str, source: str) -> int | None:
@@ -113,8 +168,10 @@ def check_rope_scaling(scaling: dict[str, Any] | None, source: str) -> dict[str,
     if not scaling:
         return None
     scaling = dict(scaling)
-    kind = scaling.pop("rope_type", None) or scaling.pop("type", "default")
-    scaling.pop("rope_theta", None)
+    kind = scaling.pop("rope_type", None) or scaling.get("type") or "default"
+    kind = "longrope" if kind == "su" else kind  # LongRoPE's first name (Phi-3 128k)
+    for key in ("type", "rope_theta", "partial_rotary_factor"):  # not scaling: read apart
+        scaling.pop(key, None)
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             source,

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half layout), with linear and llama3 frequency scaling."""
+"""Rotary position embeddings (rotate-half layout), with linear, llama3 and LongRoPE
+frequency scaling, over whole heads or their first `rotary_dim` dimensions."""
 
 from __future__ import annotations
 
@@ -9,14 +10,19 @@ import torch
 from appliance.model.model_config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies after any scaling."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
+def inverse_frequencies(
+    config: ModelConfig, freq_factors: torch.Tensor | None, max_positions: int = 0
+) -> torch.Tensor:
+    """[rotary dims // 2] float32 inverse frequencies after any scaling (LongRoPE's for
+    a model run up to `max_positions`: see longrope_factors)."""
+    dim = config.rotary_dim or config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type")
+    if kind == "longrope":  # as transformers' _compute_longrope_parameters computes them
+        factors = torch.tensor(longrope_factors(scaling, max_positions), dtype=torch.float32)
+        return 1.0 / (factors * config.rope_theta**exponents)
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
@@ -39,8 +45,43 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def longrope_factors(scaling: dict, max_positions: int) -> list[float]:
+    """LongRoPE's long factors where the engine runs the model past the length it was
+    pretrained at (`max_positions`, its max_model_len, above original_max_position_embeddings),
+    else its short ones; as vLLM and llama.cpp (by context size) choose.
+
+    transformers chooses per forward call instead (long once the sequence passes the
+    pretraining length, short before), so a sequence that grows past it there has keys
+    cached under the short factors and queries under the long. A paged cache shared by
+    sequences of every length cannot: one choice for the whole engine keeps every cached
+    key consistent. Both answer alike wherever transformers stays on one side: any
+    sequence within the pretraining length on an engine whose max_model_len is within it
+    too, and any prompt already past it on an engine whose max_model_len is past it."""
+    long = max_positions > int(scaling["original_max_position_embeddings"])
+    return [float(f) for f in scaling["long_factor" if long else "short_factor"]]
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """The factor LongRoPE multiplies cos and sin by (so q.k by its square): the
+    scaling's `attention_factor` (a GGUF's rope.scaling.attn_factor), else sqrt(1 +
+    ln(s) / ln(original length)) for s = max_position_embeddings / original length (or
+    its `factor`), 1 where s <= 1; 1 for every other kind."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or config.max_position_embeddings / original)
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+
+
 class RotaryEmbedding:
-    """Cos/sin tables for every position up to max_positions, applied to Q and K together."""
+    """Cos/sin tables for every position up to max_positions, applied to Q and K together.
+
+    A model that turns only `rotary_dim` of each head's dimensions (partial RoPE) has its
+    Q/K rows reordered at load (model/phi3.py) so that the turned ones pair as a whole
+    head's would; the pairs left are given cos 1, sin 0, which leave them as they are."""
 
     def __init__(
         self,
@@ -50,11 +91,19 @@ class RotaryEmbedding:
         device: torch.device,
         freq_factors: torch.Tensor | None = None,
     ) -> None:
-        inv_freq = inverse_frequencies(config, freq_factors)
+        inv_freq = inverse_frequencies(config, freq_factors, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        self.cos = freqs.cos().to(dtype=dtype, device=device)
-        self.sin = freqs.sin().to(dtype=dtype, device=device)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary dims // 2]
+        scale = attention_factor(config)
+        cos, sin = freqs.cos(), freqs.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        unturned = config.head_dim // 2 - inv_freq.shape[0]
+        if unturned:  # partial RoPE: the pairs past the turned ones stay as they are
+            cos = torch.cat([cos, torch.ones(max_positions, unturned)], dim=1)
+            sin = torch.cat([sin, torch.zeros(max_positions, unturned)], dim=1)
+        self.cos = cos.to(dtype=dtype, device=device)  # [max_positions, head_dim // 2]
+        self.sin = sin.to(dtype=dtype, device=device)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cos and sin for these positions, each [tokens, 1, head_dim // 2]: looked up once
