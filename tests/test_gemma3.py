@@ -2,18 +2,23 @@
 (1 + weight) norms (four a layer, and per head on q and k), GeGLU, scaled embeddings,
 query_pre_attn_scalar, sliding layers (window, local RoPE base) beside full ones (global
 base, linear scaling), tied embeddings; from a folder (one file, sharded), with chunked
-prefill, tensor-parallel shards and `appliance serve` in both layouts."""
+prefill, tensor-parallel shards and `appliance serve` in both layouts; and from GGUF
+(llama.cpp's gemma3: norms stored as 1 + weight, llama.cpp's defaults for what the file
+does not say), dense and block-quantized."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 import torch
 from openai import OpenAI
 from random_models import (
     LOGIT_TOLERANCE,
+    TOY_TOKENS,
     assert_matches,
     greedy,
     our_engine,
@@ -21,13 +26,16 @@ from random_models import (
     save_folder,
     sharded_prefill_logits,
     token_prompts,
+    write_gguf,
 )
 from reference import our_prefill_logits
 from server_process import API_KEY, ServerProcess
 
 from appliance.engine.sequence import SamplingParams
+from appliance.model import gguf_file
 from appliance.model.decode_step import compiled_problem
 from appliance.model.errors import ModelLoadError
+from appliance.model.gemma_config import gemma3_gguf_facts
 from appliance.model.model_config import from_hf_config
 
 VOCAB, WINDOW, HEAD_DIM = 49152, 12, 64  # head_dim 64: the compiled decode kernel's size
@@ -255,3 +263,96 @@ def test_what_is_not_run_is_refused(fields: dict, words: str) -> None:
     cfg = gemma3_config(100, num_hidden_layers=4, layer_types=None).to_dict() | fields
     with pytest.raises(ModelLoadError, match=words):
         from_hf_config(cfg, "g")
+
+
+def gguf_metadata(vocab: int) -> dict[str, int | float | str | list[bool]]:
+    return {
+        "block_count": len(LAYER_TYPES),
+        "context_length": 512,
+        "embedding_length": 64,
+        "feed_forward_length": 128,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "attention.key_length": HEAD_DIM,
+        "attention.value_length": HEAD_DIM,
+        "attention.sliding_window": WINDOW,
+        "attention.sliding_window_pattern": [t == "sliding_attention" for t in LAYER_TYPES],
+        "rope.freq_base": 1e6,
+        "rope.scaling.type": "linear",
+        "rope.scaling.factor": 2.0,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "vocab_size": vocab,
+    }
+
+
+@pytest.fixture(scope="module")
+def toy_reference() -> torch.nn.Module:
+    """The architecture over the toy tokenizer's vocabulary (for GGUF files), scores
+    scaled by head_dim ** -0.5 as llama.cpp scales them (a GGUF has no scalar)."""
+    return gemma3_model(gemma3_config(len(TOY_TOKENS), query_pre_attn_scalar=HEAD_DIM))
+
+
+def test_gemma3_gguf_names_and_config(tmp_path: Path, toy_reference: torch.nn.Module) -> None:
+    vocab = len(TOY_TOKENS)
+    path = write_gguf(
+        toy_reference, tmp_path / "g.gguf", gguf.MODEL_ARCH.GEMMA3, gguf_metadata(vocab)
+    )
+    config = gguf_file.read_model_config(gguf_file.open_gguf(path), path)
+    assert (config.architecture, config.qk_norm, config.tie_word_embeddings) == (
+        "gemma3",
+        True,
+        True,
+    )
+    assert config.layer_types == tuple(LAYER_TYPES) and config.sliding_window == WINDOW
+    assert (config.rope_theta, config.local_rope_theta) == (1e6, 10000.0)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert config.query_pre_attn_scalar == HEAD_DIM
+    weights = gguf_file.read_weights(path, config)
+    expected = {k: v for k, v in toy_reference.state_dict().items() if k != "lm_head.weight"}
+    assert set(weights) == set(expected)
+    for name in expected:  # norms back from 1 + weight, to float32's rounding of the sum
+        torch.testing.assert_close(weights[name], expected[name], rtol=0, atol=1e-6)
+
+
+def test_gemma3_gguf_matches_transformers(tmp_path: Path, toy_reference: torch.nn.Module) -> None:
+    vocab = len(TOY_TOKENS)
+    path = write_gguf(
+        toy_reference, tmp_path / "g.gguf", gguf.MODEL_ARCH.GEMMA3, gguf_metadata(vocab)
+    )
+    ours = our_engine(path, cache_dir=tmp_path / "cache", weights="dense")
+    assert_matches(ours, toy_reference, token_prompts(vocab, [5, 13, 40], seed=7))
+
+
+def test_a_quantized_gemma3_gguf_runs_the_python_layers(
+    tmp_path: Path, toy_reference: torch.nn.Module
+) -> None:
+    vocab = len(TOY_TOKENS)
+    metadata = gguf_metadata(vocab)
+    path = write_gguf(
+        toy_reference, tmp_path / "q8.gguf", gguf.MODEL_ARCH.GEMMA3, metadata, quantize=True
+    )
+    quantized = our_engine(path, cache_dir=tmp_path / "cache", weights="quantized")
+    dense = our_engine(path, cache_dir=tmp_path / "cache", weights="dense")
+    assert quantized.model.decode_step is None
+    prompts = token_prompts(vocab, [20, 50], seed=8)
+    for ours, theirs in zip(
+        our_prefill_logits(quantized, prompts), our_prefill_logits(dense, prompts), strict=True
+    ):
+        assert (ours - theirs).abs().max().item() < 0.08 * theirs.abs().max().item()
+
+
+def test_llama_cpp_defaults_for_what_a_gemma3_gguf_does_not_say() -> None:
+    """Every sixth layer full; without a window every layer full at the global base; the
+    62-layer model (27B) scales scores by (hidden / heads) ** -0.5."""
+    config = gemma3_config(100, num_hidden_layers=7, layer_types=None)
+    base = from_hf_config(config.to_dict(), "g")
+    assert base.layer_types[4:] == ("sliding_attention", "full_attention", "sliding_attention")
+    plain = replace(base, architecture="llama", qk_norm=False, layer_types=())
+    facts = gemma3_gguf_facts(plain, {}, "g")
+    assert facts.layer_types == base.layer_types and facts.local_rope_theta == 10000.0
+    unwindowed = gemma3_gguf_facts(replace(plain, sliding_window=None), {}, "g")
+    assert unwindowed.layer_types == () and unwindowed.local_rope_theta == unwindowed.rope_theta
+    big = replace(plain, num_layers=62, hidden_size=5376, num_heads=32, head_dim=128)
+    assert gemma3_gguf_facts(big, {}, "g").query_pre_attn_scalar == 168
+    with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
+        gemma3_gguf_facts(plain, {"gemma3.attn_logit_softcapping": 50.0}, "g")

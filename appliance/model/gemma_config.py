@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from appliance.model.errors import ModelLoadError
@@ -97,3 +98,43 @@ def _positive(value: Any, source: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ModelLoadError(source, f"final_logit_softcapping must be positive, got {value!r}")
     return float(value)
+
+
+def gemma3_gguf_facts(config: ModelConfig, meta: dict[str, Any], source: str) -> ModelConfig:
+    """A gemma3 GGUF's facts as llama.cpp reads them (llama-model.cpp), over `config`
+    (what every GGUF says, its window included): with a window, every sixth layer full
+    and the rest sliding (or as `attention.sliding_window_pattern` says: a period, or a
+    flag a layer, true for sliding), sliding layers' RoPE base 10000 (or
+    `rope.freq_base_swa`); scores scaled by head_dim ** -0.5, but by (hidden / heads) **
+    -0.5 in the 62-layer 27B model, whose query_pre_attn_scalar the file does not carry."""
+    if meta.get("gemma3.attn_logit_softcapping"):
+        raise ModelLoadError(
+            source, "attn_logit_softcapping (attention score capping) is not supported"
+        )
+    types: tuple[str, ...] = ()
+    if config.sliding_window is not None:
+        pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            types = tuple(SLIDING if flag else FULL for flag in pattern)
+        else:
+            cfg = {"sliding_window_pattern": int(pattern)}
+            types = tuple(_layer_types(cfg, config.num_layers, source))
+        if len(types) != config.num_layers:
+            raise ModelLoadError(
+                source, "gemma3.attention.sliding_window_pattern has the wrong length"
+            )
+    scalar = config.head_dim
+    if config.num_layers == 62:
+        scalar = config.hidden_size // config.num_heads
+    cap = meta.get("gemma3.final_logit_softcapping")
+    return replace(
+        config,
+        architecture="gemma3",
+        qk_norm=True,
+        layer_types=types,
+        local_rope_theta=float(meta.get("gemma3.rope.freq_base_swa", 10_000.0))
+        if types
+        else config.rope_theta,
+        query_pre_attn_scalar=float(scalar),
+        final_logit_softcapping=float(cap) if cap else None,
+    )

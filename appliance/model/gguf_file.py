@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from appliance.model.errors import ModelLoadError
+from appliance.model.gemma_config import gemma3_gguf_facts
 from appliance.model.gguf_index import TensorEntry, require_file, tensor_index
 from appliance.model.model_config import (
     SUPPORTED_ARCHITECTURES,
@@ -50,6 +51,14 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's four norms a layer: llama.cpp's ffn_norm is its pre-feedforward norm there.
+_GEMMA3_NAMES = _LAYER_NAMES | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# The file's architectures: Hugging Face's, with Gemma 3 text under llama.cpp's name.
+_ARCHITECTURES = tuple("gemma3" if a == "gemma3_text" else a for a in SUPPORTED_ARCHITECTURES)
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -82,10 +91,9 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
     """The architecture facts from the file's metadata."""
     meta = metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in _ARCHITECTURES:
         raise ModelLoadError(
-            path,
-            f"unknown architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+            path, f"unknown architecture {arch!r} (supported: {', '.join(_ARCHITECTURES)})"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -103,7 +111,7 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         raise ModelLoadError(
             path, f"metadata key {arch}.vocab_size is missing and the file has no token list"
         )
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch if arch in ("qwen2", "qwen3") else "llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -122,6 +130,7 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=_sliding_window(meta.get(f"{arch}.attention.sliding_window"), path),
     )
+    return gemma3_gguf_facts(config, meta, str(path)) if arch == "gemma3" else config
 
 
 def _sliding_window(value: Any, path: Path) -> int | None:
@@ -177,7 +186,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             qtype = _supported_type(entry.name, entry.type_id, path)
             if entry.offset + _row_bytes(entry, qtype) * _rows(entry) > size:
                 raise ModelLoadError(path, f"tensor {entry.name} runs past the end of the file")
-            self._entries[hf_name(entry.name, path)] = entry
+            self._entries[hf_name(entry.name, path, config.architecture)] = entry
 
     def __getitem__(self, name: str) -> torch.Tensor:
         rows = _rows(self._entries[name])
@@ -238,6 +247,8 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         heads = _rope_heads(name, self.config)
         if heads:  # the span holds whole heads (_spans)
             array = unpermute_rope_rows(array, heads * (stop - start) // _rows(entry))
+        if self.config.architecture == "gemma3" and name.endswith("norm.weight"):
+            array = array - 1  # llama.cpp stores Gemma's norm weights as 1 + weight
         # F32 rows view `raw`, which nothing else holds: the array owns writable memory.
         return np.require(array, np.float32, ["C", "W"])
 
@@ -317,7 +328,7 @@ def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight
         return out
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
     for entry, fmt in entries:
-        name = hf_name(entry.name, path)
+        name = hf_name(entry.name, path, config.architecture)
         in_features, rows = entry.dims  # fastest first
         if in_features % fmt.values:
             raise ModelLoadError(path, f"tensor {entry.name} rows are not whole blocks")
@@ -332,12 +343,15 @@ def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight
     return out
 
 
-def hf_name(gguf_name: str, path: Path) -> str:
+def hf_name(gguf_name: str, path: Path, architecture: str = "llama") -> str:
+    """A tensor's Hugging Face name (`architecture`: the ModelConfig's; the block-format
+    projections are named alike in all)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
+    names = _GEMMA3_NAMES if architecture == "gemma3" else _LAYER_NAMES
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     raise ModelLoadError(path, f"unexpected tensor {gguf_name!r}")
 
 
