@@ -182,12 +182,27 @@ def test_tensor_parallel_shards_match_transformers(
         assert (logits - expected).abs().max().item() < LOGIT_TOLERANCE
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+# A TP=2 prefill pool on CPU devices 0 and 1 hands its cache to a TP=1 decode pool on 2.
+TP2_PREFILL = {
+    "APPLIANCE_PREFILL_TP": "2",
+    "APPLIANCE_CPU_DEVICES": "3",
+    "APPLIANCE_PREFILL_DEVICES": "0,1",
+    "APPLIANCE_DECODE_DEVICES": "2",
+    "APPLIANCE_CPU_SHARE_CORES": "true",  # this machine may have fewer cores
+}
+
+
+@pytest.mark.parametrize(
+    ("mode", "layout"),
+    [("disaggregated", {}), ("colocated", {}), ("disaggregated", TP2_PREFILL)],
+    ids=["disaggregated", "colocated", "TP2-prefill-to-TP1-decode"],
+)
 def test_appliance_serve_answers_as_transformers(
-    folder: Path, reference: torch.nn.Module, mode: str
+    folder: Path, reference: torch.nn.Module, mode: str, layout: dict[str, str]
 ) -> None:
     """`appliance serve` (the KV cache handed from prefill to decode workers, or
-    colocated workers) answers prompts longer than the window as transformers does."""
+    colocated workers; pools of one or two tensor-parallel shards) answers prompts
+    longer than the window as transformers does."""
     from transformers import AutoTokenizer
 
     server = ServerProcess(
@@ -198,6 +213,7 @@ def test_appliance_serve_answers_as_transformers(
             "APPLIANCE_API_KEY": API_KEY,
             "APPLIANCE_KV__MEMORY_MB": "32",
         }
+        | layout
     )
     server.start()
     try:
