@@ -58,22 +58,29 @@ def write_gguf(
     model: torch.nn.Module,
     path: Path,
     arch: gguf.MODEL_ARCH,
-    metadata: Mapping[str, int | float],
+    metadata: Mapping[str, int | float | str | list[bool]],
     *,
     quantize: bool = False,
     extra: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """`model` as a GGUF of architecture `arch` with the toy tokenizer (its vocabulary
     must be len(TOY_TOKENS)): tensor names from the gguf package's own map, matrices in
-    Q8_0 blocks when `quantize`, else float32; `extra` tensors (float32, by GGUF name)
-    after the model's. Metadata keys lack the "<arch>." prefix."""
+    Q8_0 blocks when `quantize`, else float32; Gemma 3's norm weights as 1 + weight, as
+    convert_hf_to_gguf stores them; `extra` tensors (float32, by GGUF name) after the
+    model's. Metadata keys lack the "<arch>." prefix; ints are uint32s, floats float32s."""
     name = gguf.MODEL_ARCH_NAMES[arch]
     layers = int(metadata["block_count"])
     names = gguf.get_tensor_name_map(arch, layers)
     writer = gguf.GGUFWriter(str(path), name)
     for key, value in metadata.items():
-        add = writer.add_float32 if isinstance(value, float) else writer.add_uint32
-        add(f"{name}.{key}", value)
+        if isinstance(value, str):
+            writer.add_string(f"{name}.{key}", value)
+        elif isinstance(value, list):
+            writer.add_array(f"{name}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{name}.{key}", value)
+        else:
+            writer.add_uint32(f"{name}.{key}", value)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(TOY_TOKENS)
@@ -95,6 +102,8 @@ def write_gguf(
                 "attention.head_count" if "q_proj" in hf_name else "attention.head_count_kv"
             ]
             array = _permute_rope_rows(array, int(heads))
+        if arch == gguf.MODEL_ARCH.GEMMA3 and hf_name.endswith("norm.weight"):
+            array = array + 1
         if quantize and array.ndim == 2:
             q8 = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, q8), raw_dtype=q8)

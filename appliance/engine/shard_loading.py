@@ -14,6 +14,7 @@ from appliance.engine.kv_pool_sizing import pool_blocks
 from appliance.kv.cache import KVCache, KVLayout
 from appliance.model import cpu_kernels
 from appliance.model.decode_step import CompiledDecode, compiled_problem
+from appliance.model.gemma import model_class
 from appliance.model.llama import CausalLM
 from appliance.model.loader import ModelFiles, Selected, load_model_files
 from appliance.model.packed_linear import pack_linears, packs_linears
@@ -105,7 +106,9 @@ def build_model(
     `tp_degrees`: those of the appliance's groups, whose splits its quantized products
     sum apart (row_parallel_spans), so every worker answers alike."""
     with torch.device("meta"):  # parameters are allocated as their weights are read
-        model = CausalLM(files.config, dtype, device, max_positions, shard, all_reduce)
+        model = model_class(files.config)(
+            files.config, dtype, device, max_positions, shard, all_reduce
+        )
     # Weight mappings read a tensor when asked for it: nothing here holds them all.
     dense = files.named_weights() if quantized else files.dense_weights(dtype)
     if quantized:

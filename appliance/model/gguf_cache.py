@@ -29,7 +29,8 @@ log = logging.getLogger("appliance.model")
 # dtype (v4 held every weight as float32). v6: the facts hold q/k norms and the sliding
 # window (a v5 entry would read them as absent: a windowed model served without its window).
 # v7: the stop ids include the GGUF's end-of-turn and end-of-message tokens.
-CACHE_FORMAT = "v7"
+# v8: the facts hold Gemma 3's layer kinds, local RoPE base, score scale and logit cap.
+CACHE_FORMAT = "v8"
 
 
 def cache_entry(path: Path, cache_dir: Path) -> Path:

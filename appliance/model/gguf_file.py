@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 
 from appliance.model import phi3
 from appliance.model.errors import ModelLoadError
+from appliance.model.gemma_config import gemma3_gguf_facts
 from appliance.model.gguf_index import TensorEntry, require_file, tensor_index
 from appliance.model.model_config import (
     OWN_LAYOUTS,
@@ -55,6 +56,14 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's four norms a layer: llama.cpp's ffn_norm is its pre-feedforward norm there.
+_GEMMA3_NAMES = _LAYER_NAMES | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# The file's architectures: Hugging Face's, with Gemma 3 text under llama.cpp's name.
+_ARCHITECTURES = tuple("gemma3" if a == "gemma3_text" else a for a in SUPPORTED_ARCHITECTURES)
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -89,10 +98,9 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
     """The architecture facts from the file's metadata."""
     meta = metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in _ARCHITECTURES:
         raise ModelLoadError(
-            path,
-            f"unknown architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+            path, f"unknown architecture {arch!r} (supported: {', '.join(_ARCHITECTURES)})"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -137,7 +145,7 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         }
         config = dataclasses.replace(config, **phi3.gguf_facts(meta, factors, config.head_dim))
         check_longrope(config, str(path))
-    return config
+    return gemma3_gguf_facts(config, meta, str(path)) if arch == "gemma3" else config
 
 
 def _sliding_window(value: Any, arch: str, path: Path) -> int | None:
@@ -255,6 +263,8 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         heads = _rope_heads(name, self.config)
         if heads:  # the span holds whole heads (_spans)
             array = unpermute_rope_rows(array, heads * (stop - start) // _rows(entry))
+        if self.config.architecture == "gemma3" and name.endswith("norm.weight"):
+            array = array - 1  # llama.cpp stores Gemma's norm weights as 1 + weight
         # F32 rows view `raw`, which nothing else holds: the array owns writable memory.
         return np.require(array, np.float32, ["C", "W"])
 
@@ -350,14 +360,16 @@ def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight
 
 
 def hf_name(gguf_name: str, path: Path, architecture: str = "llama") -> str:
-    """A tensor's Hugging Face name; a phi3 file's ffn_up holds gate and up (gate_up_proj)."""
+    """A tensor's Hugging Face name (`architecture`: the ModelConfig's); a phi3 file's
+    ffn_up holds gate and up (gate_up_proj)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
+    names = _GEMMA3_NAMES if architecture == "gemma3" else _LAYER_NAMES
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
     if match and architecture == "phi3" and match.group(2) == "ffn_up.weight":
         return f"model.layers.{match.group(1)}.mlp.gate_up_proj.weight"
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     raise ModelLoadError(path, f"unexpected tensor {gguf_name!r}")
 
 

@@ -7,23 +7,30 @@ from typing import Any
 
 from appliance.model.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # Architectures whose config.json model_type and GGUF general.architecture name a layout
-# of their own (the others run, and lay out a GGUF's Q/K rows, as "llama").
+# of their own (the others run, and lay out a GGUF's Q/K rows, as "llama"; Gemma 3's
+# config is read by gemma_config.py and names its own, "gemma3").
 OWN_LAYOUTS = ("qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the forward pass needs to know about a Llama-family, Qwen2, Qwen3 or Phi-3 model.
+    """What the forward pass needs to know about a Llama-family, Qwen2, Qwen3, Phi-3 or
+    Gemma 3 model.
 
-    `architecture` is "llama" (Mistral too), "qwen2", "qwen3" or "phi3": it says how a GGUF
-    lays out Q/K rows, and whether q/k/v and gate/up come fused (Phi-3: model/phi3.py).
-    `qk_norm`: an RMSNorm over each head of q and k before RoPE (Qwen3).
-    `sliding_window`: each query attends to the last this many keys, itself included
-    (Mistral, Phi-3); None: the whole context. `rotary_dim`: RoPE turns only the first this
-    many dimensions of each head (Phi-4-mini's partial_rotary_factor); None: all of them."""
+    `architecture` is "llama" (Mistral too), "qwen2", "qwen3", "phi3" or "gemma3": it says
+    how a GGUF lays out Q/K rows, whether q/k/v and gate/up come fused (Phi-3:
+    model/phi3.py), and "gemma3" runs gemma.py's layers. `qk_norm`: an RMSNorm over each
+    head of q and k before RoPE (Qwen3, Gemma 3). `sliding_window`: each query attends to
+    the last this many keys, itself included (Mistral, Phi-3); None: the whole context.
+    `rotary_dim`: RoPE turns only the first this many dimensions of each head
+    (Phi-4-mini's partial_rotary_factor); None: all of them. `layer_types` (Gemma 3):
+    which layers are "sliding_attention" (windowed, RoPE base `local_rope_theta`,
+    unscaled) and which "full_attention"; empty: every layer alike.
+    `query_pre_attn_scalar`: attention scores scale by its -0.5 power (None: head_dim's).
+    `final_logit_softcapping`: logits become cap * tanh(logits / cap)."""
 
     architecture: str
     vocab_size: int
@@ -43,6 +50,16 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     rotary_dim: int | None = None
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window layer `index` attends within, or None for its whole context."""
+        if self.layer_types and self.layer_types[index] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,12 +68,23 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         data = dict(data)
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        data["layer_types"] = tuple(data.get("layer_types", ()))
         return cls(**data)
 
 
 def from_hf_config(cfg: dict[str, Any], source: str) -> ModelConfig:
     """Map a Hugging Face config.json (transformers 4 or 5 layout) to a ModelConfig."""
     arch = cfg.get("model_type", "")
+    if arch == "gemma3":
+        raise ModelLoadError(
+            source,
+            "gemma3 (Gemma3ForConditionalGeneration, text with a vision tower) is not "
+            "supported: serve a text-only Gemma 3 (gemma3_text)",
+        )
+    if arch == "gemma3_text":
+        from appliance.model.gemma_config import gemma3_from_hf  # it imports this module
+
+        return gemma3_from_hf(cfg, source)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             source,
