@@ -25,6 +25,8 @@ def compiled_problem(model: CausalLM) -> str:
     """Why the compiled step cannot run `model`, or "" when it can."""
     if not cpu_kernels.available() or model.device.type != "cpu":
         return "the compiled kernels are not built, or the model is not on the CPU"
+    if model.config.num_experts:
+        return "mixture-of-experts layers route each token to its own experts"
     if model.shard.size != 1:
         return "tensor-parallel shards add partial sums between the layers"
     if model.dtype not in (torch.float32, torch.bfloat16):
