@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from openai import OpenAI
 from random_models import (
     LOGIT_TOLERANCE,
+    TOY_TOKENS,
     assert_matches,
     greedy,
     our_engine,
@@ -18,13 +20,16 @@ from random_models import (
     save_folder,
     sharded_prefill_logits,
     token_prompts,
+    write_gguf,
 )
+from reference import our_prefill_logits
 from server_process import API_KEY, ServerProcess
 
 from appliance.engine.sequence import SamplingParams
-from appliance.model import moe
+from appliance.model import gguf_file, moe
 from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig, from_hf_config
+from appliance.model.quant import QuantLinear
 
 VOCAB = 49152  # the embedded model's tokenizer, which save_folder copies
 EXPERTS, TOP_K = 8, 2
@@ -48,7 +53,9 @@ def mixtral_config(vocab: int = VOCAB):
     )
 
 
-def qwen3_moe_config(vocab: int = VOCAB, norm_topk_prob: bool = False):
+def qwen3_moe_config(
+    vocab: int = VOCAB, norm_topk_prob: bool = False, mlp_only_layers: tuple[int, ...] = (1,)
+):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
@@ -63,7 +70,7 @@ def qwen3_moe_config(vocab: int = VOCAB, norm_topk_prob: bool = False):
         num_experts=EXPERTS,
         num_experts_per_tok=TOP_K,
         norm_topk_prob=norm_topk_prob,  # False: Mixtral tests the renormalized weights
-        mlp_only_layers=[1],  # a dense MLP between two routed layers
+        mlp_only_layers=list(mlp_only_layers),  # (1,): a dense MLP between routed layers
         max_position_embeddings=512,
         initializer_range=0.2,
         tie_word_embeddings=False,
@@ -288,3 +295,98 @@ def test_unsupported_variants_are_refused_in_one_line(fields: dict, words: str) 
     with pytest.raises(ModelLoadError) as excinfo:
         from_hf_config(cfg, "m")
     assert words in str(excinfo.value) and "\n" not in str(excinfo.value)
+
+
+def _gguf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict as a GGUF converter sees it: each projection's experts
+    stacked apart ([experts, rows, in]; transformers keeps gate and up fused)."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            out[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith("experts.down_proj"):
+            out[name + ".weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
+def _gguf_metadata(config) -> dict[str, int | float]:
+    moe_config = config.model_type == "qwen3_moe"
+    return {
+        "block_count": config.num_hidden_layers,
+        "context_length": 512,
+        "embedding_length": config.hidden_size,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "attention.key_length": config.head_dim or 16,
+        "attention.value_length": config.head_dim or 16,
+        "rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "vocab_size": config.vocab_size,
+        "expert_count": EXPERTS,
+        "expert_used_count": TOP_K,
+        **({"expert_feed_forward_length": config.moe_intermediate_size} if moe_config else {}),
+    }
+
+
+def _toy(which: str) -> torch.nn.Module:
+    """A model over the toy tokenizer's vocabulary; llama.cpp's Qwen3-MoE has no dense
+    layers and always renormalizes the routed weights."""
+    vocab = len(TOY_TOKENS)
+    if which == "mixtral":
+        return random_model(mixtral_config(vocab))
+    config = qwen3_moe_config(vocab, norm_topk_prob=True, mlp_only_layers=())
+    return _with_random_norms(random_model(config))
+
+
+_ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}
+
+
+def _write(model: torch.nn.Module, which: str, path: Path, quantize: bool = False) -> Path:
+    metadata = _gguf_metadata(model.config)
+    tensors = _gguf_tensors(model)
+    return write_gguf(model, path, _ARCHS[which], metadata, quantize=quantize, tensors=tensors)
+
+
+@pytest.mark.parametrize("which", ["mixtral", "qwen3_moe"])
+def test_moe_gguf_matches_transformers(tmp_path: Path, which: str) -> None:
+    """Float32 GGUF (a "llama" with stacked experts, or "qwen3moe")."""
+    reference = _toy(which)
+    path = _write(reference, which, tmp_path / "m.gguf")
+    config = gguf_file.read_model_config(gguf_file.open_gguf(path), path)
+    assert (config.num_experts, config.experts_per_token, config.dense_layers) == (8, 2, ())
+    assert config.architecture == ("llama" if which == "mixtral" else "qwen3")
+    ours = our_engine(path, cache_dir=tmp_path / "cache", weights="dense")
+    assert_matches(ours, reference, token_prompts(len(TOY_TOKENS), [5, 17, 40, 3]))
+
+
+def test_quantized_moe_gguf_keeps_experts_in_blocks(tmp_path: Path) -> None:
+    """Q8_0 experts multiplied in their blocks (the compiled step refuses MoE: the Python
+    layers run), close to the same file dequantized, greedy tokens equal; and two
+    shards of the quantized model answer as one."""
+    reference = _toy("mixtral")
+    path = _write(reference, "mixtral", tmp_path / "q8.gguf", quantize=True)
+    quant = our_engine(path, cache_dir=tmp_path / "cache", weights="quantized")
+    dense = our_engine(path, cache_dir=tmp_path / "cache", weights="dense")
+    expert = quant.model.layers[1].mlp.experts[5]
+    assert isinstance(expert.gate_up_proj, QuantLinear) and isinstance(
+        expert.down_proj, QuantLinear
+    )
+    assert quant.model.decode_step is None
+    prompts = token_prompts(len(TOY_TOKENS), [5, 17, 40])
+    for ours, theirs in zip(
+        our_prefill_logits(quant, prompts), our_prefill_logits(dense, prompts), strict=True
+    ):
+        assert (ours - theirs).abs().max().item() < 0.02 * theirs.abs().max().item()
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    got = [c.token_ids for c in quant.generate(prompts, params)]
+    assert got == [c.token_ids for c in dense.generate(prompts, params)]
+    # One process of an appliance with groups of two sums as a shard does (spans).
+    whole = our_engine(path, cache_dir=tmp_path / "cache", weights="quantized", prefill_tp=2)
+    expected = our_prefill_logits(whole, prompts)
+    for ours, theirs in zip(sharded_prefill_logits(path, whole, prompts, 2), expected, strict=True):
+        assert (ours - theirs).abs().max().item() < 1e-5

@@ -21,10 +21,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from appliance.model import phi3
+from appliance.model import moe, phi3
 from appliance.model.errors import ModelLoadError
 from appliance.model.gguf_index import TensorEntry, require_file, tensor_index
 from appliance.model.model_config import (
+    MOE_LAYOUTS,
     OWN_LAYOUTS,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -54,7 +55,15 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Routed experts (model/moe.py): the router, and each projection's experts stacked
+    # [experts, rows, in], which the model cuts one expert at a time.
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
+# GGUF architectures named apart from their config.json model_type.
+_GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -89,7 +98,10 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
     """The architecture facts from the file's metadata."""
     meta = metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if (
+        not isinstance(arch, str)
+        or _GGUF_ARCHITECTURES.get(arch, arch) not in SUPPORTED_ARCHITECTURES
+    ):
         raise ModelLoadError(
             path,
             f"unknown architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
@@ -110,8 +122,9 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         raise ModelLoadError(
             path, f"metadata key {arch}.vocab_size is missing and the file has no token list"
         )
+    layout = MOE_LAYOUTS.get(_GGUF_ARCHITECTURES.get(arch, arch), arch)
     config = ModelConfig(
-        architecture=arch if arch in OWN_LAYOUTS else "llama",
+        architecture=layout if layout in OWN_LAYOUTS else "llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -128,6 +141,7 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         eos_token_ids=_stop_ids(reader),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=_sliding_window(meta.get(f"{arch}.attention.sliding_window"), arch, path),
+        **moe.gguf_facts(meta, arch, tensor_names, path),
     )
     if arch == "phi3":
         factors = {
@@ -308,12 +322,13 @@ def _supported_type(name: str, type_id: int, path: Path) -> GGMLQuantizationType
 
 
 def _quant_entries(path: Path) -> list[tuple[TensorEntry, BlockFormat]]:
-    """The file's 2-D tensors in block formats (model/quant.py), with their formats."""
+    """The file's matrices in block formats (model/quant.py), with their formats: 2-D
+    tensors, and stacked experts' 3-D ones (rows expert after expert)."""
     by_id = {fmt.ggml_id: fmt for fmt in FORMATS.values()}
     return [
         (entry, by_id[entry.type_id])
         for entry in tensor_index(path)
-        if entry.type_id in by_id and len(entry.dims) == 2
+        if entry.type_id in by_id and (len(entry.dims) == 2 or "_exps." in entry.name)
     ]
 
 
@@ -335,7 +350,7 @@ def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
     for entry, fmt in entries:
         name = hf_name(entry.name, path, config.architecture)
-        in_features, rows = entry.dims  # fastest first
+        in_features, rows = entry.dims[0], _rows(entry)  # fastest first
         if in_features % fmt.values:
             raise ModelLoadError(path, f"tensor {entry.name} rows are not whole blocks")
         row_bytes = in_features // fmt.values * fmt.bytes

@@ -48,6 +48,8 @@ class ModelFiles:
         if not self.source.is_file():
             return []
         names = gguf_file.quant_names(self.source, self.config.architecture)
+        if self.config.num_experts:
+            return moe.loaded_names(names, self.config)
         return phi3.loaded_names(names, self.config) if self._phi3() else names
 
     def quant_weights(self) -> dict[str, QuantWeight]:
@@ -55,6 +57,8 @@ class ModelFiles:
         if not self.source.is_file():
             return {}
         quant = gguf_file.read_quant_weights(self.source, self.config)
+        if self.config.num_experts:  # each expert's rows of the stacked tensors
+            return moe.split_quant(quant, self.config)
         return phi3.split_quant(quant, self.config) if self._phi3() else quant
 
     def named_weights(self) -> Mapping[str, torch.Tensor]:

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from appliance.model import cpu_kernels
+from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig
+from appliance.model.quant import QuantWeight
 from appliance.model.tensor_parallel import Shard, shard_plan
 
 
@@ -111,31 +115,30 @@ _STACKED = {
     "down_proj": ("down_proj",),
 }
 
+_STACKED_NAME = _PART + rf"({'|'.join(_STACKED)})(?:\.weight)?"
+
 Source = tuple[str, int | None, slice | None]  # name in the files, expert, rows
 
 
-def _sources(
-    names: Iterable[str], shapes: Mapping[str, tuple[int, ...]], config: ModelConfig
-) -> dict[str, Source]:
+def _sources(names: Iterable[str], config: ModelConfig) -> dict[str, Source]:
     """Each name the decoder loads -> where it lies in the files."""
     out: dict[str, Source] = {}
     width = config.expert_intermediate_size
     for name in names:
-        ours = name.replace(".block_sparse_moe.", ".mlp.")
         single = re.fullmatch(_PART + r"(\d+)\.(w[123]|\w+_proj)\.weight", name)
-        stacked = re.fullmatch(_PART + r"(\w+_proj)(?:\.weight)?", name)
+        stacked = re.fullmatch(_STACKED_NAME, name)
         if single:
             layer, expert, part = single.groups()
             out[_name(layer, expert, _RENAMES.get(part, part))] = (name, None, None)
-        elif stacked and stacked.group(2) in _STACKED:
+        elif stacked:
             layer, fused = stacked.groups()
             parts = _STACKED[fused]
-            for expert in range(shapes[name][0]):
+            for expert in range(config.num_experts):
                 for index, part in enumerate(parts):
                     rows = slice(index * width, (index + 1) * width) if len(parts) > 1 else None
                     out[_name(layer, str(expert), part)] = (name, expert, rows)
         else:
-            out[ours] = (name, None, None)
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = (name, None, None)
     return out
 
 
@@ -149,9 +152,7 @@ class MoEWeights(Mapping[str, torch.Tensor]):
 
     def __init__(self, weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
         self._weights = weights
-        shape = getattr(weights, "shape", None)
-        shapes = {n: shape(n) if shape else tuple(weights[n].shape) for n in _stacked(weights)}
-        self._sources = _sources(weights, shapes, config)
+        self._sources = _sources(weights, config)
         last: dict[str, str] = {}
         for name, (source, _, _) in self._sources.items():
             last[source] = name
@@ -185,13 +186,48 @@ class MoEWeights(Mapping[str, torch.Tensor]):
             release(source)
 
 
-def _stacked(names: Iterable[str]) -> list[str]:
-    """The names of stacked (3-D) expert tensors."""
-    return [n for n in names if re.fullmatch(_PART + r"(\w+_proj)(?:\.weight)?", n)]
-
-
-def loaded_names(
-    names: Iterable[str], shapes: Mapping[str, tuple[int, ...]], config: ModelConfig
-) -> list[str]:
+def loaded_names(names: Iterable[str], config: ModelConfig) -> list[str]:
     """The names the decoder loads, for a mixture-of-experts model's `names`."""
-    return list(_sources(names, shapes, config))
+    return list(_sources(names, config))
+
+
+def split_quant(quant: dict[str, QuantWeight], config: ModelConfig) -> dict[str, QuantWeight]:
+    """A GGUF's block-quantized weights under the names the decoder loads: a stacked
+    expert tensor (its rows expert after expert) cut into each expert's rows."""
+    out = {}
+    for name, (source, expert, rows) in _sources(quant, config).items():
+        weight = quant[source]
+        if expert is not None:
+            per = weight.rows // config.num_experts
+            weight = weight.row_slice(slice(expert * per, (expert + 1) * per))
+            if rows is not None:
+                weight = weight.row_slice(rows)
+        out[name] = weight
+    return out
+
+
+def gguf_facts(meta: dict[str, Any], arch: str, names: set[str], path: Path) -> dict[str, Any]:
+    """A mixture-of-experts file's routed experts (llama.cpp's Mixtral is a "llama" with
+    expert_count; "qwen3moe"): the layers with a router route, the others keep a dense
+    MLP. Weights renormalized unless expert_weights_norm says not (llama.cpp always
+    renormalizes Mixtral's and Qwen3-MoE's)."""
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return {}
+    layers = int(meta[f"{arch}.block_count"])
+    used = int(meta.get(f"{arch}.expert_used_count") or 0)
+    if not 0 < used <= experts:
+        raise ModelLoadError(path, f"{arch}.expert_used_count {used} of {experts} experts")
+    width = meta.get(f"{arch}.expert_feed_forward_length") or meta[f"{arch}.feed_forward_length"]
+    if any(re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", n) for n in names):
+        old = "experts stored one tensor each (an old Mixtral GGUF) are not supported"
+        raise ModelLoadError(path, f"{old}; convert it again")
+    return {
+        "num_experts": experts,
+        "experts_per_token": used,
+        "expert_intermediate_size": int(width),
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        "dense_layers": tuple(
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names
+        ),
+    }
