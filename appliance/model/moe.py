@@ -45,7 +45,9 @@ def expert_groups(
     experts: torch.Tensor, num_experts: int
 ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """The routed experts [tokens, k] grouped by expert, in expert order, for each expert
-    with at least one token: (expert, its tokens' rows, the slot 0..k-1 that chose it)."""
+    with at least one token: (expert, its tokens' rows, the slot 0..k-1 that chose it).
+    The counts are read on the host (one sync a layer on a GPU), which is what lets a
+    step run only the experts with tokens; so CUDA graphs do not capture MoE steps."""
     k = experts.shape[1]
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
@@ -98,7 +100,7 @@ class SparseMoE(nn.Module):
             part = self.experts[expert](x[tokens])
             part = part * weights[tokens, slots, None].to(part.dtype)
             if out is None:  # a quantized shard's partial sums are float64
-                out = torch.zeros(x.shape[0], part.shape[1], dtype=part.dtype)
+                out = torch.zeros(x.shape[0], part.shape[1], dtype=part.dtype, device=x.device)
             out.index_add_(0, tokens, part)
         assert out is not None  # every token routes to top_k >= 1 experts
         return out
