@@ -55,8 +55,7 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-    # Routed experts (model/moe.py): the router, and each projection's experts stacked
-    # [experts, rows, in], which the model cuts one expert at a time.
+    # Routed experts (model/moe.py): the router, each projection's experts stacked.
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
@@ -219,6 +218,10 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of a tensor as float32 [rows, last dimension] (one expert's)."""
+        return torch.from_numpy(self._read(name, start, stop))
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape, slowest dimension first, read from the index alone."""

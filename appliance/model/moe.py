@@ -150,7 +150,8 @@ def _name(layer: str, expert: str, part: str) -> str:
 
 class MoEWeights(Mapping[str, torch.Tensor]):
     """A mixture-of-experts model's weights under the names the decoder loads. A stacked
-    source is read once and kept until its last expert's part is released."""
+    source is read an expert at a time from a GGUF (GGUFWeights.rows), else viewed
+    (mapped files) and kept until its last expert's part is released."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
         self._weights = weights
@@ -165,6 +166,11 @@ class MoEWeights(Mapping[str, torch.Tensor]):
         source, expert, rows = self._sources[name]
         if expert is None:
             return self._weights[source]
+        read_rows = getattr(self._weights, "rows", None)
+        if read_rows is not None:  # a GGUF read from the file: this expert's rows alone
+            per = self._weights.shape(source)[1]  # type: ignore[attr-defined]
+            tensor = read_rows(source, expert * per, (expert + 1) * per)
+            return tensor if rows is None else tensor[rows]
         if self._held is None or self._held[0] != source:
             self._held = (source, self._weights[source])
         tensor = self._held[1][expert]
