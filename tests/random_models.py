@@ -62,12 +62,14 @@ def write_gguf(
     *,
     quantize: bool = False,
     extra: Mapping[str, np.ndarray] | None = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """`model` as a GGUF of architecture `arch` with the toy tokenizer (its vocabulary
     must be len(TOY_TOKENS)): tensor names from the gguf package's own map, matrices in
     Q8_0 blocks when `quantize`, else float32; Gemma 3's norm weights as 1 + weight, as
     convert_hf_to_gguf stores them; `extra` tensors (float32, by GGUF name) after the
-    model's. Metadata keys lack the "<arch>." prefix; ints are uint32s, floats float32s."""
+    model's; `tensors` (by Hugging Face name) in place of the model's state dict.
+    Metadata keys lack the "<arch>." prefix; ints are uint32s, floats float32s."""
     name = gguf.MODEL_ARCH_NAMES[arch]
     layers = int(metadata["block_count"])
     names = gguf.get_tensor_name_map(arch, layers)
@@ -90,7 +92,7 @@ def write_gguf(
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(0)
     tied = bool(model.config.tie_word_embeddings)
-    for hf_name, tensor in model.state_dict().items():
+    for hf_name, tensor in (model.state_dict() if tensors is None else tensors).items():
         if tied and hf_name == "lm_head.weight":  # a GGUF without output.weight is tied
             continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -104,7 +106,7 @@ def write_gguf(
             array = _permute_rope_rows(array, int(heads))
         if arch == gguf.MODEL_ARCH.GEMMA3 and hf_name.endswith("norm.weight"):
             array = array + 1
-        if quantize and array.ndim == 2:
+        if quantize and array.ndim >= 2:
             q8 = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, q8), raw_dtype=q8)
         else:

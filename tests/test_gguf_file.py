@@ -39,8 +39,8 @@ from appliance.model.gguf_file import (
     read_quant_weights,
     read_weights,
     tensor_index,
-    unpermute_rope_rows,
 )
+from appliance.model.gguf_names import unpermute_rope_rows
 from appliance.model.model_config import ModelConfig
 
 Q = GGMLQuantizationType

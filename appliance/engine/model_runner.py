@@ -127,6 +127,8 @@ class ModelRunner:
             raise ValueError(f"decode graphs need CUDA with triton, not {self.device}")
         if self.followers is not None:
             raise ValueError("decode graphs do not capture tensor-parallel steps")
+        if self.model.config.num_experts:
+            raise ValueError("decode graphs do not capture mixture-of-experts steps")
         self.decode_graphs = DecodeGraphs(self.model, self.kv, batch_sizes, max_len, True)
 
     def use_decode_graphs(self, max_num_seqs: int, max_len: int) -> bool:

@@ -27,6 +27,8 @@ def compiled_problem(model: CausalLM) -> str:
         return "the compiled kernels are not built, or the model is not on the CPU"
     if model.config.architecture == "gemma3":
         return "the compiled step runs Llama's layers, not Gemma's (four norms, GeGLU)"
+    if model.config.num_experts:
+        return "mixture-of-experts layers route each token to its own experts"
     if model.shard.size != 1:
         return "tensor-parallel shards add partial sums between the layers"
     if model.dtype not in (torch.float32, torch.bfloat16):

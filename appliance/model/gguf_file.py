@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,11 +20,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from appliance.model import phi3
+from appliance.model import gguf_names, moe, phi3
 from appliance.model.errors import ModelLoadError
 from appliance.model.gemma_config import gemma3_gguf_facts
 from appliance.model.gguf_index import TensorEntry, require_file, tensor_index
 from appliance.model.model_config import (
+    MOE_LAYOUTS,
     OWN_LAYOUTS,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -39,39 +39,13 @@ SUPPORTED_QUANTS = frozenset(
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 )
 
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's fused q/k/v
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's per-head norms
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-# Gemma 3's four norms a layer: llama.cpp's ffn_norm is its pre-feedforward norm there.
-_GEMMA3_NAMES = _LAYER_NAMES | {
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
-# The file's architectures: Hugging Face's, with Gemma 3 text under llama.cpp's name.
-_ARCHITECTURES = tuple("gemma3" if a == "gemma3_text" else a for a in SUPPORTED_ARCHITECTURES)
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": "rope_freqs",
-    "rope_factors_long.weight": "rope_factors_long",  # Phi-3's LongRoPE (read as facts)
-    "rope_factors_short.weight": "rope_factors_short",
-}
+# GGUF architectures named apart from their config.json model_type.
+_GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+# The file's architectures, under llama.cpp's names.
+_ARCHITECTURES = tuple(
+    {hf: name for name, hf in _GGUF_ARCHITECTURES.items()}.get(a, a)
+    for a in SUPPORTED_ARCHITECTURES
+)
 
 
 def open_gguf(path: Path, mode: Literal["r", "r+", "c"] = "r") -> GGUFReader:
@@ -118,8 +92,9 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         raise ModelLoadError(
             path, f"metadata key {arch}.vocab_size is missing and the file has no token list"
         )
+    layout = MOE_LAYOUTS.get(_GGUF_ARCHITECTURES.get(arch, arch), arch)
     config = ModelConfig(
-        architecture=arch if arch in OWN_LAYOUTS else "llama",
+        architecture=layout if layout in OWN_LAYOUTS else "llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -136,6 +111,7 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         eos_token_ids=_stop_ids(reader),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=_sliding_window(meta.get(f"{arch}.attention.sliding_window"), arch, path),
+        **moe.gguf_facts(meta, arch, tensor_names, path),
     )
     if arch == "phi3":
         factors = {
@@ -202,7 +178,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
             qtype = _supported_type(entry.name, entry.type_id, path)
             if entry.offset + _row_bytes(entry, qtype) * _rows(entry) > size:
                 raise ModelLoadError(path, f"tensor {entry.name} runs past the end of the file")
-            self._entries[hf_name(entry.name, path, config.architecture)] = entry
+            self._entries[gguf_names.hf_name(entry.name, path, config.architecture)] = entry
 
     def __getitem__(self, name: str) -> torch.Tensor:
         rows = _rows(self._entries[name])
@@ -213,6 +189,10 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of a tensor as float32 [rows, last dimension] (one expert's)."""
+        return torch.from_numpy(self._read(name, start, stop))
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape, slowest dimension first, read from the index alone."""
@@ -241,7 +221,7 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         entry = self._entries[name]
         rows = _rows(entry)
         step = max(1, max_bytes // (4 * entry.dims[0]))
-        heads = _rope_heads(name, self.config)
+        heads = gguf_names.rope_heads(name, self.config)
         if heads:
             per_head = rows // heads
             step = max(1, step // per_head) * per_head
@@ -260,9 +240,9 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         if got != raw.nbytes:  # the file shrank since its index was read
             raise ModelLoadError(self.path, f"tensor {entry.name} runs past the end of the file")
         array = dequantize(raw, qtype).reshape(stop - start, entry.dims[0])
-        heads = _rope_heads(name, self.config)
+        heads = gguf_names.rope_heads(name, self.config)
         if heads:  # the span holds whole heads (_spans)
-            array = unpermute_rope_rows(array, heads * (stop - start) // _rows(entry))
+            array = gguf_names.unpermute_rope_rows(array, heads * (stop - start) // _rows(entry))
         if self.config.architecture == "gemma3" and name.endswith("norm.weight"):
             array = array - 1  # llama.cpp stores Gemma's norm weights as 1 + weight
         # F32 rows view `raw`, which nothing else holds: the array owns writable memory.
@@ -295,13 +275,6 @@ def _row_bytes(entry: TensorEntry, qtype: GGMLQuantizationType) -> int:
     return entry.dims[0] // block * size
 
 
-def _rope_heads(name: str, config: ModelConfig) -> int:
-    """The heads of a llama Q or K projection (whose rows llama.cpp reorders), else 0."""
-    if config.architecture != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
-        return 0
-    return config.num_heads if "q_proj" in name else config.num_kv_heads
-
-
 def _supported_type(name: str, type_id: int, path: Path) -> GGMLQuantizationType:
     """The tensor's GGML type, or ModelLoadError naming it when we cannot dequantize it."""
     try:
@@ -318,18 +291,19 @@ def _supported_type(name: str, type_id: int, path: Path) -> GGMLQuantizationType
 
 
 def _quant_entries(path: Path) -> list[tuple[TensorEntry, BlockFormat]]:
-    """The file's 2-D tensors in block formats (model/quant.py), with their formats."""
+    """The file's matrices in block formats (model/quant.py), with their formats: 2-D
+    tensors, and stacked experts' 3-D ones (rows expert after expert)."""
     by_id = {fmt.ggml_id: fmt for fmt in FORMATS.values()}
     return [
         (entry, by_id[entry.type_id])
         for entry in tensor_index(path)
-        if entry.type_id in by_id and len(entry.dims) == 2
+        if entry.type_id in by_id and (len(entry.dims) == 2 or "_exps." in entry.name)
     ]
 
 
 def quant_names(path: Path, architecture: str = "llama") -> list[str]:
     """Hugging Face names of the file's 2-D weights in block formats (model/quant.py)."""
-    return [hf_name(entry.name, path, architecture) for entry, _ in _quant_entries(path)]
+    return [gguf_names.hf_name(entry.name, path, architecture) for entry, _ in _quant_entries(path)]
 
 
 def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight]:
@@ -344,33 +318,19 @@ def read_quant_weights(path: Path, config: ModelConfig) -> dict[str, QuantWeight
         return out
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
     for entry, fmt in entries:
-        name = hf_name(entry.name, path, config.architecture)
-        in_features, rows = entry.dims  # fastest first
+        name = gguf_names.hf_name(entry.name, path, config.architecture)
+        in_features, rows = entry.dims[0], _rows(entry)  # fastest first
         if in_features % fmt.values:
             raise ModelLoadError(path, f"tensor {entry.name} rows are not whole blocks")
         row_bytes = in_features // fmt.values * fmt.bytes
         if entry.offset + rows * row_bytes > len(mapped):
             raise ModelLoadError(path, f"tensor {entry.name} runs past the end of the file")
         blocks = mapped[entry.offset : entry.offset + rows * row_bytes].reshape(rows, row_bytes)
-        heads = _rope_heads(name, config)
+        heads = gguf_names.rope_heads(name, config)
         if heads:
-            blocks = unpermute_rope_rows(blocks, heads)  # whole rows move: blocks stay
+            blocks = gguf_names.unpermute_rope_rows(blocks, heads)  # whole rows move: blocks stay
         out[name] = QuantWeight(fmt, torch.from_numpy(np.asarray(blocks)), in_features)
     return out
-
-
-def hf_name(gguf_name: str, path: Path, architecture: str = "llama") -> str:
-    """A tensor's Hugging Face name (`architecture`: the ModelConfig's); a phi3 file's
-    ffn_up holds gate and up (gate_up_proj)."""
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    names = _GEMMA3_NAMES if architecture == "gemma3" else _LAYER_NAMES
-    match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if match and architecture == "phi3" and match.group(2) == "ffn_up.weight":
-        return f"model.layers.{match.group(1)}.mlp.gate_up_proj.weight"
-    if match and match.group(2) in names:
-        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
-    raise ModelLoadError(path, f"unexpected tensor {gguf_name!r}")
 
 
 def dequantize_tensor(tensor: Any, path: Path) -> np.ndarray:
@@ -379,15 +339,3 @@ def dequantize_tensor(tensor: Any, path: Path) -> np.ndarray:
     # GGUF lists dimensions fastest-first; PyTorch wants them slowest-first.
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return dequantize(tensor.data, qtype).astype(np.float32, copy=False).reshape(shape)
-
-
-def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo the row order llama.cpp gives Q/K projections for its interleaved RoPE.
-
-    GGUF stores each head's rows as (pair, 2) interleaved; Hugging Face's rotate-half
-    RoPE wants the two halves of the head contiguous.
-    """
-    rows = weight.shape[0]
-    # [heads, half, 2, in] -> [heads, 2, half, in]
-    shaped = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-    return shaped.swapaxes(1, 2).reshape(weight.shape)

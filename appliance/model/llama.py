@@ -14,6 +14,7 @@ from appliance.model.attention import AttentionBatch, paged_attention, rotate_an
 from appliance.model.decode_step import CompiledDecode
 from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig
+from appliance.model.moe import SparseMoE
 from appliance.model.rope import RotaryEmbedding
 from appliance.model.tensor_parallel import (
     WHOLE_MODEL,
@@ -131,7 +132,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, shard)
+        self.mlp: nn.Module = MLP(config, shard)  # CausalLM swaps in routed experts
         self.all_reduce = all_reduce
 
     def forward(
@@ -188,6 +189,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, shard, all_reduce) for _ in range(config.num_layers)
         )
+        for index, layer in enumerate(self.layers):  # Mixtral, Qwen3-MoE (model/moe.py)
+            if config.sparse_layer(index):
+                layer.mlp = SparseMoE(config, shard)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # None while tied to the embedding; attach_quant and pack_linears may swap in theirs.
         self.lm_head: nn.Module | None = (
@@ -263,14 +267,16 @@ class CausalLM(nn.Module):
             "gate_proj": len(plan.mlp_columns),
             "up_proj": len(plan.mlp_columns),
         }
+        expert = len(plan.expert_columns)
         out = {}
         for name, param in self.named_parameters():
             source = name if name.startswith("lm_head.") else "model." + name
             fused = next((f for f in _FUSED if f".{f}." in name), None)
+            sizes = rows | {"gate_proj": expert, "up_proj": expert} if ".experts." in name else rows
             if fused is None:
                 out[name] = [(source, param.shape[0] if param.dim() else 1)]
             else:
-                out[name] = [(source.replace(fused, p), rows[p]) for p in _FUSED[fused]]
+                out[name] = [(source.replace(fused, p), sizes[p]) for p in _FUSED[fused]]
         return out
 
     def _check_names(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.model import gguf_file, phi3, safetensors_file
+from appliance.model import gguf_file, moe, phi3, safetensors_file
 from appliance.model.errors import ModelLoadError
 from appliance.model.gguf_cache import cached_config, cached_weights, gguf_entry
 from appliance.model.model_config import ModelConfig, from_hf_config
@@ -48,6 +48,8 @@ class ModelFiles:
         if not self.source.is_file():
             return []
         names = gguf_file.quant_names(self.source, self.config.architecture)
+        if self.config.num_experts:
+            return moe.loaded_names(names, self.config)
         return phi3.loaded_names(names, self.config) if self._phi3() else names
 
     def quant_weights(self) -> dict[str, QuantWeight]:
@@ -55,17 +57,22 @@ class ModelFiles:
         if not self.source.is_file():
             return {}
         quant = gguf_file.read_quant_weights(self.source, self.config)
+        if self.config.num_experts:  # each expert's rows of the stacked tensors
+            return moe.split_quant(quant, self.config)
         return phi3.split_quant(quant, self.config) if self._phi3() else quant
 
     def named_weights(self) -> Mapping[str, torch.Tensor]:
         """`weights` under the names and row orders the model loads (Phi-3's fused
-        projections cut apart: model/phi3.py), read a tensor at a time."""
+        projections cut apart: model/phi3.py; experts one by one: model/moe.py), read a
+        tensor at a time."""
         return self._as_loaded(self.weights)
 
     def _phi3(self) -> bool:
         return self.config.architecture == "phi3"
 
     def _as_loaded(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        if self.config.num_experts:  # experts renamed, stacked ones cut (model/moe.py)
+            return moe.MoEWeights(weights, self.config)
         return phi3.Phi3Weights(weights, self.config) if self._phi3() else weights
 
     def dense_weights(self, dtype: torch.dtype) -> Mapping[str, torch.Tensor]:

@@ -7,12 +7,23 @@ from typing import Any
 
 from appliance.model.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma3_text",
+    "mixtral",
+    "qwen3_moe",
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # Architectures whose config.json model_type and GGUF general.architecture name a layout
 # of their own (the others run, and lay out a GGUF's Q/K rows, as "llama"; Gemma 3's
 # config is read by gemma_config.py and names its own, "gemma3").
 OWN_LAYOUTS = ("qwen2", "qwen3", "phi3")
+# Mixture-of-experts families and the dense layout their attention runs as (model/moe.py).
+MOE_LAYOUTS = {"mixtral": "llama", "qwen3_moe": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -30,7 +41,13 @@ class ModelConfig:
     which layers are "sliding_attention" (windowed, RoPE base `local_rope_theta`,
     unscaled) and which "full_attention"; empty: every layer alike.
     `query_pre_attn_scalar`: attention scores scale by its -0.5 power (None: head_dim's).
-    `final_logit_softcapping`: logits become cap * tanh(logits / cap)."""
+    `final_logit_softcapping`: logits become cap * tanh(logits / cap).
+
+    Mixture of experts (Mixtral, Qwen3-MoE: model/moe.py), where `num_experts` > 0: each
+    token's `experts_per_token` experts of highest router softmax, their weights
+    renormalized to sum to 1 where `norm_topk_prob`; each expert an MLP of
+    `expert_intermediate_size` columns. `dense_layers` keep a dense MLP of
+    `intermediate_size` (Qwen3-MoE's mlp_only_layers and decoder_sparse_step)."""
 
     architecture: str
     vocab_size: int
@@ -61,6 +78,16 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
+
+    def sparse_layer(self, index: int) -> bool:
+        """Whether layer `index` routes tokens to experts (else a dense MLP)."""
+        return self.num_experts > 0 and index not in self.dense_layers
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -69,6 +96,7 @@ class ModelConfig:
         data = dict(data)
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
         data["layer_types"] = tuple(data.get("layer_types", ()))
+        data["dense_layers"] = tuple(data.get("dense_layers", ()))
         return cls(**data)
 
 
@@ -102,8 +130,9 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelConfig:
         rope_scaling.setdefault("original_max_position_embeddings", original)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     eos = cfg.get("eos_token_id")
+    layout = MOE_LAYOUTS.get(arch, arch)
     config = ModelConfig(
-        architecture=arch if arch in OWN_LAYOUTS else "llama",
+        architecture=layout if layout in OWN_LAYOUTS else "llama",
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -118,12 +147,40 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelConfig:
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         rope_scaling=rope_scaling,
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-        qk_norm=arch == "qwen3",
-        sliding_window=_sliding_window(cfg, arch, source),
+        qk_norm=layout == "qwen3",
+        sliding_window=_sliding_window(cfg, layout, source),
         rotary_dim=_rotary_dim(cfg, rope, arch, head_dim, source),
+        **_experts(cfg, arch, source),
     )
     check_longrope(config, source)
     return config
+
+
+def _experts(cfg: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """The routed experts of a Mixtral or Qwen3-MoE config (none for the dense families)."""
+    if arch not in MOE_LAYOUTS:
+        return {}
+    layers = cfg["num_hidden_layers"]
+    if arch == "mixtral":
+        dense: tuple[int, ...] = ()
+        experts, size, norm = cfg["num_local_experts"], cfg["intermediate_size"], True
+    else:
+        # Published configs say num_experts; transformers 5 writes num_local_experts.
+        experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+        size = cfg["moe_intermediate_size"]
+        norm = bool(cfg.get("norm_topk_prob", False))
+        step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(layers) if i in only or experts == 0 or (i + 1) % step)
+    top_k = cfg["num_experts_per_tok"]
+    if experts > 0 and not 0 < top_k <= experts:
+        raise ModelLoadError(source, f"num_experts_per_tok {top_k} of {experts} experts")
+    return {
+        "num_experts": experts,
+        "experts_per_token": top_k,
+        "expert_intermediate_size": size,
+        "norm_topk_prob": norm,
+        "dense_layers": dense,
+    }
 
 
 def _rotary_dim(

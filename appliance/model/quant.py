@@ -9,6 +9,7 @@ Face folder) can be quantized at load to Q8_0 or Q4_0 (`quantize`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -229,6 +230,8 @@ _FUSED = {
     "mlp.down_proj": ("mlp.down_proj",),
 }
 EMBEDDING = "model.embed_tokens.weight"
+# A routed expert's projections (model/moe.py) and the parts they are made of.
+_EXPERT_FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 def projections(layer: nn.Module) -> dict[str, nn.Module]:
@@ -246,7 +249,10 @@ def quantizable(name: str) -> bool:
     (a projection, the embedding or the LM head)."""
     parts = [p for fused in _FUSED.values() for p in fused]
     return name in (EMBEDDING, "lm_head.weight") or (
-        name.endswith(".weight") and any(f".{p}." in name for p in parts)
+        name.endswith(".weight")
+        and (
+            any(f".{p}." in name for p in parts) or re.search(r"\.experts\.\d+\.", name) is not None
+        )
     )
 
 
@@ -295,6 +301,7 @@ def attach_quant(
             owner, attr = fused.split(".")
             setattr(getattr(layer, owner), attr, QuantLinear(weights, bias, span, partial))
             served |= set(names) | ({*bias_names} if bias is not None else set())
+        served |= _attach_experts(model, index, quant, spans)
     owned = {n: quant[n].owned() for n in (EMBEDDING, "lm_head.weight") if n in quant}
     if EMBEDDING in owned:
         model.embed_tokens = QuantEmbedding(owned[EMBEDDING], model.dtype)
@@ -303,6 +310,31 @@ def attach_quant(
     if head in owned:
         model.lm_head = QuantLinear([owned[head]], None)  # tied: the same blocks, no copy
         served.add(head)
+    return served
+
+
+def _attach_experts(
+    model: CausalLM, index: int, quant: dict[str, QuantWeight], spans: dict[str, int]
+) -> set[str]:
+    """Layer `index`'s routed experts (model/moe.py) whose parts are all in `quant`, each
+    projection a QuantLinear, as attach_quant gives the MLP's (the down projections
+    row-parallel); the names now served."""
+    served: set[str] = set()
+    experts = getattr(model.layers[index].mlp, "experts", None)
+    for number, expert in enumerate(experts or ()):
+        for attr, parts in _EXPERT_FUSED.items():
+            names = [f"model.layers.{index}.mlp.experts.{number}.{p}.weight" for p in parts]
+            if not all(n in quant for n in names):
+                continue
+            weights = [quant[n] for n in names]
+            key = "experts.down_proj" if attr == "down_proj" else ""
+            span = _span_for(weights[0], spans.get(key))
+            # float64 wherever groups split experts, in a shard or a whole model: each
+            # expert's share is weighted before the sum, and rounding it to float32
+            # first (as a whole model would) cannot be done by a shard.
+            partial = key in spans
+            setattr(expert, attr, QuantLinear(weights, None, span, partial))
+            served |= set(names)
     return served
 
 

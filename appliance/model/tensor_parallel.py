@@ -7,12 +7,22 @@ are row-parallel, and their partial sums meet in one all-reduce per block. Embed
 norms and the LM head are replicated. Splits need not be even: SmolLM2's 3 KV heads go
 2 + 1 over two shards.
 
+Routed experts (model/moe.py) are split as the MLP is: every shard holds every expert,
+each cut by intermediate column (gate/up by row, down by input column), and the router
+whole. Each shard routes the same whole hidden state with the same router, so all pick
+the same experts with no exchange of tokens, and the experts' partial sums join the
+block's one all-reduce. Split across shards by expert instead, a batch-1 decode step
+(two experts of many) would keep all but two shards idle and need tokens sent to their
+experts' shards and back; split by column, every shard reads its share of exactly the
+routed experts' bytes.
+
 The planning here is pure (no process group), so it is tested on plain data.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -47,6 +57,7 @@ class ShardPlan:
     q_heads: range
     kv_heads: range
     mlp_columns: range
+    expert_columns: range = range(0)  # of each expert's intermediate ones
 
 
 def split_evenly(n: int, parts: int) -> list[range]:
@@ -88,16 +99,21 @@ def shard_plan(config: ModelConfig, shard: Shard) -> ShardPlan:
     kv = kv_head_ranges(config.num_kv_heads, shard.size)[shard.rank]
     group = config.num_heads // config.num_kv_heads  # query heads per KV head
     q = range(kv.start * group, kv.stop * group)
-    unit = mlp_unit(config)
-    units = split_evenly(config.intermediate_size // unit, shard.size)[shard.rank]
-    return ShardPlan(q, kv, range(units.start * unit, units.stop * unit))
+    mlp = _columns(config.intermediate_size, shard)
+    return ShardPlan(q, kv, mlp, _columns(config.expert_intermediate_size, shard))
 
 
-def mlp_unit(config: ModelConfig) -> int:
+def _columns(width: int, shard: Shard) -> range:
+    """`shard`'s intermediate columns of an MLP `width` wide, in whole mlp_unit()s."""
+    unit = mlp_unit(width)
+    units = split_evenly(width // unit, shard.size)[shard.rank]
+    return range(units.start * unit, units.stop * unit)
+
+
+def mlp_unit(width: int) -> int:
     """The MLP columns a shard takes whole: 256 (a K-quant block, eight 32-value ones)
     where the MLP's width is a multiple of it, else 32, else 1; so a quantized down
     projection splits on block edges."""
-    width = config.intermediate_size
     return next(unit for unit in (256, 32, 1) if width % unit == 0)
 
 
@@ -114,13 +130,15 @@ def row_parallel_spans(config: ModelConfig, degrees: Iterable[int]) -> dict[str,
     group = config.num_heads // config.num_kv_heads
     width = group * config.head_dim  # o_proj inputs per KV head
     heads = [r.start * width for d in splits for r in kv_head_ranges(config.num_kv_heads, d)]
-    columns = [
-        shard_plan(config, Shard(rank, d)).mlp_columns.start for d in splits for rank in range(d)
-    ]
-    return {
+    plans = [shard_plan(config, Shard(rank, d)) for d in splits for rank in range(d)]
+    expert_columns = [plan.expert_columns.start for plan in plans]
+    spans = {
         "self_attn.o_proj": math.gcd(config.num_heads * config.head_dim, *heads),
-        "mlp.down_proj": math.gcd(config.intermediate_size, *columns),
+        "mlp.down_proj": math.gcd(config.intermediate_size, *[p.mlp_columns.start for p in plans]),
     }
+    if config.num_experts:
+        spans["experts.down_proj"] = math.gcd(config.expert_intermediate_size, *expert_columns)
+    return spans
 
 
 def _spans(config: ModelConfig, shard: Shard) -> tuple[dict[str, slice], dict[str, slice]]:
@@ -128,7 +146,10 @@ def _spans(config: ModelConfig, shard: Shard) -> tuple[dict[str, slice], dict[st
     row-parallel one, `shard` holds, keyed by a part of their names."""
     plan = shard_plan(config, shard)
     d = config.head_dim
+    experts = _span(plan.expert_columns, 1)
     rows = {  # projections split by output row (column-parallel): biases follow
+        ".experts.*.gate_proj.": experts,  # routed experts' first: the names hold the MLP's
+        ".experts.*.up_proj.": experts,
         ".q_proj.": _span(plan.q_heads, d),
         ".k_proj.": _span(plan.kv_heads, d),
         ".v_proj.": _span(plan.kv_heads, d),
@@ -136,6 +157,7 @@ def _spans(config: ModelConfig, shard: Shard) -> tuple[dict[str, slice], dict[st
         ".up_proj.": _span(plan.mlp_columns, 1),
     }
     columns = {  # projections split by input column (row-parallel)
+        ".experts.*.down_proj.": experts,
         ".o_proj.": _span(plan.q_heads, d),
         ".down_proj.": _span(plan.mlp_columns, 1),
     }
@@ -180,14 +202,22 @@ def _cut(
     rows, columns = spans
     out = {}
     for name, weight in weights.items():
-        row = next((r for key, r in rows.items() if key in name), None)
-        column = next((c for key, c in columns.items() if key in name), None)
+        row = next((r for key, r in rows.items() if _matches(key, name)), None)
+        column = next((c for key, c in columns.items() if _matches(key, name)), None)
         if row is not None:
             weight = cut_rows(weight, row)
         elif column is not None:
             weight = cut_columns(weight, column)
         out[name] = weight
     return out
+
+
+def _matches(key: str, name: str) -> bool:
+    """Whether `name` holds `key`, a "*" in which stands for one expert's number."""
+    head, star, tail = key.partition("*")
+    if not star:
+        return key in name
+    return re.search(re.escape(head) + r"\d+" + re.escape(tail), name) is not None
 
 
 def _span(units: range, width: int) -> slice:
