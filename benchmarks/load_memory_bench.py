@@ -7,38 +7,63 @@ tokenizer, and whatever cache that writes); the other rows load it as a worker d
 row of a dtype against a cache that has no weights of it yet. Peak is the process's
 peak resident set (VmHWM, file pages it mapped included) less its peak after
 Python, torch and the appliance were imported; weights are the bytes the loaded model
-holds. Models: the embedded SmolLM2-135M GGUF (Q4_1/Q8_0), and a random llama GGUF of
-a few GB (Q8_0 blocks) written to a temporary folder, as is the cache.
+holds. Models: the embedded SmolLM2-135M GGUF (Q4_1/Q8_0), a random llama GGUF of a
+few GB (Q8_0 blocks), and a random llama Hugging Face folder of a few GB (bfloat16,
+sharded into several safetensors files with model.safetensors.index.json), each
+written to a temporary folder, as is the cache. The folder's rows load the whole model
+in bfloat16 and in float32 (twice the file's bytes) and rank 0 of a tensor-parallel
+split in two (its half of each split projection, the embedding and LM head whole).
 
-    .venv/bin/python benchmarks/load_memory_bench.py [--layers 16] [--only default|random]
+    .venv/bin/python benchmarks/load_memory_bench.py [--layers 16] [--folder-layers 32]
+        [--only default|random|folder]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import gguf
 import numpy as np
+import torch
 
-# The rows of the table: (what runs, weights setting, dtype). "unpacked" is weights=dense
-# without oneDNN's packed bfloat16 linears (which the CPU gets where it has them, in
-# copies of their own made after loading): what loading alone costs.
+
+class Step(NamedTuple):
+    """A row of the table. "unpacked" is weights=dense without oneDNN's packed bfloat16
+    linears (which the CPU gets where it has them, in copies of their own made after
+    loading): what loading alone costs."""
+
+    run: str  # "serve" or "worker"
+    weights: str = ""
+    dtype: str = ""
+    shard: str = "0/1"  # tensor-parallel "rank/size"
+
+
 STEPS = (
-    ("serve", "", ""),
-    ("worker", "dense", "float32"),
-    ("worker", "dense", "float32"),
-    ("worker", "dense", "bfloat16"),
-    ("worker", "dense", "bfloat16"),
-    ("worker", "unpacked", "bfloat16"),
-    ("worker", "auto", "auto"),
+    Step("serve"),
+    Step("worker", "dense", "float32"),
+    Step("worker", "dense", "float32"),
+    Step("worker", "dense", "bfloat16"),
+    Step("worker", "dense", "bfloat16"),
+    Step("worker", "unpacked", "bfloat16"),
+    Step("worker", "auto", "auto"),
+)
+# A folder's: no cache (its safetensors files are mapped and copied from), no blocks.
+FOLDER_STEPS = (
+    Step("worker", "dense", "bfloat16"),
+    Step("worker", "unpacked", "bfloat16"),
+    Step("worker", "dense", "float32"),
+    Step("worker", "dense", "bfloat16", "0/2"),
 )
 
 CHILD = r"""
@@ -51,6 +76,7 @@ from appliance.config import load_settings
 from appliance.engine import shard_loading
 from appliance.engine.shard_loading import build_model, resolve_dtype, use_quant
 from appliance.model.loader import load_model_files, prepare_model
+from appliance.model.tensor_parallel import Shard
 
 
 def peak():
@@ -87,7 +113,7 @@ def model_bytes(model):
     return sum(storages.values())
 
 
-step, path, cache, weights, dtype = sys.argv[1:]
+step, path, cache, weights, dtype, shard = sys.argv[1:]
 base = peak()
 start = time.perf_counter()
 size = 0
@@ -102,7 +128,8 @@ else:
     files = load_model_files(Path(path), Path(cache))
     quantized = use_quant(settings, files, cpu)
     chosen = torch.float32 if quantized and dtype == "auto" else resolve_dtype(dtype, cpu)
-    model = build_model(files, chosen, cpu, 256, quantized)
+    rank, size = map(int, shard.split("/"))
+    model = build_model(files, chosen, cpu, 256, quantized, Shard(rank, size))
     size = model_bytes(model)
     dtype = ("quantized, " if quantized else "") + str(chosen).removeprefix("torch.")
 seconds = time.perf_counter() - start
@@ -191,28 +218,126 @@ def write_random_gguf(path: Path, shape: Shape, seed: int = 0) -> Path:
     return path
 
 
-def measure(step: str, model: Path, cache: Path, weights: str, dtype: str) -> dict:
+def hf_tensors(shape: Shape) -> dict[str, tuple[int, ...]]:
+    """An untied llama's Hugging Face weight names and shapes, in the order HF saves them."""
+    kv_rows = shape.kv_heads * (shape.hidden // shape.heads)
+    tensors: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab, shape.hidden)}
+    for i in range(shape.layers):
+        layer = f"model.layers.{i}."
+        tensors |= {
+            layer + "input_layernorm.weight": (shape.hidden,),
+            layer + "self_attn.q_proj.weight": (shape.hidden, shape.hidden),
+            layer + "self_attn.k_proj.weight": (kv_rows, shape.hidden),
+            layer + "self_attn.v_proj.weight": (kv_rows, shape.hidden),
+            layer + "self_attn.o_proj.weight": (shape.hidden, shape.hidden),
+            layer + "post_attention_layernorm.weight": (shape.hidden,),
+            layer + "mlp.gate_proj.weight": (shape.ff, shape.hidden),
+            layer + "mlp.up_proj.weight": (shape.ff, shape.hidden),
+            layer + "mlp.down_proj.weight": (shape.hidden, shape.ff),
+        }
+    return tensors | {
+        "model.norm.weight": (shape.hidden,),
+        "lm_head.weight": (shape.vocab, shape.hidden),
+    }
+
+
+def random_pieces(
+    generator: torch.Generator, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor's random values (norms ones), in pieces of at most 16M values."""
+    for name, (shape, _) in layout.items():
+        if len(shape) == 1:
+            yield name, torch.ones(shape)
+            continue
+        rows, columns = shape
+        step = max(1, 2**24 // columns)
+        for start in range(0, rows, step):
+            piece = torch.randn(min(step, rows - start), columns, generator=generator)
+            yield name, piece.mul_(0.02)
+
+
+def write_random_folder(folder: Path, shape: Shape, files: int = 4, seed: int = 0) -> Path:
+    """An untied llama (GQA) Hugging Face folder of random bfloat16 weights, sharded
+    into `files` safetensors files of about equal size with model.safetensors.index.json,
+    and a byte-level tokenizer of TOKENS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from appliance.model.safetensors_file import write_safetensors
+
+    folder.mkdir(parents=True)
+    tensors = hf_tensors(shape)
+    total = 2 * sum(math.prod(dims) for dims in tensors.values())
+    groups: list[list[str]] = [[] for _ in range(files)]
+    written = 0
+    for name, dims in tensors.items():  # in order, a file filled to its share of the bytes
+        groups[min(files - 1, written * files // total)].append(name)
+        written += 2 * math.prod(dims)
+    generator = torch.Generator().manual_seed(seed)
+    weight_map = {}
+    for i, names in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        layout = {name: (tensors[name], torch.bfloat16) for name in names}
+        write_safetensors(folder / file, layout, random_pieces(generator, layout))
+        weight_map |= dict.fromkeys(names, file)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.ff,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    vocab = {token: i for i, token in enumerate(TOKENS)}
+    tokenizer = Tokenizer(models.BPE(vocab, [("a", "b")]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([TOKENS[0]])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    special = {"eos_token": TOKENS[0], "bos_token": TOKENS[0]}
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return folder
+
+
+def measure(step: Step, model: Path, cache: Path) -> dict:
     """One fresh process's peak (see CHILD)."""
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, step, str(model), str(cache), weights, dtype],
+        [sys.executable, "-c", CHILD, step.run, str(model), str(cache), *step[1:]],
         capture_output=True,
         text=True,
     )
     if done.returncode:
-        raise SystemExit(f"{step} {weights} {dtype} failed:\n{done.stderr}")
+        raise SystemExit(f"{step} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def print_rows(label: str, model: Path, folder: Path) -> None:
+def print_rows(label: str, model: Path, folder: Path, steps: tuple[Step, ...] = STEPS) -> None:
     """The table's rows for one model, each from a fresh process, against one cache."""
     cache = folder / f"cache-{label}"
     cached: set[str] = set()  # dtypes whose cache the rows above wrote
-    for step, weights, dtype in STEPS:
-        what = "serve" if step == "serve" else f"{weights} {dtype}"
-        if weights in ("dense", "unpacked") and dtype not in cached:
+    for step in steps:
+        what = "serve" if step.run == "serve" else f"{step.weights} {step.dtype}"
+        if step.shard != "0/1":
+            rank, size = step.shard.split("/")
+            what += f", TP rank {rank} of {size}"
+        fresh = step.dtype not in cached
+        if model.is_file() and step.weights in ("dense", "unpacked") and fresh:
             what += " (first: writes the cache)"
-            cached.add(dtype)
-        r = measure(step, model, cache, weights, dtype)
+            cached.add(step.dtype)
+        r = measure(step, model, cache)
         grew = r["peak"] - r["base"]
         ratio = f"{grew / r['weights']:.2f}" if r["weights"] else "-"
         print(
@@ -238,7 +363,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--layers", type=int, default=16, help="of the random model")
-    parser.add_argument("--only", choices=("default", "random"))
+    parser.add_argument("--folder-layers", type=int, default=32, help="of the random folder")
+    parser.add_argument("--only", choices=("default", "random", "folder"))
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
     print(f"CPU: {cpu_name()}, {cores} cores; Python {platform.python_version()}")
@@ -246,13 +372,19 @@ def main() -> None:
     print("|---|---|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        if args.only != "random":
+        if args.only in (None, "default"):
             print_rows("SmolLM2-135M Q4_1", default_model_path(), folder)
-        if args.only != "default":
+        if args.only in (None, "random"):
             shape = Shape(layers=args.layers)
             path = write_random_gguf(folder / "random.gguf", shape)
             label = f"random {shape.parameters() / 1e6:,.0f}M Q8_0"
             print_rows(label, path, folder)
+        if args.only in (None, "folder"):
+            shape = Shape(layers=args.folder_layers)
+            files = 4
+            path = write_random_folder(folder / "random-hf", shape, files)
+            label = f"random {shape.parameters() / 1e6:,.0f}M BF16 folder ({files} files)"
+            print_rows(label, path, folder, FOLDER_STEPS)
 
 
 if __name__ == "__main__":

@@ -173,7 +173,9 @@ def shard_state(
         state,
         _spans(config, shard) if shard.size > 1 else None,
         lambda tensor, rows: tensor[rows],
-        lambda tensor, columns: tensor[:, columns].contiguous(),  # rows stay in one piece
+        # A view: the parameter's copy_ reads it in place. A contiguous copy first was a
+        # temporary the size of the shard's part, and the heap kept the holes they left.
+        lambda tensor, columns: tensor[:, columns],
     )
 
 
