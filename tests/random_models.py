@@ -12,7 +12,9 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from openai import OpenAI
 from reference import our_prefill_logits
+from server_process import API_KEY, ServerProcess
 
 from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
@@ -166,6 +168,49 @@ def assert_matches(
         assert completion.token_ids == greedy(reference, prompt, tokens), f"prompt {prompt[:8]}"
     assert ours.num_free_blocks == ours.kv.num_blocks
     return worst
+
+
+def assert_shards_match(
+    folder: Path, prompts: list[list[int]], references: list[torch.nn.Module]
+) -> None:
+    """Two tensor-parallel shards' prefill logits of each prompt within LOGIT_TOLERANCE of
+    its reference's (transformers', one reference per prompt)."""
+    logits = sharded_prefill_logits(folder, our_engine(folder), prompts, 2)
+    for prompt, got, reference in zip(prompts, logits, references, strict=True):
+        expected = reference(torch.tensor([prompt])).logits[0].float()
+        assert (got - expected).abs().max().item() < LOGIT_TOLERANCE
+
+
+def served_completions(
+    folder: Path, env: Mapping[str, str], prompts: list[list[int]], tokens: int = 24
+) -> list[str]:
+    """Greedy texts `appliance serve` (float32, a 32 MB KV pool, `env` on top) gives for
+    token prompts, through the official client; the server is stopped after."""
+    server = ServerProcess(
+        {
+            "APPLIANCE_MODEL": str(folder),
+            "APPLIANCE_DTYPE": "float32",
+            "APPLIANCE_API_KEY": API_KEY,
+            "APPLIANCE_KV__MEMORY_MB": "32",
+        }
+        | dict(env)
+    )
+    server.start()
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        replies = [
+            client.completions.create(
+                model=folder.name,
+                prompt=prompt,
+                max_tokens=tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            for prompt in prompts
+        ]
+    finally:
+        server.stop()
+    return [reply.choices[0].text for reply in replies]
 
 
 def token_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

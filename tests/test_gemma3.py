@@ -15,21 +15,19 @@ from typing import Any
 import gguf
 import pytest
 import torch
-from openai import OpenAI
 from random_models import (
-    LOGIT_TOLERANCE,
     TOY_TOKENS,
     assert_matches,
+    assert_shards_match,
     greedy,
     our_engine,
     random_model,
     save_folder,
-    sharded_prefill_logits,
+    served_completions,
     token_prompts,
     write_gguf,
 )
 from reference import our_prefill_logits
-from server_process import API_KEY, ServerProcess
 
 from appliance.engine.sequence import SamplingParams
 from appliance.model import gguf_file
@@ -173,13 +171,8 @@ def test_tensor_parallel_shards_match_transformers(
 ) -> None:
     """Two shards, a KV head (and its query heads) each; the norms after attention and
     the MLP see the summed partials."""
-    whole = our_engine(folder)
     prompts = token_prompts(VOCAB, [10, 30, 75], seed=2)
-    for prompt, logits in zip(
-        prompts, sharded_prefill_logits(folder, whole, prompts, 2), strict=True
-    ):
-        expected = reference(torch.tensor([prompt])).logits[0].float()
-        assert (logits - expected).abs().max().item() < LOGIT_TOLERANCE
+    assert_shards_match(folder, prompts, [reference] * len(prompts))
 
 
 # A TP=2 prefill pool on CPU devices 0 and 1 hands its cache to a TP=1 decode pool on 2.
@@ -205,31 +198,10 @@ def test_appliance_serve_answers_as_transformers(
     longer than the window as transformers does."""
     from transformers import AutoTokenizer
 
-    server = ServerProcess(
-        {
-            "APPLIANCE_MODEL": str(folder),
-            "APPLIANCE_DTYPE": "float32",
-            "APPLIANCE_MODE": mode,
-            "APPLIANCE_API_KEY": API_KEY,
-            "APPLIANCE_KV__MEMORY_MB": "32",
-        }
-        | layout
-    )
-    server.start()
-    try:
-        client = OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        for prompt in token_prompts(VOCAB, [30, 60], seed=3):
-            reply = client.completions.create(
-                model=folder.name,
-                prompt=prompt,
-                max_tokens=24,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
-            assert reply.choices[0].text == tokenizer.decode(greedy(reference, prompt, 24))
-    finally:
-        server.stop()
+    prompts = token_prompts(VOCAB, [30, 60], seed=3)
+    texts = served_completions(folder, {"APPLIANCE_MODE": mode} | layout, prompts)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert texts == [tokenizer.decode(greedy(reference, p, 24)) for p in prompts]
 
 
 def test_a_transformers_4_config_reads_alike() -> None:

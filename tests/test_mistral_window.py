@@ -14,20 +14,18 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from openai import OpenAI
 from random_models import (
-    LOGIT_TOLERANCE,
     TOY_TOKENS,
     assert_matches,
+    assert_shards_match,
     greedy,
     our_engine,
     random_model,
     save_folder,
-    sharded_prefill_logits,
+    served_completions,
     token_prompts,
     write_gguf,
 )
-from server_process import API_KEY, ServerProcess
 
 from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
@@ -150,13 +148,8 @@ def test_qwen_sliding_layers_are_refused_not_ignored() -> None:
 def test_windowed_tensor_parallel_shards_match_transformers(
     folder: Path, reference: torch.nn.Module
 ) -> None:
-    whole = our_engine(folder)
     prompts = token_prompts(49152, [10, 30, 75], seed=2)
-    for prompt, logits in zip(
-        prompts, sharded_prefill_logits(folder, whole, prompts, 2), strict=True
-    ):
-        expected = reference(torch.tensor([prompt])).logits[0].float()
-        assert (logits - expected).abs().max().item() < LOGIT_TOLERANCE
+    assert_shards_match(folder, prompts, [reference] * len(prompts))
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
@@ -167,31 +160,10 @@ def test_appliance_serve_keeps_the_window(
     colocated workers) answers prompts longer than the window as transformers does."""
     from transformers import AutoTokenizer
 
-    server = ServerProcess(
-        {
-            "APPLIANCE_MODEL": str(folder),
-            "APPLIANCE_DTYPE": "float32",
-            "APPLIANCE_MODE": mode,
-            "APPLIANCE_API_KEY": API_KEY,
-            "APPLIANCE_KV__MEMORY_MB": "32",
-        }
-    )
-    server.start()
-    try:
-        client = OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        for prompt in token_prompts(49152, [30, 60], seed=3):
-            reply = client.completions.create(
-                model=folder.name,
-                prompt=prompt,
-                max_tokens=24,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
-            expected = tokenizer.decode(greedy(reference, prompt, 24))
-            assert reply.choices[0].text == expected
-    finally:
-        server.stop()
+    prompts = token_prompts(49152, [30, 60], seed=3)
+    texts = served_completions(folder, {"APPLIANCE_MODE": mode}, prompts)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert texts == [tokenizer.decode(greedy(reference, p, 24)) for p in prompts]
 
 
 def _windowed_problem(

@@ -9,21 +9,20 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from openai import OpenAI
 from random_models import (
-    LOGIT_TOLERANCE,
     TOY_TOKENS,
     assert_matches,
+    assert_shards_match,
     greedy,
     our_engine,
     random_model,
     save_folder,
+    served_completions,
     sharded_prefill_logits,
     token_prompts,
     write_gguf,
 )
 from reference import our_prefill_logits
-from server_process import API_KEY, ServerProcess
 
 from appliance.engine.sequence import SamplingParams
 from appliance.model import gguf_file, moe
@@ -241,13 +240,8 @@ def test_tensor_parallel_shards_match_transformers(
     """Two shards, every expert split by column (Mixtral's 96 columns go 64 + 32)."""
     reference = request.getfixturevalue(which)
     folder = save_folder(reference, tmp_path)
-    whole = our_engine(folder)
     prompts = token_prompts(VOCAB, [7, 30, 50])
-    for prompt, logits in zip(
-        prompts, sharded_prefill_logits(folder, whole, prompts, 2), strict=True
-    ):
-        expected = reference(torch.tensor([prompt])).logits[0].float()
-        assert (logits - expected).abs().max().item() < LOGIT_TOLERANCE
+    assert_shards_match(folder, prompts, [reference] * len(prompts))
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
@@ -257,30 +251,10 @@ def test_appliance_serves_mixtral(
     """`appliance serve` answers as transformers does in both pool layouts."""
     from transformers import AutoTokenizer
 
-    server = ServerProcess(
-        {
-            "APPLIANCE_MODEL": str(mixtral_folder),
-            "APPLIANCE_DTYPE": "float32",
-            "APPLIANCE_MODE": mode,
-            "APPLIANCE_API_KEY": API_KEY,
-            "APPLIANCE_KV__MEMORY_MB": "32",
-        }
-    )
-    server.start()
-    try:
-        client = OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        tokenizer = AutoTokenizer.from_pretrained(mixtral_folder)
-        for prompt in token_prompts(VOCAB, [40, 12], seed=4):
-            reply = client.completions.create(
-                model=mixtral_folder.name,
-                prompt=prompt,
-                max_tokens=24,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
-            assert reply.choices[0].text == tokenizer.decode(greedy(mixtral, prompt, 24))
-    finally:
-        server.stop()
+    prompts = token_prompts(VOCAB, [40, 12], seed=4)
+    texts = served_completions(mixtral_folder, {"APPLIANCE_MODE": mode}, prompts)
+    tokenizer = AutoTokenizer.from_pretrained(mixtral_folder)
+    assert texts == [tokenizer.decode(greedy(mixtral, p, 24)) for p in prompts]
 
 
 @pytest.mark.parametrize(

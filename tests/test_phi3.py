@@ -19,21 +19,19 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from openai import OpenAI
 from random_models import (
-    LOGIT_TOLERANCE,
     TOY_TOKENS,
     assert_matches,
+    assert_shards_match,
     greedy,
     our_engine,
     random_model,
     save_folder,
-    sharded_prefill_logits,
+    served_completions,
     token_prompts,
     write_gguf,
 )
 from reference import our_prefill_logits
-from server_process import API_KEY, ServerProcess
 
 from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels, gguf_file
@@ -261,13 +259,9 @@ def test_phi4mini_tensor_parallel_shards_match_transformers(
 ) -> None:
     """Two shards, a KV head (and its query heads) each, cut from the fused qkv_proj and
     gate_up_proj; long factors (max_model_len 256)."""
-    whole = our_engine(phi4mini_folder)
     prompts = token_prompts(VOCAB, [70, 90, 7, 30], seed=3)
     references = [phi4mini, phi4mini, phi4mini_long, phi4mini_long]
-    logits = sharded_prefill_logits(phi4mini_folder, whole, prompts, 2)
-    for prompt, got, reference in zip(prompts, logits, references, strict=True):
-        expected = reference(torch.tensor([prompt])).logits[0].float()
-        assert (got - expected).abs().max().item() < LOGIT_TOLERANCE
+    assert_shards_match(phi4mini_folder, prompts, references)
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
@@ -282,31 +276,14 @@ def test_appliance_serves_phi4mini(
     RoPE, mean the same in every worker."""
     from transformers import AutoTokenizer
 
-    server = ServerProcess(
-        {
-            "APPLIANCE_MODEL": str(phi4mini_folder),
-            "APPLIANCE_DTYPE": "float32",
-            "APPLIANCE_MODE": mode,
-            "APPLIANCE_API_KEY": API_KEY,
-            "APPLIANCE_KV__MEMORY_MB": "32",
-        }
-    )
-    server.start()
-    try:
-        client = OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        tokenizer = AutoTokenizer.from_pretrained(phi4mini_folder)
-        cases = zip(token_prompts(VOCAB, [70, 20], seed=4), [phi4mini, phi4mini_long], strict=True)
-        for prompt, reference in cases:
-            reply = client.completions.create(
-                model=phi4mini_folder.name,
-                prompt=prompt,
-                max_tokens=24,
-                temperature=0,
-                extra_body={"ignore_eos": True},
-            )
-            assert reply.choices[0].text == tokenizer.decode(greedy(reference, prompt, 24))
-    finally:
-        server.stop()
+    prompts = token_prompts(VOCAB, [70, 20], seed=4)
+    texts = served_completions(phi4mini_folder, {"APPLIANCE_MODE": mode}, prompts)
+    tokenizer = AutoTokenizer.from_pretrained(phi4mini_folder)
+    references = [phi4mini, phi4mini_long]
+    expected = [
+        tokenizer.decode(greedy(r, p, 24)) for p, r in zip(prompts, references, strict=True)
+    ]
+    assert texts == expected
 
 
 @pytest.mark.parametrize(
