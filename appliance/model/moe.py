@@ -15,7 +15,7 @@ experts split by column as the MLP does (tensor_parallel.py says why).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig
 from appliance.model.quant import QuantWeight
 from appliance.model.tensor_parallel import Shard, shard_plan
+from appliance.model.weight_parts import WeightParts
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,50 +149,25 @@ def _name(layer: str, expert: str, part: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{expert}.{part}.weight"
 
 
-class MoEWeights(Mapping[str, torch.Tensor]):
+class MoEWeights(WeightParts):
     """A mixture-of-experts model's weights under the names the decoder loads. A stacked
     source is read an expert at a time from a GGUF (GGUFWeights.rows), else viewed
     (mapped files) and kept until its last expert's part is released."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
-        self._weights = weights
-        self._sources = _sources(weights, config)
-        last: dict[str, str] = {}
-        for name, (source, _, _) in self._sources.items():
-            last[source] = name
-        self._last_parts = set(last.values())
-        self._held: tuple[str, torch.Tensor] | None = None
+        super().__init__(weights, _sources(weights, config))
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        source, expert, rows = self._sources[name]
+        source, expert, rows = self._parts[name]
         if expert is None:
             return self._weights[source]
         read_rows = getattr(self._weights, "rows", None)
         if read_rows is not None:  # a GGUF read from the file: this expert's rows alone
             per = self._weights.shape(source)[1]  # type: ignore[attr-defined]
             tensor = read_rows(source, expert * per, (expert + 1) * per)
-            return tensor if rows is None else tensor[rows]
-        if self._held is None or self._held[0] != source:
-            self._held = (source, self._weights[source])
-        tensor = self._held[1][expert]
+        else:
+            tensor = self.held(source)[expert]
         return tensor if rows is None else tensor[rows]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._sources)
-
-    def __len__(self) -> int:
-        return len(self._sources)
-
-    def release(self, name: str) -> None:
-        """The decoder copied `name`: its source goes once its last part is copied."""
-        if name not in self._last_parts:
-            return
-        source = self._sources[name][0]
-        if self._held is not None and self._held[0] == source:
-            self._held = None
-        release = getattr(self._weights, "release", None)
-        if release is not None:
-            release(source)
 
 
 def loaded_names(names: Iterable[str], config: ModelConfig) -> list[str]:

@@ -19,13 +19,14 @@ worker.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from appliance.model.model_config import ModelConfig
 from appliance.model.quant import QuantWeight
+from appliance.model.weight_parts import WeightParts
 
 # Our fused sources and the projections they hold, in row order.
 _FUSED = {
@@ -100,48 +101,19 @@ def _reorder(rows: torch.Tensor, heads: int, config: ModelConfig) -> torch.Tenso
     return shaped[:, order].reshape(rows.shape)
 
 
-class Phi3Weights(Mapping[str, torch.Tensor]):
+class Phi3Weights(WeightParts):
     """A Phi-3 model's weights (a folder's or a GGUF's, read on demand) under the names
-    and row orders the decoder loads. The fused source last read is kept until its last
-    part is released, so a GGUF's is dequantized once, not once per part."""
+    and row orders the decoder loads; a fused source is read once for all its parts."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
-        self._weights = weights
+        super().__init__(weights, _sources(weights, config))
         self._config = config
-        self._sources = _sources(weights, config)
-        last: dict[str, str] = {}
-        for name, (source, _) in self._sources.items():
-            last[source] = name
-        self._last_parts = set(last.values())
-        self._held: tuple[str, torch.Tensor] | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        source, rows = self._sources[name]
-        if rows is None:
-            tensor = self._weights[source]
-        else:
-            if self._held is None or self._held[0] != source:
-                self._held = (source, self._weights[source])
-            tensor = self._held[1][rows]
+        source, rows = self._parts[name]
+        tensor = self._weights[source] if rows is None else self.held(source)[rows]
         heads = _turned_heads(name, self._config)
         return _reorder(tensor, heads, self._config) if heads else tensor
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._sources)
-
-    def __len__(self) -> int:
-        return len(self._sources)
-
-    def release(self, name: str) -> None:
-        """The decoder copied `name`: its source goes once its last part is copied."""
-        if name not in self._last_parts:
-            return
-        source = self._sources[name][0]
-        if self._held is not None and self._held[0] == source:
-            self._held = None
-        release = getattr(self._weights, "release", None)
-        if release is not None:
-            release(source)
 
 
 def split_quant(quant: dict[str, QuantWeight], config: ModelConfig) -> dict[str, QuantWeight]:
