@@ -200,6 +200,7 @@ def test_appliance_serve_answers_as_transformers(
         ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 of 8 experts"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
         ({"sliding_window": 0}, "sliding_window"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "needs original_max"),
     ],
 )
 def test_what_is_not_run_is_refused(fields: dict, words: str) -> None:

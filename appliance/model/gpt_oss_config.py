@@ -30,6 +30,11 @@ def gpt_oss_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     if not 0 < top_k <= experts:
         raise ModelLoadError(source, f"num_experts_per_tok {top_k} of {experts} experts")
     rope, theta = _rope(cfg)
+    scaling = check_rope_scaling(rope, source, ROPE_TYPES)
+    if scaling and scaling["rope_type"] == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            if not scaling.get(key):
+                raise ModelLoadError(source, f"yarn RoPE scaling needs {key}")
     eos = cfg.get("eos_token_id")
     width = cfg.get("intermediate_size", 2880)
     return ModelConfig(
@@ -46,7 +51,7 @@ def gpt_oss_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 131_072),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", True)),
-        rope_scaling=check_rope_scaling(rope, source, ROPE_TYPES),
+        rope_scaling=scaling,
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         sliding_window=check_sliding_window(cfg.get("sliding_window", 128), source),
         layer_types=_layer_types(cfg.get("layer_types"), num_layers, source),
