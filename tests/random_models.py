@@ -65,12 +65,14 @@ def write_gguf(
     quantize: bool = False,
     extra: Mapping[str, np.ndarray] | None = None,
     tensors: Mapping[str, torch.Tensor] | None = None,
+    types: Mapping[str, gguf.GGMLQuantizationType] | None = None,
 ) -> Path:
     """`model` as a GGUF of architecture `arch` with the toy tokenizer (its vocabulary
     must be len(TOY_TOKENS)): tensor names from the gguf package's own map, matrices in
     Q8_0 blocks when `quantize`, else float32; Gemma 3's norm weights as 1 + weight, as
     convert_hf_to_gguf stores them; `extra` tensors (float32, by GGUF name) after the
-    model's; `tensors` (by Hugging Face name) in place of the model's state dict.
+    model's; `tensors` (by Hugging Face name) in place of the model's state dict, `types`
+    (by the same names) the block formats some are stored in (gpt-oss's MXFP4 experts).
     Metadata keys lack the "<arch>." prefix; ints are uint32s, floats float32s."""
     name = gguf.MODEL_ARCH_NAMES[arch]
     layers = int(metadata["block_count"])
@@ -108,7 +110,10 @@ def write_gguf(
             array = _permute_rope_rows(array, int(heads))
         if arch == gguf.MODEL_ARCH.GEMMA3 and hf_name.endswith("norm.weight"):
             array = array + 1
-        if quantize and array.ndim >= 2:
+        if types and hf_name in types:
+            qtype = types[hf_name]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        elif quantize and array.ndim >= 2:
             q8 = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, q8), raw_dtype=q8)
         else:

@@ -41,6 +41,8 @@ class Case:
     runs: tuple[tuple[int, int], ...]  # per sequence: (cached tokens, query tokens now)
     varlen: bool  # query runs from query_starts; else one length for all (decode, a chunk)
     tolerance: float  # max |kernel - reference| / (1 + |reference|), elementwise
+    sinks: bool = False  # a random sink logit per query head (gpt-oss)
+    window: int | None = None  # each query sees its last `window` keys only
 
 
 # Decode: one query per sequence, contexts from 1 token to three key tiles, block edges on
@@ -66,6 +68,11 @@ CASES = (
     # segment: GQA 4, blocks of 32.
     Case("chunk_prefix_hit_fp32", "float32", 8, 2, 64, 32, ((45, 40),), False, 1e-5),
     Case("chunk_prefix_hit_bf16", "bfloat16", 8, 2, 64, 32, ((45, 40),), False, 1e-2),
+    # gpt-oss: sink logits per head, alone and with a window (its sliding layers).
+    Case("decode_sinks_fp32", "float32", 6, 2, 64, 16, DECODES, False, 1e-5, sinks=True),
+    Case("prefill_sinks_fp32", "float32", 6, 2, 64, 16, CHUNKS, True, 1e-5, sinks=True),
+    Case("prefill_sinks_window_fp32", "float32", 8, 2, 64, 16, CHUNKS, True, 1e-5, True, 12),
+    Case("decode_sinks_window_bf16", "bfloat16", 6, 2, 64, 16, DECODES, False, 1e-2, True, 9),
 )
 ATTEND_TOLERANCE = 1e-5  # attend() against the CPU path (SDPA, the C kernel), float32
 
@@ -100,8 +107,11 @@ def _reference(
     tables: torch.Tensor,
     runs: list[tuple[int, int, int]],
     scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Dense float64 attention: runs are (first row, query tokens, context tokens)."""
+    """Dense float64 attention: runs are (first row, query tokens, context tokens); a sink
+    logit per head joins each softmax as a key without value; a window hides older keys."""
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for i, (start, length, context) in enumerate(runs):
@@ -113,7 +123,14 @@ def _reference(
         scores = torch.einsum("lhd,chd->hlc", qq, k) * scale  # [heads, length, ctx]
         q_pos = torch.arange(context - length, context)
         hidden = torch.arange(context)[None, :] > q_pos[:, None]  # causal: later keys hidden
-        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        if window is not None:
+            hidden |= torch.arange(context)[None, :] <= q_pos[:, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:  # [heads, length, ctx + 1], the sink's column dropped after
+            sink = sinks.double()[:, None, None].expand(-1, length, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
         out[start : start + length] = torch.einsum("hlc,chd->lhd", probs, v)
     return out
 
@@ -132,6 +149,8 @@ def _run_case(case: Case) -> float:
     width = case.heads + 2 * case.kv_heads
     q = torch.randn(starts[-1], width, case.head_dim).to(dtype)[:, : case.heads]
     scale = case.head_dim**-0.5
+    sinks = torch.randn(case.heads) * 2 if case.sinks else None
+    extra = {"sinks": sinks, "window": case.window}
     if case.varlen:
         # int32 metadata here, int64 below: the kernel takes either.
         out = triton_attention.paged_attention(
@@ -143,21 +162,24 @@ def _run_case(case: Case) -> float:
             scale,
             query_len=max(lengths),
             query_starts=torch.tensor(starts, dtype=torch.int32),
+            **extra,
         )
     else:
         assert len(set(lengths)) == 1, "a uniform launch has one query length"
+        lens = torch.tensor(contexts)
         out = triton_attention.paged_attention(
-            q, k_cache, v_cache, tables, torch.tensor(contexts), scale, query_len=lengths[0]
+            q, k_cache, v_cache, tables, lens, scale, query_len=lengths[0], **extra
         )
     runs = list(zip(starts[:-1], lengths, contexts, strict=True))
-    ref = _reference(q, k_cache, v_cache, tables, runs, scale)
+    ref = _reference(q, k_cache, v_cache, tables, runs, scale, sinks, case.window)
     return ((out.double() - ref).abs() / (1 + ref.abs())).max().item()
 
 
-def _run_attend() -> float:
+def _run_attend(sinks: bool = False) -> float:
     """triton_attention.attend over a whole step (two prefill segments, one a prefix hit,
     and two decode groups, one out of row order) against attention.paged_attention's CPU
-    path: the max abs difference."""
+    path: the max abs difference. With `sinks` (and a window): gpt-oss's attention, whose
+    CPU path is attend_with_sinks."""
     from appliance.model import triton_attention
     from appliance.model.attention import AttentionBatch, DecodeGroup, PrefillSegment
     from appliance.model.attention import paged_attention as cpu_paged_attention
@@ -197,8 +219,9 @@ def _run_attend() -> float:
     groups = [group([2, 0]), group([1])]
     batch = AttentionBatch(torch.zeros(0, dtype=torch.int64), segments, row, groups)
     scale = head_dim**-0.5
-    ours = triton_attention.attend(q, k_cache, v_cache, batch, scale)
-    theirs = cpu_paged_attention(q, k, v, k_cache, v_cache, batch, scale)
+    extra = {"window": 17, "sinks": torch.randn(heads)} if sinks else {}
+    ours = triton_attention.attend(q, k_cache, v_cache, batch, scale, **extra)
+    theirs = cpu_paged_attention(q, k, v, k_cache, v_cache, batch, scale, **extra)
     return (ours - theirs).abs().max().item()
 
 
@@ -208,6 +231,7 @@ def _child() -> dict[str, float | str]:
     results: dict[str, float | str] = {}
     jobs = {case.name: lambda case=case: _run_case(case) for case in CASES}
     jobs["attend"] = _run_attend
+    jobs["attend_sinks"] = lambda: _run_attend(sinks=True)
     for name, job in jobs.items():
         try:
             results[name] = job()
@@ -234,8 +258,9 @@ def test_kernel_matches_dense_reference(errors: dict[str, float | str], case: Ca
     assert error <= case.tolerance, f"{case.name}: error {error} over 1 + |reference|"
 
 
-def test_attend_matches_cpu_path(errors: dict[str, float | str]) -> None:
-    error = errors["attend"]
+@pytest.mark.parametrize("job", ["attend", "attend_sinks"])
+def test_attend_matches_cpu_path(errors: dict[str, float | str], job: str) -> None:
+    error = errors[job]
     assert not isinstance(error, str), error
     assert error <= ATTEND_TOLERANCE, f"max abs difference from the CPU path {error}"
 

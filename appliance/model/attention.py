@@ -12,6 +12,12 @@ A sliding window (Mistral) lets each query see only the last `window` keys, itse
 included, as transformers' mask does: SDPA through its mask, the compiled CPU kernel and
 the Triton one by reading only those. Blocks that fall out of the window stay allocated:
 the cache holds every token of a sequence.
+
+Attention sinks (gpt-oss): a learned logit per query head joins each softmax's
+denominator and adds no value, so a head may attend to "nothing". SDPA takes no such
+term: with sinks, prefill and decode run attend_with_sinks (the scores as one matrix,
+the sink a last column of the softmax) and never the compiled CPU decode kernel, which
+has none; the Triton kernel folds the sink into its online softmax's sum.
 """
 
 from __future__ import annotations
@@ -103,29 +109,31 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> like q. The step's
     k/v are already in the cache (rotate_and_store). `window`: each query attends to the
-    last `window` keys only (None: its whole context)."""
+    last `window` keys only (None: its whole context). `sinks` [heads]: each head's sink
+    logit, in every softmax's denominator (None: none)."""
     if runs_triton(q.device):
         from appliance.model import triton_attention  # on first CUDA use, never on CPU
 
-        return triton_attention.attend(q, k_cache, v_cache, batch, scale, window)
+        return triton_attention.attend(q, k_cache, v_cache, batch, scale, window, sinks)
     groups = batch.decode_groups
     if not batch.prefills and len(groups) == 1 and groups[0].rows is None:
         # every row: nothing to place
-        return _decode(q, k_cache, v_cache, groups[0], scale, window)
+        return _decode(q, k_cache, v_cache, groups[0], scale, window, sinks)
     out = torch.empty_like(q)
     for seg in batch.prefills:
         rows = slice(seg.start, seg.start + seg.length)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale, window)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, seg, scale, window, sinks)
     decode_q, decode_out = q[batch.decode_start :], out[batch.decode_start :]
     for group in groups:
         if group.rows is None:
-            decode_out[:] = _decode(decode_q, k_cache, v_cache, group, scale, window)
+            decode_out[:] = _decode(decode_q, k_cache, v_cache, group, scale, window, sinks)
         else:
             picked = decode_q.index_select(0, group.rows)
-            result = _decode(picked, k_cache, v_cache, group, scale, window)
+            result = _decode(picked, k_cache, v_cache, group, scale, window, sinks)
             decode_out.index_copy_(0, group.rows, result)
     return out
 
@@ -146,6 +154,7 @@ def _prefill(
     seg: PrefillSegment,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if window is not None and seg.context_len <= window:
         window = None  # the window hides nothing from this chunk
@@ -166,6 +175,11 @@ def _prefill(
         if window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - window
         causal = False
+    if sinks is not None:
+        if mask is None:  # [length, length]: causal within the chunk
+            mask = torch.ones(seg.length, seg.length, dtype=torch.bool, device=q.device).tril()
+        heads = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        return attend_with_sinks(*heads, mask, scale, sinks)[0].transpose(0, 1)
     # 4-D [1, heads, length, head_dim]: SDPA's fused CPU kernel takes no 3-D input.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
@@ -192,15 +206,17 @@ def _decode(
     group: DecodeGroup,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its cached keys: on the CPU by the compiled
-    kernel, which reads the cache in place; elsewhere (and without it) by SDPA."""
-    if cpu_kernels.decode_takes(q, k_cache, v_cache):
+    kernel, which reads the cache in place; elsewhere (and without it, and with sinks,
+    which it has not) by SDPA or attend_with_sinks."""
+    if sinks is None and cpu_kernels.decode_takes(q, k_cache, v_cache):
         tables, lens = group.block_tables, group.context_lens
         return cpu_kernels.paged_decode(
             q, k_cache, v_cache, tables, lens, scale, checked=True, window=window
         )
-    return sdpa_decode(q, k_cache, v_cache, group, scale, window)
+    return sdpa_decode(q, k_cache, v_cache, group, scale, window, sinks)
 
 
 def sdpa_decode(
@@ -210,9 +226,10 @@ def sdpa_decode(
     group: DecodeGroup,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """_decode with torch's SDPA over the group's gathered, padded context (within the
-    last `window` keys of each, when given)."""
+    last `window` keys of each, when given; attend_with_sinks with `sinks`)."""
     tables = group.block_tables
     decodes, kv_heads, head_dim = tables.shape[0], k_cache.shape[2], k_cache.shape[3]
     # [decodes * max_blocks, block_size, kv_heads, head_dim] -> [decodes, ctx, kv_heads, head_dim]
@@ -229,7 +246,33 @@ def sdpa_decode(
         keys = torch.arange(visible.shape[-1], device=visible.device)
         inside = keys[None, :] >= (group.context_lens.to(visible.device) - window)[:, None]
         visible = visible & inside[:, None, None, :]  # [decodes, 1, 1, ctx]
+    if sinks is not None:  # a row per query head: [decodes, heads, 1, head_dim]
+        rows = q.view(decodes, -1, 1, head_dim)
+        out = attend_with_sinks(rows, k.transpose(1, 2), v.transpose(1, 2), visible, scale, sinks)
+        return out.reshape(decodes, -1, head_dim)
     out = F.scaled_dot_product_attention(
         grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible, scale=scale
     )  # K/V seen as [decodes, kv_heads, ctx, head_dim]
     return out.reshape(decodes, -1, head_dim)
+
+
+def attend_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention with a sink logit per head, as transformers' gpt-oss eager attention:
+    q [batch, heads, queries, head_dim], k/v [batch, kv_heads, keys, head_dim] (query head
+    h reads KV head h // (heads / kv_heads)), `visible` bool broadcastable to [batch,
+    heads, queries, keys], sinks [heads] -> [batch, heads, queries, head_dim]. The softmax
+    runs in float32 over the scores and the sink, which then drops out (it has no value)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, heads, queries, keys]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

@@ -25,6 +25,8 @@ def compiled_problem(model: CausalLM) -> str:
     """Why the compiled step cannot run `model`, or "" when it can."""
     if not cpu_kernels.available() or model.device.type != "cpu":
         return "the compiled kernels are not built, or the model is not on the CPU"
+    if model.config.attention_sinks:  # gpt-oss: its decode attention has no sink term
+        return "attention sinks: the compiled step's attention has none (the layers run)"
     if model.config.architecture == "gemma3":
         return "the compiled step runs Llama's layers, not Gemma's (four norms, GeGLU)"
     if model.config.num_experts:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from appliance.model.attention import AttentionBatch
+from appliance.model.gpt_oss import GptOssCausalLM
 from appliance.model.llama import MLP, Attention, CausalLM, HeadNorm
 from appliance.model.model_config import ModelConfig
 from appliance.model.rope import RotaryEmbedding
@@ -170,4 +171,6 @@ class GemmaCausalLM(CausalLM):
 
 def model_class(config: ModelConfig) -> type[CausalLM]:
     """The model class that runs `config`'s architecture."""
+    if config.architecture == "gpt_oss":
+        return GptOssCausalLM
     return GemmaCausalLM if config.architecture == "gemma3" else CausalLM

@@ -94,11 +94,40 @@ def convert_gguf_tokenizer(path: Path, out_dir: Path) -> None:
     """Turn the GGUF's tokenizer metadata and chat template into tokenizer.json files."""
     from transformers import AutoTokenizer
 
+    source, scratch = path, out_dir / "metadata-only"
+    if gguf_file.metadata(gguf_file.open_gguf(path)).get("general.architecture") == "gpt-oss":
+        # transformers (5.25) reads each gpt-oss.rope.scaling.* value as its key's length
+        # and fails under numpy 2: the tokenizer converts from a copy of the metadata
+        # without them (no tensor: a few MB).
+        scratch.mkdir()
+        source = scratch / path.name
+        copy_metadata(path, source, drop=".rope.scaling.")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     except Exception as exc:  # transformers raises several kinds for unknown tokenizers
         raise ModelLoadError(path, f"cannot convert its tokenizer ({exc})") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     tokenizer.save_pretrained(str(out_dir))
+
+
+def copy_metadata(path: Path, target: Path, drop: str) -> None:
+    """A GGUF of `path`'s metadata, less the keys holding `drop`, and no tensor."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    reader = gguf_file.open_gguf(path)
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(target), arch)  # writes general.architecture itself
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or drop in key:
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def cached_weights(

@@ -1,5 +1,6 @@
 """Reading a GGUF file: architecture metadata, and weights dequantized to float32 a tensor
-(or a piece of one) at a time.
+(or a piece of one) at a time. MXFP4 (gpt-oss's experts) is read so, dequantized by the
+gguf package; only the formats in quant.FORMATS stay in their blocks.
 
 Weights come back under Hugging Face names and layouts, so one model class serves
 GGUF files and safetensors folders alike.
@@ -24,6 +25,7 @@ from appliance.model import gguf_names, moe, phi3
 from appliance.model.errors import ModelLoadError
 from appliance.model.gemma_config import gemma3_gguf_facts
 from appliance.model.gguf_index import TensorEntry, require_file, tensor_index
+from appliance.model.gpt_oss_config import gpt_oss_gguf_facts
 from appliance.model.model_config import (
     MOE_LAYOUTS,
     OWN_LAYOUTS,
@@ -36,11 +38,11 @@ from appliance.model.quant import FORMATS, BlockFormat, QuantWeight
 
 SUPPORTED_QUANTS = frozenset(
     GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
 
 # GGUF architectures named apart from their config.json model_type.
-_GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+_GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
 # The file's architectures, under llama.cpp's names.
 _ARCHITECTURES = tuple(
     {hf: name for name, hf in _GGUF_ARCHITECTURES.items()}.get(a, a)
@@ -121,6 +123,8 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         }
         config = dataclasses.replace(config, **phi3.gguf_facts(meta, factors, config.head_dim))
         check_longrope(config, str(path))
+    if arch == "gpt-oss":
+        return gpt_oss_gguf_facts(config, meta, str(path))
     return gemma3_gguf_facts(config, meta, str(path)) if arch == "gemma3" else config
 
 

@@ -39,6 +39,18 @@ GEMMA3_NAMES = LAYER_NAMES | {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# gpt-oss (model/gpt_oss.py): biases on o, the router and each projection's stacked
+# experts, a sink logit per head, and the norm before the experts as llama.cpp names it.
+GPT_OSS_NAMES = LAYER_NAMES | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+    "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias",
+    "ffn_up_exps.bias": "mlp.experts.up_proj.bias",
+    "ffn_down_exps.bias": "mlp.experts.down_proj.bias",
+}
 TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -54,7 +66,7 @@ def hf_name(gguf_name: str, path: Path, architecture: str = "llama") -> str:
     ffn_up holds gate and up (gate_up_proj)."""
     if gguf_name in TOP_NAMES:
         return TOP_NAMES[gguf_name]
-    names = GEMMA3_NAMES if architecture == "gemma3" else LAYER_NAMES
+    names = {"gemma3": GEMMA3_NAMES, "gpt_oss": GPT_OSS_NAMES}.get(architecture, LAYER_NAMES)
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
     if match and architecture == "phi3" and match.group(2) == "ffn_up.weight":
         return f"model.layers.{match.group(1)}.mlp.gate_up_proj.weight"

@@ -60,6 +60,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * config.head_dim, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
         self.window = config.sliding_window
+        # gpt-oss's sink logit per query head [heads] (model/gpt_oss.py); None: none.
+        self.sinks: torch.Tensor | None = None
         # Qwen3: one RMSNorm over each head of q and of k, after the projection, before RoPE.
         self.q_norm = HeadNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = HeadNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -81,7 +83,7 @@ class Attention(nn.Module):
             qkv, rope, kv_layer[0], kv_layer[1], batch.slot_mapping, self.num_heads
         )
         out = paged_attention(
-            q, k, v, kv_layer[0], kv_layer[1], batch, self.scale, window=self.window
+            q, k, v, kv_layer[0], kv_layer[1], batch, self.scale, self.window, self.sinks
         )
         return self.o_proj(out.flatten(1))
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.model import gguf_file, moe, phi3, safetensors_file
+from appliance.model import gguf_file, gpt_oss_weights, moe, phi3, safetensors_file
 from appliance.model.errors import ModelLoadError
 from appliance.model.gguf_cache import cached_config, cached_weights, gguf_entry
 from appliance.model.model_config import ModelConfig, from_hf_config
@@ -63,14 +63,16 @@ class ModelFiles:
 
     def named_weights(self) -> Mapping[str, torch.Tensor]:
         """`weights` under the names and row orders the model loads (Phi-3's fused
-        projections cut apart: model/phi3.py; experts one by one: model/moe.py), read a
-        tensor at a time."""
+        projections cut apart: model/phi3.py; experts one by one: model/moe.py and, for
+        gpt-oss, model/gpt_oss_weights.py), read a tensor at a time."""
         return self._as_loaded(self.weights)
 
     def _phi3(self) -> bool:
         return self.config.architecture == "phi3"
 
     def _as_loaded(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        if self.config.architecture == "gpt_oss":  # experts cut and de-interleaved
+            return gpt_oss_weights.GptOssWeights(weights, self.config)
         if self.config.num_experts:  # experts renamed, stacked ones cut (model/moe.py)
             return moe.MoEWeights(weights, self.config)
         return phi3.Phi3Weights(weights, self.config) if self._phi3() else weights

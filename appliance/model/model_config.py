@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "gemma3_text",
     "mixtral",
     "qwen3_moe",
+    "gpt_oss",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # Architectures whose config.json model_type and GGUF general.architecture name a layout
@@ -71,6 +72,8 @@ class ModelConfig:
     local_rope_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # gpt-oss (model/gpt_oss.py): a learned sink logit per head joins each softmax.
+    attention_sinks: bool = False
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window layer `index` attends within, or None for its whole context."""
@@ -83,6 +86,9 @@ class ModelConfig:
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss's clamped SwiGLU in its experts (None: plain SiLU-gated MLPs).
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def sparse_layer(self, index: int) -> bool:
         """Whether layer `index` routes tokens to experts (else a dense MLP)."""
@@ -113,6 +119,10 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelConfig:
         from appliance.model.gemma_config import gemma3_from_hf  # it imports this module
 
         return gemma3_from_hf(cfg, source)
+    if arch == "gpt_oss":
+        from appliance.model.gpt_oss_config import gpt_oss_from_hf  # it imports this module
+
+        return gpt_oss_from_hf(cfg, source)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             source,
@@ -248,8 +258,11 @@ def check_sliding_window(window: Any, source: str) -> int | None:
     return window
 
 
-def check_rope_scaling(scaling: dict[str, Any] | None, source: str) -> dict[str, Any] | None:
-    """Normalise rope scaling to {'rope_type': ..., params} or None; refuse unknown kinds."""
+def check_rope_scaling(
+    scaling: dict[str, Any] | None, source: str, supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES
+) -> dict[str, Any] | None:
+    """Normalise rope scaling to {'rope_type': ..., params} or None; refuse kinds not in
+    `supported` (YaRN is gpt-oss's alone: model/gpt_oss_config.py)."""
     if not scaling:
         return None
     scaling = dict(scaling)
@@ -257,9 +270,8 @@ def check_rope_scaling(scaling: dict[str, Any] | None, source: str) -> dict[str,
     kind = "longrope" if kind == "su" else kind  # LongRoPE's first name (Phi-3 128k)
     for key in ("type", "rope_theta", "partial_rotary_factor"):  # not scaling: read apart
         scaling.pop(key, None)
-    if kind not in SUPPORTED_ROPE_TYPES:
+    if kind not in supported:
         raise ModelLoadError(
-            source,
-            f"unsupported RoPE scaling {kind!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
+            source, f"unsupported RoPE scaling {kind!r} (supported: {', '.join(supported)})"
         )
     return None if kind == "default" else {"rope_type": kind, **scaling}

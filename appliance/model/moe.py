@@ -95,7 +95,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, hidden]: each token's experts' outputs, weighted,
         summed in expert order (as transformers sums them)."""
-        weights, chosen = route(self.gate(x), self.top_k, self.normalize)
+        weights, chosen = self.route(x)
         out: torch.Tensor | None = None
         for expert, tokens, slots in expert_groups(chosen, len(self.experts)):
             part = self.experts[expert](x[tokens])
@@ -105,6 +105,10 @@ class SparseMoE(nn.Module):
             out.index_add_(0, tokens, part)
         assert out is not None  # every token routes to top_k >= 1 experts
         return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, hidden] -> each token's expert weights and experts (see route())."""
+        return route(self.gate(x), self.top_k, self.normalize)
 
 
 _PART = r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."

@@ -301,7 +301,7 @@ def attach_quant(
             owner, attr = fused.split(".")
             setattr(getattr(layer, owner), attr, QuantLinear(weights, bias, span, partial))
             served |= set(names) | ({*bias_names} if bias is not None else set())
-        served |= _attach_experts(model, index, quant, spans)
+        served |= _attach_experts(model, index, quant, dense, spans)
     owned = {n: quant[n].owned() for n in (EMBEDDING, "lm_head.weight") if n in quant}
     if EMBEDDING in owned:
         model.embed_tokens = QuantEmbedding(owned[EMBEDDING], model.dtype)
@@ -314,11 +314,16 @@ def attach_quant(
 
 
 def _attach_experts(
-    model: CausalLM, index: int, quant: dict[str, QuantWeight], spans: dict[str, int]
+    model: CausalLM,
+    index: int,
+    quant: dict[str, QuantWeight],
+    dense: dict[str, torch.Tensor],
+    spans: dict[str, int],
 ) -> set[str]:
     """Layer `index`'s routed experts (model/moe.py) whose parts are all in `quant`, each
-    projection a QuantLinear, as attach_quant gives the MLP's (the down projections
-    row-parallel); the names now served."""
+    projection a QuantLinear with its biases from `dense` where it has them (gpt-oss), as
+    attach_quant gives the MLP's (the down projections row-parallel); the names now
+    served."""
     served: set[str] = set()
     experts = getattr(model.layers[index].mlp, "experts", None)
     for number, expert in enumerate(experts or ()):
@@ -333,8 +338,11 @@ def _attach_experts(
             # expert's share is weighted before the sum, and rounding it to float32
             # first (as a whole model would) cannot be done by a shard.
             partial = key in spans
-            setattr(expert, attr, QuantLinear(weights, None, span, partial))
-            served |= set(names)
+            bias_names = [n.removesuffix("weight") + "bias" for n in names]
+            biases = [dense[b] for b in bias_names if b in dense]
+            bias = torch.cat(biases) if len(biases) == len(names) else None
+            setattr(expert, attr, QuantLinear(weights, bias, span, partial))
+            served |= set(names) | (set(bias_names) if bias is not None else set())
     return served
 
 

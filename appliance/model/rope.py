@@ -1,5 +1,5 @@
-"""Rotary position embeddings (rotate-half layout), with linear, llama3 and LongRoPE
-frequency scaling, over whole heads or their first `rotary_dim` dimensions."""
+"""Rotary position embeddings (rotate-half layout), with linear, llama3, LongRoPE and
+YaRN frequency scaling, over whole heads or their first `rotary_dim` dimensions."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def inverse_frequencies(
         factors = torch.tensor(longrope_factors(scaling, max_positions), dtype=torch.float32)
         return 1.0 / (factors * config.rope_theta**exponents)
     inv_freq = 1.0 / (config.rope_theta**exponents)
+    if kind == "yarn":
+        return _yarn(inv_freq, scaling, dim, config.rope_theta)
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
@@ -45,6 +47,31 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn(inv_freq: torch.Tensor, scaling: dict, dim: int, base: float) -> torch.Tensor:
+    """YaRN's frequencies, as transformers' _compute_yarn_parameters computes them: each
+    pair's blend of the unscaled frequency (fast-turning pairs, past beta_fast turns over
+    the pretraining length) and the one divided by `factor` (slow ones, under beta_slow),
+    a linear ramp between; `truncate` (default true) widens the ramp to whole pairs."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+
+    def pair(turns: float) -> float:  # the pair that turns `turns` times over `original`
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = (
+        pair(float(scaling.get("beta_fast") or 32)),
+        pair(float(scaling.get("beta_slow") or 1)),
+    )
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero, as transformers
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # [dim // 2]: 1 keeps a pair's own frequency
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+
+
 def longrope_factors(scaling: dict, max_positions: int) -> list[float]:
     """LongRoPE's long factors where the engine runs the model past the length it was
     pretrained at (`max_positions`, its max_model_len, above original_max_position_embeddings),
@@ -62,11 +89,14 @@ def longrope_factors(scaling: dict, max_positions: int) -> list[float]:
 
 
 def attention_factor(config: ModelConfig) -> float:
-    """The factor LongRoPE multiplies cos and sin by (so q.k by its square): the
-    scaling's `attention_factor` (a GGUF's rope.scaling.attn_factor), else sqrt(1 +
-    ln(s) / ln(original length)) for s = max_position_embeddings / original length (or
-    its `factor`), 1 where s <= 1; 1 for every other kind."""
+    """The factor LongRoPE and YaRN multiply cos and sin by (so q.k by its square): the
+    scaling's `attention_factor` (a GGUF's rope.scaling.attn_factor); else for LongRoPE
+    sqrt(1 + ln(s) / ln(original length)) for s = max_position_embeddings / original
+    length (or its `factor`), 1 where s <= 1; for YaRN 0.1 ln(factor) + 1 (or mscale's
+    ratio, as transformers' yarn_get_mscale), 1 where factor <= 1; 1 for every other kind."""
     scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "yarn":
+        return _yarn_attention_factor(scaling)
     if scaling.get("rope_type") != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -74,6 +104,18 @@ def attention_factor(config: ModelConfig) -> float:
     original = float(scaling["original_max_position_embeddings"])
     factor = float(scaling.get("factor") or config.max_position_embeddings / original)
     return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+
+
+def _yarn_attention_factor(scaling: dict) -> float:
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float) -> float:
+        return 0.1 * scale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    top, bottom = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(float(top)) / mscale(float(bottom)) if top and bottom else mscale(1.0)
 
 
 class RotaryEmbedding:

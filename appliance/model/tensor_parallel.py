@@ -5,7 +5,9 @@ Attention is split by KV head, each shard keeping the query heads that read its 
 projections into a shard (q/k/v, gate/up) are column-parallel; the ones out of it (o, down)
 are row-parallel, and their partial sums meet in one all-reduce per block. Embeddings,
 norms and the LM head are replicated. Splits need not be even: SmolLM2's 3 KV heads go
-2 + 1 over two shards.
+2 + 1 over two shards. A row-parallel projection's bias (gpt-oss's o and experts' down)
+is the first shard's alone, zeros on the others, so the sum adds it once; gpt-oss's sink
+logits go with their query heads.
 
 Routed experts (model/moe.py) are split as the MLP is: every shard holds every expert,
 each cut by intermediate column (gate/up by row, down by input column), and the router
@@ -151,6 +153,7 @@ def _spans(config: ModelConfig, shard: Shard) -> tuple[dict[str, slice], dict[st
         ".experts.*.gate_proj.": experts,  # routed experts' first: the names hold the MLP's
         ".experts.*.up_proj.": experts,
         ".q_proj.": _span(plan.q_heads, d),
+        ".self_attn.sinks": _span(plan.q_heads, 1),  # gpt-oss: a sink per query head
         ".k_proj.": _span(plan.kv_heads, d),
         ".v_proj.": _span(plan.kv_heads, d),
         ".gate_proj.": _span(plan.mlp_columns, 1),
@@ -169,13 +172,19 @@ def shard_state(
 ) -> dict[str, torch.Tensor]:
     """Cut Hugging Face-named full weights to one shard's, before q/k/v and gate/up are
     fused, so a shard never holds a full copy of a split projection."""
+
+    def cut_columns(tensor: torch.Tensor, columns: slice) -> torch.Tensor:
+        if tensor.dim() == 1:  # a row-parallel bias (gpt-oss): the first shard adds it
+            return tensor if shard.rank == 0 else torch.zeros_like(tensor)
+        # A view: the parameter's copy_ reads it in place. A contiguous copy first was a
+        # temporary the size of the shard's part, and the heap kept the holes they left.
+        return tensor[:, columns]
+
     return _cut(
         state,
         _spans(config, shard) if shard.size > 1 else None,
         lambda tensor, rows: tensor[rows],
-        # A view: the parameter's copy_ reads it in place. A contiguous copy first was a
-        # temporary the size of the shard's part, and the heap kept the holes they left.
-        lambda tensor, columns: tensor[:, columns],
+        cut_columns,
     )
 
 

@@ -13,7 +13,8 @@ Grid: (sequence, KV head, query-row tile). A program takes ROWS query rows of on
 the (token, query head) pairs of that head's GQA group, token-major, so one key tile
 loaded serves every query head that shares it; a decode's few rows (its one token's
 group) are padded to tl.dot's 16, masked. It walks the keys in tiles of BLOCK_N positions, up to the
-last key its rows may see (causal within the chunk).
+last key its rows may see (causal within the chunk). With SINKS (gpt-oss), each query
+head's sink logit joins the softmax's sum at the end, as one more key with no value.
 
 Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) runs the same
 kernel on CPU tensors; the tests use it. It computes no bfloat16 tl.dot (numpy has no
@@ -48,6 +49,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [seqs, max_blocks] int: the sequence's blocks in order
     context_lens_ptr,  # [seqs] int: tokens in the cache after this step
     query_starts_ptr,  # [seqs + 1] int: each sequence's first row; read only if VARLEN
+    sinks_ptr,  # [heads] float32: each query head's sink logit; read only if SINKS
     query_len,  # queries per sequence (uniform), or the longest (VARLEN)
     qk_scale,  # softmax scale * log2(e): the kernel exponentiates in base 2
     window,  # with WINDOWED: each query sees its last `window` keys only
@@ -67,6 +69,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per loop step
     VARLEN: tl.constexpr,  # query runs from query_starts, else query_len rows per sequence
     WINDOWED: tl.constexpr,  # a sliding window (`window`)
+    SINKS: tl.constexpr,  # a sink logit per query head in each softmax's denominator
     UPCAST: tl.constexpr,  # widen 16-bit dot operands to float32 (the interpreter)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" keeps float32 exact (no
     # TF32); None, the backend's default, for 16-bit inputs
@@ -162,6 +165,14 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=PRECISION)
         m_i = m_new
 
+    if SINKS:
+        # The sink (natural log, so times log2(e), as qk_scale is) joins the sum as one
+        # more key whose value is zero: the max moves to cover it, the sum gains its term.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        m_sink = tl.maximum(m_i, sink)  # [ROWS], finite: the sink is
+        rescale = tl.math.exp2(m_i - m_sink)
+        l_i = l_i * rescale + tl.math.exp2(sink - m_sink)
+        acc = acc * rescale[:, None]
     out = acc / l_i[:, None]  # [ROWS, HEAD_PAD]
     o_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
     tl.store(
@@ -183,6 +194,7 @@ def paged_attention(
     query_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [tokens, heads, head_dim] over the paged caches [num_blocks,
     block_size, kv_heads, head_dim] -> like q (written into `out` when given, which may be
@@ -195,7 +207,8 @@ def paged_attention(
     with query_starts [seqs + 1], rows query_starts[i] .. query_starts[i + 1] with
     query_len the longest run (it sizes the grid). Integer tensors may be int32 or int64;
     nothing here reads a device tensor back to the host. `window`: each query sees its
-    last `window` keys only (itself included), as a sliding-window model's do."""
+    last `window` keys only (itself included), as a sliding-window model's do. `sinks`
+    [heads]: each query head's sink logit, in its softmax's denominator (gpt-oss)."""
     tokens, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -210,6 +223,8 @@ def paged_attention(
     # The kernel steps the head dimension by 1; heads and tokens go by their strides.
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
         raise ValueError("q, out and the caches need a contiguous head dimension")
+    if sinks is not None and sinks.shape != (heads,):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)} for {heads} query heads")
     seqs = block_tables.shape[0]
     group = heads // kv_heads
     if seqs == 0 or tokens == 0:
@@ -226,6 +241,7 @@ def paged_attention(
         block_tables,
         context_lens,
         query_starts if query_starts is not None else context_lens,  # unread unless VARLEN
+        sinks.float().contiguous() if sinks is not None else context_lens,  # unread unless SINKS
         query_len,
         scale * math.log2(math.e),
         window or 0,
@@ -245,6 +261,7 @@ def paged_attention(
         BLOCK_N=_KEY_TILE,
         VARLEN=query_starts is not None,
         WINDOWED=window is not None,
+        SINKS=sinks is not None,
         UPCAST=interpreted and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
     )
@@ -258,11 +275,13 @@ def attend(
     batch: AttentionBatch,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """attention.paged_attention on the kernel: q [tokens, heads, head_dim] -> like q, the
     step's K/V already in the caches. One launch per prefill segment and per decode group
     (one group when the model runner makes one, as it may: the kernel takes any mix of
-    context lengths). `window`: each query sees its last `window` keys only."""
+    context lengths). `window`: each query sees its last `window` keys only; `sinks`
+    [heads]: each head's sink logit."""
     out = torch.empty_like(q)
     for seg in batch.prefills:
         rows = slice(seg.start, seg.start + seg.length)
@@ -278,13 +297,22 @@ def attend(
             query_len=seg.length,
             out=out[rows],
             window=window,
+            sinks=sinks,
         )
     decode_q, decode_out = q[batch.decode_start :], out[batch.decode_start :]
     for group in batch.decode_groups:
         if group.rows is None:  # every decode row, in order: written in place
             tables, lens = group.block_tables, group.context_lens
             paged_attention(
-                decode_q, k_cache, v_cache, tables, lens, scale, out=decode_out, window=window
+                decode_q,
+                k_cache,
+                v_cache,
+                tables,
+                lens,
+                scale,
+                out=decode_out,
+                window=window,
+                sinks=sinks,
             )
         else:
             result = paged_attention(
@@ -295,6 +323,7 @@ def attend(
                 group.context_lens,
                 scale,
                 window=window,
+                sinks=sinks,
             )
             decode_out.index_copy_(0, group.rows, result)
     return out
