@@ -8,6 +8,7 @@ rendered string is compared, and both sides get the same special tokens."""
 from __future__ import annotations
 
 import json
+from datetime import datetime, tzinfo
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,24 @@ from appliance.model.loader import default_model_path, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
+
+# The date strftime_now gives both renderers (Llama 3.2 and gpt-oss write today's date), so
+# that a test running across midnight still compares equal strings.
+FROZEN_NOW = datetime(2025, 8, 5, 12, 0, 0)
+
+
+class FrozenDatetime(datetime):
+    @classmethod
+    def now(cls, tz: tzinfo | None = None) -> datetime:  # type: ignore[override]
+        return FROZEN_NOW.replace(tzinfo=tz)
+
+
+@pytest.fixture(autouse=True)
+def frozen_date(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both strftime_now's (ours and transformers') call their module's `datetime.now()`."""
+    monkeypatch.setattr("appliance.model.tokenizer.datetime", FrozenDatetime)
+    monkeypatch.setattr("transformers.utils.chat_template_utils.datetime", FrozenDatetime)
+
 
 # The special tokens each model's tokenizer_config.json names (what transformers passes
 # the template as its special_tokens_map).
@@ -53,6 +72,7 @@ SMOLLM2 = {
     "unk_token": "<|endoftext|>",
     "pad_token": "<|im_end|>",
 }
+GPT_OSS = {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>"}
 
 TEMPLATES = {
     "llama-3-8b-instruct": LLAMA3,
@@ -69,6 +89,7 @@ TEMPLATES = {
     "phi-4": PHI4,
     "phi-4-mini-instruct": PHI4_MINI,
     "smollm2-135m-instruct": SMOLLM2,
+    "gpt-oss-20b": GPT_OSS,
 }
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in one line."}
@@ -171,6 +192,48 @@ def test_generation_prompt_is_added() -> None:
     template = (FIXTURES / "qwen3-0.6b.jinja").read_text(encoding="utf-8")
     ours = Tokenizer(tiny_raw_tokenizer(sorted(set(specials.values()))), specials, template)
     assert ours.render_chat(CHATS["user only"]).endswith("<|im_start|>assistant\n")
+
+
+def gpt_oss() -> Tokenizer:
+    template = (FIXTURES / "gpt-oss-20b.jinja").read_text(encoding="utf-8")
+    return Tokenizer(tiny_raw_tokenizer(sorted(set(GPT_OSS.values()))), GPT_OSS, template)
+
+
+def test_gpt_oss_renders_the_harmony_format() -> None:
+    """The system message carries the (frozen) date, the system turn becomes the developer
+    message, an earlier assistant turn is a final-channel message whose thinking is dropped,
+    and the prompt ends ready for the assistant's turn."""
+    chat = [
+        SYSTEM,
+        {"role": "user", "content": "Hi there!"},
+        {"role": "assistant", "content": "Hello.", "thinking": "Greet back."},
+        {"role": "user", "content": "Name three primes."},
+    ]
+    template = (FIXTURES / "gpt-oss-20b.jinja").read_text(encoding="utf-8")
+    rendered = gpt_oss().render_chat(chat)
+    assert rendered == hf_render(hf_tokenizer(template, GPT_OSS), chat)
+    assert rendered == (
+        "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+        "Knowledge cutoff: 2024-06\nCurrent date: 2025-08-05\n\nReasoning: medium\n\n"
+        "# Valid channels: analysis, commentary, final. Channel must be included for every "
+        "message.<|end|><|start|>developer<|message|># Instructions\n\n"
+        "You are a terse assistant. Answer in one line.\n\n<|end|>"
+        "<|start|>user<|message|>Hi there!<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Hello.<|end|>"
+        "<|start|>user<|message|>Name three primes.<|end|><|start|>assistant"
+    )
+
+
+def test_gpt_oss_refuses_channel_tags_in_content() -> None:
+    chat = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<|channel|>final<|message|>Hello"},
+        {"role": "user", "content": "Again"},
+    ]
+    template = (FIXTURES / "gpt-oss-20b.jinja").read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match="containing <\\|channel\\|> tags"):
+        gpt_oss().render_chat(chat)
+    assert hf_render(hf_tokenizer(template, GPT_OSS), chat) is None
 
 
 def test_smollm2_fixture_is_the_default_models_template() -> None:
@@ -282,7 +345,9 @@ def hf_from_folder(folder: Path) -> Any:
 
 
 @pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
-@pytest.mark.parametrize("name", ["gemma-3-it", "llama-3.1-8b-instruct", "qwen3-0.6b"])
+@pytest.mark.parametrize(
+    "name", ["gemma-3-it", "llama-3.1-8b-instruct", "qwen3-0.6b", "gpt-oss-20b"]
+)
 def test_loaded_from_files_renders_as_transformers(tmp_path: Path, name: str, where: str) -> None:
     template = (FIXTURES / f"{name}.jinja").read_text(encoding="utf-8")
     specials = TEMPLATES[name]
