@@ -1,0 +1,136 @@
+"""What the simulated workers share: the box's memory bandwidth (contention) and the
+supervisor's routing of prompts and handoffs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.planner.sim_pool import SimSeq
+from appliance.planner.sim_worker import Worker
+from appliance.router import PREFIX_KEYS_KEPT
+
+
+class Contention:
+    """Model steps slowed while other workers run theirs: a worker's step progresses at
+    1/contention of its speed whenever another worker of the box is mid-step, at full
+    speed otherwise, so a step that overlaps others for part of its time is slowed for
+    that part only. `schedule(at, worker, version)` is told (again) when a step will end;
+    only the latest version of a worker's end counts."""
+
+    def __init__(
+        self, factors: Sequence[float], schedule: Callable[[float, int, int], None]
+    ) -> None:
+        self.factors = list(factors)
+        self.schedule = schedule
+        self.active = any(f > 1.0 for f in self.factors)  # else no bookkeeping at all
+        self.busy: dict[int, list[float]] = {}  # worker -> [work left (s), since, rate]
+        self.versions = [0] * len(self.factors)
+
+    def start(self, worker: int, now: float, work: float) -> None:
+        """The worker starts a step of `work` seconds (alone on the box)."""
+        if not self.active:
+            self._push(worker, now + work)
+            return
+        self._settle(now)
+        self.busy[worker] = [work, now, 0.0]
+        self._rerate(now)
+
+    def done(self, worker: int, now: float) -> None:
+        """Its step ended (at the time last scheduled for it)."""
+        if self.active:
+            self._settle(now)
+            del self.busy[worker]
+            self._rerate(now)
+
+    def current(self, worker: int, version: int) -> bool:
+        """Whether a scheduled end is the worker's latest."""
+        return self.versions[worker] == version
+
+    def _settle(self, now: float) -> None:
+        for state in self.busy.values():
+            state[0] = max(0.0, state[0] - (now - state[1]) * state[2])
+            state[1] = now
+
+    def _rerate(self, now: float) -> None:
+        shared = len(self.busy) > 1
+        for worker, state in self.busy.items():
+            rate = 1.0 / self.factors[worker] if shared else 1.0
+            if rate != state[2]:
+                state[2] = rate
+                self._push(worker, now + state[0] / rate)
+
+    def _push(self, worker: int, at: float) -> None:
+        self.versions[worker] += 1
+        self.schedule(at, worker, self.versions[worker])
+
+
+class PromptRouter:
+    """router.Router.prefill's rule (router.least_loaded, remember_prefix) over simulated
+    workers: fewest queued prompt tokens; among those within one step budget of it, the
+    one that was sent the longest shared prefix lately, then the fewest queued tokens,
+    then the fewest running; or in turn. What a worker was sent lately is its last
+    PREFIX_KEYS_KEPT prompt blocks, counted rather than hashed."""
+
+    def __init__(
+        self, workers: list[Worker], budget: int, round_robin: bool, caching: bool
+    ) -> None:
+        self.workers = workers
+        self.budget = budget
+        self.round_robin = round_robin
+        self.caching = caching
+        self.turns = 0
+        self.blocks_sent = [0] * len(workers)  # prompt blocks routed to each, ever
+        self.prefix_at: list[dict[int, int]] = [{} for _ in workers]  # id -> blocks_sent then
+
+    def pick(self, seq: SimSeq, block_size: int) -> Worker:
+        """The worker that prefills seq; it remembers seq's prefix went there."""
+        workers = self.workers
+        if self.round_robin:
+            worker = workers[self.turns % len(workers)]
+            self.turns += 1
+        elif len(workers) == 1:
+            worker = workers[0]
+        else:
+            least = min(w.queued_tokens for w in workers)
+            near = [w for w in workers if w.queued_tokens <= least + self.budget]
+            worker = min(near, key=lambda w: (-self._held(w, seq), w.queued_tokens, w.running))
+        self._remember(workers.index(worker), seq, block_size)
+        return worker
+
+    def _held(self, worker: Worker, seq: SimSeq) -> int:
+        """Blocks of seq's prefix the worker was sent lately (0 or all of them)."""
+        if seq.prefix_id is None or not self.caching:
+            return 0
+        index = self.workers.index(worker)
+        at = self.prefix_at[index].get(seq.prefix_id)
+        if at is None or self.blocks_sent[index] - at + seq.prefix_blocks > PREFIX_KEYS_KEPT:
+            return 0
+        return seq.prefix_blocks
+
+    def _remember(self, index: int, seq: SimSeq, block_size: int) -> None:
+        if not self.caching:
+            return
+        if seq.prefix_id is not None:
+            self.prefix_at[index][seq.prefix_id] = self.blocks_sent[index] + seq.prefix_blocks
+        self.blocks_sent[index] += seq.prompt // block_size
+
+
+def pick_decode(decoders: list[Worker], seq: SimSeq) -> Worker | None:
+    """handoffs._pick and router.Router.decode with equal links (a CPU box's, and what a
+    profile knows): among the decode workers with room for the handoff (free blocks for
+    its prompt and first token, a free sequence slot), the one with the most free blocks,
+    then the fewest running; None: it waits for room."""
+    size = decoders[0].pool.block_size
+    need = blocks_for_tokens(seq.prompt + 1, size)
+    best: Worker | None = None
+    for worker in decoders:
+        slots = worker.limits.max_num_seqs - worker.running - len(worker.landed)
+        if worker.pool.free < need or slots - worker.in_flight <= 0:
+            continue
+        if best is None or (worker.pool.free, -worker.running) > (
+            best.pool.free,
+            -best.running,
+        ):
+            best = worker
+    return best

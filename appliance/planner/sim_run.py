@@ -1,0 +1,287 @@
+"""The simulator's event loop: arrivals, model steps ending (contention moves them),
+handoffs landing; the supervisor's part (routing, handing off, waiting for room) between
+them. Events at the same time run in the order they were scheduled: deterministic."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from appliance.bench.metrics import RequestResult
+from appliance.kv.block_allocator import blocks_for_tokens
+from appliance.planner.layout import Layout
+from appliance.planner.profile import Profile
+from appliance.planner.sim_box import Contention, PromptRouter, pick_decode
+from appliance.planner.sim_pool import KVPool, SimSeq
+from appliance.planner.sim_worker import Limits, Step, StepRecord, Worker
+
+if TYPE_CHECKING:
+    from appliance.planner.simulator import Policy, SimRequest
+
+ARRIVE, MODEL_DONE, STEP_END, LAND, KICK = range(5)
+
+
+class Simulation:
+    """One run of `requests` on `layout` with `profile`'s costs."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        layout: Layout,
+        requests: Sequence[SimRequest],
+        policy: Policy,
+        concurrency: int | None = None,
+        trace: list[StepRecord] | None = None,
+    ) -> None:
+        self.profile = profile
+        self.requests = requests
+        self.policy = policy
+        self.concurrency = concurrency
+        self.trace = trace
+        self.disaggregated = layout.decode is not None
+        entry_role = "prefill" if self.disaggregated else "colocated"
+        self.entry = [
+            self._worker(i, entry_role, layout.prefill_unit())
+            for i in range(layout.prefill.workers)
+        ]
+        first = len(self.entry)
+        count = layout.decode.workers if layout.decode is not None else 0
+        self.decoders = [
+            self._worker(first + i, "decode", layout.decode_unit()) for i in range(count)
+        ]
+        self.workers = self.entry + self.decoders
+        self.heap: list[tuple[float, int, int, int, Any]] = []
+        self.order = itertools.count()
+        self.contention = Contention(
+            [w.cost.contention for w in self.workers],
+            lambda at, worker, version: self._push(at, MODEL_DONE, worker, version),
+        )
+        self.router = PromptRouter(
+            self.entry,
+            policy.prefill_token_budget,
+            policy.routing == "round_robin",
+            policy.prefix_caching,
+        )
+        self.started = [0.0] * len(self.workers)  # when each worker's current step began
+        self.handoffs: list[tuple[Worker, SimSeq]] = []  # waiting for room, oldest first
+        self.arrival = [r.arrival_s for r in requests]
+        self.times: list[list[float]] = [[] for _ in requests]
+        self.errors: dict[int, str] = {}
+        self.next_request = len(requests)  # closed loop: the next one a user sends
+
+    def _worker(self, index: int, role: str, unit: str) -> Worker:
+        cost = self.profile.worker(unit)
+        policy = self.policy
+        budget = policy.prefill_token_budget
+        if role == "decode":  # a decode step needs a token of budget per running sequence
+            budget = max(budget, policy.max_num_seqs)
+        limits = Limits(policy.max_num_seqs, budget, policy.chunk_size)
+        pool = KVPool(cost.kv_blocks, self.profile.block_size, policy.prefix_caching)
+        return Worker(index, role, cost, pool, limits)
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> list[RequestResult]:
+        """Run every request to its end; their results in the order given."""
+        if self.concurrency is None:
+            for index, request in enumerate(self.requests):
+                self._push(request.arrival_s, ARRIVE, index, None)
+        else:
+            self.next_request = min(self.concurrency, len(self.requests))
+            for index in range(self.next_request):
+                self.arrival[index] = 0.0
+                self._push(0.0, ARRIVE, index, None)
+        heap = self.heap
+        while heap:
+            now, _, kind, a, b = heapq.heappop(heap)
+            if kind == MODEL_DONE:
+                self._model_done(self.workers[a], b, now)
+            elif kind == STEP_END:
+                self._step_end(self.workers[a], now)
+            elif kind == ARRIVE:
+                self._arrive(a, now)
+            elif kind == LAND:
+                self._land(self.workers[a], b, now)
+            else:
+                self.workers[a].kick_pending = False
+                self._start(self.workers[a], now)
+        return [self._result(i) for i in range(len(self.requests))]
+
+    def _push(self, at: float, kind: int, a: int, b: Any) -> None:
+        heapq.heappush(self.heap, (at, next(self.order), kind, a, b))
+
+    # ------------------------------------------------------------ requests
+
+    def _arrive(self, index: int, now: float) -> None:
+        request = self.requests[index]
+        error = self._rejection(request)
+        if error is not None:
+            self.errors[index] = error
+            self._ended(now)
+            return
+        size = self.profile.block_size
+        shared = request.prefix_id is not None and self.policy.prefix_caching
+        seq = SimSeq(
+            index,
+            request.prompt_tokens,
+            request.output_tokens,
+            self.times[index],
+            request.prefix_id,
+            request.prefix_tokens // size if shared else 0,
+            prefill_only=self.disaggregated,
+        )
+        worker = self.router.pick(seq, size)
+        worker.waiting.append(seq)
+        worker.queued_tokens += seq.prompt
+        self._kick(worker, now)
+
+    def _rejection(self, request: SimRequest) -> str | None:
+        """Why the appliance would refuse the request (the server's 400), if it would."""
+        total = request.prompt_tokens + request.output_tokens
+        limit = self.profile.max_model_len
+        if total > limit:
+            return (
+                f"HTTP 400: {request.prompt_tokens} prompt tokens + {request.output_tokens} "
+                f"max_tokens exceed the model's context of {limit} tokens"
+            )
+        size = self.profile.block_size
+        needs = [(self.entry[0], total if not self.disaggregated else request.prompt_tokens)]
+        if self.decoders:
+            needs.append((self.decoders[0], total))
+        for worker, tokens in needs:
+            if blocks_for_tokens(tokens, size) > worker.pool.total:
+                return (
+                    f"HTTP 400: {tokens} tokens need more than the {worker.pool.total} KV "
+                    f"blocks of a {worker.role} worker ({worker.pool.total * size} tokens)"
+                )
+        return None
+
+    def _ended(self, at: float) -> None:
+        """A request ended: in a closed loop its user sends the next one then."""
+        if self.concurrency is not None and self.next_request < len(self.requests):
+            self.arrival[self.next_request] = at
+            self._push(at, ARRIVE, self.next_request, None)
+            self.next_request += 1
+
+    def _result(self, index: int) -> RequestResult:
+        request = self.requests[index]
+        start = self.arrival[index]
+        result = RequestResult(prompt_tokens=request.prompt_tokens, start=start)
+        times = self.times[index]
+        if index in self.errors or len(times) != request.output_tokens:
+            result.error = self.errors.get(index, "the simulation ended before the request")
+            return result
+        result.ok = True
+        result.output_tokens = len(times)
+        result.ttft = times[0] - start
+        result.latency = times[-1] - start
+        result.itl = [b - a for a, b in itertools.pairwise(times)]
+        return result
+
+    # ------------------------------------------------------------ steps
+
+    def _kick(self, worker: Worker, now: float) -> None:
+        """Start the worker's next step if it is free and has something to run. Not before
+        everything else due now has happened: a worker takes every message waiting for
+        it (prompts, handoffs landed) before it steps."""
+        if worker.busy or worker.kick_pending:
+            return
+        if self.heap and self.heap[0][0] <= now:
+            worker.kick_pending = True
+            self._push(now, KICK, worker.index, None)
+            return
+        self._start(worker, now)
+
+    def _start(self, worker: Worker, now: float) -> None:
+        if worker.busy:
+            return
+        step = worker.begin()
+        if step is None:
+            return
+        worker.current = step
+        self.started[worker.index] = now
+        self.contention.start(worker.index, now, step.seconds)
+
+    def _model_done(self, worker: Worker, version: int, now: float) -> None:
+        if not self.contention.current(worker.index, version):
+            return  # contention moved this step's end
+        self.contention.done(worker.index, now)
+        host = self.profile.host.per_step_s
+        if host > 0:
+            self._push(now + host, STEP_END, worker.index, None)
+        else:
+            self._step_end(worker, now)
+
+    def _step_end(self, worker: Worker, now: float) -> None:
+        step = worker.current
+        if step is None:
+            raise RuntimeError(f"worker {worker.index} ended a step it did not start")
+        worker.current = None
+        out = worker.end(step, now + self.profile.host.per_token_s)
+        if self.trace is not None:
+            self.trace.append(self._record(worker, step, now))
+        for seq in out.first:
+            if worker.role != "decode":
+                worker.queued_tokens -= seq.prompt
+        for seq in out.finished:
+            self._ended(seq.times[-1])
+        for seq in out.parked:
+            self._hand_off(worker, seq, now)
+        if out.freed and worker.role == "decode" and self.handoffs:
+            self._retry_handoffs(now)
+        self._kick(worker, now)
+
+    def _record(self, worker: Worker, step: Step, now: float) -> StepRecord:
+        decodes = step.lazy + sum(1 for _, n in step.chunks if n == 1)
+        start = self.started[worker.index]
+        return StepRecord(
+            worker.index, start, now, step.kind, step.prefills, decodes, step.preempted
+        )
+
+    # ------------------------------------------------------------ handoffs
+
+    def _hand_off(self, source: Worker, seq: SimSeq, now: float) -> None:
+        """Send a parked prompt to the decode worker with most room, or keep it waiting."""
+        decode = pick_decode(self.decoders, seq)
+        if decode is None:
+            self.handoffs.append((source, seq))
+            return
+        self._send(source, seq, decode, now)
+
+    def _send(self, source: Worker, seq: SimSeq, decode: Worker, now: float) -> None:
+        """The decode worker takes the sequence's blocks now (prompt blocks it has cached
+        are not copied) and runs it once the copy has landed."""
+        pool, size = decode.pool, self.profile.block_size
+        copy = SimSeq(seq.req, seq.prompt, seq.output, seq.times, seq.prefix_id, seq.prefix_blocks)
+        copy.made, copy.computed = seq.made, seq.prompt
+        cached = pool.match(copy, seq.prompt // size)
+        pool.allocate(copy, blocks_for_tokens(seq.prompt + 1, size) - cached)
+        pool.register_prefix(copy)
+        decode.in_flight += 1
+        moved = (seq.prompt - cached * size) * self.profile.kv_bytes_per_token
+        self._push(
+            now + self.profile.handoff.seconds(moved), LAND, decode.index, (source, seq, copy)
+        )
+
+    def _land(self, decode: Worker, handoff: tuple[Worker, SimSeq, SimSeq], now: float) -> None:
+        source, parked, copy = handoff
+        decode.in_flight -= 1
+        decode.landed.append(copy)
+        source.release_parked(parked)
+        self._kick(source, now)
+        self._kick(decode, now)
+
+    def _retry_handoffs(self, now: float) -> None:
+        """Waiting handoffs try again, oldest first (a later, smaller one may fit)."""
+        waiting, self.handoffs = self.handoffs, []
+        for index, (source, seq) in enumerate(waiting):
+            if not any(self._has_slot(w) for w in self.decoders):
+                self.handoffs.extend(waiting[index:])
+                return
+            self._hand_off(source, seq, now)
+
+    @staticmethod
+    def _has_slot(worker: Worker) -> bool:
+        return worker.running + len(worker.landed) + worker.in_flight < worker.limits.max_num_seqs
