@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     from appliance.bench.cli import add_parser as add_bench_parser
+    from appliance.planner.profile_cli import add_parser as add_profile_parser
 
     add_bench_parser(commands)
+    add_profile_parser(commands)
     return parser
 
 
@@ -118,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             from appliance.bench.cli import run as run_bench
 
             return run_bench(args)
+        if args.command == "profile":
+            from appliance.planner.profile_cli import run as run_profile
+
+            return run_profile(args)
         commands = {"serve": serve, "console": console, "generate": generate}
         return commands[args.command](args)
     except (SettingsError, ModelLoadError, TokenError, ValueError) as exc:
