@@ -46,10 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     from appliance.bench.cli import add_parser as add_bench_parser
+    from appliance.planner.plan_cli import add_parser as add_plan_parser
     from appliance.planner.profile_cli import add_parser as add_profile_parser
 
     add_bench_parser(commands)
     add_profile_parser(commands)
+    add_plan_parser(commands)
     return parser
 
 
@@ -124,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             from appliance.planner.profile_cli import run as run_profile
 
             return run_profile(args)
+        if args.command == "plan":
+            from appliance.planner.plan_cli import run as run_plan
+
+            return run_plan(args)
         commands = {"serve": serve, "console": console, "generate": generate}
         return commands[args.command](args)
     except (SettingsError, ModelLoadError, TokenError, ValueError) as exc:
