@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--mode", choices=["disaggregated", "colocated"])
     srv.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     srv.add_argument("--model", type=Path, help="GGUF file or Hugging Face folder")
+    srv.add_argument(
+        "--layout",
+        choices=["manual", "auto"],
+        help="auto: run the layout `appliance plan` ranks first (settings: planner.*)",
+    )
 
     con = commands.add_parser(
         "console", help="watch and tune a running appliance (a terminal UI on its admin API)"
@@ -66,6 +71,9 @@ def serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         model=args.model,
     )
+    if args.layout is not None:
+        planner = settings.planner.model_copy(update={"layout": args.layout})
+        settings = settings.model_copy(update={"planner": planner})
     return run_server(settings)
 
 

@@ -33,6 +33,7 @@ from pydantic_settings import (
 
 # Re-exported: `from appliance.config import BatchSettings, KVSettings` stays the import.
 from appliance.engine_settings import BatchSettings, KVSettings
+from appliance.planner_settings import PlannerSettings
 
 
 class SettingsError(ValueError):
@@ -212,6 +213,7 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     kv: KVSettings = Field(default_factory=KVSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
+    planner: PlannerSettings = Field(default_factory=PlannerSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
 

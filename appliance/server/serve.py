@@ -78,6 +78,10 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if settings.planner.layout == "auto":
+        from appliance.planner.auto_layout import planned_settings
+
+        settings = planned_settings(settings)
     appliance = Appliance(settings)
     appliance.prepare()  # a bad model file fails here, before anything listens
     if not is_loopback(settings.host):

@@ -1,0 +1,83 @@
+"""`serve --layout auto`: the layout the planner ranks first for the traffic the settings
+describe (planner.workload, rate, SLO), from this box's profile, turned into settings."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from appliance.bench.metrics import SLO
+from appliance.config import Settings, SettingsError
+from appliance.model.loader import default_model_path, prepare_tokenizer
+from appliance.planner.layout import Layout
+from appliance.planner.plan import PlanSpec, make_plan
+from appliance.planner.profile import (
+    Profile,
+    load_profile,
+    model_id,
+    newest_profile,
+    profiles_folder,
+)
+from appliance.planner.simulator import Policy, requests_from_workload
+
+log = logging.getLogger("appliance.planner")
+
+
+def planned_settings(settings: Settings) -> Settings:
+    """`settings` running the planned layout (mode, devices, TP; cpu_devices on a CPU
+    box); SettingsError when there is no profile to plan with."""
+    profile = find_profile(settings)
+    layout = best_layout(settings, profile)
+    log.info(
+        "layout auto: %s, the planner's best for %s at %s req/s (profile: %s)",
+        layout.label,
+        settings.planner.workload,
+        settings.planner.rate,
+        profile.key.device_kind,
+    )
+    return settings.model_copy(update=layout_settings(layout, profile))
+
+
+def find_profile(settings: Settings) -> Profile:
+    """planner.profile, else the newest profile of this model, else (when
+    planner.profile_at_start) a new one; SettingsError saying what to do otherwise."""
+    if settings.planner.profile is not None:
+        return load_profile(settings.planner.profile)
+    folder = profiles_folder(settings.cache_dir)
+    model = model_id(settings.model or default_model_path())
+    found = newest_profile(folder, model)
+    if found is not None:
+        return found
+    if not settings.planner.profile_at_start:
+        raise SettingsError(
+            f"planner.layout=auto needs a profile of {model} and {folder} has none: run "
+            "`appliance profile`, or set APPLIANCE_PLANNER__PROFILE_AT_START=true"
+        )
+    from appliance.planner.profile_cli import measure
+
+    log.info("layout auto: no profile of %s yet; profiling this box first", model)
+    profile = measure(settings)
+    profile.save(folder)
+    return profile
+
+
+def best_layout(settings: Settings, profile: Profile) -> Layout:
+    """The planner's first layout for the settings' workload, rate and SLO."""
+    planner = settings.planner
+    tokenizer = prepare_tokenizer(settings.model, settings.cache_dir)[1]
+    requests = requests_from_workload(
+        planner.workload, tokenizer, 0, planner.num_requests, rate=planner.rate
+    )
+    slo = SLO(ttft=planner.slo_ttft_ms / 1000, tpot=planner.slo_tpot_ms / 1000)
+    spec = PlanSpec(rate=planner.rate, slo=slo, plot_best=0)
+    plan = make_plan(profile, requests, spec, planner.workload, Policy.from_settings(settings))
+    return plan.best.layout
+
+
+def layout_settings(layout: Layout, profile: Profile) -> dict[str, Any]:
+    """The settings that run `layout` on the profiled box."""
+    values = layout.settings()
+    if profile.key.device_kind.startswith("cpu"):
+        values["cpu_devices"] = layout.cpu_devices(profile.atoms)
+        values["device"] = "cpu"
+    return values

@@ -1,0 +1,129 @@
+"""`serve --layout auto`: the server runs the layout the planner ranks first, from a
+profile on disk; without one it refuses to start and says what to do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from server_process import ServerProcess
+
+from appliance.admin.schema import Snapshot
+from appliance.config import PlannerSettings, load_settings
+from appliance.model.loader import default_model_path
+from appliance.planner.auto_layout import best_layout, layout_settings
+from appliance.planner.layout import Layout, Pool
+from appliance.planner.profile import (
+    HandoffCost,
+    HostCost,
+    Profile,
+    ProfileKey,
+    StepCost,
+    WorkerCost,
+    model_id,
+)
+
+PLAN_ENV = {
+    "APPLIANCE_PLANNER__WORKLOAD": "chat",
+    "APPLIANCE_PLANNER__RATE": "3",
+    "APPLIANCE_PLANNER__SLO_TTFT_MS": "2000",
+    "APPLIANCE_PLANNER__SLO_TPOT_MS": "200",
+    "APPLIANCE_PLANNER__NUM_REQUESTS": "200",
+}
+
+
+def prompt_bound_profile() -> Profile:
+    """A 2-core box whose one-core workers prefill slowly and decode fast, and whose
+    two-core worker is slow at everything: at 3 chat requests a second one prefill
+    worker cannot keep up, two colocated ones can; so colocated x2 wins."""
+    prompt = StepCost(base_s=0.002, per_token_s=0.0012)
+    decode = StepCost(base_s=0.004, per_seq_s=0.0002)
+    mixed = StepCost(base_s=0.004, per_token_s=0.0012, per_seq_s=0.0002)
+    fast = WorkerCost(prefill=prompt, decode=decode, mixed=mixed, kv_blocks=2000)
+    slow_step = StepCost(base_s=0.05, per_token_s=0.01, per_seq_s=0.01)
+    slow = WorkerCost(prefill=slow_step, decode=slow_step, mixed=slow_step, kv_blocks=2000)
+    key = ProfileKey(
+        model=model_id(default_model_path()),
+        dtype="float32",
+        weights="quantized",
+        device_kind="cpu: test",
+    )
+    return Profile(
+        key=key,
+        atoms=2,
+        block_size=16,
+        kv_bytes_per_token=46080,
+        max_model_len=8192,
+        workers={"1x1": fast, "2x1": slow},
+        handoff=HandoffCost(base_s=0.001, per_byte_s=1e-10),
+        host=HostCost(per_step_s=0.0005, per_token_s=0.00005),
+    )
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    path.write_text(prompt_bound_profile().model_dump_json())
+    return path
+
+
+def test_the_planner_picks_two_colocated_workers_on_a_prompt_bound_box(profile_file: Path) -> None:
+    planner = PlannerSettings(
+        workload="chat", rate=3, slo_ttft_ms=2000, slo_tpot_ms=200, num_requests=200
+    )
+    settings = load_settings(planner=planner)
+    layout = best_layout(settings, prompt_bound_profile())
+    assert layout == Layout(mode="colocated", prefill=Pool(workers=2))
+    assert layout_settings(layout, prompt_bound_profile()) == {
+        "mode": "colocated",
+        "prefill_tp": 1,
+        "prefill_devices": (0, 1),
+        "cpu_devices": 2,
+        "device": "cpu",
+    }
+
+
+def test_serve_layout_auto_runs_the_planned_layout(profile_file: Path) -> None:
+    server = ServerProcess(
+        {
+            **PLAN_ENV,
+            "APPLIANCE_PLANNER__LAYOUT": "auto",
+            "APPLIANCE_PLANNER__PROFILE": str(profile_file),
+        }
+    )
+    server.start()
+    try:
+        token = Path(load_settings(port=server.port).admin_token_path()).read_text()
+        reply = httpx.get(
+            server.url + "/admin/state", headers={"Authorization": f"Bearer {token}"}, timeout=10
+        )
+        snap = Snapshot.model_validate(reply.json())
+        # Without the plan this box would run 1 prefill + 1 decode worker (the automatic split).
+        assert snap.mode == "colocated"
+        assert sorted(d.index for d in snap.devices if d.worker is not None) == [0, 1]
+        assert {d.pool for d in snap.devices} == {"colocated"}
+        answer = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": snap.model, "prompt": "Hello", "max_tokens": 4},
+            timeout=120,
+        )
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+    finally:
+        assert server.stop() == 0
+
+
+def test_serve_layout_auto_without_a_profile_refuses_and_says_what_to_do(tmp_path: Path) -> None:
+    env = {"APPLIANCE_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "serve", "--layout", "auto"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 2
+    assert "run `appliance profile`" in done.stderr and "PROFILE_AT_START" in done.stderr
