@@ -137,7 +137,7 @@ def running(target: Target, log_dir: Path) -> Iterator[str]:
         command += [target.port_flag, str(port)]
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / (re.sub(r"\W+", "_", target.label).strip("_") + ".log")
-    with log_path.open("w") as log:
+    with log_path.open("a") as log:
         # Its own process group: stopping it stops its worker processes too.
         process = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -182,15 +182,16 @@ def compare(
     count_tokens: CountTokens,
     log_dir: Path | None = None,
 ) -> list[Run]:
-    """Each target started once and driven at every load in turn, each with the very same
-    requests; returns one Run per (target, load). A target that cannot start is reported
-    and left out; the others still run."""
+    """Each target started afresh for each load and driven with the very same requests;
+    returns one Run per (target, load). A fresh start per load: a server that kept its
+    prefix cache would meet the previous load's prompts again and skip their prefill. A
+    target that cannot start is reported and left out; the others still run."""
     runs = []
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="appliance-bench-"))
     for target in targets:
         try:
-            with running(target, log_dir) as url:
-                for load in loads:
+            for load in loads:
+                with running(target, log_dir) as url:
                     runs.append(_drive(target, url, specs, load, slo, count_tokens))
         except RuntimeError as exc:  # it did not start: say so, go on with the rest
             print(f"  {target.label}: left out, {exc}", file=sys.stderr)
