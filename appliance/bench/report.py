@@ -66,17 +66,19 @@ def _ratio(value: float, base: float) -> str:
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     """Dataclasses as objects; NaN (no completed request) as null, which JSON has."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_plain(payload), indent=2, allow_nan=False)
+    text = json.dumps(plain(payload), indent=2, allow_nan=False)
     path.write_text(text + "\n")
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """`value` as JSON can hold it: dataclasses as objects, NaN (no completed request) as
+    null, an infinity as its text."""
     if hasattr(value, "__dataclass_fields__"):
         value = asdict(value)
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else str(value)
     return value

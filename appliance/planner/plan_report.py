@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +83,7 @@ def _max_rate(lp: LayoutPlan) -> str:
 
 def payload(plan: Plan) -> dict[str, Any]:
     """The plan as plain JSON data (NaN, where nothing completed, as null)."""
-    return _plain(
+    return report.plain(
         {
             "profile": {
                 **plan.key.model_dump(),
@@ -100,18 +99,6 @@ def payload(plan: Plan) -> dict[str, Any]:
             "layouts": [_layout_payload(rank, lp) for rank, lp in enumerate(plan.ranked, 1)],
         }
     )
-
-
-def _plain(value: Any) -> Any:
-    if hasattr(value, "__dataclass_fields__"):
-        value = asdict(value)
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def _layout_payload(rank: int, lp: LayoutPlan) -> dict[str, Any]:
