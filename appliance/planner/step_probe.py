@@ -78,6 +78,8 @@ def default_shapes(max_tokens: int, chunk_size: int, block_size: int) -> list[St
     shapes = [StepShape(chunks=((0, n),)) for n in sizes]
     shapes += [StepShape(chunks=((s, sizes[-1]),)) for s in (sizes[-1], 3 * sizes[-1])]
     shapes += [StepShape(chunks=((0, 64),) * 4)]  # several short prompts in one step
+    # Two long prompts' chunks in one step, as a prefill worker's budget lets them run.
+    shapes += [StepShape(chunks=((0, sizes[-1]),) * 2)]
     for batch, context in itertools.product((1, 4, 16, 32, 64), (64, 256, 1024)):
         shapes.append(StepShape(decodes=(context,) * batch))
     for n, batch in ((64, 8), (256, 8), (sizes[-1], 16), (128, 32)):
