@@ -9,16 +9,19 @@ non-negative by dropping a feature whose fitted cost comes out below zero.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 from appliance.planner.profile import StepCost
 
 FEATURES = ("tokens", "seqs", "attended", "context")
-FIELDS = {
-    "tokens": "per_token_s",
-    "seqs": "per_seq_s",
-    "attended": "per_attended_s",
-    "context": "per_context_s",
-}
+FIELDS = MappingProxyType(
+    {
+        "tokens": "per_token_s",
+        "seqs": "per_seq_s",
+        "attended": "per_attended_s",
+        "context": "per_context_s",
+    }
+)
 
 
 def fit_step_cost(

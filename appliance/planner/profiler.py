@@ -33,8 +33,6 @@ from appliance.topology.cpu import cpu_devices
 from appliance.topology.devices import Device
 
 Progress = Callable[[str], None]
-# Steps timed again under load from the other cores: a decode and a prompt of each size.
-CONTENTION_SHAPES = 4
 UNIT_TIMEOUT_S = 240.0
 
 
