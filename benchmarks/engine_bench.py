@@ -52,6 +52,7 @@ from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.model.loader import default_model_path
+from appliance.topology.cpu import cpu_model_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -360,16 +361,6 @@ def hf_for_dtype(base: Any, dtype: str) -> Any:
 # ---------------------------------------------------------------- report
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def environment(device: torch.device, shape: Shape, quick: bool) -> dict[str, Any]:
     import transformers
 
@@ -379,7 +370,7 @@ def environment(device: torch.device, shape: Shape, quick: bool) -> dict[str, An
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
+        "cpu": cpu_model_name(),
         "device": device.type,
         "quick": quick,
         "shape": asdict(shape),

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import platform
 import re
 import statistics
 import subprocess
@@ -39,15 +38,9 @@ from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
 from appliance.model.cpu_kernels import loading
 from appliance.model.loader import default_model_path
+from appliance.topology.cpu import cpu_model_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def cpu_isa() -> str:
@@ -193,7 +186,7 @@ def main() -> int:
         batched = llama_batched(args.llama_bin / "llama-batched-bench", model, args.threads,
                                 args.batch)  # fmt: skip
         theirs[f"decode b{args.batch}"].append(batched)
-    print(f"CPU: {cpu_name()} ({cpu_isa()}); {args.threads} threads; model {model.name}")
+    print(f"CPU: {cpu_model_name()} ({cpu_isa()}); {args.threads} threads; model {model.name}")
     print(f"our kernels: {cpu_kernels.level()} (cpu_isa={args.cpu_isa}); "
           f"llama.cpp built {built_for(args.llama_bin)}; best of {args.repeats}\n")  # fmt: skip
     print("| tok/s | llama.cpp | ours | ours / llama.cpp |")

@@ -37,6 +37,8 @@ import gguf
 import numpy as np
 import torch
 
+from appliance.topology.cpu import cpu_model_name
+
 
 class Step(NamedTuple):
     """A row of the table. "unpacked" is weights=dense without oneDNN's packed bfloat16
@@ -347,13 +349,6 @@ def print_rows(label: str, model: Path, folder: Path, steps: tuple[Step, ...] = 
         )
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def mib(value: int) -> str:
     return f"{value / 2**20:,.0f} MiB" if value else "-"
 
@@ -367,7 +362,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("default", "random", "folder"))
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
-    print(f"CPU: {cpu_name()}, {cores} cores; Python {platform.python_version()}")
+    print(f"CPU: {cpu_model_name()}, {cores} cores; Python {platform.python_version()}")
     print("| model | load | dtype | weights | baseline | peak over baseline | / weights | s |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -29,16 +28,10 @@ from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.model.loader import prepare_model
+from appliance.topology.cpu import cpu_model_name
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 1024, 4, 16, 4, 1024
 EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 1024
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def build(kind: str, folder: Path) -> Path:
@@ -118,8 +111,9 @@ def main() -> None:
     rows = [(names[kind], ffn_mb[kind], best[kind]) for kind in names]
     load = os.getloadavg()[0]
     print(
-        f"CPU: {cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
-        f"load average {load:.1f}, torch {torch.__version__}"
+        f"CPU: {cpu_model_name()}, {os.cpu_count()} cores, "
+        f"{torch.get_num_threads()} torch threads, load average {load:.1f}, "
+        f"torch {torch.__version__}"
     )
     print(f"hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB}, float32, batch 1")
     print("| model | FFN MB/step | ms/step | vs MoE |")

@@ -28,6 +28,7 @@ from appliance.planner.profile import (
     WorkerCost,
 )
 from appliance.planner.simulator import requests_from_workload, simulate
+from appliance.topology.cpu import cpu_model_name
 
 LAYOUTS = (
     Layout(mode="disaggregated", prefill=Pool(workers=1), decode=Pool(workers=1)),
@@ -38,15 +39,16 @@ LAYOUTS = (
 def cpu_name() -> str:
     """The CPU's model name and the best of the ISAs the kernels pick from."""
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model, flags = "unknown CPU", set[str]()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model == "unknown CPU":
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
+    flags = next(
+        (
+            set(line.split(":", 1)[1].split())
+            for line in text.splitlines()
+            if line.startswith("flags")
+        ),
+        set[str](),
+    )
     isa = next((f for f in ("avx512_bf16", "avx512f", "avx2") if f in flags), "no avx2")
-    return f"{model} ({isa})"
+    return f"{cpu_model_name()} ({isa})"
 
 
 def cpu_like_profile() -> Profile:

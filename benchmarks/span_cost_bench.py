@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-from llama_cpp_bench import cpu_isa, cpu_name, ours_decode
+from llama_cpp_bench import cpu_isa, ours_decode
 
 from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.model import cpu_kernels
 from appliance.model.tensor_parallel import row_parallel_spans
+from appliance.topology.cpu import cpu_model_name
 
 
 def main() -> int:
@@ -36,7 +37,7 @@ def main() -> int:
         ),
     }
     spans = row_parallel_spans(next(iter(engines.values())).model.config, (args.tp,))
-    print(f"CPU: {cpu_name()} ({cpu_isa()}); {torch.get_num_threads()} threads; kernels "
+    print(f"CPU: {cpu_model_name()} ({cpu_isa()}); {torch.get_num_threads()} threads; kernels "
           f"{cpu_kernels.level()}; spans {spans}; best of {args.repeats}\n")  # fmt: skip
     print("| decode tok/s | " + " | ".join(engines) + " | ratio |")
     print("|---|" + "---:|" * (len(engines) + 1))

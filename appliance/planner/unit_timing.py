@@ -21,6 +21,7 @@ from appliance.planner.fitting import fit_step_cost
 from appliance.planner.profile import model_id
 from appliance.planner.profiler import UnitRun, encode_seconds, message_seconds
 from appliance.planner.step_probe import StepProbe, StepShape, default_shapes, time_engine_steps
+from appliance.topology.cpu import cpu_model_name
 from appliance.workers.worker import use_device
 
 BUSY_SHAPES = (StepShape(decodes=(256,) * 16), StepShape(chunks=((0, 256),)))
@@ -143,15 +144,4 @@ def _device_kind(run: UnitRun) -> str:
         return f"cuda: {run.device.name}"
     from appliance.model.cpu_kernels import loading
 
-    return f"cpu: {_cpu_name()} (kernels {loading.level() or 'none'})"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+    return f"cpu: {cpu_model_name()} (kernels {loading.level() or 'none'})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Iterable
 
 from appliance.topology.devices import Device, format_indices
@@ -66,3 +67,16 @@ def pin_to_cores(cores: Iterable[int]) -> None:
     for tid in os.listdir("/proc/self/task"):
         os.sched_setaffinity(int(tid), cores)
     torch.set_num_threads(len(cores))
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (else what `platform` knows), which
+    every speed figure names beside itself."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
