@@ -73,10 +73,11 @@ def profile_box(
     """Time every run's worker size on a box of `atoms` cores or GPUs; the profile of this
     box for the configured model."""
     measured = []
-    for run in runs:
+    for index, run in enumerate(runs):
         progress(f"timing worker size {run.unit} on {run.device.name}")
-        measured.append(_measure_in_child(settings, run, quick))
+        measured.append(_measure_in_child(settings, run, quick, time_handoff=index == 0))
     first = measured[0]
+    message_s = message_seconds(50 if quick else 200)
     workers = {m["unit"]: _worker_cost(m) for m in measured}
     samples = tuple({"unit": m["unit"], **s} for m in measured for s in m["samples"])
     return Profile(
@@ -92,12 +93,12 @@ def profile_box(
         max_model_len=first["max_model_len"],
         workers=workers,
         handoff=HandoffCost(
-            base_s=first["copy_base_s"] + 2 * first["message_s"],
+            base_s=first["copy_base_s"] + 2 * message_s,
             per_byte_s=first["copy_per_byte_s"],
         ),
         host=HostCost(
             per_step_s=statistics.median(m["loop_s"] for m in measured),
-            per_token_s=first["message_s"] + first["encode_s"],
+            per_token_s=message_s + encode_seconds(),
         ),
         assumptions=(
             "handoff: the copy of a request's blocks plus two messages between processes",
@@ -120,14 +121,16 @@ def _worker_cost(measured: dict[str, Any]) -> WorkerCost:
     )
 
 
-def _measure_in_child(settings: Settings, run: UnitRun, quick: bool) -> dict[str, Any]:
+def _measure_in_child(
+    settings: Settings, run: UnitRun, quick: bool, time_handoff: bool
+) -> dict[str, Any]:
     """Time one worker size in a process bound to its device, as a worker is."""
     from appliance.planner.unit_timing import measure_unit
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # Not a daemon: it starts the processes that keep the other devices busy.
-    child = ctx.Process(target=measure_unit, args=(settings, run, quick, results))
+    child = ctx.Process(target=measure_unit, args=(settings, run, quick, time_handoff, results))
     child.start()
     try:
         outcome = results.get(timeout=UNIT_TIMEOUT_S)

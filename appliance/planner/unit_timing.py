@@ -19,7 +19,7 @@ from appliance.model.loader import default_model_path
 from appliance.model.quant import QuantLinear
 from appliance.planner.fitting import fit_step_cost
 from appliance.planner.profile import model_id
-from appliance.planner.profiler import UnitRun, encode_seconds, message_seconds
+from appliance.planner.profiler import UnitRun
 from appliance.planner.step_probe import StepProbe, StepShape, default_shapes, time_engine_steps
 from appliance.topology.cpu import cpu_model_name
 from appliance.workers.worker import use_device
@@ -27,15 +27,18 @@ from appliance.workers.worker import use_device
 BUSY_SHAPES = (StepShape(decodes=(256,) * 16), StepShape(chunks=((0, 256),)))
 
 
-def measure_unit(settings: Settings, run: UnitRun, quick: bool, results: Any) -> None:
-    """Process entry point: put the measurements (or {'error': ...}) on `results`."""
+def measure_unit(
+    settings: Settings, run: UnitRun, quick: bool, time_handoff: bool, results: Any
+) -> None:
+    """Process entry point: put the measurements (or {'error': ...}) on `results`; with
+    `time_handoff`, a handoff's block copy too (one worker size's is the box's)."""
     try:
-        results.put(_measure(settings, run, quick))
+        results.put(_measure(settings, run, quick, time_handoff))
     except Exception as exc:  # the parent reports it; a traceback here would be lost
         results.put({"error": f"{exc!r}\n{traceback.format_exc()}"})
 
 
-def _measure(settings: Settings, run: UnitRun, quick: bool) -> dict[str, Any]:
+def _measure(settings: Settings, run: UnitRun, quick: bool, time_handoff: bool) -> dict[str, Any]:
     settings = use_device(settings, run.device)
     engine = LLMEngine.from_settings(settings)
     # Medians of 3 even when quick: one run can land on a moment another process took.
@@ -46,9 +49,8 @@ def _measure(settings: Settings, run: UnitRun, quick: bool) -> dict[str, Any]:
         shapes = shapes[::2]
     samples = [probe.time(shape) for shape in shapes]
     contention = _contention(settings, run, probe, shapes) if run.busy else 1.0
-    copy_base, copy_per_byte = _copy_cost(engine)
     model_step = probe.time(StepShape(decodes=(24,) * 8)).seconds
-    return {
+    measured = {
         "unit": run.unit,
         "model": model_id(settings.model or default_model_path()),
         "dtype": str(engine.model.dtype).removeprefix("torch."),
@@ -60,12 +62,11 @@ def _measure(settings: Settings, run: UnitRun, quick: bool) -> dict[str, Any]:
         "block_size": engine.kv.block_size,
         "kv_bytes_per_token": engine.kv.layout.bytes_per_block() // engine.kv.block_size,
         "max_model_len": engine.scheduler.max_model_len,
-        "copy_base_s": copy_base,
-        "copy_per_byte_s": copy_per_byte,
         "loop_s": max(0.0, time_engine_steps(engine, 8, 8 if quick else 16) - model_step),
-        "message_s": message_seconds(50 if quick else 200),
-        "encode_s": encode_seconds(),
     }
+    if time_handoff:
+        measured["copy_base_s"], measured["copy_per_byte_s"] = _copy_cost(engine)
+    return measured
 
 
 def _contention(
