@@ -38,11 +38,11 @@ def table(rows: list[tuple[str, Summary]], baseline: str | None = None) -> str:
             label,
             str(s.completed),
             str(s.failed),
-            _ms(s.ttft.median),
-            _ms(s.ttft.p99),
-            _ms(s.tpot.median),
-            _ms(s.tpot.p99),
-            _ms(s.itl.p99),
+            ms(s.ttft.median),
+            ms(s.ttft.p99),
+            ms(s.tpot.median),
+            ms(s.tpot.p99),
+            ms(s.itl.p99),
             f"{s.goodput:.3f}",
             f"{s.request_throughput:.3f}",
             f"{s.output_throughput:.1f}",
@@ -53,7 +53,8 @@ def table(rows: list[tuple[str, Summary]], baseline: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def _ms(seconds: float) -> str:
+def ms(seconds: float) -> str:
+    """Seconds as whole milliseconds for a table; '-' where nothing completed (NaN)."""
     return "-" if math.isnan(seconds) else f"{seconds * 1000:.0f}"
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from appliance.model.model_config import ModelConfig
-
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -168,26 +166,6 @@ class ModelShape:
     def kv_bytes_per_token(self) -> int:
         """K and V of every layer for one token, the whole model."""
         return 2 * self.layers * self.kv_heads * self.dim * self.dtype_bytes
-
-
-def shape_from_config(config: ModelConfig, name: str, max_model_len: int) -> ModelShape:
-    """The shape of a model the appliance can load (dense ones only)."""
-    if config.num_experts:
-        raise ValueError(f"{name} is a mixture of experts; analytic profiles cover dense models")
-    return ModelShape(
-        name=name,
-        hidden=config.hidden_size,
-        layers=config.num_layers,
-        heads=config.num_heads,
-        kv_heads=config.num_kv_heads,
-        ffn=config.intermediate_size,
-        vocab=config.vocab_size,
-        gated_mlp=True,
-        tied_embeddings=config.tie_word_embeddings,
-        max_model_len=min(max_model_len, config.max_position_embeddings),
-        source="the model's own config",
-        head_dim=config.head_dim,
-    )
 
 
 _HF = "the model's config.json on Hugging Face"

@@ -245,7 +245,7 @@ def make_plan(
     if not requests:
         raise ValueError("the plan needs at least one request")
     every = feasible_layouts(profile)
-    layouts = [lay for lay in every if lay.atoms == profile.atoms] if spec.full_only else every
+    layouts = feasible_layouts(profile, spec.full_only)
     if not layouts:
         raise ValueError(f"no layout of {profile.atoms} atoms fits the profile's workers")
     runner = _Runner(profile, requests, spec, policy or Policy(), simulate_fn)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +37,10 @@ def table(plan: Plan) -> str:
             f"{lp.layout.atoms}/{plan.atoms}",
             f"{s.goodput:.3f}",
             f"{lp.at_rate.attainment:.0%}",
-            _ms(s.ttft.median),
-            _ms(s.ttft.p90),
-            _ms(s.tpot.median),
-            _ms(s.tpot.p90),
+            report.ms(s.ttft.median),
+            report.ms(s.ttft.p90),
+            report.ms(s.tpot.median),
+            report.ms(s.tpot.p90),
             _max_rate(lp),
             "-" if lp.gain is None else f"{lp.gain:.2f}x",
         ]
@@ -69,10 +68,6 @@ def heading(plan: Plan) -> str:
         f"colocated layout's. Ranked: layouts meeting that share at {spec.rate:g} req/s by "
         f"max rate, then the rest by the share they meet{skipped}."
     )
-
-
-def _ms(seconds: float) -> str:
-    return "-" if math.isnan(seconds) else f"{seconds * 1000:.0f}"
 
 
 def _max_rate(lp: LayoutPlan) -> str:

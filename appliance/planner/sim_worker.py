@@ -88,7 +88,6 @@ class Worker:
         self.finishing: dict[int, list[tuple[SimSeq, int]]] = {}  # step -> (seq, k0) ending
         self.current: Step | None = None
         self.kick_pending = False  # it starts its next step once the events due now ran
-        self.version = 0  # of its pending model-done event (contention moves it)
         self.queued_tokens = 0  # prompt tokens routed here, first token not yet made
         self.in_flight = 0  # handoffs on their way here
 
