@@ -26,7 +26,7 @@ from torch import nn
 
 from appliance.model.attention import AttentionBatch
 from appliance.model.gpt_oss import GptOssCausalLM
-from appliance.model.llama import MLP, Attention, CausalLM, HeadNorm
+from appliance.model.llama import MLP, Attention, CausalLM, HeadNorm, sum_partials
 from appliance.model.model_config import ModelConfig
 from appliance.model.rope import RotaryEmbedding
 from appliance.model.tensor_parallel import WHOLE_MODEL, AllReduce, Shard, no_reduce
@@ -103,10 +103,7 @@ class GemmaDecoderLayer(nn.Module):
         return residual + self.post_feedforward_layernorm(self._sum(h, residual.dtype))
 
     def _sum(self, partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """As llama.DecoderLayer._sum: a quantized shard's float64 partials are summed,
-        then rounded through float32."""
-        total = self.all_reduce(partial)
-        return total.float().to(dtype) if total.dtype == torch.float64 else total
+        return sum_partials(self.all_reduce, partial, dtype)
 
 
 class GemmaCausalLM(CausalLM):

@@ -33,6 +33,8 @@ LAYER_NAMES = {
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
+# phi3's ffn_up holds gate and up, as Phi-3's own gate_up_proj does.
+PHI3_NAMES = LAYER_NAMES | {"ffn_up.weight": "mlp.gate_up_proj.weight"}
 # Gemma 3's four norms a layer: llama.cpp's ffn_norm is its pre-feedforward norm there.
 GEMMA3_NAMES = LAYER_NAMES | {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -66,10 +68,10 @@ def hf_name(gguf_name: str, path: Path, architecture: str = "llama") -> str:
     ffn_up holds gate and up (gate_up_proj)."""
     if gguf_name in TOP_NAMES:
         return TOP_NAMES[gguf_name]
-    names = {"gemma3": GEMMA3_NAMES, "gpt_oss": GPT_OSS_NAMES}.get(architecture, LAYER_NAMES)
+    names = {"gemma3": GEMMA3_NAMES, "gpt_oss": GPT_OSS_NAMES, "phi3": PHI3_NAMES}.get(
+        architecture, LAYER_NAMES
+    )
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if match and architecture == "phi3" and match.group(2) == "ffn_up.weight":
-        return f"model.layers.{match.group(1)}.mlp.gate_up_proj.weight"
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     raise ModelLoadError(path, f"unexpected tensor {gguf_name!r}")

@@ -154,11 +154,14 @@ class DecoderLayer(nn.Module):
         return self._sum(self.mlp(h), h.dtype), residual
 
     def _sum(self, partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The group's sum of a row-parallel output. A quantized shard's partials are
-        float64 (QuantMatrix): their sum is rounded through float32, as one process's
-        product rounds."""
-        total = self.all_reduce(partial)
-        return total.float().to(dtype) if total.dtype == torch.float64 else total
+        return sum_partials(self.all_reduce, partial, dtype)
+
+
+def sum_partials(all_reduce: AllReduce, partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The group's sum of a row-parallel output. A quantized shard's partials are float64
+    (QuantMatrix): their sum is rounded through float32, as one process's product rounds."""
+    total = all_reduce(partial)
+    return total.float().to(dtype) if total.dtype == torch.float64 else total
 
 
 class CausalLM(nn.Module):
