@@ -16,7 +16,7 @@ from appliance.engine.scheduler import Scheduler, SchedulerLimits
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.kv.block_allocator import BlockAllocator
 from appliance.model.tokenizer import Tokenizer
-from appliance.planner.layout import Layout, Pool
+from appliance.planner.layout import Layout, Pool, layout_of_roles
 from appliance.planner.profile import (
     HandoffCost,
     HostCost,
@@ -293,6 +293,44 @@ def test_the_decode_worker_copies_only_what_it_has_not_cached() -> None:
     full = HANDOFF.seconds(1050 * KV_BYTES)
     tail = HANDOFF.seconds((1050 - 1024) * KV_BYTES)
     assert first.itl[0] - second.itl[0] == pytest.approx(full - tail)
+
+
+# ---------------------------------------------------------------- mixed layouts
+
+
+def test_a_mixed_colocated_worker_takes_every_prompt_and_the_decode_worker_idles() -> None:
+    layout = layout_of_roles(["colocated", "decode"])  # worker 0 decodes, 1 is colocated
+    requests = [SimRequest(0.02 * i, 100 + i, 8) for i in range(6)]
+    trace: list[StepRecord] = []
+    results = simulate(profile(), layout, requests, trace=trace)
+    assert all(r.ok and r.output_tokens == 8 for r in results)
+    assert {r.worker for r in trace} == {1}
+    alone = simulate(profile(), COLOCATED, requests)  # the same as one colocated worker
+    assert [r.latency for r in results] == pytest.approx([r.latency for r in alone])
+
+
+def test_a_mixed_layout_routes_to_both_entry_workers_and_only_prefill_hands_off() -> None:
+    layout = layout_of_roles(["prefill", "decode", "colocated"])
+    slow_handoff = profile().model_copy(update={"handoff": HandoffCost(base_s=0.5, per_byte_s=0)})
+    requests = [SimRequest(0.0, 100 + i, 4) for i in range(6)]
+    trace: list[StepRecord] = []
+    results = simulate(slow_handoff, layout, requests, trace=trace)
+    assert all(r.ok and r.output_tokens == 4 for r in results)
+    entry = [_worker_of(trace, 100 + i) for i in range(6)]
+    assert set(entry) == {0, 2}
+    for worker, result in zip(entry, results, strict=True):
+        assert (result.itl[0] > 0.5) == (worker == 0)  # handed off: waited for the copy
+    assert {r.kind for r in trace if r.worker == 0} == {"prefill"}
+    decode = [r for r in trace if r.worker == 1]
+    assert decode and not any(r.prefill_chunks for r in decode)
+    assert any(r.decodes for r in trace if r.worker == 2)  # it decodes its own
+
+
+def test_mixed_layouts_keep_the_colocated_batch_check() -> None:
+    policy = Policy(max_num_seqs=64, prefill_token_budget=32, chunk_size=32)
+    with pytest.raises(ValueError, match="colocated"):
+        simulate(profile(), layout_of_roles(["prefill", "decode", "colocated"]), [], policy)
+    assert simulate(profile(), ONE_PLUS_ONE, [], policy) == []
 
 
 # ---------------------------------------------------------------- closed loop, traces

@@ -40,18 +40,10 @@ class Simulation:
         self.policy = policy
         self.concurrency = concurrency
         self.trace = trace
-        self.disaggregated = layout.decode is not None
-        entry_role = "prefill" if self.disaggregated else "colocated"
-        self.entry = [
-            self._worker(i, entry_role, layout.prefill_unit())
-            for i in range(layout.prefill.workers)
-        ]
-        first = len(self.entry)
-        count = layout.decode.workers if layout.decode is not None else 0
-        self.decoders = [
-            self._worker(first + i, "decode", layout.decode_unit()) for i in range(count)
-        ]
-        self.workers = self.entry + self.decoders
+        self.workers = self._workers(layout)
+        self.entry = [w for w in self.workers if w.role != "decode"]  # prompts go here
+        self.decoders = [w for w in self.workers if w.role == "decode"]
+        self.sizes = self._one_of_each_role()  # the pools a request must fit
         self.heap: list[tuple[float, int, int, int, Any]] = []
         self.order = itertools.count()
         self.contention = Contention(
@@ -70,6 +62,18 @@ class Simulation:
         self.times: list[list[float]] = [[] for _ in requests]
         self.errors: dict[int, str] = {}
         self.next_request = len(requests)  # closed loop: the next one a user sends
+
+    def _workers(self, layout: Layout) -> list[Worker]:
+        """Every worker, in device order: prefill (colocated in colocated mode), decode,
+        then a mixed layout's colocated workers."""
+        first = "colocated" if layout.mode == "colocated" else "prefill"
+        pools = [(first, layout.prefill_unit(), layout.prefill.workers)]
+        if layout.decode is not None:
+            pools.append(("decode", layout.decode_unit(), layout.decode.workers))
+        if layout.colocated is not None:
+            pools.append(("colocated", layout.colocated_unit(), layout.colocated.workers))
+        roles = [(role, unit) for role, unit, count in pools for _ in range(count)]
+        return [self._worker(i, role, unit) for i, (role, unit) in enumerate(roles)]
 
     def _worker(self, index: int, role: str, unit: str) -> Worker:
         cost = self.profile.worker(unit)
@@ -130,9 +134,9 @@ class Simulation:
             self.times[index],
             request.prefix_id,
             request.prefix_tokens // size if shared else 0,
-            prefill_only=self.disaggregated,
         )
         worker = self.router.pick(seq, size)
+        seq.prefill_only = worker.role == "prefill"  # it parks after its first token
         worker.waiting.append(seq)
         worker.queued_tokens += seq.prompt
         self._kick(worker, now)
@@ -147,16 +151,23 @@ class Simulation:
                 f"max_tokens exceed the model's context of {limit} tokens"
             )
         size = self.profile.block_size
-        needs = [(self.entry[0], total if not self.disaggregated else request.prompt_tokens)]
-        if self.decoders:
-            needs.append((self.decoders[0], total))
-        for worker, tokens in needs:
+        for worker in self.sizes:
+            tokens = request.prompt_tokens if worker.role == "prefill" else total
             if blocks_for_tokens(tokens, size) > worker.pool.total:
                 return (
                     f"HTTP 400: {tokens} tokens need more than the {worker.pool.total} KV "
                     f"blocks of a {worker.role} worker ({worker.pool.total * size} tokens)"
                 )
         return None
+
+    def _one_of_each_role(self) -> list[Worker]:
+        """The first entry worker of each role, then the first decode worker if prompts
+        can reach it (a decode pool without prefill workers idles)."""
+        firsts = {w.role: w for w in reversed(self.entry)}
+        sample = sorted(firsts.values(), key=lambda w: w.index)
+        if "prefill" in firsts and self.decoders:
+            sample.append(self.decoders[0])
+        return sample
 
     def _ended(self, at: float) -> None:
         """A request ended: in a closed loop its user sends the next one then."""

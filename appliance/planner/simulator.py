@@ -6,7 +6,9 @@ Each worker runs engine/scheduler.py's decisions (token budget, chunked prefill,
 max_num_seqs, preemption of the newest sequence with recompute, prefix cache; tested
 step for step against the real Scheduler): sim_worker.py, over sim_pool.py's KV blocks.
 Prompts are routed as router.py routes them, handoffs wait for a decode worker with room
-as handoffs.py has them wait (sim_box.py); sim_run.py is the event loop. Timing:
+as handoffs.py has them wait (sim_box.py); sim_run.py is the event loop. A mixed layout's
+prompts go to its prefill and colocated workers alike (one router over both); the
+colocated ones decode what they prefilled, the prefill ones hand off. Timing:
 - a step costs its StepCost (`.prefill` for prompt chunks alone, `.decode` for decodes
   alone, `.mixed` for both); it runs 1/contention as fast while another worker of the
   box is mid-step, so only the overlapping part of it is slowed; then `host.per_step_s`
@@ -142,9 +144,9 @@ def simulate(
     every step is appended to it."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-    if layout.decode is None and policy.max_num_seqs > policy.prefill_token_budget:
+    if layout.colocated_workers and policy.max_num_seqs > policy.prefill_token_budget:
         raise ValueError(  # tuning.check_for_mode refuses it too
-            f"in colocated mode max_num_seqs ({policy.max_num_seqs}) must not exceed "
+            f"with colocated workers max_num_seqs ({policy.max_num_seqs}) must not exceed "
             f"prefill_token_budget ({policy.prefill_token_budget})"
         )
     return Simulation(profile, layout, requests, policy, concurrency, trace).run()
