@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
-from appliance.bench.metrics import SLO, RequestResult, percentile, summarize
+from appliance.bench.metrics import (
+    SLO,
+    RequestResult,
+    percentile,
+    phase_summaries,
+    shift_total,
+    summarize,
+)
+from appliance.bench.report import phase_compare_table, phase_table, write_json
+from appliance.bench.shift import Phase
 
 
 def result(ttft: float, latency: float, tokens: int, ok: bool = True) -> RequestResult:
@@ -72,3 +83,66 @@ def test_slo_specs_are_checked() -> None:
 def test_no_completed_requests_gives_nan_not_a_crash() -> None:
     s = summarize([result(1, 1, 0, ok=False)], 1.0, SLO())
     assert s.failed == 1 and math.isnan(s.ttft.p99)
+
+
+def in_phase(phase: int | None, ttft: float, latency: float, ok: bool = True) -> RequestResult:
+    r = result(ttft, latency, 11, ok)  # 10 gaps: tpot = (latency - ttft) / 10
+    r.phase = phase
+    return r
+
+
+def test_phase_summaries_count_goodput_per_phase_second() -> None:
+    phases = [Phase("chat", 2.0, 4.0), Phase("long-burst", 0.5, 10.0), Phase("fixed", 1.0, 2.0)]
+    results = [
+        in_phase(0, 0.1, 1.1),  # good: ttft 100 ms, tpot 100 ms
+        in_phase(0, 0.2, 1.2),  # good
+        in_phase(0, 0.9, 1.9),  # ttft too slow
+        in_phase(1, 0.1, 3.1),  # tpot 300 ms: too slow
+        in_phase(1, 0.3, 1.3),  # good
+        in_phase(1, 0.1, 0.1, ok=False),  # failed: sent, never good
+        in_phase(None, 0.1, 1.1),  # not of this shift: counted nowhere
+    ]
+    slo = SLO.parse(["ttft:500", "tpot:150"])
+    first, second, third = phase_summaries(results, phases, slo)
+    assert (first.phase, first.label, first.seconds) == (0, "1 chat @2.0/s", 4.0)
+    assert (first.requests, first.failed) == (3, 0)
+    assert first.goodput == 2 / 4 and first.attainment == pytest.approx(2 / 3)
+    assert first.ttft_p50 == pytest.approx(0.2) and first.ttft_p90 == pytest.approx(0.76)
+    assert first.tpot_p50 == pytest.approx(0.1) and first.tpot_p90 == pytest.approx(0.1)
+    assert second.label == "2 long-burst @0.5/s"
+    assert (second.requests, second.failed) == (3, 1)
+    assert second.goodput == 1 / 10 and second.attainment == pytest.approx(1 / 3)
+    assert second.tpot_p50 == pytest.approx(0.2)  # of the completed ones only
+    assert (third.requests, third.goodput) == (0, 0.0)
+    assert math.isnan(third.attainment) and math.isnan(third.ttft_p50)
+    total = shift_total(results, phases, slo)
+    assert (total.phase, total.label, total.seconds, total.requests) == (None, "all", 16.0, 6)
+    assert total.goodput == 3 / 16 and total.attainment == pytest.approx(3 / 6)
+
+
+def test_phase_tables_show_each_phase_and_the_whole_run() -> None:
+    phases = [Phase("chat", 2.0, 4.0), Phase("fixed", 1.0, 2.0)]
+    results = [in_phase(0, 0.1, 1.1), in_phase(0, 0.9, 1.9)]
+    slo = SLO.parse(["ttft:500"])
+    summaries, total = phase_summaries(results, phases, slo), shift_total(results, phases, slo)
+    lines = phase_table(summaries, total).splitlines()
+    assert lines[0].startswith("| phase | requests | failed | goodput req/s | attainment |")
+    assert lines[2] == "| 1 chat @2.0/s | 2 | 0 | 0.250 | 50% | 500 | 820 | 100 | 100 |"
+    assert lines[3] == "| 2 fixed @1.0/s | 0 | 0 | 0.000 | - | - | - | - | - |"
+    assert lines[4].startswith("| all | 2 | 0 | 0.167 | 50% |")
+    rows = phase_compare_table([("a", summaries, total), ("b", summaries, total)])
+    header, _, first, _ = rows.splitlines()
+    assert header == "| config | 1 chat @2.0/s goodput | 2 fixed @1.0/s goodput | all goodput |"
+    assert first == "| a | 0.250 (50%) | 0.000 (-) | 0.167 (50%) |"
+
+
+def test_results_round_trip_through_json_with_and_without_a_phase(tmp_path: Path) -> None:
+    results = [in_phase(1, 0.1, 1.1), in_phase(None, 0.2, 0.9, ok=False)]
+    results[0].itl = [0.1] * 10
+    results[1].error = "HTTP 503: busy"
+    write_json(tmp_path / "r.json", {"results": results})
+    saved = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert [item["phase"] for item in saved] == [1, None]
+    assert [RequestResult.from_dict(item) for item in saved] == results
+    old = {k: v for k, v in saved[0].items() if k != "phase"}  # written before shift runs
+    assert RequestResult.from_dict(old | {"later_field": 3}).phase is None

@@ -10,18 +10,21 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from appliance.bench import report
 from appliance.bench.compare import (
     BASELINE,
     Run,
+    Target,
     compare,
     llama_cpp_targets,
     naive_target,
     our_targets,
 )
-from appliance.bench.metrics import SLO, summarize
+from appliance.bench.metrics import SLO, RequestResult, phase_summaries, shift_total, summarize
 from appliance.bench.runner import Load, run_load
+from appliance.bench.shift import DEFAULT_PHASES, Phase, Shift, make_shift, parse_phases
 from appliance.bench.workloads import RequestSpec, generate
 from appliance.config import load_settings
 from appliance.model.loader import default_model_path, prepare_tokenizer
@@ -41,7 +44,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--extra-body", default="{}", help="JSON merged into every request")
     bench.add_argument("--label", default="", help="name of this run in the table")
     modes = bench.add_subparsers(dest="bench_command")
-    # SUPPRESS: an option given before `compare` is not reset by compare's own default.
+    # SUPPRESS: an option given before `compare` is not reset by compare's own default
+    # (compare's own options say their defaults).
     cmp = modes.add_parser(
         "compare",
         help="start each layout (and peers) and run the same load",
@@ -49,7 +53,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     _add_common(cmp)
     cmp.add_argument(
-        "--rates", help="comma-separated request rates to sweep (default: --request-rate)"
+        "--rates",
+        default=None,
+        help="comma-separated request rates to sweep (default: --request-rate)",
     )
     cmp.add_argument(
         "--configs",
@@ -57,36 +63,87 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="comma-separated: 'ours' (disaggregated, colocated x2, colocated x1), "
         "'llama-cpp' (if installed), 'transformers' (naive), 'peers' (both)",
     )
-    cmp.add_argument("--llama-cpp-python", help="a python that has llama_cpp[server] installed")
+    cmp.add_argument(
+        "--llama-cpp-python", default=None, help="a python that has llama_cpp[server] installed"
+    )
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
+    suppress = parser.argument_default == argparse.SUPPRESS
+
+    def default(value: Any) -> Any:  # compare's: none, bench's stand (see add_parser)
+        return argparse.SUPPRESS if suppress else value
+
     parser.add_argument(
         "--workload",
-        default="long-burst",
-        choices=["fixed", "chat", "long-burst", "shared-prefix", "jsonl"],
+        default=default("long-burst"),
+        choices=["fixed", "chat", "long-burst", "shared-prefix", "jsonl", "shift"],
+    )
+    parser.add_argument(
+        "--phases",
+        type=_phases_arg,
+        metavar="SPEC",
+        help="shift workload: comma-separated workload:rate:seconds phases (workload chat, "
+        "long-burst, fixed or shared-prefix; Poisson req/s), one after the other; "
+        f"default {DEFAULT_PHASES}",
     )
     parser.add_argument("--jsonl", type=Path, help="prompts file for --workload jsonl")
-    parser.add_argument("--input-len", type=int, default=128, help="fixed workload prompt")
-    parser.add_argument("--output-len", type=int, default=64, help="fixed workload output")
+    parser.add_argument("--input-len", type=int, default=default(128), help="fixed workload prompt")
+    parser.add_argument("--output-len", type=int, default=default(64), help="fixed workload output")
     arrival = parser.add_mutually_exclusive_group()
     arrival.add_argument("--request-rate", type=float, help="Poisson arrivals per second")
     arrival.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
     parser.add_argument("--num-requests", type=int, help="default 100 unless --duration")
     parser.add_argument("--duration", type=float, help="stop sending after this many seconds")
-    parser.add_argument("--warmup", type=int, default=2, help="requests run first, not counted")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--goodput", nargs="+", default=[], metavar="METRIC:MS", help="SLO, e.g. ttft:2000 tpot:100"
+        "--warmup", type=int, default=default(2), help="requests run first, not counted"
+    )
+    parser.add_argument("--seed", type=int, default=default(0))
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=default([]),
+        metavar="METRIC:MS",
+        help="SLO, e.g. ttft:2000 tpot:100",
     )
     parser.add_argument("--out", type=Path, help="folder for the JSON, table and plot")
 
 
+def _phases_arg(text: str) -> list[Phase]:
+    try:
+        return parse_phases(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `appliance bench [compare]`; exit code 1 when any request failed."""
+    _settle_shift(args)
     if args.bench_command == "compare":
         return _compare(args)
     return _single(args)
+
+
+def _settle_shift(args: argparse.Namespace) -> None:
+    """--phases only with --workload shift, which takes its rates and lengths from them
+    (the default phases when none are given)."""
+    if args.workload != "shift":
+        if args.phases is not None:
+            raise ValueError("--phases goes with --workload shift only")
+        return
+    fixed_by_phases = {
+        "--num-requests": args.num_requests,
+        "--duration": args.duration,
+        "--concurrency": args.concurrency,
+        "--request-rate": args.request_rate,
+        "--rates": getattr(args, "rates", None),
+    }
+    given = [flag for flag, value in fixed_by_phases.items() if value is not None]
+    if given:
+        raise ValueError(
+            f"--workload shift takes its rates and lengths from --phases; drop {', '.join(given)}"
+        )
+    args.phases = args.phases or parse_phases(DEFAULT_PHASES)
 
 
 def _tokenizer() -> Tokenizer:
@@ -109,14 +166,41 @@ def _specs(args: argparse.Namespace, tokenizer: Tokenizer) -> Iterator[RequestSp
     )
 
 
-def _single(args: argparse.Namespace) -> int:
-    slo = SLO.parse(args.goodput)
-    load = _load(args, args.request_rate)
-    tokenizer = _tokenizer()
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+def _shift(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[Shift, list[RequestSpec]]:
+    """The shift of --phases and its warm-up requests."""
+    return make_shift(
+        args.phases, tokenizer, args.seed, args.warmup, args.input_len, args.output_len
+    )
+
+
+def _single_load(
+    args: argparse.Namespace, tokenizer: Tokenizer, load: Load | None
+) -> tuple[Load | Shift, Iterator[RequestSpec]]:
+    if load is None:
+        shift, warmup = _shift(args, tokenizer)
+        return shift, iter(warmup)
     specs = _specs(args, tokenizer)
     if load.num_requests is not None:  # built now, not while the clock runs
         specs = iter(list(itertools.islice(specs, load.warmup + load.num_requests)))
+    return load, specs
+
+
+def _phase_parts(load: Load | Shift, results: list[RequestResult], slo: SLO) -> dict[str, Any]:
+    """A shift run's per-phase summaries and whole-run row; nothing for other loads."""
+    if not isinstance(load, Shift):
+        return {}
+    return {
+        "phases": phase_summaries(results, load.phases, slo),
+        "phases_total": shift_total(results, load.phases, slo),
+    }
+
+
+def _single(args: argparse.Namespace) -> int:
+    slo = SLO.parse(args.goodput)
+    asked = None if args.workload == "shift" else _load(args, args.request_rate)
+    tokenizer = _tokenizer()
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    load, specs = _single_load(args, tokenizer, asked)
     results, seconds = asyncio.run(
         run_load(
             args.url,
@@ -131,25 +215,59 @@ def _single(args: argparse.Namespace) -> int:
     )
     summary = summarize(results, seconds, slo)
     label = args.label or args.url
-    print(report.table([(label, summary)]))
+    phases = _phase_parts(load, results, slo)
+    text = report.table([(label, summary)])
+    if phases:
+        text += "\n\n" + report.phase_table(phases["phases"], phases["phases_total"])
+    print(text)
     if args.out:
-        payload = {"args": _args_dict(args), "slo": slo, "summary": summary, "results": results}
-        report.write_json(args.out / "result.json", payload)
-        (args.out / "table.md").write_text(report.table([(label, summary)]) + "\n")
+        payload = {"args": _args_dict(args), "slo": slo, "summary": summary}
+        report.write_json(args.out / "result.json", {**payload, **phases, "results": results})
+        (args.out / "table.md").write_text(text + "\n")
         report.plot_cdfs(args.out / "latency_cdf.png", {label: results}, _title(args, load))
     return 0 if summary.failed == 0 else 1
 
 
 def _compare(args: argparse.Namespace) -> int:
     slo = SLO.parse(args.goodput)
+    swept = [] if args.workload == "shift" else _sweep(args)
+    tokenizer = _tokenizer()
+    loads, specs = _compare_loads(args, tokenizer, swept)
+    targets = _targets(args, tokenizer)
+    count_tokens = lambda text: len(tokenizer.encode(text))  # noqa: E731
+    runs = compare(
+        targets, specs, loads, slo, count_tokens, args.out / "logs" if args.out else None
+    )
+    sections = [(_title(args, load), _runs_of(runs, load)) for load in loads]
+    for title, section in sections:
+        print(f"\n{_section_text(title, section)}")
+    if args.out:
+        _write_compare(args, slo, sections, runs)
+    return 0 if all(r.summary.failed == 0 for r in runs) else 1
+
+
+def _sweep(args: argparse.Namespace) -> list[Load]:
+    """One load per rate of --rates (default: --request-rate, or the concurrency)."""
     asked = [float(r) for r in args.rates.split(",")] if args.rates else [args.request_rate]
     loads = [_load(args, rate) for rate in asked]
-    rates = [load.rate for load in loads]  # what each run records (None: closed loop)
     if loads[0].num_requests is None:
         raise ValueError("compare needs --num-requests (every config gets the same requests)")
-    tokenizer = _tokenizer()
-    total = args.warmup + loads[0].num_requests
-    specs = list(itertools.islice(_specs(args, tokenizer), total))
+    return loads
+
+
+def _compare_loads(
+    args: argparse.Namespace, tokenizer: Tokenizer, swept: list[Load]
+) -> tuple[list[Load | Shift], list[RequestSpec]]:
+    """The loads each configuration is driven at, and the requests they send (a shift's:
+    its warm-up, the schedule being the shift's own)."""
+    if not swept:
+        shift, warmup = _shift(args, tokenizer)
+        return [shift], warmup
+    total = args.warmup + (swept[0].num_requests or 0)
+    return list(swept), list(itertools.islice(_specs(args, tokenizer), total))
+
+
+def _targets(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Target]:
     cores = len(os.sched_getaffinity(0))
     targets = []
     configs = set(args.configs.split(","))
@@ -166,49 +284,58 @@ def _compare(args: argparse.Namespace) -> int:
         targets += llama_cpp_targets(gguf, cores, stop_ids, args.llama_cpp_python)
     if configs & {"peers", "transformers"}:
         targets.append(naive_target(gguf, cores))
-    count_tokens = lambda text: len(tokenizer.encode(text))  # noqa: E731
-    runs = compare(
-        targets, specs, loads, slo, count_tokens, args.out / "logs" if args.out else None
-    )
-    for rate in rates:
-        rows = [(r.label, r.summary) for r in runs if r.rate == rate]
-        print(f"\n{_title(args, _load(args, rate))}\n")
-        print(report.table(rows, BASELINE))
-    if args.out:
-        _write_compare(args, slo, rates, runs)
-    return 0 if all(r.summary.failed == 0 for r in runs) else 1
+    return targets
+
+
+def _runs_of(runs: list[Run], load: Load | Shift) -> list[Run]:
+    """The runs at `load` (rate None: a closed loop's or a shift's; only one of them)."""
+    rate = None if isinstance(load, Shift) else load.rate
+    return [r for r in runs if r.rate == rate]
+
+
+def _section_text(title: str, runs: list[Run], heading: str = "") -> str:
+    """One load's title and table; a shift's goodput per phase below it."""
+    text = f"{heading}{title}\n\n{report.table([(r.label, r.summary) for r in runs], BASELINE)}"
+    phased = [
+        (r.label, r.phases, r.phases_total)
+        for r in runs
+        if r.phases is not None and r.phases_total is not None
+    ]
+    if phased:
+        text += "\n\nGoodput req/s (SLO attainment) by phase\n\n"
+        text += report.phase_compare_table(phased)
+    return text
 
 
 def _write_compare(
-    args: argparse.Namespace, slo: SLO, rates: list[float | None], runs: list[Run]
+    args: argparse.Namespace, slo: SLO, sections: list[tuple[str, list[Run]]], runs: list[Run]
 ) -> None:
     out = args.out
-    tables = []
-    for rate in rates:
-        rows = [(r.label, r.summary) for r in runs if r.rate == rate]
-        tables.append(f"### {_title(args, _load(args, rate))}\n\n{report.table(rows, BASELINE)}\n")
+    tables = [_section_text(title, section, "### ") + "\n" for title, section in sections]
     (out / "compare.md").write_text("\n".join(tables))
-    payload = {
-        "args": _args_dict(args),
-        "slo": slo,
-        "runs": [
-            {"label": r.label, "rate": r.rate, "summary": r.summary, "results": r.results}
-            for r in runs
-        ],
-    }
+    payload = {"args": _args_dict(args), "slo": slo, "runs": [_run_dict(r) for r in runs]}
     report.write_json(out / "compare.json", payload)
-    first = {r.label: r.results for r in runs if r.rate == rates[0]}
-    report.plot_cdfs(out / "latency_cdf.png", first, _title(args, _load(args, rates[0])))
-    if len(rates) > 1:
+    title, first = sections[0]
+    report.plot_cdfs(out / "latency_cdf.png", {r.label: r.results for r in first}, title)
+    if len(sections) > 1:
         sweep: dict[str, list] = {}
         for r in runs:
             sweep.setdefault(r.label, []).append((r.rate, r.summary))
         report.plot_sweep(out / "goodput_sweep.png", sweep, f"{args.workload} workload")
 
 
-def _title(args: argparse.Namespace, load: Load) -> str:
-    arrival = f"{load.rate} req/s Poisson" if load.rate else f"concurrency {load.concurrency}"
+def _run_dict(run: Run) -> dict[str, Any]:
+    phases = {} if run.phases is None else {"phases": run.phases, "phases_total": run.phases_total}
+    summary = {"label": run.label, "rate": run.rate, "summary": run.summary}
+    return {**summary, **phases, "results": run.results}
+
+
+def _title(args: argparse.Namespace, load: Load | Shift) -> str:
     slo = " ".join(args.goodput) or "none"
+    if isinstance(load, Shift):
+        phases = ", ".join(f"{p.label(i)} for {p.seconds:g} s" for i, p in enumerate(load.phases))
+        return f"shift workload, phases {phases}, {len(load.schedule)} requests, SLO {slo}"
+    arrival = f"{load.rate} req/s Poisson" if load.rate else f"concurrency {load.concurrency}"
     return f"{args.workload} workload, {arrival}, {load.num_requests} requests, SLO {slo}"
 
 

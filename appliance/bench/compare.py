@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,17 @@ from typing import Any
 import httpx
 
 from appliance.bench.client import CountTokens
-from appliance.bench.metrics import SLO, RequestResult, Summary, summarize
+from appliance.bench.metrics import (
+    SLO,
+    PhaseSummary,
+    RequestResult,
+    Summary,
+    phase_summaries,
+    shift_total,
+    summarize,
+)
 from appliance.bench.runner import Load, run_load
+from appliance.bench.shift import Shift
 from appliance.bench.workloads import RequestSpec
 
 START_TIMEOUT_S = 600.0
@@ -44,12 +53,15 @@ class Target:
 
 @dataclass
 class Run:
-    """One target driven at one load."""
+    """One target driven at one load (rate None: a closed loop or a shift, whose runs
+    have their per-phase summaries and the whole run's)."""
 
     label: str
     rate: float | None
     results: list[RequestResult]
     summary: Summary
+    phases: list[PhaseSummary] | None = None
+    phases_total: PhaseSummary | None = None
 
 
 def our_targets(cores: int) -> list[Target]:
@@ -177,13 +189,14 @@ def _stop(process: subprocess.Popen) -> None:
 def compare(
     targets: list[Target],
     specs: list[RequestSpec],
-    loads: list[Load],
+    loads: Sequence[Load | Shift],
     slo: SLO,
     count_tokens: CountTokens,
     log_dir: Path | None = None,
 ) -> list[Run]:
-    """Each target started afresh for each load and driven with the very same requests;
-    returns one Run per (target, load). A fresh start per load: a server that kept its
+    """Each target started afresh for each load and driven with the very same requests
+    (`specs`: a Load's warm-up and measured ones; a Shift's warm-up, its schedule being
+    its own); returns one Run per (target, load). A fresh start per load: a server that kept its
     prefix cache would meet the previous load's prompts again and skip their prefill. A
     target that cannot start is reported and left out; the others still run."""
     runs = []
@@ -202,15 +215,22 @@ def _drive(
     target: Target,
     url: str,
     specs: list[RequestSpec],
-    load: Load,
+    load: Load | Shift,
     slo: SLO,
     count_tokens: CountTokens,
 ) -> Run:
-    label = f"{target.label} @ {load.rate or load.concurrency}"
+    at = "shift" if isinstance(load, Shift) else load.rate or load.concurrency
+    label = f"{target.label} @ {at}"
     results, seconds = asyncio.run(
         run_load(url, iter(specs), load, count_tokens, extra_body=target.extra_body, label=label)
     )
-    run = Run(target.label, load.rate, results, summarize(results, seconds, slo))
+    summary = summarize(results, seconds, slo)
+    if isinstance(load, Shift):
+        run = Run(target.label, None, results, summary)
+        run.phases = phase_summaries(results, load.phases, slo)
+        run.phases_total = shift_total(results, load.phases, slo)
+    else:
+        run = Run(target.label, load.rate, results, summary)
     print(f"  {label}: {_brief(run.summary)}", file=sys.stderr)
     return run
 

@@ -4,7 +4,12 @@ computed from per-request timings. Pure Python: tested on hand-made numbers."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from appliance.bench.shift import Phase
 
 
 @dataclass
@@ -19,6 +24,7 @@ class RequestResult:
     ttft: float = 0.0  # sent -> first token
     latency: float = 0.0  # sent -> last token
     itl: list[float] = field(default_factory=list)  # gaps between successive chunks
+    phase: int | None = None  # 0-based phase of a shift run; None outside one
 
     @property
     def tpot(self) -> float | None:
@@ -26,6 +32,13 @@ class RequestResult:
         if self.output_tokens < 2:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RequestResult:
+        """A result as a bench JSON holds it; fields it lacks (`phase` in files written
+        before shift runs) take their defaults, keys it does not know are ignored."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 @dataclass
@@ -127,4 +140,63 @@ def summarize(results: list[RequestResult], duration: float, slo: SLO) -> Summar
         tpot=Distribution.of([t for r in done if (t := r.tpot) is not None]),
         itl=Distribution.of([gap for r in done for gap in r.itl]),
         latency=Distribution.of([r.latency for r in done]),
+    )
+
+
+@dataclass
+class PhaseSummary:
+    """One phase of a shift run (or, with phase None, the whole run): its requests,
+    goodput (requests within the SLO / the phase's seconds), attainment (the share of
+    its requests within the SLO) and latency percentiles over its completed requests."""
+
+    phase: int | None
+    label: str
+    seconds: float
+    requests: int
+    failed: int
+    goodput: float
+    attainment: float  # NaN when the phase sent nothing
+    ttft_p50: float
+    ttft_p90: float
+    tpot_p50: float
+    tpot_p90: float
+
+
+def phase_summaries(
+    results: list[RequestResult], phases: Sequence[Phase], slo: SLO
+) -> list[PhaseSummary]:
+    """One summary per phase, of the results whose `phase` is its index."""
+    return [
+        _phase_summary(index, phase.label(index), phase.seconds, results, slo)
+        for index, phase in enumerate(phases)
+    ]
+
+
+def shift_total(results: list[RequestResult], phases: Sequence[Phase], slo: SLO) -> PhaseSummary:
+    """The whole shift run as one row, 'all': every phase's requests, goodput over the
+    phases' total seconds (not the wall time, which the last slow answers stretch)."""
+    seconds = sum(phase.seconds for phase in phases)
+    return _phase_summary(None, "all", seconds, [r for r in results if r.phase is not None], slo)
+
+
+def _phase_summary(
+    index: int | None, label: str, seconds: float, results: list[RequestResult], slo: SLO
+) -> PhaseSummary:
+    mine = [r for r in results if index is None or r.phase == index]
+    done = [r for r in mine if r.ok]
+    good = sum(slo.met_by(r) for r in done)
+    ttft = Distribution.of([r.ttft for r in done])
+    tpot = Distribution.of([t for r in done if (t := r.tpot) is not None])
+    return PhaseSummary(
+        phase=index,
+        label=label,
+        seconds=seconds,
+        requests=len(mine),
+        failed=len(mine) - len(done),
+        goodput=good / seconds,
+        attainment=good / len(mine) if mine else math.nan,
+        ttft_p50=ttft.median,
+        ttft_p90=ttft.p90,
+        tpot_p50=tpot.median,
+        tpot_p90=tpot.p90,
     )

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from appliance.bench.metrics import RequestResult, Summary
+from appliance.bench.metrics import PhaseSummary, RequestResult, Summary
 
 COLUMNS = (
     "config",
@@ -51,6 +51,45 @@ def table(rows: list[tuple[str, Summary]], baseline: str | None = None) -> str:
             cells += [_ratio(s.goodput, base.goodput), _ratio(s.tpot.p99, base.tpot.p99)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+PHASE_COLUMNS = (
+    "phase",
+    "requests",
+    "failed",
+    "goodput req/s",
+    "attainment",
+    "TTFT p50 ms",
+    "TTFT p90 ms",
+    "TPOT p50 ms",
+    "TPOT p90 ms",
+)
+
+
+def phase_table(phases: list[PhaseSummary], total: PhaseSummary) -> str:
+    """A shift run phase by phase, then the whole run ('all')."""
+    lines = ["| " + " | ".join(PHASE_COLUMNS) + " |", "|" + "---|" * len(PHASE_COLUMNS)]
+    for p in [*phases, total]:
+        cells = [p.label, str(p.requests), str(p.failed), f"{p.goodput:.3f}"]
+        cells += [_share(p.attainment), ms(p.ttft_p50), ms(p.ttft_p90)]
+        cells += [ms(p.tpot_p50), ms(p.tpot_p90)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def phase_compare_table(rows: list[tuple[str, list[PhaseSummary], PhaseSummary]]) -> str:
+    """Goodput req/s (and attainment) per phase and overall, one line per configuration."""
+    phases = rows[0][1] if rows else []
+    header = ["config", *(f"{p.label} goodput" for p in phases), "all goodput"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, summaries, total in rows:
+        cells = [f"{p.goodput:.3f} ({_share(p.attainment)})" for p in [*summaries, total]]
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def _share(fraction: float) -> str:
+    return "-" if math.isnan(fraction) else f"{fraction:.0%}"
 
 
 def ms(seconds: float) -> str:

@@ -1,5 +1,6 @@
 """Driving a workload against an endpoint: Poisson arrivals at a rate, or a closed loop at
-a concurrency; a count of requests or a duration; warm-up requests not counted."""
+a concurrency; a count of requests or a duration; or a shift's schedule of requests at
+set times; warm-up requests not counted."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tqdm import tqdm
 
 from appliance.bench.client import CountTokens, send
 from appliance.bench.metrics import RequestResult
+from appliance.bench.shift import ScheduledRequest, Shift
 from appliance.bench.workloads import RequestSpec
 
 
@@ -82,7 +84,7 @@ async def find_model(client: httpx.AsyncClient) -> str:
 async def run_load(
     url: str,
     specs: Iterator[RequestSpec],
-    load: Load,
+    load: Load | Shift,
     count_tokens: CountTokens,
     model: str | None = None,
     extra_body: dict[str, Any] | None = None,
@@ -90,8 +92,9 @@ async def run_load(
     request_timeout: float = 600.0,
     label: str = "",
 ) -> tuple[list[RequestResult], float]:
-    """Run the warm-up, then the measured requests; returns their results and the
-    measured wall time."""
+    """Run the warm-up (the first `load.warmup` of `specs`), then the measured requests:
+    the rest of `specs` at a Load, or a Shift's own schedule (each result then records its
+    phase); returns their results and the measured wall time."""
     extra = extra_body or {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(request_timeout, connect=30.0)
@@ -101,13 +104,15 @@ async def run_load(
         model = model or await find_model(client)
         for spec in itertools.islice(specs, load.warmup):
             await send(client, model, spec, extra, time.perf_counter(), count_tokens)
-        measured = itertools.islice(specs, load.num_requests)
-        progress = tqdm(total=load.num_requests, desc=label or url, file=sys.stderr, leave=False)
+        total = len(load.schedule) if isinstance(load, Shift) else load.num_requests
+        progress = tqdm(total=total, desc=label or url, file=sys.stderr, leave=False)
         sender = _Sender(client, model, extra, time.perf_counter(), count_tokens)
-        if load.rate is not None:
-            results = await _open_loop(sender, measured, load, progress)
+        if isinstance(load, Shift):
+            results = await _scheduled(sender, load.schedule, progress)
+        elif load.rate is not None:
+            results = await _open_loop(sender, itertools.islice(specs, total), load, progress)
         else:
-            results = await _closed_loop(sender, measured, load, progress)
+            results = await _closed_loop(sender, itertools.islice(specs, total), load, progress)
         progress.close()
         return results, time.perf_counter() - sender.start
 
@@ -146,6 +151,25 @@ async def _open_loop(
         task.add_done_callback(lambda _: progress.update())
         tasks.append(task)
         due += next(gaps)
+    return list(await asyncio.gather(*tasks))
+
+
+async def _scheduled(
+    sender: _Sender, schedule: tuple[ScheduledRequest, ...], progress: tqdm
+) -> list[RequestResult]:
+    """Each request at its arrival time from the run's start, however slow the earlier
+    ones answer."""
+
+    async def one(item: ScheduledRequest) -> RequestResult:
+        result = await sender.send(item.spec)
+        result.phase = item.phase
+        progress.update()
+        return result
+
+    tasks = []
+    for item in sorted(schedule, key=lambda item: item.arrival_s):
+        await asyncio.sleep(max(0.0, sender.start + item.arrival_s - time.perf_counter()))
+        tasks.append(asyncio.create_task(one(item)))
     return list(await asyncio.gather(*tasks))
 
 
