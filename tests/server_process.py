@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,7 @@ import httpx
 from appliance.bench.compare import free_port
 
 API_KEY = "test-key"
+OUTPUT_LINES_KEPT = 2000
 
 
 def wait_until(check: Callable[[], Any], bound_s: float, what: str, every_s: float = 0.2) -> Any:
@@ -39,6 +42,9 @@ class ServerProcess:
     process: subprocess.Popen | None = None
     health_seen: list[tuple[int, dict]] = field(default_factory=list)
     admin_token_file: Path | None = None  # where its admin token is, when a test set it
+    # Its last output lines. A reader thread keeps the pipe drained: a full pipe would
+    # block the server at its next log line (an access log line per request).
+    output: deque[str] = field(default_factory=lambda: deque(maxlen=OUTPUT_LINES_KEPT))
 
     @property
     def url(self) -> str:
@@ -53,10 +59,13 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             text=True,
         )
+        threading.Thread(target=self._read_output, daemon=True).start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"appliance serve exited:\n{self.process.stdout.read()}")
+                self.process.wait()
+                time.sleep(0.2)  # the reader's last lines
+                raise RuntimeError("appliance serve exited:\n" + "".join(self.output))
             try:
                 reply = httpx.get(self.url + "/health", timeout=2)
             except httpx.TransportError:
@@ -68,6 +77,11 @@ class ServerProcess:
             time.sleep(0.1)
         self.stop()
         raise RuntimeError("appliance serve did not become healthy in time")
+
+    def _read_output(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self.output.append(line)
 
     def stop(self, timeout: float = 30.0, sig: int = signal.SIGINT) -> int:
         """SIGINT, as Ctrl-C would (or `sig`); returns the exit code."""
