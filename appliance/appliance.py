@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from appliance.autopilot import Autopilot
 from appliance.config import Settings
 from appliance.engine.sequence import SamplingParams
 from appliance.model.loader import model_name, prepare_tokenizer
@@ -30,6 +31,7 @@ class Appliance:
         self.settings = settings
         self.supervisor = Supervisor(settings, topology)
         self.pools = PoolMover(self.supervisor, settings.admin.drain_timeout_s)
+        self.autopilot = Autopilot(self.supervisor, self.pools, settings)
         self.tokenizer: Tokenizer | None = None
         self.config: ModelConfig | None = None
         self.model_name = settings.served_model_name or model_name(settings.model)
@@ -57,8 +59,10 @@ class Appliance:
     async def start(self) -> None:
         """Spawn the pools' workers and wait until all are ready."""
         await self.supervisor.start()
+        self.autopilot.start()
 
     async def stop(self) -> None:
+        await self.autopilot.stop()
         await self.pools.stop()
         await self.supervisor.stop()
 

@@ -179,6 +179,13 @@ class Settings(BaseSettings):
     decode_devices: DeviceList = Field(
         None, description="Devices of the decode pool, e.g. '2,3'; empty splits automatically."
     )
+    colocated_devices: DeviceList = Field(
+        None,
+        description="In disaggregated mode: devices whose workers prefill and decode alike "
+        "(colocated) beside the two pools, e.g. '1'; prefill_devices and decode_devices "
+        "then split the rest, and either pool may be empty as long as something prefills, "
+        "something decodes and a prefill pool has a decode pool to hand off to.",
+    )
     prefill_tp: int = Field(
         1,
         ge=1,
@@ -234,13 +241,13 @@ class Settings(BaseSettings):
     def _int4_is_quantized(cls, value: object) -> object:
         return "quantized" if value == "int4" else value
 
-    @field_validator("prefill_devices", "decode_devices", mode="before")
+    @field_validator("prefill_devices", "decode_devices", "colocated_devices", mode="before")
     @classmethod
     def _read_device_list(cls, value: object) -> object:
         # Env, TOML and keywords give text like '0-1,3'; indices from code pass on as they are.
         return parse_devices(value) if isinstance(value, str) else value
 
-    @field_validator("prefill_devices", "decode_devices")
+    @field_validator("prefill_devices", "decode_devices", "colocated_devices")
     @classmethod
     def _one_form(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
         # Whatever the source, the partition gets sorted indices, each once; none is automatic.
@@ -262,6 +269,23 @@ class Settings(BaseSettings):
                 else f"decoding workers span {decoding_tp} devices"
             )
             raise ValueError(f"batch.cuda_graphs needs one-device CUDA workers, but {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _colocated_beside_pools(self) -> Settings:
+        if self.colocated_devices is None:
+            return self
+        if self.mode == "colocated":
+            raise ValueError(
+                "colocated_devices names colocated workers beside the prefill and decode "
+                "pools (disaggregated mode); in colocated mode choose the devices with "
+                "prefill_devices"
+            )
+        if self.prefill_tp > 1 or self.decode_tp > 1:
+            raise ValueError(
+                "colocated_devices runs one-device workers beside the pools: set prefill_tp "
+                "and decode_tp to 1"
+            )
         return self
 
     @model_validator(mode="after")

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-EventKind = Literal["move", "tuning", "worker", "admission"]
+EventKind = Literal["move", "tuning", "worker", "admission", "planner"]
 
 MAX_EVENTS = 200  # events kept for the admin API
 

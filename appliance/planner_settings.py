@@ -44,3 +44,37 @@ class PlannerSettings(BaseModel):
     num_requests: int = Field(
         1000, ge=10, le=100_000, description="Requests simulated per layout when planning."
     )
+    auto_rebalance: bool = Field(
+        False,
+        description="Autopilot: move one device at a time between prefill, decode and "
+        "colocated when the traffic of the last window would be served better one move "
+        "away (with the profile above). Off, the planner still recommends (console, "
+        "/admin/planner) and a move applies only when asked.",
+    )
+    interval_s: float = Field(
+        10.0, gt=0, description="How often the rebalancer looks at the traffic."
+    )
+    window_s: float = Field(
+        30.0, gt=0, description="The traffic it looks at: requests that arrived this long ago."
+    )
+    margin: float = Field(
+        0.15,
+        ge=0,
+        description="Predicted goodput gain (a fraction: 0.15 = 15%) a move must clear.",
+    )
+    target_attainment: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="No move while at least this fraction of the window's requests meet the "
+        "SLO (slo_ttft_ms, slo_tpot_ms).",
+    )
+    cooldown_s: float = Field(
+        60.0, ge=0, description="No move within this long after the last one."
+    )
+    confirm_windows: int = Field(
+        2, ge=1, description="Looks in a row that must recommend the same move first."
+    )
+    min_requests: int = Field(
+        8, ge=1, description="Fewer requests in the window than this: no move."
+    )

@@ -1,6 +1,7 @@
-"""Moving a device between the prefill and decode pools while serving: its worker drains
-(routing skips it; what it runs finishes, what it prefilled is handed off), stops, and a
-worker of the other role starts on the device."""
+"""Moving a device between roles (prefill, decode, colocated) while serving: its worker
+drains (routing skips it; what it runs finishes, what it prefilled is handed off), stops,
+and a worker of the new role starts on the device. Prompts or handoffs that only the new
+worker could take wait for it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from collections.abc import Awaitable, Callable
 from typing import cast
 
 from appliance.admin.schema import Move, Role
+from appliance.planner.layout import roles_problem
 from appliance.supervisor import Supervisor
+from appliance.tuning import check_for_mode
 from appliance.worker_handle import WorkerHandle
 
 START_TIMEOUT_S = 300.0
@@ -76,8 +79,6 @@ class PoolMover:
 
     def _movable_worker(self, device: int, to: Role) -> WorkerHandle:
         supervisor = self.supervisor
-        if supervisor.settings.mode == "colocated":
-            raise MoveError("colocated mode has a single pool: no device can change pools", 400)
         if supervisor.settings.prefill_tp > 1 or supervisor.settings.decode_tp > 1:
             raise MoveError(
                 "devices move between pools one at a time: with prefill_tp or decode_tp "
@@ -98,15 +99,33 @@ class PoolMover:
             raise MoveError(f"device {device} has no worker serving right now")
         if worker.role == to:
             raise MoveError(f"device {device} is already in the {to} pool")
-        others = [w for w in supervisor.workers.values() if w.role == worker.role and w.routable]
-        if len(others) < 2:
-            raise MoveError(
-                f"device {device} is the last of the {worker.role} pool; moving it would "
-                "leave that pool empty"
-            )
+        self._check_layout_after(device, to)
         return worker
 
+    def _check_layout_after(self, device: int, to: Role) -> None:
+        """Refuse a move whose layout could not serve: nothing would prefill or decode, a
+        prefill worker would have no decode worker, or colocated limits would clash."""
+        roles = device_roles(self.supervisor)
+        roles[device] = to
+        problem = roles_problem(roles)
+        if problem is not None:
+            raise MoveError(f"moving device {device} to {to} would leave a layout where {problem}")
+        if to == "colocated":
+            try:
+                check_for_mode(self.supervisor.tuning, "colocated")
+            except ValueError as exc:
+                raise MoveError(f"device {device} cannot be colocated: {exc}") from None
+
     async def _run(self, move: Move, worker: WorkerHandle, drained: Awaitable[bool]) -> None:
+        supervisor = self.supervisor
+        supervisor.arriving[move.to_role] += 1  # prompts or handoffs wait for it meanwhile
+        try:
+            await self._steps(move, worker, drained)
+        finally:
+            supervisor.arriving[move.to_role] -= 1
+            supervisor.on_gone(move.to_role)  # whoever still waits with nobody coming fails
+
+    async def _steps(self, move: Move, worker: WorkerHandle, drained: Awaitable[bool]) -> None:
         supervisor = self.supervisor
         try:
             if not await drained:
@@ -143,6 +162,16 @@ class PoolMover:
         self.supervisor.note(
             "move", f"move {move.move_id} of device {move.device} to {move.to_role} {outcome}"
         )
+
+
+def device_roles(supervisor: Supervisor) -> list[str | None]:
+    """Each device's role, by index: its live worker's (None: it has none)."""
+    roles: list[str | None] = [None] * len(supervisor.topology.devices)
+    for worker in supervisor.workers.values():
+        if worker.alive and not worker.stopping:
+            for device in worker.devices:
+                roles[device] = worker.role
+    return roles
 
 
 def move_progress(move: Move) -> Callable[[int], None]:

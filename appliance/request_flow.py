@@ -22,6 +22,10 @@ from appliance.tuning import Tuning
 from appliance.worker_handle import WorkerHandle
 from appliance.workers.messages import Abort, Output, Release, Submit, TokenBatch, ToWorker
 
+# Prompts go to prefill workers (which hand their KV off) and colocated ones (which keep it).
+ENTRY_ROLES = ("prefill", "colocated")
+NO_ENTRY_WORKER = "no prefill or colocated worker is running"
+
 
 class RequestFailed(RuntimeError):
     """A request ended with an error (bad input seen by a worker, a lost worker)."""
@@ -53,6 +57,7 @@ class FlowParts:
     may_come_back: Callable[[str], bool]  # a worker of that role is (re)starting
     note: Callable[[EventKind, str], Event]
     forgotten: Callable[[], None]  # a request left the table (a drain may be done)
+    ended: Callable[[Request], None]  # its consumer is done with it (the traffic log)
 
 
 class RequestFlow:
@@ -62,8 +67,6 @@ class RequestFlow:
         self.parts = parts
         self.table = parts.table
         self._streams: dict[int, asyncio.Queue[Chunk | Exception]] = {}  # request id -> chunks
-        mode = parts.settings.mode
-        self.entry_role = "colocated" if mode == "colocated" else "prefill"
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
         """Stream one request's chunks; leaving the loop early cancels it on both sides."""
@@ -93,18 +96,18 @@ class RequestFlow:
     def submit(self, request: Request) -> None:
         """Send a WAITING request's next attempt to a prefill (or colocated) worker; while
         none takes work but one is coming back, it stays WAITING for it."""
-        role = self.entry_role
-        candidates = [w for w in self.parts.workers.values() if w.role == role and w.routable]
+        workers = self.parts.workers.values()
+        candidates = [w for w in workers if w.role in ENTRY_ROLES and w.routable]
         if not candidates:
-            if not self.parts.may_come_back(role):
-                self.fail(request, f"no {role} worker is running")
+            if not any(self.parts.may_come_back(role) for role in ENTRY_ROLES):
+                self.fail(request, NO_ENTRY_WORKER)
             return
         token_ids = request.tokens
         worker = self.parts.router.prefill(candidates, token_ids, self.parts.tuning())
         wire_id = self.table.submit(request.request_id, worker.worker_id)
         worker.queued_tokens += len(token_ids)
         worker.last_work = time.monotonic()
-        prefill_only = role == "prefill"
+        prefill_only = worker.role == "prefill"  # a colocated worker decodes it too
         self.parts.send(
             worker.worker_id, Submit(wire_id, token_ids, request.attempt_params, prefill_only)
         )
@@ -138,10 +141,15 @@ class RequestFlow:
     def fail_waiting(self, role: str) -> None:
         """WAITING requests fail once no worker of `role` can come back for them."""
         waiting = self.table.in_phase(Phase.WAITING)
-        if role != self.entry_role or not waiting or self.parts.may_come_back(role):
+        if role not in ENTRY_ROLES or not waiting:
+            return
+        workers = self.parts.workers.values()
+        if any(w.role in ENTRY_ROLES and w.routable for w in workers) or any(
+            self.parts.may_come_back(r) for r in ENTRY_ROLES
+        ):
             return
         for request in waiting:
-            self.fail(request, f"no {role} worker is running")
+            self.fail(request, NO_ENTRY_WORKER)
 
     def on_tokens(self, worker: WorkerHandle, batch: TokenBatch) -> list[Request]:
         """Stream a step's tokens; returns the requests it parked (prefilled, to hand off)."""
@@ -166,6 +174,7 @@ class RequestFlow:
         if first:
             worker.queued_tokens -= request.submitted_len
         cached = out.cached_tokens if first and request.retries == 0 else 0
+        request.cached_tokens += cached
         self.put(request, _chunk(request, out, cached))
         return request
 
@@ -173,6 +182,7 @@ class RequestFlow:
         """Its consumer is done with it: drop it, cancelling it where it still runs."""
         if request.request_id not in self.table.requests:
             return
+        self.parts.ended(request)
         self._unqueue(request)
         self._streams.pop(request.request_id, None)
         wire_id = request.wire_id  # None: never sent to a worker

@@ -146,6 +146,7 @@ class Request:
     retries: int = 0
     parked: ParkedKV | None = None  # while PARKED or HANDING_OFF
     handoff_bytes: int = 0  # KV bytes the accepted handoff copied
+    cached_tokens: int = 0  # prompt tokens the first attempt's prefix cache supplied
 
     @property
     def tokens(self) -> list[int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
 from collections.abc import Set as AbstractSet
 
@@ -32,6 +33,7 @@ from appliance.router import Router
 from appliance.topology.devices import Topology
 from appliance.topology.discovery import discover
 from appliance.topology.partition import Partition, partition, tp_groups
+from appliance.traffic_log import TrafficLog
 from appliance.tuning import Tuning, TuningPatch, batch_limits, check_for_mode, initial_tuning
 from appliance.wiring import Wiring
 from appliance.worker_handle import WorkerHandle, WorkerView
@@ -57,14 +59,14 @@ class Supervisor:
     def __init__(self, settings: Settings, topology: Topology | None = None) -> None:
         self.settings = settings
         self.topology = topology or discover_box(settings)
-        self.partition: Partition = partition(
-            self.topology, settings.mode, settings.prefill_devices, settings.decode_devices
-        )
+        devices = settings.prefill_devices, settings.decode_devices, settings.colocated_devices
+        self.partition: Partition = partition(self.topology, settings.mode, *devices)
         # Checked here, so a bad tensor-parallel degree fails before any process starts.
         self.layout = worker_layout(self.topology, self.partition, settings)
         self.tuning = initial_tuning(settings.batch)
         self.log = EventLog()
         self.table = RequestTable()  # every request in flight: its phase, timing, workers
+        self.traffic = TrafficLog(settings.planner.window_s)  # what the rebalancer reads
         self.router = Router(
             settings.kv.block_size, settings.kv.prefix_caching, self.topology.bandwidth_rank
         )
@@ -72,7 +74,8 @@ class Supervisor:
         workers, send = self.processes.workers, self.processes.send
         self.drains = Drains(self.busy_with)
         self.wiring = Wiring(workers, send)
-        may_come_back = self.processes.may_come_back
+        # Roles a pool move is bringing to a device: requests wait for them, not fail.
+        self.arriving: Counter[str] = Counter()
         self.flow = RequestFlow(
             FlowParts(
                 settings=settings,
@@ -81,9 +84,10 @@ class Supervisor:
                 router=self.router,
                 send=send,
                 tuning=lambda: self.tuning,
-                may_come_back=may_come_back,
+                may_come_back=self.may_come_back,
                 note=self.note,
                 forgotten=self.drains.check,
+                ended=self.traffic.record,
             )
         )
         self.handoffs = Handoffs(
@@ -95,7 +99,7 @@ class Supervisor:
                 send=send,
                 retry=self._retry,
                 fail=self.flow.fail,
-                may_come_back=may_come_back,
+                may_come_back=self.may_come_back,
             )
         )
         self._capacity = 0
@@ -213,6 +217,10 @@ class Supervisor:
         self.flow.fail_waiting(role)
         self.handoffs.retry_waiting()
 
+    def may_come_back(self, role: str) -> bool:
+        """A worker of `role` is starting, restarting, or on its way by a pool move."""
+        return self.arriving[role] > 0 or self.processes.may_come_back(role)
+
     async def release(self, worker: WorkerHandle) -> None:
         await self.wiring.release(worker.worker_id)
 
@@ -298,21 +306,17 @@ class Supervisor:
     def tune(self, patch: TuningPatch) -> Tuning:
         """Apply new knobs now: routing and admission here, batching limits in each worker's
         scheduler from its next step. Raises ValueError for a bad combination."""
-        tuning = check_for_mode(patch.applied_to(self.tuning), self.settings.mode)
+        tuning = check_for_mode(patch.applied_to(self.tuning), tuning_mode(self))
         changed = {k: v for k, v in tuning.model_dump().items() if getattr(self.tuning, k) != v}
         self.tuning = tuning
         for worker in self.workers.values():
-            limits = self.batch_limits(worker.role, tuning)
+            limits = batch_limits(self.settings.batch, worker.role, tuning)
             if worker.alive and limits:
                 worker.inbox.put(Tune(**limits))
         if changed:
             described = ", ".join(f"{k}={v}" for k, v in changed.items())
             self.note("admission" if set(changed) == {"admission"} else "tuning", described)
         return tuning
-
-    def batch_limits(self, role: str, tuning: Tuning) -> dict[str, int]:
-        """The scheduler limits the live tuning sets for a worker of `role`."""
-        return batch_limits(self.settings.batch, role, tuning)
 
     def drain(
         self, worker_id: int, timeout: float, progress: Progress = lambda n: None
@@ -347,6 +351,13 @@ class Supervisor:
             self._act(request, Action.REROUTE, f"worker {worker_id} retired")
 
 
+def tuning_mode(supervisor: Supervisor) -> str:
+    """ "colocated" while any worker prefills and decodes (its limits then bind)."""
+    workers = supervisor.workers.values()
+    colocated = any(w.role == "colocated" and w.alive for w in workers)
+    return "colocated" if colocated else supervisor.settings.mode
+
+
 def discover_box(settings: Settings) -> Topology:
     """The devices the settings ask for; without accelerators, one CPU "device" per usable
     core unless told otherwise."""
@@ -365,4 +376,5 @@ def worker_layout(
         return [("colocated", g) for g in groups]
     prefill = tp_groups(topology, part.prefill, settings.prefill_tp, "prefill_tp")
     decode = tp_groups(topology, part.decode, settings.decode_tp, "decode_tp")
-    return [("prefill", g) for g in prefill] + [("decode", g) for g in decode]
+    colocated = [("colocated", (d,)) for d in part.colocated]  # one device each
+    return [("prefill", g) for g in prefill] + [("decode", g) for g in decode] + colocated

@@ -243,10 +243,38 @@ def test_moving_a_device_keeps_serving(pool_server: ServerProcess) -> None:
     )
 
 
+def test_a_device_turns_colocated_beside_the_pools_and_back(tuned: ServerProcess) -> None:
+    pool_server = tuned
+    # Prompts sharing the chat template's prefix would stay with the worker that cached
+    # it: taking turns makes the colocated worker get its share at once.
+    assert tune(pool_server, routing="round_robin").status_code == 200
+    with Traffic(pool_server.url, API_KEY, concurrency=3) as traffic:
+        traffic.wait_completed(3)
+        done = move(pool_server, 2, "colocated")
+        assert done["from_role"] == "decode"
+        assert pools(snapshot(pool_server)) == {"prefill": [0], "decode": [1], "colocated": [2]}
+        # The colocated worker takes prompts beside the prefill worker and decodes them.
+        wait_until(
+            lambda: (snapshot(pool_server).devices[2].worker.tokens_per_s or 0) > 0,
+            MOVE_BOUND_S,
+            "the colocated worker producing tokens",
+        )
+        traffic.wait_completed(traffic.completed + 6)
+        move(pool_server, 2, "decode")
+        traffic.wait_completed(traffic.completed + 3)
+    assert traffic.errors == []
+    assert pools(snapshot(pool_server)) == {"prefill": [0], "decode": [1, 2]}
+    wait_until(
+        lambda: all(d.worker.kv_blocks_used == 0 for d in snapshot(pool_server).devices),
+        10,
+        "every KV block free again",
+    )
+
+
 @pytest.mark.parametrize(
     ("device", "to", "status", "words"),
     [
-        (0, "decode", 409, "last of the prefill pool"),
+        (0, "decode", 409, "would leave a layout where no worker can prefill"),
         (1, "decode", 409, "already in the decode pool"),
         (7, "prefill", 400, "no device 7"),
     ],

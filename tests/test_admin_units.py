@@ -20,6 +20,7 @@ from appliance.server.admin import AdminState
 from appliance.server.errors import APIError
 from appliance.topology.cpu import cpu_devices
 from appliance.topology.devices import Device
+from appliance.tuning import batch_limits
 
 # ---------------------------------------------------------------- latency window
 
@@ -95,7 +96,8 @@ def test_bad_knobs_are_refused(body: dict) -> None:
 
 def test_move_requests_validate() -> None:
     assert MoveRequest.model_validate({"device": 2, "to": "prefill"}).device == 2
-    for body in ({"device": -1, "to": "decode"}, {"device": 1, "to": "colocated"}, {"to": "x"}):
+    assert MoveRequest.model_validate({"device": 1, "to": "colocated"}).to == "colocated"
+    for body in ({"device": -1, "to": "decode"}, {"device": 1, "to": "both"}, {"to": "x"}):
         with pytest.raises(ValidationError):
             MoveRequest.model_validate(body)
 
@@ -222,9 +224,9 @@ def test_decode_workers_get_budget_for_every_sequence() -> None:
         TuningPatch(decode_max_seqs=4096, prefill_token_budget=256, chunk_size=128)
     )
     assert supervisor.events[-1].kind == "tuning"
-    decode = supervisor.batch_limits("decode", tuning)
+    decode = batch_limits(supervisor.settings.batch, "decode", tuning)
     assert decode == {"max_num_seqs": 4096, "max_num_batched_tokens": 4096}
-    prefill = supervisor.batch_limits("prefill", tuning)
+    prefill = batch_limits(supervisor.settings.batch, "prefill", tuning)
     assert prefill == {"max_num_batched_tokens": 256, "chunk_size": 128}
 
 

@@ -53,16 +53,18 @@ async def run_all(app: Appliance, prompts: list[list[int]]) -> list[list[int]]:
         tokens = []
         async for chunk in app.generate(ids, params=GREEDY):
             tokens += chunk.token_ids
-        check_timing(chunk.timing, app.settings.mode)
+        handed_off = app.settings.mode == "disaggregated" and not app.settings.colocated_devices
+        check_timing(chunk.timing, handed_off)
         return tokens
 
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def check_timing(timing: dict[str, float], mode: str) -> None:
-    """The last chunk carries the request's timestamps, in the order things happened."""
+def check_timing(timing: dict[str, float], handed_off: bool) -> None:
+    """The last chunk carries the request's timestamps, in the order things happened
+    (a handoff's when every request is handed off, and whenever one was)."""
     order = ["arrival", "prefill_start", "first_token", "finished"]
-    if mode == "disaggregated":
+    if handed_off or "handoff" in timing:
         order.insert(3, "handoff")
     values = [timing[name] for name in order]
     assert values == sorted(values), timing
@@ -93,35 +95,49 @@ def expected(engine: LLMEngine, chat_prompts: list[list[int]]) -> list[list[int]
 
 
 @pytest.mark.parametrize(
-    ("mode", "cores", "prefill", "decode"),
+    ("mode", "cores", "prefill", "decode", "colocated"),
     [
-        ("colocated", [(0,), (1,)], None, None),
-        ("disaggregated", [(0,), (1,)], "0", "1"),
-        ("disaggregated", [(0,), (1,), (1,)], "0", "1,2"),
+        ("colocated", [(0,), (1,)], None, None, None),
+        ("disaggregated", [(0,), (1,)], "0", "1", None),
+        ("disaggregated", [(0,), (1,), (1,)], "0", "1,2", None),
+        ("disaggregated", [(0,), (1,), (1,)], "1", "2", "0"),
     ],
-    ids=["colocated-2", "1P+1D", "1P+2D"],
+    ids=["colocated-2", "1P+1D", "1P+2D", "1P+1D+1C"],
 )
 def test_greedy_outputs_equal_the_single_engine(
     mode: str,
     cores: list,
     prefill: str | None,
     decode: str | None,
+    colocated: str | None,
     chat_prompts: list[list[int]],
     expected: list[list[int]],
 ) -> None:
     settings = load_settings(
-        dtype="float32", device="cpu", mode=mode, prefill_devices=prefill, decode_devices=decode
+        dtype="float32",
+        device="cpu",
+        mode=mode,
+        prefill_devices=prefill,
+        decode_devices=decode,
+        colocated_devices=colocated,
+        # A small prefill budget makes the router spread prompts instead of keeping them
+        # with the worker that holds their common chat-template prefix.
+        batch={"max_num_batched_tokens": 64, "chunk_size": 64} if colocated else {},
     )
 
-    async def main() -> tuple[list[list[int]], dict]:
+    async def main() -> tuple[list[list[int]], dict, dict[str, int]]:
         async with Appliance(settings, cpu_topology(*cores)) as app:
             assert len(app.supervisor.workers) == len(cores)
             got = await run_all(app, chat_prompts)
-            return got, await wait_all_free(app.supervisor)
+            made: dict[str, int] = {}
+            for worker in app.supervisor.workers.values():
+                made[worker.role] = made.get(worker.role, 0) + worker.tokens_out
+            return got, await wait_all_free(app.supervisor), made
 
-    got, counts = asyncio.run(main())
+    got, counts, made = asyncio.run(main())
     assert got == expected
     assert all(free == total for free, total in counts.values()), counts
+    assert all(made.values()), made  # every role took part: colocated beside prefill too
 
 
 def test_200_concurrent_mixed_requests_complete_and_50_cancelled_free_their_blocks() -> None:

@@ -21,7 +21,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from appliance.config import parse_devices
+from appliance.config import SettingsError, load_settings, parse_devices
+from appliance.supervisor import worker_layout
 from appliance.topology.cpu import cpu_devices, pin_to_cores
 from appliance.topology.cuda_order import TorchFacts
 from appliance.topology.devices import Device, DeviceError, Link, NvmlFailed, Topology
@@ -695,6 +696,72 @@ def test_bad_device_lists_name_the_setting(
     with pytest.raises(ValueError) as info:
         partition(gpus(PCIE_4GPU), "disaggregated", parse_devices(prefill), parse_devices(decode))
     assert message in str(info.value)
+
+
+# --- colocated workers beside the pools -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "colocated", "expected"),
+    [
+        (None, None, "1-3", ((), (0,))),  # one device left: it decodes
+        (None, None, "3", ((0,), (1, 2))),  # three left: split as the automatic split does
+        (None, "1", "0", ((2, 3), (1,))),
+        ("1", "2", "0", ((1,), (2,))),  # device 3 idle
+        (None, "1-3", "0", ((), (1, 2, 3))),  # decode workers with no prefill pool: allowed
+    ],
+)
+def test_colocated_devices_sit_beside_the_pools(
+    prefill: str | None, decode: str | None, colocated: str, expected: tuple
+) -> None:
+    lists = parse_devices(prefill), parse_devices(decode), parse_devices(colocated)
+    part = partition(gpus(PCIE_4GPU), "disaggregated", *lists)
+    assert (part.prefill, part.decode) == expected
+    assert part.colocated == parse_devices(colocated)
+    assert set(part.pairs) == set(part.decode) if part.prefill else part.pairs == {}
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "colocated", "message"),
+    [
+        ("0", "1", "0", "device 0 is in both APPLIANCE_PREFILL_DEVICES='0' and APPLIANCE_COLO"),
+        (None, "2", "2", "device 2 is in both APPLIANCE_DECODE_DEVICES='2' and APPLIANCE_COLO"),
+        ("1-3", None, "0", "APPLIANCE_PREFILL_DEVICES='1,2,3' has no decode pool to hand off"),
+        (None, None, "5", "APPLIANCE_COLOCATED_DEVICES='5' names device 5"),
+    ],
+)
+def test_bad_colocated_lists_name_the_setting(
+    prefill: str | None, decode: str | None, colocated: str, message: str
+) -> None:
+    lists = parse_devices(prefill), parse_devices(decode), parse_devices(colocated)
+    with pytest.raises(ValueError) as info:
+        partition(gpus(PCIE_4GPU), "disaggregated", *lists)
+    assert message in str(info.value)
+
+
+def test_colocated_devices_run_one_colocated_worker_each() -> None:
+    settings = load_settings(
+        device="cpu", cpu_devices=3, prefill_devices="1", decode_devices="2", colocated_devices="0"
+    )
+    topology = cpu_box(cores=3, devices=3)
+    part = partition(topology, "disaggregated", (1,), (2,), (0,))
+    assert worker_layout(topology, part, settings) == [
+        ("prefill", (1,)),
+        ("decode", (2,)),
+        ("colocated", (0,)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"mode": "colocated", "colocated_devices": "0"}, "in colocated mode choose the devices"),
+        ({"colocated_devices": "0", "decode_tp": 2}, "set prefill_tp and decode_tp to 1"),
+    ],
+)
+def test_colocated_devices_settings_refuse_what_cannot_run(values: dict, message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        load_settings(device="cpu", **values)
 
 
 def test_pair_decode_breaks_ties_by_load_then_index() -> None:

@@ -90,7 +90,7 @@ class MoveRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     device: int = Field(ge=0)
-    to: Literal["prefill", "decode"]
+    to: Role
 
 
 class Move(BaseModel):
@@ -107,6 +107,49 @@ class Move(BaseModel):
     error: str | None = None
 
 
+class Decision(BaseModel):
+    """One look of the rebalancer at the last window of traffic: the layout it would
+    run (one device moved at most) and why it moved or held."""
+
+    at: float
+    current: list[Role | None] = Field(description="Each device's role, by index.")
+    recommended: list[Role | None] = Field(
+        description="The best layout one move away (or the current one)."
+    )
+    move_device: int | None = Field(description="The device to move; None: hold.")
+    move_to: Role | None
+    predicted_current: float = Field(
+        description="Goodput (requests/s within the SLO) the simulator predicts for the "
+        "current layout on the window's traffic."
+    )
+    predicted_recommended: float
+    attainment: float | None = Field(
+        description="Measured fraction of the window's finished requests within the SLO."
+    )
+    window_requests: int
+    acted: bool = Field(description="A move of the appliance started from this decision.")
+    reason: str
+
+
+class PlannerView(BaseModel):
+    """The rebalancer's state for the console's planner panel (GET /admin/planner)."""
+
+    auto_rebalance: bool = Field(description="Moves devices itself (planner.auto_rebalance).")
+    interval_s: float
+    profile: str | None = Field(description="The profile it simulates with; None: none.")
+    status: str = Field(description="One line: what it is doing or why it cannot plan.")
+    current: list[Role | None]
+    recommended: list[Role | None] | None
+    predicted_current: float | None
+    predicted_recommended: float | None
+    next_move: tuple[int, Role] | None = Field(
+        None,
+        description="(device, role): the first move toward the recommended layout, the one "
+        "POST /admin/planner/apply starts (a layout two moves away goes one at a time).",
+    )
+    decisions: list[Decision] = Field(description="The latest decisions, oldest first.")
+
+
 class Snapshot(BaseModel):
     """Everything the console shows, as of `at`."""
 
@@ -121,3 +164,6 @@ class Snapshot(BaseModel):
     requests_in_flight: int
     moves: list[Move] = Field(description="The running move and the last few finished.")
     events: list[Event] = Field(description="The most recent events, oldest first.")
+    planner: PlannerView | None = Field(
+        None, description="The rebalancer's view; None when the appliance has none."
+    )

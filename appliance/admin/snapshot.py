@@ -71,6 +71,7 @@ class SnapshotBuilder:
             requests_in_flight=len(requests),
             moves=list(appliance.pools.moves),
             events=list(state.events)[-EVENTS_SHOWN:],
+            planner=appliance.autopilot.view(),
         )
 
     def _devices(self, views: list[WorkerView], now: float) -> list[DeviceInfo]:

@@ -1,5 +1,5 @@
 """The admin API under /admin, for the console: the pools' state and a stream of it,
-moving a device between pools, and tuning knobs live.
+moving a device between pools, tuning knobs live, and the planner's recommendation.
 
 Only loopback clients holding the admin token get in; the token is written at start to
 a file only the server's user can read. The OpenAI routes under /v1 reach none of this.
@@ -61,6 +61,8 @@ def admin_routes() -> list[Route]:
         Route("/admin/events", events, methods=["GET"]),
         Route("/admin/pools", pools, methods=["POST"]),
         Route("/admin/tuning", tuning, methods=["PATCH"]),
+        Route("/admin/planner", planner, methods=["GET"]),
+        Route("/admin/planner/apply", apply_plan, methods=["POST"]),
     ]
 
 
@@ -95,7 +97,8 @@ async def _stream(admin: AdminState, interval: float) -> AsyncIterator[dict[str,
 
 
 async def pools(request: Request) -> Response:
-    """POST /admin/pools {"device": i, "to": "prefill"|"decode"}: 202 with the move begun."""
+    """POST /admin/pools {"device": i, "to": "prefill"|"decode"|"colocated"}: 202 with the
+    move begun."""
     admin = _admin(request)
     move = validated(MoveRequest, await read_json_object(request, MAX_ADMIN_BODY))
     request.app.state.server.check_ready()
@@ -103,6 +106,23 @@ async def pools(request: Request) -> Response:
         started = admin.appliance.pools.start(move.device, move.to)
     except MoveError as exc:
         raise APIError(exc.status, str(exc), param="device", code="move_refused") from None
+    return JSONResponse({"move": started.model_dump(mode="json")}, status_code=202)
+
+
+async def planner(request: Request) -> Response:
+    """GET /admin/planner: the rebalancer's PlannerView."""
+    admin = _admin(request)
+    return JSONResponse(admin.appliance.autopilot.view().model_dump(mode="json"))
+
+
+async def apply_plan(request: Request) -> Response:
+    """POST /admin/planner/apply: 202 with the move to the recommended layout begun."""
+    admin = _admin(request)
+    request.app.state.server.check_ready()
+    try:
+        started = admin.appliance.autopilot.apply()
+    except MoveError as exc:
+        raise APIError(exc.status, str(exc), code="move_refused") from None
     return JSONResponse({"move": started.model_dump(mode="json")}, status_code=202)
 
 

@@ -37,7 +37,8 @@ def build_app(
     """The HTTP app around a prepared (tokenizer loaded) appliance; starting the app
     starts the appliance's workers, stopping it stops them."""
     latency = LatencyWindow()
-    state = ServerState(appliance, Metrics(CollectorRegistry(), appliance.state, latency))
+    metrics = Metrics(CollectorRegistry(), appliance.state, latency, appliance.autopilot.counts)
+    state = ServerState(appliance, metrics)
     admin = _admin_state(appliance, latency)
     notifier = Notifier(appliance.settings.notify_socket)
 

@@ -3,7 +3,7 @@ and the pools' load read from their state at each scrape."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -24,8 +24,13 @@ class Metrics:
     """The server's metrics, in their own registry (one per app, so tests can build many)."""
 
     def __init__(
-        self, registry: CollectorRegistry, pools: PoolState, recent: LatencyWindow
+        self,
+        registry: CollectorRegistry,
+        pools: PoolState,
+        recent: LatencyWindow,
+        planner_counts: Mapping[str, int] | None = None,
     ) -> None:
+        """`planner_counts`: the rebalancer's decisions so far by action (move, hold)."""
         self.registry = registry
         self.recent = recent  # the last minute's requests, for the admin API
 
@@ -87,6 +92,8 @@ class Metrics:
             ("status",),
         )
         registry.register(PoolCollector(pools))
+        if planner_counts is not None:
+            registry.register(PlannerCollector(planner_counts))
 
     def observe_first_token(self, seconds: float, prompt_tokens: int, cached: int = 0) -> None:
         self.ttft.observe(seconds)
@@ -110,6 +117,23 @@ class Metrics:
             self.handoff_latency.observe(timing.handoff_latency)
             self.handoff_bytes.inc(chunk.handoff_bytes)
         self.requests.labels(chunk.finish_reason or "stop").inc()
+
+
+class PlannerCollector(Collector):
+    """The rebalancer's decisions by action, read when Prometheus scrapes."""
+
+    def __init__(self, counts: Mapping[str, int]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "appliance_planner_decisions",
+            "The rebalancer's looks at the traffic, by action: move (recommended or made) or hold.",
+            labels=["action"],
+        )
+        for action in ("move", "hold"):
+            family.add_metric([action], self.counts.get(action, 0))
+        yield family
 
 
 class PoolCollector(Collector):

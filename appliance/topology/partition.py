@@ -18,6 +18,7 @@ from appliance.topology.devices import Topology, format_indices
 
 PREFILL_SETTING = "APPLIANCE_PREFILL_DEVICES"
 DECODE_SETTING = "APPLIANCE_DECODE_DEVICES"
+COLOCATED_SETTING = "APPLIANCE_COLOCATED_DEVICES"
 
 # Exhaustive search over prefill sets is exact and cheap up to a 16-device box
 # (C(16, 6) = 8008 sets); beyond that a greedy pick keeps start-up fast.
@@ -29,7 +30,8 @@ class Partition:
     """Which devices prefill, which decode, and where each decode device pulls KV from.
 
     In colocated mode every used device is in both pools and `pairs` is empty: no KV
-    changes device.
+    changes device. In disaggregated mode `colocated` names devices whose workers do both
+    beside the two pools (then either pool may be empty, see `mixed_pools`).
     """
 
     mode: Literal["disaggregated", "colocated"]
@@ -37,6 +39,7 @@ class Partition:
     decode: tuple[int, ...]
     # decode device -> prefill device; a dict can't be hashed, so hashing skips it
     pairs: dict[int, int] = field(default_factory=dict, hash=False)
+    colocated: tuple[int, ...] = ()
 
 
 def prefill_count(num_devices: int) -> int:
@@ -56,8 +59,10 @@ def partition(
     mode: str,
     prefill: tuple[int, ...] | None = None,
     decode: tuple[int, ...] | None = None,
+    colocated: tuple[int, ...] | None = None,
 ) -> Partition:
-    """Split the topology's devices into prefill and decode pools.
+    """Split the topology's devices into prefill and decode pools (and, given
+    `colocated`, colocated workers beside them).
 
     `prefill`/`decode` are the device lists of APPLIANCE_PREFILL_DEVICES /
     APPLIANCE_DECODE_DEVICES as the settings read them (sorted, each device once; None
@@ -69,6 +74,11 @@ def partition(
     # The settings check a list's syntax; only here is it known how many devices there are.
     _check_known(prefill, PREFILL_SETTING, n)
     _check_known(decode, DECODE_SETTING, n)
+    _check_known(colocated, COLOCATED_SETTING, n)
+    if mode == "disaggregated" and colocated:
+        pools = mixed_pools(n, prefill, decode, colocated)
+        pairs = pair_decode(topology, *pools) if pools[0] else {}
+        return Partition("disaggregated", *pools, pairs, colocated)
     if mode == "colocated":
         return _colocated(n, prefill, decode)
     if mode != "disaggregated":
@@ -115,15 +125,50 @@ def _explicit_pools(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     prefill = prefill if prefill is not None else _rest(n, decode)
     decode = decode if decode is not None else _rest(n, prefill)
-    shared = sorted(set(prefill) & set(decode))
-    if shared:
-        raise ValueError(
-            f"device {shared[0]} is in both {PREFILL_SETTING}={_written(prefill)!r} and "
-            f"{DECODE_SETTING}={_written(decode)!r}; a device serves one pool"
-        )
+    _apart(prefill, PREFILL_SETTING, decode, DECODE_SETTING)
     _require_devices(prefill, PREFILL_SETTING, DECODE_SETTING, n)
     _require_devices(decode, DECODE_SETTING, PREFILL_SETTING, n)
     return prefill, decode
+
+
+def mixed_pools(
+    n: int,
+    prefill: tuple[int, ...] | None,
+    decode: tuple[int, ...] | None,
+    colocated: tuple[int, ...],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The prefill and decode pools beside colocated workers: a list given takes its
+    devices, an unset one the rest; neither set gives the rest to decode when one device
+    is left, else splits it as the automatic split does (lowest devices prefill).
+    Something must decode, and prefill workers need a decode worker to hand off to."""
+    rest = tuple(i for i in range(n) if i not in colocated)
+    if prefill is None and decode is None:
+        k = prefill_count(len(rest)) if len(rest) >= 2 else 0
+        prefill, decode = rest[:k], rest[k:]
+    prefill = prefill if prefill is not None else _rest_of(rest, decode)
+    decode = decode if decode is not None else _rest_of(rest, prefill)
+    _apart(prefill, PREFILL_SETTING, colocated, COLOCATED_SETTING)
+    _apart(decode, DECODE_SETTING, colocated, COLOCATED_SETTING)
+    _apart(prefill, PREFILL_SETTING, decode, DECODE_SETTING)
+    if prefill and not decode:
+        raise ValueError(
+            f"{PREFILL_SETTING}={_written(prefill)!r} has no decode pool to hand off to: "
+            f"give {DECODE_SETTING} a device or make those devices colocated"
+        )
+    return prefill, decode
+
+
+def _rest_of(devices: tuple[int, ...], taken: tuple[int, ...] | None) -> tuple[int, ...]:
+    return tuple(i for i in devices if i not in (taken or ()))
+
+
+def _apart(a: tuple[int, ...], a_setting: str, b: tuple[int, ...], b_setting: str) -> None:
+    shared = sorted(set(a) & set(b))
+    if shared:
+        raise ValueError(
+            f"device {shared[0]} is in both {a_setting}={_written(a)!r} and "
+            f"{b_setting}={_written(b)!r}; a device serves one pool"
+        )
 
 
 def _require_devices(pool: tuple[int, ...], setting: str, other: str, n: int) -> None:

@@ -1,0 +1,234 @@
+"""Autopilot: every `planner.interval_s` the rebalancer looks at the last window of
+traffic, simulates the current layout and every layout one move away with this box's
+profile (appliance/planner/rebalance.py), and, with `planner.auto_rebalance`, moves one
+device through the pool mover. Each look is a decision the admin API shows; each move or
+hold is an event, a Prometheus count and a log line. Without a profile it says so and
+never moves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, deque
+from typing import cast
+
+from appliance.admin.schema import Decision, Move, PlannerView, Role
+from appliance.bench.metrics import SLO
+from appliance.config import Settings
+from appliance.model.loader import default_model_path
+from appliance.planner.profile import (
+    Profile,
+    ProfileError,
+    load_profile,
+    model_id,
+    newest_profile,
+    profiles_folder,
+)
+from appliance.planner.rebalance import (
+    RebalanceMemory,
+    RebalanceRules,
+    TrafficWindow,
+    Verdict,
+    decide,
+)
+from appliance.planner.simulator import Policy
+from appliance.pool_moves import MoveError, PoolMover, device_roles
+from appliance.supervisor import Supervisor
+
+DECISIONS_KEPT = 10
+
+log = logging.getLogger("appliance.planner")
+
+
+class Autopilot:
+    """The rebalancer's loop, its latest decisions, and applying its recommendation."""
+
+    def __init__(self, supervisor: Supervisor, mover: PoolMover, settings: Settings) -> None:
+        self.supervisor = supervisor
+        self.mover = mover
+        self.settings = settings.planner
+        self.model = settings.model
+        self.cache_dir = settings.cache_dir
+        self.slo = SLO(ttft=self.settings.slo_ttft_ms / 1000, tpot=self.settings.slo_tpot_ms / 1000)
+        self.rules = rules_of(settings)
+        self.memory = RebalanceMemory()
+        self.profile: Profile | None = None
+        self.profile_name: str | None = None
+        self.status = "starting"
+        self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)  # oldest first
+        self.counts: Counter[str] = Counter()  # "move" / "hold" -> decisions made
+        self.last: Verdict | None = None  # the latest look's
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Find the profile and begin looking every interval (the workers are ready)."""
+        self.profile, self.status = self._find_profile()
+        if self.profile is not None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _find_profile(self) -> tuple[Profile | None, str]:
+        path = self.settings.profile
+        try:
+            if path is not None:
+                self.profile_name = str(path)
+                return load_profile(path), "watching"
+            model = model_id(self.model or default_model_path())
+            found = newest_profile(profiles_folder(self.cache_dir), model)
+        except (ProfileError, OSError) as exc:
+            return None, f"cannot plan: {exc}"
+        if found is None:
+            return None, f"no profile of {model}: run `appliance profile` to let it plan"
+        self.profile_name = str(profiles_folder(self.cache_dir) / found.key.file_name())
+        return found, "watching"
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            await self.look(time.monotonic())
+
+    async def look(self, now: float) -> Decision | None:
+        """One look at the traffic: decide, record, and move if autopilot is on."""
+        if self.profile is None or not self.supervisor.ready:
+            return None
+        if (running := self.mover.running) is not None:
+            self.status = f"move {running.move_id} of device {running.device} is running"
+            return None
+        roles = device_roles(self.supervisor)
+        window = self.supervisor.traffic.window(now, self.settings.window_s, self.slo)
+        # Simulating every layout a move or two away takes milliseconds to seconds (a big
+        # box): off the loop that streams tokens. Only this task touches the memory.
+        verdict = await asyncio.to_thread(self._decide, window, roles, now)
+        if device_roles(self.supervisor) != roles or self.mover.running is not None:
+            return None  # a move was asked for meanwhile: this look is stale
+        self.last = verdict
+        acted, reason = self._act(verdict)
+        decision = _decision(verdict, window, acted, reason)
+        self._record(decision)
+        return decision
+
+    def _decide(self, window: TrafficWindow, roles: list[str | None], now: float) -> Verdict:
+        assert self.profile is not None  # look() checked
+        policy = Policy.from_settings(self.supervisor.settings)
+        size = device_size(self.supervisor)
+        return decide(
+            window, self.profile, roles, policy, self.slo, self.rules, self.memory, now, size
+        )
+
+    def _act(self, verdict: Verdict) -> tuple[bool, str]:
+        if verdict.move is None or not self.settings.auto_rebalance:
+            return False, verdict.reason
+        device, to = verdict.move
+        try:
+            self.mover.start(device, cast(Role, to))
+        except MoveError as exc:
+            return False, f"{verdict.reason}; the move was refused: {exc}"
+        return True, verdict.reason
+
+    def _record(self, decision: Decision) -> None:
+        self.decisions.append(decision)
+        action = "move" if decision.move_device is not None else "hold"
+        self.counts[action] += 1
+        self.status = "watching" if self.settings.auto_rebalance else "recommending only"
+        # A hold with nothing better in sight is only counted and logged: one every
+        # interval would push every other event out of the admin API's list.
+        if decision.recommended != decision.current:
+            self.supervisor.note("planner", _line(decision))
+        else:
+            log.debug("%s", _line(decision))
+
+    def apply(self) -> Move:
+        """Start the first move toward the recommended layout now (autopilot on or off);
+        MoveError when there is nothing to apply. A layout two moves away is remembered,
+        so the next look makes the second move."""
+        last = self.last
+        if last is None:
+            raise MoveError("the planner has not looked at any traffic yet")
+        if not last.path or tuple(device_roles(self.supervisor)) != last.current:
+            raise MoveError("nothing to apply: the planner recommends the current layout")
+        device, to = last.path[0]
+        move = self.mover.start(device, cast(Role, to))
+        self.supervisor.note("planner", f"recommendation applied: move device {device} to {to}")
+        self.memory.last_move_at = time.monotonic()
+        self.memory.target = last.recommended if len(last.path) > 1 else None
+        self.last = None  # applied: the next look recommends afresh
+        return move
+
+    def view(self) -> PlannerView:
+        """The state the console's planner panel shows."""
+        last = self.decisions[-1] if self.decisions else None
+        return PlannerView(
+            auto_rebalance=self.settings.auto_rebalance,
+            interval_s=self.settings.interval_s,
+            profile=self.profile_name,
+            status=self.status,
+            current=[cast(Role | None, r) for r in device_roles(self.supervisor)],
+            recommended=last.recommended if last else None,
+            predicted_current=last.predicted_current if last else None,
+            predicted_recommended=last.predicted_recommended if last else None,
+            next_move=self._next_move(),
+            decisions=list(self.decisions),
+        )
+
+    def _next_move(self) -> tuple[int, Role] | None:
+        last = self.last
+        if last is None or not last.path:
+            return None
+        device, to = last.path[0]
+        return device, cast(Role, to)
+
+
+def rules_of(settings: Settings) -> RebalanceRules:
+    """The rebalancer's rules from the planner settings."""
+    planner = settings.planner
+    return RebalanceRules(
+        margin=planner.margin,
+        target_attainment=planner.target_attainment,
+        cooldown_s=planner.cooldown_s,
+        confirm_windows=planner.confirm_windows,
+        min_requests=planner.min_requests,
+    )
+
+
+def device_size(supervisor: Supervisor) -> int:
+    """Atoms per device as profiles count them: cores of a CPU device, 1 for a GPU."""
+    first = supervisor.topology.devices[0]
+    return len(first.cores) if first.kind == "cpu" and first.cores else 1
+
+
+def _decision(verdict: Verdict, window: TrafficWindow, acted: bool, reason: str) -> Decision:
+    device, to = verdict.move if verdict.move is not None else (None, None)
+    return Decision(
+        at=time.time(),
+        current=[cast(Role | None, r) for r in verdict.current],
+        recommended=[cast(Role | None, r) for r in verdict.recommended],
+        move_device=device,
+        move_to=cast(Role | None, to),
+        predicted_current=verdict.predicted_current,
+        predicted_recommended=verdict.predicted_recommended,
+        attainment=window.attainment,
+        window_requests=len(window.requests),
+        acted=acted,
+        reason=reason,
+    )
+
+
+def _line(decision: Decision) -> str:
+    """A decision in one log line."""
+    if decision.move_device is None:
+        what = "hold"
+    else:
+        applied = "" if decision.acted else " (not applied)"
+        what = f"move device {decision.move_device} to {decision.move_to}{applied}"
+    return (
+        f"planner: {what}; predicted goodput {decision.predicted_current:.2f} -> "
+        f"{decision.predicted_recommended:.2f} req/s on {decision.window_requests} "
+        f"requests; {decision.reason}"
+    )

@@ -1,0 +1,106 @@
+"""Paths of one or two moves from a set of device roles, for the rebalancer
+(rebalance.py): the valid moves, the best layout one move away, and the best layout two
+moves away with the path to it.
+
+A move changes one device's worker to another role; every layout on a path, the one in
+the middle included, must be able to serve (`roles_problem`), since the appliance serves
+on it between the two moves. Goodput comes from the caller's `score`, which should
+remember what it computed (a layout is reached by several paths). Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from appliance.planner.layout import ROLES, roles_problem
+
+Roles = tuple[str | None, ...]
+Move = tuple[int, str]
+Score = Callable[[Roles], float]  # predicted goodput (req/s) of a set of roles
+
+
+@dataclass(frozen=True)
+class Path:
+    """The moves from the current roles to `target`, in order, and its predictions."""
+
+    moves: tuple[Move, ...]  # one or two
+    target: Roles
+    goodput: float  # the target's predicted goodput
+    via: float | None = None  # the layout in the middle's (two moves), else None
+
+
+def moves_from(roles: Sequence[str | None]) -> list[Move]:
+    """Every (device, to_role) that changes one device's worker to another role and
+    leaves roles that can serve; by device, then role."""
+    candidates = [
+        (device, to)
+        for device, role in enumerate(roles)
+        if role is not None
+        for to in ROLES
+        if to != role
+    ]
+    return [move for move in candidates if roles_problem(moved(roles, move)) is None]
+
+
+def moved(roles: Sequence[str | None], move: Move) -> Roles:
+    """The roles after `move`."""
+    device, to = move
+    return tuple(to if index == device else role for index, role in enumerate(roles))
+
+
+def move_between(start: Roles, end: Roles) -> Move | None:
+    """The one valid move that turns `start` into `end`; None if there is none (they
+    differ in no device or in more than one, or the move is not valid)."""
+    if len(start) != len(end):
+        return None
+    changed = [device for device, (a, b) in enumerate(zip(start, end, strict=True)) if a != b]
+    if len(changed) != 1:
+        return None
+    move = (changed[0], end[changed[0]])
+    return move if move in moves_from(start) else None
+
+
+def best_one(current: Roles, score: Score, floor: float) -> Path | None:
+    """The layout one move away with the highest goodput above `floor` (ties: the first
+    move in `moves_from` order); None when none beats it."""
+    best: Path | None = None
+    for move in moves_from(current):
+        target = moved(current, move)
+        goodput = score(target)
+        if goodput > (floor if best is None else best.goodput):
+            best = Path((move,), target, goodput)
+    return best
+
+
+def best_two(current: Roles, score: Score, floor: float) -> Path | None:
+    """The layout exactly two moves away (two different devices) with the highest
+    goodput above `floor`, reached through the layout in the middle with the highest
+    goodput (ties: the lowest first device); None when none beats `floor`.
+
+    Cost: every first move (at most 2n on n devices) and every second move from it, so
+    O((2n)^2) paths, each distinct layout scored once."""
+    routes = _routes(current, score)
+    best: Path | None = None
+    for target, (first, second, via) in routes.items():
+        goodput = score(target)
+        if goodput > (floor if best is None else best.goodput):
+            best = Path((first, second), target, goodput, via)
+    return best
+
+
+def _routes(current: Roles, score: Score) -> dict[Roles, tuple[Move, Move, float]]:
+    """Each layout two moves away: its best path (first, second move) and the goodput of
+    the layout in the middle; in order of first, then second move."""
+    routes: dict[Roles, tuple[Move, Move, float]] = {}
+    for first in moves_from(current):
+        middle = moved(current, first)
+        via = score(middle)
+        for second in moves_from(middle):
+            if second[0] == first[0]:
+                continue  # the same device twice is one move (or none)
+            target = moved(middle, second)
+            known = routes.get(target)
+            if known is None or via > known[2]:
+                routes[target] = (first, second, via)
+    return routes

@@ -1,0 +1,98 @@
+"""The traffic the appliance served lately, as the rebalancer reads it: each request's
+arrival, prompt and output lengths, prefix-cache hit, and whether it met the SLO.
+
+Pure: the supervisor records each request when its consumer is done with it; `window`
+turns the last seconds of it into the simulator's requests (appliance/planner/rebalance.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from appliance.bench.metrics import SLO
+from appliance.planner.rebalance import TrafficWindow
+from appliance.planner.simulator import SimRequest
+from appliance.request_table import Phase, Request
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request as it ended (monotonic seconds)."""
+
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    ttft: float | None  # None: it never had a first token
+    tpot: float | None  # None: fewer than two tokens
+    finished: bool  # ran to its end (not failed, not left by its consumer)
+
+    def met(self, slo: SLO) -> bool:
+        """Finished within the SLO's TTFT and TPOT."""
+        if not self.finished or self.ttft is None:
+            return False
+        checks = [(slo.ttft, self.ttft), (slo.tpot, self.tpot or 0.0)]  # one token: no pace
+        return all(limit is None or value <= limit for limit, value in checks)
+
+
+def served(request: Request) -> Served | None:
+    """What the log keeps of a request; None for one that never arrived (no timing)."""
+    timing = request.timing
+    if timing.arrival is None:
+        return None
+    first, last, count = timing.first_token, timing.finished, len(request.output_ids)
+    tpot = (last - first) / (count - 1) if first and last and count > 1 else None
+    return Served(
+        arrival=timing.arrival,
+        prompt_tokens=len(request.prompt),
+        output_tokens=count,
+        cached_tokens=request.cached_tokens,
+        ttft=None if first is None else first - timing.arrival,
+        tpot=tpot,
+        finished=request.phase is Phase.FINISHED,
+    )
+
+
+class TrafficLog:
+    """Requests that arrived within the last `kept_s` seconds, oldest arrival first."""
+
+    def __init__(self, kept_s: float) -> None:
+        if kept_s <= 0:
+            raise ValueError(f"kept_s must be positive, got {kept_s}")
+        self.kept_s = kept_s
+        self._served: deque[Served] = deque()
+
+    def record(self, request: Request) -> None:
+        """Note a request its consumer is done with."""
+        item = served(request)
+        if item is not None:
+            self._served.append(item)
+
+    def window(self, now: float, seconds: float, slo: SLO) -> TrafficWindow:
+        """The requests that arrived in (now - seconds, now], as the simulator's requests
+        (arrivals from the window's start); attainment over those that ran to an end or
+        failed. A request with cached prompt tokens shares that prefix with the others
+        that had one (the log does not know which prefix it was)."""
+        self._forget_before(now - max(seconds, self.kept_s))
+        start = now - seconds
+        kept = sorted((s for s in self._served if s.arrival > start), key=lambda s: s.arrival)
+        requests = tuple(_sim_request(s, start) for s in kept)
+        attainment = sum(s.met(slo) for s in kept) / len(kept) if kept else None
+        return TrafficWindow(duration_s=seconds, requests=requests, attainment=attainment)
+
+    def _forget_before(self, oldest: float) -> None:
+        # Requests are recorded as they end, so arrivals are not in order: scan them all.
+        if self._served and min(s.arrival for s in self._served) <= oldest:
+            self._served = deque(s for s in self._served if s.arrival > oldest)
+
+
+def _sim_request(item: Served, start: float) -> SimRequest:
+    cached = min(item.cached_tokens, item.prompt_tokens)
+    return SimRequest(
+        arrival_s=item.arrival - start,
+        prompt_tokens=item.prompt_tokens,
+        output_tokens=max(1, item.output_tokens),
+        prefix_id=0 if cached else None,
+        prefix_tokens=cached,
+    )

@@ -1,0 +1,390 @@
+"""The autopilot's decision (planner/rebalance.py, rebalance_paths.py) and the roles it
+moves between (planner/layout.py): a hand-made box where prompts are costly and decodes
+cheap, so a prefill-starved split gains from one more prefill worker; and one where a
+decode step beside a prompt chunk is so slow that two colocated workers lose to a
+prefill/decode split two moves away."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from appliance.bench.metrics import SLO
+from appliance.planner.layout import Layout, Pool, layout_of_roles, roles_problem
+from appliance.planner.profile import (
+    HandoffCost,
+    HostCost,
+    Profile,
+    ProfileKey,
+    StepCost,
+    WorkerCost,
+)
+from appliance.planner.rebalance import (
+    Move,
+    RebalanceMemory,
+    RebalanceRules,
+    Roles,
+    TrafficWindow,
+    Verdict,
+    decide,
+    moves_from,
+    predicted_goodput,
+)
+from appliance.planner.rebalance_paths import best_two, move_between
+from appliance.planner.simulator import Policy, SimRequest, simulate
+
+# A prompt token costs 1 ms; a decode step 2 ms alone, 50 ms beside a prompt chunk.
+SLOW_PROMPTS = WorkerCost(
+    prefill=StepCost(base_s=0.001, per_token_s=0.001),
+    decode=StepCost(base_s=0.002),
+    mixed=StepCost(base_s=0.05, per_token_s=0.001),
+    kv_blocks=10_000,
+)
+PROFILE = Profile(
+    key=ProfileKey(model="hand-made", dtype="float32", weights="dense", device_kind="test"),
+    atoms=3,
+    block_size=16,
+    kv_bytes_per_token=1024,
+    max_model_len=4096,
+    workers={"1x1": SLOW_PROMPTS},
+    handoff=HandoffCost(base_s=0.0005, per_byte_s=0.0),
+    host=HostCost(),
+)
+SLO_ = SLO(ttft=1.5, tpot=0.05)
+POLICY = Policy()
+RULES = RebalanceRules()  # the defaults
+STARVED = ("prefill", "decode", "decode")  # one prefill worker: 2.5 prompts/s at most
+
+
+def long_prompts(seed: int, rate: float = 4.0, duration: float = 20.0) -> tuple[SimRequest, ...]:
+    """Poisson arrivals of 400-token prompts asking for 16 tokens."""
+    rng = random.Random(seed)
+    requests, at = [], rng.expovariate(rate)
+    while at < duration:
+        requests.append(SimRequest(at, 400, 16))
+        at += rng.expovariate(rate)
+    return tuple(requests)
+
+
+def measured(roles: tuple[str | None, ...], requests: tuple[SimRequest, ...]) -> float:
+    """What the box would measure: the fraction of the requests within the SLO."""
+    results = simulate(PROFILE, layout_of_roles(roles), requests, POLICY)
+    return sum(1 for r in results if SLO_.met_by(r)) / len(results)
+
+
+def look(
+    roles: tuple[str | None, ...],
+    window: TrafficWindow,
+    memory: RebalanceMemory,
+    now: float = 1000.0,
+    rules: RebalanceRules = RULES,
+) -> Verdict:
+    return decide(window, PROFILE, roles, POLICY, SLO_, rules, memory, now)
+
+
+# ---------------------------------------------------------------- roles and layouts
+
+
+def test_roles_build_the_layouts_they_name() -> None:
+    assert layout_of_roles(["colocated", "colocated"]).label == "colocated x2"
+    assert layout_of_roles(["prefill", None, "decode"]).label == "1P+1D"
+    assert layout_of_roles(["decode", "colocated"]).label == "1D+1C"
+    assert layout_of_roles(["colocated", "decode", "prefill"]).label == "1P+1D+1C"
+    assert layout_of_roles(["prefill"] * 2 + ["decode", "colocated"], 2).label == "2P+1D+1C/2c"
+    mixed = layout_of_roles(["colocated", "decode", "prefill", "prefill"])
+    assert (mixed.mode, mixed.devices, mixed.colocated_workers) == ("mixed", 4, 1)
+    assert mixed.settings() == {
+        "mode": "disaggregated",
+        "prefill_tp": 1,
+        "prefill_devices": (0, 1),
+        "decode_devices": (2,),
+        "decode_tp": 1,
+        "colocated_devices": (3,),
+    }
+    assert Layout.model_validate(mixed.model_dump()) == mixed
+    assert "colocated" not in layout_of_roles(["colocated"]).model_dump()  # as before
+
+
+def test_roles_that_cannot_serve_say_why() -> None:
+    assert roles_problem(["colocated", "decode"]) is None  # the decode worker idles
+    assert roles_problem(["prefill", "decode", "colocated"]) is None
+    assert roles_problem(["decode", None]) == "no worker can prefill"
+    assert roles_problem(["prefill", "prefill"]) == "no worker can decode"
+    assert (
+        roles_problem(["prefill", "colocated"])
+        == "prefill workers need a decode worker to hand off to"
+    )
+    assert "'router'" in (roles_problem(["router"]) or "")
+    with pytest.raises(ValueError, match="hand off"):
+        layout_of_roles(["prefill", "colocated"])
+
+
+def test_mixed_layouts_are_checked() -> None:
+    split = {"prefill": Pool(workers=1), "decode": Pool(workers=1)}
+    with pytest.raises(ValueError, match="colocated worker"):
+        Layout(mode="mixed", colocated=Pool(workers=0), **split)
+    with pytest.raises(ValueError, match="tp 1"):
+        Layout(mode="mixed", colocated=Pool(workers=1, tp=2), **split)
+    with pytest.raises(ValueError, match="hand off"):
+        Layout(mode="mixed", prefill=Pool(workers=1), decode=Pool(workers=0),
+               colocated=Pool(workers=1))  # fmt: skip
+    with pytest.raises(ValueError, match="only when the mode is mixed"):
+        Layout(mode="disaggregated", colocated=Pool(workers=1), **split)
+    with pytest.raises(ValueError, match="at least one worker"):
+        Layout(mode="colocated", prefill=Pool(workers=0))
+
+
+def test_moves_from_two_colocated_workers_are_the_valid_ones() -> None:
+    # To prefill leaves no decode worker to hand off to; to decode leaves C+D.
+    assert moves_from(("colocated", "colocated")) == [(0, "decode"), (1, "decode")]
+    assert moves_from(("colocated", "decode")) == [(0, "prefill"), (1, "colocated")]
+    assert moves_from(("prefill", None, "decode")) == [(0, "colocated")]
+
+
+# ---------------------------------------------------------------- decisions
+
+
+def test_a_prefill_starved_split_moves_a_decode_device_to_prefill() -> None:
+    window = TrafficWindow(20.0, long_prompts(1), attainment=0.3)
+    verdict = look(STARVED, window, RebalanceMemory(), rules=RebalanceRules(confirm_windows=1))
+    assert verdict.move == (1, "prefill")  # devices 1 and 2 tie: the lowest
+    assert verdict.recommended == ("prefill", "prefill", "decode")
+    assert verdict.predicted_current < verdict.predicted_recommended
+    assert verdict.predicted_current == predicted_goodput(PROFILE, STARVED, window, POLICY, SLO_)
+    assert "move device 1 from decode to prefill" in verdict.reason
+
+
+def test_attainment_at_target_holds_whatever_a_move_would_gain() -> None:
+    window = TrafficWindow(20.0, long_prompts(1), attainment=0.95)
+    memory = RebalanceMemory(streak=(1, "prefill"), streak_count=1)
+    verdict = look(STARVED, window, memory)
+    assert verdict.move is None and verdict.recommended == STARVED
+    assert verdict.reason == "attainment 0.95 >= target 0.90"
+    assert memory.streak is None and memory.streak_count == 0
+    few = TrafficWindow(20.0, long_prompts(1)[:3], attainment=0.0)
+    assert look(STARVED, few, memory).reason == "3 requests in the window < 8"
+    unknown = TrafficWindow(20.0, long_prompts(1), attainment=None)
+    assert look(STARVED, unknown, memory).reason == "no request finished in the window"
+
+
+def test_a_move_needs_confirming_looks_and_then_waits_out_the_cooldown() -> None:
+    window = TrafficWindow(20.0, long_prompts(2), attainment=0.3)
+    memory = RebalanceMemory()
+    first = look(STARVED, window, memory, now=100.0)
+    assert first.move is None and first.recommended == ("prefill", "prefill", "decode")
+    assert first.reason == "1 of 2 looks recommend moving device 1 to prefill"
+    second = look(STARVED, window, memory, now=110.0)
+    assert second.move == (1, "prefill") and memory.last_move_at == 110.0
+    third = look(STARVED, window, memory, now=130.0)  # as if the move had not happened
+    assert third.move is None and third.reason == "cooldown: 40 s left"
+    assert memory.streak == (1, "prefill") and memory.streak_count == 1
+
+
+def test_a_small_gain_holds() -> None:
+    window = TrafficWindow(20.0, long_prompts(1), attainment=0.3)
+    verdict = look(STARVED, window, RebalanceMemory(), rules=RebalanceRules(margin=100.0))
+    assert verdict.move is None and verdict.reason.endswith("< margin 10000%")
+    assert verdict.recommended == ("prefill", "prefill", "decode")
+
+
+def test_a_stationary_mix_moves_once_and_then_holds() -> None:
+    roles, memory, moves = STARVED, RebalanceMemory(), []
+    for number in range(20):
+        requests = long_prompts(100 + number)
+        window = TrafficWindow(20.0, requests, measured(roles, requests))
+        verdict = look(roles, window, memory, now=20.0 * number)
+        assert verdict.current == roles
+        if verdict.move is not None:
+            moves.append(verdict.move)
+            roles = verdict.recommended
+    assert moves == [(1, "prefill")]
+    assert roles == ("prefill", "prefill", "decode")
+    for number in range(5):  # missing the target, yet no move back or on is predicted to help
+        window = TrafficWindow(20.0, long_prompts(200 + number), attainment=0.0)
+        verdict = look(roles, window, memory, now=1000.0 + 20.0 * number)
+        assert verdict.move is None and verdict.reason.startswith("no move beats")
+
+
+def test_bad_inputs_raise_value_errors() -> None:
+    with pytest.raises(ValueError, match="duration_s"):
+        TrafficWindow(0.0, (), None)
+    with pytest.raises(ValueError, match="attainment"):
+        TrafficWindow(1.0, (), 1.5)
+    with pytest.raises(ValueError, match="after the window"):
+        TrafficWindow(1.0, (SimRequest(2.0, 10, 1),), None)
+    with pytest.raises(ValueError, match="confirm_windows"):
+        RebalanceRules(confirm_windows=0)
+    with pytest.raises(ValueError, match="two_move_max_devices"):
+        RebalanceRules(two_move_max_devices=-1)
+    with pytest.raises(ValueError, match="cannot serve"):
+        look(("decode", "decode"), TrafficWindow(1.0, (), None), RebalanceMemory())
+
+
+# ---------------------------------------------------------------- two moves
+
+# A decode step costs 10 ms alone, 300 ms and more beside a prompt chunk; a 400-token
+# prompt 0.2 s alone. With a 20 ms TPOT, a colocated worker misses it whenever a prompt
+# lands mid-decode; a split never mixes.
+MIXING_HURTS = PROFILE.model_copy(
+    update={
+        "workers": {
+            "1x1": WorkerCost(
+                prefill=StepCost(base_s=0.001, per_token_s=0.0005),
+                decode=StepCost(base_s=0.01),
+                mixed=StepCost(base_s=0.3, per_token_s=0.001),
+                kv_blocks=10_000,
+            )
+        }
+    }
+)
+TIGHT_SLO = SLO(ttft=1.5, tpot=0.02)
+COLOCATED: Roles = ("colocated", "colocated")
+MIDDLE: Roles = ("decode", "colocated")  # the first step: device 0 to decode (it idles)
+SPLIT: Roles = ("decode", "prefill")  # the second: device 1 to prefill
+FIRST: Move = (0, "decode")
+SECOND: Move = (1, "prefill")
+
+
+def chats(seed: int, rate: float = 2.0, output: int = 64) -> tuple[SimRequest, ...]:
+    """Poisson arrivals over 20 s of 400-token prompts asking for `output` tokens."""
+    rng = random.Random(seed)
+    requests, at = [], rng.expovariate(rate)
+    while at < 20.0:
+        requests.append(SimRequest(at, 400, output))
+        at += rng.expovariate(rate)
+    return tuple(requests)
+
+
+def chat_window(
+    seed: int = 1, attainment: float | None = 0.3, rate: float = 2.0, output: int = 64
+) -> TrafficWindow:
+    return TrafficWindow(20.0, chats(seed, rate, output), attainment)
+
+
+def goodput(roles: tuple[str | None, ...], window: TrafficWindow) -> float:
+    return predicted_goodput(MIXING_HURTS, roles, window, POLICY, TIGHT_SLO)
+
+
+def mix_look(
+    roles: tuple[str | None, ...],
+    window: TrafficWindow,
+    memory: RebalanceMemory,
+    now: float,
+    rules: RebalanceRules = RULES,
+) -> Verdict:
+    return decide(window, MIXING_HURTS, roles, POLICY, TIGHT_SLO, rules, memory, now)
+
+
+def test_the_split_is_two_moves_from_colocated_and_the_way_there_is_worse() -> None:
+    window = chat_window()
+    colocated, middle, split = (goodput(roles, window) for roles in (COLOCATED, MIDDLE, SPLIT))
+    assert split > colocated * (1 + RULES.margin)  # 2.25 vs 0.70 req/s
+    assert middle < colocated  # the decode worker idles beside one colocated worker
+    assert goodput(("prefill", "decode"), window) == split
+    assert moves_from(COLOCATED) == [FIRST, (1, "decode")]  # no split one move away
+    assert move_between(COLOCATED, SPLIT) is None and move_between(MIDDLE, SPLIT) == SECOND
+    assert move_between(SPLIT, ("decode", "decode")) is None  # cannot serve
+
+
+def test_two_move_paths_go_through_the_best_middle_then_the_lowest_device() -> None:
+    scores: dict[Roles, float] = {SPLIT: 2.0, ("prefill", "decode"): 2.0}
+    path = best_two(COLOCATED, lambda roles: scores.get(roles, 0.0), floor=1.0)
+    assert path is not None and path.target == SPLIT  # equal targets: the first found
+    assert path.moves == (FIRST, SECOND) and path.via == 0.0
+    assert best_two(COLOCATED, lambda roles: scores.get(roles, 0.0), floor=2.0) is None
+    three: Roles = ("colocated",) * 3
+    goal: Roles = ("decode", "decode", "colocated")  # device 0 or device 1 first
+    scores = {goal: 5.0, ("decode", "colocated", "colocated"): 1.0}
+    scores[("colocated", "decode", "colocated")] = 1.0
+    path = best_two(three, lambda roles: scores.get(roles, 0.0), floor=1.0)
+    assert path is not None and path.moves == ((0, "decode"), (1, "decode"))  # tie
+    scores[("colocated", "decode", "colocated")] = 1.5
+    path = best_two(three, lambda roles: scores.get(roles, 0.0), floor=1.0)
+    assert path is not None and path.target == goal and path.via == 1.5
+    assert path.moves == ((1, "decode"), (0, "decode"))
+
+
+def test_from_colocated_the_first_step_is_confirmed_and_the_target_remembered() -> None:
+    window, memory = chat_window(), RebalanceMemory()
+    first = mix_look(COLOCATED, window, memory, now=100.0)
+    assert first.move is None and memory.target is None
+    assert (first.recommended, first.path) == (SPLIT, (FIRST, SECOND))
+    assert (
+        first.reason == "1 of 2 looks recommend moving device 0 to decode, then device 1 to prefill"
+    )
+    second = mix_look(COLOCATED, window, memory, now=110.0)
+    assert second.move == FIRST and second.path == (FIRST, SECOND)
+    assert memory.target == SPLIT and memory.last_move_at == 110.0
+    assert second.predicted_recommended == goodput(SPLIT, window)
+    assert second.predicted_via == goodput(MIDDLE, window)
+    assert second.reason == (
+        "move device 0 from colocated to decode, then device 1 from colocated to prefill: "
+        f"predicted {goodput(COLOCATED, window):.2f} -> {goodput(SPLIT, window):.2f} req/s "
+        f"within the SLO (via {goodput(MIDDLE, window):.2f})"
+    )
+
+
+def test_the_second_step_follows_at_once_within_the_cooldown() -> None:
+    memory = RebalanceMemory(last_move_at=110.0, target=SPLIT)
+    window = chat_window(2, attainment=0.95)  # at target in the middle: it goes on anyway
+    verdict = mix_look(MIDDLE, window, memory, now=120.0)
+    assert verdict.move == SECOND and verdict.path == (SECOND,)
+    assert verdict.recommended == SPLIT and verdict.reason.startswith("second step: move")
+    assert memory.target is None and memory.last_move_at == 120.0
+    again = mix_look(SPLIT, chat_window(3), memory, now=130.0)  # arrived: holds
+    assert again.move is None and again.reason.startswith("no move beats")
+
+
+def test_the_middle_holds_and_forgets_the_target_when_it_no_longer_wins() -> None:
+    # Prompts only (one output token): nothing to decode, so two prefilling colocated
+    # workers beat one prefill worker; the split gains nothing on the middle.
+    prompts = chat_window(1, rate=8.0, output=1)
+    assert goodput(COLOCATED, prompts) > goodput(SPLIT, prompts) == goodput(MIDDLE, prompts)
+    memory = RebalanceMemory(last_move_at=110.0, target=SPLIT)
+    verdict = mix_look(MIDDLE, prompts, memory, now=120.0)
+    assert verdict.move is None and memory.target is None
+    assert verdict.recommended == COLOCATED and verdict.reason == "cooldown: 50 s left"
+    few = TrafficWindow(20.0, chats(1)[:3], attainment=0.0)  # too few requests to go on
+    memory = RebalanceMemory(last_move_at=110.0, target=SPLIT)
+    verdict = mix_look(MIDDLE, few, memory, now=120.0)
+    assert verdict.move is None and memory.target is None
+    assert verdict.reason == "3 requests in the window < 8"
+
+
+def test_a_first_step_obeys_the_cooldown_and_a_refused_one_is_forgotten() -> None:
+    memory = RebalanceMemory(last_move_at=100.0)
+    verdict = mix_look(COLOCATED, chat_window(), memory, now=110.0)
+    assert verdict.move is None and verdict.reason == "cooldown: 50 s left"
+    assert verdict.recommended == SPLIT and memory.target is None
+    memory = RebalanceMemory(last_move_at=100.0, target=SPLIT)  # the first step never ran
+    verdict = mix_look(COLOCATED, chat_window(), memory, now=110.0)
+    assert verdict.move is None and memory.target is None
+
+
+def test_two_move_search_is_skipped_on_boxes_over_the_cap() -> None:
+    rules = RebalanceRules(confirm_windows=1, two_move_max_devices=1)
+    window = chat_window()
+    verdict = mix_look(COLOCATED, window, RebalanceMemory(), now=100.0, rules=rules)
+    assert verdict.move is None and verdict.recommended == COLOCATED and verdict.path == ()
+    assert verdict.reason == f"no move beats {goodput(COLOCATED, window):.2f} req/s"
+
+
+def test_a_stationary_chat_mix_takes_the_two_steps_and_then_holds() -> None:
+    roles, memory, moves = COLOCATED, RebalanceMemory(), []
+    for number in range(20):
+        requests = chats(300 + number)
+        results = simulate(MIXING_HURTS, layout_of_roles(roles), requests, POLICY)
+        attainment = sum(1 for r in results if TIGHT_SLO.met_by(r)) / len(results)
+        window = TrafficWindow(20.0, requests, attainment)
+        verdict = mix_look(roles, window, memory, now=20.0 * number)
+        assert verdict.current == roles
+        if verdict.move is not None:
+            moves.append(verdict.move)
+            device, to = verdict.move
+            roles = tuple(to if i == device else role for i, role in enumerate(roles))
+    assert moves == [FIRST, SECOND] and roles == SPLIT and memory.target is None
+    for number in range(5):  # missing the target, yet nothing one or two moves away helps
+        window = TrafficWindow(20.0, chats(400 + number), attainment=0.0)
+        verdict = mix_look(roles, window, memory, now=1000.0 + 20.0 * number)
+        assert verdict.move is None and verdict.reason.startswith("no move beats")
