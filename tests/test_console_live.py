@@ -53,13 +53,14 @@ def pool_of(snapshot: Snapshot, index: int) -> str | None:
 async def move_with_keys(
     app: ConsoleApp, pilot: Pilot, server: ServerProcess, token: str, device: int, to: str
 ) -> None:
-    """Select the device's card, press m, confirm with y; wait for /admin/state to agree."""
+    """Select the device's card, press m, pick the pool by its key (p, d or c); wait for
+    /admin/state to agree."""
     app.query_one(f"#device-{device}").focus()
     await pilot.pause()
     assert app.selected_device == device
     await pilot.press("m")
     await pilot.pause()
-    await pilot.press("y")
+    await pilot.press(to[0])
     latest: list[Snapshot] = []
 
     async def settled() -> bool:

@@ -1,5 +1,6 @@
 """The console (tui/) without a server: a screenshot of it fed a replay of snapshots, the
-help screen, and a move with no client."""
+help screen, the planner panel, and the move and apply keys against a client that records
+its calls."""
 
 from __future__ import annotations
 
@@ -12,11 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from textual.content import Content
 from textual.pilot import Pilot
 
-from appliance.admin.schema import Percentiles, Snapshot
+from appliance.admin.schema import Move, Percentiles, PlannerView, Snapshot
 from tui.app import ConsoleApp
+from tui.client import AdminClient
+from tui.components.confirm_move import ConfirmMove
 from tui.components.help_screen import HelpScreen
+from tui.components.planner_panel import AUTOPILOT_APPLIES, NO_PLANNER, PlannerPanel
+from tui.components.pools_view import pool_columns
 from tui.messages import ConnectionChanged, SnapshotArrived
 
 STATE = Path(__file__).parent / "data" / "console_state.json"
@@ -101,11 +107,16 @@ def test_state_file_is_a_snapshot() -> None:
     snapshot = base_state()
     assert [d.pool for d in snapshot.devices] == ["prefill", "decode", "decode"]
     assert {r.state for r in snapshot.requests} == {"queued", "prefill", "handoff", "decode"}
+    planner = snapshot.planner
+    assert planner is not None and not planner.auto_rebalance
+    assert planner.current == [d.pool for d in snapshot.devices]
+    assert planner.recommended == ["prefill", "decode", "colocated"]
+    assert [d.move_device for d in planner.decisions] == [2, None, 2]
 
 
 def test_console_screenshot(snap_compare: Any, utc: None) -> None:
     """Pools (cpu0 prefill; cpu1, cpu2 decode), latency sparklines over 20 snapshots, the
-    requests table and the events, cpu0's card focused."""
+    requests table, the events and the planner panel, cpu0's card focused."""
 
     async def run_before(pilot: Pilot[Any]) -> None:
         await feed(pilot, replay(base_state()))
@@ -150,5 +161,193 @@ def test_move_without_client_says_not_connected() -> None:
             assert app.notes == ["not connected"]
             assert app.screen is app.screen_stack[0]  # no dialog opened
             assert app.is_running
+
+    asyncio.run(scenario())
+
+
+def test_pools_are_the_roles_the_devices_have_not_the_mode() -> None:
+    base = base_state()
+    assert [role for role, _ in pool_columns(base)] == ["prefill", "decode"]
+    mixed = with_roles(base, ["colocated", "decode", "decode"])
+    assert mixed.mode == "disaggregated"
+    assert pool_columns(mixed) == (("decode", (1, 2)), ("colocated", (0,)))
+
+
+def with_roles(base: Snapshot, roles: list[Any]) -> Snapshot:
+    """`base` with each device (and its worker) in the pool `roles` gives it."""
+    devices = [
+        d.model_copy(
+            update={"pool": role, "worker": d.worker and d.worker.model_copy(update={"role": role})}
+        )
+        for d, role in zip(base.devices, roles, strict=True)
+    ]
+    return base.model_copy(update={"devices": devices})
+
+
+def with_planner(base: Snapshot, **changes: Any) -> Snapshot:
+    """`base` with its planner's fields changed."""
+    assert base.planner is not None
+    planner: PlannerView = base.planner.model_copy(update=changes)
+    return base.model_copy(update={"planner": planner})
+
+
+def panel_text(app: ConsoleApp) -> str:
+    return str(app.query_one("#planner", PlannerPanel).render())
+
+
+def panel_title(app: ConsoleApp) -> str:
+    return Content.from_markup(str(app.query_one("#planner", PlannerPanel).border_title)).plain
+
+
+def test_planner_panel_shows_the_plan_and_decisions(utc: None) -> None:
+    async def scenario() -> None:
+        app = ConsoleApp(None, watch=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await feed(pilot, replay(base_state(), steps=1))
+            assert panel_title(app) == "Planner · autopilot off"
+            lines = panel_text(app).splitlines()
+            assert lines[0] == "recommends moving device 2 to colocated: +0.14 req/s predicted"
+            now = "now 1.38 req/s 1P+2D 0:prefill 1:decode 2:decode"
+            assert lines[1].split() == now.split()
+            plan = "recommended 1.52 req/s 1P+1D+1C move device 2 → colocated"
+            assert lines[2].split() == plan.split()
+            assert lines[3].startswith("11:58:20  move device 2 → decode  0.95 → 1.32  SLO 71%")
+            assert "applied  TPOT p99 over the SLO" in lines[3]
+            assert lines[4].startswith("11:59:30  hold  1.38 → 1.38  SLO 93%  the current")
+            assert "applied" not in lines[5] and "SLO 88%" in lines[5]
+
+            await feed(pilot, [with_planner(base_state(), auto_rebalance=True)])
+            assert panel_title(app) == "Planner · autopilot on"
+
+    asyncio.run(scenario())
+
+
+def test_planner_panel_without_a_planner() -> None:
+    async def scenario() -> None:
+        app = ConsoleApp(None, watch=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await feed(pilot, [base_state().model_copy(update={"planner": None})])
+            assert panel_text(app) == NO_PLANNER
+
+    asyncio.run(scenario())
+
+
+class _RecordingClient(AdminClient):
+    """A client that records the admin calls instead of sending them."""
+
+    def __init__(self) -> None:
+        super().__init__("http://127.0.0.1:9", "token")
+        self.calls: list[tuple[Any, ...]] = []
+
+    async def move(self, device: int, to: str) -> Move:
+        self.calls.append(("move", device, to))
+        return _move(device, to)
+
+    async def apply_plan(self) -> Move:
+        self.calls.append(("apply",))
+        return _move(2, "colocated")
+
+
+def _move(device: int, to: Any) -> Move:
+    return Move(
+        move_id=2,
+        device=device,
+        from_role="decode",
+        to_role=to,
+        phase="draining",
+        remaining=2,
+        started_at=0.0,
+    )
+
+
+class _ClientConsole(_NotesConsole):
+    """The console with a recording client, noting what it notifies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recorder = _RecordingClient()
+        self._client = self.recorder
+
+
+async def settle(app: ConsoleApp, pilot: Pilot[Any]) -> None:
+    """Let the admin call a dialog's answer started finish and notify."""
+    await pilot.pause()
+    await app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+def test_apply_with_autopilot_on_only_says_so() -> None:
+    async def scenario() -> None:
+        app = _ClientConsole()
+        async with app.run_test(size=SIZE) as pilot:
+            await feed(pilot, [with_planner(base_state(), auto_rebalance=True)])
+            await pilot.press("a")
+            await pilot.pause()
+            assert app.notes == [AUTOPILOT_APPLIES]
+            assert app.screen is app.screen_stack[0]  # no dialog opened
+            assert app.recorder.calls == []
+
+    asyncio.run(scenario())
+
+
+def test_apply_with_nothing_to_apply() -> None:
+    async def scenario() -> None:
+        app = _ClientConsole()
+        async with app.run_test(size=SIZE) as pilot:
+            layout = ["prefill", "decode", "decode"]
+            hold = with_planner(base_state(), recommended=layout, next_move=None, status="holding")
+            await feed(pilot, [hold])
+            await pilot.press("a")
+            await pilot.pause()
+            assert app.notes == ["Nothing to apply: holding"]
+            assert app.screen is app.screen_stack[0]
+            assert app.recorder.calls == []
+
+    asyncio.run(scenario())
+
+
+def test_apply_asks_then_sends() -> None:
+    async def scenario() -> None:
+        app = _ClientConsole()
+        async with app.run_test(size=SIZE) as pilot:
+            await feed(pilot, [base_state()])
+            await pilot.press("a")
+            await pilot.pause()
+            assert isinstance(app.screen, ConfirmMove)
+            assert "move cpu2 (cores 0) from decode to colocated" in app.screen.question
+            assert "1.38 req/s → 1.52 req/s" in app.screen.question
+            await pilot.press("y")
+            await settle(app, pilot)
+            assert app.recorder.calls == [("apply",)]
+            assert app.notes == ["Moving cpu2 (cores 0) to colocated: draining (move #2)."]
+
+    asyncio.run(scenario())
+
+
+def test_move_offers_a_colocated_device_the_two_other_roles() -> None:
+    async def scenario() -> None:
+        app = _ClientConsole()
+        async with app.run_test(size=SIZE) as pilot:
+            await feed(pilot, [with_roles(base_state(), ["colocated", "decode", "decode"])])
+            assert app.query("#pool-colocated #device-0") and not app.query("#pool-prefill")
+            app.query_one("#device-0").focus()
+            await pilot.pause()
+            await pilot.press("m")
+            await pilot.pause()
+            dialog = app.screen
+            assert isinstance(dialog, ConfirmMove)
+            buttons = [button.id for button in dialog.query("Button")]
+            assert buttons == ["choice-prefill", "choice-decode", "choice-cancel"]
+            assert "from colocated to prefill or decode" in dialog.question
+            await pilot.press("n")  # cancel: nothing sent
+            await settle(app, pilot)
+            assert app.screen is app.screen_stack[0] and app.recorder.calls == []
+
+            await pilot.press("m")
+            await pilot.pause()
+            await pilot.press("d")
+            await settle(app, pilot)
+            assert app.recorder.calls == [("move", 0, "decode")]
+            assert app.notes == ["Moving cpu0 (cores 0) to decode: draining (move #2)."]
 
     asyncio.run(scenario())

@@ -4,8 +4,9 @@ its pool moves and tuning changes; it decides nothing itself."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import httpx
 from textual import work
@@ -14,13 +15,22 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.widgets import Footer
 
-from appliance.admin.schema import DeviceInfo, Event, Snapshot, Tuning
+from appliance.admin.schema import DeviceInfo, Event, Move, Snapshot, Tuning
 from appliance.admin.token import read_token
 from tui.client import AdminClient, AdminError
-from tui.components.confirm_move import ConfirmMove
+from tui.components.confirm_move import (
+    APPLY,
+    ConfirmMove,
+    apply_question,
+    device_name,
+    move_question,
+    move_targets,
+    role_choices,
+)
 from tui.components.event_log import EventLog
 from tui.components.help_screen import HelpScreen
 from tui.components.latency_panel import LatencyPanel
+from tui.components.planner_panel import NO_PLANNER, PlannerPanel, plan_to_apply
 from tui.components.pools_view import PoolsView
 from tui.components.requests_table import RequestsTable
 from tui.components.status_line import StatusLine
@@ -30,6 +40,7 @@ from tui.messages import ConnectionChanged, EventArrived, SnapshotArrived
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 5.0
 NOT_CONNECTED = "not connected"
+T = TypeVar("T")
 
 
 def describe_failure(error: Exception) -> str:
@@ -42,12 +53,13 @@ def describe_failure(error: Exception) -> str:
 
 
 class ConsoleApp(App[None]):
-    """The console: pools and devices on top, latency and requests below, events last.
+    """The console: pools and devices on top, latency and requests below, events and the
+    planner last.
 
     With a client and `watch`, a worker follows /admin/events and reconnects when the
     stream drops; without, it shows whatever SnapshotArrived messages are posted to it
     (tests do that). Widget ids: `status`, `pools` (cards `device-<index>` in columns
-    `pool-<role>`), `latency`, `requests`, `events`.
+    `pool-<role>`), `latency`, `requests`, `events`, `planner`.
     """
 
     # absolute, because Textual resolves a relative CSS_PATH against the module of
@@ -58,6 +70,7 @@ class ConsoleApp(App[None]):
     AUTO_FOCUS = None  # the first snapshot focuses the first device card
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("m", "move", "Move device"),
+        Binding("a", "apply_plan", "Apply plan"),
         Binding("t", "tune", "Tuning"),
         Binding("p", "toggle_admission", "Pause/resume"),
         Binding("question_mark", "help", "Help", key_display="?"),
@@ -102,7 +115,7 @@ class ConsoleApp(App[None]):
     # --- layout ---------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        """Status line, pools, latency | requests, events, key footer."""
+        """Status line, pools, latency | requests, events | planner, key footer."""
         # kept as attributes: `query_one` only searches the top screen, and snapshots
         # keep coming while a dialog is open
         self._status = StatusLine(id="status")
@@ -110,12 +123,15 @@ class ConsoleApp(App[None]):
         self._latency = LatencyPanel(id="latency")
         self._requests = RequestsTable(id="requests")
         self._events = EventLog(id="events")
+        self._planner = PlannerPanel(id="planner")
         yield self._status
         yield self._pools
         with Horizontal(id="middle"):
             yield self._latency
             yield self._requests
-        yield self._events
+        with Horizontal(id="bottom"):
+            yield self._events
+            yield self._planner
         yield Footer()
 
     def on_mount(self) -> None:
@@ -141,6 +157,7 @@ class ConsoleApp(App[None]):
         self._latency.show(snapshot)
         self._requests.show(snapshot)
         self._events.show(snapshot)
+        self._planner.show(snapshot)
         self._show_status()
 
     def on_event_arrived(self, message: EventArrived) -> None:
@@ -155,7 +172,8 @@ class ConsoleApp(App[None]):
             self._events.resync()
         self._connected = message.connected
         self._detail = message.detail
-        for panel in (self._pools, self._latency, self._requests, self._events):
+        panels = (self._pools, self._latency, self._requests, self._events, self._planner)
+        for panel in panels:
             panel.set_class(not message.connected, "-stale")
         self._show_status()
 
@@ -193,28 +211,49 @@ class ConsoleApp(App[None]):
         self.push_screen(HelpScreen())
 
     def action_move(self) -> None:
-        """Ask, then move the selected device to the other pool."""
-        if self._client is None:
+        """Ask which pool, then move the selected device to it."""
+        client = self._client
+        if client is None:
             self.notify(NOT_CONNECTED, severity="warning")
             return
         device = self._selected_device_info()
         if device is None:
             self.notify("No device selected yet.", severity="warning")
             return
-        if device.pool not in ("prefill", "decode"):
-            where = "is between pools" if device.pool is None else "is colocated"
-            self.notify(f"{device.name} {where}: nothing to move.", severity="warning")
+        if device.pool is None:
+            self.notify(f"{device.name} is between pools: nothing to move.", severity="warning")
             return
-        to = "decode" if device.pool == "prefill" else "prefill"
-        worker = device.worker
-        requests = worker.waiting + worker.running if worker is not None else 0
-        confirm = ConfirmMove(device.name, device.pool, to, requests)
+        targets = move_targets(device.pool)
+        question = move_question(device, targets)
 
-        def answered(go: bool | None) -> None:
-            if go:
-                self._send_move(device.index, device.name, to)
+        def answered(to: str | None) -> None:
+            if to is not None:
+                self._send(lambda: client.move(device.index, to), "Move refused", self._moving)
 
-        self.push_screen(confirm, answered)
+        self.push_screen(ConfirmMove(question, role_choices(targets)), answered)
+
+    def action_apply_plan(self) -> None:
+        """Ask, then start the move the planner recommends (not with autopilot on: it
+        applies its moves itself)."""
+        ready = self._ready_to_act()
+        if ready is None:
+            return
+        client, snapshot = ready
+        planner = snapshot.planner
+        if planner is None:
+            self.notify(NO_PLANNER, severity="warning")
+            return
+        plan = plan_to_apply(planner)
+        if isinstance(plan, str):
+            self.notify(plan)
+            return
+        question = apply_question(snapshot, planner, *plan)
+
+        def answered(go: str | None) -> None:
+            if go is not None:
+                self._send(client.apply_plan, "Plan not applied", self._moving)
+
+        self.push_screen(ConfirmMove(question, [APPLY]), answered)
 
     def action_tune(self) -> None:
         """Open the tuning form on the current values."""
@@ -234,9 +273,13 @@ class ConsoleApp(App[None]):
         ready = self._ready_to_act()
         if ready is None:
             return
-        _, snapshot = ready
-        paused = snapshot.tuning.admission == "paused"
-        self._send_admission("open" if paused else "paused")
+        client, snapshot = ready
+        admission = "open" if snapshot.tuning.admission == "paused" else "paused"
+        self._send(
+            lambda: client.tune(admission=admission),
+            "Admission unchanged",
+            lambda tuning: f"Admission {tuning.admission}.",
+        )
 
     def _ready_to_act(self) -> tuple[AdminClient, Snapshot] | None:
         """The client and the state to act on; otherwise say why not (and None)."""
@@ -255,28 +298,23 @@ class ConsoleApp(App[None]):
         return next((d for d in self._snapshot.devices if d.index == index), None)
 
     @work(group="admin")
-    async def _send_move(self, device: int, name: str, to: str) -> None:
-        assert self._client is not None
+    async def _send(
+        self, call: Callable[[], Awaitable[T]], failed: str, done: Callable[[T], str]
+    ) -> None:
+        """Make an admin call; notify `done(result)`, or its error titled `failed`."""
         try:
-            move = await self._client.move(device, to)
+            result = await call()
         except AdminError as error:
-            self.notify(error.message, title="Move refused", severity="error")
+            self.notify(error.message, title=failed, severity="error")
         except httpx.HTTPError as error:
-            self.notify(describe_failure(error), title="Move not sent", severity="error")
+            self.notify(describe_failure(error), title=failed, severity="error")
         else:
-            self.notify(f"Moving {name} to {move.to_role}: {move.phase} (move #{move.move_id}).")
+            self.notify(done(result))
 
-    @work(group="admin")
-    async def _send_admission(self, admission: str) -> None:
-        assert self._client is not None
-        try:
-            tuning = await self._client.tune(admission=admission)
-        except AdminError as error:
-            self.notify(error.message, title="Admission unchanged", severity="error")
-        except httpx.HTTPError as error:
-            self.notify(describe_failure(error), title="Admission unchanged", severity="error")
-        else:
-            self.notify(f"Admission {tuning.admission}.")
+    def _moving(self, move: Move) -> str:
+        """What the console says about a move the appliance started."""
+        name = device_name(self._snapshot, move.device)
+        return f"Moving {name} to {move.to_role}: {move.phase} (move #{move.move_id})."
 
 
 def _arrival(item: Snapshot | Event) -> SnapshotArrived | EventArrived:

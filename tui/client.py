@@ -117,6 +117,12 @@ class AdminClient:
         self._raise_for_error(response)
         return Move.model_validate(response.json()["move"])
 
+    async def apply_plan(self) -> Move:
+        """POST /admin/planner/apply: start the move the planner recommends."""
+        response = await self._http.post("/admin/planner/apply")
+        self._raise_for_error(response)
+        return Move.model_validate(response.json()["move"])
+
     async def tune(self, **changes: Any) -> Tuning:
         """PATCH /admin/tuning with `changes` (TuningPatch fields); returns the new tuning."""
         response = await self._http.patch("/admin/tuning", json=changes)

@@ -30,13 +30,14 @@ def running_moves(snapshot: Snapshot) -> dict[int, Move]:
 
 
 def pool_columns(snapshot: Snapshot) -> Columns:
-    """Which column each device's card goes in.
+    """Which column each device's card goes in: a column per pool that has a device, in
+    the order prefill, decode, colocated (any mix: how the appliance started, `mode`,
+    does not limit them).
 
     A device between workers (pool None) shows in the pool its running move takes it to;
-    one with neither (a failed move left it empty) gets a "No pool" column of its own.
+    one with neither (a failed move left it empty) goes in a "No pool" column, last.
     """
-    roles = ["colocated"] if snapshot.mode == "colocated" else ["prefill", "decode"]
-    columns: dict[str, list[int]] = {role: [] for role in roles}
+    columns: dict[str, list[int]] = {}
     moves = running_moves(snapshot)
     for device in snapshot.devices:
         role: str
@@ -45,7 +46,7 @@ def pool_columns(snapshot: Snapshot) -> Columns:
         else:
             role = moves[device.index].to_role if device.index in moves else "unassigned"
         columns.setdefault(role, []).append(device.index)
-    return tuple((role, tuple(indices)) for role, indices in columns.items())
+    return tuple((role, tuple(columns[role])) for role in _TITLES if role in columns)
 
 
 class PoolsView(Horizontal):
@@ -64,7 +65,7 @@ class PoolsView(Horizontal):
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
-        self._columns: Columns = ()
+        self._columns: Columns | None = None  # None: no snapshot shown yet
         self._cards: dict[int, DeviceCard] = {}
         self.selected: int | None = None
         """The index of the selected device (the last focused card), None before any."""
@@ -96,7 +97,7 @@ class PoolsView(Horizontal):
 
     def action_step(self, dx: int, dy: int) -> None:
         """Focus the card next to the focused one: dy within the column, dx across."""
-        grid = [indices for _, indices in self._columns if indices]
+        grid = [indices for _, indices in self._columns or () if indices]
         if not grid:
             return
         column, row = self._position(grid)
@@ -124,6 +125,8 @@ class PoolsView(Horizontal):
             for index in indices
         }
         await self.mount_all(self._column(role, indices) for role, indices in columns)
+        if not columns:
+            await self.mount(Static("The appliance reports no devices.", id="pools-empty"))
         self._columns = columns
         if self.selected not in self._cards:
             self.selected = next(iter(self._cards), None)
