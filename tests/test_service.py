@@ -178,6 +178,25 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_ones() -> None:
     assert code == 0 and time.monotonic() - signalled < 60
 
 
+def test_a_supervisor_killed_outright_takes_its_workers_with_it() -> None:
+    server = ServerProcess({"APPLIANCE_MODE": "colocated", "APPLIANCE_CPU_DEVICES": "2"})
+    server.start()
+    pools = httpx.get(server.url + "/health").json()["pools"]
+    pids = [w["pid"] for workers in pools.values() for w in workers]
+    assert len(pids) == 2 and all(alive(pid) for pid in pids)
+    server.stop(sig=signal.SIGKILL)  # no shutdown: nothing of its own stops the workers
+    wait_until(lambda: not any(alive(pid) for pid in pids), 30, "its workers gone")
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead and not yet reaped by init, does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def verify_root(tmp_path: Path, unit_text: str) -> Path:
     """A scratch root where the unit is installed as install.sh --system would place it:
     systemd-analyze checks that its ExecStart program exists there."""

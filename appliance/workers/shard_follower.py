@@ -7,9 +7,7 @@ FollowerSpec on stdin.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
-import os
 import pickle
 import signal
 import sys
@@ -21,6 +19,7 @@ import torch.distributed as dist
 from appliance.engine.model_runner import forward, move_to
 from appliance.engine.shard_loading import ShardParts, load_shard
 from appliance.model.tensor_parallel import Shard, shard_plan
+from appliance.workers.lifetime import die_with_parent
 from appliance.workers.shard_group import (
     FollowerSpec,
     RunStep,
@@ -30,18 +29,6 @@ from appliance.workers.shard_group import (
     pickle_pool,
 )
 from appliance.workers.worker import use_device
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to kill this process when its leader exits, however the leader ends."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # the leader died before the request took effect
-        os._exit(1)
 
 
 def serve(spec: FollowerSpec) -> None:

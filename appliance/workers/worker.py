@@ -7,6 +7,7 @@ worker; "decode" pulls parked blocks from a prefill worker's shared pool and dec
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import time
@@ -21,6 +22,7 @@ from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.kv.handoff import KVShard, enable_peer_access
 from appliance.topology.cpu import pin_to_cores
 from appliance.topology.devices import Device
+from appliance.workers.lifetime import die_with_parent
 from appliance.workers.messages import (
     Abort,
     DropPeer,
@@ -76,6 +78,9 @@ def run_worker(
 ) -> None:
     """Process entry point: take the device (the first of a tensor-parallel group, whose
     other shards it starts), load, say Ready, serve messages until Shutdown."""
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid is not None:  # spawned by a supervisor
+        die_with_parent(parent.pid)
     settings = use_device(settings, devices[0])
     group = None
     if len(devices) > 1:
