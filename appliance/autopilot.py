@@ -18,14 +18,8 @@ from appliance.admin.schema import Decision, Move, PlannerView, Role
 from appliance.bench.metrics import SLO
 from appliance.config import Settings
 from appliance.model.loader import default_model_path
-from appliance.planner.profile import (
-    Profile,
-    ProfileError,
-    load_profile,
-    model_id,
-    newest_profile,
-    profiles_folder,
-)
+from appliance.planner.auto_layout import known_profile
+from appliance.planner.profile import Profile, ProfileError, model_id
 from appliance.planner.rebalance import (
     RebalanceMemory,
     RebalanceRules,
@@ -48,10 +42,9 @@ class Autopilot:
     def __init__(self, supervisor: Supervisor, mover: PoolMover, settings: Settings) -> None:
         self.supervisor = supervisor
         self.mover = mover
-        self.settings = settings.planner
-        self.model = settings.model
-        self.cache_dir = settings.cache_dir
-        self.slo = SLO(ttft=self.settings.slo_ttft_ms / 1000, tpot=self.settings.slo_tpot_ms / 1000)
+        self.planner = settings.planner
+        self.settings = settings
+        self.slo = SLO(ttft=self.planner.slo_ttft_ms / 1000, tpot=self.planner.slo_tpot_ms / 1000)
         self.rules = rules_of(settings)
         self.memory = RebalanceMemory()
         self.profile: Profile | None = None
@@ -75,23 +68,19 @@ class Autopilot:
                 await self._task
 
     def _find_profile(self) -> tuple[Profile | None, str]:
-        path = self.settings.profile
         try:
-            if path is not None:
-                self.profile_name = str(path)
-                return load_profile(path), "watching"
-            model = model_id(self.model or default_model_path())
-            found = newest_profile(profiles_folder(self.cache_dir), model)
+            found, where = known_profile(self.settings)
         except (ProfileError, OSError) as exc:
             return None, f"cannot plan: {exc}"
         if found is None:
+            model = model_id(self.settings.model or default_model_path())
             return None, f"no profile of {model}: run `appliance profile` to let it plan"
-        self.profile_name = str(profiles_folder(self.cache_dir) / found.key.file_name())
+        self.profile_name = str(where)
         return found, "watching"
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.interval_s)
+            await asyncio.sleep(self.planner.interval_s)
             await self.look(time.monotonic())
 
     async def look(self, now: float) -> Decision | None:
@@ -102,7 +91,7 @@ class Autopilot:
             self.status = f"move {running.move_id} of device {running.device} is running"
             return None
         roles = device_roles(self.supervisor)
-        window = self.supervisor.traffic.window(now, self.settings.window_s, self.slo)
+        window = self.supervisor.traffic.window(now, self.planner.window_s, self.slo)
         # Simulating every layout a move or two away takes milliseconds to seconds (a big
         # box): off the loop that streams tokens. Only this task touches the memory.
         verdict = await asyncio.to_thread(self._decide, window, roles, now)
@@ -123,7 +112,7 @@ class Autopilot:
         )
 
     def _act(self, verdict: Verdict) -> tuple[bool, str]:
-        if verdict.move is None or not self.settings.auto_rebalance:
+        if verdict.move is None or not self.planner.auto_rebalance:
             return False, verdict.reason
         device, to = verdict.move
         try:
@@ -136,7 +125,7 @@ class Autopilot:
         self.decisions.append(decision)
         action = "move" if decision.move_device is not None else "hold"
         self.counts[action] += 1
-        self.status = "watching" if self.settings.auto_rebalance else "recommending only"
+        self.status = "watching" if self.planner.auto_rebalance else "recommending only"
         # A hold with nothing better in sight is only counted and logged: one every
         # interval would push every other event out of the admin API's list.
         if decision.recommended != decision.current:
@@ -165,8 +154,8 @@ class Autopilot:
         """The state the console's planner panel shows."""
         last = self.decisions[-1] if self.decisions else None
         return PlannerView(
-            auto_rebalance=self.settings.auto_rebalance,
-            interval_s=self.settings.interval_s,
+            auto_rebalance=self.planner.auto_rebalance,
+            interval_s=self.planner.interval_s,
             profile=self.profile_name,
             status=self.status,
             current=[cast(Role | None, r) for r in device_roles(self.supervisor)],

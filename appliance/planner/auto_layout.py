@@ -4,6 +4,7 @@ describe (planner.workload, rate, SLO), from this box's profile, turned into set
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from appliance.bench.metrics import SLO
@@ -38,16 +39,23 @@ def planned_settings(settings: Settings) -> Settings:
     return settings.model_copy(update=layout_settings(layout, profile))
 
 
+def known_profile(settings: Settings) -> tuple[Profile | None, Path]:
+    """planner.profile, else the newest profile of this model (None: there is none), and
+    where it is (or would be); ProfileError for a profile that cannot be read."""
+    if settings.planner.profile is not None:
+        return load_profile(settings.planner.profile), settings.planner.profile
+    folder = profiles_folder(settings.cache_dir)
+    found = newest_profile(folder, model_id(settings.model or default_model_path()))
+    return found, folder / (found.key.file_name() if found else "")
+
+
 def find_profile(settings: Settings) -> Profile:
     """planner.profile, else the newest profile of this model, else (when
     planner.profile_at_start) a new one; SettingsError saying what to do otherwise."""
-    if settings.planner.profile is not None:
-        return load_profile(settings.planner.profile)
-    folder = profiles_folder(settings.cache_dir)
-    model = model_id(settings.model or default_model_path())
-    found = newest_profile(folder, model)
+    found, folder = known_profile(settings)
     if found is not None:
         return found
+    model = model_id(settings.model or default_model_path())
     if not settings.planner.profile_at_start:
         raise SettingsError(
             f"planner.layout=auto needs a profile of {model} and {folder} has none: run "
