@@ -1,0 +1,309 @@
+"""Autopilot against every static layout on a shifting workload (issue 20), one command.
+
+On two devices (one core each on a 2-core box) the layouts a move can reach are colocated
+x2, 1P+1D and 1D+1C. Each runs the very same `bench --workload shift` schedule from a
+fresh start, then the autopilot (starting colocated x2, `planner.auto_rebalance` on, this
+box's profile) runs it too, while a poller records its layout every second. Prints and
+writes goodput per phase for each, the autopilot's ratios against the best static layout
+per phase and against the best single static layout over the run, the autopilot's
+layout over time and its decisions.
+
+    .venv/bin/python benchmarks/autopilot_shift.py                 # profiles first if needed
+    .venv/bin/python benchmarks/autopilot_shift.py --simulate      # the simulator's view only
+
+Writes benchmarks/results/autopilot_shift_cpu/{results.json,table.md,shift.png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from appliance.bench.compare import Target, running
+from appliance.bench.metrics import SLO, phase_summaries, shift_total
+from appliance.bench.report import plain
+from appliance.bench.runner import run_load
+from appliance.bench.shift import Phase, make_shift, parse_phases, shift_schedule
+from appliance.config import load_settings
+from appliance.model.loader import default_model_path, prepare_tokenizer
+from appliance.planner.layout import layout_of_roles
+from appliance.planner.profile import (
+    Profile,
+    load_profile,
+    model_id,
+    newest_profile,
+    profiles_folder,
+)
+from appliance.planner.simulator import Policy, SimRequest, simulate
+from appliance.topology.cpu import cpu_model_name
+
+PHASES = "chat:1.5:90,fixed:0.3:90,chat:1.5:90"
+INPUT_LEN, OUTPUT_LEN = 800, 16  # the fixed phase: long prompts, short answers
+GOODPUT = ["ttft:6000", "tpot:80"]
+OUT = Path(__file__).parent / "results" / "autopilot_shift_cpu"
+SERVE = [sys.executable, "-m", "appliance.cli", "serve"]
+STATIC = {
+    "colocated x2": ("colocated", "colocated"),
+    "1P+1D": ("prefill", "decode"),
+    "1D+1C": ("colocated", "decode"),
+}
+
+
+def layout_env(roles: tuple[str, str]) -> dict[str, str]:
+    """The settings that start these two devices' roles."""
+    env = {"APPLIANCE_CPU_DEVICES": "2"}
+    if roles == ("colocated", "colocated"):
+        return env | {"APPLIANCE_MODE": "colocated"}
+    named = {f"APPLIANCE_{role.upper()}_DEVICES": str(i) for i, role in enumerate(roles)}
+    return env | {"APPLIANCE_MODE": "disaggregated"} | named
+
+
+def autopilot_env(profile: Path, token: Path, interval: float, window: float) -> dict[str, str]:
+    return layout_env(("colocated", "colocated")) | {
+        "APPLIANCE_PLANNER__PROFILE": str(profile),
+        "APPLIANCE_PLANNER__AUTO_REBALANCE": "true",
+        "APPLIANCE_PLANNER__INTERVAL_S": str(interval),
+        "APPLIANCE_PLANNER__WINDOW_S": str(window),
+        "APPLIANCE_PLANNER__CONFIRM_WINDOWS": "1",
+        "APPLIANCE_PLANNER__COOLDOWN_S": str(window),
+        "APPLIANCE_PLANNER__MIN_REQUESTS": "5",
+        "APPLIANCE_ADMIN__TOKEN_FILE": str(token),
+    }
+
+
+def find_profile(given: Path | None) -> Path:
+    """The profile to plan with: given, the newest of the default model, or a new one."""
+    if given is not None:
+        return given
+    settings = load_settings()
+    folder = profiles_folder(settings.cache_dir)
+    found = newest_profile(folder, model_id(default_model_path()))
+    if found is None:
+        print("no profile of the default model yet: running `appliance profile`", file=sys.stderr)
+        subprocess.run([*SERVE[:-1], "profile"], check=True)
+        found = newest_profile(folder, model_id(default_model_path()))
+        assert found is not None  # the profile just written
+    return folder / found.key.file_name()
+
+
+class LayoutPoller:
+    """Each device's role once a second, from /admin/state, while a run goes on."""
+
+    def __init__(self, url: str, token: Path) -> None:
+        self.url, self.token = url, token
+        self.seen: list[tuple[float, list[str | None]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LayoutPoller:
+        self.started = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        headers = {"Authorization": f"Bearer {self.token.read_text()}"}
+        while not self._stop.wait(1.0):
+            try:
+                state = httpx.get(self.url + "/admin/state", headers=headers, timeout=5).json()
+            except httpx.HTTPError:
+                continue
+            roles = [d["pool"] for d in state["devices"]]
+            self.seen.append((time.monotonic() - self.started, roles))
+
+    def decisions(self) -> list[dict[str, Any]]:
+        headers = {"Authorization": f"Bearer {self.token.read_text()}"}
+        return httpx.get(self.url + "/admin/planner", headers=headers, timeout=10).json()[
+            "decisions"
+        ]
+
+    def blocks_in_use(self, wait_s: float = 15.0) -> int:
+        """KV blocks still in use once the last reports are in (0: every block free)."""
+        headers = {"Authorization": f"Bearer {self.token.read_text()}"}
+        deadline = time.monotonic() + wait_s
+        while True:
+            state = httpx.get(self.url + "/admin/state", headers=headers, timeout=10).json()
+            used = sum(d["worker"]["kv_blocks_used"] for d in state["devices"] if d["worker"])
+            if used == 0 or time.monotonic() > deadline:
+                return used
+            time.sleep(0.5)
+
+
+def run_one(target: Target, shift: Any, specs: list, slo: SLO, token: Path) -> dict:
+    """Start the target, drive the shift, stop it; per-phase summaries, the layout over
+    time, its planner's decisions and the KV blocks still in use after."""
+    tokenizer = prepare_tokenizer(None, load_settings().cache_dir)[1]
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text))
+
+    with running(target, Path(tempfile.mkdtemp(prefix="autopilot-shift-"))) as url:
+        with LayoutPoller(url, token) as poller:
+            results, _ = asyncio.run(
+                run_load(url, iter(specs), shift, count, extra_body={"ignore_eos": True})
+            )
+        decisions, blocks = poller.decisions(), poller.blocks_in_use()
+    phases = phase_summaries(results, shift.phases, slo)
+    return {
+        "label": target.label,
+        "phases": phases,
+        "total": shift_total(results, shift.phases, slo),
+        "failed": sum(not r.ok for r in results),
+        "layout": poller.seen,
+        "decisions": decisions,
+        "kv_blocks_in_use_after": blocks,
+    }
+
+
+def simulated(profile: Profile, phases: list[Phase], slo: SLO) -> dict[str, list[float]]:
+    """The simulator's goodput per phase for each static layout, on the same schedule."""
+    tokenizer = prepare_tokenizer(None, load_settings().cache_dir)[1]
+    schedule = shift_schedule(phases, tokenizer, 0, INPUT_LEN, OUTPUT_LEN)
+    requests = [SimRequest(s.arrival_s, s.spec.prompt_tokens, s.spec.max_tokens) for s in schedule]
+    out = {}
+    for label, roles in STATIC.items():
+        results = simulate(profile, layout_of_roles(roles), requests, Policy())
+        tagged = [
+            dataclasses.replace(r, phase=s.phase) for r, s in zip(results, schedule, strict=True)
+        ]
+        out[label] = [p.goodput for p in phase_summaries(tagged, phases, slo)]
+    return out
+
+
+def oracle_gain(per_phase: dict[str, list[float]]) -> float:
+    """The best layout of each phase, switched to at no cost, over the best single layout:
+    the most any autopilot could gain (phases of equal length)."""
+    phases = len(next(iter(per_phase.values())))
+    best_each = sum(max(g[i] for g in per_phase.values()) for i in range(phases))
+    best_single = max(sum(g) for g in per_phase.values())
+    return best_each / best_single if best_single else float("nan")
+
+
+def table(runs: list[dict], phases: list[Phase]) -> str:
+    """Goodput per phase and over the run; the autopilot's ratios against the best static
+    layout of each phase and the best single static layout over the run."""
+    head = (
+        "| layout | " + " | ".join(p.label(i) for i, p in enumerate(phases)) + " | all | failed |"
+    )
+    lines = [head, "|---" * (len(phases) + 3) + "|"]
+    for run in runs:
+        cells = [f"{p.goodput:.3f} ({p.attainment:.0%})" for p in run["phases"]]
+        total = run["total"]
+        lines.append(
+            f"| {run['label']} | {' | '.join(cells)} | {total.goodput:.3f} | {run['failed']} |"
+        )
+    static = [r for r in runs if r["label"] in STATIC]
+    auto = next((r for r in runs if r["label"] == "autopilot"), None)
+    if auto is not None and static:
+        ratios = []
+        for i in range(len(phases)):
+            best = max(r["phases"][i].goodput for r in static)
+            ratios.append(f"{auto['phases'][i].goodput / best:.2f}x" if best else "-")
+        best_total = max(r["total"].goodput for r in static)
+        overall = auto["total"].goodput / best_total if best_total else float("nan")
+        lines.append(f"| autopilot / best static | {' | '.join(ratios)} | {overall:.2f}x | |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], phases: list[Phase], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, over_time) = plt.subplots(2, 1, figsize=(9, 7))
+    width = 0.8 / len(runs)
+    for k, run in enumerate(runs):
+        xs = [i + k * width for i in range(len(phases))]
+        bars.bar(xs, [p.goodput for p in run["phases"]], width, label=run["label"])
+    bars.set_xticks([i + 0.4 - width / 2 for i in range(len(phases))])
+    bars.set_xticklabels([p.label(i) for i, p in enumerate(phases)])
+    bars.set_ylabel("goodput (req/s within SLO)")
+    bars.legend()
+    auto = next((r for r in runs if r["label"] == "autopilot"), None)
+    if auto is not None and auto["layout"]:
+        names = {"colocated": "C", "prefill": "P", "decode": "D", None: "-"}
+        labels = ["".join(names[r] for r in roles) for _, roles in auto["layout"]]
+        order = sorted(set(labels))
+        over_time.step(
+            [t for t, _ in auto["layout"]], [order.index(x) for x in labels], where="post"
+        )
+        over_time.set_yticks(range(len(order)))
+        over_time.set_yticklabels(order)
+        edge = 0.0
+        for p in phases[:-1]:
+            edge += p.seconds
+            over_time.axvline(edge, color="grey", linestyle=":")
+        over_time.set_xlabel("seconds (phase edges dotted)")
+        over_time.set_ylabel("autopilot layout (device 0, 1)")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--phases", default=PHASES)
+    parser.add_argument("--goodput", nargs="+", default=GOODPUT)
+    parser.add_argument("--profile", type=Path)
+    parser.add_argument("--interval", type=float, default=5.0, help="planner.interval_s")
+    parser.add_argument("--window", type=float, default=30.0, help="planner.window_s")
+    parser.add_argument("--simulate", action="store_true", help="only the simulator's table")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    phases, slo = parse_phases(args.phases), SLO.parse(args.goodput)
+    profile_path = find_profile(args.profile)
+    profile = load_profile(profile_path)
+    predicted = simulated(profile, phases, slo)
+    print(f"simulated goodput per phase ({args.phases}): {json.dumps(predicted)}")
+    print(f"an oracle switching at once would gain {oracle_gain(predicted):.2f}x over the best")
+    if args.simulate:
+        return
+    tokenizer = prepare_tokenizer(None, load_settings().cache_dir)[1]
+    shift, specs = make_shift(phases, tokenizer, 0, 2, INPUT_LEN, OUTPUT_LEN)
+    token = Path(tempfile.mkdtemp(prefix="autopilot-token-")) / "admin.token"
+    with_token = {"APPLIANCE_ADMIN__TOKEN_FILE": str(token)}
+    targets = [
+        Target(label, SERVE, layout_env(roles) | with_token, port_flag=None)
+        for label, roles in STATIC.items()
+    ]
+    env = autopilot_env(profile_path, token, args.interval, args.window)
+    targets.append(Target("autopilot", SERVE, env, port_flag=None))
+    runs = []
+    for target in targets:  # one at a time: each writes the token file at start
+        print(f"running {target.label}", file=sys.stderr)
+        runs.append(run_one(target, shift, specs, slo, token))
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = table(runs, phases)
+    cpu = cpu_model_name()
+    header = (
+        f"# Autopilot on a shifting workload\n\n{cpu}, 2 devices of one core. Phases "
+        f"`{args.phases}` (fixed: {INPUT_LEN}-token prompts, {OUTPUT_LEN}-token answers), SLO "
+        f"`{' '.join(args.goodput)}`, seed 0, ignore_eos. Goodput req/s (attainment).\n\n"
+    )
+    (args.out / "table.md").write_text(header + text + "\n")
+    record = {
+        "args": vars(args) | {"profile": str(profile_path)},
+        "predicted": predicted,
+        "runs": runs,
+    }
+    (args.out / "results.json").write_text(json.dumps(plain(record), indent=1, default=str))
+    plot(runs, phases, args.out / "shift.png")
+    print(header + text)
+
+
+if __name__ == "__main__":
+    main()
