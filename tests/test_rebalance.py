@@ -200,7 +200,7 @@ def test_a_stationary_mix_moves_once_and_then_holds() -> None:
             roles = verdict.recommended
     assert moves == [(1, "prefill")]
     assert roles == ("prefill", "prefill", "decode")
-    for number in range(5):  # missing the target, yet no move back or on is predicted to help
+    for number in range(20):  # missing the target, yet no move back or on is predicted to help
         window = TrafficWindow(20.0, long_prompts(200 + number), attainment=0.0)
         verdict = look(roles, window, memory, now=1000.0 + 20.0 * number)
         assert verdict.move is None and verdict.reason.startswith("no move beats")
