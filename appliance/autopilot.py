@@ -94,7 +94,11 @@ class Autopilot:
         window = self.supervisor.traffic.window(now, self.planner.window_s, self.slo)
         # Simulating every layout a move or two away takes milliseconds to seconds (a big
         # box): off the loop that streams tokens. Only this task touches the memory.
-        verdict = await asyncio.to_thread(self._decide, window, roles, now)
+        try:
+            verdict = await asyncio.to_thread(self._decide, window, roles, now)
+        except (ValueError, ProfileError) as exc:  # e.g. a worker restarting, a size unprofiled
+            self.status = f"cannot plan this look: {exc}"
+            return None
         if device_roles(self.supervisor) != roles or self.mover.running is not None:
             return None  # a move was asked for meanwhile: this look is stale
         self.last = verdict
@@ -105,7 +109,14 @@ class Autopilot:
 
     def _decide(self, window: TrafficWindow, roles: list[str | None], now: float) -> Verdict:
         assert self.profile is not None  # look() checked
-        policy = Policy.from_settings(self.supervisor.settings)
+        tuning = self.supervisor.tuning  # the live knobs, which the workers schedule with
+        policy = Policy(
+            max_num_seqs=tuning.decode_max_seqs,
+            prefill_token_budget=tuning.prefill_token_budget,
+            chunk_size=tuning.chunk_size,
+            routing=tuning.routing,
+            prefix_caching=self.settings.kv.prefix_caching,
+        )
         size = device_size(self.supervisor)
         return decide(
             window, self.profile, roles, policy, self.slo, self.rules, self.memory, now, size
