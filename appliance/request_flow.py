@@ -96,10 +96,9 @@ class RequestFlow:
     def submit(self, request: Request) -> None:
         """Send a WAITING request's next attempt to a prefill (or colocated) worker; while
         none takes work but one is coming back, it stays WAITING for it."""
-        workers = self.parts.workers.values()
-        candidates = [w for w in workers if w.role in ENTRY_ROLES and w.routable]
+        candidates = self._entry_workers()
         if not candidates:
-            if not any(self.parts.may_come_back(role) for role in ENTRY_ROLES):
+            if not self._entry_coming():
                 self.fail(request, NO_ENTRY_WORKER)
             return
         token_ids = request.tokens
@@ -139,17 +138,21 @@ class RequestFlow:
             self.submit(request)
 
     def fail_waiting(self, role: str) -> None:
-        """WAITING requests fail once no worker of `role` can come back for them."""
+        """A worker of `role` will not come (back): WAITING requests fail if no prefill or
+        colocated worker takes work or is on its way."""
         waiting = self.table.in_phase(Phase.WAITING)
-        if role not in ENTRY_ROLES or not waiting:
-            return
-        workers = self.parts.workers.values()
-        if any(w.role in ENTRY_ROLES and w.routable for w in workers) or any(
-            self.parts.may_come_back(r) for r in ENTRY_ROLES
-        ):
+        if role not in ENTRY_ROLES or not waiting or self._entry_workers() or self._entry_coming():
             return
         for request in waiting:
             self.fail(request, NO_ENTRY_WORKER)
+
+    def _entry_workers(self) -> list[WorkerHandle]:
+        """The workers a prompt may go to now."""
+        return [w for w in self.parts.workers.values() if w.role in ENTRY_ROLES and w.routable]
+
+    def _entry_coming(self) -> bool:
+        """A prefill or colocated worker is starting, restarting or on its way by a move."""
+        return any(self.parts.may_come_back(role) for role in ENTRY_ROLES)
 
     def on_tokens(self, worker: WorkerHandle, batch: TokenBatch) -> list[Request]:
         """Stream a step's tokens; returns the requests it parked (prefilled, to hand off)."""
