@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from appliance.bench.metrics import SLO
+from appliance.bench.metrics import SLO, RequestResult
 from appliance.planner.rebalance import TrafficWindow
 from appliance.planner.simulator import SimRequest
 from appliance.request_table import Phase, Request
@@ -18,40 +18,30 @@ from appliance.request_table import Phase, Request
 
 @dataclass(frozen=True)
 class Served:
-    """One request as it ended (monotonic seconds)."""
+    """One request as it ended: when it arrived (monotonic seconds), its prefix-cache
+    hit, and its result as the bench records one (ok: it ran to its end, not failed nor
+    left by its consumer), so the SLO judges it as it judges the bench's."""
 
     arrival: float
-    prompt_tokens: int
-    output_tokens: int
     cached_tokens: int
-    ttft: float | None  # None: it never had a first token
-    tpot: float | None  # None: fewer than two tokens
-    finished: bool  # ran to its end (not failed, not left by its consumer)
-
-    def met(self, slo: SLO) -> bool:
-        """Finished within the SLO's TTFT and TPOT."""
-        if not self.finished or self.ttft is None:
-            return False
-        checks = [(slo.ttft, self.ttft), (slo.tpot, self.tpot or 0.0)]  # one token: no pace
-        return all(limit is None or value <= limit for limit, value in checks)
+    result: RequestResult
 
 
 def served(request: Request) -> Served | None:
     """What the log keeps of a request; None for one that never arrived (no timing)."""
     timing = request.timing
-    if timing.arrival is None:
+    arrival, first, last = timing.arrival, timing.first_token, timing.finished
+    if arrival is None:
         return None
-    first, last, count = timing.first_token, timing.finished, len(request.output_ids)
-    tpot = (last - first) / (count - 1) if first and last and count > 1 else None
-    return Served(
-        arrival=timing.arrival,
+    ok = request.phase is Phase.FINISHED and first is not None and last is not None
+    result = RequestResult(
         prompt_tokens=len(request.prompt),
-        output_tokens=count,
-        cached_tokens=request.cached_tokens,
-        ttft=None if first is None else first - timing.arrival,
-        tpot=tpot,
-        finished=request.phase is Phase.FINISHED,
+        output_tokens=len(request.output_ids),
+        ok=ok,
+        ttft=first - arrival if ok and first is not None else 0.0,
+        latency=last - arrival if ok and last is not None else 0.0,
     )
+    return Served(arrival, request.cached_tokens, result)
 
 
 class TrafficLog:
@@ -78,7 +68,7 @@ class TrafficLog:
         start = now - seconds
         kept = sorted((s for s in self._served if s.arrival > start), key=lambda s: s.arrival)
         requests = tuple(_sim_request(s, start) for s in kept)
-        attainment = sum(s.met(slo) for s in kept) / len(kept) if kept else None
+        attainment = sum(slo.met_by(s.result) for s in kept) / len(kept) if kept else None
         return TrafficWindow(duration_s=seconds, requests=requests, attainment=attainment)
 
     def _forget_before(self, oldest: float) -> None:
@@ -88,11 +78,12 @@ class TrafficLog:
 
 
 def _sim_request(item: Served, start: float) -> SimRequest:
-    cached = min(item.cached_tokens, item.prompt_tokens)
+    prompt = item.result.prompt_tokens
+    cached = min(item.cached_tokens, prompt)
     return SimRequest(
         arrival_s=item.arrival - start,
-        prompt_tokens=item.prompt_tokens,
-        output_tokens=max(1, item.output_tokens),
+        prompt_tokens=prompt,
+        output_tokens=max(1, item.result.output_tokens),
         prefix_id=0 if cached else None,
         prefix_tokens=cached,
     )

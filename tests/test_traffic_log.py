@@ -35,10 +35,11 @@ def ended(
 def test_a_finished_request_keeps_its_lengths_and_latencies() -> None:
     item = served(ended(100.0, prompt=12, output=5, ttft=0.5, tpot=0.05, cached=8))
     assert item is not None
-    assert (item.prompt_tokens, item.output_tokens, item.cached_tokens) == (12, 5, 8)
-    assert item.ttft == pytest.approx(0.5) and item.tpot == pytest.approx(0.05)
-    assert item.met(SLO_1S) and not item.met(SLO(ttft=0.4, tpot=0.1))
-    assert not item.met(SLO(ttft=1.0, tpot=0.04))
+    result = item.result
+    assert (result.prompt_tokens, result.output_tokens, item.cached_tokens) == (12, 5, 8)
+    assert result.ttft == pytest.approx(0.5) and result.tpot == pytest.approx(0.05)
+    assert SLO_1S.met_by(result) and not SLO(ttft=0.4, tpot=0.1).met_by(result)
+    assert not SLO(ttft=1.0, tpot=0.04).met_by(result)
 
 
 @pytest.mark.parametrize(
@@ -48,7 +49,7 @@ def test_a_finished_request_keeps_its_lengths_and_latencies() -> None:
 )
 def test_a_request_that_did_not_finish_misses_the_slo(request_: Request) -> None:
     item = served(request_)
-    assert item is not None and not item.met(SLO_1S)
+    assert item is not None and not SLO_1S.met_by(item.result)
 
 
 def test_the_window_holds_what_arrived_in_it_from_its_start() -> None:
