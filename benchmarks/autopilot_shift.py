@@ -37,6 +37,7 @@ from appliance.bench.runner import run_load
 from appliance.bench.shift import Phase, make_shift, parse_phases, shift_schedule
 from appliance.config import load_settings
 from appliance.model.loader import default_model_path, prepare_tokenizer
+from appliance.model.tokenizer import Tokenizer
 from appliance.planner.layout import layout_of_roles
 from appliance.planner.profile import (
     Profile,
@@ -143,10 +144,11 @@ class LayoutPoller:
             time.sleep(0.5)
 
 
-def run_one(target: Target, shift: Any, specs: list, slo: SLO, token: Path) -> dict:
+def run_one(
+    target: Target, shift: Any, specs: list, slo: SLO, token: Path, tokenizer: Tokenizer
+) -> dict:
     """Start the target, drive the shift, stop it; per-phase summaries, the layout over
     time, its planner's decisions and the KV blocks still in use after."""
-    tokenizer = prepare_tokenizer(None, load_settings().cache_dir)[1]
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text))
@@ -169,9 +171,10 @@ def run_one(target: Target, shift: Any, specs: list, slo: SLO, token: Path) -> d
     }
 
 
-def simulated(profile: Profile, phases: list[Phase], slo: SLO) -> dict[str, list[float]]:
+def simulated(
+    profile: Profile, phases: list[Phase], slo: SLO, tokenizer: Tokenizer
+) -> dict[str, list[float]]:
     """The simulator's goodput per phase for each static layout, on the same schedule."""
-    tokenizer = prepare_tokenizer(None, load_settings().cache_dir)[1]
     schedule = shift_schedule(phases, tokenizer, 0, INPUT_LEN, OUTPUT_LEN)
     requests = [SimRequest(s.arrival_s, s.spec.prompt_tokens, s.spec.max_tokens) for s in schedule]
     out = {}
@@ -267,12 +270,12 @@ def main() -> None:
     phases, slo = parse_phases(args.phases), SLO.parse(args.goodput)
     profile_path = find_profile(args.profile)
     profile = load_profile(profile_path)
-    predicted = simulated(profile, phases, slo)
+    tokenizer = prepare_tokenizer(None, load_settings().cache_dir)[1]
+    predicted = simulated(profile, phases, slo, tokenizer)
     print(f"simulated goodput per phase ({args.phases}): {json.dumps(predicted)}")
     print(f"an oracle switching at once would gain {oracle_gain(predicted):.2f}x over the best")
     if args.simulate:
         return
-    tokenizer = prepare_tokenizer(None, load_settings().cache_dir)[1]
     shift, specs = make_shift(phases, tokenizer, 0, 2, INPUT_LEN, OUTPUT_LEN)
     token = Path(tempfile.mkdtemp(prefix="autopilot-token-")) / "admin.token"
     with_token = {"APPLIANCE_ADMIN__TOKEN_FILE": str(token)}
@@ -285,7 +288,7 @@ def main() -> None:
     runs = []
     for target in targets:  # one at a time: each writes the token file at start
         print(f"running {target.label}", file=sys.stderr)
-        runs.append(run_one(target, shift, specs, slo, token))
+        runs.append(run_one(target, shift, specs, slo, token, tokenizer))
     args.out.mkdir(parents=True, exist_ok=True)
     text = table(runs, phases)
     cpu = cpu_model_name()
