@@ -31,6 +31,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from appliance.cluster_settings import ClusterSettings
+
 # Re-exported: `from appliance.config import BatchSettings, KVSettings` stays the import.
 from appliance.engine_settings import BatchSettings, KVSettings
 from appliance.planner_settings import PlannerSettings
@@ -221,6 +223,7 @@ class Settings(BaseSettings):
     kv: KVSettings = Field(default_factory=KVSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
     planner: PlannerSettings = Field(default_factory=PlannerSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
 

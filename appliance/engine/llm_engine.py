@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +19,8 @@ from appliance.engine.shard_loading import load_shard
 from appliance.engine.stop_strings import StopStringMatcher
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache
-from appliance.kv.handoff import CopyStreams, KVShard, PendingCopies, start_copy
+from appliance.kv.handoff import CopyStreams, HandoffCopy, KVShard, PendingCopies, start_copy
+from appliance.kv.remote import Copies, RemoteSource, TransferError
 from appliance.model.llama import CausalLM
 from appliance.model.tensor_parallel import Shard
 from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -97,6 +98,7 @@ class LLMEngine:
         self._copy_streams = CopyStreams()
         self._landed: list[int] = []  # their ids once in the batch, until pop_landed
         self._aborted: set[int] = set()  # of those in flight: freed once they land
+        self._copy_failed: list[int] = []  # reads from another box that failed: freed
         # Recorded after a step that parks blocks; decode workers' copies wait for it.
         self.handoff_ready = torch.cuda.Event(interprocess=True) if kv.tensor.is_cuda else None
 
@@ -160,12 +162,12 @@ class LLMEngine:
         token_ids: list[int],
         num_prompt_tokens: int,
         params: SamplingParams,
-        source: list[KVShard],
+        source: list[KVShard] | RemoteSource,
         source_blocks: list[int],
     ) -> tuple[int, int] | None:
         """Continue a request another pool prefilled: pull its prompt K/V from `source`
-        (that pool's KV tensors, one per shard) into this pool and decode from its first
-        token.
+        (that pool's KV tensors, one per shard, or pools on another box to read through
+        this process's transfer agent) into this pool and decode from its first token.
 
         token_ids is the prompt plus the first token. Returns the new id and the bytes
         copied (blocks this pool's prefix cache held are not), or None when this pool has
@@ -173,7 +175,8 @@ class LLMEngine:
 
         The request joins the batch once its blocks have landed: at once on the CPU, on
         CUDA at a later step (or admit_copied); pop_landed says which have. Release the
-        source blocks only then."""
+        source blocks only then. A read from another box that fails frees the request
+        (pop_failed_copies says which): prefill it again."""
         if len(self.scheduler.running) + len(self._copies) >= self.scheduler.limits.max_num_seqs:
             return None
         seq = self._new_sequence(list(token_ids), params)
@@ -184,33 +187,53 @@ class LLMEngine:
         self.scheduler.running.remove(seq)  # until its blocks land: admit_copied
         needed = blocks_for_tokens(num_prompt_tokens, self.kv.block_size)
         have = seq.num_cached_tokens // self.kv.block_size  # cached here already
-        copy = start_copy(
-            source,
-            source_blocks[have:needed],
-            self.kv_shards,
-            seq.block_table[have:needed],
-            self._copy_streams,
-        )
+        src_ids, dst_ids = source_blocks[have:needed], seq.block_table[have:needed]
+        if isinstance(source, RemoteSource):
+            copy: HandoffCopy | Copies = source.start_copy(src_ids, self.kv_shards, dst_ids)
+        else:
+            copy = start_copy(source, src_ids, self.kv_shards, dst_ids, self._copy_streams)
         self._track(seq)
         stream = self._streams[seq.seq_id]
         # The prefill side already streamed the first token: prime the text state only.
         stream.stops.feed(stream.detokenizer.add(token_ids[-1]))
         stream.sent_tokens = len(seq.output_ids)
-        self._copies.add(seq.seq_id, seq, copy.done)
+        self._copies.add(seq.seq_id, seq, self._settled(seq.seq_id, copy.done))
         self.admit_copied()
         return seq.seq_id, copy.nbytes
+
+    def _settled(self, seq_id: int, done: Callable[[], bool]) -> Callable[[], bool]:
+        """`done`, but a failed read counts as settled (and is noted as failed)."""
+
+        def settled() -> bool:
+            try:
+                return done()
+            except TransferError:
+                self._copy_failed.append(seq_id)
+                return True
+
+        return settled
 
     def admit_copied(self) -> None:
         """Move handed-off requests whose blocks have landed into the running batch (an
         aborted one is freed instead); never waits for a copy."""
         for seq in self._copies.landed():
             self.scheduler.running.append(seq)
-            if seq.seq_id in self._aborted:
+            if seq.seq_id in self._copy_failed:  # its blocks hold garbage: free them
+                self._aborted.discard(seq.seq_id)
+                self.scheduler.finish(seq, "abort")
+                self._forget(seq.seq_id)
+            elif seq.seq_id in self._aborted:
                 self._aborted.discard(seq.seq_id)
                 self.scheduler.finish(seq, "abort")
                 self._forget(seq.seq_id)
             else:
                 self._landed.append(seq.seq_id)
+
+    def pop_failed_copies(self) -> list[int]:
+        """Ids of handed-off requests whose read from another box failed since the last
+        call; they are freed, and their source blocks can be released."""
+        failed, self._copy_failed = self._copy_failed, []
+        return failed
 
     def pop_landed(self) -> list[int]:
         """Ids of handed-off requests that joined the batch since the last call."""

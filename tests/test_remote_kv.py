@@ -1,0 +1,130 @@
+"""KV blocks between boxes through NIXL: a prefill box and a decode box, each a process
+with its own engine and transfer agent, the bytes over TCP (UCX held to it on loopback).
+Greedy outputs equal one engine's; every block is free after; a prefill box that dies or
+freezes under a read fails that read (the request can be prefilled again), never hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from remote_boxes import decode_box, prefill_box
+
+from appliance.cluster_settings import ClusterSettings
+from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.sequence import SamplingParams
+from appliance.kv.remote import nixl_available, pool_shape, ucx_environment
+
+TEXT = (
+    "A lighthouse keeper kept a log of every ship that passed, the weather, the tides "
+    "and the birds, and after forty years the log filled a whole shelf of the tower."
+)
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+class Box:
+    """A box process and the test's end of its pipe."""
+
+    def __init__(self, target: object) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(target=target, args=(theirs,), daemon=True)
+        self.process.start()
+        theirs.close()
+        assert self.ask(None, timeout=120) == "ready"
+
+    def ask(self, message: tuple | None, timeout: float = 120) -> object:
+        if message is not None:
+            self.conn.send(message)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"the box did not answer {message!r} in {timeout} s")
+        return self.conn.recv()
+
+    def tell(self, message: tuple) -> None:
+        self.conn.send(message)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+
+@pytest.fixture
+def boxes() -> Iterator[tuple[Box, Box]]:
+    assert nixl_available(), "NIXL is missing: ./install.sh --dev installs it"
+    prefill, decode = Box(prefill_box), Box(decode_box)
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+def prompts(engine: LLMEngine, count: int) -> list[list[int]]:
+    ids = engine.tokenizer.encode(TEXT * 3)
+    return [ids[: 9 + 11 * i] for i in range(count)]
+
+
+def test_prefill_on_one_box_decode_on_another_equals_one_engine(
+    engine: LLMEngine, boxes: tuple[Box, Box]
+) -> None:
+    prefill, decode = boxes
+    asked = prompts(engine, 8)
+    expected = [c.token_ids for c in engine.generate(asked, PARAMS)]
+    pool, parked = prefill.ask(("prefill", asked, PARAMS))
+    outputs, failed, moved, free = decode.ask(("decode", pool, parked, PARAMS))
+    assert outputs == expected and failed == []
+    layout = engine.kv.layout
+    blocks = sum(-(-p.prompt_len // 16) for p in parked)
+    assert moved == blocks * layout.bytes_per_block()  # the prompts' blocks, nothing more
+    prefill.tell(("release", [p.seq_id for p in parked]))
+    assert free == 300 and prefill.ask(("free",)) == 200
+
+
+def test_a_prefill_box_killed_before_the_read_fails_it_and_frees_the_blocks(
+    engine: LLMEngine, boxes: tuple[Box, Box]
+) -> None:
+    prefill, decode = boxes
+    pool, parked = prefill.ask(("prefill", prompts(engine, 3), PARAMS))
+    prefill.process.kill()
+    prefill.process.join(10)
+    outputs, failed, _, free = decode.ask(("decode", pool, parked, PARAMS), timeout=60)
+    assert outputs == [None] * 3 and sorted(failed) == sorted(p.seq_id for p in parked)
+    assert free == 300
+
+
+def test_a_frozen_prefill_box_fails_the_read_at_its_deadline(
+    engine: LLMEngine, boxes: tuple[Box, Box]
+) -> None:
+    prefill, decode = boxes
+    pool, parked = prefill.ask(("prefill", prompts(engine, 2), PARAMS))
+    os.kill(prefill.process.pid, signal.SIGSTOP)  # a hung box: its sockets stay open
+    try:
+        outputs, failed, _, free = decode.ask(("decode", pool, parked, PARAMS), timeout=60)
+    finally:
+        os.kill(prefill.process.pid, signal.SIGCONT)
+    assert outputs == [None, None] and len(failed) == 2 and free == 300
+
+
+def test_ucx_settings_come_from_the_cluster_settings() -> None:
+    env = ucx_environment(ClusterSettings(transports="tcp", interface="eth0"))
+    assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "eth0"
+    assert "UCX_TCP_PORT_RANGE" not in env  # empty settings leave UCX its defaults
+    ports = ucx_environment(ClusterSettings(transfer_ports="40000-40100"))
+    assert ports["UCX_TCP_PORT_RANGE"] == "40000-40100" and "UCX_TLS" not in ports
+
+
+def test_only_whole_contiguous_pools_are_registered() -> None:
+    assert pool_shape(torch.zeros(2, 2, 5, 4, 3, 8)).blocks == 5
+    with pytest.raises(ValueError, match="contiguous KV pool"):
+        pool_shape(torch.zeros(2, 2, 5, 4, 6, 8)[..., :3, :])
+    with pytest.raises(ValueError, match="contiguous KV pool"):
+        pool_shape(torch.zeros(2, 3, 5, 4, 3, 8))
