@@ -1,15 +1,45 @@
 """The cluster's section of the settings model (appliance/config.py, which re-exports it):
-how KV blocks cross between boxes (NIXL over UCX: TCP here, RDMA where the NICs have it)."""
+the head that agents on other boxes join, and how KV blocks cross between boxes (NIXL over
+UCX: TCP here, RDMA where the NICs have it)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class ClusterSettings(BaseModel):
-    """KV transfer between boxes. Inside a box the handoff stays shared memory / CUDA IPC."""
+    """Boxes beyond the first. The head (`appliance serve`) listens for agents
+    (`appliance agent` on each other box); every connection must prove it holds the shared
+    secret. Inside a box the KV handoff stays shared memory / CUDA IPC."""
 
     model_config = ConfigDict(extra="forbid")
+
+    listen: str = Field(
+        "",
+        description="On the head: host:port where agents and their workers connect (bind "
+        "it to the interface the boxes share, e.g. 10.0.0.1:7400); empty: no other boxes.",
+    )
+    head: str = Field("", description="On an agent: the head's host:port to join.")
+    secret_file: Path | None = Field(
+        None,
+        description="A file holding the shared secret every box proves it has (HMAC "
+        "challenge); required with listen or head. Make one with `head -c 32 /dev/urandom "
+        "| base64 > secret` and copy it to each box.",
+    )
+    box: str = Field("", description="On an agent: this box's name (default: the host name).")
+    pool: Literal["prefill", "decode", "colocated"] = Field(
+        "decode", description="On an agent: the role its devices' workers take."
+    )
+
+    @field_validator("listen", "head")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        if value:
+            host_port(value)  # raises with what is wrong
+        return value
 
     transports: str = Field(
         "",
@@ -33,3 +63,11 @@ class ClusterSettings(BaseModel):
         description="A KV read from another box that has not finished in this long fails (a "
         "frozen or cut-off peer never answers, and the transfer engine would wait for good).",
     )
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """('10.0.0.1', 7400) from '10.0.0.1:7400'; ValueError saying what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port (e.g. 10.0.0.1:7400), got {text!r}")
+    return host.strip("[]"), int(port)

@@ -10,7 +10,7 @@ two are matched).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 
@@ -48,6 +48,7 @@ class Device:
     ordinal: int | None = None
     nvml_index: int | None = None
     uuid: str | None = None
+    box: str = ""  # the box it is on: "" for the head's own, else the agent's box name
 
     def __post_init__(self) -> None:
         if self.kind == "cuda" and (self.ordinal is None or self.ordinal < 0):
@@ -62,16 +63,18 @@ class Link:
     """How two GPUs exchange data: over `nvlinks` NVLink links, PCIe peer-to-peer, or neither.
 
     "none" means copies bounce through host memory; CPU devices are always "none" to each
-    other (they share RAM, so all pairs are equally good).
+    other (they share RAM, so all pairs are equally good). "network": the devices are on
+    different boxes; KV crosses the network (kv/remote.py).
     """
 
-    kind: Literal["nvlink", "p2p-pcie", "none"]
+    kind: Literal["nvlink", "p2p-pcie", "none", "network"]
     nvlinks: int = 0
 
     @property
     def rank(self) -> int:
-        """Bandwidth rank, higher is faster: NVLink by link count > PCIe P2P > none."""
-        return {"none": 0, "p2p-pcie": 1}.get(self.kind, 1 + self.nvlinks)
+        """Bandwidth rank, higher is faster: NVLink by link count > PCIe P2P > none >
+        another box (so handoffs stay in a box where they can)."""
+        return {"network": -1, "none": 0, "p2p-pcie": 1}.get(self.kind, 1 + self.nvlinks)
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,35 @@ class Topology:
         n = len(devices)
         return cls(tuple(devices), tuple((Link("none"),) * n for _ in range(n)))
 
+    def with_box(self, box: str, devices: Sequence[Device]) -> Topology:
+        """This topology and another box's devices after it (renumbered from here on, each
+        marked with `box`): no fast link to any device of another box."""
+        if any(d.box == box for d in self.devices):
+            raise ValueError(f"box {box!r} is in the topology already")
+        start = len(self.devices)
+        added = [replace(d, index=start + i, box=box) for i, d in enumerate(devices)]
+        every = (*self.devices, *added)
+        links = tuple(
+            tuple(
+                self._link(a, b) if a.index < start and b.index < start else _between(a, b)
+                for b in every
+            )
+            for a in every
+        )
+        return Topology(every, links)
+
+    def _link(self, a: Device, b: Device) -> Link:
+        return self.links[a.index][b.index]
+
     def bandwidth_rank(self, a: int, b: int) -> int:
         """How fast devices a and b exchange KV blocks; only comparisons are meaningful."""
         return self.links[a][b].rank
+
+
+def _between(a: Device, b: Device) -> Link:
+    """The link between two devices one of which just joined: none within its box (its
+    own links are not known to the head), the network between boxes."""
+    return Link("none") if a.box == b.box else Link("network")
 
 
 def format_indices(indices: Sequence[int]) -> str:

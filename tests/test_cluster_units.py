@@ -1,0 +1,65 @@
+"""The pieces of boxes beyond the first that need no second process: a joining box's
+devices in the topology, the addresses and the shared secret the settings name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from appliance.cluster.channel import SecretError, read_secret
+from appliance.cluster_settings import ClusterSettings, host_port
+from appliance.config import SettingsError, load_settings
+from appliance.router import Router
+from appliance.topology.devices import Device, Topology
+
+
+def cpu(index: int, cores: tuple[int, ...]) -> Device:
+    return Device("cpu", index, f"cpu{index}", 0, 0, cores=cores)
+
+
+def test_a_joining_box_adds_its_devices_after_the_heads_linked_over_the_network() -> None:
+    head = Topology.without_links([cpu(0, (0,)), cpu(1, (1,))])
+    both = head.with_box("b", [cpu(0, (0, 1)), cpu(1, (2, 3))])
+    assert [(d.index, d.box, d.cores) for d in both.devices] == [
+        (0, "", (0,)),
+        (1, "", (1,)),
+        (2, "b", (0, 1)),  # its own cores, numbered on its own box
+        (3, "b", (2, 3)),
+    ]
+    assert both.links[0][1].kind == "none" and both.links[2][3].kind == "none"
+    assert both.links[1][2].kind == "network" == both.links[3][0].kind
+    assert both.bandwidth_rank(2, 3) > both.bandwidth_rank(1, 2)  # in a box beats across
+    with pytest.raises(ValueError, match="box 'b' is in the topology already"):
+        both.with_box("b", [cpu(0, (0,))])
+
+
+def test_handoffs_prefer_a_decode_worker_in_the_prefill_workers_box() -> None:
+    topology = Topology.without_links([cpu(0, (0,))]).with_box("b", [cpu(0, (0,))])
+    router = Router(16, False, topology.bandwidth_rank)
+    assert router.link_rank(0, 0) > router.link_rank(0, 1)
+
+
+def test_addresses_are_host_and_port() -> None:
+    assert host_port("10.0.0.1:7400") == ("10.0.0.1", 7400)
+    assert host_port("[::1]:7400") == ("::1", 7400)
+    for bad in ("10.0.0.1", "10.0.0.1:", ":7400", "host:99999", "host:port"):
+        with pytest.raises(ValueError, match="expected host:port"):
+            host_port(bad)
+    with pytest.raises(SettingsError, match="host:port"):
+        load_settings(cluster={"listen": "nowhere"})
+    assert ClusterSettings().listen == ""  # no other boxes unless asked
+
+
+def test_the_secret_must_be_given_readable_and_long_enough(tmp_path: Path) -> None:
+    with pytest.raises(SecretError, match="secret_file is not set"):
+        read_secret(None)
+    with pytest.raises(SecretError, match="cannot read"):
+        read_secret(tmp_path / "missing")
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    with pytest.raises(SecretError, match="shorter than 16 bytes"):
+        read_secret(short)
+    good = tmp_path / "good"
+    good.write_text("  0123456789abcdef0123\n")
+    assert read_secret(good) == b"0123456789abcdef0123"
