@@ -42,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: run the layout `appliance plan` ranks first (settings: planner.*)",
     )
 
+    agent = commands.add_parser(
+        "agent",
+        help="lend this box's devices to a head on another box (settings: cluster.*)",
+    )
+    agent.add_argument("--head", help="the head's host:port (cluster.listen there)")
+    agent.add_argument("--box", help="this box's name (default: the host name)")
+    agent.add_argument("--pool", choices=["prefill", "decode", "colocated"])
+    agent.add_argument("--secret-file", type=Path, help="the shared secret every box holds")
+    agent.add_argument("--cpu-devices", type=int, help="CPU devices (core sets) it offers")
+
     con = commands.add_parser(
         "console", help="watch and tune a running appliance (a terminal UI on its admin API)"
     )
@@ -75,6 +85,26 @@ def serve(args: argparse.Namespace) -> int:
         planner = settings.planner.model_copy(update={"layout": args.layout})
         settings = settings.model_copy(update={"planner": planner})
     return run_server(settings)
+
+
+def agent(args: argparse.Namespace) -> int:
+    import logging
+    from multiprocessing import AuthenticationError
+
+    from appliance.cluster.agent import run_agent
+
+    given = {"head": args.head, "box": args.box, "pool": args.pool}
+    cluster = {k: v for k, v in given.items() if v is not None}
+    if args.secret_file is not None:
+        cluster["secret_file"] = args.secret_file
+    settings = load_settings(args.config, cpu_devices=args.cpu_devices, cluster=cluster or None)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return run_agent(settings)
+    except AuthenticationError:
+        raise ValueError(
+            f"the head at {settings.cluster.head} refused this box: its cluster secret differs"
+        ) from None
 
 
 def console(args: argparse.Namespace) -> int:
@@ -138,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             from appliance.planner.plan_cli import run as run_plan
 
             return run_plan(args)
-        commands = {"serve": serve, "console": console, "generate": generate}
+        commands = {"serve": serve, "console": console, "generate": generate, "agent": agent}
         return commands[args.command](args)
-    except (SettingsError, ModelLoadError, TokenError, ValueError) as exc:
+    except (SettingsError, ModelLoadError, TokenError, ValueError, ConnectionError) as exc:
         print(f"appliance: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-EventKind = Literal["move", "tuning", "worker", "admission", "planner"]
+EventKind = Literal["move", "tuning", "worker", "admission", "planner", "box"]
 
 MAX_EVENTS = 200  # events kept for the admin API
 

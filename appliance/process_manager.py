@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from multiprocessing.connection import Connection
 from typing import Protocol
 
 import torch.multiprocessing as mp
 
+from appliance.cluster.head import ClusterHead
 from appliance.config import Settings
 from appliance.events import Event, EventKind
 from appliance.restart_policy import RestartPolicy
-from appliance.topology.devices import Topology
-from appliance.worker_handle import WorkerHandle
+from appliance.topology.devices import Device, Topology
+from appliance.worker_handle import Inbox, WorkerHandle, WorkerProcess
 from appliance.workers.messages import Shutdown, ToWorker
 from appliance.workers.outboxes import Outbox, OutboxReader
 from appliance.workers.worker import run_worker
@@ -74,6 +76,7 @@ class ProcessManager:
         self._watchdog: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # restarts in progress
         self.all_ready: asyncio.Future | None = None  # the first workers, all ready
+        self.cluster: ClusterHead | None = None  # other boxes' agents, when they may join
 
     @property
     def hooks(self) -> ProcessHooks:
@@ -100,26 +103,47 @@ class ProcessManager:
         self._watchdog = asyncio.create_task(self._watch())
 
     def spawn(self, role: str, group: int | tuple[int, ...]) -> WorkerHandle:
-        """Start a worker process of `role` on a device or a tensor-parallel group."""
+        """Start a worker process of `role` on a device or a tensor-parallel group (on
+        another box, through its agent)."""
         group = (group,) if isinstance(group, int) else group
         worker_id = next(self._ids)
         devices = tuple(self.topology.devices[i] for i in group)
+        name = "+".join(d.name for d in devices)  # a tensor-parallel group names them all
+        settings = self.hooks.settings_for(role)
+        inbox: Inbox
+        process: WorkerProcess
+        if devices[0].box:  # its agent starts it, and it dials in (cluster/head.py)
+            assert self.cluster is not None  # only a cluster has devices off the head's box
+            inbox, process = self.cluster.spawn(worker_id, role, settings, devices)
+            name = f"{devices[0].box}/{name}"
+        else:
+            inbox, process = self._spawn_here(worker_id, role, settings, devices)
+        cores = devices[0].cores
+        worker = WorkerHandle(
+            worker_id, role, group[0], name, cores, inbox, process, group, devices[0].box
+        )
+        self.workers[worker_id] = worker
+        return worker
+
+    def _spawn_here(
+        self, worker_id: int, role: str, settings: Settings, devices: tuple[Device, ...]
+    ) -> tuple[Inbox, WorkerProcess]:
+        """A worker process on this box, with its inbox queue and outbox pipe."""
         inbox = self._ctx.Queue()
         receiving, sending = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(
             target=run_worker,
-            args=(worker_id, role, self.hooks.settings_for(role), devices, inbox, Outbox(sending)),
+            args=(worker_id, role, settings, devices, inbox, Outbox(sending)),
             daemon=True,
         )
         process.start()
         sending.close()  # the worker holds it now: its exit closes the pipe
         self._reader.add(worker_id, receiving)
-        name = "+".join(d.name for d in devices)  # a tensor-parallel group names them all
-        worker = WorkerHandle(
-            worker_id, role, group[0], name, devices[0].cores, inbox, process, group
-        )
-        self.workers[worker_id] = worker
-        return worker
+        return inbox, process
+
+    def attach(self, worker_id: int, connection: Connection) -> None:
+        """A worker on another box dialled in: read its reports from that connection."""
+        self._reader.add(worker_id, connection)
 
     def send(self, worker_id: int | None, message: ToWorker) -> None:
         """Put a message in a worker's inbox; a worker that is gone is skipped."""
@@ -186,6 +210,12 @@ class ProcessManager:
 
     def _restart_later(self, worker: WorkerHandle, failed_starts: int = 0) -> None:
         device = worker.device_index
+        box = self.topology.devices[device].box
+        if box and (self.cluster is None or not self.cluster.has_box(box)):
+            # Its workers start again when the box rejoins (Supervisor._box_joined).
+            self.hooks.note("worker", f"box {box!r} is gone: {worker.device} waits for it")
+            self.hooks.on_gone(worker.role)
+            return
         delay = self.restart_policy.on_crash(device, time.monotonic())
         if failed_starts >= self.settings.recovery.max_crashes:  # however slowly it fails
             delay = None
@@ -271,3 +301,5 @@ class ProcessManager:
             if worker.process.is_alive():
                 worker.process.kill()
         await asyncio.to_thread(self._reader.stop)
+        if self.cluster is not None:
+            self.cluster.stop()

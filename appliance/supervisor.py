@@ -3,6 +3,7 @@
 One asyncio loop owns all state. A reader thread turns the workers' pipes (one each)
 into messages on that loop, each handled by `_dispatch`. The parts, one file each:
 - appliance/process_manager.py: the worker processes (spawn, inboxes, watch, restart, stop)
+- appliance/boxes.py: other boxes' agents joining and leaving (cluster.listen)
 - appliance/wiring.py: which decode worker holds which prefill worker's KV tensor
 - appliance/request_flow.py: each request's attempts and its stream of chunks
 - appliance/handoffs.py: prefilled prompts on their way to a decode worker
@@ -20,6 +21,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
 from collections.abc import Set as AbstractSet
 
+from appliance.boxes import Boxes
 from appliance.config import BatchSettings, Settings
 from appliance.drains import Drains, Progress
 from appliance.engine.sequence import SamplingParams
@@ -58,19 +60,19 @@ class Supervisor:
 
     def __init__(self, settings: Settings, topology: Topology | None = None) -> None:
         self.settings = settings
-        self.topology = topology or discover_box(settings)
+        topology = topology or discover_box(settings)
         devices = settings.prefill_devices, settings.decode_devices, settings.colocated_devices
-        self.partition: Partition = partition(self.topology, settings.mode, *devices)
+        self.partition: Partition = partition(topology, settings.mode, *devices)
         # Checked here, so a bad tensor-parallel degree fails before any process starts.
-        self.layout = worker_layout(self.topology, self.partition, settings)
+        self.layout = worker_layout(topology, self.partition, settings)
         self.tuning = initial_tuning(settings.batch)
         self.log = EventLog()
         self.table = RequestTable()  # every request in flight: its phase, timing, workers
         self.traffic = TrafficLog(settings.planner.window_s)  # what the rebalancer reads
-        self.router = Router(
-            settings.kv.block_size, settings.kv.prefix_caching, self.topology.bandwidth_rank
-        )
-        self.processes = ProcessManager(settings, self.topology, OutboxReader(self._deliver))
+        self.processes = ProcessManager(settings, topology, OutboxReader(self._deliver))
+        rank = lambda a, b: self.topology.bandwidth_rank(a, b)  # noqa: E731 (boxes join: it grows)
+        self.router = Router(settings.kv.block_size, settings.kv.prefix_caching, rank)
+        self.boxes = Boxes(settings, self.processes, self.note)
         workers, send = self.processes.workers, self.processes.send
         self.drains = Drains(self.busy_with)
         self.wiring = Wiring(workers, send)
@@ -109,6 +111,7 @@ class Supervisor:
     async def start(self, timeout: float = 300.0) -> None:
         """Spawn every worker and wait until each has loaded its model and is wired."""
         self.processes.start(self.layout, self)
+        self.boxes.start()
         assert self.processes.all_ready is not None  # start() made it
         try:
             await asyncio.wait_for(self.processes.all_ready, timeout)
@@ -244,6 +247,11 @@ class Supervisor:
     # ------------------------------------------------------------ state (PoolState)
 
     @property
+    def topology(self) -> Topology:
+        """Every device: this box's, then those of each box that joined."""
+        return self.processes.topology
+
+    @property
     def workers(self) -> dict[int, WorkerHandle]:
         """Every worker by id (read it; the process manager changes it)."""
         return self.processes.workers
@@ -266,12 +274,9 @@ class Supervisor:
     def ready(self) -> bool:
         """Every worker has loaded its model and the pools are wired together."""
         started = self.processes.all_ready
-        return (
-            started is not None
-            and started.done()
-            and not started.cancelled()
-            and started.exception() is None
-        )
+        if started is None or not started.done() or started.cancelled():
+            return False
+        return started.exception() is None
 
     def block_counts(self) -> dict[int, tuple[int, int]]:
         """Each worker's last reported (free, total) KV blocks."""

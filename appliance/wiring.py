@@ -10,7 +10,9 @@ bytes unopened (PeerPool). A loaded worker takes work once it holds (decode) or 
 of its tensor (DropPeer, answered by PeerDropped).
 
 Every pair is wired: a handoff prefers the best-linked decode worker but goes to another
-one when that one is full, and any two devices can copy (through the host at worst).
+one when that one is full, and any two devices can copy (through the host at worst). A
+pair on two boxes shares the pool as its transfer agent registered it (kv/remote.py),
+and the decode worker reads the blocks over the network.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ class Wiring:
         """Wire the worker that just loaded to every loaded worker of the other pool."""
         if worker.role == "decode":
             for prefill in self._peers_of_role("prefill"):
-                self.send(prefill.worker_id, SharePool(worker.worker_id))
+                remote = prefill.box != worker.box
+                self.send(prefill.worker_id, SharePool(worker.worker_id, remote))
         elif worker.role == "prefill":
             for decode in self._peers_of_role("decode"):
-                self.send(worker.worker_id, SharePool(decode.worker_id))
+                self.send(worker.worker_id, SharePool(decode.worker_id, decode.box != worker.box))
 
     def on_pool_shared(self, message: PoolShared) -> None:
         """Relay a prefill worker's pickled pool to the decode worker it was made for."""

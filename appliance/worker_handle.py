@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from typing import Protocol
 
 from appliance.workers.messages import ToWorker
@@ -14,6 +13,23 @@ class Inbox(Protocol):
     """A worker's inbox as the supervisor sees it: it only puts messages in."""
 
     def put(self, message: ToWorker, /) -> None: ...
+
+
+class WorkerProcess(Protocol):
+    """A worker's process as the supervisor watches it: a local process, or a stand-in
+    for one on another box (cluster/head.py's RemoteProcess)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None, /) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 @dataclass
@@ -26,8 +42,9 @@ class WorkerHandle:
     device: str
     cores: tuple[int, ...]
     inbox: Inbox
-    process: BaseProcess
+    process: WorkerProcess
     devices: tuple[int, ...] = ()  # all of them: a tensor-parallel worker has several
+    box: str = ""  # the box it runs on: "" for the head's own
     shard_pids: list[int] = field(default_factory=list)  # its other shards' processes
     loaded: bool = False  # it said Ready: the model is loaded
     ready: bool = False  # loaded and wired to the other pool's KV tensors: it takes work

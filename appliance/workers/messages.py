@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from appliance.engine.sequence import SamplingParams
+from appliance.kv.remote import RemotePool
 
 # ---------------------------------------------------------------- supervisor -> worker
 
@@ -37,20 +38,23 @@ class Handoff:
 
 @dataclass
 class SharePool:
-    """To a prefill worker: share your KV tensor with decode worker `consumer`."""
+    """To a prefill worker: share your KV tensor with decode worker `consumer`; `remote`:
+    it is on another box, and reads the pool through the transfer agent (RemotePool)."""
 
     consumer: int
+    remote: bool = False
 
 
 @dataclass
 class PeerPool:
     """To a decode worker: prefill worker `worker_id`'s KV tensors, one per tensor-parallel
     shard as (first KV head, pickled tensor), each pickled by the shard's own process for
-    this worker (a shared-memory fd or a CUDA IPC handle). The supervisor relays the bytes
-    without opening them: a CUDA tensor a process received cannot be sent on."""
+    this worker (a shared-memory fd or a CUDA IPC handle); from another box, the pools as
+    its transfer agent registered them. The supervisor relays the bytes without opening
+    them: a CUDA tensor a process received cannot be sent on."""
 
     worker_id: int
-    data: list[tuple[int, bytes]]
+    data: list[tuple[int, bytes]] | list[RemotePool]
 
 
 @dataclass
@@ -107,7 +111,7 @@ class PoolShared:
 
     worker_id: int
     consumer: int
-    data: list[tuple[int, bytes]]
+    data: list[tuple[int, bytes]] | list[RemotePool]
 
 
 @dataclass

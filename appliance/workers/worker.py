@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import socket
 import time
 from dataclasses import dataclass, field, replace
 from multiprocessing.queues import Queue
@@ -17,9 +18,11 @@ from multiprocessing.queues import Queue
 import torch
 import torch.multiprocessing  # registers the tensor reducers ForkingPickler uses
 
+from appliance.cluster_settings import ClusterSettings
 from appliance.config import Settings
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.kv.handoff import KVShard, enable_peer_access
+from appliance.kv.remote import KVTransfer, RemotePool, RemoteSource
 from appliance.topology.cpu import pin_to_cores
 from appliance.topology.devices import Device
 from appliance.workers.lifetime import die_with_parent
@@ -59,13 +62,17 @@ class WorkerState:
     engine: LLMEngine
     outbox: Outbox
     group: TensorGroup | None = None  # the other shards, for a worker over several devices
-    peers: dict[int, list[KVShard]] = field(default_factory=dict)  # prefill id -> its KV
+    # prefill id -> its KV: mapped here, or on another box (read through `transfer`)
+    peers: dict[int, list[KVShard] | RemoteSource] = field(default_factory=dict)
     to_engine: dict[int, int] = field(default_factory=dict)  # request id -> engine id
     to_request: dict[int, int] = field(default_factory=dict)  # engine id -> request id
     announced: set[int] = field(default_factory=set)  # engine ids reported as started
     copying: dict[int, tuple[int, int]] = field(
         default_factory=dict
     )  # engine id -> (request, bytes)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    transfer: KVTransfer | None = None  # the KV transfer agent, once another box needs it
+    registered: list[RemotePool] = field(default_factory=list)  # this pool, as it shares it
 
 
 def run_worker(
@@ -105,7 +112,7 @@ def load_and_serve(
     engine = LLMEngine.from_settings(
         settings, shared_kv=role == "prefill", group=group, decodes=role != "prefill"
     )
-    state = WorkerState(worker_id, engine, outbox, group)
+    state = WorkerState(worker_id, engine, outbox, group, cluster=settings.cluster)
     try:
         shard_pids = group.pids if group is not None else []
         outbox.put(Ready(worker_id, engine.kv.num_blocks, shard_pids))
@@ -152,7 +159,14 @@ def send_landed(state: WorkerState) -> int:
         request_id, moved = state.copying.pop(engine_id, (None, 0))
         if request_id is not None:  # else aborted meanwhile: nobody waits for the answer
             state.outbox.put(HandoffResult(state.worker_id, request_id, True, moved))
-    return len(landed)
+    failed = state.engine.pop_failed_copies()  # a read from another box: freed already
+    for engine_id in failed:
+        request_id, _ = state.copying.pop(engine_id, (None, 0))
+        state.to_request.pop(engine_id, None)
+        if request_id is not None:
+            state.to_engine.pop(request_id, None)
+            state.outbox.put(HandoffResult(state.worker_id, request_id, False))
+    return len(landed) + len(failed)
 
 
 def use_device(settings: Settings, device: Device) -> Settings:
@@ -196,6 +210,8 @@ def handle(state: WorkerState, message: ToWorker) -> None:
             submit(state, message)
         case Handoff():
             take_handoff(state, message)
+        case SharePool(remote=True):
+            state.outbox.put(PoolShared(state.worker_id, message.consumer, registered(state)))
         case SharePool():
             # Pickled by each shard's own process, once per consumer: each consumer gets
             # its own fd / IPC reference.
@@ -204,16 +220,17 @@ def handle(state: WorkerState, message: ToWorker) -> None:
                 pools += state.group.share_pools()
             state.outbox.put(PoolShared(state.worker_id, message.consumer, pools))
         case PeerPool():
-            state.peers[message.worker_id] = open_pools(message.data)
-            for shard in state.peers[message.worker_id]:
-                enable_peer_access(shard.tensor.device, engine.kv.tensor.device, shard.tensor)
+            state.peers[message.worker_id] = open_peer(state, message)
         case Release():
             engine_id = state.to_engine.pop(message.request_id, None)
             if engine_id is not None and engine_id in engine.scheduler.parked:
                 engine.release(engine_id)
                 state.to_request.pop(engine_id, None)
         case DropPeer():
-            state.peers.pop(message.worker_id, None)
+            dropped = state.peers.pop(message.worker_id, None)
+            if isinstance(dropped, RemoteSource):
+                for pool in dropped.pools:
+                    dropped.transfer.forget(pool)
             state.outbox.put(PeerDropped(state.worker_id, message.worker_id))
         case Tune():
             engine.scheduler.limits = replace(engine.scheduler.limits, **message.changes())
@@ -225,6 +242,36 @@ def handle(state: WorkerState, message: ToWorker) -> None:
                 state.copying.pop(engine_id, None)
         case Shutdown():  # drain() stops at it before handing it here
             raise AssertionError("Shutdown is drain()'s to handle")
+
+
+def transfer_agent(state: WorkerState) -> KVTransfer:
+    """This worker's KV transfer agent, made at first need, with this worker's own pools
+    registered (a read's destination must be, as must a pool others read)."""
+    if state.transfer is None:
+        name = f"{socket.gethostname()}-{os.getpid()}-worker{state.worker_id}"
+        state.transfer = KVTransfer(name, state.cluster)
+        for shard in state.engine.kv_shards:
+            state.registered.append(state.transfer.register(shard.tensor, shard.head_start))
+    return state.transfer
+
+
+def registered(state: WorkerState) -> list[RemotePool]:
+    """This worker's pools as a decode worker on another box reads them."""
+    if state.group is not None:
+        raise RuntimeError("a tensor-parallel prefill group hands KV off within its box only")
+    transfer_agent(state)
+    return state.registered
+
+
+def open_peer(state: WorkerState, message: PeerPool) -> list[KVShard] | RemoteSource:
+    """A prefill worker's pools: mapped into this process, or read from another box."""
+    if message.data and isinstance(message.data[0], RemotePool):
+        pools = tuple(p for p in message.data if isinstance(p, RemotePool))
+        return RemoteSource(transfer_agent(state), pools)
+    shards = open_pools([p for p in message.data if not isinstance(p, RemotePool)])
+    for shard in shards:
+        enable_peer_access(shard.tensor.device, state.engine.kv.tensor.device, shard.tensor)
+    return shards
 
 
 def submit(state: WorkerState, message: Submit) -> None:

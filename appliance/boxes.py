@@ -1,0 +1,82 @@
+"""Other boxes joining and leaving a running appliance (when `cluster.listen` is set).
+
+An agent that joins adds its box's devices to the topology (linked to the head's over the
+network, so handoffs stay in a box where they can) and gets a worker on each, of the role
+it offered. A box whose agent is lost loses its workers like any crash, but they are not
+restarted until the box joins again: then each of its devices gets a worker again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from appliance.cluster.head import ClusterHead
+from appliance.cluster.messages import AgentHello
+from appliance.config import Settings
+from appliance.events import EventKind
+from appliance.process_manager import ProcessManager
+
+
+class Boxes:
+    """The head's listener for agents and what a box joining or leaving changes."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        processes: ProcessManager,
+        note: Callable[[EventKind, str], object],
+    ) -> None:
+        self.settings = settings
+        self.processes = processes
+        self._note = note
+        self.head: ClusterHead | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        """Listen for agents, if the settings say where (on the running loop)."""
+        if not self.settings.cluster.listen:
+            return
+        loop = asyncio.get_running_loop()
+        self.head = ClusterHead(
+            self.settings.cluster, loop.call_soon_threadsafe, self.joined, self.lost, self._attach
+        )
+        self.processes.cluster = self.head
+        self.head.start()
+
+    def joined(self, hello: AgentHello) -> None:
+        """A box joined (or rejoined): a worker of its role on each of its devices."""
+        topology = self.processes.topology
+        indices = [d.index for d in topology.devices if d.box == hello.box]
+        if not indices:
+            topology = self.processes.topology = topology.with_box(hello.box, hello.devices)
+            indices = [d.index for d in topology.devices if d.box == hello.box]
+        self.processes.failed_devices.difference_update(indices)
+        self._note(
+            "box",
+            f"box {hello.box!r} joined with {len(hello.devices)} device(s) for {hello.pool}",
+        )
+        busy = {i for w in self.processes.workers.values() if w.alive for i in w.devices}
+        for index in indices:
+            if index not in busy:
+                self._start(hello.pool, index)
+
+    def lost(self, box: str) -> None:
+        self._note("box", f"lost box {box!r}: its workers' requests go on elsewhere")
+
+    def _start(self, role: str, index: int) -> None:
+        timeout = self.settings.recovery.start_timeout_s
+        task = asyncio.create_task(self._add(role, index, timeout))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _add(self, role: str, index: int, timeout: float) -> None:
+        try:
+            await self.processes.add_worker(role, (index,), timeout)
+        except RuntimeError as error:
+            self._note("worker", f"a worker for device {index} did not start: {error}")
+
+    def _attach(self, worker_id: int, connection: Connection) -> None:
+        """A remote worker dialled in: its outbox is that connection."""
+        self.processes.attach(worker_id, connection)

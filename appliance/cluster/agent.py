@@ -1,0 +1,110 @@
+"""`appliance agent`: a box that lends its devices to a head. It joins the head (the
+shared secret proves it may), offers its devices, starts a worker process for each
+SpawnWorker (the worker then talks to the head itself), and says when one exits. When
+the head goes away the agent exits, and its workers with it; systemd brings it back and
+it joins again."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+from appliance.cluster.channel import connect, read_secret
+from appliance.cluster.messages import AgentHello, KillWorker, SpawnWorker, WorkerExited
+from appliance.cluster.remote_worker import run_remote_worker
+from appliance.config import Settings
+from appliance.supervisor import discover_box
+
+log = logging.getLogger("appliance.agent")
+JOIN_TIMEOUT_S = 60.0
+WATCH_S = 0.2  # how often the agent looks for exited workers
+
+
+class Agent:
+    """One box's agent: its connection to the head and the workers it started."""
+
+    def __init__(self, settings: Settings) -> None:
+        cluster = settings.cluster
+        if not cluster.head:
+            raise ValueError("an agent needs cluster.head (--head host:port) to join")
+        self.settings = settings
+        self.secret = read_secret(cluster.secret_file)
+        self.box = cluster.box or socket.gethostname()
+        self.topology = discover_box(settings)
+        self.workers: dict[int, BaseProcess] = {}
+        self._ctx = multiprocessing.get_context("spawn")
+        self._head: Connection | None = None
+
+    def join(self) -> None:
+        """Connect to the head and offer this box's devices."""
+        cluster = self.settings.cluster
+        self._head = connect(cluster.head, self.secret, JOIN_TIMEOUT_S)
+        self._head.send(AgentHello(self.box, self.topology.devices, cluster.pool))
+        names = ", ".join(d.name for d in self.topology.devices)
+        log.info("joined %s as box %r with %s (%s)", cluster.head, self.box, names, cluster.pool)
+
+    def serve(self) -> None:
+        """Start and stop workers as the head says, until the head goes away."""
+        head = self._head
+        assert head is not None, "join() first"
+        while True:
+            if wait([head], timeout=WATCH_S):
+                try:
+                    message = head.recv()
+                except (EOFError, OSError):
+                    log.info("the head closed the connection: stopping")
+                    return
+                self._handle(message)
+            self._report_exits()
+
+    def stop(self) -> None:
+        for process in self.workers.values():
+            process.kill()
+        for process in self.workers.values():
+            process.join(5)
+        if self._head is not None:
+            self._head.close()
+
+    def _handle(self, message: object) -> None:
+        match message:
+            case SpawnWorker():
+                self._spawn(message)
+            case KillWorker():
+                process = self.workers.get(message.worker_id)
+                if process is not None:
+                    process.kill()
+
+    def _spawn(self, message: SpawnWorker) -> None:
+        args = (
+            self.settings.cluster.head,
+            self.secret,
+            message.worker_id,
+            message.role,
+            message.settings,
+            message.devices,
+        )
+        process = self._ctx.Process(target=run_remote_worker, args=args, daemon=True)
+        process.start()
+        self.workers[message.worker_id] = process
+        log.info("started worker %d (%s) as pid %s", message.worker_id, message.role, process.pid)
+
+    def _report_exits(self) -> None:
+        assert self._head is not None
+        for worker_id, process in list(self.workers.items()):
+            if not process.is_alive():
+                del self.workers[worker_id]
+                self._head.send(WorkerExited(worker_id, process.exitcode))
+
+
+def run_agent(settings: Settings) -> int:
+    """The `appliance agent` command: join, serve, and exit when the head goes away."""
+    agent = Agent(settings)
+    agent.join()
+    try:
+        agent.serve()
+    finally:
+        agent.stop()
+    return 0

@@ -1,0 +1,75 @@
+"""Authenticated connections between boxes: the standard library's multiprocessing
+connections, whose HMAC challenge proves both ends hold the shared secret before anything
+is unpickled, bound to the one address the settings name."""
+
+from __future__ import annotations
+
+import queue
+import time
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+
+from appliance.cluster_settings import host_port
+
+CONNECT_RETRY_S = 0.5
+
+
+class SecretError(ValueError):
+    """The shared secret is missing or unusable."""
+
+
+def read_secret(path: Path | None) -> bytes:
+    """The shared secret from its file (at least 16 bytes, surrounding whitespace ignored)."""
+    if path is None:
+        raise SecretError(
+            "cluster.secret_file is not set: every box needs the same secret file "
+            "(make one with `head -c 32 /dev/urandom | base64 > secret`)"
+        )
+    try:
+        secret = path.read_bytes().strip()
+    except OSError as error:
+        raise SecretError(f"cannot read the cluster secret {path}: {error.strerror}") from None
+    if len(secret) < 16:
+        raise SecretError(f"the cluster secret in {path} is shorter than 16 bytes")
+    return secret
+
+
+def listen(address: str, secret: bytes) -> Listener:
+    """A listener on host:port that only accepts peers holding `secret`."""
+    return Listener(host_port(address), authkey=secret)
+
+
+def connect(address: str, secret: bytes, timeout: float) -> Connection:
+    """A connection to host:port, retried until `timeout` (the head may be starting);
+    ConnectionError when it cannot be made, AuthenticationError for a wrong secret."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client(host_port(address), authkey=secret)
+        except (ConnectionRefusedError, FileNotFoundError):
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"nothing answers at {address}") from None
+            time.sleep(CONNECT_RETRY_S)
+
+
+class ConnectionInbox:
+    """A worker's inbox on its connection to the head: a queue's get / get_nowait, as the
+    worker reads its local inbox. The head closing the connection reads as Shutdown."""
+
+    def __init__(self, connection: Connection, shutdown: object) -> None:
+        self._connection = connection
+        self._shutdown = shutdown
+
+    def get(self, timeout: float | None = None) -> object:
+        if not self._connection.poll(timeout):
+            raise queue.Empty
+        return self._receive()
+
+    def get_nowait(self) -> object:
+        return self.get(0)
+
+    def _receive(self) -> object:
+        try:
+            return self._connection.recv()
+        except (EOFError, OSError):
+            return self._shutdown

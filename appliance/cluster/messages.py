@@ -1,0 +1,55 @@
+"""What the head and the agents (and the workers agents start) say to each other over
+their authenticated connections (channel.py). Each connection's first message says who
+is calling: an agent (AgentHello) or one of its workers (WorkerHello)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from appliance.config import Settings
+from appliance.topology.devices import Device
+
+
+@dataclass(frozen=True)
+class AgentHello:
+    """An agent joins: its box, the devices it offers and the role they take."""
+
+    box: str
+    devices: tuple[Device, ...]  # numbered on its own box, from 0
+    pool: str  # "prefill", "decode" or "colocated"
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    """A worker an agent started connects: this connection is its inbox and outbox."""
+
+    worker_id: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class SpawnWorker:
+    """To an agent: start worker `worker_id` of `role` on these devices of its box."""
+
+    worker_id: int
+    role: str
+    settings: Settings
+    devices: tuple[Device, ...]
+
+
+@dataclass(frozen=True)
+class KillWorker:
+    """To an agent: kill worker `worker_id` now."""
+
+    worker_id: int
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    """From an agent: its worker `worker_id` exited with `exitcode`."""
+
+    worker_id: int
+    exitcode: int | None
+
+
+ToAgent = SpawnWorker | KillWorker

@@ -1,0 +1,36 @@
+"""A worker an agent starts for the head: it dials the head, says which worker it is,
+and then is the same worker as on the head's own box, its inbox and outbox being that
+one connection."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, cast
+
+from appliance.cluster.channel import ConnectionInbox, connect
+from appliance.cluster.messages import WorkerHello
+from appliance.config import Settings
+from appliance.topology.devices import Device
+from appliance.workers.messages import Shutdown
+from appliance.workers.outboxes import Outbox
+from appliance.workers.worker import run_worker
+
+CONNECT_TIMEOUT_S = 30.0
+
+
+def run_remote_worker(
+    head: str,
+    secret: bytes,
+    worker_id: int,
+    role: str,
+    settings: Settings,
+    devices: tuple[Device, ...],
+) -> None:
+    """Process entry point (spawned by the agent, dies with it)."""
+    connection = connect(head, secret, CONNECT_TIMEOUT_S)
+    connection.send(WorkerHello(worker_id, os.getpid()))
+    inbox = ConnectionInbox(connection, Shutdown())
+    try:
+        run_worker(worker_id, role, settings, devices, cast("Any", inbox), Outbox(connection))
+    finally:
+        connection.close()

@@ -1,0 +1,193 @@
+"""Two boxes on this machine: a head (`appliance serve`, prefill on its devices) and an
+agent (`appliance agent`, box "b", decode), joined over loopback with a shared secret.
+Prompts prefill on the head; their KV crosses to box b through NIXL over TCP; greedy
+outputs equal the single engine's. Killing the agent mid-load loses no request (the head's
+own decode worker takes them over); the box rejoins and takes work again; a wrong secret
+is refused. Runs in file order: each test leaves the cluster as the next expects."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from server_process import API_KEY, ServerProcess, wait_until
+
+from appliance.bench.compare import free_port
+from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.sequence import SamplingParams
+from appliance.kv.remote import nixl_available
+
+PROMPTS = [
+    "The lighthouse keeper wrote in his log that the ship",
+    "Three things every garden needs are",
+    "The river ran past the old mill and",
+    "In the winter market the baker sold",
+    "A letter arrived from the island, and it said",
+    "The mountain village had one bridge, which",
+]
+MAX_TOKENS = 24
+
+
+class Cluster:
+    """The head and the agents started against it."""
+
+    def __init__(self, head: ServerProcess, address: str, secret: Path) -> None:
+        self.head, self.address, self.secret = head, address, secret
+        self.agents: list[subprocess.Popen] = []
+
+    def agent(self, box: str, secret: Path | None = None) -> subprocess.Popen:
+        command = [sys.executable, "-m", "appliance.cli", "agent", "--head", self.address]
+        command += ["--box", box, "--pool", "decode", "--cpu-devices", "1"]
+        command += ["--secret-file", str(secret or self.secret)]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.agents.append(process)
+        return process
+
+    def health(self) -> dict:
+        return httpx.get(self.head.url + "/health", timeout=10).json()
+
+    def workers(self) -> list[dict]:
+        return [w for pool in self.health()["pools"].values() for w in pool]
+
+    def on_box(self, box: str) -> list[dict]:
+        return [w for w in self.workers() if w["device"].startswith(f"{box}/") and w["alive"]]
+
+    def admin(self, path: str, body: dict) -> httpx.Response:
+        assert self.head.admin_token_file is not None
+        token = self.head.admin_token_file.read_text().strip()
+        headers = {"Authorization": f"Bearer {token}"}
+        return httpx.post(self.head.url + path, json=body, headers=headers, timeout=30)
+
+    def complete(self, prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+        """A greedy completion's token ids (the server's logprobs-free form: its text,
+        re-encoded by the test against the engine's own text)."""
+        reply = httpx.post(
+            self.head.url + "/v1/completions",
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=300,
+        )
+        reply.raise_for_status()
+        return reply.json()["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    assert nixl_available(), "NIXL is missing: ./install.sh --dev installs it"
+    folder = tmp_path_factory.mktemp("cluster")
+    secret = folder / "secret"
+    secret.write_text("a-shared-secret-of-the-test-boxes\n")
+    address = f"127.0.0.1:{free_port()}"
+    head = ServerProcess(
+        {
+            "APPLIANCE_API_KEY": API_KEY,
+            "APPLIANCE_DTYPE": "float32",
+            "APPLIANCE_WEIGHTS": "dense",
+            "APPLIANCE_CPU_DEVICES": "2",
+            "APPLIANCE_CPU_SHARE_CORES": "true",
+            "APPLIANCE_PREFILL_DEVICES": "0",
+            "APPLIANCE_DECODE_DEVICES": "1",
+            "APPLIANCE_KV__MEMORY_MB": "64",
+            "APPLIANCE_ADMIN__TOKEN_FILE": str(folder / "admin.token"),
+            "APPLIANCE_CLUSTER__LISTEN": address,
+            "APPLIANCE_CLUSTER__SECRET_FILE": str(secret),
+            "APPLIANCE_CLUSTER__TRANSPORTS": "tcp",
+            "APPLIANCE_CLUSTER__INTERFACE": "lo",
+        }
+    )
+    head.start()
+    head.admin_token_file = folder / "admin.token"
+    running = Cluster(head, address, secret)
+    yield running
+    for agent in running.agents:
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait(30)
+    head.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(engine: LLMEngine) -> dict[str, str]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    done = engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], params)
+    return {p: c.text for p, c in zip(PROMPTS, done, strict=True)}
+
+
+def decoders(cluster: Cluster) -> int:
+    """Decode workers alive now."""
+    return sum(w["alive"] for w in cluster.health()["pools"].get("decode", []))
+
+
+def all_blocks_free(cluster: Cluster) -> bool:
+    return all(w["num_free_blocks"] == w["num_blocks"] for w in cluster.workers() if w["alive"])
+
+
+def test_a_wrong_secret_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-secret-of-these-boxes\n")
+    agent = cluster.agent("stranger", wrong)
+    output, _ = agent.communicate(timeout=60)
+    assert agent.returncode == 2, output
+    assert b"refused this box: its cluster secret differs" in output, output
+    assert not cluster.on_box("stranger")
+
+
+def test_prefill_on_the_head_decode_on_box_b_equals_one_engine(
+    cluster: Cluster, expected: dict[str, str]
+) -> None:
+    cluster.agent("b")
+    wait_until(lambda: any(w["ready"] for w in cluster.on_box("b")), 120, "box b's worker")
+    # Only box b decodes: every handoff crosses between the boxes.
+    move = cluster.admin("/admin/pools", {"device": 1, "to": "prefill"})
+    assert move.status_code == 202, move.text
+    wait_until(lambda: decoders(cluster) == 1, 60, "one decoder")
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = dict(zip(PROMPTS, pool.map(cluster.complete, PROMPTS), strict=True))
+    assert got == expected
+    [remote] = cluster.on_box("b")
+    assert remote["role"] == "decode" and remote["tokens_out"] >= len(PROMPTS) * (MAX_TOKENS - 1)
+    wait_until(lambda: all_blocks_free(cluster), 20, "every KV block free")
+
+
+def test_losing_box_b_mid_load_loses_no_request(cluster: Cluster, expected: dict[str, str]) -> None:
+    # The head decodes again beside box b, so the requests have somewhere to go.
+    move = cluster.admin("/admin/pools", {"device": 1, "to": "decode"})
+    assert move.status_code == 202, move.text
+    wait_until(lambda: decoders(cluster) == 2, 60, "two decoders")
+    prompts = PROMPTS * 2
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(cluster.complete, p, 96) for p in prompts]
+        # The precondition: box b holds running requests when it is lost.
+        wait_until(lambda: any(w["running"] for w in cluster.on_box("b")), 120, "b decoding")
+        agent = cluster.agents[-1]
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(30)
+        texts = [f.result(timeout=300) for f in futures]
+    assert all(len(t) > 0 for t in texts)
+    for prompt, text in zip(prompts, texts, strict=True):
+        assert text.startswith(expected[prompt])  # 96 tokens: the first 24 as before
+    wait_until(lambda: not cluster.on_box("b"), 30, "box b's worker gone")
+    wait_until(lambda: all_blocks_free(cluster), 20, "every KV block free")
+
+
+def test_box_b_rejoins_and_takes_work(cluster: Cluster, expected: dict[str, str]) -> None:
+    cluster.agent("b")
+    wait_until(lambda: any(w["ready"] for w in cluster.on_box("b")), 120, "box b back")
+    move = cluster.admin("/admin/pools", {"device": 1, "to": "prefill"})
+    assert move.status_code == 202, move.text
+    wait_until(lambda: decoders(cluster) == 1, 60, "one decoder")
+    assert cluster.complete(PROMPTS[0]) == expected[PROMPTS[0]]
+    [remote] = cluster.on_box("b")
+    assert remote["tokens_out"] > 0
