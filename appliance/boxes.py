@@ -13,6 +13,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from appliance.cluster.head import ClusterHead
+from appliance.cluster.interfaces import with_interface
 from appliance.cluster.messages import AgentHello
 from appliance.config import Settings
 from appliance.events import EventKind
@@ -38,6 +39,10 @@ class Boxes:
         """Listen for agents, if the settings say where (on the running loop)."""
         if not self.settings.cluster.listen:
             return
+        # The head's workers send KV to other boxes over the interface agents dial in on.
+        host = self.settings.cluster.listen.rpartition(":")[0].strip("[]")
+        cluster = with_interface(self.settings.cluster, host)
+        self.settings.cluster.interface = cluster.interface
         loop = asyncio.get_running_loop()
         self.head = ClusterHead(
             self.settings.cluster, loop.call_soon_threadsafe, self.joined, self.lost, self._attach

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from appliance.cluster.channel import SecretError, read_secret
+from appliance.cluster.interfaces import interface_of, with_interface
 from appliance.cluster_settings import ClusterSettings, host_port
 from appliance.config import SettingsError, load_settings
 from appliance.router import Router
@@ -63,3 +64,13 @@ def test_the_secret_must_be_given_readable_and_long_enough(tmp_path: Path) -> No
     good = tmp_path / "good"
     good.write_text("  0123456789abcdef0123\n")
     assert read_secret(good) == b"0123456789abcdef0123"
+
+
+def test_the_kv_transfer_listens_on_the_interface_the_boxes_talk_over() -> None:
+    loopback = interface_of("127.0.0.1")
+    assert loopback is not None and interface_of("127.0.0.2") == loopback
+    assert interface_of("203.0.113.9") is None  # not this machine's
+    assert interface_of("head.example") is None
+    assert with_interface(ClusterSettings(), "127.0.0.1").interface == loopback
+    assert with_interface(ClusterSettings(interface="eth1"), "127.0.0.1").interface == "eth1"
+    assert with_interface(ClusterSettings(), "0.0.0.0").interface == ""  # UCX's choice

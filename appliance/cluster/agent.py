@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from appliance.cluster.channel import connect, read_secret
+from appliance.cluster.interfaces import local_ip, with_interface
 from appliance.cluster.messages import AgentHello, KillWorker, SpawnWorker, WorkerExited
 from appliance.cluster.remote_worker import run_remote_worker
 from appliance.config import Settings
@@ -78,12 +79,17 @@ class Agent:
                     process.kill()
 
     def _spawn(self, message: SpawnWorker) -> None:
+        assert self._head is not None
+        # The head's settings, but this box's interface for the KV transfer: its own if
+        # set, else the one it reaches the head from.
+        cluster = with_interface(self.settings.cluster, local_ip(self._head))
+        settings = message.settings.model_copy(update={"cluster": cluster})
         args = (
             self.settings.cluster.head,
             self.secret,
             message.worker_id,
             message.role,
-            message.settings,
+            settings,
             message.devices,
         )
         process = self._ctx.Process(target=run_remote_worker, args=args, daemon=True)
