@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ClusterSettings(BaseModel):
@@ -33,6 +33,16 @@ class ClusterSettings(BaseModel):
     pool: Literal["prefill", "decode", "colocated"] = Field(
         "decode", description="On an agent: the role its devices' workers take."
     )
+
+    @model_validator(mode="after")
+    def _secret_with_boxes(self) -> ClusterSettings:
+        if (self.listen or self.head) and self.secret_file is None:
+            raise ValueError(
+                "cluster.listen and cluster.head need cluster.secret_file: every box proves "
+                "it holds the same secret (make one with `head -c 32 /dev/urandom | base64 "
+                "> secret` and copy it to each box)"
+            )
+        return self
 
     @field_validator("listen", "head")
     @classmethod

@@ -48,7 +48,9 @@ def test_addresses_are_host_and_port() -> None:
         with pytest.raises(ValueError, match="expected host:port"):
             host_port(bad)
     with pytest.raises(SettingsError, match="host:port"):
-        load_settings(cluster={"listen": "nowhere"})
+        load_settings(cluster={"listen": "nowhere", "secret_file": "s"})
+    with pytest.raises(SettingsError, match=r"need cluster\.secret_file"):
+        load_settings(cluster={"listen": "127.0.0.1:7400"})
     assert ClusterSettings().listen == ""  # no other boxes unless asked
 
 
