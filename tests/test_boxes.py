@@ -7,6 +7,7 @@ is refused. Runs in file order: each test leaves the cluster as the next expects
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -158,6 +159,30 @@ def test_prefill_on_the_head_decode_on_box_b_equals_one_engine(
     assert got == expected
     [remote] = cluster.on_box("b")
     assert remote["role"] == "decode" and remote["tokens_out"] >= len(PROMPTS) * (MAX_TOKENS - 1)
+    wait_until(lambda: all_blocks_free(cluster), 20, "every KV block free")
+
+
+def test_200_concurrent_requests_across_the_boxes_all_complete(cluster: Cluster) -> None:
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "prompt": f"{PROMPTS[i % len(PROMPTS)]} ({i})",
+            "max_tokens": 8,
+            "ignore_eos": True,
+        }
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        return await client.post(cluster.head.url + "/v1/completions", json=body, headers=headers)
+
+    before = cluster.on_box("b")[0]["tokens_out"]
+    replies = asyncio.run(run())
+    assert [r.status_code for r in replies] == [200] * 200
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in replies)
+    # every answer's tokens after the first came from box b, the only decode worker
+    assert cluster.on_box("b")[0]["tokens_out"] - before == 200 * 7
     wait_until(lambda: all_blocks_free(cluster), 20, "every KV block free")
 
 
