@@ -246,7 +246,19 @@ APPLIANCE_ADMIN__TOKEN_FILE=/run/appliance/admin.token
 # APPLIANCE_API_KEY=
 ENV
 fi
+if [ ! -e /etc/appliance/agent.env ]; then
+  install -m 0640 -g appliance /dev/null /etc/appliance/agent.env
+  cat > /etc/appliance/agent.env <<'ENV'
+# Settings of the agent service, on a box that lends its devices to a head on another box
+# (see README: Across boxes). Then: systemctl enable --now appliance-agent
+# APPLIANCE_CLUSTER__HEAD=10.0.0.1:7400
+# APPLIANCE_CLUSTER__SECRET_FILE=/etc/appliance/cluster.secret
+# APPLIANCE_CLUSTER__POOL=decode
+APPLIANCE_CACHE_DIR=/var/cache/appliance
+ENV
+fi
 install -m 0644 systemd/appliance.service /etc/systemd/system/appliance.service
+install -m 0644 systemd/appliance-agent.service /etc/systemd/system/appliance-agent.service
 if [ "$torch_build" != cpu ] && [ ! -x /usr/bin/nvidia-modprobe ]; then
   echo "install.sh: /usr/bin/nvidia-modprobe is missing: the service runs it to create" \
     "/dev/nvidia-uvm, which CUDA needs (install NVIDIA's nvidia-modprobe package)" >&2

@@ -23,6 +23,7 @@ from server_process import ServerProcess, wait_until
 from appliance.model.loader import model_name
 
 UNIT = Path(__file__).resolve().parents[1] / "systemd" / "appliance.service"
+AGENT_UNIT = UNIT.with_name("appliance-agent.service")
 
 
 class NotifySocket:
@@ -197,7 +198,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def verify_root(tmp_path: Path, unit_text: str) -> Path:
+def verify_root(tmp_path: Path, unit_text: str, name: str = "appliance.service") -> Path:
     """A scratch root where the unit is installed as install.sh --system would place it:
     systemd-analyze checks that its ExecStart program exists there."""
     root = tmp_path / "root"
@@ -207,25 +208,33 @@ def verify_root(tmp_path: Path, unit_text: str) -> Path:
     program.chmod(0o755)
     units = root / "etc/systemd/system"
     units.mkdir(parents=True)
-    (units / "appliance.service").write_text(unit_text)
+    (units / name).write_text(unit_text)
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
     return root
 
 
-def analyze(root: Path) -> subprocess.CompletedProcess:
+def analyze(root: Path, name: str = "appliance.service") -> subprocess.CompletedProcess:
     analyzer = shutil.which("systemd-analyze")
     assert analyzer, "systemd-analyze is missing: apt-get install systemd (.ci/run does)"
     return subprocess.run(
-        [analyzer, "verify", f"--root={root}", "--man=no", "appliance.service"],
+        [analyzer, "verify", f"--root={root}", "--man=no", name],
         capture_output=True,
         text=True,
         timeout=60,
     )
 
 
-def test_the_unit_file_verifies_clean(tmp_path: Path) -> None:
-    result = analyze(verify_root(tmp_path, UNIT.read_text()))
+@pytest.mark.parametrize("unit", [UNIT, AGENT_UNIT], ids=lambda u: u.name)
+def test_the_unit_files_verify_clean(tmp_path: Path, unit: Path) -> None:
+    result = analyze(verify_root(tmp_path, unit.read_text(), unit.name), unit.name)
     assert result.returncode == 0 and result.stderr == "" and result.stdout == ""
+
+
+def test_the_agent_unit_restarts_and_runs_the_agent() -> None:
+    text = AGENT_UNIT.read_text()
+    for line in ("Restart=always", "ExecStart=/opt/appliance/venv/bin/appliance agent"):
+        assert line in text.splitlines()
+    assert "EnvironmentFile=/etc/appliance/agent.env" in text
 
 
 def test_the_unit_check_catches_a_broken_unit(tmp_path: Path) -> None:
