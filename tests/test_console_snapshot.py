@@ -173,6 +173,24 @@ def test_pools_are_the_roles_the_devices_have_not_the_mode() -> None:
     assert pool_columns(mixed) == (("decode", (1, 2)), ("colocated", (0,)))
 
 
+def test_a_pool_shows_the_heads_devices_then_each_other_boxes() -> None:
+    base = with_roles(base_state(), ["decode", "prefill", "decode"])
+    boxes = ["b", "", ""]
+    devices = [
+        d.model_copy(update={"box": box}) for d, box in zip(base.devices, boxes, strict=True)
+    ]
+    spread = base.model_copy(update={"devices": devices})
+    assert pool_columns(spread) == (("prefill", (1,)), ("decode", (2, 0)))
+
+    async def scenario() -> None:
+        app = _NotesConsole()
+        async with app.run_test(size=SIZE) as pilot:
+            await feed(pilot, [spread])
+            assert app.query_one("#device-0").border_title == "b: " + devices[0].name
+
+    asyncio.run(scenario())
+
+
 def with_roles(base: Snapshot, roles: list[Any]) -> Snapshot:
     """`base` with each device (and its worker) in the pool `roles` gives it."""
     devices = [

@@ -36,7 +36,10 @@ class DeviceStats:
         self._cpu: dict[int, _CpuSample] = {}  # pid -> its last CPU sample
 
     def sample(self, device: Device, pid: int | None, now: float) -> DeviceLoad:
-        """The device's load at monotonic time `now`; None fields where it cannot be read."""
+        """The device's load at monotonic time `now`; None fields where it cannot be read
+        (on another box: its pid and GPU numbers are that box's, not this one's)."""
+        if device.box:
+            return DeviceLoad(None, None, device.total_memory)
         if device.kind == "cuda":
             return self._gpu(device)
         if pid is None:

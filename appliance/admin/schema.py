@@ -46,6 +46,7 @@ class DeviceInfo(BaseModel):
     index: int
     name: str
     kind: Literal["cpu", "cuda"]
+    box: str = Field("", description="The box it is on: empty for the head's own.")
     pool: Role | None = Field(description="The pool its worker serves; None while it has none.")
     worker: WorkerInfo | None
     utilization: float | None = Field(

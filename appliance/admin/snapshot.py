@@ -87,6 +87,7 @@ class SnapshotBuilder:
                     index=device.index,
                     name=device.name,
                     kind=device.kind,
+                    box=device.box,
                     # WorkerView.role holds one of Role's values, typed str (pydantic checks it)
                     pool=cast(Role, view.role) if view else None,
                     worker=self._worker(view, now) if view else None,

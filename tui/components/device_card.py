@@ -69,7 +69,8 @@ class DeviceCard(Widget, can_focus=True):
         )
 
     def _set_titles(self) -> None:
-        self.border_title = self.device.name
+        box = self.device.box
+        self.border_title = f"{box}: {self.device.name}" if box else self.device.name
         move = self.move
         if move is None:
             self.border_subtitle = ""

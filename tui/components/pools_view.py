@@ -36,10 +36,11 @@ def pool_columns(snapshot: Snapshot) -> Columns:
 
     A device between workers (pool None) shows in the pool its running move takes it to;
     one with neither (a failed move left it empty) goes in a "No pool" column, last.
+    In a column, the head's devices come first, then each other box's together.
     """
     columns: dict[str, list[int]] = {}
     moves = running_moves(snapshot)
-    for device in snapshot.devices:
+    for device in sorted(snapshot.devices, key=lambda d: (d.box, d.index)):
         role: str
         if device.pool is not None:
             role = device.pool
