@@ -17,7 +17,14 @@ from remote_boxes import decode_box, prefill_box
 from appliance.cluster_settings import ClusterSettings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
-from appliance.kv.remote import nixl_available, pool_shape, ucx_environment
+from appliance.kv.remote import (
+    Copies,
+    RemoteCopy,
+    TransferError,
+    nixl_available,
+    pool_shape,
+    ucx_environment,
+)
 
 TEXT = (
     "A lighthouse keeper kept a log of every ship that passed, the weather, the tides "
@@ -128,3 +135,34 @@ def test_only_whole_contiguous_pools_are_registered() -> None:
         pool_shape(torch.zeros(2, 2, 5, 4, 6, 8)[..., :3, :])
     with pytest.raises(ValueError, match="contiguous KV pool"):
         pool_shape(torch.zeros(2, 3, 5, 4, 3, 8))
+
+
+class Read:
+    """A stand-in read whose done() gives these outcomes in turn (the last one stays)."""
+
+    def __init__(self, *outcomes: bool | str) -> None:
+        self.outcomes = list(outcomes)
+        self.nbytes = 10
+
+    def done(self) -> bool:
+        outcome = self.outcomes.pop(0) if len(self.outcomes) > 1 else self.outcomes[0]
+        if isinstance(outcome, str):
+            raise TransferError(outcome)
+        return outcome
+
+
+def test_several_reads_fail_only_once_none_is_still_writing() -> None:
+    # one read fails at once, the other is still in flight for two more polls
+    copies = Copies([Read("peer gone"), Read(False, False, True)])  # type: ignore[list-item]
+    assert copies.done() is False and copies.done() is False
+    with pytest.raises(TransferError, match="peer gone"):
+        copies.done()
+    landed = Copies([Read(False, True), Read(True)])  # type: ignore[list-item]
+    assert landed.done() is False and landed.done() is True and landed.nbytes == 20
+
+
+def test_a_failed_read_keeps_failing_when_asked_again() -> None:
+    read = RemoteCopy(10, failed="the KV read from box-a failed: gone")
+    for _ in range(2):
+        with pytest.raises(TransferError, match="box-a failed"):
+            read.done()

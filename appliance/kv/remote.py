@@ -117,15 +117,15 @@ class RemoteCopy:
 
     nbytes: int
     _transfer: KVTransfer | None = None
-    _request: int | None = None  # the NIXL transfer request, None once released
+    _request: int | None = None  # the NIXL transfer request, None once settled
     _deadline: float = 0.0
-    _source: RemotePool | None = None
     _landed: bool = field(default=False)
-    failed: str | None = None  # why the read could not even start
+    failed: str | None = None  # why it failed: to start, or later
 
     def done(self) -> bool:
         """Whether the blocks are in the destination pool; never blocks. TransferError when
-        the read failed or ran past the deadline (the destination blocks are then garbage)."""
+        the read failed or ran past the deadline, now or at any later call (the
+        destination blocks then hold garbage)."""
         if self.failed is not None:
             raise TransferError(self.failed)
         if self._landed:
@@ -133,32 +133,26 @@ class RemoteCopy:
         assert self._transfer is not None and self._request is not None
         state = self._transfer.state(self._request)
         if state == "done":
-            self._release()
-            self._landed = True
+            self._transfer.release(self._request)
+            self._request, self._landed = None, True
             return True
         if state == "error":
-            self._fail()
-            raise TransferError("the KV read from the other box failed: its peer is gone")
-        if time.monotonic() > self._deadline:
-            self._fail()
-            raise TransferError("the KV read from the other box ran past its deadline")
+            # Not released: NIXL may have dropped a request whose peer went away itself,
+            # and a second release of it would be a double free (a handle leaks instead).
+            self._request = None
+            self.failed = "the KV read from the other box failed: its peer is gone"
+        elif time.monotonic() > self._deadline:
+            self._transfer.release(self._request)  # still in flight: this cancels it
+            self._request = None
+            self.failed = "the KV read from the other box ran past its deadline"
+        if self.failed is not None:
+            raise TransferError(self.failed)
         return False
-
-    def _fail(self) -> None:
-        """Release the request and drop the peer: a peer that comes back is loaded anew."""
-        self._release()
-        if self._transfer is not None and self._source is not None:
-            self._transfer.forget(self._source)
 
     def wait(self, poll_s: float = 0.0005) -> None:
         """Block until the blocks have landed (TransferError as done())."""
         while not self.done():
             time.sleep(poll_s)
-
-    def _release(self) -> None:
-        if self._transfer is not None and self._request is not None:
-            self._transfer.release(self._request)
-            self._request = None
 
 
 class KVTransfer:
@@ -207,9 +201,10 @@ class KVTransfer:
         try:
             request = self._post(src, ranges, dst.tensor)
         except Exception as error:  # NIXL raises its own exception types, one per cause
-            self.forget(src)
             return RemoteCopy(nbytes, failed=f"the KV read from {src.agent} failed: {error}")
-        return RemoteCopy(nbytes, self, request, time.monotonic() + self.timeout_s, src)
+        # A failed read leaves the peer loaded: invalidating it would cancel every other
+        # read from it. A worker that restarts has a new agent name; DropPeer forgets.
+        return RemoteCopy(nbytes, self, request, time.monotonic() + self.timeout_s)
 
     def _post(self, src: RemotePool, ranges: list[ByteRange], dst: torch.Tensor) -> int:
         """Create and post the read of `ranges`; NIXL's exceptions pass through (a peer
@@ -260,7 +255,8 @@ class KVTransfer:
     def close(self) -> None:
         """Unregister every pool this agent registered and drop every peer."""
         for name in list(self._peers.values()):
-            self._agent.invalidateRemoteMD(name)
+            with contextlib.suppress(Exception):  # a peer NIXL already dropped
+                self._agent.invalidateRemoteMD(name)
         self._peers.clear()
         for descs in self._registered:
             self._agent.deregisterMem(descs, [self._ucx])
@@ -312,6 +308,15 @@ class Copies:
         return sum(read.nbytes for read in self.reads)
 
     def done(self) -> bool:
-        """Whether every read has landed; TransferError as soon as one fails (the others
-        are let finish or fail on their own: each frees its request when polled)."""
-        return all([read.done() for read in self.reads])  # poll each, not just the first
+        """Whether every read has landed. TransferError once every read has settled and
+        one failed: not before, so that no read still in flight writes into blocks the
+        engine frees on the error."""
+        settled, failure = True, None
+        for read in self.reads:
+            try:
+                settled = read.done() and settled
+            except TransferError as error:
+                failure = failure or error
+        if failure is not None and settled:
+            raise failure
+        return settled
