@@ -179,7 +179,9 @@ class Settings(BaseSettings):
         None, description="Devices of the prefill pool, e.g. '0,1'; empty splits automatically."
     )
     decode_devices: DeviceList = Field(
-        None, description="Devices of the decode pool, e.g. '2,3'; empty splits automatically."
+        None,
+        description="Devices of the decode pool, e.g. '2,3'; empty splits automatically; "
+        "'none' with cluster.listen: this box only prefills, other boxes' agents decode.",
     )
     colocated_devices: DeviceList = Field(
         None,
@@ -253,8 +255,9 @@ class Settings(BaseSettings):
     @field_validator("prefill_devices", "decode_devices", "colocated_devices")
     @classmethod
     def _one_form(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        # Whatever the source, the partition gets sorted indices, each once; none is automatic.
-        return tuple(sorted(set(value or ()))) or None
+        # Whatever the source, the partition gets sorted indices, each once; None is
+        # automatic, () is 'none' (no device of this box: decode_devices with cluster.listen).
+        return None if value is None else tuple(sorted(set(value)))
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -338,6 +341,8 @@ def parse_devices(text: str | None) -> tuple[int, ...] | None:
     blank (automatic). Raises ValueError saying what is wrong with the text."""
     if text is None or not text.strip():
         return None
+    if text.strip().lower() == "none":  # a pool with no device on this box
+        return ()
     indices: set[int] = set()
     for part in text.split(","):
         indices.update(_parse_part(part.strip()))

@@ -62,7 +62,8 @@ class Supervisor:
         self.settings = settings
         topology = topology or discover_box(settings)
         devices = settings.prefill_devices, settings.decode_devices, settings.colocated_devices
-        self.partition: Partition = partition(topology, settings.mode, *devices)
+        boxes = bool(settings.cluster.listen)  # decode may come from other boxes only
+        self.partition: Partition = partition(topology, settings.mode, *devices, boxes=boxes)
         # Checked here, so a bad tensor-parallel degree fails before any process starts.
         self.layout = worker_layout(topology, self.partition, settings)
         self.tuning = initial_tuning(settings.batch)

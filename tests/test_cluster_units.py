@@ -10,9 +10,10 @@ import pytest
 from appliance.cluster.channel import SecretError, read_secret
 from appliance.cluster.interfaces import interface_of, with_interface
 from appliance.cluster_settings import ClusterSettings, host_port
-from appliance.config import SettingsError, load_settings
+from appliance.config import SettingsError, load_settings, parse_devices
 from appliance.router import Router
 from appliance.topology.devices import Device, Topology
+from appliance.topology.partition import partition
 
 
 def cpu(index: int, cores: tuple[int, ...]) -> Device:
@@ -76,3 +77,14 @@ def test_the_kv_transfer_listens_on_the_interface_the_boxes_talk_over() -> None:
     assert with_interface(ClusterSettings(), "127.0.0.1").interface == loopback
     assert with_interface(ClusterSettings(interface="eth1"), "127.0.0.1").interface == "eth1"
     assert with_interface(ClusterSettings(), "0.0.0.0").interface == ""  # UCX's choice
+
+
+def test_a_head_may_leave_decoding_to_other_boxes() -> None:
+    head = Topology.without_links([cpu(0, (0,)), cpu(1, (1,))])
+    assert parse_devices("none") == ()
+    only_prefill = partition(head, "disaggregated", None, (), boxes=True)
+    assert only_prefill.prefill == (0, 1) and only_prefill.decode == ()
+    one = Topology.without_links([cpu(0, (0,))])
+    assert partition(one, "disaggregated", (0,), (), boxes=True).prefill == (0,)
+    with pytest.raises(ValueError, match="at least 2 devices"):  # no boxes: it must decode
+        partition(one, "disaggregated", (0,), ())

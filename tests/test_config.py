@@ -333,7 +333,9 @@ def test_device_lists_are_read_from_env_toml_and_keywords(
     config = write_toml(tmp_path, 'prefill_devices = "2-3"\ndecode_devices = [1, 0, 1]\n')
     s = load_settings(config)
     assert s.prefill_devices == (2, 3) and s.decode_devices == (0, 1)
-    assert load_settings(decode_devices=()).decode_devices is None
+    # an empty list is no device of this box ('none'), not the automatic split (None)
+    assert load_settings(decode_devices=()).decode_devices == ()
+    assert load_settings(decode_devices="none").decode_devices == ()
 
 
 def test_a_bad_device_list_stops_the_start_naming_the_setting(

@@ -60,6 +60,7 @@ def partition(
     prefill: tuple[int, ...] | None = None,
     decode: tuple[int, ...] | None = None,
     colocated: tuple[int, ...] | None = None,
+    boxes: bool = False,
 ) -> Partition:
     """Split the topology's devices into prefill and decode pools (and, given
     `colocated`, colocated workers beside them).
@@ -69,6 +70,8 @@ def partition(
     when unset); one given alone takes its devices and leaves the rest to the other pool,
     none given splits automatically (see `prefill_count` and `_auto_prefill`). Every
     decode device is paired with the prefill device it pulls KV from (see `pair_decode`).
+    With `boxes` (other boxes may join: cluster.listen), decode given as none (()) leaves
+    every device (or those of `prefill`) to prefill: decode workers come from agents.
     """
     n = len(topology.devices)
     # The settings check a list's syntax; only here is it known how many devices there are.
@@ -83,6 +86,8 @@ def partition(
         return _colocated(n, prefill, decode)
     if mode != "disaggregated":
         raise ValueError(f"APPLIANCE_MODE={mode!r}: expected disaggregated or colocated")
+    if decode == () and boxes:
+        return Partition("disaggregated", prefill or tuple(range(n)), ())
     if n < 2:
         raise ValueError(
             f"disaggregated mode needs at least 2 devices (one prefill, one decode) but this "
