@@ -1,5 +1,6 @@
 """Two boxes on this machine: a head (`appliance serve`, prefill on its devices) and an
-agent (`appliance agent`, box "b", decode), joined over loopback with a shared secret.
+agent (`appliance agent`, box "b", decode), joined over loopback (the head listens on
+127.0.0.2, its own address) with a shared secret.
 Prompts prefill on the head; their KV crosses to box b through NIXL over TCP; greedy
 outputs equal the single engine's. Killing the agent mid-load loses no request (the head's
 own decode worker takes them over); the box rejoins and takes work again; a wrong secret
@@ -90,7 +91,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     folder = tmp_path_factory.mktemp("cluster")
     secret = folder / "secret"
     secret.write_text("a-shared-secret-of-the-test-boxes\n")
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.2:{free_port()}"  # the head box's own address
     head = ServerProcess(
         {
             "APPLIANCE_API_KEY": API_KEY,
