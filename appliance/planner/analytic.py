@@ -41,6 +41,7 @@ __all__ = [
     "gpu_spec",
     "kv_blocks",
     "model_shape",
+    "network_link",
     "tp_degrees",
     "worker_cost",
 ]
@@ -48,6 +49,15 @@ __all__ = [
 TP_DEGREES = (1, 2, 4, 8)
 BLOCK_SIZE = 16
 GIB = 1024**3
+# The share of a network link's line rate a KV handoff gets: RDMA reads of large,
+# registered buffers (NIXL over UCX on InfiniBand or RoCE) reach ~80-90% of line rate
+# after headers and per-message gaps; KV scattered over blocks sends many mid-sized
+# messages, hence the low end.
+NETWORK_EFFICIENCY = 0.8
+# A cross-box handoff's fixed part: the in-box handoff's 1 ms of control messages plus
+# the head's request to the agent box and the read's completion notice (a TCP round trip
+# and a NIXL notification each, ~0.1-0.3 ms on a datacenter network).
+NETWORK_LATENCY_US = 1500.0
 
 
 @dataclass(frozen=True)
@@ -182,20 +192,37 @@ def worker_cost(
     )
 
 
+def network_link(
+    gbps: float, latency_us: float = NETWORK_LATENCY_US, efficiency: float = NETWORK_EFFICIENCY
+) -> HandoffCost:
+    """The link between two boxes as a handoff cost: a NIC of `gbps` gigabits per second
+    (line rate) at `efficiency` of it (see NETWORK_EFFICIENCY), `latency_us` per handoff."""
+    if not (math.isfinite(gbps) and gbps > 0):
+        raise ValueError(f"a network link needs a finite positive speed in Gb/s, got {gbps}")
+    if not (math.isfinite(latency_us) and latency_us >= 0):
+        raise ValueError(f"a network link's latency must be >= 0 us, got {latency_us}")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"a network link's efficiency must be in (0, 1], got {efficiency}")
+    return HandoffCost(base_s=latency_us * 1e-6, per_byte_s=8 / (gbps * 1e9) / efficiency)
+
+
 def analytic_profile(
     gpu: GpuSpec | str,
     gpus: int,
     shape: ModelShape | str,
     eff: Efficiency | None = None,
     max_batch: int = 64,
+    link_gbps: float | None = None,
 ) -> Profile:
     """A profile of a box of `gpus` GPUs of kind `gpu` serving a model of `shape`, with a
-    worker unit for every TP degree that fits; ValueError when none does."""
+    worker unit for every TP degree that fits; ValueError when none does. `link_gbps`:
+    the network link to a second such box (`Profile.network`, see `network_link`)."""
     gpu = gpu_spec(gpu) if isinstance(gpu, str) else gpu
     shape = model_shape(shape) if isinstance(shape, str) else shape
     eff = eff or Efficiency()
     if gpus < 1:
         raise ValueError(f"a box needs at least one GPU, got {gpus}")
+    network = network_link(link_gbps) if link_gbps is not None else None
     workers = {}
     for tp in tp_degrees(gpus):
         cost = worker_cost(shape, gpu, eff, tp, max_batch)
@@ -220,8 +247,19 @@ def analytic_profile(
         workers=workers,
         handoff=_handoff(shape, gpu, eff),
         host=HostCost(per_step_s=eff.host_step_us * 1e-6, per_token_s=eff.host_token_us * 1e-6),
+        network=network,
         analytic=True,
-        assumptions=_assumptions(shape, gpu, eff, gpus, max_batch),
+        assumptions=_assumptions(shape, gpu, eff, gpus, max_batch) + _link_assumption(link_gbps),
+    )
+
+
+def _link_assumption(gbps: float | None) -> tuple[str, ...]:
+    if gbps is None:
+        return ()
+    return (
+        f"network link between two boxes: {gbps:g} Gb/s at {NETWORK_EFFICIENCY:g} of line "
+        f"rate, {NETWORK_LATENCY_US:g} us per handoff; one link: cross-box handoffs "
+        "queue on it",
     )
 
 

@@ -44,7 +44,11 @@ class Layout(BaseModel):
       that can decode (decode or colocated), and prefill workers need a decode worker to
       hand off to. A decode pool without prefill workers is allowed (it idles). E.g.
       `Layout(mode="mixed", prefill=Pool(workers=0), decode=Pool(workers=1),
-      colocated=Pool(workers=1))` is "1D+1C"."""
+      colocated=Pool(workers=1))` is "1D+1C".
+
+    `cross_box`: a disaggregated layout over two boxes, the prefill pool on one and the
+    decode pool on the other, so every handoff crosses the link between them
+    (`Profile.network`); `devices` counts both boxes'."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -53,6 +57,7 @@ class Layout(BaseModel):
     prefill: Pool  # the colocated workers when mode is colocated
     decode: Pool | None = None
     colocated: Pool | None = None  # mixed mode only
+    cross_box: bool = False  # disaggregated only: prefill on one box, decode on another
 
     @model_validator(mode="after")
     def _pools_match_mode(self) -> Layout:
@@ -62,6 +67,8 @@ class Layout(BaseModel):
         return self
 
     def _problem(self) -> str | None:
+        if self.cross_box and self.mode != "disaggregated":
+            return "a cross-box layout is disaggregated: prefill on one box, decode on the other"
         if self.mode == "mixed":
             return self._mixed_problem()
         if (self.decode is None) != (self.mode == "colocated"):
@@ -85,10 +92,13 @@ class Layout(BaseModel):
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """As before mixed layouts: no `colocated` key unless there is a colocated pool."""
+        """As before mixed and cross-box layouts: no `colocated` key unless there is a
+        colocated pool, no `cross_box` key unless it is set."""
         data: dict[str, Any] = handler(self)
         if self.colocated is None:
             data.pop("colocated", None)
+        if not self.cross_box:
+            data.pop("cross_box", None)
         return data
 
     def pools(self) -> tuple[Pool, ...]:
@@ -115,10 +125,14 @@ class Layout(BaseModel):
     @property
     def label(self) -> str:
         """Short and unique: 'colocated x2', '1P+1D', '2P(tp2)+4D', with '/2c' when each
-        device has 2 cores (or GPUs); mixed: '1P+1D+1C', '1D+1C' (empty pools left out)."""
+        device has 2 cores (or GPUs); mixed: '1P+1D+1C', '1D+1C' (empty pools left out);
+        cross-box: '[8P]+[4D(tp2)]', each box in brackets."""
         size = f"/{self.device_size}c" if self.device_size > 1 else ""
         if self.decode is None:
             return f"colocated x{self.prefill.workers}{_tp(self.prefill)}{size}"
+        if self.cross_box:
+            prefill, decode = self.prefill, self.decode
+            return f"[{prefill.workers}P{_tp(prefill)}]+[{decode.workers}D{_tp(decode)}]{size}"
         parts = zip(self.pools(), "PDC", strict=False)
         named = [f"{pool.workers}{letter}{_tp(pool)}" for pool, letter in parts if pool.workers]
         return "+".join(named) + size
@@ -170,10 +184,13 @@ def layout_of_roles(roles: Sequence[str | None], device_size: int = 1) -> Layout
     prefill, decode, colocated = (sum(1 for r in roles if r == role) for role in ROLES)
     if not prefill and not decode:
         return Layout(mode="colocated", device_size=device_size, prefill=Pool(workers=colocated))
-    split = {"prefill": Pool(workers=prefill), "decode": Pool(workers=decode)}
-    if not colocated:
-        return Layout(mode="disaggregated", device_size=device_size, **split)
-    return Layout(mode="mixed", device_size=device_size, colocated=Pool(workers=colocated), **split)
+    return Layout(
+        mode="mixed" if colocated else "disaggregated",
+        device_size=device_size,
+        prefill=Pool(workers=prefill),
+        decode=Pool(workers=decode),
+        colocated=Pool(workers=colocated) if colocated else None,
+    )
 
 
 def roles_problem(roles: Sequence[str | None]) -> str | None:

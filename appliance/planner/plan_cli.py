@@ -1,5 +1,6 @@
 """The `appliance plan` command: rank this box's layouts (or an analytic box's) for a
-workload, a rate and an SLO (planner/plan.py)."""
+workload, a rate and an SLO (planner/plan.py); with `--boxes 2`, compare two independent
+boxes with a cross-box split over a few rates and workloads (planner/two_boxes.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 
 from appliance.bench.metrics import SLO
 from appliance.config import Settings, load_settings
-from appliance.planner import plan_report
-from appliance.planner.analytic import GPUS, MODEL_SHAPES, analytic_profile
+from appliance.planner import plan_report, two_boxes
+from appliance.planner.analytic import GPUS, MODEL_SHAPES, analytic_profile, network_link
 from appliance.planner.plan import Plan, PlanSpec, make_plan
 from appliance.planner.profile import (
     Profile,
@@ -40,7 +41,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="rank the box's pool layouts by predicted goodput (simulated on a profile)",
     )
     cmd.add_argument("--workload", default="chat", choices=WORKLOADS)
-    cmd.add_argument("--rate", type=float, required=True, help="request rate, Poisson, req/s")
+    cmd.add_argument("--rate", type=float, help="request rate, Poisson, req/s")
     cmd.add_argument(
         "--goodput",
         nargs="+",
@@ -64,6 +65,29 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     cmd.add_argument("--out", type=Path, help="write plan.json, plan.md, goodput_vs_rate.png")
     cmd.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_two_box_options(cmd)
+
+
+def _add_two_box_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--boxes",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: compare two independent boxes with a cross-box split (needs --link-gbps)",
+    )
+    cmd.add_argument(
+        "--link-gbps", type=float, help="the network link between boxes, Gb/s (e.g. 400)"
+    )
+    cmd.add_argument(
+        "--rates", type=float, nargs="+", help="with --boxes 2: the rates (default: --rate)"
+    )
+    cmd.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=WORKLOADS,
+        help="with --boxes 2: the workloads (default: --workload)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,16 +103,45 @@ def _run(args: argparse.Namespace) -> int:
     slo = SLO.parse(args.goodput)
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be at least 1, got {args.num_requests}")
+    if args.boxes == 2:
+        return _run_two_boxes(args, slo)
+    if args.rate is None:
+        raise ValueError("the plan needs --rate (request rate, req/s)")
     spec = PlanSpec(rate=args.rate, slo=slo, full_only=not args.all_layouts)
     settings = load_settings(getattr(args, "config", None))
     profile = _profile(args, settings)
     policy = Policy.from_settings(settings)
-    requests = _requests(args, profile, settings)
+    requests = _requests(args, profile, settings, args.workload, args.rate)
     plan = make_plan(profile, requests, spec, args.workload, policy)
     _print(plan, args.json)
     if args.out:
         paths = plan_report.write(plan, args.out)
         print(f"plan written to {', '.join(map(str, paths))}", file=sys.stderr)
+    return 0
+
+
+def _run_two_boxes(args: argparse.Namespace, slo: SLO) -> int:
+    """The comparison table of two boxes: each workload at each rate."""
+    if args.link_gbps is None:
+        raise ValueError(
+            "--boxes 2 needs the network link between the boxes: --link-gbps (e.g. 400)"
+        )
+    if args.out or args.json:
+        raise ValueError("--boxes 2 prints a markdown table: --out and --json are for one box")
+    rates = args.rates or ([args.rate] if args.rate is not None else [])
+    if not rates or any(not (math.isfinite(r) and r > 0) for r in rates):
+        raise ValueError(f"--boxes 2 needs finite positive --rate or --rates, got {rates}")
+    settings = load_settings(getattr(args, "config", None))
+    profile = _profile(args, settings)
+    policy = Policy.from_settings(settings)
+    rows = []
+    for workload in args.workloads or [args.workload]:
+        requests = _requests(args, profile, settings, workload, rates[0])
+        for both in two_boxes.compare_at_rates(profile, requests, rates[0], rates, slo, policy):
+            rows.append((workload, both))
+    print(two_boxes.heading(profile, args.num_requests, slo))
+    print()
+    print(two_boxes.table(rows))
     return 0
 
 
@@ -99,8 +152,19 @@ def _profile(args: argparse.Namespace, settings: Settings) -> Profile:
                 f"--analytic needs --model-shape, one of {', '.join(sorted(MODEL_SHAPES))}"
             )
         return analytic_profile(
-            args.analytic, args.gpus, args.model_shape, max_batch=settings.batch.max_num_seqs
+            args.analytic,
+            args.gpus,
+            args.model_shape,
+            max_batch=settings.batch.max_num_seqs,
+            link_gbps=args.link_gbps,
         )
+    profile = _measured_profile(args, settings)
+    if args.link_gbps is not None:  # a measured box's link is stated, not measured
+        return profile.model_copy(update={"network": network_link(args.link_gbps)})
+    return profile
+
+
+def _measured_profile(args: argparse.Namespace, settings: Settings) -> Profile:
     if args.profile:
         return load_profile(args.profile)
     from appliance.model.loader import default_model_path  # torch: only when needed
@@ -116,18 +180,20 @@ def _profile(args: argparse.Namespace, settings: Settings) -> Profile:
     return profile
 
 
-def _requests(args: argparse.Namespace, profile: Profile, settings: Settings) -> list[SimRequest]:
-    if args.workload == "sharegpt-like":
-        return sharegpt_like(args.seed, args.num_requests, args.rate, profile.max_model_len)
+def _requests(
+    args: argparse.Namespace, profile: Profile, settings: Settings, workload: str, rate: float
+) -> list[SimRequest]:
+    if workload == "sharegpt-like":
+        return sharegpt_like(args.seed, args.num_requests, rate, profile.max_model_len)
     from appliance.model.loader import prepare_tokenizer  # torch: only when needed
 
     tokenizer = prepare_tokenizer(None, settings.cache_dir)[1]
     return requests_from_workload(
-        args.workload,
+        workload,
         tokenizer,
         args.seed,
         args.num_requests,
-        rate=args.rate,
+        rate=rate,
         input_len=args.input_len,
         output_len=args.output_len,
     )

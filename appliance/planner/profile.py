@@ -69,12 +69,14 @@ class WorkerCost(_Frozen):
 
 
 class HandoffCost(_Frozen):
-    """Moving one request's KV from a prefill worker to a decode worker."""
+    """Moving one request's KV from a prefill worker to a decode worker (within a box, or
+    as `Profile.network`, over the link between two boxes)."""
 
     base_s: float = Field(ge=0)
     per_byte_s: float = Field(ge=0)
 
     def seconds(self, num_bytes: int) -> float:
+        """A handoff of `num_bytes` bytes alone: the fixed latency plus the bytes' time."""
         return self.base_s + self.per_byte_s * num_bytes
 
 
@@ -119,6 +121,10 @@ class Profile(_Frozen):
     workers: dict[str, WorkerCost]  # by worker_unit(device_size, tp)
     handoff: HandoffCost
     host: HostCost
+    # The link between two such boxes (KV crossing it through NIXL): what a handoff costs
+    # when its prefill and decode workers are on different boxes. None: one box only (a
+    # profile of an older appliance has none and still loads).
+    network: HandoffCost | None = None
     analytic: bool = False  # derived from a datasheet, not measured
     assumptions: tuple[str, ...] = ()  # what an analytic profile (or a measurement) assumed
     samples: tuple[dict[str, float | int | str], ...] = ()  # raw measurements, for the record

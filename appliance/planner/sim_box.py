@@ -3,6 +3,7 @@ supervisor's routing of prompts and handoffs."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from appliance.kv.block_allocator import blocks_for_tokens
@@ -16,13 +17,20 @@ class Contention:
     1/contention of its speed whenever another worker of the box is mid-step, at full
     speed otherwise, so a step that overlaps others for part of its time is slowed for
     that part only. `schedule(at, worker, version)` is told (again) when a step will end;
-    only the latest version of a worker's end counts."""
+    only the latest version of a worker's end counts. `boxes`: each worker's box (default
+    all on one); only workers of the same box slow each other."""
 
     def __init__(
-        self, factors: Sequence[float], schedule: Callable[[float, int, int], None]
+        self,
+        factors: Sequence[float],
+        schedule: Callable[[float, int, int], None],
+        boxes: Sequence[int] | None = None,
     ) -> None:
         self.factors = list(factors)
         self.schedule = schedule
+        self.boxes = list(boxes) if boxes is not None else [0] * len(self.factors)
+        if len(self.boxes) != len(self.factors):
+            raise ValueError(f"{len(self.boxes)} boxes given for {len(self.factors)} workers")
         self.active = any(f > 1.0 for f in self.factors)  # else no bookkeeping at all
         self.busy: dict[int, list[float]] = {}  # worker -> [work left (s), since, rate]
         self.versions = [0] * len(self.factors)
@@ -53,8 +61,9 @@ class Contention:
             state[1] = now
 
     def _rerate(self, now: float) -> None:
-        shared = len(self.busy) > 1
+        busy_per_box = Counter(self.boxes[worker] for worker in self.busy)
         for worker, state in self.busy.items():
+            shared = busy_per_box[self.boxes[worker]] > 1
             rate = 1.0 / self.factors[worker] if shared else 1.0
             if rate != state[2]:
                 state[2] = rate

@@ -1,6 +1,10 @@
 """The simulator's event loop: arrivals, model steps ending (contention moves them),
 handoffs landing; the supervisor's part (routing, handing off, waiting for room) between
-them. Events at the same time run in the order they were scheduled: deterministic."""
+them. Events at the same time run in the order they were scheduled: deterministic.
+
+A cross-box layout's handoffs cross the one link between its boxes (`Profile.network`)
+one after another: each holds the link for its bytes' time, in the order sent (FIFO),
+and lands the link's base latency after its last byte; in-box handoffs do not queue."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from appliance.bench.metrics import RequestResult
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.planner.layout import Layout
-from appliance.planner.profile import Profile
+from appliance.planner.profile import HandoffCost, Profile
 from appliance.planner.sim_box import Contention, PromptRouter, pick_decode
 from appliance.planner.sim_pool import KVPool, SimSeq
 from appliance.planner.sim_worker import Limits, Step, StepRecord, Worker
@@ -40,6 +44,8 @@ class Simulation:
         self.policy = policy
         self.concurrency = concurrency
         self.trace = trace
+        self.network = _network(profile, layout)  # None: handoffs stay in the box
+        self.link_free = 0.0  # when the link between the boxes has sent what it was given
         self.workers = self._workers(layout)
         self.entry = [w for w in self.workers if w.role != "decode"]  # prompts go here
         self.decoders = [w for w in self.workers if w.role == "decode"]
@@ -49,6 +55,9 @@ class Simulation:
         self.contention = Contention(
             [w.cost.contention for w in self.workers],
             lambda at, worker, version: self._push(at, MODEL_DONE, worker, version),
+            # a cross-box layout's decode workers are on the second box: they do not
+            # share the prefill box's memory bandwidth
+            [int(layout.cross_box and w.role == "decode") for w in self.workers],
         )
         self.router = PromptRouter(
             self.entry,
@@ -272,9 +281,16 @@ class Simulation:
         pool.register_prefix(copy)
         decode.in_flight += 1
         moved = (seq.prompt - cached * size) * self.profile.kv_bytes_per_token
-        self._push(
-            now + self.profile.handoff.seconds(moved), LAND, decode.index, (source, seq, copy)
-        )
+        self._push(self._landing(moved, now), LAND, decode.index, (source, seq, copy))
+
+    def _landing(self, moved: int, now: float) -> float:
+        """When a handoff of `moved` bytes sent now lands. Across boxes the link sends
+        one handoff's bytes at a time, in the order sent; its base latency (setup and
+        notification) does not hold the link."""
+        if self.network is None:
+            return now + self.profile.handoff.seconds(moved)
+        self.link_free = max(now, self.link_free) + self.network.per_byte_s * moved
+        return self.link_free + self.network.base_s
 
     def _land(self, decode: Worker, handoff: tuple[Worker, SimSeq, SimSeq], now: float) -> None:
         source, parked, copy = handoff
@@ -296,3 +312,15 @@ class Simulation:
     @staticmethod
     def _has_slot(worker: Worker) -> bool:
         return worker.running + len(worker.landed) + worker.in_flight < worker.limits.max_num_seqs
+
+
+def _network(profile: Profile, layout: Layout) -> HandoffCost | None:
+    """The link a cross-box layout's handoffs cross; None for a one-box layout."""
+    if not layout.cross_box:
+        return None
+    if profile.network is None:
+        raise ValueError(
+            f"layout {layout.label} spans two boxes but the profile has no network link "
+            "between boxes (Profile.network; an analytic plan takes --link-gbps)"
+        )
+    return profile.network

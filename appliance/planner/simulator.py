@@ -20,7 +20,11 @@ colocated ones decode what they prefilled, the prefill ones hand off. Timing:
   and first token, a sequence slot) or waits, oldest first, until one has room; the
   decode worker takes the blocks at once and runs the request from its first step after
   `handoff.seconds(bytes)`, bytes being the prompt's K/V less the blocks its own prefix
-  cache holds; the prefill worker's blocks are held until then.
+  cache holds; the prefill worker's blocks are held until then;
+- in a cross-box layout (`Layout.cross_box`) every handoff crosses the link between the
+  boxes: `profile.network` instead of `profile.handoff`, queued behind the handoffs sent
+  before it (one link, first in first out; sim_run.py), and the two boxes' workers do
+  not slow each other (contention is per box).
 Approximations: the supervisor knows every worker's free blocks at once (no report
 lag); a handoff's copy does not delay the decode worker's steps (on the CPU it runs in
 that worker's loop, between steps); the router's memory of prefixes counts blocks
@@ -141,7 +145,8 @@ def simulate(
 
     concurrency: a closed loop of that many users instead of the arrival times (each
     sends its next request when its last one ends; `start` says when). trace: if given,
-    every step is appended to it."""
+    every step is appended to it. ValueError for a cross-box layout on a profile
+    without a network link."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     if layout.colocated_workers and policy.max_num_seqs > policy.prefill_token_budget:
