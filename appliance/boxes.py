@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 from appliance.cluster.head import ClusterHead
 from appliance.cluster.interfaces import with_interface
 from appliance.cluster.messages import AgentHello
+from appliance.cluster_settings import ClusterSettings
 from appliance.config import Settings
 from appliance.events import EventKind
 from appliance.process_manager import ProcessManager
@@ -34,15 +35,14 @@ class Boxes:
         self._note = note
         self.head: ClusterHead | None = None
         self._tasks: set[asyncio.Task] = set()
+        if settings.cluster.listen:  # before any worker starts: they take it with them
+            settings.cluster.interface = transfer_interface(settings.cluster)
 
     def start(self) -> None:
-        """Listen for agents, if the settings say where (on the running loop)."""
+        """Listen for agents, if the settings say where (on the running loop; once the
+        head's own workers are ready, so a box's worker cannot fail the head's start)."""
         if not self.settings.cluster.listen:
             return
-        # The head's workers send KV to other boxes over the interface agents dial in on.
-        host = self.settings.cluster.listen.rpartition(":")[0].strip("[]")
-        cluster = with_interface(self.settings.cluster, host)
-        self.settings.cluster.interface = cluster.interface
         loop = asyncio.get_running_loop()
         self.head = ClusterHead(
             self.settings.cluster, loop.call_soon_threadsafe, self.joined, self.lost, self._attach
@@ -82,6 +82,23 @@ class Boxes:
         except RuntimeError as error:
             self._note("worker", f"a worker for device {index} did not start: {error}")
 
+    def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
     def _attach(self, worker_id: int, connection: Connection) -> None:
         """A remote worker dialled in: its outbox is that connection."""
         self.processes.attach(worker_id, connection)
+
+
+def transfer_interface(cluster: ClusterSettings) -> str:
+    """The interface the head's KV transfer uses: the settings', else the one agents dial
+    in on; ValueError when neither is known (UCX would listen on every interface)."""
+    host = cluster.listen.rpartition(":")[0].strip("[]")
+    interface = with_interface(cluster, host).interface
+    if not interface:
+        raise ValueError(
+            f"cluster.listen={cluster.listen!r} is on no interface of this machine (a "
+            "wildcard or a host name): set cluster.interface to the one the boxes share"
+        )
+    return interface

@@ -112,16 +112,17 @@ class Supervisor:
     async def start(self, timeout: float = 300.0) -> None:
         """Spawn every worker and wait until each has loaded its model and is wired."""
         self.processes.start(self.layout, self)
-        self.boxes.start()
         assert self.processes.all_ready is not None  # start() made it
         try:
             await asyncio.wait_for(self.processes.all_ready, timeout)
         except TimeoutError:
             await self.stop()
             raise RuntimeError(f"workers not ready within {timeout:.0f} s") from None
+        self.boxes.start()
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop every worker; requests still in flight end with an error."""
+        self.boxes.stop()
         await self.processes.stop(timeout)
         self.flow.fail_all("the appliance is shutting down")
 
