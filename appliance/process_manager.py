@@ -77,6 +77,7 @@ class ProcessManager:
         self._tasks: set[asyncio.Task] = set()  # restarts in progress
         self.all_ready: asyncio.Future | None = None  # the first workers, all ready
         self.cluster: ClusterHead | None = None  # other boxes' agents, when they may join
+        self._remote_readers: list[OutboxReader] = []  # one per worker on another box
 
     @property
     def hooks(self) -> ProcessHooks:
@@ -142,8 +143,12 @@ class ProcessManager:
         return inbox, process
 
     def attach(self, worker_id: int, connection: Connection) -> None:
-        """A worker on another box dialled in: read its reports from that connection."""
-        self._reader.add(worker_id, connection)
+        """A worker on another box dialled in: read its reports from that connection, on
+        a thread of its own."""
+        reader = self._reader.sibling()
+        reader.add(worker_id, connection)
+        reader.start()
+        self._remote_readers.append(reader)
 
     def send(self, worker_id: int | None, message: ToWorker) -> None:
         """Put a message in a worker's inbox; a worker that is gone is skipped."""
@@ -300,6 +305,7 @@ class ProcessManager:
             await asyncio.to_thread(worker.process.join, max(0.0, deadline - time.monotonic()))
             if worker.process.is_alive():
                 worker.process.kill()
-        await asyncio.to_thread(self._reader.stop)
+        for reader in [self._reader, *self._remote_readers]:
+            await asyncio.to_thread(reader.stop)
         if self.cluster is not None:
             self.cluster.stop()

@@ -217,3 +217,17 @@ def test_box_b_rejoins_and_takes_work(cluster: Cluster, expected: dict[str, str]
     assert cluster.complete(PROMPTS[0]) == expected[PROMPTS[0]]
     [remote] = cluster.on_box("b")
     assert remote["tokens_out"] > 0
+
+
+def test_a_box_that_joins_again_replaces_its_stale_link(cluster: Cluster) -> None:
+    first = cluster.agents[-1]
+    [before] = cluster.on_box("b")
+    cluster.agent("b")  # as if its agent restarted before the head saw the old link end
+    assert first.wait(60) == 0  # the head ended the old link: that agent stops
+    wait_until(
+        lambda: any(
+            w["ready"] and w["worker_id"] != before["worker_id"] for w in cluster.on_box("b")
+        ),
+        120,
+        "box b's new worker",
+    )

@@ -4,7 +4,10 @@ is unpickled, bound to the one address the settings name."""
 
 from __future__ import annotations
 
+import os
 import queue
+import socket
+import struct
 import time
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
@@ -12,6 +15,9 @@ from pathlib import Path
 from appliance.cluster_settings import host_port
 
 CONNECT_RETRY_S = 0.5
+# A peer that vanishes without closing its connection (power lost, cable cut) is seen
+# within KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S (about 11 s).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 5, 2, 3
 
 
 class SecretError(ValueError):
@@ -45,7 +51,10 @@ def connect(address: str, secret: bytes, timeout: float) -> Connection:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return Client(host_port(address), authkey=secret)
+            connection = Client(host_port(address), authkey=secret)
+            with socket_of(connection) as sock:
+                keep_alive(sock)
+            return connection
         except (ConnectionRefusedError, FileNotFoundError):
             if time.monotonic() > deadline:
                 raise ConnectionError(f"nothing answers at {address}") from None
@@ -73,3 +82,25 @@ class ConnectionInbox:
             return self._connection.recv()
         except (EOFError, OSError):
             return self._shutdown
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive probes on `sock`: a peer gone silently fails its reads."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
+
+
+def set_read_timeout(sock: socket.socket, seconds: float) -> None:
+    """SO_RCVTIMEO: a blocking read past it fails (0: never). A socket timeout would
+    make the descriptor non-blocking, which Connection does not expect."""
+    whole = int(seconds)
+    value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+
+
+def socket_of(connection: Connection) -> socket.socket:
+    """A socket object on a copy of the connection's descriptor (the same socket; close
+    the object, the connection keeps its own)."""
+    return socket.socket(fileno=os.dup(connection.fileno()))

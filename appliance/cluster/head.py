@@ -11,15 +11,17 @@ what it reports. What the supervisor must act on is handed to its loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
-from appliance.cluster.channel import read_secret
+from appliance.cluster.channel import keep_alive, read_secret, set_read_timeout, socket_of
 from appliance.cluster.messages import (
     AgentHello,
     KillWorker,
@@ -31,10 +33,11 @@ from appliance.cluster.messages import (
 from appliance.cluster_settings import ClusterSettings, host_port
 from appliance.config import Settings
 from appliance.topology.devices import Device
-from appliance.workers.messages import ToWorker
 
 log = logging.getLogger("appliance.cluster")
 HELLO_TIMEOUT_S = 10.0  # a caller must prove the secret and say hello within this
+MAX_GREETINGS = 64  # callers proving the secret at once; more are turned away
+ACCEPT_RETRY_S = 0.5
 LOST = -1  # the exit code a remote worker gets when its box is lost
 
 
@@ -63,30 +66,39 @@ class RemoteProcess:
         self._exited.set()
 
 
-class RemoteInbox:
-    """A remote worker's inbox: messages wait here until the worker has connected."""
+class Sender:
+    """Messages to one remote end, sent by a thread of their own: a box that stops reading
+    (hung, cut off) fills its socket's buffer, and a send on the supervisor's loop would
+    then block the whole head (as mp.Queue's feeder thread spares local inboxes). Until
+    `attach`, messages wait; after the connection fails, they are dropped (the end's loss
+    is seen by its reader)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiting: list[ToWorker] = []
-        self._connection: Connection | None = None
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
-    def put(self, message: ToWorker) -> None:
-        with self._lock:
-            if self._connection is None:
-                self._waiting.append(message)
-                return
-            try:
-                self._connection.send(message)
-            except OSError:  # it is gone: its exit is handled when its agent says so
-                pass
+    def put(self, message: object) -> None:
+        self._queue.put(message)
 
     def attach(self, connection: Connection) -> None:
-        with self._lock:
-            self._connection = connection
-            for message in self._waiting:
+        self._thread = threading.Thread(target=self._send, args=(connection,), daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._queue.put(_CLOSE)
+
+    def _send(self, connection: Connection) -> None:
+        while (message := self._queue.get()) is not _CLOSE:
+            try:
                 connection.send(message)
-            self._waiting.clear()
+            except (OSError, ValueError):  # gone, or closed by the reader meanwhile
+                return
+
+
+_CLOSE = object()  # tells a Sender's thread to end
+
+
+RemoteInbox = Sender  # a remote worker's inbox: messages wait until it has connected
 
 
 @dataclass
@@ -100,16 +112,21 @@ class AgentLink:
     processes: dict[int, RemoteProcess] = field(default_factory=dict)
     inboxes: dict[int, RemoteInbox] = field(default_factory=dict)
     lost: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    sender: Sender = field(default_factory=Sender)
+
+    def __post_init__(self) -> None:
+        self.sender.attach(self.connection)
 
     def send(self, message: ToAgent) -> None:
-        with self._lock:
-            if self.lost:
-                return
-            try:
-                self.connection.send(message)
-            except OSError:
-                pass  # the reader thread sees the link end and reports the box lost
+        if not self.lost:
+            self.sender.put(message)
+
+    def drop(self) -> None:
+        """Mark the link lost and end it (its reader then reports the box lost)."""
+        self.lost = True
+        self.sender.close()
+        with contextlib.suppress(OSError), socket_of(self.connection) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 class ClusterHead:
@@ -133,6 +150,7 @@ class ClusterHead:
         self._lock = threading.Lock()
         self._server = socket.create_server(self.address, reuse_port=False)
         self._stopping = threading.Event()
+        self._greeting = threading.BoundedSemaphore(MAX_GREETINGS)
         self._thread = threading.Thread(target=self._accept, daemon=True, name="cluster")
 
     def start(self) -> None:
@@ -141,12 +159,13 @@ class ClusterHead:
 
     def stop(self) -> None:
         self._stopping.set()
+        with contextlib.suppress(OSError):  # wakes the accepting thread
+            self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
         with self._lock:
             agents = list(self.agents.values())
         for agent in agents:
-            agent.lost = True
-            agent.connection.close()
+            agent.drop()
 
     def has_box(self, box: str) -> bool:
         with self._lock:
@@ -177,12 +196,22 @@ class ClusterHead:
         while not self._stopping.is_set():
             try:
                 sock, _ = self._server.accept()
-            except OSError:
-                return  # closed by stop()
+            except OSError as error:
+                if self._stopping.is_set():
+                    return  # closed by stop()
+                log.warning("accepting on the cluster port failed: %s", error)
+                time.sleep(ACCEPT_RETRY_S)  # out of descriptors, an aborted caller: go on
+                continue
+            if not self._greeting.acquire(blocking=False):
+                sock.close()  # too many callers still proving the secret
+                continue
             threading.Thread(target=self._greet, args=(sock,), daemon=True).start()
 
     def _greet(self, sock: socket.socket) -> None:
-        """The secret's challenge both ways, then the caller's hello."""
+        """The secret's challenge both ways, then the caller's hello, all within
+        HELLO_TIMEOUT_S (a read past it fails)."""
+        keep_alive(sock)
+        set_read_timeout(sock, HELLO_TIMEOUT_S)
         connection = Connection(sock.detach())
         try:
             deliver_challenge(connection, self.secret)
@@ -190,10 +219,14 @@ class ClusterHead:
             if not connection.poll(HELLO_TIMEOUT_S):
                 raise TimeoutError("no hello")
             hello = connection.recv()
-        except (AuthenticationError, EOFError, OSError, TimeoutError) as error:
+            with socket_of(connection) as open_socket:  # from now on it may idle
+                set_read_timeout(open_socket, 0)
+        except Exception as error:  # a wrong secret, a silent or garbled caller
             log.warning("refused a connection to the cluster port: %s", error or "no secret")
             connection.close()
             return
+        finally:
+            self._greeting.release()
         match hello:
             case AgentHello():
                 self._agent_joined(hello, connection)
@@ -206,11 +239,12 @@ class ClusterHead:
         agent = AgentLink(hello.box, hello.devices, hello.pool, connection)
         with self._lock:
             old = self.agents.get(hello.box)
-            if old is not None and not old.lost:
-                log.warning("box %r joined twice: refusing the second", hello.box)
-                connection.close()
-                return
             self.agents[hello.box] = agent
+        if old is not None and not old.lost:
+            # Its agent came back (a reboot, a cut the head had not seen yet): the old
+            # link is stale, and ending it loses that box's workers as any loss does.
+            log.warning("box %r joined again: dropping its old link", hello.box)
+            old.drop()
         threading.Thread(target=self._read_agent, args=(agent,), daemon=True).start()
         self._call(self._joined, hello)
 
@@ -230,15 +264,17 @@ class ClusterHead:
         while True:
             try:
                 message = agent.connection.recv()
-            except (EOFError, OSError):
+            except Exception:  # ended, timed out (keepalive), or a message we cannot read
                 break
             if isinstance(message, WorkerExited):
-                process = agent.processes.get(message.worker_id)
+                with self._lock:
+                    process = agent.processes.get(message.worker_id)
                 if process is not None:
                     process.exited(message.exitcode)
-        with agent._lock:
-            agent.lost = True
-        for process in agent.processes.values():
+        agent.drop()
+        with self._lock:
+            processes = list(agent.processes.values())
+        for process in processes:
             if process.is_alive():
                 process.exited(LOST)
         if not self._stopping.is_set():

@@ -37,6 +37,11 @@ class OutboxReader:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def sibling(self) -> OutboxReader:
+        """Another reader delivering to the same place (a remote worker's own: a message
+        cut mid-way by the network must not hold up every other worker's)."""
+        return OutboxReader(self._deliver)
+
     def add(self, worker_id: int, connection: Connection) -> None:
         with self._lock:
             self._pipes[worker_id] = connection
