@@ -34,7 +34,6 @@ class Boxes:
         self.processes = processes
         self._note = note
         self.head: ClusterHead | None = None
-        self._tasks: set[asyncio.Task] = set()
         if settings.cluster.listen:  # before any worker starts: they take it with them
             settings.cluster.interface = transfer_interface(settings.cluster)
 
@@ -72,19 +71,13 @@ class Boxes:
 
     def _start(self, role: str, index: int) -> None:
         timeout = self.settings.recovery.start_timeout_s
-        task = asyncio.create_task(self._add(role, index, timeout))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.processes.track(asyncio.create_task(self._add(role, index, timeout)))
 
     async def _add(self, role: str, index: int, timeout: float) -> None:
         try:
             await self.processes.add_worker(role, (index,), timeout)
         except RuntimeError as error:
             self._note("worker", f"a worker for device {index} did not start: {error}")
-
-    def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
 
     def _attach(self, worker_id: int, connection: Connection) -> None:
         """A remote worker dialled in: its outbox is that connection."""

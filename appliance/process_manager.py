@@ -74,7 +74,7 @@ class ProcessManager:
         self._hooks: ProcessHooks | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()  # restarts in progress
+        self._tasks: set[asyncio.Task] = set()  # restarts and joins in progress
         self.all_ready: asyncio.Future | None = None  # the first workers, all ready
         self.cluster: ClusterHead | None = None  # other boxes' agents, when they may join
         self._remote_readers: list[OutboxReader] = []  # one per worker on another box
@@ -230,7 +230,10 @@ class ProcessManager:
             self.hooks.on_gone(worker.role)
             return
         self._restarting[device] = worker.role
-        task = asyncio.create_task(self._restart(worker, delay, failed_starts))
+        self.track(asyncio.create_task(self._restart(worker, delay, failed_starts)))
+
+    def track(self, task: asyncio.Task) -> None:
+        """A task starting workers (a restart, a box's join): stop() cancels it."""
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

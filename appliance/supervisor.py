@@ -122,7 +122,6 @@ class Supervisor:
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop every worker; requests still in flight end with an error."""
-        self.boxes.stop()
         await self.processes.stop(timeout)
         self.flow.fail_all("the appliance is shutting down")
 
