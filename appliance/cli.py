@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument("--head", help="the head's host:port (cluster.listen there)")
     agent.add_argument("--box", help="this box's name (default: the host name)")
+    agent.add_argument("--address", help="this box's address to connect from")
     agent.add_argument("--pool", choices=["prefill", "decode", "colocated"])
     agent.add_argument("--secret-file", type=Path, help="the shared secret every box holds")
     agent.add_argument("--cpu-devices", type=int, help="CPU devices (core sets) it offers")
@@ -93,7 +94,7 @@ def agent(args: argparse.Namespace) -> int:
 
     from appliance.cluster.agent import run_agent
 
-    given = {"head": args.head, "box": args.box, "pool": args.pool}
+    given = {"head": args.head, "box": args.box, "pool": args.pool, "address": args.address}
     cluster = {k: v for k, v in given.items() if v is not None}
     if args.secret_file is not None:
         cluster["secret_file"] = args.secret_file

@@ -30,6 +30,11 @@ class ClusterSettings(BaseModel):
         "| base64 > secret` and copy it to each box.",
     )
     box: str = Field("", description="On an agent: this box's name (default: the host name).")
+    address: str = Field(
+        "",
+        description="On an agent: the local address it and its workers connect to the head "
+        "from (this box's own); empty: the system's choice.",
+    )
     pool: Literal["prefill", "decode", "colocated"] = Field(
         "decode", description="On an agent: the role its devices' workers take."
     )

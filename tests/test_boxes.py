@@ -1,6 +1,6 @@
 """Two boxes on this machine: a head (`appliance serve`, prefill on its devices) and an
-agent (`appliance agent`, box "b", decode), joined over loopback (the head listens on
-127.0.0.2, its own address) with a shared secret.
+agent (`appliance agent`, box "b", decode), joined over loopback with a shared secret,
+each box at its own address (the head listens on 127.0.0.2, box b connects from 127.0.0.3).
 Prompts prefill on the head; their KV crosses to box b through NIXL over TCP; greedy
 outputs equal the single engine's. Killing the agent mid-load loses no request (the head's
 own decode worker takes them over); the box rejoins and takes work again; a wrong secret
@@ -34,6 +34,7 @@ PROMPTS = [
     "The mountain village had one bridge, which",
 ]
 MAX_TOKENS = 24
+BOX_ADDRESS = "127.0.0.3"  # box b's own address (the head's is 127.0.0.2)
 
 
 class Cluster:
@@ -46,6 +47,7 @@ class Cluster:
     def agent(self, box: str, secret: Path | None = None) -> subprocess.Popen:
         command = [sys.executable, "-m", "appliance.cli", "agent", "--head", self.address]
         command += ["--box", box, "--pool", "decode", "--cpu-devices", "1"]
+        command += ["--address", BOX_ADDRESS]
         command += ["--secret-file", str(secret or self.secret)]
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.agents.append(process)
@@ -160,6 +162,7 @@ def test_prefill_on_the_head_decode_on_box_b_equals_one_engine(
     assert got == expected
     [remote] = cluster.on_box("b")
     assert remote["role"] == "decode" and remote["tokens_out"] >= len(PROMPTS) * (MAX_TOKENS - 1)
+    assert f"box 'b' joins from {BOX_ADDRESS}" in "".join(cluster.head.output)
     wait_until(lambda: all_blocks_free(cluster), 20, "every KV block free")
 
 

@@ -42,7 +42,7 @@ class Agent:
     def join(self) -> None:
         """Connect to the head and offer this box's devices."""
         cluster = self.settings.cluster
-        self._head = connect(cluster.head, self.secret, JOIN_TIMEOUT_S)
+        self._head = connect(cluster.head, self.secret, JOIN_TIMEOUT_S, cluster.address)
         self._head.send(AgentHello(self.box, self.topology.devices, cluster.pool))
         names = ", ".join(d.name for d in self.topology.devices)
         log.info("joined %s as box %r with %s (%s)", cluster.head, self.box, names, cluster.pool)
@@ -85,7 +85,7 @@ class Agent:
         cluster = with_interface(self.settings.cluster, local_ip(self._head))
         settings = message.settings.model_copy(update={"cluster": cluster})
         args = (
-            self.settings.cluster.head,
+            self.settings.cluster,
             self.secret,
             message.worker_id,
             message.role,

@@ -9,7 +9,13 @@ import queue
 import socket
 import struct
 import time
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import (
+    Client,
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+)
 from pathlib import Path
 
 from appliance.cluster_settings import host_port
@@ -45,20 +51,34 @@ def listen(address: str, secret: bytes) -> Listener:
     return Listener(host_port(address), authkey=secret)
 
 
-def connect(address: str, secret: bytes, timeout: float) -> Connection:
-    """A connection to host:port, retried until `timeout` (the head may be starting);
-    ConnectionError when it cannot be made, AuthenticationError for a wrong secret."""
+def connect(address: str, secret: bytes, timeout: float, source: str = "") -> Connection:
+    """A connection to host:port, from the local address `source` if given (a box's own),
+    retried until `timeout` (the head may be starting); ConnectionError when it cannot be
+    made, AuthenticationError for a wrong secret."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            connection = Client(host_port(address), authkey=secret)
-            with socket_of(connection) as sock:
-                keep_alive(sock)
-            return connection
+            return _dial(host_port(address), secret, source)
         except (ConnectionRefusedError, FileNotFoundError):
             if time.monotonic() > deadline:
                 raise ConnectionError(f"nothing answers at {address}") from None
             time.sleep(CONNECT_RETRY_S)
+
+
+def _dial(address: tuple[str, int], secret: bytes, source: str) -> Connection:
+    """The connection and the secret's challenge both ways, as Client makes them, but from
+    `source` (Client cannot bind its end)."""
+    if not source:
+        connection = Client(address, authkey=secret)
+    else:
+        with socket.create_connection(address, source_address=(source, 0)) as sock:
+            sock.setblocking(True)
+            connection = Connection(sock.detach())
+        answer_challenge(connection, secret)
+        deliver_challenge(connection, secret)
+    with socket_of(connection) as sock:
+        keep_alive(sock)
+    return connection
 
 
 class ConnectionInbox:

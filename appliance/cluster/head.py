@@ -212,6 +212,7 @@ class ClusterHead:
         HELLO_TIMEOUT_S (a read past it fails)."""
         keep_alive(sock)
         set_read_timeout(sock, HELLO_TIMEOUT_S)
+        peer = sock.getpeername()[0]
         connection = Connection(sock.detach())
         try:
             deliver_challenge(connection, self.secret)
@@ -229,6 +230,7 @@ class ClusterHead:
             self._greeting.release()
         match hello:
             case AgentHello():
+                log.info("box %r joins from %s", hello.box, peer)
                 self._agent_joined(hello, connection)
             case WorkerHello():
                 self._worker_connected(hello, connection)

@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from appliance.cluster.channel import ConnectionInbox, connect
 from appliance.cluster.messages import WorkerHello
+from appliance.cluster_settings import ClusterSettings
 from appliance.config import Settings
 from appliance.topology.devices import Device
 from appliance.workers.messages import Shutdown
@@ -19,15 +20,16 @@ CONNECT_TIMEOUT_S = 30.0
 
 
 def run_remote_worker(
-    head: str,
+    cluster: ClusterSettings,
     secret: bytes,
     worker_id: int,
     role: str,
     settings: Settings,
     devices: tuple[Device, ...],
 ) -> None:
-    """Process entry point (spawned by the agent, dies with it)."""
-    connection = connect(head, secret, CONNECT_TIMEOUT_S)
+    """Process entry point (spawned by the agent, dies with it); `cluster` is the agent's:
+    where the head is, and the address to connect from."""
+    connection = connect(cluster.head, secret, CONNECT_TIMEOUT_S, cluster.address)
     connection.send(WorkerHello(worker_id, os.getpid()))
     inbox = ConnectionInbox(connection, Shutdown())
     try:
