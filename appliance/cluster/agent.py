@@ -38,11 +38,14 @@ class Agent:
         self.workers: dict[int, BaseProcess] = {}
         self._ctx = multiprocessing.get_context("spawn")
         self._head: Connection | None = None
+        self._interface = ""  # the KV transfer's interface on this box (join() finds it)
 
     def join(self) -> None:
         """Connect to the head and offer this box's devices."""
         cluster = self.settings.cluster
         self._head = connect(cluster.head, self.secret, JOIN_TIMEOUT_S, cluster.address)
+        # This box's own if set, else the one it reaches the head from.
+        self._interface = with_interface(cluster, local_ip(self._head)).interface
         self._head.send(AgentHello(self.box, self.topology.devices, cluster.pool))
         names = ", ".join(d.name for d in self.topology.devices)
         log.info("joined %s as box %r with %s (%s)", cluster.head, self.box, names, cluster.pool)
@@ -79,10 +82,9 @@ class Agent:
                     process.kill()
 
     def _spawn(self, message: SpawnWorker) -> None:
-        assert self._head is not None
-        # The head's settings, but this box's interface for the KV transfer: its own if
-        # set, else the one it reaches the head from.
-        cluster = with_interface(self.settings.cluster, local_ip(self._head))
+        # The head's settings (transports, ports, timeout hold for the whole cluster), but
+        # this box's interface for the KV transfer: the head's names an interface there.
+        cluster = message.settings.cluster.model_copy(update={"interface": self._interface})
         settings = message.settings.model_copy(update={"cluster": cluster})
         args = (
             self.settings.cluster,
