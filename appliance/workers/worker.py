@@ -135,9 +135,8 @@ def serve(state: WorkerState, inbox: Queue[ToWorker]) -> None:
         elif handled or landed:
             report(state, [], 0.0)  # block counts changed (release, abort): say so
         for engine_id in engine.expire_leases(LEASE_S):
-            request_id = state.to_request.pop(engine_id, None)
+            request_id = forget_engine_id(state, engine_id)
             if request_id is not None:
-                state.to_engine.pop(request_id, None)
                 outbox.put(LeaseExpired(worker_id, request_id))
 
 
@@ -161,12 +160,20 @@ def send_landed(state: WorkerState) -> int:
             state.outbox.put(HandoffResult(state.worker_id, request_id, True, moved))
     failed = state.engine.pop_failed_copies()  # a read from another box: freed already
     for engine_id in failed:
-        request_id, _ = state.copying.pop(engine_id, (None, 0))
-        state.to_request.pop(engine_id, None)
-        if request_id is not None:
-            state.to_engine.pop(request_id, None)
+        request_id = forget_engine_id(state, engine_id)
+        if request_id is not None:  # else aborted meanwhile
             state.outbox.put(HandoffResult(state.worker_id, request_id, False))
     return len(landed) + len(failed)
+
+
+def forget_engine_id(state: WorkerState, engine_id: int) -> int | None:
+    """Drop an engine request the engine itself has let go of (a lease that expired, a
+    read from another box that failed) from every map; its request id, if still known."""
+    request_id = state.to_request.pop(engine_id, None)
+    state.copying.pop(engine_id, None)
+    if request_id is not None:
+        state.to_engine.pop(request_id, None)
+    return request_id
 
 
 def use_device(settings: Settings, device: Device) -> Settings:
