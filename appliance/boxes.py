@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 
 from appliance.cluster.head import ClusterHead
 from appliance.cluster.interfaces import with_interface
 from appliance.cluster.messages import AgentHello
-from appliance.cluster_settings import ClusterSettings
+from appliance.cluster_settings import ClusterSettings, host_port
 from appliance.config import Settings
 from appliance.events import EventKind
 from appliance.process_manager import ProcessManager
@@ -44,7 +43,11 @@ class Boxes:
             return
         loop = asyncio.get_running_loop()
         self.head = ClusterHead(
-            self.settings.cluster, loop.call_soon_threadsafe, self.joined, self.lost, self._attach
+            self.settings.cluster,
+            loop.call_soon_threadsafe,
+            self.joined,
+            self.lost,
+            self.processes.attach,  # a remote worker dialled in: that connection its outbox
         )
         self.processes.cluster = self.head
         self.head.start()
@@ -79,16 +82,11 @@ class Boxes:
         except RuntimeError as error:
             self._note("worker", f"a worker for device {index} did not start: {error}")
 
-    def _attach(self, worker_id: int, connection: Connection) -> None:
-        """A remote worker dialled in: its outbox is that connection."""
-        self.processes.attach(worker_id, connection)
-
 
 def transfer_interface(cluster: ClusterSettings) -> str:
     """The interface the head's KV transfer uses: the settings', else the one agents dial
     in on; ValueError when neither is known (UCX would listen on every interface)."""
-    host = cluster.listen.rpartition(":")[0].strip("[]")
-    interface = with_interface(cluster, host).interface
+    interface = with_interface(cluster, host_port(cluster.listen)[0]).interface
     if not interface:
         raise ValueError(
             f"cluster.listen={cluster.listen!r} is on no interface of this machine (a "
