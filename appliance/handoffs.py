@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.request_table import ParkedKV, Request, RequestTable
 from appliance.router import Router
+from appliance.wiring import can_pair
 from appliance.worker_handle import WorkerHandle
 from appliance.workers.messages import Abort, Handoff, HandoffResult, Release, ToWorker
 
@@ -61,10 +62,13 @@ class Handoffs:
         if source is None or not source.alive:  # its blocks are gone: prefill again
             self.parts.retry(request, f"prefill worker {parked.source} exited")
             return
-        decodes = [w for w in self.parts.workers.values() if w.role == "decode"]
+        decodes = [
+            w for w in self.parts.workers.values() if w.role == "decode" and can_pair(source, w)
+        ]
         if not any(w.routable_soon for w in decodes) and not self.parts.may_come_back("decode"):
             self.parts.send(parked.source, Release(parked.wire_id))
-            self.parts.fail(request, "no decode worker is running")
+            reason = "no decode worker is running that this prefill worker can hand off to"
+            self.parts.fail(request, reason)
             return
         decode = self._pick(decodes, source, request)
         if decode is None:

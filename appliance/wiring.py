@@ -12,7 +12,8 @@ of its tensor (DropPeer, answered by PeerDropped).
 Every pair is wired: a handoff prefers the best-linked decode worker but goes to another
 one when that one is full, and any two devices can copy (through the host at worst). A
 pair on two boxes shares the pool as its transfer agent registered it (kv/remote.py),
-and the decode worker reads the blocks over the network.
+and the decode worker reads the blocks over the network; a tensor-parallel group's shards
+live in several processes and are not registered, so a group is wired within its box only.
 """
 
 from __future__ import annotations
@@ -46,11 +47,10 @@ class Wiring:
     def on_loaded(self, worker: WorkerHandle) -> None:
         """Wire the worker that just loaded to every loaded worker of the other pool."""
         if worker.role == "decode":
-            for prefill in self._peers_of_role("prefill"):
-                remote = prefill.box != worker.box
-                self.send(prefill.worker_id, SharePool(worker.worker_id, remote))
+            for prefill in self._peers_of(worker):
+                self.send(prefill.worker_id, SharePool(worker.worker_id, prefill.box != worker.box))
         elif worker.role == "prefill":
-            for decode in self._peers_of_role("decode"):
+            for decode in self._peers_of(worker):
                 self.send(worker.worker_id, SharePool(decode.worker_id, decode.box != worker.box))
 
     def on_pool_shared(self, message: PoolShared) -> None:
@@ -92,13 +92,24 @@ class Wiring:
         if dropped is not None and not dropped.done():
             dropped.set_result(None)
 
-    def _peers_of_role(self, role: str) -> list[WorkerHandle]:
-        """Loaded workers of `role` that take part in handoffs."""
-        return [w for w in self.workers.values() if w.role == role and w.loaded and w.routable_soon]
+    def _peers_of(self, worker: WorkerHandle) -> list[WorkerHandle]:
+        """Loaded workers of the other pool, taking part in handoffs, it can be wired to."""
+        role = {"decode": "prefill", "prefill": "decode"}[worker.role]
+        return [
+            w
+            for w in self.workers.values()
+            if w.role == role and w.loaded and w.routable_soon and can_pair(w, worker)
+        ]
 
     def _wired(self, worker: WorkerHandle) -> bool:
         if worker.role == "decode":
-            return {p.worker_id for p in self._peers_of_role("prefill")} <= worker.peers
+            return {p.worker_id for p in self._peers_of(worker)} <= worker.peers
         if worker.role == "prefill":
-            return all(worker.worker_id in d.peers for d in self._peers_of_role("decode"))
+            return all(worker.worker_id in d.peers for d in self._peers_of(worker))
         return True
+
+
+def can_pair(a: WorkerHandle, b: WorkerHandle) -> bool:
+    """Whether a prefill and a decode worker can hand KV off: in one box always; across
+    boxes only single-device workers (a group's shards are not registered for reads)."""
+    return a.box == b.box or len(a.devices) == len(b.devices) == 1

@@ -244,6 +244,38 @@ def test_each_pair_is_wired_once_the_second_of_the_two_has_loaded() -> None:
     assert wiring.newly_wired() == [workers[0]]
 
 
+def test_across_boxes_only_single_device_workers_are_wired() -> None:
+    group = unwired("prefill", 0)
+    group.devices = (0, 3)  # a tensor-parallel group on the head
+    workers = {0: group, 1: unwired("decode", 1), 2: unwired("decode", 2), 4: unwired("prefill", 4)}
+    workers[1].box = "b"  # decode on another box; decode 2 and prefill 4 on the head
+    sent: list[tuple[int | None, ToWorker]] = []
+    wiring = Wiring(workers, lambda worker_id, message: sent.append((worker_id, message)))
+    for handle in workers.values():
+        handle.loaded = True
+    wiring.on_loaded(group)
+    assert sent == [(0, SharePool(2))]  # the group's shards are in two processes
+    wiring.on_loaded(workers[4])
+    assert sent[1:] == [(4, SharePool(1, True)), (4, SharePool(2))]
+    for prefill, share in sent[:3]:
+        assert isinstance(share, SharePool) and prefill is not None
+        wiring.on_pool_shared(PoolShared(prefill, share.consumer, [(0, b"pool")]))
+    assert workers[1].peers == {4} and workers[2].peers == {0, 4}
+    ready = [w.worker_id for w in wiring.newly_wired()]
+    assert sorted(ready) == [0, 1, 2, 4]  # nobody waits for a pair that cannot be wired
+
+
+def test_a_group_with_no_decode_worker_in_its_box_fails_its_handoffs() -> None:
+    box = Box()
+    box.workers[PREFILL].devices = (PREFILL, 5)
+    for decode in (DECODE, OTHER):
+        box.workers[decode].box = "b"
+    request = box.parked()
+    box.handoffs.hand_off(request.kv)
+    assert box.failed == [request.request_id] and not box.handoffs_to(DECODE)
+    assert Release(request.wire_id) in box.inbox(PREFILL)
+
+
 def test_a_stopping_prefill_worker_waits_until_its_pool_is_dropped() -> None:
     workers = {0: worker(0, "prefill"), 1: worker(1, "decode"), 2: worker(2, "decode")}
     workers[1].peers.add(0)
