@@ -17,6 +17,7 @@ from appliance.cluster.messages import AgentHello
 from appliance.cluster_settings import ClusterSettings, host_port
 from appliance.config import Settings
 from appliance.events import EventKind
+from appliance.kv.remote import require_nixl
 from appliance.process_manager import ProcessManager
 
 
@@ -34,6 +35,7 @@ class Boxes:
         self._note = note
         self.head: ClusterHead | None = None
         if settings.cluster.listen:  # before any worker starts: they take it with them
+            require_nixl()
             settings.cluster.interface = transfer_interface(settings.cluster)
 
     def start(self) -> None:

@@ -3,10 +3,15 @@ devices in the topology, the addresses and the shared secret the settings name."
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from appliance.cluster import channel
 from appliance.cluster.channel import SecretError, read_secret
 from appliance.cluster.interfaces import interface_of, with_interface
 from appliance.cluster_settings import ClusterSettings, host_port
@@ -88,3 +93,42 @@ def test_a_head_may_leave_decoding_to_other_boxes() -> None:
     assert partition(one, "disaggregated", (0,), (), boxes=True).prefill == (0,)
     with pytest.raises(ValueError, match="at least 2 devices"):  # no boxes: it must decode
         partition(one, "disaggregated", (0,), ())
+
+
+HIDE_NIXL = "import sys\nfor m in ('nixl', 'nixl_cu12', 'nixl_cu13'): sys.modules[m] = None\n"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["agent", "--head", "127.0.0.1:1", "--box", "b"],
+        ["serve", "--port", "1"],  # listening for boxes
+    ],
+)
+def test_a_box_without_nixl_is_refused_before_any_worker_starts(
+    command: list[str], tmp_path: Path
+) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("a-shared-secret-of-the-test-boxes\n")
+    env = {
+        **os.environ,
+        "APPLIANCE_CLUSTER__SECRET_FILE": str(secret),
+        "APPLIANCE_CLUSTER__LISTEN": "127.0.0.1:1" if command[0] == "serve" else "",
+    }
+    script = HIDE_NIXL + f"from appliance.cli import main\nsys.exit(main({command!r}))\n"
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2, run.stderr
+    assert "boxes move KV through NIXL, which is not installed here" in run.stderr
+    assert "worker" not in run.stderr.lower()
+
+
+def test_joining_a_head_that_accepts_and_stays_silent_times_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(channel, "CHALLENGE_TIMEOUT_S", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        with pytest.raises(TimeoutError, match="accepted but did not answer"):
+            channel.connect(f"127.0.0.1:{port}", b"a-shared-secret-of-the-boxes", 5.0)

@@ -17,6 +17,7 @@ from appliance.cluster.interfaces import local_ip, with_interface
 from appliance.cluster.messages import AgentHello, KillWorker, SpawnWorker, WorkerExited
 from appliance.cluster.remote_worker import run_remote_worker
 from appliance.config import Settings
+from appliance.kv.remote import require_nixl
 from appliance.supervisor import discover_box
 
 log = logging.getLogger("appliance.agent")
@@ -31,6 +32,7 @@ class Agent:
         cluster = settings.cluster
         if not cluster.head:
             raise ValueError("an agent needs cluster.head (--head host:port) to join")
+        require_nixl()
         self.settings = settings
         self.secret = read_secret(cluster.secret_file)
         self.box = cluster.box or socket.gethostname()

@@ -10,7 +10,6 @@ import socket
 import struct
 import time
 from multiprocessing.connection import (
-    Client,
     Connection,
     Listener,
     answer_challenge,
@@ -21,6 +20,7 @@ from pathlib import Path
 from appliance.cluster_settings import host_port
 
 CONNECT_RETRY_S = 0.5
+CHALLENGE_TIMEOUT_S = 10.0  # the other end must answer the secret's challenge within this
 # A peer that vanishes without closing its connection (power lost, cable cut) is seen
 # within KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S (about 11 s).
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 5, 2, 3
@@ -54,7 +54,8 @@ def listen(address: str, secret: bytes) -> Listener:
 def connect(address: str, secret: bytes, timeout: float, source: str = "") -> Connection:
     """A connection to host:port, from the local address `source` if given (a box's own),
     retried until `timeout` (the head may be starting); ConnectionError when it cannot be
-    made, AuthenticationError for a wrong secret."""
+    made, AuthenticationError for a wrong secret, TimeoutError when the other end accepts
+    but does not answer the challenge within CHALLENGE_TIMEOUT_S."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -67,17 +68,25 @@ def connect(address: str, secret: bytes, timeout: float, source: str = "") -> Co
 
 def _dial(address: tuple[str, int], secret: bytes, source: str) -> Connection:
     """The connection and the secret's challenge both ways, as Client makes them, but from
-    `source` (Client cannot bind its end)."""
-    if not source:
-        connection = Client(address, authkey=secret)
-    else:
-        with socket.create_connection(address, source_address=(source, 0)) as sock:
-            sock.setblocking(True)
-            connection = Connection(sock.detach())
+    `source` (Client cannot bind its end) and with a deadline on each read (Client has
+    none: a head that accepts and stays silent would hold a joining box for ever)."""
+    bind = (source, 0) if source else None
+    with socket.create_connection(address, CHALLENGE_TIMEOUT_S, bind) as sock:
+        sock.setblocking(True)  # Connection reads a blocking descriptor
+        set_read_timeout(sock, CHALLENGE_TIMEOUT_S)
+        connection = Connection(sock.detach())
+    try:
         answer_challenge(connection, secret)
         deliver_challenge(connection, secret)
-    with socket_of(connection) as sock:
-        keep_alive(sock)
+    except BlockingIOError:  # SO_RCVTIMEO ran out
+        connection.close()
+        raise TimeoutError(f"{address[0]}:{address[1]} accepted but did not answer") from None
+    except BaseException:
+        connection.close()
+        raise
+    with socket_of(connection) as open_socket:  # from now on it may idle
+        set_read_timeout(open_socket, 0)
+        keep_alive(open_socket)
     return connection
 
 

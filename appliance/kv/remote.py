@@ -97,6 +97,15 @@ def nixl_available() -> bool:
     return _find_nixl(quiet=True) is not None
 
 
+def require_nixl() -> None:
+    """ValueError, said before any worker starts, when this box cannot move KV to others."""
+    if not nixl_available():
+        raise ValueError(
+            "boxes move KV through NIXL, which is not installed here: pip install "
+            "'appliance[cluster]' (the nixl-cu12 wheel, which serves CPUs too)"
+        )
+
+
 def _find_nixl(quiet: bool = False) -> ModuleType | None:
     for name in NIXL_MODULES:
         try:
