@@ -20,6 +20,7 @@ from appliance.engine.sequence import SamplingParams
 from appliance.kv.remote import (
     Copies,
     RemoteCopy,
+    RemoteSource,
     TransferError,
     nixl_available,
     pool_shape,
@@ -138,27 +139,62 @@ def test_only_whole_contiguous_pools_are_registered() -> None:
 
 
 class Read:
-    """A stand-in read whose done() gives these outcomes in turn (the last one stays)."""
+    """A stand-in read whose done() gives these outcomes in turn (the last one stays);
+    settled once it has landed or failed."""
 
     def __init__(self, *outcomes: bool | str) -> None:
         self.outcomes = list(outcomes)
         self.nbytes = 10
+        self.over = False
 
     def done(self) -> bool:
         outcome = self.outcomes.pop(0) if len(self.outcomes) > 1 else self.outcomes[0]
+        self.over = outcome is not False
         if isinstance(outcome, str):
             raise TransferError(outcome)
         return outcome
 
+    def settled(self) -> bool:
+        return self.over or self.done() is not False
 
-def test_several_reads_fail_only_once_none_is_still_writing() -> None:
-    # one read fails at once, the other is still in flight for two more polls
+
+def test_a_failed_read_fails_the_copy_at_once_and_it_settles_when_none_still_writes() -> None:
+    # one read fails at once, the other lands at the third poll
     copies = Copies([Read("peer gone"), Read(False, False, True)])  # type: ignore[list-item]
-    assert copies.done() is False and copies.done() is False
     with pytest.raises(TransferError, match="peer gone"):
         copies.done()
+    assert copies.settled() is False and copies.settled() is True
     landed = Copies([Read(False, True), Read(True)])  # type: ignore[list-item]
     assert landed.done() is False and landed.done() is True and landed.nbytes == 20
+
+
+class Nixl:
+    """A stand-in for a transfer agent whose in-flight read past its deadline NIXL will not
+    cancel (as with a peer that stopped answering; not reproducible on demand here)."""
+
+    def __init__(self) -> None:
+        self.status = "busy"
+        self.released: list[int] = []
+
+    def state(self, request: int) -> str:
+        return self.status
+
+    def release(self, request: int) -> None:
+        if self.status == "busy":
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+        self.released.append(request)
+
+
+def test_a_read_nixl_will_not_cancel_fails_but_is_unsettled_until_it_ends() -> None:
+    nixl = Nixl()
+    read = RemoteCopy(10, nixl, 7, _deadline=0.0)  # type: ignore[arg-type]
+    with pytest.raises(TransferError, match="ran past its deadline"):
+        read.done()
+    assert read.settled() is False and read.settled() is False  # still writing
+    nixl.status = "done"
+    assert read.settled() is True and nixl.released == [7]
+    with pytest.raises(TransferError, match="ran past its deadline"):
+        read.done()  # it failed for good, though its bytes came in the end
 
 
 def test_a_failed_read_keeps_failing_when_asked_again() -> None:
@@ -166,3 +202,33 @@ def test_a_failed_read_keeps_failing_when_asked_again() -> None:
     for _ in range(2):
         with pytest.raises(TransferError, match="box-a failed"):
             read.done()
+
+
+class StalledTransfer:
+    """Starts every read as one that runs past its deadline and will not be cancelled."""
+
+    def __init__(self, nixl: Nixl) -> None:
+        self.nixl = nixl
+
+    def start_read(self, *args: object) -> RemoteCopy:
+        return RemoteCopy(10, self.nixl, 7, _deadline=0.0)  # type: ignore[arg-type]
+
+
+def test_a_failed_read_is_over_at_once_but_its_blocks_wait_until_it_ends(
+    engine: LLMEngine,
+) -> None:
+    nixl = Nixl()
+    source = RemoteSource(StalledTransfer(nixl), (None,))  # type: ignore[arg-type]
+    free = engine.num_free_blocks
+    ids = prompts(engine, 3)[2]  # 31 tokens: two blocks
+    started = engine.add_prefilled([*ids, 42], len(ids), PARAMS, source, [5, 6])
+    assert started is not None
+    engine.step()
+    assert engine.pop_failed_copies() == [started[0]]  # the request is over: prefill again
+    assert engine.num_free_blocks == free - 2 and engine.has_unfinished()  # still written
+    engine.step()
+    assert engine.num_free_blocks == free - 2
+    nixl.status = "done"  # the read ended at last
+    engine.step()
+    assert engine.num_free_blocks == free and not engine.has_unfinished()
+    assert engine.pop_failed_copies() == [] and engine.pop_landed() == []

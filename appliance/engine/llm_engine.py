@@ -98,7 +98,8 @@ class LLMEngine:
         self._copy_streams = CopyStreams()
         self._landed: list[int] = []  # their ids once in the batch, until pop_landed
         self._aborted: set[int] = set()  # of those in flight: freed once they land
-        self._copy_failed: list[int] = []  # reads from another box that failed: freed
+        self._copy_failed: list[int] = []  # reads from another box that failed, to report
+        self._garbage: set[int] = set()  # their requests: blocks freed once reads settle
         # Recorded after a step that parks blocks; decode workers' copies wait for it.
         self.handoff_ready = torch.cuda.Event(interprocess=True) if kv.tensor.is_cuda else None
 
@@ -197,19 +198,27 @@ class LLMEngine:
         # The prefill side already streamed the first token: prime the text state only.
         stream.stops.feed(stream.detokenizer.add(token_ids[-1]))
         stream.sent_tokens = len(seq.output_ids)
-        self._copies.add(seq.seq_id, seq, self._settled(seq.seq_id, copy.done))
+        self._copies.add(seq.seq_id, seq, self._settled(seq.seq_id, copy))
         self.admit_copied()
         return seq.seq_id, copy.nbytes
 
-    def _settled(self, seq_id: int, done: Callable[[], bool]) -> Callable[[], bool]:
-        """`done`, but a failed read counts as settled (and is noted as failed)."""
+    def _settled(self, seq_id: int, copy: HandoffCopy | Copies) -> Callable[[], bool]:
+        """`copy.done`, but a failed read is noted as failed at once and counts as done
+        once nothing of it can still land (its blocks are freed then, not before)."""
+        failed = False
 
         def settled() -> bool:
+            nonlocal failed
+            if failed:
+                assert isinstance(copy, Copies)  # only reads from another box fail
+                return copy.settled()
             try:
-                return done()
+                return copy.done()
             except TransferError:
+                failed = True
                 self._copy_failed.append(seq_id)
-                return True
+                self._garbage.add(seq_id)
+                return settled()
 
         return settled
 
@@ -218,11 +227,8 @@ class LLMEngine:
         aborted one is freed instead); never waits for a copy."""
         for seq in self._copies.landed():
             self.scheduler.running.append(seq)
-            if seq.seq_id in self._copy_failed:  # its blocks hold garbage: free them
-                self._aborted.discard(seq.seq_id)
-                self.scheduler.finish(seq, "abort")
-                self._forget(seq.seq_id)
-            elif seq.seq_id in self._aborted:
+            if seq.seq_id in self._garbage or seq.seq_id in self._aborted:
+                self._garbage.discard(seq.seq_id)  # its blocks hold garbage: free them
                 self._aborted.discard(seq.seq_id)
                 self.scheduler.finish(seq, "abort")
                 self._forget(seq.seq_id)
@@ -231,7 +237,8 @@ class LLMEngine:
 
     def pop_failed_copies(self) -> list[int]:
         """Ids of handed-off requests whose read from another box failed since the last
-        call; they are freed, and their source blocks can be released."""
+        call: they are over (their blocks are freed once no byte can still land in them),
+        and their source blocks can be released."""
         failed, self._copy_failed = self._copy_failed, []
         return failed
 

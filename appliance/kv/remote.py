@@ -134,7 +134,7 @@ class RemoteCopy:
     def done(self) -> bool:
         """Whether the blocks are in the destination pool; never blocks. TransferError when
         the read failed or ran past the deadline, now or at any later call (the
-        destination blocks then hold garbage)."""
+        destination blocks then hold garbage, and may still be written: see settled())."""
         if self.failed is not None:
             raise TransferError(self.failed)
         if self._landed:
@@ -151,13 +151,33 @@ class RemoteCopy:
             self._request = None
             self.failed = "the KV read from the other box failed: its peer is gone"
         elif time.monotonic() > self._deadline:
-            with contextlib.suppress(Exception):  # NIXL may refuse to cancel it: it leaks
-                self._transfer.release(self._request)  # still in flight: this cancels it
-            self._request = None
             self.failed = "the KV read from the other box ran past its deadline"
+            self._cancel()
         if self.failed is not None:
             raise TransferError(self.failed)
         return False
+
+    def settled(self) -> bool:
+        """Whether no byte of this read can still land: it landed, failed at the peer, or
+        was cancelled. A read past its deadline that NIXL would not cancel yet writes on
+        until it ends, so its destination blocks must stay out of use until then."""
+        if self._request is None:
+            return True
+        assert self._transfer is not None
+        self.failed = self.failed or "cancelled: another read of its request failed"
+        if self._transfer.state(self._request) == "error":
+            self._request = None  # not released, as in done()
+        else:
+            self._cancel()  # done or busy: released, or cancelled if NIXL lets it now
+        return self._request is None
+
+    def _cancel(self) -> None:
+        assert self._transfer is not None and self._request is not None
+        try:
+            self._transfer.release(self._request)  # in flight: this cancels it
+        except Exception:  # NIXL refused (still writing): settled() asks again
+            return
+        self._request = None
 
     def wait(self, poll_s: float = 0.0005) -> None:
         """Block until the blocks have landed (TransferError as done())."""
@@ -318,15 +338,18 @@ class Copies:
         return sum(read.nbytes for read in self.reads)
 
     def done(self) -> bool:
-        """Whether every read has landed. TransferError once every read has settled and
-        one failed: not before, so that no read still in flight writes into blocks the
-        engine frees on the error."""
-        settled, failure = True, None
+        """Whether every read has landed; TransferError as soon as one has failed (every
+        read polled first). Until settled(), the others may still write."""
+        landed, failure = True, None
         for read in self.reads:
             try:
-                settled = read.done() and settled
+                landed = read.done() and landed
             except TransferError as error:
                 failure = failure or error
-        if failure is not None and settled:
+        if failure is not None:
             raise failure
-        return settled
+        return landed
+
+    def settled(self) -> bool:
+        """Whether no read can still write into the destination blocks."""
+        return all([read.settled() for read in self.reads])  # a list: poll each one

@@ -158,7 +158,7 @@ def send_landed(state: WorkerState) -> int:
         request_id, moved = state.copying.pop(engine_id, (None, 0))
         if request_id is not None:  # else aborted meanwhile: nobody waits for the answer
             state.outbox.put(HandoffResult(state.worker_id, request_id, True, moved))
-    failed = state.engine.pop_failed_copies()  # a read from another box: freed already
+    failed = state.engine.pop_failed_copies()  # a read from another box: over
     for engine_id in failed:
         request_id = forget_engine_id(state, engine_id)
         if request_id is not None:  # else aborted meanwhile
