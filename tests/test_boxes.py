@@ -3,8 +3,9 @@ agent (`appliance agent`, box "b", decode), joined over loopback with a shared s
 each box at its own address (the head listens on 127.0.0.2, box b connects from 127.0.0.3).
 Prompts prefill on the head; their KV crosses to box b through NIXL over TCP; greedy
 outputs equal the single engine's. Killing the agent mid-load loses no request (the head's
-own decode worker takes them over); the box rejoins and takes work again; a wrong secret
-is refused. Runs in file order: each test leaves the cluster as the next expects."""
+own decode worker takes them over); the box rejoins and takes work again; a third box
+(c, from 127.0.0.4) joining while requests stream takes work; a wrong secret is refused.
+Runs in file order: each test leaves the cluster as the next expects."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +37,7 @@ PROMPTS = [
 ]
 MAX_TOKENS = 24
 BOX_ADDRESS = "127.0.0.3"  # box b's own address (the head's is 127.0.0.2)
+THIRD_ADDRESS = "127.0.0.4"  # box c's
 
 
 class Cluster:
@@ -44,10 +47,12 @@ class Cluster:
         self.head, self.address, self.secret = head, address, secret
         self.agents: list[subprocess.Popen] = []
 
-    def agent(self, box: str, secret: Path | None = None) -> subprocess.Popen:
+    def agent(
+        self, box: str, secret: Path | None = None, address: str = BOX_ADDRESS
+    ) -> subprocess.Popen:
         command = [sys.executable, "-m", "appliance.cli", "agent", "--head", self.address]
         command += ["--box", box, "--pool", "decode", "--cpu-devices", "1"]
-        command += ["--address", BOX_ADDRESS]
+        command += ["--address", address]
         command += ["--secret-file", str(secret or self.secret)]
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.agents.append(process)
@@ -234,3 +239,32 @@ def test_a_box_that_joins_again_replaces_its_stale_link(cluster: Cluster) -> Non
         120,
         "box b's new worker",
     )
+
+
+def test_a_third_box_joining_mid_run_takes_work(cluster: Cluster, expected: dict[str, str]) -> None:
+    stop = threading.Event()
+
+    def client(i: int) -> list[tuple[str, str]]:
+        """Greedy completions one after another until told to stop: (prompt, text)."""
+        done = []
+        while not stop.is_set():
+            prompt = PROMPTS[(i + len(done)) % len(PROMPTS)]
+            done.append((prompt, cluster.complete(prompt)))
+        return done
+
+    with ThreadPoolExecutor(8) as pool:
+        clients = [pool.submit(client, i) for i in range(8)]
+        # The precondition: the load runs (box b decodes) before box c joins.
+        wait_until(lambda: any(w["running"] for w in cluster.on_box("b")), 120, "b decoding")
+        cluster.agent("c", address=THIRD_ADDRESS)
+        wait_until(lambda: any(w["tokens_out"] for w in cluster.on_box("c")), 180, "c decoding")
+        assert not any(c.done() for c in clients)  # it joined mid-run: the load still runs
+        stop.set()
+        answers = [answer for c in clients for answer in c.result(timeout=300)]
+    assert all(text == expected[prompt] for prompt, text in answers)
+    assert {w["device"].split("/")[0] for w in cluster.on_box("b") + cluster.on_box("c")} == {
+        "b",
+        "c",
+    }
+    assert f"box 'c' joins from {THIRD_ADDRESS}" in "".join(cluster.head.output)
+    wait_until(lambda: all_blocks_free(cluster), 20, "every KV block free")

@@ -269,8 +269,11 @@ class ClusterHead:
             except Exception:  # ended, timed out (keepalive), or a message we cannot read
                 break
             if isinstance(message, WorkerExited):
-                with self._lock:
-                    process = agent.processes.get(message.worker_id)
+                with self._lock:  # a worker id is never reused: forget it here
+                    process = agent.processes.pop(message.worker_id, None)
+                    inbox = agent.inboxes.pop(message.worker_id, None)
+                if inbox is not None:
+                    inbox.close()
                 if process is not None:
                     process.exited(message.exitcode)
         agent.drop()
