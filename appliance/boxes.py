@@ -9,7 +9,7 @@ restarted until the box joins again: then each of its devices gets a worker agai
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from appliance.cluster.head import ClusterHead
 from appliance.cluster.interfaces import with_interface
@@ -19,6 +19,7 @@ from appliance.config import Settings
 from appliance.events import EventKind
 from appliance.kv.remote import require_nixl
 from appliance.process_manager import ProcessManager
+from appliance.topology.devices import Device
 
 
 class Boxes:
@@ -57,7 +58,11 @@ class Boxes:
     def joined(self, hello: AgentHello) -> None:
         """A box joined (or rejoined): a worker of its role on each of its devices."""
         topology = self.processes.topology
-        indices = [d.index for d in topology.devices if d.box == hello.box]
+        known = [d for d in topology.devices if d.box == hello.box]
+        if known and identities(known) != identities(hello.devices):
+            self._refuse(hello, known)
+            return
+        indices = [d.index for d in known]
         if not indices:
             topology = self.processes.topology = topology.with_box(hello.box, hello.devices)
             indices = [d.index for d in topology.devices if d.box == hello.box]
@@ -70,6 +75,17 @@ class Boxes:
         for index in indices:
             if index not in busy:
                 self._start(hello.pool, index)
+
+    def _refuse(self, hello: AgentHello, known: Sequence[Device]) -> None:
+        """A known box offers other devices than when it first joined: its devices' numbers
+        are taken here (workers, moves, the console refer to them), so it is turned away."""
+        reason = (
+            f"it joined before with {names(known)} and now offers {names(hello.devices)}: "
+            "restart the head to take the new devices, or join under another --box name"
+        )
+        assert self.head is not None
+        self.head.refuse(hello.box, reason)
+        self._note("box", f"refused box {hello.box!r}: {reason}")
 
     def lost(self, box: str) -> None:
         self._note("box", f"lost box {box!r}: its workers' requests go on elsewhere")
@@ -95,3 +111,12 @@ def transfer_interface(cluster: ClusterSettings) -> str:
             "wildcard or a host name): set cluster.interface to the one the boxes share"
         )
     return interface
+
+
+def identities(devices: Sequence[Device]) -> list[tuple[object, ...]]:
+    """What makes a box's devices the same ones again (not their free memory)."""
+    return [(d.kind, d.cores, d.ordinal, d.uuid) for d in devices]
+
+
+def names(devices: Sequence[Device]) -> str:
+    return ", ".join(f"{d.name} (cores {list(d.cores)})" if d.cores else d.name for d in devices)

@@ -4,7 +4,8 @@ each box at its own address (the head listens on 127.0.0.2, box b connects from 
 Prompts prefill on the head; their KV crosses to box b through NIXL over TCP; greedy
 outputs equal the single engine's. Killing the agent mid-load loses no request (the head's
 own decode worker takes them over); the box rejoins and takes work again; a third box
-(c, from 127.0.0.4) joining while requests stream takes work; a wrong secret is refused.
+(c, from 127.0.0.4) joining while requests stream takes work; a wrong secret is refused,
+as is a known box offering other devices than before.
 Runs in file order: each test leaves the cluster as the next expects."""
 
 from __future__ import annotations
@@ -48,10 +49,14 @@ class Cluster:
         self.agents: list[subprocess.Popen] = []
 
     def agent(
-        self, box: str, secret: Path | None = None, address: str = BOX_ADDRESS
+        self,
+        box: str,
+        secret: Path | None = None,
+        address: str = BOX_ADDRESS,
+        cpu_devices: str = "1",
     ) -> subprocess.Popen:
         command = [sys.executable, "-m", "appliance.cli", "agent", "--head", self.address]
-        command += ["--box", box, "--pool", "decode", "--cpu-devices", "1"]
+        command += ["--box", box, "--pool", "decode", "--cpu-devices", cpu_devices]
         command += ["--address", address]
         command += ["--secret-file", str(secret or self.secret)]
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -268,3 +273,17 @@ def test_a_third_box_joining_mid_run_takes_work(cluster: Cluster, expected: dict
     }
     assert f"box 'c' joins from {THIRD_ADDRESS}" in "".join(cluster.head.output)
     wait_until(lambda: all_blocks_free(cluster), 20, "every KV block free")
+
+
+def test_a_known_box_offering_other_devices_is_refused(
+    cluster: Cluster, expected: dict[str, str]
+) -> None:
+    first = cluster.agents[-1]  # box c's
+    agent = cluster.agent("c", address=THIRD_ADDRESS, cpu_devices="2")
+    output, _ = agent.communicate(timeout=60)
+    assert agent.returncode == 2, output  # the unit does not restart it (exit 2)
+    assert b"the head refused box 'c': it joined before with cpu0" in output, output
+    assert first.wait(60) == 0  # its old link was ended, as for any box joining again
+    wait_until(lambda: not cluster.on_box("c"), 30, "box c's worker gone")
+    assert cluster.on_box("b")  # the other boxes serve on
+    assert cluster.complete(PROMPTS[1]) == expected[PROMPTS[1]]

@@ -14,7 +14,13 @@ from multiprocessing.process import BaseProcess
 
 from appliance.cluster.channel import connect, read_secret
 from appliance.cluster.interfaces import local_ip, with_interface
-from appliance.cluster.messages import AgentHello, KillWorker, SpawnWorker, WorkerExited
+from appliance.cluster.messages import (
+    AgentHello,
+    KillWorker,
+    Refused,
+    SpawnWorker,
+    WorkerExited,
+)
 from appliance.cluster.remote_worker import run_remote_worker
 from appliance.config import Settings
 from appliance.kv.remote import require_nixl
@@ -82,6 +88,8 @@ class Agent:
                 process = self.workers.get(message.worker_id)
                 if process is not None:
                     process.kill()
+            case Refused():
+                raise ValueError(f"the head refused box {self.box!r}: {message.reason}")
 
     def _spawn(self, message: SpawnWorker) -> None:
         # The head's settings (transports, ports, timeout hold for the whole cluster), but

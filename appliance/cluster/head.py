@@ -25,6 +25,7 @@ from appliance.cluster.channel import keep_alive, read_secret, set_read_timeout,
 from appliance.cluster.messages import (
     AgentHello,
     KillWorker,
+    Refused,
     SpawnWorker,
     ToAgent,
     WorkerExited,
@@ -112,6 +113,7 @@ class AgentLink:
     processes: dict[int, RemoteProcess] = field(default_factory=dict)
     inboxes: dict[int, RemoteInbox] = field(default_factory=dict)
     lost: bool = False
+    refused: bool = False  # the head turned it away: its end is no loss
     sender: Sender = field(default_factory=Sender)
 
     def __post_init__(self) -> None:
@@ -171,6 +173,14 @@ class ClusterHead:
         with self._lock:
             agent = self.agents.get(box)
             return agent is not None and not agent.lost
+
+    def refuse(self, box: str, reason: str) -> None:
+        """Turn a box that just joined away: its agent exits (and ends the link)."""
+        with self._lock:
+            agent = self.agents.get(box)
+        if agent is not None:
+            agent.refused = True
+            agent.send(Refused(reason))
 
     def spawn(
         self, worker_id: int, role: str, settings: Settings, devices: tuple[Device, ...]
@@ -282,6 +292,6 @@ class ClusterHead:
         for process in processes:
             if process.is_alive():
                 process.exited(LOST)
-        if not self._stopping.is_set():
+        if not self._stopping.is_set() and not agent.refused:
             log.warning("lost box %r", agent.box)
             self._call(self._lost, agent.box)

@@ -52,4 +52,11 @@ class WorkerExited:
     exitcode: int | None
 
 
-ToAgent = SpawnWorker | KillWorker
+@dataclass(frozen=True)
+class Refused:
+    """To an agent: the head will not take this box (why, for its log); it exits."""
+
+    reason: str
+
+
+ToAgent = SpawnWorker | KillWorker | Refused
