@@ -16,6 +16,10 @@ Then it reports where one batch-1 decode step of ours spends its time, part by p
 Run from the repository root:
     benchmarks/build_llama_cpp.sh && .venv/bin/python benchmarks/llama_cpp_bench.py
     .venv/bin/python benchmarks/llama_cpp_bench.py --cpu-isa avx2   # our AVX2 kernels
+
+With --cpu-isa avx2 torch is held to AVX2 too (its prefill GEMM and attention: MKL, oneDNN
+and ATen's own kernels read their caps from the environment, so the script starts itself
+again with them set), as on a CPU without AVX-512.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import os
 import re
 import statistics
 import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -154,6 +160,19 @@ def breakdowns(engine: LLMEngine) -> dict[str, list[tuple[str, float]]]:
     return out
 
 
+TORCH_AVX2 = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+
+
+def hold_torch_to_avx2() -> None:
+    """Start this script again with torch's libraries held to AVX2, unless they are."""
+    if any(os.environ.get(name) != value for name, value in TORCH_AVX2.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **TORCH_AVX2})
+
+
 def built_for(llama_bin: Path) -> str:
     """How build_llama_cpp.sh built the binaries in `llama_bin` (bin-avx2: LLAMA_CPP_ISA)."""
     if llama_bin.name.endswith("avx2"):
@@ -169,6 +188,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args()
+    if args.cpu_isa == "avx2":
+        hold_torch_to_avx2()
     torch.set_num_threads(args.threads)
     model = default_model_path()
     # No prefix caching: every run feeds the same prompt, and a hit is no prefill.
@@ -187,7 +208,8 @@ def main() -> int:
                                 args.batch)  # fmt: skip
         theirs[f"decode b{args.batch}"].append(batched)
     print(f"CPU: {cpu_model_name()} ({cpu_isa()}); {args.threads} threads; model {model.name}")
-    print(f"our kernels: {cpu_kernels.level()} (cpu_isa={args.cpu_isa}); "
+    print(f"our kernels: {cpu_kernels.level()} (cpu_isa={args.cpu_isa}), torch's "
+          f"{torch.backends.cpu.get_cpu_capability()}; "
           f"llama.cpp built {built_for(args.llama_bin)}; best of {args.repeats}\n")  # fmt: skip
     print("| tok/s | llama.cpp | ours | ours / llama.cpp |")
     print("|---|---:|---:|---:|")
