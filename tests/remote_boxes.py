@@ -69,7 +69,8 @@ def prefill_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingPar
 
 def decode_box(conn: Connection, cluster: ClusterSettings = TCP_ONLY) -> None:
     """Commands: ('decode', pool, [Parked], params) -> (outputs by Parked order (None for
-    a failed read), failed source ids, bytes read, free blocks); ('stop',)."""
+    a failed read), failed source ids, bytes read, free blocks); ('free',) -> free blocks
+    (once the reads still out are looked at); ('forget', pool): as DropPeer; ('stop',)."""
     engine = box_engine(300)
     transfer = KVTransfer("decode-box", cluster)
     transfer.register(engine.kv.tensor)  # a read's destination must be registered
@@ -78,6 +79,11 @@ def decode_box(conn: Connection, cluster: ClusterSettings = TCP_ONLY) -> None:
         command, *args = conn.recv()
         if command == "decode":
             conn.send(decode_all(engine, RemoteSource(transfer, (args[0],)), *args[1:]))
+        elif command == "free":
+            engine.admit_copied()
+            conn.send(engine.num_free_blocks)
+        elif command == "forget":
+            transfer.forget(args[0])
         else:
             transfer.close()
             return
@@ -96,7 +102,8 @@ def decode_all(
         origin[new_id], tokens[p.seq_id] = p.seq_id, list(p.token_ids[p.prompt_len :])
         moved += nbytes
     failed: list[int] = []
-    while engine.has_unfinished():
+    # Until each request has finished or failed (a failed read's blocks may wait longer).
+    while engine.scheduler.has_unfinished() or engine.copies_in_flight:
         engine.admit_copied()
         failed += [origin[i] for i in engine.pop_failed_copies()]
         for out in engine.step():

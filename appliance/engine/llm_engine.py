@@ -230,6 +230,7 @@ class LLMEngine:
             if seq.seq_id in self._garbage or seq.seq_id in self._aborted:
                 self._garbage.discard(seq.seq_id)  # its blocks hold garbage: free them
                 self._aborted.discard(seq.seq_id)
+                self._seqs.pop(seq.seq_id, None)
                 self.scheduler.finish(seq, "abort")
                 self._forget(seq.seq_id)
             else:
@@ -249,8 +250,9 @@ class LLMEngine:
 
     @property
     def copies_in_flight(self) -> int:
-        """Handed-off requests whose blocks are still being copied in."""
-        return len(self._copies)
+        """Handed-off requests whose blocks are still being copied in (not those failed
+        already, whose blocks wait only for a late read to end)."""
+        return len(self._copies) - len(self._garbage)
 
     @property
     def kv_shards(self) -> list[KVShard]:

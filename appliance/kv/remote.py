@@ -97,10 +97,14 @@ def nixl_available() -> bool:
     return _find_nixl(quiet=True) is not None
 
 
+class MissingNixl(ValueError):
+    """This box cannot move KV to or from others: NIXL is not installed."""
+
+
 def require_nixl() -> None:
-    """ValueError, said before any worker starts, when this box cannot move KV to others."""
+    """MissingNixl, said before any worker starts, when this box cannot move KV to others."""
     if not nixl_available():
-        raise ValueError(
+        raise MissingNixl(
             "boxes move KV through NIXL, which is not installed here: pip install "
             "'appliance[cluster]' (the nixl-cu12 wheel, which serves CPUs too)"
         )
@@ -151,33 +155,28 @@ class RemoteCopy:
             self._request = None
             self.failed = "the KV read from the other box failed: its peer is gone"
         elif time.monotonic() > self._deadline:
+            # Not cancelled: NIXL's release of a busy read only asks UCX to cancel it, and
+            # an RMA read may still land; settled() waits for it to end instead.
             self.failed = "the KV read from the other box ran past its deadline"
-            self._cancel()
         if self.failed is not None:
             raise TransferError(self.failed)
         return False
 
     def settled(self) -> bool:
-        """Whether no byte of this read can still land: it landed, failed at the peer, or
-        was cancelled. A read past its deadline that NIXL would not cancel yet writes on
-        until it ends, so its destination blocks must stay out of use until then."""
+        """Whether no byte of this read can still land: it landed, or ended in an error
+        (the peer gone, or forgotten: DropPeer). A read past its deadline writes on until
+        it ends, so its destination blocks must stay out of use until then."""
         if self._request is None:
             return True
         assert self._transfer is not None
-        self.failed = self.failed or "cancelled: another read of its request failed"
-        if self._transfer.state(self._request) == "error":
-            self._request = None  # not released, as in done()
-        else:
-            self._cancel()  # done or busy: released, or cancelled if NIXL lets it now
-        return self._request is None
-
-    def _cancel(self) -> None:
-        assert self._transfer is not None and self._request is not None
-        try:
-            self._transfer.release(self._request)  # in flight: this cancels it
-        except Exception:  # NIXL refused (still writing): settled() asks again
-            return
-        self._request = None
+        self.failed = self.failed or "another read of its request failed"
+        state = self._transfer.state(self._request)
+        if state == "done":
+            self._transfer.release(self._request)
+        elif state == "busy":
+            return False
+        self._request = None  # an error: not released, as in done()
+        return True
 
     def wait(self, poll_s: float = 0.0005) -> None:
         """Block until the blocks have landed (TransferError as done())."""
