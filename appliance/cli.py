@@ -92,7 +92,8 @@ def agent(args: argparse.Namespace) -> int:
     import logging
     from multiprocessing import AuthenticationError
 
-    from appliance.cluster.agent import run_agent
+    from appliance.cluster.agent import REFUSED_EXIT, BoxRefused, run_agent
+    from appliance.kv.remote import MissingNixl
 
     given = {"head": args.head, "box": args.box, "pool": args.pool, "address": args.address}
     cluster = {k: v for k, v in given.items() if v is not None}
@@ -103,9 +104,13 @@ def agent(args: argparse.Namespace) -> int:
     try:
         return run_agent(settings)
     except AuthenticationError:
-        raise ValueError(
-            f"the head at {settings.cluster.head} refused this box: its cluster secret differs"
-        ) from None
+        reason = f"the head at {settings.cluster.head} refused this box: its cluster secret differs"
+    except (BoxRefused, MissingNixl) as refusal:
+        reason = str(refusal)
+    # Not ValueError's exit 2: a head not up yet or a device error at boot is worth a
+    # retry, a refusal is not.
+    print(f"appliance: {reason}", file=sys.stderr)
+    return REFUSED_EXIT
 
 
 def console(args: argparse.Namespace) -> int:

@@ -295,6 +295,16 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _groups_decode_in_their_box(self) -> Settings:
+        if self.decode_devices == () and self.prefill_tp > 1:
+            raise ValueError(
+                "decode_devices=none leaves decoding to other boxes, but a tensor-parallel "
+                "prefill group (prefill_tp > 1) hands KV off only within its own box: give "
+                "this box a decode device, or set prefill_tp to 1"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _remote_needs_consent(self) -> Settings:
         if not self.allow_remote and not is_loopback(self.host):
             raise ValueError(

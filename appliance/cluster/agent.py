@@ -27,8 +27,13 @@ from appliance.kv.remote import require_nixl
 from appliance.supervisor import discover_box
 
 log = logging.getLogger("appliance.agent")
+REFUSED_EXIT = 78  # EX_CONFIG: joining again would be refused again (the unit does not retry)
 JOIN_TIMEOUT_S = 60.0
 WATCH_S = 0.2  # how often the agent looks for exited workers
+
+
+class BoxRefused(Exception):
+    """The head will not take this box as it is (its reason in the message)."""
 
 
 class Agent:
@@ -89,7 +94,7 @@ class Agent:
                 if process is not None:
                     process.kill()
             case Refused():
-                raise ValueError(f"the head refused box {self.box!r}: {message.reason}")
+                raise BoxRefused(f"the head refused box {self.box!r}: {message.reason}")
 
     def _spawn(self, message: SpawnWorker) -> None:
         # The head's settings (transports, ports, timeout hold for the whole cluster), but
