@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 
 from appliance.cluster.head import ClusterHead
 from appliance.cluster.interfaces import with_interface
@@ -55,13 +56,16 @@ class Boxes:
         self.processes.cluster = self.head
         self.head.start()
 
-    def joined(self, hello: AgentHello) -> None:
-        """A box joined (or rejoined): a worker of its role on each of its devices."""
+    def joined(self, hello: AgentHello, connection: Connection) -> None:
+        """A box joined (or rejoined): a worker of its role on each of its devices, or,
+        if it offers other devices than before, turned away."""
+        assert self.head is not None
         topology = self.processes.topology
         known = [d for d in topology.devices if d.box == hello.box]
         if known and identities(known) != identities(hello.devices):
-            self._refuse(hello, known)
+            self._refuse(hello, known, connection)
             return
+        self.head.admit(hello, connection)
         indices = [d.index for d in known]
         if not indices:
             topology = self.processes.topology = topology.with_box(hello.box, hello.devices)
@@ -76,15 +80,16 @@ class Boxes:
             if index not in busy:
                 self._start(hello.pool, index)
 
-    def _refuse(self, hello: AgentHello, known: Sequence[Device]) -> None:
+    def _refuse(self, hello: AgentHello, known: Sequence[Device], connection: Connection) -> None:
         """A known box offers other devices than when it first joined: its devices' numbers
-        are taken here (workers, moves, the console refer to them), so it is turned away."""
+        are taken here (workers, moves, the console refer to them), so it is turned away
+        (a link it still has stays: this may be another machine claiming its name)."""
         reason = (
             f"it joined before with {names(known)} and now offers {names(hello.devices)}: "
             "restart the head to take the new devices, or join under another --box name"
         )
         assert self.head is not None
-        self.head.refuse(hello.box, reason)
+        self.head.refuse(connection, reason)
         self._note("box", f"refused box {hello.box!r}: {reason}")
 
     def lost(self, box: str) -> None:

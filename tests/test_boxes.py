@@ -153,7 +153,7 @@ def test_a_wrong_secret_is_refused(cluster: Cluster, tmp_path: Path) -> None:
     wrong.write_text("not-the-secret-of-these-boxes\n")
     agent = cluster.agent("stranger", wrong)
     output, _ = agent.communicate(timeout=60)
-    assert agent.returncode == 2, output
+    assert agent.returncode == 78, output  # a refusal: the unit does not restart it
     assert b"refused this box: its cluster secret differs" in output, output
     assert not cluster.on_box("stranger")
 
@@ -281,9 +281,9 @@ def test_a_known_box_offering_other_devices_is_refused(
     first = cluster.agents[-1]  # box c's
     agent = cluster.agent("c", address=THIRD_ADDRESS, cpu_devices="2")
     output, _ = agent.communicate(timeout=60)
-    assert agent.returncode == 2, output  # the unit does not restart it (exit 2)
+    assert agent.returncode == 78, output  # a refusal: the unit does not restart it
     assert b"the head refused box 'c': it joined before with cpu0" in output, output
-    assert first.wait(60) == 0  # its old link was ended, as for any box joining again
-    wait_until(lambda: not cluster.on_box("c"), 30, "box c's worker gone")
-    assert cluster.on_box("b")  # the other boxes serve on
+    # Turned away before it replaced anything: box c's agent and worker serve on.
+    assert first.poll() is None and any(w["ready"] for w in cluster.on_box("c"))
+    assert cluster.on_box("b")
     assert cluster.complete(PROMPTS[1]) == expected[PROMPTS[1]]

@@ -113,7 +113,6 @@ class AgentLink:
     processes: dict[int, RemoteProcess] = field(default_factory=dict)
     inboxes: dict[int, RemoteInbox] = field(default_factory=dict)
     lost: bool = False
-    refused: bool = False  # the head turned it away: its end is no loss
     sender: Sender = field(default_factory=Sender)
 
     def __post_init__(self) -> None:
@@ -134,14 +133,15 @@ class AgentLink:
 class ClusterHead:
     """Listens for agents and their workers; see the module docstring.
 
-    `joined(hello)` and `lost(box)` run on the supervisor's loop (`call`); `attach(worker
-    id, connection)` runs on a connection's thread (the outbox reader takes the connection)."""
+    `joined(hello, connection)` and `lost(box)` run on the supervisor's loop (`call`);
+    joined answers with `admit` or `refuse`. `attach(worker id, connection)` runs on a
+    connection's thread (the outbox reader takes the connection)."""
 
     def __init__(
         self,
         settings: ClusterSettings,
         call: Callable[..., object],
-        joined: Callable[[AgentHello], None],
+        joined: Callable[[AgentHello, Connection], None],
         lost: Callable[[str], None],
         attach: Callable[[int, Connection], None],
     ) -> None:
@@ -174,13 +174,22 @@ class ClusterHead:
             agent = self.agents.get(box)
             return agent is not None and not agent.lost
 
-    def refuse(self, box: str, reason: str) -> None:
-        """Turn a box that just joined away: its agent exits (and ends the link)."""
+    def admit(self, hello: AgentHello, connection: Connection) -> None:
+        """Take a box that joined: its link replaces any old one, and is read from now."""
+        agent = AgentLink(hello.box, hello.devices, hello.pool, connection)
         with self._lock:
-            agent = self.agents.get(box)
-        if agent is not None:
-            agent.refused = True
-            agent.send(Refused(reason))
+            old = self.agents.get(hello.box)
+            self.agents[hello.box] = agent
+        if old is not None and not old.lost:
+            # Its agent came back (a reboot, a cut the head had not seen yet): the old
+            # link is stale, and ending it loses that box's workers as any loss does.
+            log.warning("box %r joined again: dropping its old link", hello.box)
+            old.drop()
+        threading.Thread(target=self._read_agent, args=(agent,), daemon=True).start()
+
+    def refuse(self, connection: Connection, reason: str) -> None:
+        """Turn a box that joined away (its agent exits); a link it had stays as it is."""
+        threading.Thread(target=_say_and_close, args=(connection, Refused(reason))).start()
 
     def spawn(
         self, worker_id: int, role: str, settings: Settings, devices: tuple[Device, ...]
@@ -248,28 +257,22 @@ class ClusterHead:
                 connection.close()
 
     def _agent_joined(self, hello: AgentHello, connection: Connection) -> None:
-        agent = AgentLink(hello.box, hello.devices, hello.pool, connection)
-        with self._lock:
-            old = self.agents.get(hello.box)
-            self.agents[hello.box] = agent
-        if old is not None and not old.lost:
-            # Its agent came back (a reboot, a cut the head had not seen yet): the old
-            # link is stale, and ending it loses that box's workers as any loss does.
-            log.warning("box %r joined again: dropping its old link", hello.box)
-            old.drop()
-        threading.Thread(target=self._read_agent, args=(agent,), daemon=True).start()
-        self._call(self._joined, hello)
+        self._call(self._joined, hello, connection)  # which admits or refuses it
 
     def _worker_connected(self, hello: WorkerHello, connection: Connection) -> None:
         with self._lock:
-            found = [a for a in self.agents.values() if hello.worker_id in a.inboxes]
+            found = [
+                (a.processes[hello.worker_id], a.inboxes[hello.worker_id])
+                for a in self.agents.values()
+                if hello.worker_id in a.inboxes
+            ]
         if not found:
-            connection.close()  # a worker the head did not ask for (or forgot)
+            connection.close()  # a worker the head did not ask for (or forgot: it exited)
             return
-        agent = found[0]
-        agent.processes[hello.worker_id].pid = hello.pid
+        [(process, inbox)] = found
+        process.pid = hello.pid
         self._attach(hello.worker_id, connection)
-        agent.inboxes[hello.worker_id].attach(connection)
+        inbox.attach(connection)
 
     def _read_agent(self, agent: AgentLink) -> None:
         """What one agent reports, until its link ends: then every worker it ran exited."""
@@ -292,6 +295,12 @@ class ClusterHead:
         for process in processes:
             if process.is_alive():
                 process.exited(LOST)
-        if not self._stopping.is_set() and not agent.refused:
+        if not self._stopping.is_set():
             log.warning("lost box %r", agent.box)
             self._call(self._lost, agent.box)
+
+
+def _say_and_close(connection: Connection, message: object) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        connection.send(message)
+    connection.close()
