@@ -92,3 +92,27 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+
+
+def cluster_head(folder: Path, listen: str, **more: str) -> tuple[ServerProcess, Path]:
+    """A head for the tests with boxes, not yet started, and its cluster secret: prefill
+    on device 0 and decode on device 1 of two one-core devices, listening for agents on
+    `listen` (host:port), their KV crossing over TCP; `more` adds settings."""
+    secret = folder / "secret"
+    secret.write_text("a-shared-secret-of-the-test-boxes\n")
+    env = {
+        "APPLIANCE_API_KEY": API_KEY,
+        "APPLIANCE_DTYPE": "float32",
+        "APPLIANCE_WEIGHTS": "dense",
+        "APPLIANCE_CPU_DEVICES": "2",
+        "APPLIANCE_CPU_SHARE_CORES": "true",
+        "APPLIANCE_PREFILL_DEVICES": "0",
+        "APPLIANCE_DECODE_DEVICES": "1",
+        "APPLIANCE_KV__MEMORY_MB": "64",
+        "APPLIANCE_ADMIN__TOKEN_FILE": str(folder / "admin.token"),
+        "APPLIANCE_CLUSTER__LISTEN": listen,
+        "APPLIANCE_CLUSTER__SECRET_FILE": str(secret),
+        "APPLIANCE_CLUSTER__TRANSPORTS": "tcp",
+        **more,
+    }
+    return ServerProcess(env, admin_token_file=folder / "admin.token"), secret

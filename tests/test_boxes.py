@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import API_KEY, ServerProcess, wait_until
+from server_process import API_KEY, ServerProcess, cluster_head, wait_until
 
 from appliance.bench.compare import free_port
 from appliance.engine.llm_engine import LLMEngine
@@ -101,28 +101,9 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     assert nixl_available(), "NIXL is missing: ./install.sh --dev installs it"
     folder = tmp_path_factory.mktemp("cluster")
-    secret = folder / "secret"
-    secret.write_text("a-shared-secret-of-the-test-boxes\n")
     address = f"127.0.0.2:{free_port()}"  # the head box's own address
-    head = ServerProcess(
-        {
-            "APPLIANCE_API_KEY": API_KEY,
-            "APPLIANCE_DTYPE": "float32",
-            "APPLIANCE_WEIGHTS": "dense",
-            "APPLIANCE_CPU_DEVICES": "2",
-            "APPLIANCE_CPU_SHARE_CORES": "true",
-            "APPLIANCE_PREFILL_DEVICES": "0",
-            "APPLIANCE_DECODE_DEVICES": "1",
-            "APPLIANCE_KV__MEMORY_MB": "64",
-            "APPLIANCE_ADMIN__TOKEN_FILE": str(folder / "admin.token"),
-            "APPLIANCE_CLUSTER__LISTEN": address,
-            "APPLIANCE_CLUSTER__SECRET_FILE": str(secret),
-            "APPLIANCE_CLUSTER__TRANSPORTS": "tcp",
-            "APPLIANCE_CLUSTER__INTERFACE": "lo",
-        }
-    )
+    head, secret = cluster_head(folder, address, APPLIANCE_CLUSTER__INTERFACE="lo")
     head.start()
-    head.admin_token_file = folder / "admin.token"
     running = Cluster(head, address, secret)
     yield running
     for agent in running.agents:

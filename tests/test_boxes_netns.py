@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
-from server_process import API_KEY, ServerProcess, wait_until
+from server_process import API_KEY, ServerProcess, cluster_head, wait_until
 
 from appliance.bench.compare import free_port
 from appliance.engine.llm_engine import LLMEngine
@@ -63,27 +63,9 @@ def namespace() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def boxes(namespace: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
     folder = tmp_path_factory.mktemp("netns")
-    secret = folder / "secret"
-    secret.write_text("a-shared-secret-of-the-test-boxes\n")
-    listen = f"{HEAD_IP}:{free_port()}"
-    head = ServerProcess(
-        {
-            "APPLIANCE_API_KEY": API_KEY,
-            "APPLIANCE_DTYPE": "float32",
-            "APPLIANCE_WEIGHTS": "dense",
-            "APPLIANCE_CPU_DEVICES": "2",
-            "APPLIANCE_CPU_SHARE_CORES": "true",
-            "APPLIANCE_PREFILL_DEVICES": "0",
-            "APPLIANCE_DECODE_DEVICES": "1",
-            "APPLIANCE_KV__MEMORY_MB": "64",
-            "APPLIANCE_ADMIN__TOKEN_FILE": str(folder / "admin.token"),
-            "APPLIANCE_CLUSTER__LISTEN": listen,  # its interface: the veth's head end
-            "APPLIANCE_CLUSTER__SECRET_FILE": str(secret),
-            "APPLIANCE_CLUSTER__TRANSPORTS": "tcp",
-        }
-    )
+    listen = f"{HEAD_IP}:{free_port()}"  # its interface: the veth's head end
+    head, secret = cluster_head(folder, listen)
     head.start()
-    head.admin_token_file = folder / "admin.token"
     command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "appliance.cli"]
     command += ["agent", "--head", listen, "--box", "b", "--pool", "decode"]
     command += ["--cpu-devices", "1", "--secret-file", str(secret)]
