@@ -148,7 +148,8 @@ class ProcessManager:
         reader = self._reader.sibling()
         reader.add(worker_id, connection)
         reader.start()
-        self._remote_readers.append(reader)
+        # Readers of remote workers that have exited have ended: let them go.
+        self._remote_readers = [r for r in self._remote_readers if r.running] + [reader]
 
     def send(self, worker_id: int | None, message: ToWorker) -> None:
         """Put a message in a worker's inbox; a worker that is gone is skipped."""

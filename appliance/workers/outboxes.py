@@ -30,17 +30,25 @@ class Outbox:
 class OutboxReader:
     """Reads every worker's pipe on a thread and hands each message to `deliver`."""
 
-    def __init__(self, deliver: Callable[[FromWorker], None]) -> None:
+    def __init__(
+        self, deliver: Callable[[FromWorker], None], ends_when_empty: bool = False
+    ) -> None:
         self._deliver = deliver
+        self._ends_when_empty = ends_when_empty  # the thread ends once its pipes have
         self._pipes: dict[int, Connection] = {}  # worker id -> the reading end
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sibling(self) -> OutboxReader:
-        """Another reader delivering to the same place (a remote worker's own: a message
-        cut mid-way by the network must not hold up every other worker's)."""
-        return OutboxReader(self._deliver)
+        """Another reader delivering to the same place, whose thread ends once the pipes
+        given to it have (a remote worker's own: a message cut mid-way by the network must
+        not hold up every other worker's)."""
+        return OutboxReader(self._deliver, ends_when_empty=True)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def add(self, worker_id: int, connection: Connection) -> None:
         with self._lock:
@@ -61,6 +69,8 @@ class OutboxReader:
         while not self._stopping.is_set():
             with self._lock:
                 pipes = {c: w for w, c in self._pipes.items()}
+            if not pipes and self._ends_when_empty:
+                return
             # `wait` returns those of the objects it was given that are ready: Connections
             # here (typeshed widens its return to any waitable object).
             ready = cast(list[Connection], wait(list(pipes), timeout=WAKE_EVERY_S))
