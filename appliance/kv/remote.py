@@ -145,14 +145,10 @@ class RemoteCopy:
             return True
         assert self._transfer is not None and self._request is not None
         state = self._transfer.state(self._request)
-        if state == "done":
-            self._transfer.release(self._request)
-            self._request, self._landed = None, True
-            return True
-        if state == "error":
-            # Not released: NIXL may have dropped a request whose peer went away itself,
-            # and a second release of it would be a double free (a handle leaks instead).
-            self._request = None
+        if self._end(state):
+            if state == "done":
+                self._landed = True
+                return True
             self.failed = "the KV read from the other box failed: its peer is gone"
         elif time.monotonic() > self._deadline:
             # Not cancelled: NIXL's release of a busy read only asks UCX to cancel it, and
@@ -170,12 +166,18 @@ class RemoteCopy:
             return True
         assert self._transfer is not None
         self.failed = self.failed or "another read of its request failed"
-        state = self._transfer.state(self._request)
-        if state == "done":
-            self._transfer.release(self._request)
-        elif state == "busy":
+        return self._end(self._transfer.state(self._request))
+
+    def _end(self, state: str) -> bool:
+        """Let go of the NIXL request if it has ended ('done' or 'error'); whether it has.
+        One in error is not released: NIXL may have dropped a request whose peer went away
+        itself, and a second release of it would be a double free (a handle leaks instead)."""
+        if state == "busy":
             return False
-        self._request = None  # an error: not released, as in done()
+        if state == "done":
+            assert self._transfer is not None and self._request is not None
+            self._transfer.release(self._request)
+        self._request = None
         return True
 
     def wait(self, poll_s: float = 0.0005) -> None:
