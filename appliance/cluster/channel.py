@@ -11,7 +11,6 @@ import struct
 import time
 from multiprocessing.connection import (
     Connection,
-    Listener,
     answer_challenge,
     deliver_challenge,
 )
@@ -44,11 +43,6 @@ def read_secret(path: Path | None) -> bytes:
     if len(secret) < 16:
         raise SecretError(f"the cluster secret in {path} is shorter than 16 bytes")
     return secret
-
-
-def listen(address: str, secret: bytes) -> Listener:
-    """A listener on host:port that only accepts peers holding `secret`."""
-    return Listener(host_port(address), authkey=secret)
 
 
 def connect(address: str, secret: bytes, timeout: float, source: str = "") -> Connection:
