@@ -250,14 +250,11 @@ class ClusterHead:
         match hello:
             case AgentHello():
                 log.info("box %r joins from %s", hello.box, peer)
-                self._agent_joined(hello, connection)
+                self._call(self._joined, hello, connection)  # which admits or refuses it
             case WorkerHello():
                 self._worker_connected(hello, connection)
             case _:
                 connection.close()
-
-    def _agent_joined(self, hello: AgentHello, connection: Connection) -> None:
-        self._call(self._joined, hello, connection)  # which admits or refuses it
 
     def _worker_connected(self, hello: WorkerHello, connection: Connection) -> None:
         with self._lock:
