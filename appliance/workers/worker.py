@@ -242,11 +242,10 @@ def handle(state: WorkerState, message: ToWorker) -> None:
         case Tune():
             engine.scheduler.limits = replace(engine.scheduler.limits, **message.changes())
         case Abort():
-            engine_id = state.to_engine.pop(message.request_id, None)
+            engine_id = state.to_engine.get(message.request_id)
             if engine_id is not None:
                 engine.abort(engine_id)
-                state.to_request.pop(engine_id, None)
-                state.copying.pop(engine_id, None)
+                forget_engine_id(state, engine_id)
         case Shutdown():  # drain() stops at it before handing it here
             raise AssertionError("Shutdown is drain()'s to handle")
 
