@@ -226,8 +226,11 @@ def expected(engine: LLMEngine, chat_prompts: list[list[int]]) -> list[list[int]
 @pytest.fixture(scope="module")
 def expected_quantized(chat_prompts: list[list[int]]) -> list[list[int]]:
     """What one process answers on the quantized path (its decode steps compiled), set up
-    for an appliance with groups of 2 (row_parallel_spans)."""
-    one = LLMEngine.from_settings(load_settings(device="cpu", weights="quantized", prefill_tp=2))
+    for an appliance with groups of 2 (row_parallel_spans). Its prefill GEMMs in float32,
+    as the groups': a bfloat16 GEMM's rounding would follow how each step is batched."""
+    one = LLMEngine.from_settings(
+        load_settings(device="cpu", weights="quantized", prefill_tp=2, prefill_gemm="float32")
+    )
     return [c.token_ids for c in one.generate(chat_prompts, GREEDY)]
 
 
@@ -275,7 +278,9 @@ def test_tensor_parallel_greedy_outputs_equal_one_process(
     sum the spans a split falls on by themselves (see cpu_kernels.QuantMatrix)."""
     expected = request.getfixturevalue("expected" if weights == "dense" else "expected_quantized")
     dtype = "float32" if weights == "dense" else "auto"
-    settings = load_settings(dtype=dtype, device="cpu", weights=weights, mode=mode, **layout)
+    settings = load_settings(
+        dtype=dtype, device="cpu", weights=weights, mode=mode, prefill_gemm="float32", **layout
+    )
     cores = [(0,), (1,)] if mode == "colocated" else [(0,), (1,), (0,)]
 
     async def main() -> tuple[list, list[list[int]], dict]:

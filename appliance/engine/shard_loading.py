@@ -18,7 +18,7 @@ from appliance.model.gemma import model_class
 from appliance.model.llama import CausalLM
 from appliance.model.loader import ModelFiles, Selected, load_model_files
 from appliance.model.packed_linear import pack_linears, packs_linears
-from appliance.model.quant import attach_quant, quantizable, quantize_weights
+from appliance.model.quant import attach_quant, quantizable, quantize_weights, use_gemm_dtype
 from appliance.model.tensor_parallel import (
     WHOLE_MODEL,
     AllReduce,
@@ -171,6 +171,8 @@ def load_shard(
     model = build_model(
         files, dtype, device, max_len, quantized, shard, all_reduce, settings.quantize, degrees
     )
+    if quantized:
+        use_gemm_dtype(model, cpu_kernels.prefill_gemm_dtype(settings.prefill_gemm))
     largest = KVLayout(
         cfg.num_layers, settings.kv.block_size, len(kv_heads[0]), cfg.head_dim, dtype
     )

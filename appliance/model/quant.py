@@ -160,23 +160,32 @@ class QuantLinear(nn.Module):
         # 8-bit form changed SmolLM2's answers (benchmarks/quant_accuracy.py) for 10-15%
         # less kernel time.
         self.precise = True
+        # The type a prefill chunk's GEMM multiplies in (use_gemm_dtype(): the setting).
+        self.gemm_dtype = torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in] -> [rows, out] in x's dtype (float32 or bfloat16 CPU rows; float64
         when `partial`)."""
         if len(self._matrices) == 1:
-            return self._matrices[0](x, None, self.precise)
+            return self._matrices[0](x, None, self.precise, self.gemm_dtype)
         out_dtype = torch.float64 if self.partial else x.dtype
         out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
         start = 0
         for matrix in self._matrices:
             stop = start + matrix.out_features
-            matrix(x, out[:, start:stop], self.precise)
+            matrix(x, out[:, start:stop], self.precise, self.gemm_dtype)
             start = stop
         return out
 
     def weight_bytes(self) -> int:
         return sum(p.blocks.numel() for p in self.parts)
+
+
+def use_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Make every quantized projection of `model` run its prefill GEMMs in `dtype`."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.gemm_dtype = dtype
 
 
 class QuantEmbedding(nn.Module):

@@ -31,7 +31,15 @@ from appliance.model.cpu_kernels.attention import (
     rope_store_takes,
 )
 from appliance.model.cpu_kernels.compiled_step import LAYER_FIELDS, StepShape, decode_step
-from appliance.model.cpu_kernels.loading import ABI, LEVELS, available, cpu_levels, level, select
+from appliance.model.cpu_kernels.loading import (
+    ABI,
+    LEVELS,
+    available,
+    cpu_levels,
+    level,
+    prefill_gemm_dtype,
+    select,
+)
 from appliance.model.cpu_kernels.norm_silu import add_rms_norm, norm_takes, silu_mul, silu_takes
 from appliance.model.cpu_kernels.quant_products import (
     GEMM_ROWS,
@@ -59,6 +67,7 @@ __all__ = [
     "level",
     "norm_takes",
     "paged_decode",
+    "prefill_gemm_dtype",
     "quant_matmul",
     "quant_rows",
     "quant_takes",

@@ -201,6 +201,7 @@ static PyObject *cpu_features(PyObject *self, PyObject *args) {
         {"avx512vl", __builtin_cpu_supports("avx512vl")},
         {"avx512dq", __builtin_cpu_supports("avx512dq")},
         {"avx512vnni", __builtin_cpu_supports("avx512vnni")},
+        {"avx512bf16", 0},
     };
     for (size_t i = 0; i < sizeof features / sizeof features[0]; i++) {
         int present = features[i].present;
@@ -208,6 +209,15 @@ static PyObject *cpu_features(PyObject *self, PyObject *args) {
             unsigned a, b, c, d;
             __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
             present = (c >> 29) & 1;
+        }
+        if (i == 8) { /* AVX512-BF16: CPUID leaf 7 subleaf 1, EAX bit 5; no AVX-512, no use */
+            unsigned a, b, c, d;
+            __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+            present = 0;
+            if (a >= 7 && __builtin_cpu_supports("avx512f")) {
+                __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+                present = (a >> 5) & 1;
+            }
         }
         if (!present) continue;
         PyObject *name = PyUnicode_FromString(features[i].name);
