@@ -1,5 +1,9 @@
 """Greedy agreement with the float32 dense engine: 12 chat prompts x 64 tokens.
 
+A second table asks the same questions after a passage of about 300 tokens, so that each
+prompt is prefilled by the GEMM path (128 rows or more), in float32 and in bfloat16
+(`prefill_gemm`; bfloat16 runs natively only on CPUs with AVX512-BF16).
+
 For each way of running the default model (the quantized kernels at each ISA level this
 CPU has, the same with llama.cpp's 8-bit activations instead of our two 8-bit parts, and
 dense bfloat16, the path `dtype=auto` took before on CPUs with AVX512-BF16)
@@ -34,19 +38,40 @@ QUESTIONS = [
     "Why is the sky blue?",
     "Translate 'good morning' into Spanish.",
 ]
+PASSAGE = (
+    "A serving appliance runs a language model on one box with several accelerators. It "
+    "splits them into two pools. The prefill pool reads each prompt and builds its cache "
+    "of keys and values; this work is bound by arithmetic, since every token of the prompt "
+    "passes through every layer at once. The decode pool then produces one token per step "
+    "for every running request, reading the whole cache and every weight again for each "
+    "step; this work is bound by memory bandwidth. When both kinds of work share a device, "
+    "a long prompt stalls every stream that is decoding, and users see their answers "
+    "pause. When they are split, each pool is batched and sized on its own, and the cache "
+    "is handed from one pool to the other over the fastest link inside the box. A "
+    "supervisor process starts the workers, routes requests, watches their health and "
+    "restarts any that fail; a console shows what each device is doing and lets the "
+    "operator move a device from one pool to the other while requests keep flowing. "
+    "Traffic changes during the day: short questions with long answers in the morning, "
+    "long documents with short summaries in the afternoon. The best split changes with it."
+)
 PARAMS = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+LENGTHS: dict[bool, tuple[int, int]] = {}  # the prompts' fewest and most tokens, by `long`
 
 
-def answers(eight_bit: bool = False, **settings: object) -> list[list[int]]:
-    engine = LLMEngine.from_settings(
-        load_settings(device="cpu", kv={"num_blocks": 256}, **settings)
-    )
+def answers(eight_bit: bool = False, long: bool = False, **settings: object) -> list[list[int]]:
+    """Greedy answers to the 12 questions (after PASSAGE when `long`), prefix caching off:
+    each prompt is prefilled whole."""
+    kv = {"num_blocks": 256, "prefix_caching": False}
+    engine = LLMEngine.from_settings(load_settings(device="cpu", kv=kv, **settings))
     for module in engine.model.modules():
         if isinstance(module, QuantLinear):
             module.precise = not eight_bit
+    before = PASSAGE + "\n\n" if long else ""
     prompts = [
-        engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": before + q}])
+        for q in QUESTIONS
     ]
+    LENGTHS[long] = (min(map(len, prompts)), max(map(len, prompts)))
     return [engine.generate([p], PARAMS)[0].token_ids for p in prompts]
 
 
@@ -62,14 +87,28 @@ def main() -> int:
         ("quantized, 8-bit activations (llama.cpp's)", {"weights": "quantized", "eight_bit": True})
     )
     rows.append(("dense bfloat16", {"weights": "dense", "dtype": "bfloat16"}))
+    print(f"chat prompts ({'-'.join(map(str, LENGTHS[False]))} tokens: under 128, the integer "
+          "kernel prefills them)\n")  # fmt: skip
+    table(rows, reference)
+    long_reference = answers(long=True, dtype="float32", weights="dense")
+    long_rows = [
+        (f"quantized, prefill GEMM {gemm}", {"weights": "quantized", "prefill_gemm": gemm})
+        for gemm in ("float32", "bfloat16")
+    ]
+    print(f"\nthe same questions after a passage ({'-'.join(map(str, LENGTHS[True]))} tokens: "
+          "the GEMM prefills them)\n")  # fmt: skip
+    table(long_rows, long_reference, long=True)
+    return 0
+
+
+def table(rows: list[tuple[str, dict]], reference: list[list[int]], long: bool = False) -> None:
     print("| path vs float32 dense | prompts agreeing on all 64 | median tokens agreeing |")
     print("|---|---:|---:|")
     for label, settings in rows:
-        got = answers(**settings)
+        got = answers(long=long, **settings)
         prefixes = [common_prefix(g, r) for g, r in zip(got, reference, strict=True)]
         full = sum(p == len(r) for p, r in zip(prefixes, reference, strict=True))
         print(f"| {label} | {full}/12 | {statistics.median(prefixes):.1f} |")
-    return 0
 
 
 if __name__ == "__main__":
