@@ -25,6 +25,7 @@ SOURCES = [
     "silu_mul.c",
     "rope_store.c",
     "quant_matmul.c",
+    "quant_gemm.c",
     "decode_step.c",
 ]
 X86_LEVELS = {

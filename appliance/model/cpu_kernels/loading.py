@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-ABI = 8  # module.c's ABI: the argument lists these calls pass
+ABI = 9  # module.c's ABI: the argument lists these calls pass
 LEVELS = ("generic", "avx2", "avx512")  # lowest first; setup.py builds each
 # The CPU features each level's build was compiled for (setup.py's flags).
 _NEEDS = {
@@ -28,10 +28,11 @@ _NEEDS = {
 }
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # element types, as csrc/vec.h numbers them
 OUT_DTYPES = {**DTYPES, torch.float64: 2}
+GEMM_TYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int16": torch.int16}
 
 
 class _Kernels(Protocol):
-    """A compiled module's calls (csrc/module.c at ABI 8): tensors go as their addresses,
+    """A compiled module's calls (csrc/module.c at ABI 9): tensors go as their addresses,
     each call returns None or raises."""
 
     ABI: int
@@ -63,6 +64,11 @@ class _Kernels(Protocol):
         self, x: int, w: int, bias: int, out: int, m: int, n: int, k: int, row_bytes: int,
         x_row_stride: int, out_row_stride: int, span: int, format: int, dtype: int,
         out_dtype: int, threads: int, precise: int, /,
+    ) -> None: ...  # fmt: skip
+
+    def quant_gemm(
+        self, x: int, w: int, bias: int, out: int, m: int, n: int, k: int, row_bytes: int,
+        x_row_stride: int, out_row_stride: int, format: int, threads: int, /,
     ) -> None: ...  # fmt: skip
 
     def quant_rows(
@@ -126,18 +132,22 @@ def level() -> str | None:
 
 
 def prefill_gemm_dtype(choice: str = "auto") -> torch.dtype:
-    """The float type a product of GEMM_ROWS rows or more (a prefill chunk) multiplies in
-    (the `prefill_gemm` setting): 'auto' takes bfloat16 where the avx512 kernels serve and
-    the CPU has AVX512-BF16 (torch's bfloat16 GEMM there ran 4.5x its float32 one on a Zen 4;
-    elsewhere bfloat16 is emulated), else float32."""
-    if choice not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"prefill_gemm {choice!r} is not one of auto, float32, bfloat16")
+    """The type a product of GEMM_ROWS rows or more (a prefill chunk) multiplies in (the
+    `prefill_gemm` setting; torch.int16: the integer GEMM, csrc/quant_gemm.c). 'auto'
+    takes the fastest this CPU runs natively: bfloat16 where the avx512 kernels serve and
+    the CPU has AVX512-BF16 (torch's bfloat16 GEMM ran 4.5x its float32 one on a Zen 4),
+    int16 at the avx2 and avx512 levels otherwise (1.45-1.7x float32's GEMM on AVX2),
+    float32 at the generic level or without kernels."""
+    if choice in GEMM_TYPES:
+        return GEMM_TYPES[choice]
     if choice != "auto":
-        return torch.bfloat16 if choice == "bfloat16" else torch.float32
+        raise ValueError(f"prefill_gemm {choice!r} is not one of auto, {', '.join(GEMM_TYPES)}")
     kernels = compiled()
-    if kernels is None or kernels.LEVEL != "avx512":
+    if kernels is None or kernels.LEVEL == "generic":
         return torch.float32
-    return torch.bfloat16 if "avx512bf16" in kernels.cpu_features() else torch.float32
+    if kernels.LEVEL == "avx512" and "avx512bf16" in kernels.cpu_features():
+        return torch.bfloat16
+    return torch.int16
 
 
 def available() -> bool:

@@ -106,6 +106,24 @@ typedef struct {
 const char *quant_rows_check(const QuantRows *p);
 int quant_rows_run(const QuantRows *p);
 
+/* out[:, :n] = x @ W.T (+ bias) by an integer GEMM (quant_gemm.c), for a prefill's many
+ * rows: x [m, k] float32, rows `x_row_stride` apart, quantized per 32 values to int16
+ * (scale absmax / 32767); W [n, k] in Q4_0, Q4_1 or Q8_0 (`row_bytes` per row), unpacked
+ * per call to int16 panels; bias [n] float32 or NULL; out [m, n] float32, rows
+ * `out_row_stride` apart. */
+typedef struct {
+    const float *x;
+    const uint8_t *w;
+    const float *bias;
+    float *out;
+    long m, n, k, row_bytes, x_row_stride, out_row_stride;
+    int format, threads;
+} QuantGemm;
+
+const char *quant_gemm_check(const QuantGemm *p);
+/* Runs a checked problem; -1 when out of memory. */
+int quant_gemm_run(const QuantGemm *p);
+
 /* A decode step's decoder layers (decode_step.c): `layers` [num_layers, 28] int64, per
  * layer the addresses of its input and post-attention norm weights [hidden], then for each
  * of its q/k/v, o, gate/up and down projections (block-quantized, as QuantMatmul takes

@@ -125,6 +125,31 @@ static PyObject *quant_matmul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *quant_gemm(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, w, bias, out;
+    QuantGemm p;
+    if (!PyArg_ParseTuple(args, "KKKKllllllii", &x, &w, &bias, &out, &p.m, &p.n, &p.k,
+                          &p.row_bytes, &p.x_row_stride, &p.out_row_stride, &p.format,
+                          &p.threads))
+        return NULL;
+    p.x = (const float *)(uintptr_t)x;
+    p.w = (const uint8_t *)(uintptr_t)w;
+    p.bias = (const float *)(uintptr_t)bias;
+    p.out = (float *)(uintptr_t)out;
+    const char *problem = quant_gemm_check(&p);
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = quant_gemm_run(&p);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *quant_rows(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long w, rows, out;
@@ -246,6 +271,9 @@ static PyMethodDef methods[] = {
     {"quant_matmul", quant_matmul, METH_VARARGS,
      "quant_matmul(x, w, bias or 0, out, m, n, k, row_bytes, x_row_stride, out_row_stride, "
      "span, format, dtype, out_dtype, threads, precise)"},
+    {"quant_gemm", quant_gemm, METH_VARARGS,
+     "quant_gemm(x, w, bias or 0, out, m, n, k, row_bytes, x_row_stride, out_row_stride, "
+     "format, threads)"},
     {"quant_rows", quant_rows, METH_VARARGS,
      "quant_rows(w, rows, out, count, total_rows, k, row_bytes, format, dtype, threads)"},
     {"decode_step", decode_step, METH_VARARGS,
@@ -258,7 +286,7 @@ static PyMethodDef methods[] = {
 
 /* Bumped whenever an entry point's arguments change: cpu_kernels/loading.py refuses a module
  * built from older sources (an editable install not re-run after a pull). */
-#define ABI 8
+#define ABI 9
 
 /* setup.py builds this file once per instruction-set level: KERNELS_LEVEL names it
  * (generic, avx2, avx512), and the module is _cpu_kernels_<level>. */

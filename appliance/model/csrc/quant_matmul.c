@@ -77,29 +77,6 @@ INLINE int block_path(int format) {
 #endif
 }
 
-INLINE float fp16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
-        float f = ldexpf((float)man, -24);
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
 /* Two consecutive half floats. */
 INLINE void fp16_pair(const uint8_t *p, float out[2]) {
 #if defined(__F16C__)

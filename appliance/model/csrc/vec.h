@@ -4,8 +4,13 @@
 #ifndef APPLIANCE_VEC_H
 #define APPLIANCE_VEC_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 enum { F32 = 0, BF16 = 1, F64 = 2 }; /* element types, as cpu_kernels/loading.py numbers them */
 #define INLINE static inline __attribute__((always_inline))
@@ -30,6 +35,30 @@ typedef float half_vec __attribute__((vector_size(8 * sizeof(float))));
 typedef float quarter_vec __attribute__((vector_size(4 * sizeof(float))));
 typedef uint16_t vec_u16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t vec_u32 __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+/* The IEEE half float at p (a block format's scale). */
+INLINE float fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        float f = ldexpf((float)man, -24);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
 
 /* Element `offset` of a float32 or bfloat16 array. */
 INLINE const void *element(const void *base, int dtype, long offset) {
