@@ -154,11 +154,11 @@ class Settings(BaseSettings):
         description="The highest instruction-set level the CPU kernels may use; auto takes "
         "the best this CPU has (a cap: a level the CPU lacks falls to the next below).",
     )
-    prefill_gemm: Literal["auto", "float32", "bfloat16"] = Field(
+    prefill_gemm: Literal["auto", "float32", "bfloat16", "int16"] = Field(
         "auto",
-        description="Quantized path: the type a step of 128+ rows (prefill) multiplies in; "
-        "bfloat16 rounds to 2^-9 for 2.4x prefill speed on AVX512-BF16 CPUs, where auto "
-        "takes it (cpu_isa allowing avx512); float32 elsewhere.",
+        description="Quantized path: the type a step of 128+ rows (prefill) multiplies in: "
+        "bfloat16 (2^-9; AVX512-BF16 CPUs: auto), int16 activations (other AVX2/AVX-512 "
+        "CPUs: auto; Q4_0/Q4_1/Q8_0) or float32.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Accelerator kind; auto takes CUDA when present."

@@ -1,6 +1,7 @@
 """The GEMM a prefill-sized quantized product runs (cpu_kernels.QuantMatrix, GEMM_ROWS rows
-or more): float32, or bfloat16 where the `prefill_gemm` setting (auto: CPUs with
-AVX512-BF16 at the avx512 level) says so."""
+or more): float32, bfloat16 or the int16 GEMM, as the `prefill_gemm` setting says (auto:
+bfloat16 on CPUs with AVX512-BF16 at the avx512 level, int16 at the avx2 and avx512
+levels otherwise). The int16 GEMM's own tests: test_quant_gemm.py."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from appliance.model.cpu_kernels.loading import compiled
 from appliance.model.quant import QuantLinear, QuantWeight, quantize
 
 ROWS = cpu_kernels.GEMM_ROWS + 3
+LEVELS = cpu_kernels.cpu_levels()
 
 
 @pytest.fixture
@@ -88,16 +90,20 @@ def test_bfloat16_shards_of_whole_spans_sum_to_the_whole_product_bit_for_bit() -
 def test_the_setting_names_the_gemm_type_and_auto_follows_the_cpu(at_level) -> None:
     assert cpu_kernels.prefill_gemm_dtype("float32") == torch.float32
     assert cpu_kernels.prefill_gemm_dtype("bfloat16") == torch.bfloat16
+    assert cpu_kernels.prefill_gemm_dtype("int16") == torch.int16
     with pytest.raises(ValueError, match="prefill_gemm 'fp8'"):
         cpu_kernels.prefill_gemm_dtype("fp8")
-    at_level("avx2")  # bfloat16 is emulated below AVX-512: slower than float32
+    at_level("generic")  # its int16 GEMM is plain C: slower than torch's float32
     assert cpu_kernels.prefill_gemm_dtype("auto") == torch.float32
+    if "avx2" in LEVELS:
+        at_level("avx2")  # bfloat16 is emulated below AVX-512: the int16 GEMM
+        assert cpu_kernels.prefill_gemm_dtype("auto") == torch.int16
     at_level("auto")
     kernels = compiled()
     assert kernels is not None
-    features = set(kernels.cpu_features())
-    native = cpu_kernels.level() == "avx512" and "avx512bf16" in features
-    assert cpu_kernels.prefill_gemm_dtype("auto") == (torch.bfloat16 if native else torch.float32)
+    if kernels.LEVEL == "avx512":
+        bf16 = "avx512bf16" in kernels.cpu_features()
+        assert cpu_kernels.prefill_gemm_dtype("auto") == (torch.bfloat16 if bf16 else torch.int16)
 
 
 def test_a_loaded_model_multiplies_its_prefills_as_the_setting_says(quant_engine) -> None:
