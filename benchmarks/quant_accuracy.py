@@ -1,7 +1,7 @@
 """Greedy agreement with the float32 dense engine: 12 chat prompts x 64 tokens.
 
-A second table asks the same questions after a passage of about 300 tokens, so that each
-prompt is prefilled by the GEMM path (128 rows or more), in float32 and in bfloat16
+A second table asks the same questions after a passage of about 270 tokens, so that each
+prompt is prefilled by the GEMM path (128 rows or more), in float32, int16 and bfloat16
 (`prefill_gemm`; bfloat16 runs natively only on CPUs with AVX512-BF16).
 
 For each way of running the default model (the quantized kernels at each ISA level this
@@ -93,7 +93,7 @@ def main() -> int:
     long_reference = answers(long=True, dtype="float32", weights="dense")
     long_rows = [
         (f"quantized, prefill GEMM {gemm}", {"weights": "quantized", "prefill_gemm": gemm})
-        for gemm in ("float32", "bfloat16")
+        for gemm in ("float32", "int16", "bfloat16")
     ]
     print(f"\nthe same questions after a passage ({'-'.join(map(str, LENGTHS[True]))} tokens: "
           "the GEMM prefills them)\n")  # fmt: skip
