@@ -12,6 +12,7 @@ from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import SchedulerLimits
 from appliance.kv.cache import KVCache, KVLayout
+from appliance.model import cpu_kernels
 from appliance.model.loader import default_model_path
 
 
@@ -101,3 +102,12 @@ def pool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     yield process
     process.stop()
     assert not token_file.exists(), "the server leaves no admin token behind"
+
+
+@pytest.fixture
+def at_level() -> Iterator[Callable[[str], str | None]]:
+    """Switch the CPU kernels' level for one test (cpu_kernels.select), then back to the
+    session's."""
+    before = cpu_kernels.level()
+    yield cpu_kernels.select
+    cpu_kernels.select(before or "auto")

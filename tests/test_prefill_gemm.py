@@ -6,7 +6,6 @@ levels otherwise). The int16 GEMM's own tests: test_quant_gemm.py."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,14 +16,6 @@ from appliance.model.quant import QuantLinear, QuantWeight, quantize
 
 ROWS = cpu_kernels.GEMM_ROWS + 3
 LEVELS = cpu_kernels.cpu_levels()
-
-
-@pytest.fixture
-def at_level() -> Iterator[callable]:
-    """Switch the kernels' level for one test, then back to the session's."""
-    before = cpu_kernels.level()
-    yield cpu_kernels.select
-    cpu_kernels.select(before or "auto")
 
 
 def q4_0(n: int, k: int, seed: int) -> QuantWeight:

@@ -15,7 +15,6 @@ is measured against):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -44,14 +43,6 @@ HALF_FLOATS = {
     "Q6_K": [208],
 }
 LEVELS = cpu_kernels.cpu_levels()
-
-
-@pytest.fixture
-def at_level() -> Iterator[callable]:
-    """Switch the kernels' level for one test, then back to the session's."""
-    before = cpu_kernels.level()
-    yield cpu_kernels.select
-    cpu_kernels.select(before or "auto")
 
 
 def random_blocks(name: str, rows: int, k: int, seed: int) -> np.ndarray:

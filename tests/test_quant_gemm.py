@@ -10,8 +10,6 @@ within 1e-5.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -26,14 +24,6 @@ from appliance.model.quant import FORMATS, QuantWeight, quantize
 NAMES = ["Q4_0", "Q4_1", "Q8_0"]
 LEVELS = cpu_kernels.cpu_levels()
 ROWS = cpu_kernels.GEMM_ROWS + 3
-
-
-@pytest.fixture
-def at_level() -> Iterator[callable]:
-    """Switch the kernels' level for one test, then back to the session's."""
-    before = cpu_kernels.level()
-    yield cpu_kernels.select
-    cpu_kernels.select(before or "auto")
 
 
 def weight_of(name: str, n: int, k: int, seed: int) -> tuple[QuantWeight, np.ndarray]:
