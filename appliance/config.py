@@ -157,8 +157,8 @@ class Settings(BaseSettings):
     prefill_gemm: Literal["auto", "float32", "bfloat16", "int16"] = Field(
         "auto",
         description="Quantized path: the type a step of 128+ rows (prefill) multiplies in: "
-        "bfloat16 (2^-9; AVX512-BF16 CPUs: auto), int16 activations (other AVX2/AVX-512 "
-        "CPUs: auto; Q4_0/Q4_1/Q8_0) or float32.",
+        "bfloat16 (2^-9; auto with AVX512-BF16 at cpu level avx512), int16 activations "
+        "(auto at other avx2/avx512 levels; Q4_0/Q4_1/Q8_0) or float32.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Accelerator kind; auto takes CUDA when present."

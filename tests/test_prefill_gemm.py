@@ -10,6 +10,8 @@ import itertools
 import pytest
 import torch
 
+from appliance.config import load_settings
+from appliance.engine.llm_engine import LLMEngine
 from appliance.model import cpu_kernels
 from appliance.model.cpu_kernels.loading import compiled
 from appliance.model.quant import QuantLinear, QuantWeight, quantize
@@ -97,7 +99,11 @@ def test_the_setting_names_the_gemm_type_and_auto_follows_the_cpu(at_level) -> N
         assert cpu_kernels.prefill_gemm_dtype("auto") == (torch.bfloat16 if bf16 else torch.int16)
 
 
-def test_a_loaded_model_multiplies_its_prefills_as_the_setting_says(quant_engine) -> None:
-    linears = [m for m in quant_engine.model.modules() if isinstance(m, QuantLinear)]
-    assert linears
-    assert {m.gemm_dtype for m in linears} == {cpu_kernels.prefill_gemm_dtype("auto")}
+def test_a_loaded_model_multiplies_its_prefills_as_the_setting_says() -> None:
+    for choice, dtype in [("int16", torch.int16), ("auto", cpu_kernels.prefill_gemm_dtype())]:
+        settings = load_settings(
+            device="cpu", weights="quantized", prefill_gemm=choice, kv={"num_blocks": 16}
+        )
+        model = LLMEngine.from_settings(settings).model
+        linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert linears and {m.gemm_dtype for m in linears} == {dtype}, choice

@@ -63,10 +63,13 @@ def int16_gemm(
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize(("m", "n", "k"), [(131, 37, 96), (200, 129, 512), (7, 16, 64)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(131, 37, 96), (200, 129, 512), (7, 16, 64), (13, 20, 1056)]
+)
 def test_each_format_matches_a_float64_product_at_every_level(name, m, n, k, at_level) -> None:
-    """Odd shapes (rows not a multiple of the microkernel's, features not of a panel's),
-    with a bias, into a column slice of a wider output."""
+    """Odd shapes (rows not a multiple of the microkernel's, features not of a panel's,
+    inputs over several passes of KC_BLOCKS blocks), with a bias, into a column slice of
+    a wider output."""
     weight, w = weight_of(name, n, k, seed=m + n)
     gen = torch.Generator().manual_seed(k)
     x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
@@ -151,3 +154,17 @@ def test_bad_problems_are_refused() -> None:
         int16_gemm(x[:, :48], weight, out, row_bytes=27)
     with pytest.raises(ValueError, match="row stride is too small"):
         int16_gemm(x, weight, torch.empty(8, 3).t())  # [3, 8] with rows 1 apart
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_nan_among_the_activations_makes_its_rows_outputs_nan(name, at_level) -> None:
+    """As in a float product: a NaN is no larger than anything, so it must not be lost
+    in quantizing its block."""
+    weight, _ = weight_of(name, 24, 96, seed=5)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(6))
+    x[4, 40] = float("nan")
+    for level in LEVELS:
+        at_level(level)
+        got = int16_gemm(x, weight, torch.zeros(9, 24))
+        assert got[4].isnan().all(), level
+        assert not got[torch.arange(9) != 4].isnan().any(), level

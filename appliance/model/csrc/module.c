@@ -240,8 +240,11 @@ static PyObject *cpu_features(PyObject *self, PyObject *args) {
             __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
             present = 0;
             if (a >= 7 && __builtin_cpu_supports("avx512f")) {
-                __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
-                present = (a >> 5) & 1;
+                __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+                if (a >= 1) { /* leaf 7's highest subleaf */
+                    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+                    present = (a >> 5) & 1;
+                }
             }
         }
         if (!present) continue;

@@ -84,7 +84,9 @@ static void quantize_row(const float *x, long k, int32_t *q, float *scale, float
             i32x8 pairs = (even & 0xFFFF) | (odd << 16);
             for (int l = 0; l < 8; l++) q[(b * PAIRS + j * 4 + l) * MR] = pairs[l];
         }
-        scale[b * MR] = top / 32767.0f;
+        /* a NaN among the values is no larger than anything: its block's sum carries it
+         * into the scale, so the block's products are NaN as a float product's would be */
+        scale[b * MR] = all == all ? top / 32767.0f : all;
         sum[b * MR] = all;
     }
 }
