@@ -143,10 +143,12 @@ def prefill_gemm_dtype(choice: str = "auto") -> torch.dtype:
     if choice != "auto":
         raise ValueError(f"prefill_gemm {choice!r} is not one of auto, {', '.join(GEMM_TYPES)}")
     kernels = compiled()
-    if kernels is None or kernels.LEVEL == "generic" or threads() < torch.get_num_threads():
-        return torch.float32  # the int16 GEMM on one thread would lose to torch's on all
+    if kernels is None or kernels.LEVEL == "generic":
+        return torch.float32
     if kernels.LEVEL == "avx512" and "avx512bf16" in kernels.cpu_features():
         return torch.bfloat16
+    if threads() < torch.get_num_threads():
+        return torch.float32  # the int16 GEMM on one thread would lose to torch's on all
     return torch.int16
 
 
