@@ -40,10 +40,23 @@ def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def remove_stale_namespaces() -> None:
+    """Namespaces a killed run left (their test process gone): their veth ends hold this
+    test's addresses, so this run's would not route."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in listed.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        tag = name.removeprefix("appliance-b")
+        if tag != name and tag.isdigit() and not psutil.pid_exists(int(tag)):
+            subprocess.run(["ip", "link", "del", f"aph{tag}"], capture_output=True)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 @pytest.fixture(scope="module")
 def namespace() -> Iterator[str]:
     """Box b's namespace, joined to this one by a veth pair (head end vhN, box end vbN)."""
-    tag = os.getpid() % 100000
+    remove_stale_namespaces()
+    tag = os.getpid()  # interface names stay within 15 characters: aph + 7 digits
     name, head_end, box_end = f"appliance-b{tag}", f"aph{tag}", f"apb{tag}"
     ip("netns", "add", name)
     try:
