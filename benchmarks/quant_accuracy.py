@@ -55,12 +55,13 @@ PASSAGE = (
     "long documents with short summaries in the afternoon. The best split changes with it."
 )
 PARAMS = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-LENGTHS: dict[bool, tuple[int, int]] = {}  # the prompts' fewest and most tokens, by `long`
 
 
-def answers(eight_bit: bool = False, long: bool = False, **settings: object) -> list[list[int]]:
+def answers(
+    eight_bit: bool = False, long: bool = False, **settings: object
+) -> tuple[list[list[int]], list[int]]:
     """Greedy answers to the 12 questions (after PASSAGE when `long`), prefix caching off:
-    each prompt is prefilled whole."""
+    each prompt is prefilled whole; and the prompts' lengths in tokens."""
     kv = {"num_blocks": 256, "prefix_caching": False}
     engine = LLMEngine.from_settings(load_settings(device="cpu", kv=kv, **settings))
     for module in engine.model.modules():
@@ -71,8 +72,12 @@ def answers(eight_bit: bool = False, long: bool = False, **settings: object) -> 
         engine.tokenizer.apply_chat_template([{"role": "user", "content": before + q}])
         for q in QUESTIONS
     ]
-    LENGTHS[long] = (min(map(len, prompts)), max(map(len, prompts)))
-    return [engine.generate([p], PARAMS)[0].token_ids for p in prompts]
+    got = [engine.generate([p], PARAMS)[0].token_ids for p in prompts]
+    return got, [len(p) for p in prompts]
+
+
+def span(lengths: list[int]) -> str:
+    return f"{min(lengths)}-{max(lengths)}"
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -80,22 +85,22 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def main() -> int:
-    reference = answers(dtype="float32", weights="dense")
+    reference, lengths = answers(dtype="float32", weights="dense")
     rows = [(f"quantized, {level} kernels", {"weights": "quantized", "cpu_isa": level})
             for level in cpu_kernels.cpu_levels()]  # fmt: skip
     rows.append(
         ("quantized, 8-bit activations (llama.cpp's)", {"weights": "quantized", "eight_bit": True})
     )
     rows.append(("dense bfloat16", {"weights": "dense", "dtype": "bfloat16"}))
-    print(f"chat prompts ({'-'.join(map(str, LENGTHS[False]))} tokens: under 128, the integer "
+    print(f"chat prompts ({span(lengths)} tokens: under 128, the integer "
           "kernel prefills them)\n")  # fmt: skip
     table(rows, reference)
-    long_reference = answers(long=True, dtype="float32", weights="dense")
+    long_reference, long_lengths = answers(long=True, dtype="float32", weights="dense")
     long_rows = [
         (f"quantized, prefill GEMM {gemm}", {"weights": "quantized", "prefill_gemm": gemm})
         for gemm in ("float32", "int16", "bfloat16")
     ]
-    print(f"\nthe same questions after a passage ({'-'.join(map(str, LENGTHS[True]))} tokens: "
+    print(f"\nthe same questions after a passage ({span(long_lengths)} tokens: "
           "the GEMM prefills them)\n")  # fmt: skip
     table(long_rows, long_reference, long=True)
     return 0
@@ -105,7 +110,7 @@ def table(rows: list[tuple[str, dict]], reference: list[list[int]], long: bool =
     print("| path vs float32 dense | prompts agreeing on all 64 | median tokens agreeing |")
     print("|---|---:|---:|")
     for label, settings in rows:
-        got = answers(long=long, **settings)
+        got, _ = answers(long=long, **settings)
         prefixes = [common_prefix(g, r) for g, r in zip(got, reference, strict=True)]
         full = sum(p == len(r) for p, r in zip(prefixes, reference, strict=True))
         print(f"| {label} | {full}/12 | {statistics.median(prefixes):.1f} |")
