@@ -2,10 +2,11 @@
 replace, on this machine, at SmolLM2-135M's sizes:
 
 - decode attention: one query token per sequence over a paged pool with shuffled block
-  tables and ragged contexts. The kernel reads the pool in place; the torch path
-  (`attention.sdpa_decode`, used on GPUs and where the kernel is not built) gathers
-  each sequence's blocks, pads them and runs SDPA with the query heads that share a KV
-  head as its query rows.
+  tables and ragged contexts, in one layer's pool (cached after the first call) and in
+  30 layers' pools (as a model's step reads them: from memory). The kernel reads the
+  pool in place; the torch path (`attention.sdpa_decode`, used on GPUs and where the
+  kernel is not built) gathers each sequence's blocks, pads them and runs SDPA with the
+  query heads that share a KV head as its query rows.
 - the residual add and the RMSNorm after it, as each decoder layer runs them twice:
   the kernel in one pass against `residual + x` then `F.rms_norm`.
 - the rotary embedding of a step's queries and keys and the store of its keys and
@@ -33,12 +34,18 @@ BLOCK = 16
 EPS = 1e-5
 
 
-def decode_case(decodes: int, ctx: int, dtype: torch.dtype) -> tuple[float, float, float]:
-    """(kernel us, SDPA us, max abs difference) for `decodes` contexts of ctx/2..ctx."""
+def decode_case(
+    decodes: int, ctx: int, layers: int, dtype: torch.dtype
+) -> tuple[float, float, float]:
+    """(kernel us, SDPA us, max abs difference) for `decodes` contexts of ctx/2..ctx, in
+    each of `layers` pools: past a few layers the pools outgrow the caches, as a model's
+    do, and the reads come from memory."""
     width = ctx // BLOCK
-    k_pool = torch.randn(decodes * width + 8, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
-    v_pool = torch.randn_like(k_pool)
-    tables = torch.randperm(k_pool.shape[0])[: decodes * width].view(decodes, width)
+    pools = []
+    for _ in range(layers):
+        k_pool = torch.randn(decodes * width + 8, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+        pools.append((k_pool, torch.randn_like(k_pool)))
+    tables = torch.randperm(pools[0][0].shape[0])[: decodes * width].view(decodes, width)
     lens = torch.randint(ctx // 2, ctx + 1, (decodes,))
     visible = (torch.arange(width * BLOCK)[None, :] < lens[:, None])[:, None, None, :]
     group = DecodeGroup(None, tables, visible, lens)
@@ -46,10 +53,14 @@ def decode_case(decodes: int, ctx: int, dtype: torch.dtype) -> tuple[float, floa
     scale = HEAD_DIM**-0.5
 
     def kernel() -> torch.Tensor:
-        return cpu_kernels.paged_decode(q, k_pool, v_pool, tables, lens, scale)
+        for k_pool, v_pool in pools:
+            out = cpu_kernels.paged_decode(q, k_pool, v_pool, tables, lens, scale)
+        return out
 
     def sdpa() -> torch.Tensor:
-        return sdpa_decode(q, k_pool, v_pool, group, scale)
+        for k_pool, v_pool in pools:
+            out = sdpa_decode(q, k_pool, v_pool, group, scale)
+        return out
 
     diff = (kernel().float() - sdpa().float()).abs().max().item()
     return best_seconds(kernel) * 1e6, best_seconds(sdpa) * 1e6, diff
@@ -125,10 +136,10 @@ def main() -> None:
         raise SystemExit("the CPU kernels are not built: install a C compiler, re-run ./install.sh")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     table(
-        "Decode attention, one layer",
-        ("decodes", "ctx"),
+        "Decode attention: one layer, or 30 layers' pools (beyond the caches, as a model's)",
+        ("decodes", "ctx", "layers"),
         "gather + SDPA",
-        [(1, 64), (1, 1024), (8, 256), (32, 64), (32, 1024)],
+        [(1, 64, 1), (1, 1024, 1), (8, 256, 1), (8, 320, 30), (32, 64, 1), (32, 1024, 1)],
         decode_case,
         0,
     )
