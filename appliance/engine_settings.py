@@ -64,6 +64,17 @@ class BatchSettings(BaseModel):
     max_model_len: int | None = Field(
         None, ge=16, description="Longest prompt + output; defaults to the model's context."
     )
+    prefill_wait_steps: int = Field(
+        0,
+        ge=0,
+        description="Steps a new prompt may wait while other requests decode, so that the "
+        "prompts arriving within them prefill in one step: running streams stall once for "
+        "several prompts instead of once for each, and prompts that start together decode "
+        "together (TGI's max_waiting_tokens). Lowers time per output token under steady "
+        "load; adds up to this many decode steps to time to first token. 0: a prompt "
+        "starts at the next step. Colocated workers (a prefill pool has no streams to "
+        "protect).",
+    )
     cuda_graphs: bool = Field(
         False,
         description="Replay decode-only steps from CUDA graphs, captured when a decode or "

@@ -127,6 +127,7 @@ class LLMEngine:
             max_num_batched_tokens=settings.batch.max_num_batched_tokens,
             chunk_size=settings.batch.chunk_size,
             max_model_len=parts.max_len,
+            prefill_wait_steps=settings.batch.prefill_wait_steps,
         )
         engine = cls(parts.model, tokenizer, parts.kv, limits, settings.kv.prefix_caching, group)
         if decodes and settings.batch.cuda_graphs:

@@ -63,6 +63,7 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     chunk_size: int
     max_model_len: int
+    prefill_wait_steps: int = 0  # see _admits_waiting()
 
 
 class Scheduler:
@@ -84,6 +85,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: dict[int, Sequence] = {}
+        self.steps = 0  # schedule() calls so far
+        self._queued_at: dict[int, int] = {}  # waiting sequence id -> step it was added at
 
     def add(self, seq: Sequence) -> None:
         if len(seq) >= self.max_model_len:
@@ -95,6 +98,7 @@ class Scheduler:
             )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._queued_at[seq.seq_id] = self.steps
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -103,7 +107,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.limits.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
-        self._schedule_waiting(out, budget)
+        if self._admits_waiting():
+            self._schedule_waiting(out, budget)
+        self.steps += 1
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -125,6 +131,23 @@ class Scheduler:
             index += 1
         return budget
 
+    def _admits_waiting(self) -> bool:
+        """Whether waiting prompts may start this step. With prefill_wait_steps, a prompt
+        that arrives while others decode waits up to that many steps, so that the prompts
+        arriving meanwhile prefill in the same step: the decoding streams stall once for
+        them all instead of once for each, and the prompts that start together decode
+        together (TGI's max_waiting_tokens). Time to first token pays for it."""
+        wait = self.limits.prefill_wait_steps
+        if wait == 0 or not self.waiting:
+            return True
+        if not any(seq.num_uncomputed <= 1 for seq in self.running):
+            return True  # no stream to protect
+        if len(self.running) + len(self.waiting) >= self.limits.max_num_seqs:
+            return True  # no later prompt could join them
+        # A preempted sequence (not queued by add()) had its wait.
+        queued_at = self._queued_at.get(self.waiting[0].seq_id, self.steps - wait)
+        return self.steps - queued_at >= wait
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
@@ -135,6 +158,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            self._queued_at.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             (out.decodes if want == 1 else out.prefills).append(ScheduledChunk(seq, want))
@@ -268,6 +292,7 @@ class Scheduler:
             del self.parked[seq.seq_id]
         else:
             self.waiting.remove(seq)
+            self._queued_at.pop(seq.seq_id, None)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -1,0 +1,114 @@
+"""Scheduler: `prefill_wait_steps` holds new prompts back while others decode, so that the
+prompts arriving within those steps prefill together (one stall of the running streams
+instead of one each); never when no stream decodes or no later prompt could join them.
+
+Driven as tests/test_scheduler.py drives the scheduler: schedule(), hand-made tokens,
+update_from_output().
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.config import load_settings
+from appliance.engine.scheduler import Scheduler, SchedulerLimits
+from appliance.engine.sequence import SequenceStatus
+from appliance.kv.block_allocator import BlockAllocator
+from tests.test_scheduler import BLOCK, new_seq, run_all, step
+
+
+def make(wait: int, max_num_seqs: int = 8, num_blocks: int = 32) -> Scheduler:
+    limits = SchedulerLimits(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=64,
+        chunk_size=16,
+        max_model_len=64,
+        prefill_wait_steps=wait,
+    )
+    return Scheduler(BlockAllocator(num_blocks), BLOCK, limits)
+
+
+def decoding(sched: Scheduler, seq_id: int = 0) -> Scheduler:
+    """`sched` after one prompt's prefill: that sequence now decodes."""
+    sched.add(new_seq(seq_id, 4, max_tokens=40))
+    assert [s.seq_id for s in step(sched).prefill_seqs] == [seq_id]
+    return sched
+
+
+def test_prompts_arriving_within_the_wait_prefill_in_one_step() -> None:
+    sched = decoding(make(wait=3))
+    first, second = new_seq(1, 4, max_tokens=4), new_seq(2, 4, max_tokens=4)
+    sched.add(first)
+    held = step(sched)
+    assert held.prefills == [] and [s.seq_id for s in held.decode_seqs] == [0]
+    sched.add(second)
+    assert step(sched).prefills == []
+    assert step(sched).prefills == []  # `first` has waited 3 steps after this one
+    together = step(sched)
+    assert together.prefill_seqs == [first, second]
+    assert [s.seq_id for s in together.decode_seqs] == [0]
+    run_all(sched)
+    assert first.output_ids and second.finish_reason == "length"
+
+
+def test_without_a_wait_a_prompt_starts_at_the_next_step() -> None:
+    sched = decoding(make(wait=0))
+    late = new_seq(1, 4, max_tokens=4)
+    sched.add(late)
+    assert step(sched).prefill_seqs == [late]
+
+
+def test_prompts_start_at_once_when_no_stream_decodes() -> None:
+    sched = make(wait=5)
+    a, b = new_seq(0, 4, max_tokens=4), new_seq(1, 20, max_tokens=4)
+    sched.add(a)
+    sched.add(b)
+    assert step(sched).prefill_seqs == [a, b]
+    # b's prompt takes two chunks; a prompt arriving meanwhile waits only for a decode
+    # stream, and a decodes now
+    c = new_seq(2, 4, max_tokens=4)
+    sched.add(c)
+    assert c not in step(sched).prefill_seqs
+
+
+def test_a_prompt_that_fills_the_batch_starts_at_once() -> None:
+    sched = decoding(make(wait=10, max_num_seqs=2))
+    last = new_seq(1, 4, max_tokens=4)
+    sched.add(last)  # running 1 + waiting 1 = max_num_seqs: nobody else could join
+    assert step(sched).prefill_seqs == [last]
+
+
+def test_a_preempted_sequence_returns_without_waiting_again() -> None:
+    # 4 blocks of 4 tokens: a and b decode until the pool runs dry and b is preempted
+    sched = make(wait=50, num_blocks=4)
+    a, b = new_seq(0, 4, max_tokens=8), new_seq(1, 4, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    steps = [step(sched) for _ in range(6)]
+    assert steps[-1].preempted == [b] and b.status is SequenceStatus.WAITING
+    while not a.finished:
+        step(sched)
+    # a has finished, so nothing decodes; b comes back at once, as it would without a
+    # wait, and finishes with every token it had made
+    assert step(sched).prefill_seqs == [b]
+    run_all(sched)
+    assert b.finish_reason == "length" and len(b.output_ids) == 8
+
+
+def test_an_aborted_waiting_prompt_leaves_no_trace() -> None:
+    sched = decoding(make(wait=2))
+    gone, kept = new_seq(1, 4, max_tokens=4), new_seq(2, 4, max_tokens=4)
+    sched.add(gone)
+    step(sched)
+    sched.finish(gone, "abort")
+    sched.add(kept)
+    # kept waits its own two steps, not what is left of gone's
+    assert [step(sched).prefills for _ in range(2)] == [[], []]
+    assert step(sched).prefill_seqs == [kept]
+
+
+def test_the_setting_reaches_the_scheduler_and_refuses_negatives() -> None:
+    settings = load_settings(batch={"prefill_wait_steps": 16})
+    assert settings.batch.prefill_wait_steps == 16
+    with pytest.raises(ValueError, match="prefill_wait_steps"):
+        load_settings(batch={"prefill_wait_steps": -1})
