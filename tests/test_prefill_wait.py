@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 from appliance.config import load_settings
+from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import Scheduler, SchedulerLimits
-from appliance.engine.sequence import SequenceStatus
+from appliance.engine.sequence import SamplingParams, SequenceStatus
 from appliance.kv.block_allocator import BlockAllocator
 from tests.test_scheduler import BLOCK, new_seq, run_all, step
 
@@ -112,3 +113,22 @@ def test_the_setting_reaches_the_scheduler_and_refuses_negatives() -> None:
     assert settings.batch.prefill_wait_steps == 16
     with pytest.raises(ValueError, match="prefill_wait_steps"):
         load_settings(batch={"prefill_wait_steps": -1})
+
+
+def test_a_real_engine_holds_a_prompt_while_another_decodes() -> None:
+    """The setting reaches a loaded model's scheduler: the second prompt makes its first
+    token only after its wait, and both requests finish whole."""
+    settings = load_settings(device="cpu", weights="quantized", batch={"prefill_wait_steps": 3})
+    engine = LLMEngine.from_settings(settings)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first = engine.add_request(list(range(100, 130)), params)
+    assert [o.seq_id for o in engine.step()] == [first]  # its prefill: it decodes now
+    second = engine.add_request(list(range(200, 230)), params)
+    held = [[o.seq_id for o in engine.step()] for _ in range(3)]
+    assert held == [[first]] * 3
+    assert sorted(o.seq_id for o in engine.step()) == [first, second]
+    made = {first: 5, second: 1}
+    while engine.scheduler.has_unfinished():
+        for out in engine.step():
+            made[out.seq_id] += len(out.token_ids)
+    assert made == {first: 8, second: 8}
