@@ -72,8 +72,9 @@ class BatchSettings(BaseModel):
         "several prompts instead of once for each, and prompts that start together decode "
         "together (TGI's max_waiting_tokens). Lowers time per output token under steady "
         "load; adds up to this many decode steps to time to first token. 0: a prompt "
-        "starts at the next step. Colocated workers (a prefill pool has no streams to "
-        "protect).",
+        "starts at the next step. Only colocated workers hold prompts back: a prefill "
+        "pool has no streams to protect, and a decode pool's requests arrive prefilled. "
+        "The planner's simulator does not model the wait.",
     )
     cuda_graphs: bool = Field(
         False,

@@ -12,11 +12,13 @@
 #   NUM_REQUESTS=96 LAYOUTS="colocated" benchmarks/llama_cpp_serving.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=benchmarks/results/llama_cpp_serving${WORKLOAD:+_$WORKLOAD}
+workload=${WORKLOAD:-fixed}
+[[ $workload == fixed || $workload == chat ]] || { echo "WORKLOAD is fixed or chat" >&2; exit 1; }
+out=benchmarks/results/llama_cpp_serving$([[ $workload == fixed ]] || echo "_$workload")
 bin=${LLAMA_BIN:-.bench/llama.cpp/bin}
 model=$(.venv/bin/python -c "from appliance.model.loader import default_model_path as d; print(d())")
 port=8931
-load=(--workload "${WORKLOAD:-fixed}" --input-len 260 --output-len 128 --concurrency 16
+load=(--workload "$workload" --input-len 260 --output-len 128 --concurrency 16
       --num-requests "${NUM_REQUESTS:-64}" --warmup 4 --seed 0
       --extra-body '{"ignore_eos": true}')
 mkdir -p "$out"
@@ -26,7 +28,7 @@ wait_for() {  # URL: until it answers, at most 120 s
   echo "no answer from $1" >&2; return 1
 }
 
-slot=$([[ ${WORKLOAD:-fixed} == fixed ]] && echo 512 || echo 1536)  # context a stream
+slot=$([[ $workload == fixed ]] && echo 512 || echo 1536)  # context a stream
 "$bin/llama-server" -m "$model" -t "$(nproc)" -np 16 -c $((16 * slot)) --host 127.0.0.1 \
   --port $port >"$out/llama-server.log" 2>&1 &
 server=$!
@@ -37,8 +39,9 @@ wait_for "http://127.0.0.1:$port/v1/models"
 kill $server; wait $server 2>/dev/null || true
 
 for layout in ${LAYOUTS:-colocated colocated-wait32 disaggregated}; do
-  mode=${layout%%-wait*} hold=0
-  [[ $layout == *-wait* ]] && hold=${layout##*-wait}
+  [[ $layout =~ ^(colocated|disaggregated)(-wait([0-9]+))?$ ]] ||
+    { echo "layout $layout: colocated or disaggregated, optionally -waitN" >&2; exit 1; }
+  mode=${BASH_REMATCH[1]} hold=${BASH_REMATCH[3]:-0}
   APPLIANCE_PORT=$port APPLIANCE_MODE=$mode APPLIANCE_BATCH__PREFILL_WAIT_STEPS=$hold \
     .venv/bin/appliance serve >"$out/appliance-$layout.log" 2>&1 &
   server=$!

@@ -13,7 +13,7 @@ import pytest
 from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import Scheduler, SchedulerLimits
-from appliance.engine.sequence import SamplingParams, SequenceStatus
+from appliance.engine.sequence import SamplingParams
 from appliance.kv.block_allocator import BlockAllocator
 from tests.test_scheduler import BLOCK, new_seq, run_all, step
 
@@ -61,15 +61,31 @@ def test_without_a_wait_a_prompt_starts_at_the_next_step() -> None:
 
 def test_prompts_start_at_once_when_no_stream_decodes() -> None:
     sched = make(wait=5)
-    a, b = new_seq(0, 4, max_tokens=4), new_seq(1, 20, max_tokens=4)
+    a, b = new_seq(0, 40, max_tokens=4), new_seq(1, 4, max_tokens=4)
     sched.add(a)
+    assert step(sched).prefill_seqs == [a]  # its first 16 of 40 prompt tokens
+    # a is running but still prefilling: nothing streams yet, so b starts at once
     sched.add(b)
     assert step(sched).prefill_seqs == [a, b]
-    # b's prompt takes two chunks; a prompt arriving meanwhile waits only for a decode
-    # stream, and a decodes now
+    # now b decodes: a prompt arriving next waits
     c = new_seq(2, 4, max_tokens=4)
     sched.add(c)
     assert c not in step(sched).prefill_seqs
+
+
+def test_prefill_only_sequences_are_not_streams_to_protect() -> None:
+    # A prefill worker's sequence whose prompt is one token short of cached (a prefix
+    # hit) looks like a decode; it parks after that step, and nothing waits for it.
+    sched = make(wait=5)
+    parked = new_seq(0, 20, max_tokens=4)
+    parked.prefill_only = True
+    sched.add(parked)
+    step(sched)  # 16 of its 20 tokens
+    parked.num_computed_tokens = len(parked) - 1  # as a cache hit would leave it
+    late = new_seq(1, 4, max_tokens=4)
+    late.prefill_only = True
+    sched.add(late)
+    assert step(sched).prefill_seqs == [late]
 
 
 def test_a_prompt_that_fills_the_batch_starts_at_once() -> None:
@@ -80,18 +96,19 @@ def test_a_prompt_that_fills_the_batch_starts_at_once() -> None:
 
 
 def test_a_preempted_sequence_returns_without_waiting_again() -> None:
-    # 4 blocks of 4 tokens: a and b decode until the pool runs dry and b is preempted
-    sched = make(wait=50, num_blocks=4)
-    a, b = new_seq(0, 4, max_tokens=8), new_seq(1, 4, max_tokens=8)
-    sched.add(a)
-    sched.add(b)
-    steps = [step(sched) for _ in range(6)]
-    assert steps[-1].preempted == [b] and b.status is SequenceStatus.WAITING
-    while not a.finished:
-        step(sched)
-    # a has finished, so nothing decodes; b comes back at once, as it would without a
-    # wait, and finishes with every token it had made
-    assert step(sched).prefill_seqs == [b]
+    # 5 blocks of 4 tokens: a, c and b prefill; at their fifth token they need 6 blocks,
+    # so b (the newest) is preempted, and comes back when c finishes and frees its two,
+    # while a still decodes: at once, as it had its wait when it first arrived.
+    sched = make(wait=50, num_blocks=5)
+    a, c, b = (new_seq(i, 4, max_tokens=m) for i, m in ((0, 12), (1, 3), (2, 8)))
+    for seq in (a, c, b):
+        sched.add(seq)
+    assert step(sched).prefill_seqs == [a, c, b]
+    assert step(sched).preempted == [b]
+    while not c.finished:
+        assert b not in step(sched).prefill_seqs  # no room yet
+    back = step(sched)
+    assert back.prefill_seqs == [b] and back.decode_seqs == [a]
     run_all(sched)
     assert b.finish_reason == "length" and len(b.output_ids) == 8
 
@@ -103,12 +120,14 @@ def test_an_aborted_waiting_prompt_leaves_no_trace() -> None:
     step(sched)
     sched.finish(gone, "abort")
     sched.add(kept)
+    assert sched._queued_at == {kept.seq_id: sched.steps}  # gone's entry left with it
     # kept waits its own two steps, not what is left of gone's
     assert [step(sched).prefills for _ in range(2)] == [[], []]
     assert step(sched).prefill_seqs == [kept]
+    assert sched._queued_at == {}
 
 
-def test_the_setting_reaches_the_scheduler_and_refuses_negatives() -> None:
+def test_the_setting_parses_and_refuses_negatives() -> None:
     settings = load_settings(batch={"prefill_wait_steps": 16})
     assert settings.batch.prefill_wait_steps == 16
     with pytest.raises(ValueError, match="prefill_wait_steps"):

@@ -57,6 +57,12 @@ class SchedulerOutput:
         return not self.prefills and not self.decodes
 
 
+def _streams(seq: Sequence) -> bool:
+    """Whether seq is decoding here: it has made tokens and makes the rest in this worker
+    (a prefill-only sequence parks after its first)."""
+    return bool(seq.output_ids) and seq.num_uncomputed <= 1 and not seq.prefill_only
+
+
 @dataclass(frozen=True)
 class SchedulerLimits:
     max_num_seqs: int
@@ -140,8 +146,8 @@ class Scheduler:
         wait = self.limits.prefill_wait_steps
         if wait == 0 or not self.waiting:
             return True
-        if not any(seq.num_uncomputed <= 1 for seq in self.running):
-            return True  # no stream to protect
+        if not any(_streams(seq) for seq in self.running):
+            return True  # no stream to protect (a prefill worker's never has one)
         if len(self.running) + len(self.waiting) >= self.limits.max_num_seqs:
             return True  # no later prompt could join them
         # A preempted sequence (not queued by add()) had its wait.

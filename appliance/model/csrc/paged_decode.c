@@ -13,7 +13,7 @@
 #include "vec.h"
 
 #define PARALLEL_WORK 1024 /* (token, KV head) rows to read before using more threads */
-#define AHEAD 2 /* blocks a read is asked for ahead of its use (1 and 4 measured slower) */
+#define AHEAD 2            /* blocks asked for ahead of their reading (1 and 4: slower) */
 #define MAX_GROUP 64       /* query heads per KV head (the checks and cpu_kernels/attention.py agree) */
 
 /* Softmax of each of `rows` rows of `len` scores, in place. */
@@ -97,7 +97,7 @@ INLINE const float *block_rows(const PagedDecode *p, const void *cache, long i, 
 
 /* Asks for KV head `h`'s rows of block `b` of sequence `i` (if its context reaches that
  * block) to be on their way into the cache. A decode step reads every layer's context
- * from memory (8 sequences of 320 tokens hold 114 MB of float32 K and V over SmolLM2's 30
+ * from memory (8 sequences of 320 tokens hold 118 MB of float32 K and V over SmolLM2's 30
  * layers), in blocks scattered over the pool and a head's rows strided among the others':
  * the hardware prefetchers miss that pattern, and waiting on each block cost bfloat16
  * caches half their time (benchmarks/cpu_kernels_bench.py, 30 layers' pools). */
