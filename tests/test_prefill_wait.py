@@ -12,21 +12,17 @@ import pytest
 
 from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
-from appliance.engine.scheduler import Scheduler, SchedulerLimits
+from appliance.engine.scheduler import Scheduler
 from appliance.engine.sequence import SamplingParams
-from appliance.kv.block_allocator import BlockAllocator
-from tests.test_scheduler import BLOCK, new_seq, run_all, step
+from tests.test_scheduler import make as scheduler_with
+from tests.test_scheduler import new_seq, run_all, step
 
 
 def make(wait: int, max_num_seqs: int = 8, num_blocks: int = 32) -> Scheduler:
-    limits = SchedulerLimits(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=64,
-        chunk_size=16,
-        max_model_len=64,
-        prefill_wait_steps=wait,
-    )
-    return Scheduler(BlockAllocator(num_blocks), BLOCK, limits)
+    """A scheduler with room for a few prompts of 16-token chunks, holding them `wait`."""
+    return scheduler_with(
+        num_blocks, max_num_seqs=max_num_seqs, budget=64, chunk=16, prefill_wait_steps=wait
+    )[1]
 
 
 def decoding(sched: Scheduler, seq_id: int = 0) -> Scheduler:

@@ -27,6 +27,7 @@ def make(
     budget: int = 16,
     chunk: int = 8,
     max_len: int = 64,
+    prefill_wait_steps: int = 0,
 ) -> tuple[BlockAllocator, Scheduler]:
     alloc = BlockAllocator(num_blocks)
     limits = SchedulerLimits(
@@ -34,6 +35,7 @@ def make(
         max_num_batched_tokens=budget,
         chunk_size=chunk,
         max_model_len=max_len,
+        prefill_wait_steps=prefill_wait_steps,
     )
     return alloc, Scheduler(alloc, BLOCK, limits)
 
