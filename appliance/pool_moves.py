@@ -1,7 +1,11 @@
 """Moving a device between roles (prefill, decode, colocated) while serving: its worker
 drains (routing skips it; what it runs finishes, what it prefilled is handed off), stops,
 and a worker of the new role starts on the device. Prompts or handoffs that only the new
-worker could take wait for it."""
+worker could take wait for it.
+
+Between decode and colocated the worker stays: the two run the same engine over the same
+private KV pool and differ only in what the router sends them and their batch limits, so
+the move retunes it in place and its running requests go on (no drain, no reload)."""
 
 from __future__ import annotations
 
@@ -16,11 +20,13 @@ from typing import cast
 from appliance.admin.schema import Move, Role
 from appliance.planner.layout import roles_problem
 from appliance.supervisor import Supervisor
-from appliance.tuning import check_for_mode
+from appliance.tuning import batch_limits, check_for_mode
 from appliance.worker_handle import WorkerHandle
+from appliance.workers.messages import Tune
 
 START_TIMEOUT_S = 300.0
 MOVES_KEPT = 5
+IN_PLACE = frozenset({"decode", "colocated"})  # roles one worker can switch between
 
 
 class MoveError(ValueError):
@@ -61,6 +67,9 @@ class PoolMover:
             started_at=time.time(),
         )
         self.moves.append(move)
+        if {worker.role, to} <= IN_PLACE:
+            self._switch(move, worker)
+            return move
         supervisor.note(
             "move",
             f"move {move.move_id}: {worker.device} leaves the {worker.role} pool for {to}; "
@@ -69,6 +78,25 @@ class PoolMover:
         drained = supervisor.drain(worker.worker_id, self.drain_timeout_s, move_progress(move))
         self._task = asyncio.create_task(self._run(move, worker, drained))
         return move
+
+    def _switch(self, move: Move, worker: WorkerHandle) -> None:
+        """Retune the worker for its new role and route by it from now on; a new decode
+        worker is wired to the prefill pool before it takes handoffs."""
+        supervisor = self.supervisor
+        worker.role = move.to_role
+        worker.inbox.put(
+            Tune(**batch_limits(supervisor.settings.batch, worker.role, supervisor.tuning))
+        )
+        supervisor.note(
+            "move",
+            f"move {move.move_id}: {worker.device} turns from {move.from_role} to "
+            f"{move.to_role} in place; its {move.remaining} requests go on",
+        )
+        if worker.role == "decode":
+            supervisor.wiring.on_loaded(worker)
+        supervisor.flow.submit_waiting()  # a new entry (or decode) worker may take them now
+        supervisor.handoffs.retry_waiting()
+        self._end(move)
 
     async def stop(self) -> None:
         """Abandon a running move (the appliance is stopping)."""

@@ -45,10 +45,14 @@ class Wiring:
         self._drops: dict[tuple[int, int], asyncio.Future] = {}  # (decode, prefill)
 
     def on_loaded(self, worker: WorkerHandle) -> None:
-        """Wire the worker that just loaded to every loaded worker of the other pool."""
+        """Wire the worker that just loaded (or a colocated one that now decodes for the
+        prefill pool) to every loaded worker of the other pool whose tensor it lacks."""
         if worker.role == "decode":
             for prefill in self._peers_of(worker):
-                self.send(prefill.worker_id, SharePool(worker.worker_id, prefill.box != worker.box))
+                if prefill.worker_id not in worker.peers:  # held since it last decoded
+                    self.send(
+                        prefill.worker_id, SharePool(worker.worker_id, prefill.box != worker.box)
+                    )
         elif worker.role == "prefill":
             for decode in self._peers_of(worker):
                 self.send(worker.worker_id, SharePool(decode.worker_id, decode.box != worker.box))

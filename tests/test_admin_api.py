@@ -21,7 +21,7 @@ import pytest
 from server_process import API_KEY, ServerProcess, wait_until
 from traffic import Traffic
 
-from appliance.admin.schema import Event, Snapshot
+from appliance.admin.schema import Event, Snapshot, WorkerInfo
 from appliance.model.loader import model_name
 from tui.client import AdminClient, AdminError
 
@@ -55,7 +55,8 @@ def move(server: ServerProcess, device: int, to: str) -> dict:
     )
     assert reply.status_code == 202, reply.text
     started = reply.json()["move"]
-    assert started["phase"] == "draining" and started["to_role"] == to
+    # Between decode and colocated the worker switches in place: done at once.
+    assert started["phase"] in {"draining", "done"} and started["to_role"] == to
 
     def finished() -> dict | None:
         moves = [m for m in snapshot(server).moves if m.move_id == started["move_id"]]
@@ -248,11 +249,15 @@ def test_a_device_turns_colocated_beside_the_pools_and_back(tuned: ServerProcess
     # Prompts sharing the chat template's prefix would stay with the worker that cached
     # it: taking turns makes the colocated worker get its share at once.
     assert tune(pool_server, routing="round_robin").status_code == 200
+    worker = snapshot(pool_server).devices[2].worker
+    assert worker is not None and worker.role == "decode"
     with Traffic(pool_server.url, API_KEY, concurrency=3) as traffic:
         traffic.wait_completed(3)
         done = move(pool_server, 2, "colocated")
         assert done["from_role"] == "decode"
         assert pools(snapshot(pool_server)) == {"prefill": [0], "decode": [1], "colocated": [2]}
+        # Decode and colocated run one engine: the same process switched, nothing restarted.
+        assert same_worker(snapshot(pool_server).devices[2].worker, worker)
         # The colocated worker takes prompts beside the prefill worker and decodes them.
         wait_until(
             lambda: (snapshot(pool_server).devices[2].worker.tokens_per_s or 0) > 0,
@@ -261,14 +266,28 @@ def test_a_device_turns_colocated_beside_the_pools_and_back(tuned: ServerProcess
         )
         traffic.wait_completed(traffic.completed + 6)
         move(pool_server, 2, "decode")
+        # Back in the decode pool, it takes handoffs again with the pool it already holds.
+        wait_until(
+            lambda: any(
+                r.decode_worker == worker.worker_id and r.prefill_worker != worker.worker_id
+                for r in snapshot(pool_server).requests
+            ),
+            MOVE_BOUND_S,
+            "a handoff decoding on the device back in the decode pool",
+        )
         traffic.wait_completed(traffic.completed + 3)
     assert traffic.errors == []
     assert pools(snapshot(pool_server)) == {"prefill": [0], "decode": [1, 2]}
+    assert same_worker(snapshot(pool_server).devices[2].worker, worker)
     wait_until(
         lambda: all(d.worker.kv_blocks_used == 0 for d in snapshot(pool_server).devices),
         10,
         "every KV block free again",
     )
+
+
+def same_worker(a: WorkerInfo | None, b: WorkerInfo | None) -> bool:
+    return a is not None and b is not None and (a.worker_id, a.pid) == (b.worker_id, b.pid)
 
 
 @pytest.mark.parametrize(

@@ -244,6 +244,17 @@ def test_each_pair_is_wired_once_the_second_of_the_two_has_loaded() -> None:
     assert wiring.newly_wired() == [workers[0]]
 
 
+def test_a_worker_back_in_the_decode_pool_is_asked_only_for_pools_it_lacks() -> None:
+    # Worker 2 decoded beside prefill worker 0, was colocated (in place, keeping 0's
+    # pool) while prefill worker 1 started, and now decodes again.
+    workers = {0: worker(0, "prefill"), 1: worker(1, "prefill"), 2: worker(2, "decode")}
+    workers[2].peers = {0}
+    sent: list[tuple[int | None, ToWorker]] = []
+    wiring = Wiring(workers, lambda worker_id, message: sent.append((worker_id, message)))
+    wiring.on_loaded(workers[2])
+    assert sent == [(1, SharePool(2))]
+
+
 def test_across_boxes_only_single_device_workers_are_wired() -> None:
     group = unwired("prefill", 0)
     group.devices = (0, 3)  # a tensor-parallel group on the head

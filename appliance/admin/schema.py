@@ -95,7 +95,8 @@ class MoveRequest(BaseModel):
 
 
 class Move(BaseModel):
-    """A device changing pools: its worker drains, stops, and one of the other role starts."""
+    """A device changing pools: its worker drains, stops, and one of the other role starts
+    (between decode and colocated the same worker switches in place, done at once)."""
 
     move_id: int
     device: int
