@@ -91,11 +91,12 @@ class Autopilot:
             self.status = f"move {running.move_id} of device {running.device} is running"
             return None
         roles = device_roles(self.supervisor)
+        in_place = self.mover.in_place_moves()
         window = self.supervisor.traffic.window(now, self.planner.window_s, self.slo)
         # Simulating every layout a move or two away takes milliseconds to seconds (a big
         # box): off the loop that streams tokens. Only this task touches the memory.
         try:
-            verdict = await asyncio.to_thread(self._decide, window, roles, now)
+            verdict = await asyncio.to_thread(self._decide, window, roles, now, in_place)
         except (ValueError, ProfileError) as exc:  # e.g. a worker restarting, a size unprofiled
             self.status = f"cannot plan this look: {exc}"
             return None
@@ -107,7 +108,13 @@ class Autopilot:
         self._record(decision)
         return decision
 
-    def _decide(self, window: TrafficWindow, roles: list[str | None], now: float) -> Verdict:
+    def _decide(
+        self,
+        window: TrafficWindow,
+        roles: list[str | None],
+        now: float,
+        in_place: frozenset[tuple[int, str]],
+    ) -> Verdict:
         assert self.profile is not None  # look() checked
         tuning = self.supervisor.tuning  # the live knobs, which the workers schedule with
         policy = Policy(
@@ -119,7 +126,16 @@ class Autopilot:
         )
         size = device_size(self.supervisor)
         return decide(
-            window, self.profile, roles, policy, self.slo, self.rules, self.memory, now, size
+            window,
+            self.profile,
+            roles,
+            policy,
+            self.slo,
+            self.rules,
+            self.memory,
+            now,
+            size,
+            in_place,
         )
 
     def _act(self, verdict: Verdict) -> tuple[bool, str]:

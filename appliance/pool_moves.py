@@ -3,9 +3,14 @@ drains (routing skips it; what it runs finishes, what it prefilled is handed off
 and a worker of the new role starts on the device. Prompts or handoffs that only the new
 worker could take wait for it.
 
-Between decode and colocated the worker stays: the two run the same engine over the same
-private KV pool and differ only in what the router sends them and their batch limits, so
-the move retunes it in place and its running requests go on (no drain, no reload)."""
+Most moves keep the worker: every role runs the same engine, and the roles differ in what
+the router sends it, its batch limits, and whether decode workers map its KV pool. So the
+move retunes it in place and its running requests go on where they are (no drain, no
+reload): a former prefill worker still hands off what it prefilled, a former decode
+worker finishes its streams. Two moves restart instead: to prefill when the worker's pool
+cannot be handed off from (a CPU pool outside shared memory: one a non-prefill worker
+made), and from prefill with batch.cuda_graphs (its new role decodes from graphs that
+only a starting worker captures)."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import cast
 
 from appliance.admin.schema import Move, Role
-from appliance.planner.layout import roles_problem
+from appliance.planner.layout import ROLES, roles_problem
 from appliance.supervisor import Supervisor
 from appliance.tuning import batch_limits, check_for_mode
 from appliance.worker_handle import WorkerHandle
@@ -26,7 +31,6 @@ from appliance.workers.messages import Tune
 
 START_TIMEOUT_S = 300.0
 MOVES_KEPT = 5
-IN_PLACE = frozenset({"decode", "colocated"})  # roles one worker can switch between
 
 
 class MoveError(ValueError):
@@ -67,7 +71,7 @@ class PoolMover:
             started_at=time.time(),
         )
         self.moves.append(move)
-        if {worker.role, to} <= IN_PLACE:
+        if self.in_place(worker, to):
             self._switch(move, worker)
             return move
         supervisor.note(
@@ -79,9 +83,25 @@ class PoolMover:
         self._task = asyncio.create_task(self._run(move, worker, drained))
         return move
 
+    def in_place(self, worker: WorkerHandle, to: str) -> bool:
+        """Whether moving the worker to `to` keeps it (see the module's docstring)."""
+        if worker.role == "prefill" and self.supervisor.settings.batch.cuda_graphs:
+            return False
+        return to != "prefill" or worker.shares_pool
+
+    def in_place_moves(self) -> frozenset[tuple[int, str]]:
+        """Every (device, role) move that would keep the device's worker now."""
+        return frozenset(
+            (worker.device_index, to)
+            for worker in self.supervisor.workers.values()
+            if worker.alive and not worker.stopping
+            for to in ROLES
+            if to != worker.role and self.in_place(worker, to)
+        )
+
     def _switch(self, move: Move, worker: WorkerHandle) -> None:
-        """Retune the worker for its new role and route by it from now on; a new decode
-        worker is wired to the prefill pool before it takes handoffs."""
+        """Retune the worker for its new role and route by it from now on; a worker that
+        now decodes for (or prefills to) the other pool is wired to it first."""
         supervisor = self.supervisor
         worker.role = move.to_role
         worker.inbox.put(
@@ -92,8 +112,7 @@ class PoolMover:
             f"move {move.move_id}: {worker.device} turns from {move.from_role} to "
             f"{move.to_role} in place; its {move.remaining} requests go on",
         )
-        if worker.role == "decode":
-            supervisor.wiring.on_loaded(worker)
+        supervisor.wiring.on_loaded(worker)  # a colocated worker wires to nothing
         supervisor.flow.submit_waiting()  # a new entry (or decode) worker may take them now
         supervisor.handoffs.retry_waiting()
         self._end(move)
@@ -138,6 +157,12 @@ class PoolMover:
         problem = roles_problem(roles)
         if problem is not None:
             raise MoveError(f"moving device {device} to {to} would leave a layout where {problem}")
+        waiting = self.supervisor.flow.awaiting_handoff()
+        if waiting and "decode" not in roles:
+            raise MoveError(
+                f"device {device} is the last decode worker and {waiting} prefilled requests "
+                "still wait to be handed off to it: try again when they have"
+            )
         if to == "colocated":
             try:
                 check_for_mode(self.supervisor.tuning, "colocated")

@@ -123,6 +123,7 @@ class ProcessManager:
         worker = WorkerHandle(
             worker_id, role, group[0], name, cores, inbox, process, group, devices[0].box
         )
+        worker.shares_pool = role == "prefill" or devices[0].kind == "cuda"
         self.workers[worker_id] = worker
         return worker
 

@@ -103,13 +103,18 @@ class RequestFlow:
             return
         token_ids = request.tokens
         worker = self.parts.router.prefill(candidates, token_ids, self.parts.tuning())
-        wire_id = self.table.submit(request.request_id, worker.worker_id)
+        prefill_only = worker.role == "prefill"  # a colocated worker decodes it too
+        wire_id = self.table.submit(request.request_id, worker.worker_id, prefill_only)
         worker.queued_tokens += len(token_ids)
         worker.last_work = time.monotonic()
-        prefill_only = worker.role == "prefill"  # a colocated worker decodes it too
         self.parts.send(
             worker.worker_id, Submit(wire_id, token_ids, request.attempt_params, prefill_only)
         )
+
+    def awaiting_handoff(self) -> int:
+        """Requests sent to a prefill worker that no decode worker has taken yet."""
+        before = (Phase.QUEUED, Phase.PREFILLING, Phase.PARKED, Phase.HANDING_OFF)
+        return sum(r.prefill_only and r.phase in before for r in self.table.requests.values())
 
     def rerun(self, request: Request, reason: str) -> None:
         """Run the request again from where its stream stopped: its prompt plus the tokens

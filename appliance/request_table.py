@@ -145,6 +145,7 @@ class Request:
     submitted_len: int = 0  # tokens the current attempt prefills: prompt + output so far
     retries: int = 0
     parked: ParkedKV | None = None  # while PARKED or HANDING_OFF
+    prefill_only: bool = False  # this attempt was sent to a prefill worker: it parks
     handoff_bytes: int = 0  # KV bytes the accepted handoff copied
     cached_tokens: int = 0  # prompt tokens the first attempt's prefix cache supplied
 
@@ -224,10 +225,10 @@ class RequestTable:
         self.requests[request.request_id] = request
         return request
 
-    def submit(self, request_id: int, worker_id: int) -> int:
-        """WAITING → QUEUED at prefill (or colocated) worker `worker_id`; returns the new
-        attempt's wire id."""
+    def submit(self, request_id: int, worker_id: int, prefill_only: bool = False) -> int:
+        """WAITING → QUEUED at (prefill or colocated) worker `worker_id`; the new wire id."""
         request = self.requests[request_id]
+        request.prefill_only = prefill_only
         wire_id = next(self._ids)
         self._move(
             request,
@@ -377,8 +378,7 @@ class RequestTable:
 
 
 def _after_output(out: Output) -> Phase:
-    """The phase an output leads to (DECODING: it stays there, or a colocated worker's
-    first token)."""
+    """The phase an output leads to (DECODING: it stays, or a colocated first token)."""
     if out.finished:
         return Phase.FINISHED
     return Phase.DECODING if out.handoff_blocks is None else Phase.PARKED

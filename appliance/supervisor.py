@@ -174,13 +174,13 @@ class Supervisor:
         self._mark_wired()
 
     def _mark_wired(self) -> None:
-        """Workers now wired take work: waiting requests and handoffs try again."""
+        """Wired workers take work; handoffs retry (a pool came: maybe one they wait for)."""
         wired = self.wiring.newly_wired()
         for worker in wired:
             self.processes.mark_ready(worker)
         if wired:
             self.flow.submit_waiting()
-            self.handoffs.retry_waiting()
+        self.handoffs.retry_waiting()
 
     def _on_tokens(self, batch: TokenBatch) -> None:
         worker = self.processes.workers.get(batch.worker_id)

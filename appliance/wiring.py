@@ -45,8 +45,8 @@ class Wiring:
         self._drops: dict[tuple[int, int], asyncio.Future] = {}  # (decode, prefill)
 
     def on_loaded(self, worker: WorkerHandle) -> None:
-        """Wire the worker that just loaded (or a colocated one that now decodes for the
-        prefill pool) to every loaded worker of the other pool whose tensor it lacks."""
+        """Wire the worker that just loaded (or one that switched role in place) to every
+        loaded worker of the other pool, where the decode worker lacks the tensor."""
         if worker.role == "decode":
             for prefill in self._peers_of(worker):
                 if prefill.worker_id not in worker.peers:  # held since it last decoded
@@ -55,7 +55,10 @@ class Wiring:
                     )
         elif worker.role == "prefill":
             for decode in self._peers_of(worker):
-                self.send(worker.worker_id, SharePool(decode.worker_id, decode.box != worker.box))
+                if worker.worker_id not in decode.peers:  # held since it last prefilled
+                    self.send(
+                        worker.worker_id, SharePool(decode.worker_id, decode.box != worker.box)
+                    )
 
     def on_pool_shared(self, message: PoolShared) -> None:
         """Relay a prefill worker's pickled pool to the decode worker it was made for."""

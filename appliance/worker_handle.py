@@ -63,6 +63,9 @@ class WorkerHandle:
     last_work: float = 0.0  # monotonic time it was last sent a prompt or a handoff
     restarts: int = 0
     peers: set[int] = field(default_factory=set)  # decode: prefill workers whose KV it holds
+    # Its KV pool can be handed off from (made by a prefill worker, or on a GPU, where any
+    # pool can): it can turn prefill in place.
+    shares_pool: bool = False
 
     def __post_init__(self) -> None:
         self.devices = self.devices or (self.device_index,)

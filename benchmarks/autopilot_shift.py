@@ -2,8 +2,9 @@
 
 On two devices (one core each on a 2-core box) the layouts a move can reach are colocated
 x2, 1P+1D and 1D+1C. Each runs the very same `bench --workload shift` schedule from a
-fresh start, then the autopilot (starting colocated x2, `planner.auto_rebalance` on, this
-box's profile) runs it too, while a poller records its layout every second. Prints and
+fresh start, then the autopilot (starting in `--start`, `planner.auto_rebalance` on, this
+box's profile, the run's SLO) runs it too, while a poller records its layout every second.
+Prints and
 writes goodput per phase for each, the autopilot's ratios against the best static layout
 per phase and against the best single static layout over the run, the autopilot's
 layout over time and its decisions.
@@ -49,9 +50,13 @@ from appliance.planner.profile import (
 from appliance.planner.simulator import Policy, SimRequest, simulate
 from appliance.topology.cpu import cpu_model_name
 
-PHASES = "chat:1.5:90,fixed:0.3:90,chat:1.5:90"
-INPUT_LEN, OUTPUT_LEN = 800, 16  # the fixed phase: long prompts, short answers
-GOODPUT = ["ttft:6000", "tpot:80"]
+# Short prompts with one-line answers at a rate one prefill core keeps up with (the split
+# wins: a colocated worker's neighbours' prefills stall its answers' few tokens), then a
+# chat mix too heavy for one decode core (colocated wins: two cores decode), then again.
+PHASES = "fixed:3.4:100,chat:1.8:180,fixed:3.4:100"
+INPUT_LEN, OUTPUT_LEN = 200, 8  # the fixed phase's prompt and answer tokens
+GOODPUT = ["ttft:8000", "tpot:40"]
+START = "1P+1D"  # the autopilot's first layout: `appliance serve`'s default split
 OUT = Path(__file__).parent / "results" / "autopilot_shift_cpu"
 SERVE = [sys.executable, "-m", "appliance.cli", "serve"]
 STATIC = {
@@ -70,9 +75,14 @@ def layout_env(roles: tuple[str, str]) -> dict[str, str]:
     return env | {"APPLIANCE_MODE": "disaggregated"} | named
 
 
-def autopilot_env(profile: Path, token: Path, interval: float, window: float) -> dict[str, str]:
-    return layout_env(("colocated", "colocated")) | {
+def autopilot_env(
+    start: tuple[str, str], profile: Path, token: Path, slo: SLO, interval: float, window: float
+) -> dict[str, str]:
+    """The autopilot's settings: it judges attainment by the SLO the run is scored by."""
+    return layout_env(start) | {
         "APPLIANCE_PLANNER__PROFILE": str(profile),
+        "APPLIANCE_PLANNER__SLO_TTFT_MS": str(slo.ttft * 1000),
+        "APPLIANCE_PLANNER__SLO_TPOT_MS": str(slo.tpot * 1000),
         "APPLIANCE_PLANNER__AUTO_REBALANCE": "true",
         "APPLIANCE_PLANNER__INTERVAL_S": str(interval),
         "APPLIANCE_PLANNER__WINDOW_S": str(window),
@@ -172,10 +182,11 @@ def run_one(
 
 
 def simulated(
-    profile: Profile, phases: list[Phase], slo: SLO, tokenizer: Tokenizer
+    profile: Profile, phases: list[Phase], slo: SLO, tokenizer: Tokenizer, lengths: tuple[int, int]
 ) -> dict[str, list[float]]:
-    """The simulator's goodput per phase for each static layout, on the same schedule."""
-    schedule = shift_schedule(phases, tokenizer, 0, INPUT_LEN, OUTPUT_LEN)
+    """The simulator's goodput per phase for each static layout, on the same schedule
+    (`lengths`: the fixed workload's prompt and answer tokens)."""
+    schedule = shift_schedule(phases, tokenizer, 0, *lengths)
     requests = [SimRequest(s.arrival_s, s.spec.prompt_tokens, s.spec.max_tokens) for s in schedule]
     out = {}
     for label, roles in STATIC.items():
@@ -260,30 +271,37 @@ def plot(runs: list[dict], phases: list[Phase], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phases", default=PHASES)
-    parser.add_argument("--goodput", nargs="+", default=GOODPUT)
+    parser.add_argument("--goodput", nargs="+", default=GOODPUT, help="ttft:MS tpot:MS")
+    parser.add_argument("--input-len", type=int, default=INPUT_LEN, help="fixed: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="fixed: answer tokens")
+    parser.add_argument("--start", choices=list(STATIC), default=START, help="autopilot's layout")
     parser.add_argument("--profile", type=Path)
-    parser.add_argument("--interval", type=float, default=5.0, help="planner.interval_s")
-    parser.add_argument("--window", type=float, default=30.0, help="planner.window_s")
+    parser.add_argument("--interval", type=float, default=3.0, help="planner.interval_s")
+    parser.add_argument("--window", type=float, default=20.0, help="planner.window_s")
     parser.add_argument("--simulate", action="store_true", help="only the simulator's table")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     phases, slo = parse_phases(args.phases), SLO.parse(args.goodput)
+    if slo.ttft is None or slo.tpot is None:
+        parser.error("--goodput needs both ttft:MS and tpot:MS (the autopilot's SLO too)")
+    lengths = (args.input_len, args.output_len)
     profile_path = find_profile(args.profile)
     profile = load_profile(profile_path)
     tokenizer = prepare_tokenizer(None, load_settings().cache_dir)[1]
-    predicted = simulated(profile, phases, slo, tokenizer)
+    predicted = simulated(profile, phases, slo, tokenizer, lengths)
     print(f"simulated goodput per phase ({args.phases}): {json.dumps(predicted)}")
     print(f"an oracle switching at once would gain {oracle_gain(predicted):.2f}x over the best")
     if args.simulate:
         return
-    shift, specs = make_shift(phases, tokenizer, 0, 2, INPUT_LEN, OUTPUT_LEN)
+    shift, specs = make_shift(phases, tokenizer, 0, 2, *lengths)
     token = Path(tempfile.mkdtemp(prefix="autopilot-token-")) / "admin.token"
     with_token = {"APPLIANCE_ADMIN__TOKEN_FILE": str(token)}
     targets = [
         Target(label, SERVE, layout_env(roles) | with_token, port_flag=None)
         for label, roles in STATIC.items()
     ]
-    env = autopilot_env(profile_path, token, args.interval, args.window)
+    start = STATIC[args.start]
+    env = autopilot_env(start, profile_path, token, slo, args.interval, args.window)
     targets.append(Target("autopilot", SERVE, env, port_flag=None))
     runs = []
     for target in targets:  # one at a time: each writes the token file at start
@@ -294,8 +312,9 @@ def main() -> None:
     cpu = cpu_model_name()
     header = (
         f"# Autopilot on a shifting workload\n\n{cpu}, 2 devices of one core. Phases "
-        f"`{args.phases}` (fixed: {INPUT_LEN}-token prompts, {OUTPUT_LEN}-token answers), SLO "
-        f"`{' '.join(args.goodput)}`, seed 0, ignore_eos. Goodput req/s (attainment).\n\n"
+        f"`{args.phases}` (fixed: {args.input_len}-token prompts, {args.output_len}-token "
+        f"answers), SLO `{' '.join(args.goodput)}`, seed 0, ignore_eos; the autopilot starts "
+        f"{args.start}. Goodput req/s (attainment).\n\n"
     )
     (args.out / "table.md").write_text(header + text + "\n")
     record = {

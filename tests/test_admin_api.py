@@ -286,6 +286,39 @@ def test_a_device_turns_colocated_beside_the_pools_and_back(tuned: ServerProcess
     )
 
 
+def test_the_prefill_device_turns_colocated_and_back_in_place(tuned: ServerProcess) -> None:
+    pool_server = tuned
+    assert tune(pool_server, routing="round_robin").status_code == 200
+    worker = snapshot(pool_server).devices[0].worker
+    assert worker is not None and worker.role == "prefill"
+
+    def handed_off_from_it() -> bool:
+        return any(
+            r.prefill_worker == worker.worker_id and r.decode_worker not in (None, worker.worker_id)
+            for r in snapshot(pool_server).requests
+        )
+
+    with Traffic(pool_server.url, API_KEY, concurrency=3) as traffic:
+        traffic.wait_completed(3)
+        move(pool_server, 0, "colocated")
+        assert pools(snapshot(pool_server)) == {"colocated": [0], "decode": [1, 2]}
+        assert same_worker(snapshot(pool_server).devices[0].worker, worker)
+        traffic.wait_completed(traffic.completed + 6)  # it prefills and decodes them
+        # Its pool was made to be handed off from: it turns prefill again in place, and
+        # the decode workers, which still hold that pool, take its handoffs at once.
+        move(pool_server, 0, "prefill")
+        assert same_worker(snapshot(pool_server).devices[0].worker, worker)
+        wait_until(handed_off_from_it, MOVE_BOUND_S, "a handoff from the device back in prefill")
+        traffic.wait_completed(traffic.completed + 3)
+    assert traffic.errors == []
+    assert pools(snapshot(pool_server)) == {"prefill": [0], "decode": [1, 2]}
+    wait_until(
+        lambda: all(d.worker.kv_blocks_used == 0 for d in snapshot(pool_server).devices),
+        10,
+        "every KV block free again",
+    )
+
+
 def same_worker(a: WorkerInfo | None, b: WorkerInfo | None) -> bool:
     return a is not None and b is not None and (a.worker_id, a.pid) == (b.worker_id, b.pid)
 
@@ -313,12 +346,14 @@ def test_impossible_moves_are_refused(
 def test_a_second_move_waits_for_the_first(pool_server: ServerProcess) -> None:
     headers = admin_headers(pool_server)
     url = pool_server.url + "/admin/pools"
-    first = httpx.post(url, json={"device": 2, "to": "prefill"}, headers=headers)
-    assert first.status_code == 202
-    second = httpx.post(url, json={"device": 1, "to": "prefill"}, headers=headers)
+    # Device 1 has only ever decoded: its pool is private, so turning prefill restarts
+    # its worker (device 2, a prefill worker in earlier tests, would switch at once).
+    first = httpx.post(url, json={"device": 1, "to": "prefill"}, headers=headers)
+    assert first.status_code == 202 and first.json()["move"]["phase"] == "draining"
+    second = httpx.post(url, json={"device": 2, "to": "prefill"}, headers=headers)
     assert second.status_code == 409 and "still running" in second.json()["error"]["message"]
     wait_until(lambda: snapshot(pool_server).moves[-1].finished_at, MOVE_BOUND_S, "first move")
-    move(pool_server, 2, "decode")
+    move(pool_server, 1, "decode")
 
 
 @pytest.mark.parametrize("body", [{"device": "two", "to": "prefill"}, {"device": 2}, {"x": 1}])

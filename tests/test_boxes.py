@@ -182,15 +182,16 @@ def test_200_concurrent_requests_across_the_boxes_all_complete(cluster: Cluster)
 
 
 def test_losing_box_b_mid_load_loses_no_request(cluster: Cluster, expected: dict[str, str]) -> None:
-    # The head decodes again beside box b, so the requests have somewhere to go.
-    move = cluster.admin("/admin/pools", {"device": 1, "to": "decode"})
-    assert move.status_code == 202, move.text
-    wait_until(lambda: decoders(cluster) == 2, 60, "two decoders")
     prompts = PROMPTS * 2
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(cluster.complete, p, 96) for p in prompts]
-        # The precondition: box b holds running requests when it is lost.
+        # The precondition: box b (the only decoder) holds running requests when it is lost.
         wait_until(lambda: any(w["running"] for w in cluster.on_box("b")), 120, "b decoding")
+        # The head decodes again beside box b (in place, at once: the same worker), so the
+        # requests have somewhere to go.
+        move = cluster.admin("/admin/pools", {"device": 1, "to": "decode"})
+        assert move.status_code == 202, move.text
+        wait_until(lambda: decoders(cluster) == 2, 60, "two decoders")
         agent = cluster.agents[-1]
         agent.send_signal(signal.SIGKILL)
         agent.wait(30)

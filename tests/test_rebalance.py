@@ -31,7 +31,7 @@ from appliance.planner.rebalance import (
     moves_from,
     predicted_goodput,
 )
-from appliance.planner.rebalance_paths import best_two, move_between
+from appliance.planner.rebalance_paths import best_one, best_two, move_between
 from appliance.planner.simulator import Policy, SimRequest, simulate
 
 # A prompt token costs 1 ms; a decode step 2 ms alone, 50 ms beside a prompt chunk.
@@ -303,6 +303,30 @@ def test_two_move_paths_go_through_the_best_middle_then_the_lowest_device() -> N
     path = best_two(three, lambda roles: scores.get(roles, 0.0), floor=1.0)
     assert path is not None and path.target == goal and path.via == 1.5
     assert path.moves == ((1, "decode"), (0, "decode"))
+
+
+def test_between_equal_paths_the_one_that_keeps_the_workers_wins() -> None:
+    # Device 0 was a prefill worker (its pool is shared): it can turn prefill again in
+    # place; device 1 would restart. Both splits score the same.
+    scores: dict[Roles, float] = {SPLIT: 2.0, ("prefill", "decode"): 2.0}
+    kept = frozenset({(0, "decode"), (1, "decode"), (0, "prefill")})
+    path = best_two(COLOCATED, lambda roles: scores.get(roles, 0.0), 1.0, kept)
+    assert path is not None and path.target == ("prefill", "decode")
+    assert path.moves == ((1, "decode"), (0, "prefill"))
+    scores[SPLIT] = 2.1  # a better layout still wins over a kept worker
+    path = best_two(COLOCATED, lambda roles: scores.get(roles, 0.0), 1.0, kept)
+    assert path is not None and path.target == SPLIT
+    # One move: between equal layouts, the kept move.
+    three: Roles = ("prefill", "decode", "decode")
+    scores = {("prefill", "colocated", "decode"): 3.0, ("prefill", "decode", "colocated"): 3.0}
+    one = best_one(three, lambda roles: scores.get(roles, 0.0), 1.0, frozenset({(2, "colocated")}))
+    assert one is not None and one.moves == ((2, "colocated"),)
+    window, memory = chat_window(), RebalanceMemory()
+    verdict = decide(
+        window, MIXING_HURTS, COLOCATED, Policy(), TIGHT_SLO,
+        RebalanceRules(confirm_windows=1), memory, 100.0, 1, kept,
+    )  # fmt: skip
+    assert verdict.move == (1, "decode") and verdict.recommended == ("prefill", "decode")
 
 
 def test_from_colocated_the_first_step_is_confirmed_and_the_target_remembered() -> None:

@@ -168,12 +168,14 @@ def decide(
     memory: RebalanceMemory,
     now: float,
     device_size: int = 1,
+    in_place: frozenset[Move] = frozenset(),
 ) -> Verdict:
     """Hold or move one device, per `rules`; updates `memory`. A window with too few
     requests, or whose measured attainment meets the target, holds without simulating
     the moves (recommended is then the current roles). After the first step of a
     two-move path (`memory.target`), the second is made at once if the target still
-    wins (see `_second_step`); else the look decides afresh."""
+    wins (see `_second_step`); else the look decides afresh. `in_place`: the moves that
+    would keep their device's worker, preferred between equally good paths."""
     current: Roles = tuple(roles)
     problem = roles_problem(current)
     if problem is not None:
@@ -185,7 +187,7 @@ def decide(
         second = _second_step(window, current, target, here, score, rules, memory, now)
         if second is not None:
             return second
-    return _fresh(window, current, here, score, rules, memory, now)
+    return _fresh(window, current, here, score, rules, memory, now, in_place)
 
 
 def _scorer(
@@ -239,12 +241,13 @@ def _fresh(
     rules: RebalanceRules,
     memory: RebalanceMemory,
     now: float,
+    in_place: frozenset[Move],
 ) -> Verdict:
     """Hold, or make the first (or only) move of the best path worth it, per `rules`."""
     held = _quiet(window, rules)
     if held is not None:
         return _hold(memory, Verdict(current, current, None, here, here, held))
-    best = _best_path(current, here, score, rules)
+    best = _best_path(current, here, score, rules, in_place)
     if best is None:
         nothing = f"no move beats {here:.2f} req/s"
         return _hold(memory, Verdict(current, current, None, here, here, nothing))
@@ -255,16 +258,18 @@ def _fresh(
     return _confirm(memory, rules, now, proposal, best)
 
 
-def _best_path(current: Roles, here: float, score: Score, rules: RebalanceRules) -> Path | None:
+def _best_path(
+    current: Roles, here: float, score: Score, rules: RebalanceRules, in_place: frozenset[Move]
+) -> Path | None:
     """The best layout one move away; when it does not clear the margin (on a box of at
     most `rules.two_move_max_devices` devices), the best two moves away if better still.
     None when nothing beats the current roles."""
-    one = best_one(current, score, here)
+    one = best_one(current, score, here, in_place)
     if one is not None and _worth(here, one.goodput, rules) is None:
         return one
     if len(current) > rules.two_move_max_devices:
         return one
-    return best_two(current, score, one.goodput if one else here) or one
+    return best_two(current, score, one.goodput if one else here, in_place) or one
 
 
 def _proposal(current: Roles, here: float, best: Path) -> Verdict:

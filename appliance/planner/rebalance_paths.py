@@ -5,7 +5,9 @@ moves away with the path to it.
 A move changes one device's worker to another role; every layout on a path, the one in
 the middle included, must be able to serve (`roles_problem`), since the appliance serves
 on it between the two moves. Goodput comes from the caller's `score`, which should
-remember what it computed (a layout is reached by several paths). Pure.
+remember what it computed (a layout is reached by several paths). Between layouts of
+equal goodput, the path with more moves in `kept` (moves that keep the device's worker:
+no drain, no reload) wins. Pure.
 """
 
 from __future__ import annotations
@@ -61,37 +63,57 @@ def move_between(start: Roles, end: Roles) -> Move | None:
     return move if move in moves_from(start) else None
 
 
-def best_one(current: Roles, score: Score, floor: float) -> Path | None:
-    """The layout one move away with the highest goodput above `floor` (ties: the first
-    move in `moves_from` order); None when none beats it."""
+def best_one(
+    current: Roles, score: Score, floor: float, kept: frozenset[Move] = frozenset()
+) -> Path | None:
+    """The layout one move away with the highest goodput above `floor` (ties: a move in
+    `kept`, then the first in `moves_from` order); None when none beats it."""
     best: Path | None = None
     for move in moves_from(current):
-        target = moved(current, move)
-        goodput = score(target)
-        if goodput > (floor if best is None else best.goodput):
-            best = Path((move,), target, goodput)
+        path = Path((move,), moved(current, move), score(moved(current, move)))
+        if _better(path, best, floor, kept):
+            best = path
     return best
 
 
-def best_two(current: Roles, score: Score, floor: float) -> Path | None:
+def best_two(
+    current: Roles, score: Score, floor: float, kept: frozenset[Move] = frozenset()
+) -> Path | None:
     """The layout exactly two moves away (two different devices) with the highest
     goodput above `floor`, reached through the layout in the middle with the highest
-    goodput (ties: the lowest first device); None when none beats `floor`.
+    goodput (ties: more moves in `kept`, then the lowest first device); None when none
+    beats `floor`.
 
     Cost: every first move (at most 2n on n devices) and every second move from it, so
     O((2n)^2) paths, each distinct layout scored once."""
-    routes = _routes(current, score)
     best: Path | None = None
-    for target, (first, second, via) in routes.items():
-        goodput = score(target)
-        if goodput > (floor if best is None else best.goodput):
-            best = Path((first, second), target, goodput, via)
+    for first, second, via in _routes(current, score, kept).values():
+        target = moved(moved(current, first), second)
+        path = Path((first, second), target, score(target), via)
+        if _better(path, best, floor, kept):
+            best = path
     return best
 
 
-def _routes(current: Roles, score: Score) -> dict[Roles, tuple[Move, Move, float]]:
+def _better(path: Path, best: Path | None, floor: float, kept: frozenset[Move]) -> bool:
+    """Whether `path` beats the best so far (or, for the first, `floor`)."""
+    if best is None:
+        return path.goodput > floor
+    if path.goodput != best.goodput:
+        return path.goodput > best.goodput
+    return _kept(path.moves, kept) > _kept(best.moves, kept)
+
+
+def _kept(moves: tuple[Move, ...], kept: frozenset[Move]) -> int:
+    return sum(move in kept for move in moves)
+
+
+def _routes(
+    current: Roles, score: Score, kept: frozenset[Move]
+) -> dict[Roles, tuple[Move, Move, float]]:
     """Each layout two moves away: its best path (first, second move) and the goodput of
-    the layout in the middle; in order of first, then second move."""
+    the layout in the middle (ties: more moves in `kept`); in order of first, then
+    second move."""
     routes: dict[Roles, tuple[Move, Move, float]] = {}
     for first in moves_from(current):
         middle = moved(current, first)
@@ -101,6 +123,9 @@ def _routes(current: Roles, score: Score) -> dict[Roles, tuple[Move, Move, float
                 continue  # the same device twice is one move (or none)
             target = moved(middle, second)
             known = routes.get(target)
-            if known is None or via > known[2]:
+            if known is None or (via, _kept((first, second), kept)) > (
+                known[2],
+                _kept(known[:2], kept),
+            ):
                 routes[target] = (first, second, via)
     return routes
