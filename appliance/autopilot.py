@@ -92,7 +92,8 @@ class Autopilot:
             return None
         roles = device_roles(self.supervisor)
         in_place = self.mover.in_place_moves()
-        window = self.supervisor.traffic.window(now, self.planner.window_s, self.slo)
+        in_flight = self.supervisor.table.requests.values()
+        window = self.supervisor.traffic.window(now, self.planner.window_s, self.slo, in_flight)
         # Simulating every layout a move or two away takes milliseconds to seconds (a big
         # box): off the loop that streams tokens. Only this task touches the memory.
         try:

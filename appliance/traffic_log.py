@@ -2,12 +2,16 @@
 arrival, prompt and output lengths, prefix-cache hit, and whether it met the SLO.
 
 Pure: the supervisor records each request when its consumer is done with it; `window`
-turns the last seconds of it into the simulator's requests (appliance/planner/rebalance.py).
+turns the last seconds of it into the simulator's requests (appliance/planner/rebalance.py),
+with the requests still running: when the traffic shifts toward long answers, the first
+ones finish only many seconds later, and a window of finished requests alone would show
+the old traffic meanwhile.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from appliance.bench.metrics import SLO, RequestResult
@@ -44,6 +48,24 @@ def served(request: Request) -> Served | None:
     return Served(arrival, request.cached_tokens, result)
 
 
+def so_far(request: Request, now: float) -> Served | None:
+    """A running request as it stands at `now` (its output so far; latency up to now);
+    None for one that ended or never arrived. The SLO judges it as if it ended now: one
+    it fails has missed already (no first token within the TTFT limit, or its tokens so
+    far slower than the TPOT limit)."""
+    arrival, first = request.timing.arrival, request.timing.first_token
+    if arrival is None or request.phase.terminal:
+        return None
+    result = RequestResult(
+        prompt_tokens=len(request.prompt),
+        output_tokens=len(request.output_ids),
+        ok=True,
+        ttft=(now if first is None else first) - arrival,
+        latency=now - arrival,
+    )
+    return Served(arrival, request.cached_tokens, result)
+
+
 class TrafficLog:
     """Requests that arrived within the last `kept_s` seconds, oldest arrival first."""
 
@@ -59,16 +81,24 @@ class TrafficLog:
         if item is not None:
             self._served.append(item)
 
-    def window(self, now: float, seconds: float, slo: SLO) -> TrafficWindow:
-        """The requests that arrived in (now - seconds, now], as the simulator's requests
-        (arrivals from the window's start); attainment over those that ran to an end or
-        failed. A request with cached prompt tokens shares that prefix with the others
-        that had one (the log does not know which prefix it was)."""
+    def window(
+        self, now: float, seconds: float, slo: SLO, running: Iterable[Request] = ()
+    ) -> TrafficWindow:
+        """The requests that arrived in (now - seconds, now], ended or `running`, as the
+        simulator's requests (arrivals from the window's start; a running one with the
+        output it has so far, a lower bound). Attainment is over those that ran to an end
+        or failed, and the running ones that have missed the SLO already. A request with
+        cached prompt tokens shares that prefix with the others that had one (the log does
+        not know which prefix it was)."""
         self._forget_before(now - max(seconds, self.kept_s))
         start = now - seconds
-        kept = sorted((s for s in self._served if s.arrival > start), key=lambda s: s.arrival)
-        requests = tuple(_sim_request(s, start) for s in kept)
-        attainment = sum(slo.met_by(s.result) for s in kept) / len(kept) if kept else None
+        ended = [s for s in self._served if s.arrival > start]
+        going = [g for r in running if (g := so_far(r, now)) is not None and g.arrival > start]
+        both = sorted(ended + going, key=lambda s: s.arrival)
+        requests = tuple(_sim_request(s, start) for s in both)
+        judged = [slo.met_by(s.result) for s in ended]
+        judged += [False for g in going if not slo.met_by(g.result)]
+        attainment = sum(judged) / len(judged) if judged else None
         return TrafficWindow(duration_s=seconds, requests=requests, attainment=attainment)
 
     def _forget_before(self, oldest: float) -> None:

@@ -89,3 +89,31 @@ def test_an_empty_window_has_no_attainment_and_old_requests_are_forgotten() -> N
 def test_the_log_refuses_a_nonsense_length() -> None:
     with pytest.raises(ValueError, match="kept_s must be positive"):
         TrafficLog(kept_s=0)
+
+
+def running(arrival: float, output: int, first: float | None, prompt: int = 10) -> Request:
+    timing = Timing(arrival=arrival, first_token=first)
+    params = SamplingParams(max_tokens=256)
+    request = Request(0, [1] * prompt, params, params, timing, phase=Phase.DECODING)
+    request.output_ids = [2] * output
+    return request
+
+
+def test_running_requests_join_the_window_and_count_once_they_have_missed() -> None:
+    log = TrafficLog(kept_s=30)
+    log.record(ended(90.0))  # finished within the SLO
+    slow = running(91.0, output=11, first=91.5)  # 11 tokens in 8.5 s: 0.85 s each
+    on_pace = running(95.0, output=41, first=95.2)  # 41 tokens in 4.8 s: 0.12 s each
+    fresh = running(99.5, output=0, first=None)  # 0.5 s without a first token: not yet
+    waited = running(97.0, output=0, first=None, prompt=30)  # 3 s: missed its TTFT
+    done = running(92.0, output=5, first=92.5)
+    done.phase = Phase.FINISHED  # ended: the log has it, or will
+    window = log.window(100.0, 30.0, SLO(ttft=1.0, tpot=0.15), [slow, on_pace, fresh, waited, done])
+    # Every request that arrived in the window, running ones with their output so far.
+    assert [(r.arrival_s, r.output_tokens) for r in window.requests] == [
+        (20.0, 5), (21.0, 11), (25.0, 41), (27.0, 1), (29.5, 1),
+    ]  # fmt: skip
+    # Judged: the finished one (met), the slow and the waited one (missed already); the
+    # one on pace and the fresh one may still meet it.
+    assert window.attainment == pytest.approx(1 / 3)
+    assert log.window(100.0, 30.0, SLO(ttft=1.0, tpot=0.15), [on_pace]).attainment == 1.0
