@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,7 @@ def run_one(
         "phases": phases,
         "total": shift_total(results, shift.phases, slo),
         "failed": sum(not r.ok for r in results),
+        "errors": Counter(r.error for r in results if not r.ok),  # 429/503: admission
         "layout": poller.seen,
         "decisions": decisions,
         "kv_blocks_in_use_after": blocks,
@@ -276,8 +278,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="fixed: answer tokens")
     parser.add_argument("--start", choices=list(STATIC), default=START, help="autopilot's layout")
     parser.add_argument("--profile", type=Path)
-    parser.add_argument("--interval", type=float, default=3.0, help="planner.interval_s")
-    parser.add_argument("--window", type=float, default=20.0, help="planner.window_s")
+    parser.add_argument("--interval", type=float, default=2.0, help="planner.interval_s")
+    parser.add_argument("--window", type=float, default=12.0, help="planner.window_s")
     parser.add_argument("--simulate", action="store_true", help="only the simulator's table")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()

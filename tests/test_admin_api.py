@@ -237,11 +237,7 @@ def test_moving_a_device_keeps_serving(pool_server: ServerProcess) -> None:
     assert pools(snap) == {"prefill": [0], "decode": [1, 2]}
     messages = [e.message for e in snap.events if e.kind == "move"]
     assert any("to prefill done" in m for m in messages)
-    wait_until(
-        lambda: all(d.worker.kv_blocks_used == 0 for d in snapshot(pool_server).devices),
-        10,
-        "every KV block free again",
-    )
+    wait_all_blocks_free(pool_server)
 
 
 def test_a_device_turns_colocated_beside_the_pools_and_back(tuned: ServerProcess) -> None:
@@ -279,11 +275,7 @@ def test_a_device_turns_colocated_beside_the_pools_and_back(tuned: ServerProcess
     assert traffic.errors == []
     assert pools(snapshot(pool_server)) == {"prefill": [0], "decode": [1, 2]}
     assert same_worker(snapshot(pool_server).devices[2].worker, worker)
-    wait_until(
-        lambda: all(d.worker.kv_blocks_used == 0 for d in snapshot(pool_server).devices),
-        10,
-        "every KV block free again",
-    )
+    wait_all_blocks_free(pool_server)
 
 
 def test_the_prefill_device_turns_colocated_and_back_in_place(tuned: ServerProcess) -> None:
@@ -312,8 +304,12 @@ def test_the_prefill_device_turns_colocated_and_back_in_place(tuned: ServerProce
         traffic.wait_completed(traffic.completed + 3)
     assert traffic.errors == []
     assert pools(snapshot(pool_server)) == {"prefill": [0], "decode": [1, 2]}
+    wait_all_blocks_free(pool_server)
+
+
+def wait_all_blocks_free(server: ServerProcess) -> None:
     wait_until(
-        lambda: all(d.worker.kv_blocks_used == 0 for d in snapshot(pool_server).devices),
+        lambda: all(d.worker.kv_blocks_used == 0 for d in snapshot(server).devices),
         10,
         "every KV block free again",
     )
