@@ -47,18 +47,12 @@ class Wiring:
     def on_loaded(self, worker: WorkerHandle) -> None:
         """Wire the worker that just loaded (or one that switched role in place) to every
         loaded worker of the other pool, where the decode worker lacks the tensor."""
-        if worker.role == "decode":
-            for prefill in self._peers_of(worker):
-                if prefill.worker_id not in worker.peers:  # held since it last decoded
-                    self.send(
-                        prefill.worker_id, SharePool(worker.worker_id, prefill.box != worker.box)
-                    )
-        elif worker.role == "prefill":
-            for decode in self._peers_of(worker):
-                if worker.worker_id not in decode.peers:  # held since it last prefilled
-                    self.send(
-                        worker.worker_id, SharePool(decode.worker_id, decode.box != worker.box)
-                    )
+        if worker.role not in ("decode", "prefill"):
+            return  # a colocated worker hands nothing off
+        for peer in self._peers_of(worker):
+            prefill, decode = (peer, worker) if worker.role == "decode" else (worker, peer)
+            if prefill.worker_id not in decode.peers:  # else held since a role switch
+                self.send(prefill.worker_id, SharePool(decode.worker_id, prefill.box != decode.box))
 
     def on_pool_shared(self, message: PoolShared) -> None:
         """Relay a prefill worker's pickled pool to the decode worker it was made for."""

@@ -95,8 +95,8 @@ class MoveRequest(BaseModel):
 
 
 class Move(BaseModel):
-    """A device changing pools: its worker drains, stops, and one of the other role starts
-    (between decode and colocated the same worker switches in place, done at once)."""
+    """A device changing pools: its worker switches role in place (done at once), or, where
+    it cannot (appliance/pool_moves.py), drains, stops, and one of the other role starts."""
 
     move_id: int
     device: int

@@ -70,7 +70,8 @@ def best_one(
     `kept`, then the first in `moves_from` order); None when none beats it."""
     best: Path | None = None
     for move in moves_from(current):
-        path = Path((move,), moved(current, move), score(moved(current, move)))
+        target = moved(current, move)
+        path = Path((move,), target, score(target))
         if _better(path, best, floor, kept):
             best = path
     return best
@@ -123,9 +124,7 @@ def _routes(
                 continue  # the same device twice is one move (or none)
             target = moved(middle, second)
             known = routes.get(target)
-            if known is None or (via, _kept((first, second), kept)) > (
-                known[2],
-                _kept(known[:2], kept),
-            ):
+            rank = (via, _kept((first, second), kept))
+            if known is None or rank > (known[2], _kept(known[:2], kept)):
                 routes[target] = (first, second, via)
     return routes
