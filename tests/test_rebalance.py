@@ -27,6 +27,7 @@ from appliance.planner.rebalance import (
     Roles,
     TrafficWindow,
     Verdict,
+    current_goodput,
     decide,
     moves_from,
     predicted_goodput,
@@ -151,7 +152,8 @@ def test_a_prefill_starved_split_moves_a_decode_device_to_prefill() -> None:
     assert verdict.move == (1, "prefill")  # devices 1 and 2 tie: the lowest
     assert verdict.recommended == ("prefill", "prefill", "decode")
     assert verdict.predicted_current < verdict.predicted_recommended
-    assert verdict.predicted_current == predicted_goodput(PROFILE, STARVED, window, POLICY, SLO_)
+    simulated = predicted_goodput(PROFILE, STARVED, window, POLICY, SLO_)
+    assert verdict.predicted_current == current_goodput(window, simulated)
     assert "move device 1 from decode to prefill" in verdict.reason
 
 
@@ -188,6 +190,28 @@ def test_a_small_gain_holds() -> None:
     assert verdict.recommended == ("prefill", "prefill", "decode")
 
 
+def test_the_current_layout_counts_at_its_measured_goodput_where_that_is_lower() -> None:
+    requests = long_prompts(1)
+    simulated = predicted_goodput(
+        PROFILE, STARVED, TrafficWindow(20.0, requests, 0.3), POLICY, SLO_
+    )
+    better = predicted_goodput(
+        PROFILE, ("prefill", "prefill", "decode"), TrafficWindow(20.0, requests, 0.3), POLICY, SLO_
+    )
+    low = TrafficWindow(20.0, requests, attainment=0.02)
+    measured = 0.02 * len(requests) / 20.0
+    assert measured < simulated < better  # the box serves worse than simulated
+    assert current_goodput(low, simulated) == measured
+    assert current_goodput(TrafficWindow(20.0, requests, 1.0), simulated) == simulated
+    assert current_goodput(TrafficWindow(20.0, requests, None), simulated) == simulated
+    # A margin the simulated gain misses but the gain over the measured goodput clears.
+    margin = (better / simulated - 1 + better / measured - 1) / 2
+    rules = RebalanceRules(confirm_windows=1, margin=margin)
+    verdict = look(STARVED, low, RebalanceMemory(), rules=rules)
+    assert verdict.move == (1, "prefill") and verdict.predicted_current == measured
+    assert verdict.predicted_recommended == better
+
+
 def test_a_stationary_mix_moves_once_and_then_holds() -> None:
     roles, memory, moves = STARVED, RebalanceMemory(), []
     for number in range(20):
@@ -203,7 +227,7 @@ def test_a_stationary_mix_moves_once_and_then_holds() -> None:
     for number in range(20):  # missing the target, yet no move back or on is predicted to help
         window = TrafficWindow(20.0, long_prompts(200 + number), attainment=0.0)
         verdict = look(roles, window, memory, now=1000.0 + 20.0 * number)
-        assert verdict.move is None and verdict.reason.startswith("no move beats")
+        assert verdict.move is None and verdict.reason.startswith("no move is simulated to beat")
 
 
 def test_bad_inputs_raise_value_errors() -> None:
@@ -344,8 +368,8 @@ def test_from_colocated_the_first_step_is_confirmed_and_the_target_remembered() 
     assert second.predicted_via == goodput(MIDDLE, window)
     assert second.reason == (
         "move device 0 from colocated to decode, then device 1 from colocated to prefill: "
-        f"predicted {goodput(COLOCATED, window):.2f} -> {goodput(SPLIT, window):.2f} req/s "
-        f"within the SLO (via {goodput(MIDDLE, window):.2f})"
+        f"predicted {current_goodput(window, goodput(COLOCATED, window)):.2f} -> "
+        f"{goodput(SPLIT, window):.2f} req/s within the SLO (via {goodput(MIDDLE, window):.2f})"
     )
 
 
@@ -357,7 +381,7 @@ def test_the_second_step_follows_at_once_within_the_cooldown() -> None:
     assert verdict.recommended == SPLIT and verdict.reason.startswith("second step: move")
     assert memory.target is None and memory.last_move_at == 120.0
     again = mix_look(SPLIT, chat_window(3), memory, now=130.0)  # arrived: holds
-    assert again.move is None and again.reason.startswith("no move beats")
+    assert again.move is None and again.reason.startswith("no move is simulated to beat")
 
 
 def test_the_middle_holds_and_forgets_the_target_when_it_no_longer_wins() -> None:
@@ -391,7 +415,7 @@ def test_two_move_search_is_skipped_on_boxes_over_the_cap() -> None:
     window = chat_window()
     verdict = mix_look(COLOCATED, window, RebalanceMemory(), now=100.0, rules=rules)
     assert verdict.move is None and verdict.recommended == COLOCATED and verdict.path == ()
-    assert verdict.reason == f"no move beats {goodput(COLOCATED, window):.2f} req/s"
+    assert verdict.reason == f"no move is simulated to beat {goodput(COLOCATED, window):.2f} req/s"
 
 
 def test_a_stationary_chat_mix_takes_the_two_steps_and_then_holds() -> None:
@@ -411,4 +435,4 @@ def test_a_stationary_chat_mix_takes_the_two_steps_and_then_holds() -> None:
     for number in range(5):  # missing the target, yet nothing one or two moves away helps
         window = TrafficWindow(20.0, chats(400 + number), attainment=0.0)
         verdict = mix_look(roles, window, memory, now=1000.0 + 20.0 * number)
-        assert verdict.move is None and verdict.reason.startswith("no move beats")
+        assert verdict.move is None and verdict.reason.startswith("no move is simulated to beat")

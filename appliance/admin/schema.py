@@ -121,8 +121,8 @@ class Decision(BaseModel):
     move_device: int | None = Field(description="The device to move; None: hold.")
     move_to: Role | None
     predicted_current: float = Field(
-        description="Goodput (requests/s within the SLO) the simulator predicts for the "
-        "current layout on the window's traffic."
+        description="Goodput (requests/s within the SLO) of the current layout on the "
+        "window's traffic: the simulator's, or the measured one where that is lower."
     )
     predicted_recommended: float
     attainment: float | None = Field(

@@ -16,7 +16,11 @@ keeps the target, and the next look makes the second step at once (no cooldown, 
 confirming looks: the layout in the middle is worse) if the target still wins.
 
 The simulation starts each layout empty, so a window predicts steady traffic, not the
-backlog the box holds now. Pure: no torch, no asyncio.
+backlog the box holds now; and it times workers alone, without the server and clients
+that share the cores. Where the box serves the window worse than simulated, the
+measured goodput stands for the current layout (`current_goodput`): a move must still be
+simulated to beat the current layout, and its gain is judged against the lower figure.
+Pure: no torch, no asyncio.
 """
 
 from __future__ import annotations
@@ -181,13 +185,22 @@ def decide(
     if problem is not None:
         raise ValueError(f"the current roles {current} cannot serve: {problem}")
     score = _scorer(window, profile, policy, slo, device_size)
-    here = score(current)
+    simulated = score(current)
+    here = current_goodput(window, simulated)
     target, memory.target = memory.target, None
     if target is not None:
         second = _second_step(window, current, target, here, score, rules, memory, now)
         if second is not None:
             return second
-    return _fresh(window, current, here, score, rules, memory, now, in_place)
+    return _fresh(window, current, (simulated, here), score, rules, memory, now, in_place)
+
+
+def current_goodput(window: TrafficWindow, simulated: float) -> float:
+    """The current layout's goodput on the window: the simulated one, or the measured one
+    (attainment times the window's requests per second) where that is lower."""
+    if window.attainment is None:
+        return simulated
+    return min(simulated, window.attainment * len(window.requests) / window.duration_s)
 
 
 def _scorer(
@@ -236,20 +249,23 @@ def _second_step(
 def _fresh(
     window: TrafficWindow,
     current: Roles,
-    here: float,
+    goodputs: tuple[float, float],
     score: Score,
     rules: RebalanceRules,
     memory: RebalanceMemory,
     now: float,
     in_place: frozenset[Move],
 ) -> Verdict:
-    """Hold, or make the first (or only) move of the best path worth it, per `rules`."""
+    """Hold, or make the first (or only) move of the best path worth it, per `rules`.
+    `goodputs`: the current layout's simulated goodput, which the path must beat, and
+    `current_goodput`'s, which its gain is judged against."""
+    simulated, here = goodputs
     held = _quiet(window, rules)
     if held is not None:
         return _hold(memory, Verdict(current, current, None, here, here, held))
-    best = _best_path(current, here, score, rules, in_place)
+    best = _best_path(current, simulated, score, rules, in_place)
     if best is None:
-        nothing = f"no move beats {here:.2f} req/s"
+        nothing = f"no move is simulated to beat {simulated:.2f} req/s"
         return _hold(memory, Verdict(current, current, None, here, here, nothing))
     proposal = _proposal(current, here, best)
     worth = _worth(here, best.goodput, rules)
