@@ -84,11 +84,16 @@ class LockstepSum:
 
 
 def shard_hidden_states(
-    size: int, prompts: list[list[int]], engine: LLMEngine, weights: str
+    size: int, prompts: list[list[int]], engine: LLMEngine, weights: str, gemm: str = "auto"
 ) -> torch.Tensor:
     """Hidden states of one batched prefill, computed by `size` shards in lockstep."""
     settings = load_settings(
-        dtype="float32", device="cpu", weights=weights, kv={"num_blocks": 32}, prefill_tp=size
+        dtype="float32",
+        device="cpu",
+        weights=weights,
+        kv={"num_blocks": 32},
+        prefill_tp=size,
+        prefill_gemm=gemm,
     )
     summed = LockstepSum(size)
     parts = [load_shard(settings, Shard(r, size), summed.for_rank(r)) for r in range(size)]
@@ -123,9 +128,14 @@ def test_shards_add_up_to_the_whole_model(size: int, weights: str, engine: LLMEn
     # Dense shards' partial sums meet in another float order than one process's sums:
     # close, not equal. Quantized products of an appliance with groups of `size` sum each
     # span a split falls on by itself and add the spans in float64, so shards give one
-    # process's states (on the same settings) bit for bit.
+    # process's states (on the same settings) bit for bit. Past GEMM_ROWS that holds for
+    # our int16 GEMM; torch's bfloat16 GEMM (auto on AVX512-BF16 CPUs) may sum a shard's
+    # narrower weight in another order (it does on an Intel Xeon with AMX).
+    gemm = "int16"
     if weights == "quantized":
-        settings = load_settings(device="cpu", weights="quantized", prefill_tp=size)
+        settings = load_settings(
+            device="cpu", weights="quantized", prefill_tp=size, prefill_gemm=gemm
+        )
         engine = LLMEngine.from_settings(settings)
     # the last prompt alone takes a quantized product past GEMM_ROWS, to torch's GEMM
     long = " ".join(f"{n} bees visit {n + 1} flowers." for n in range(40))
@@ -142,7 +152,7 @@ def test_shards_add_up_to_the_whole_model(size: int, weights: str, engine: LLMEn
     finally:
         for seq in seqs:
             engine.kv.allocator.free(seq.block_table)
-    sharded = shard_hidden_states(size, prompts, engine, weights)
+    sharded = shard_hidden_states(size, prompts, engine, weights, gemm)
     if weights == "quantized":
         assert torch.equal(sharded, whole)
     else:
