@@ -186,13 +186,12 @@ def decide(
         raise ValueError(f"the current roles {current} cannot serve: {problem}")
     score = _scorer(window, profile, policy, slo, device_size)
     simulated = score(current)
-    here = current_goodput(window, simulated)
     target, memory.target = memory.target, None
     if target is not None:
-        second = _second_step(window, current, target, here, score, rules, memory, now)
+        second = _second_step(window, current, target, simulated, score, rules, memory, now)
         if second is not None:
             return second
-    return _fresh(window, current, (simulated, here), score, rules, memory, now, in_place)
+    return _fresh(window, current, simulated, score, rules, memory, now, in_place)
 
 
 def current_goodput(window: TrafficWindow, simulated: float) -> float:
@@ -221,7 +220,7 @@ def _second_step(
     window: TrafficWindow,
     current: Roles,
     target: Roles,
-    here: float,
+    simulated: float,
     score: Score,
     rules: RebalanceRules,
     memory: RebalanceMemory,
@@ -229,11 +228,13 @@ def _second_step(
 ) -> Verdict | None:
     """The second step to `target`, made now (no cooldown, no confirming looks, nor the
     attainment target) when the window has enough requests, the target is one move away,
-    is at least as good as the best layout one move away and beats the current by the
-    margin; None otherwise (decide afresh)."""
+    is at least as good as the best layout one move away and beats the current
+    (`current_goodput` of its `simulated` goodput) by the margin; None otherwise (decide
+    afresh)."""
     step = move_between(current, target)
     if step is None or len(window.requests) < rules.min_requests:
         return None
+    here = current_goodput(window, simulated)
     best, goal = best_one(current, score, here), score(target)
     if best is None or goal < best.goodput or _worth(here, goal, rules) is not None:
         return None
@@ -249,17 +250,17 @@ def _second_step(
 def _fresh(
     window: TrafficWindow,
     current: Roles,
-    goodputs: tuple[float, float],
+    simulated: float,
     score: Score,
     rules: RebalanceRules,
     memory: RebalanceMemory,
     now: float,
     in_place: frozenset[Move],
 ) -> Verdict:
-    """Hold, or make the first (or only) move of the best path worth it, per `rules`.
-    `goodputs`: the current layout's simulated goodput, which the path must beat, and
-    `current_goodput`'s, which its gain is judged against."""
-    simulated, here = goodputs
+    """Hold, or make the first (or only) move of the best path worth it, per `rules`: the
+    path must beat the current layout's `simulated` goodput, and its gain is judged
+    against `current_goodput`."""
+    here = current_goodput(window, simulated)
     held = _quiet(window, rules)
     if held is not None:
         return _hold(memory, Verdict(current, current, None, here, here, held))
