@@ -57,6 +57,23 @@ def test_the_dry_run_passes_every_section(tmp_path: Path) -> None:
     )
 
 
+def test_the_paged_check_fails_on_a_corrupted_kv_cache(tmp_path: Path) -> None:
+    """Its bounds are loose enough for bfloat16 on every CPU; this shows they are not too
+    loose to see 16 zeroed keys of one block."""
+    out = tmp_path / "fault.json"
+    proc = run_check(
+        "--dry-run", "--out", str(out), "--sections", "paged_bf16", "--inject-fault", timeout=300
+    )
+    section = json.loads(out.read_text())["sections"]["paged_bf16"]
+    assert proc.returncode == 1 and section["status"] == "fail", section
+    rows_over = {kind: got["rows_over_bound"] for kind, got in section["engine_vs_float32"].items()}
+    # The long prompt's rows after its first chunk, the prompt that reuses that block, and
+    # the long prompt's decodes read the zeroed keys; the short prompts never do.
+    assert rows_over["chunked_prefill"] > 0 and rows_over["prefix_hit"] > 0, rows_over
+    assert rows_over["decode"] > 0 and rows_over["short_prefill"] == 0, rows_over
+    assert all(c for name, c in section["checks"].items() if name.startswith("short_prefill"))
+
+
 def test_a_section_past_its_timeout_is_killed_and_recorded(tmp_path: Path) -> None:
     out = tmp_path / "cut.json"
     proc = run_check(
