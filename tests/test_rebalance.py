@@ -400,6 +400,19 @@ def test_the_middle_holds_and_forgets_the_target_when_it_no_longer_wins() -> Non
     assert verdict.reason == "3 requests in the window < 8"
 
 
+def test_the_second_step_needs_the_target_simulated_to_beat_the_middle() -> None:
+    # Few short prompts, one token each: every layout serves them all within the SLO, so
+    # the split beats the middle only against the window's measured attainment.
+    calm = chat_window(1, attainment=0.3, rate=0.6, output=1)
+    assert len(calm.requests) >= RULES.min_requests
+    assert goodput(SPLIT, calm) == goodput(MIDDLE, calm) == goodput(COLOCATED, calm)
+    assert goodput(SPLIT, calm) > current_goodput(calm, goodput(MIDDLE, calm)) * 1.5
+    memory = RebalanceMemory(last_move_at=110.0, target=SPLIT)
+    verdict = mix_look(MIDDLE, calm, memory, now=120.0)
+    assert verdict.move is None and memory.target is None
+    assert verdict.reason == f"no move is simulated to beat {goodput(MIDDLE, calm):.2f} req/s"
+
+
 def test_a_first_step_obeys_the_cooldown_and_a_refused_one_is_forgotten() -> None:
     memory = RebalanceMemory(last_move_at=100.0)
     verdict = mix_look(COLOCATED, chat_window(), memory, now=110.0)

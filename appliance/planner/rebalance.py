@@ -228,14 +228,14 @@ def _second_step(
 ) -> Verdict | None:
     """The second step to `target`, made now (no cooldown, no confirming looks, nor the
     attainment target) when the window has enough requests, the target is one move away,
-    is at least as good as the best layout one move away and beats the current
-    (`current_goodput` of its `simulated` goodput) by the margin; None otherwise (decide
-    afresh)."""
+    is at least as good as the best layout one move away, is simulated to beat the
+    current layout's `simulated` goodput, and beats its `current_goodput` by the margin
+    (the first step's rules); None otherwise (decide afresh)."""
     step = move_between(current, target)
     if step is None or len(window.requests) < rules.min_requests:
         return None
     here = current_goodput(window, simulated)
-    best, goal = best_one(current, score, here), score(target)
+    best, goal = best_one(current, score, simulated), score(target)
     if best is None or goal < best.goodput or _worth(here, goal, rules) is not None:
         return None
     memory.last_move_at, memory.streak, memory.streak_count = now, None, 0
