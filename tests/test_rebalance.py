@@ -192,12 +192,9 @@ def test_a_small_gain_holds() -> None:
 
 def test_the_current_layout_counts_at_its_measured_goodput_where_that_is_lower() -> None:
     requests = long_prompts(1)
-    simulated = predicted_goodput(
-        PROFILE, STARVED, TrafficWindow(20.0, requests, 0.3), POLICY, SLO_
-    )
-    better = predicted_goodput(
-        PROFILE, ("prefill", "prefill", "decode"), TrafficWindow(20.0, requests, 0.3), POLICY, SLO_
-    )
+    window = TrafficWindow(20.0, requests, 0.3)
+    simulated = predicted_goodput(PROFILE, STARVED, window, POLICY, SLO_)
+    better = predicted_goodput(PROFILE, ("prefill", "prefill", "decode"), window, POLICY, SLO_)
     low = TrafficWindow(20.0, requests, attainment=0.02)
     measured = 0.02 * len(requests) / 20.0
     assert measured < simulated < better  # the box serves worse than simulated

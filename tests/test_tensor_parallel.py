@@ -137,7 +137,7 @@ def test_shards_add_up_to_the_whole_model(size: int, weights: str, engine: LLMEn
             device="cpu", weights="quantized", prefill_tp=size, prefill_gemm=gemm
         )
         engine = LLMEngine.from_settings(settings)
-    # the last prompt alone takes a quantized product past GEMM_ROWS, to torch's GEMM
+    # the last prompt alone takes a quantized product past GEMM_ROWS, to the `gemm` GEMM
     long = " ".join(f"{n} bees visit {n + 1} flowers." for n in range(40))
     texts = ["The capital of France is", "Bees make honey and", long]
     prompts = [engine.tokenizer.encode(t) for t in texts]
