@@ -4,19 +4,42 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from appliance.admin.token import TokenError
-from appliance.config import SettingsError, load_settings
+from appliance.config import Settings, SettingsError, load_settings
 from appliance.model.errors import ModelLoadError
+from appliance.settings_flags import add_settings_flags, settings_from_flags
+
+SETTINGS_HELP = (
+    "Every setting is a flag below, an APPLIANCE_* variable and a key of the --config file; "
+    "a flag overrides the variable, which overrides the file."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="appliance", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"appliance {_version()}")
     parser.add_argument("--config", type=Path, help="TOML settings file")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="stream the model's answer to a prompt")
+    def command(name: str, help: str, settings: bool = False) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name,
+            help=help,
+            description=help + (". " + SETTINGS_HELP if settings else ""),
+            usage=f"appliance {name} [options]" if settings else None,
+        )
+        # --config after the subcommand too; SUPPRESS keeps the one given before it.
+        sub.add_argument(
+            "--config", type=Path, default=argparse.SUPPRESS, help="TOML settings file"
+        )
+        if settings:
+            add_settings_flags(sub, Settings)
+        return sub
+
+    gen = command("generate", "stream the model's answer to a prompt", settings=True)
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -24,38 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument("--model", type=Path, help="GGUF file or Hugging Face folder")
     gen.add_argument("--raw", action="store_true", help="no chat template: continue the text")
 
-    srv = commands.add_parser(
-        "serve", help="serve the OpenAI-compatible API (settings: APPLIANCE_* or --config)"
-    )
-    srv.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    srv.add_argument("--port", type=int, help="port (default 8000)")
-    srv.add_argument("--mode", choices=["disaggregated", "colocated"])
-    srv.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    srv.add_argument("--model", type=Path, help="GGUF file or Hugging Face folder")
-    srv.add_argument(
-        "--layout",
-        choices=["manual", "auto"],
-        help="auto: run the layout `appliance plan` ranks first (settings: planner.*)",
-    )
-
-    agent = commands.add_parser(
-        "agent",
-        help="lend this box's devices to a head on another box (settings: cluster.*)",
-    )
-    agent.add_argument("--head", help="the head's host:port (cluster.listen there)")
-    agent.add_argument("--box", help="this box's name (default: the host name)")
-    agent.add_argument("--address", help="this box's address to connect from")
-    agent.add_argument("--pool", choices=["prefill", "decode", "colocated"])
-    agent.add_argument("--secret-file", type=Path, help="the shared secret every box holds")
-    agent.add_argument("--cpu-devices", type=int, help="CPU devices (core sets) it offers")
-
-    con = commands.add_parser(
-        "console", help="watch and tune a running appliance (a terminal UI on its admin API)"
-    )
+    command("serve", "serve the OpenAI-compatible API", settings=True)
+    command("agent", "lend this box's devices to a head on another box", settings=True)
+    con = command("console", "watch and tune a running appliance (a terminal UI on its admin API)")
     con.add_argument("--url", help="the appliance's address (default from host and port)")
     con.add_argument(
         "--token-file", type=Path, help="its admin token (default: what that server wrote)"
@@ -71,21 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    try:
+        return version("appliance")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def settings_of(args: argparse.Namespace, **more: object) -> Settings:
+    """The settings a command runs with: its flags over the environment over the file."""
+    return load_settings(args.config, **{**settings_from_flags(args), **more})
+
+
 def serve(args: argparse.Namespace) -> int:
     from appliance.server.serve import serve as run_server
 
-    settings = load_settings(
-        args.config,
-        host=args.host,
-        port=args.port,
-        mode=args.mode,
-        dtype=args.dtype,
-        model=args.model,
-    )
-    if args.layout is not None:
-        planner = settings.planner.model_copy(update={"layout": args.layout})
-        settings = settings.model_copy(update={"planner": planner})
-    return run_server(settings)
+    return run_server(settings_of(args))
 
 
 def agent(args: argparse.Namespace) -> int:
@@ -95,11 +92,7 @@ def agent(args: argparse.Namespace) -> int:
     from appliance.cluster.agent import REFUSED_EXIT, BoxRefused, run_agent
     from appliance.kv.remote import MissingNixl
 
-    given = {"head": args.head, "box": args.box, "pool": args.pool, "address": args.address}
-    cluster = {k: v for k, v in given.items() if v is not None}
-    if args.secret_file is not None:
-        cluster["secret_file"] = args.secret_file
-    settings = load_settings(args.config, cpu_devices=args.cpu_devices, cluster=cluster or None)
+    settings = settings_of(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         return run_agent(settings)
@@ -136,7 +129,7 @@ def generate(args: argparse.Namespace) -> int:
     from appliance.engine.llm_engine import LLMEngine
     from appliance.engine.sequence import SamplingParams
 
-    settings = load_settings(args.config, dtype=args.dtype, model=args.model)
+    settings = settings_of(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

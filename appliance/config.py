@@ -2,7 +2,9 @@
 
 Values come, highest priority first, from: keyword arguments (the CLI's flags),
 environment variables (`APPLIANCE_*`, nested sections as `APPLIANCE_KV__BLOCK_SIZE`),
-an optional TOML file, then the defaults below. Nothing else reads the environment.
+an optional TOML file (the `config` setting, the same keys as the variables), then the
+defaults below. Nothing else reads the environment. A Settings is plain data: it is what
+travels to every worker process.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AliasChoices,
@@ -25,6 +27,7 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
@@ -130,9 +133,21 @@ class Settings(BaseSettings):
         populate_by_name=True,
     )
 
+    config: Path | None = Field(
+        None,
+        description="TOML settings file, the same keys as the APPLIANCE_* variables "
+        "([kv] block_size = 16); flags and variables override it.",
+    )
     model: Path | None = Field(
         None,
-        description="GGUF file or Hugging Face folder; empty means the embedded SmolLM2.",
+        description="GGUF file, Hugging Face folder, or a model in the local Hugging Face "
+        "cache by name (org/name, org/name:Q4_K_M for one GGUF quant; `appliance pull` "
+        "fetches one); empty means the embedded SmolLM2.",
+    )
+    revision: str | None = Field(
+        None,
+        description="With a model by name: the branch, tag or commit of its repository; "
+        "empty means main.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations dtype; auto picks per device."
@@ -240,6 +255,20 @@ class Settings(BaseSettings):
     def _empty_model_is_default(cls, value: object) -> object:
         return None if value is None or str(value) == "" else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _model_by_name(cls, data: Any) -> Any:
+        # A name (org/name[:quant]) becomes the local file or folder it names in the Hugging
+        # Face cache, here, once: workers get a path. The served id defaults to the name.
+        spec = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(spec, str) or not is_model_name(spec):
+            return data
+        from appliance.model.hub import resolve_model
+
+        resolved = resolve_model(spec, data.get("revision") or None)
+        served = data.get("served_model_name") or resolved.name
+        return {**data, "model": resolved.path, "served_model_name": served}
+
     @field_validator("model")
     @classmethod
     def _model_exists(cls, value: Path | None) -> Path | None:
@@ -332,24 +361,36 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+        # The file is named by the `config` keyword (the --config flag): read only then.
+        config = (
+            init_settings.init_kwargs.get("config")
+            if isinstance(init_settings, InitSettingsSource)
+            else None
+        )
+        if config is None:
+            return (init_settings, env_settings)
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, Path(config)))
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
     """Build the settings; raise SettingsError naming the first bad setting."""
-    cls = Settings
-    if config_file is not None:
-        if not config_file.is_file():
-            raise SettingsError(f"config file not found: {config_file}")
-        config = {**Settings.model_config, "toml_file": config_file}
-        # A subclass of Settings that reads this TOML file (`type` is typed as returning `type`)
-        cls = cast(type[Settings], type("Settings", (Settings,), {"model_config": config}))
+    if config_file is not None and not config_file.is_file():
+        raise SettingsError(f"config file not found: {config_file}")
     try:
-        return cls(**{k: v for k, v in overrides.items() if v is not None})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return Settings(**given, **({"config": config_file} if config_file else {}))
     except ValidationError as exc:
         raise SettingsError(_describe(exc)) from None
     except ValueError as exc:  # e.g. malformed TOML or env JSON
         raise SettingsError(f"invalid settings: {exc}") from None
+
+
+def is_model_name(spec: str) -> bool:
+    """Whether `spec` names a model of a hub (org/name, org/name:quant) rather than a local
+    file or folder: it exists nowhere here and reads as a repository id."""
+    if Path(spec).exists() or spec.lower().endswith((".gguf", ".safetensors")):
+        return False
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(:[\w.+-]+)?", spec) is not None
 
 
 def parse_devices(text: str | None) -> tuple[int, ...] | None:

@@ -22,10 +22,13 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from appliance.kv.prefix_cache import prefix_keys
 from appliance.tuning import Tuning
-from appliance.worker_handle import WorkerHandle
+
+if TYPE_CHECKING:  # the handle's module reaches torch through the worker messages
+    from appliance.worker_handle import WorkerHandle
 
 PREFIX_KEYS_KEPT = 8192  # per prefill worker: block keys of prompts it prefilled lately
 

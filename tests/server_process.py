@@ -39,6 +39,10 @@ class ServerProcess:
 
     env: dict[str, str]
     port: int = field(default_factory=free_port)
+    # The command line after `appliance`; a test that gives the port another way (a
+    # --config file) sets port_in_env False.
+    args: tuple[str, ...] = ("serve",)
+    port_in_env: bool = True
     process: subprocess.Popen | None = None
     health_seen: list[tuple[int, dict]] = field(default_factory=list)
     admin_token_file: Path | None = None  # where its admin token is, when a test set it
@@ -51,9 +55,11 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 180.0) -> None:
-        env = {**os.environ, **self.env, "APPLIANCE_PORT": str(self.port)}
+        env = {**os.environ, **self.env}
+        if self.port_in_env:
+            env["APPLIANCE_PORT"] = str(self.port)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "appliance.cli", "serve"],
+            [sys.executable, "-m", "appliance.cli", *self.args],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

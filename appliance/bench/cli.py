@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.bench import report
 from appliance.bench.compare import (
@@ -27,8 +27,9 @@ from appliance.bench.runner import Load, run_load
 from appliance.bench.shift import DEFAULT_PHASES, Phase, Shift, make_shift, parse_phases
 from appliance.bench.workloads import RequestSpec, generate
 from appliance.config import load_settings
-from appliance.model.loader import default_model_path, prepare_tokenizer
-from appliance.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the model's modules load torch: only when a command runs
+    from appliance.model.tokenizer import Tokenizer
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -148,6 +149,8 @@ def _settle_shift(args: argparse.Namespace) -> None:
 
 def _tokenizer() -> Tokenizer:
     """Our tokenizer: prompts are built to exact token counts with it."""
+    from appliance.model.loader import prepare_tokenizer
+
     settings = load_settings()
     return prepare_tokenizer(settings.model, settings.cache_dir)[1]
 
@@ -276,6 +279,8 @@ def _targets(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Target]:
         raise ValueError(
             f"unknown --configs {sorted(unknown)}; use ours, peers, llama-cpp, transformers"
         )
+    from appliance.model.loader import default_model_path
+
     gguf = load_settings().model or default_model_path()  # the model ours serve
     stop_ids = sorted(tokenizer.stop_token_ids)
     if "ours" in configs:
