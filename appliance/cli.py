@@ -58,12 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     from appliance.bench.cli import add_parser as add_bench_parser
+    from appliance.model.hub_cli import add_parser as add_hub_parser
     from appliance.planner.plan_cli import add_parser as add_plan_parser
     from appliance.planner.profile_cli import add_parser as add_profile_parser
 
     add_bench_parser(commands)
     add_profile_parser(commands)
     add_plan_parser(commands)
+    add_hub_parser(commands)
     return parser
 
 
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             from appliance.planner.plan_cli import run as run_plan
 
             return run_plan(args)
+        if hasattr(args, "run"):  # pull, models
+            return int(args.run(args))
         commands = {"serve": serve, "console": console, "generate": generate, "agent": agent}
         return commands[args.command](args)
     except (SettingsError, ModelLoadError, TokenError, ValueError, ConnectionError) as exc:
