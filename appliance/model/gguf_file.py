@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 from appliance.model import gguf_names, moe, phi3
 from appliance.model.errors import ModelLoadError
 from appliance.model.gemma_config import gemma3_gguf_facts
-from appliance.model.gguf_index import TensorEntry, require_file, tensor_index
+from appliance.model.gguf_index import TensorEntry, tensor_index
 from appliance.model.gpt_oss_config import gpt_oss_gguf_facts
 from appliance.model.model_config import (
     MOE_LAYOUTS,
@@ -53,11 +53,30 @@ _ARCHITECTURES = tuple(
 def open_gguf(path: Path, mode: Literal["r", "r+", "c"] = "r") -> GGUFReader:
     """Open a GGUF file or raise ModelLoadError saying why it is not one; mode "c" maps it
     copy-on-write (its tensors writable views, private only where written)."""
-    require_file(path)
+    check_size(path, tensor_index(path))  # before the reader: it fails on a short file obscurely
     try:
         return GGUFReader(path, mode)
     except Exception as exc:  # the reader raises many kinds on a damaged file
         raise ModelLoadError(path, f"not a valid GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+def check_size(path: Path, entries: Iterable[TensorEntry]) -> None:
+    """ModelLoadError naming both sizes when the file is shorter than its tensor table
+    says (an interrupted download or copy)."""
+    size = path.stat().st_size
+    needed = 0
+    for entry in entries:
+        try:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(entry.type_id)]
+        except (ValueError, KeyError):  # an unknown type is refused where it is read
+            continue
+        needed = max(needed, entry.offset + math.prod(entry.dims) // block * block_bytes)
+    if needed > size:
+        raise ModelLoadError(
+            path,
+            f"the file is truncated: it has {size} bytes, its tensor table needs {needed}, so "
+            "tensors run past the end (an interrupted download or copy? fetch it again)",
+        )
 
 
 def metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -178,7 +197,9 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
         self.config = config
         size = path.stat().st_size
         self._entries: dict[str, TensorEntry] = {}
-        for entry in tensor_index(path):
+        entries = tensor_index(path)
+        check_size(path, entries)
+        for entry in entries:
             qtype = _supported_type(entry.name, entry.type_id, path)
             if entry.offset + _row_bytes(entry, qtype) * _rows(entry) > size:
                 raise ModelLoadError(path, f"tensor {entry.name} runs past the end of the file")

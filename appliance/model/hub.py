@@ -125,7 +125,10 @@ def pull(spec: str, revision: str | None = None) -> Path:
             "download, or serve a local GGUF file or folder"
         )
     try:
-        files = HfApi().list_repo_files(parsed.repo_id, revision=revision)
+        # model_info, not list_repo_files: one request, no retries, so an unreachable hub
+        # is said at once.
+        info = HfApi().model_info(parsed.repo_id, revision=revision, files_metadata=False)
+        files = sorted(sibling.rfilename for sibling in info.siblings or [])
         chosen = _choose(parsed, files, f"{parsed} on {constants.ENDPOINT}")
         patterns = [chosen] if chosen else list(FOLDER_FILES)
         snapshot_download(
@@ -311,7 +314,10 @@ def _quant_matches(quant: str, ggufs: list[tuple[str, str]]) -> list[str]:
 
 def _no_weights(where: str, names: Sequence[str]) -> str:
     shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
-    return f"{where} has no weights the appliance can load (files: {shown or 'none'}; supported: {SUPPORTED})"
+    return (
+        f"{where} has no weights the appliance can load "
+        f"(files: {shown or 'none'}; supported: {SUPPORTED})"
+    )
 
 
 def _split_refusal(where: str, split: Sequence[str]) -> str:

@@ -72,6 +72,7 @@ class MappedTensors(Mapping[str, torch.Tensor]):
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
             base = 8 + header_size
+            _check_size(path, len(pages), base, header)
             for name, info in header.items():
                 if name != "__metadata__":
                     self._views[name] = _view(pages, base, info)
@@ -79,6 +80,22 @@ class MappedTensors(Mapping[str, torch.Tensor]):
                     self._spans[name] = (pages, base + start, base + stop)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
             raise ModelLoadError(path, f"cannot read safetensors ({exc})") from None
+
+
+def _check_size(path: Path, size: int, base: int, header: dict[str, Any]) -> None:
+    """ModelLoadError naming both sizes when the file is shorter than its header says (an
+    interrupted download or copy); a malformed header is left to the reading."""
+    try:
+        stops = [int(info["data_offsets"][1]) for n, info in header.items() if n != "__metadata__"]
+    except (KeyError, TypeError, ValueError, IndexError):
+        return
+    needed = base + max(stops, default=0)
+    if needed > size:
+        raise ModelLoadError(
+            path,
+            f"the file is truncated: it has {size} bytes, its header needs {needed}, so tensors "
+            "lie outside the file (an interrupted download or copy? fetch it again)",
+        )
 
 
 def read_safetensors(*paths: Path) -> MappedTensors:
