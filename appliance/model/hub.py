@@ -119,7 +119,7 @@ def pull(spec: str, revision: str | None = None) -> Path:
     if Path(spec).expanduser().exists():
         raise ModelNotFound(f"{spec} is a local path: there is nothing to pull")
     parsed = _parse(spec)
-    if constants.is_offline_mode():
+    if constants.HF_HUB_OFFLINE:
         raise ModelNotFound(
             f"cannot pull {parsed}: HF_HUB_OFFLINE is set (offline mode); unset it to "
             "download, or serve a local GGUF file or folder"
@@ -144,7 +144,7 @@ def pull(spec: str, revision: str | None = None) -> Path:
 def list_local() -> list[LocalModel]:
     """The servable models in the local Hugging Face cache, by repo and revision."""
     from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
+    from huggingface_hub.utils import CacheNotFound
 
     try:
         cache = scan_cache_dir(cache_dir())
@@ -330,7 +330,7 @@ def _split_refusal(where: str, split: Sequence[str]) -> str:
 def _pull_failure(spec: _Spec, revision: str | None, exc: Exception) -> str:
     """One line for why a download failed."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import (
+    from huggingface_hub.utils import (
         GatedRepoError,
         OfflineModeIsEnabled,
         RepositoryNotFoundError,
