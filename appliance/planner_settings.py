@@ -16,10 +16,13 @@ class PlannerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     layout: Literal["manual", "auto"] = Field(
-        "manual",
-        description="manual runs mode/prefill_devices/decode_devices as set; auto runs the "
-        "layout the planner ranks first for the workload, rate and SLO below (it replaces "
-        "those settings and cpu_devices).",
+        "auto",
+        description="auto (the default) runs the layout the planner ranks first for the "
+        "workload, rate and SLO below from this box's profile, and without a profile starts "
+        "at once on a rule (CPU: every device colocated; GPU: the automatic split); any of "
+        "mode, prefill_devices, decode_devices, colocated_devices, prefill_tp, decode_tp "
+        "given keeps the layout as set. auto given by name replaces those settings (and "
+        "cpu_devices) and needs a profile. manual runs the layout settings as set.",
     )
     profile: Path | None = Field(
         None,

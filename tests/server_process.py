@@ -19,6 +19,16 @@ import httpx
 from appliance.bench.compare import free_port
 
 API_KEY = "test-key"
+# Settings that name a layout. The server tests were written for the split (1 prefill +
+# 1 decode worker): where a test names none, ServerProcess names the split, since the
+# default layout is the planner's (colocated on a CPU box without a profile).
+LAYOUT_SETTINGS = (
+    "APPLIANCE_MODE",
+    "APPLIANCE_PREFILL_DEVICES",
+    "APPLIANCE_DECODE_DEVICES",
+    "APPLIANCE_COLOCATED_DEVICES",
+    "APPLIANCE_PLANNER__LAYOUT",
+)
 OUTPUT_LINES_KEPT = 2000
 
 
@@ -43,6 +53,7 @@ class ServerProcess:
     # --config file) sets port_in_env False.
     args: tuple[str, ...] = ("serve",)
     port_in_env: bool = True
+    split_unless_named: bool = True  # False: the default layout, or the one a file names
     process: subprocess.Popen | None = None
     health_seen: list[tuple[int, dict]] = field(default_factory=list)
     admin_token_file: Path | None = None  # where its admin token is, when a test set it
@@ -58,6 +69,8 @@ class ServerProcess:
         env = {**os.environ, **self.env}
         if self.port_in_env:
             env["APPLIANCE_PORT"] = str(self.port)
+        if self.split_unless_named and not any(name in self.env for name in LAYOUT_SETTINGS):
+            env["APPLIANCE_MODE"] = "disaggregated"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "appliance.cli", *self.args],
             env=env,

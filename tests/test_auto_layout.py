@@ -1,5 +1,6 @@
-"""`serve --layout auto`: the server runs the layout the planner ranks first, from a
-profile on disk; without one it refuses to start and says what to do."""
+"""`serve` runs the layout the planner ranks first, from a profile on disk; without one, a
+rule (colocated on a CPU box) unless auto was asked for by name, which refuses and says
+what to do; settings that name a layout pin it."""
 
 from __future__ import annotations
 
@@ -13,9 +14,14 @@ import pytest
 from server_process import ServerProcess
 
 from appliance.admin.schema import Snapshot
-from appliance.config import PlannerSettings, load_settings
+from appliance.config import PlannerSettings, SettingsError, load_settings
 from appliance.model.loader import default_model_path
-from appliance.planner.auto_layout import best_layout, layout_settings
+from appliance.planner.auto_layout import (
+    best_layout,
+    layout_pins,
+    layout_settings,
+    planned_settings,
+)
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.profile import (
     HandoffCost,
@@ -127,3 +133,53 @@ def test_serve_layout_auto_without_a_profile_refuses_and_says_what_to_do(tmp_pat
     )
     assert done.returncode == 2
     assert "run `appliance profile`" in done.stderr and "PROFILE_AT_START" in done.stderr
+
+
+def test_settings_that_name_a_layout_pin_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("APPLIANCE_MODE", raising=False)
+    assert layout_pins(load_settings()) == ()
+    assert layout_pins(load_settings(mode="disaggregated")) == ("mode",)
+    assert layout_pins(load_settings(prefill_devices="0", decode_devices="1")) == (
+        "prefill_devices",
+        "decode_devices",
+    )
+    assert layout_pins(load_settings(planner={"layout": "manual"})) == ("planner.layout=manual",)
+    # auto by name replaces the layout settings, as `serve --layout auto` always did
+    assert layout_pins(load_settings(mode="colocated", planner={"layout": "auto"})) == ()
+    monkeypatch.setenv("APPLIANCE_MODE", "disaggregated")
+    assert layout_pins(load_settings()) == ("mode",)  # from the environment too
+
+
+def test_without_a_profile_a_cpu_box_runs_every_device_colocated(tmp_path: Path) -> None:
+    fresh = load_settings(cache_dir=tmp_path, device="cpu")
+    assert fresh.mode == "disaggregated"  # the settings' own default: the Python API's
+    assert planned_settings(fresh).mode == "colocated"
+    pinned = load_settings(cache_dir=tmp_path, device="cpu", mode="disaggregated")
+    assert planned_settings(pinned) is pinned
+    with pytest.raises(SettingsError, match="run `appliance profile`"):
+        planned_settings(load_settings(cache_dir=tmp_path, planner={"layout": "auto"}))
+
+
+def test_a_fresh_serve_starts_at_once_on_the_rule(tmp_path: Path) -> None:
+    server = ServerProcess(
+        {
+            "APPLIANCE_CACHE_DIR": str(tmp_path / "cache"),
+            "APPLIANCE_ADMIN__TOKEN_FILE": str(tmp_path / "admin.token"),
+        },
+        split_unless_named=False,
+    )
+    server.start()
+    try:
+        token = (tmp_path / "admin.token").read_text()
+        reply = httpx.get(
+            server.url + "/admin/state", headers={"Authorization": f"Bearer {token}"}, timeout=10
+        )
+        snap = Snapshot.model_validate(reply.json())
+        assert snap.mode == "colocated"
+        assert {d.pool for d in snap.devices if d.worker is not None} == {"colocated"}
+        assert len([d for d in snap.devices if d.worker is not None]) == len(
+            os.sched_getaffinity(0)
+        )
+        assert any("layout: colocated on every device" in line for line in server.output)
+    finally:
+        assert server.stop() == 0

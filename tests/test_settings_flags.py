@@ -183,7 +183,9 @@ def serve_with_a_file(tmp_path: Path, before: bool) -> None:
         f'[kv]\nmemory_mb = 32\n[admin]\ntoken_file = "{tmp_path / "admin.token"}"\n'
     )
     args = ("--config", str(config), "serve") if before else ("serve", "--config", str(config))
-    server = ServerProcess({}, port=port, args=args, port_in_env=False)
+    server = ServerProcess(
+        {}, port=port, args=args, port_in_env=False, split_unless_named=False
+    )
     server.start()
     try:
         models = httpx.get(server.url + "/v1/models", timeout=10)

@@ -1,5 +1,9 @@
-"""`serve --layout auto`: the layout the planner ranks first for the traffic the settings
-describe (planner.workload, rate, SLO), from this box's profile, turned into settings."""
+"""The layout `serve` runs by default (planner.layout=auto): the one the planner ranks first
+for the traffic the settings describe (planner.workload, rate, SLO) from this box's profile;
+with no profile yet, a rule that starts at once (on CPUs every device colocated: each core
+set prefills and decodes, which served chat 3x the split's goodput on a 2-core box). A layout
+the settings name (mode, a device list, a tensor-parallel degree, or planner.layout=manual)
+is run as set."""
 
 from __future__ import annotations
 
@@ -24,9 +28,39 @@ from appliance.planner.simulator import Policy, requests_from_workload
 log = logging.getLogger("appliance.planner")
 
 
+# Settings that name a layout: any of them given keeps the default auto layout from
+# replacing it (an explicit planner.layout=auto still does).
+PINNING = (
+    "mode",
+    "prefill_devices",
+    "decode_devices",
+    "colocated_devices",
+    "prefill_tp",
+    "decode_tp",
+)
+
+
+def layout_pins(settings: Settings) -> tuple[str, ...]:
+    """The settings that pin the layout; () when the planner chooses it."""
+    if settings.planner.layout == "manual":
+        return ("planner.layout=manual",)
+    if "layout" in settings.planner.model_fields_set:
+        return ()  # auto asked for by name: it replaces the layout settings
+    return tuple(name for name in PINNING if name in settings.model_fields_set)
+
+
 def planned_settings(settings: Settings) -> Settings:
     """`settings` running the planned layout (mode, devices, TP; cpu_devices on a CPU
-    box); SettingsError when there is no profile to plan with."""
+    box), or as they are where they pin the layout. Without a profile: the rule (see the
+    module's docstring), unless planner.layout=auto was asked for by name, which needs a
+    profile (SettingsError saying how to make one)."""
+    pins = layout_pins(settings)
+    if pins:
+        log.info("layout: as set (%s)", ", ".join(pins))
+        return settings
+    found, _ = known_profile(settings)
+    if found is None and "layout" not in settings.planner.model_fields_set:
+        return ruled_settings(settings)
     profile = find_profile(settings)
     layout = best_layout(settings, profile)
     log.info(
@@ -37,6 +71,20 @@ def planned_settings(settings: Settings) -> Settings:
         profile.key.device_kind,
     )
     return settings.model_copy(update=layout_settings(layout, profile))
+
+
+def ruled_settings(settings: Settings) -> Settings:
+    """The layout without a profile: colocated on every device of a CPU box; on GPUs the
+    automatic split into prefill and decode pools."""
+    from appliance.supervisor import discover_box
+
+    model = model_id(settings.model or default_model_path())
+    refine = f"`appliance profile` times this box for {model} so the planner can choose"
+    if all(device.kind == "cpu" for device in discover_box(settings).devices):
+        log.info("layout: colocated on every device (no profile yet: %s)", refine)
+        return settings.model_copy(update={"mode": "colocated"})
+    log.info("layout: prefill and decode pools split (no profile yet: %s)", refine)
+    return settings
 
 
 def known_profile(settings: Settings) -> tuple[Profile | None, Path]:
