@@ -18,6 +18,7 @@ from appliance.bench.compare import (
     Run,
     Target,
     compare,
+    default_target,
     llama_cpp_targets,
     naive_target,
     our_targets,
@@ -62,6 +63,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--configs",
         default="ours,peers",
         help="comma-separated: 'ours' (disaggregated, colocated x2, colocated x1), "
+        "'default' (serve with no layout setting: the planner's default), "
         "'llama-cpp' (if installed), 'transformers' (naive), 'peers' (both)",
     )
     cmp.add_argument(
@@ -274,10 +276,11 @@ def _targets(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Target]:
     cores = len(os.sched_getaffinity(0))
     targets = []
     configs = set(args.configs.split(","))
-    unknown = configs - {"ours", "peers", "llama-cpp", "transformers"}
+    unknown = configs - {"ours", "default", "peers", "llama-cpp", "transformers"}
     if unknown:
         raise ValueError(
-            f"unknown --configs {sorted(unknown)}; use ours, peers, llama-cpp, transformers"
+            f"unknown --configs {sorted(unknown)}; use ours, default, peers, llama-cpp, "
+            "transformers"
         )
     from appliance.model.loader import default_model_path
 
@@ -285,6 +288,8 @@ def _targets(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Target]:
     stop_ids = sorted(tokenizer.stop_token_ids)
     if "ours" in configs:
         targets += our_targets(cores)
+    if "default" in configs:
+        targets.append(default_target())
     if configs & {"peers", "llama-cpp"}:
         targets += llama_cpp_targets(gguf, cores, stop_ids, args.llama_cpp_python)
     if configs & {"peers", "transformers"}:

@@ -64,6 +64,9 @@ class Run:
     phases_total: PhaseSummary | None = None
 
 
+DEFAULT = "default settings"
+
+
 def our_targets(cores: int) -> list[Target]:
     """The appliance three ways on the same cores: split pools, two colocated workers,
     one colocated worker on every core."""
@@ -100,6 +103,13 @@ def our_targets(cores: int) -> list[Target]:
             port_flag=None,
         ),
     ]
+
+
+def default_target() -> Target:
+    """The appliance as a fresh `appliance serve` runs: no layout setting, the planner's
+    default layout (on a CPU box without a profile, every core colocated)."""
+    serve = [sys.executable, "-m", "appliance.cli", "serve"]
+    return Target(DEFAULT, serve, {}, extra_body={"ignore_eos": True}, port_flag=None)
 
 
 def llama_cpp_targets(
