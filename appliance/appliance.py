@@ -7,6 +7,8 @@ async with Appliance(settings) as app:
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +24,8 @@ from appliance.pool_state import PoolState
 from appliance.supervisor import Chunk, Supervisor
 from appliance.topology.devices import Topology
 from appliance.tuning import Tuning, TuningPatch
+
+log = logging.getLogger("appliance")
 
 
 class Appliance:
@@ -40,7 +44,16 @@ class Appliance:
         """Load the tokenizer and the model's facts; raises ModelLoadError for a bad model.
         Reads no weights: the first worker that needs dense ones writes their cache."""
         settings = self.settings
+        log.info("loading the tokenizer of %s...", self.model_name)
+        began = time.monotonic()
         self.config, self.tokenizer = prepare_tokenizer(settings.model, settings.cache_dir)
+        log.info(
+            "tokenizer loaded in %.1f s (%d tokens, %s, context %d)",
+            time.monotonic() - began,
+            self.tokenizer.vocab_size,
+            self.config.architecture,
+            self.config.max_position_embeddings,
+        )
         check_degree(self.config, settings.prefill_tp, "prefill_tp")
         check_degree(self.config, settings.decode_tp, "decode_tp")
 
@@ -58,6 +71,7 @@ class Appliance:
 
     async def start(self) -> None:
         """Spawn the pools' workers and wait until all are ready."""
+        log.info("starting the workers: each loads the model...")
         await self.supervisor.start()
         self.autopilot.start()
 

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 from server_process import API_KEY, ServerProcess
@@ -183,3 +184,90 @@ def test_a_repeated_system_prompt_is_reported_as_cached(client: OpenAI) -> None:
     assert first.prompt_tokens_details.cached_tokens == 0
     cached = second.prompt_tokens_details.cached_tokens
     assert cached >= 64 and cached % 16 == 0 and cached < second.prompt_tokens
+
+
+def test_a_model_is_retrieved_by_its_id_and_another_id_is_404(client: OpenAI) -> None:
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "appliance")
+    assert card.model_extra["max_model_len"] > 0
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("org/another-model")  # an id with a slash still routes here
+    error = info.value.body
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert "'org/another-model' does not exist" in error["message"]
+
+
+REFUSED_EXTRAS = [
+    {"repetition_penalty": 1.1},
+    {"min_p": 0.05},
+    {"min_tokens": 4},
+    {"length_penalty": 0.5},
+    {"use_beam_search": True},
+    {"include_stop_str_in_output": True},
+    {"skip_special_tokens": False},
+    {"truncate_prompt_tokens": 8},
+    {"prompt_logprobs": 1},
+    {"guided_json": {"type": "object"}},
+    {"guided_choice": ["yes", "no"]},
+    {"structured_outputs": {"regex": "[0-9]+"}},
+    {"logits_processors": ["x"]},
+    {"add_generation_prompt": False},
+    {"repeat_penalty": 1.2},
+]
+
+
+@pytest.mark.parametrize("extra", REFUSED_EXTRAS, ids=lambda e: next(iter(e)))
+def test_an_extra_sampling_field_not_implemented_is_refused(
+    client: OpenAI, extra: dict[str, object]
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=4, extra_body=extra
+        )
+    (name,) = extra
+    error = info.value.body
+    assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
+    assert (error["param"], error["code"]) == (name, "unsupported")
+    assert error["message"].startswith(f"{name} is not supported by this server: ")
+
+
+def test_extra_fields_at_their_defaults_are_accepted(client: OpenAI) -> None:
+    """What vLLM's clients send when nobody set them: harmless, served as usual."""
+    defaults = {
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+        "min_tokens": 0,
+        "length_penalty": 1.0,
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "include_stop_str_in_output": False,
+        "use_beam_search": False,
+        "top_k": -1,
+        "ignore_eos": False,
+        "stop_token_ids": [],
+        "guided_json": None,
+        "prompt_logprobs": None,
+    }
+    ask = dict(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**ask)
+    with_defaults = client.chat.completions.create(**ask, extra_body=defaults)
+    assert with_defaults.choices[0].message.content == plain.choices[0].message.content
+    text = client.completions.create(
+        model=MODEL,
+        prompt="The sky is",
+        max_tokens=4,
+        extra_body={"min_p": 0, "repetition_penalty": 1},
+    )
+    assert text.choices[0].finish_reason == "length"
+
+
+def test_stop_token_ids_end_the_generation(client: OpenAI, tokenizer: Tokenizer) -> None:
+    ask = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    free = client.completions.create(**ask).choices[0]
+    first_three = tokenizer.encode(free.text)[:3]
+    third = first_three[-1]
+    stopped = client.completions.create(**ask, extra_body={"stop_token_ids": [third]})
+    assert stopped.choices[0].finish_reason == "stop" and free.finish_reason == "length"
+    assert stopped.usage.completion_tokens == 3
+    # As vLLM does: the stop token's text is in the output unless it is a special token.
+    assert stopped.choices[0].text == tokenizer.decode(first_three)

@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
+from appliance.config import load_settings
+from appliance.server.app import ready_line
 from appliance.server.errors import APIError, from_validation
 from appliance.server.generation import merged
-from appliance.server.protocol import ChatCompletionRequest, CompletionRequest, unsupported_field
+from appliance.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    unsupported_field,
+    unsupported_message,
+)
 from appliance.server.routes import _max_tokens
 from appliance.supervisor import Chunk
 
@@ -24,6 +33,73 @@ def test_unsupported_fields_are_refused_unless_off() -> None:
     assert unsupported_field({"logprobs": True}) == "logprobs"
     assert unsupported_field({"best_of": True}) == "best_of"  # true is not the number 1
     assert unsupported_field({"response_format": {"type": "json_object"}}) == "response_format"
+
+
+def test_vllm_extras_are_refused_unless_at_their_defaults() -> None:
+    defaults = {
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+        "min_tokens": 0,
+        "length_penalty": 1,
+        "use_beam_search": False,
+        "skip_special_tokens": True,
+        "include_stop_str_in_output": False,
+        "guided_json": None,
+        "prompt_logprobs": None,
+        "add_generation_prompt": True,
+        "return_tokens_as_token_ids": True,  # logprobs only, and those are refused
+        "priority": 3,  # scheduling, not sampling: ignored
+    }
+    assert unsupported_field(defaults) is None
+    assert unsupported_field({"repetition_penalty": 1.05}) == "repetition_penalty"
+    assert unsupported_field({"min_p": 0.1}) == "min_p"
+    assert unsupported_field({"min_p": False}) == "min_p"  # false is not the number 0
+    assert unsupported_field({"prompt_logprobs": 0}) == "prompt_logprobs"
+    assert unsupported_field({"guided_regex": "a+"}) == "guided_regex"
+    assert unsupported_message("min_p") == (
+        "min_p is not supported by this server: send 0.0 or leave it out"
+    )
+    assert unsupported_message("guided_json").endswith(": leave it out")
+
+
+def test_stop_token_ids_reach_the_engine() -> None:
+    body = {"model": "m", "messages": HI, "stop_token_ids": [7, 9]}
+    assert ChatCompletionRequest.model_validate(body).sampling_params(4, 0).stop_token_ids == (
+        7,
+        9,
+    )
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({**body, "stop_token_ids": [-1]})
+
+
+def _state(host: str, port: int, bound: int, **settings: object) -> SimpleNamespace:
+    views = [SimpleNamespace(role="colocated", device="cpu0 (cores 0)")]
+    appliance = SimpleNamespace(model_name="m", state=SimpleNamespace(views=lambda: views))
+    config = load_settings(host=host, port=port, **settings)
+    return SimpleNamespace(settings=config, port=bound, appliance=appliance)
+
+
+def test_the_ready_line_says_where_to_connect() -> None:
+    state = _state("127.0.0.1", 8000, 8000)
+    admin = SimpleNamespace(token_path=Path("/c/admin/8000.token"), token="t")
+    assert ready_line(state, admin) == (
+        "ready: m (colocated worker on cpu0 (cores 0)); API: http://127.0.0.1:8000/v1; "
+        "console: appliance console; admin token: /c/admin/8000.token"
+    )
+    wildcard = ready_line(_state("0.0.0.0", 0, 41234, allow_remote=True), admin)
+    assert "API: http://127.0.0.1:41234/v1 (listening on all interfaces, 0.0.0.0 port 41234);" in (
+        wildcard
+    )
+    assert "console: appliance console --url http://127.0.0.1:41234;" in wildcard
+    six = ready_line(_state("::", 8000, 8000, allow_remote=True, api_key="k"), admin)
+    assert "API: http://[::1]:8000/v1 (listening on all interfaces, :: port 8000, send the " in six
+    assert "console: appliance console;" in six
+    lan = _state("10.1.2.3", 8000, 8000, allow_remote=True, admin={"token_file": "/t"})
+    no_token = SimpleNamespace(token_path=Path("/t"), token=None)
+    line = ready_line(lan, no_token)
+    assert "API: http://10.1.2.3:8000/v1;" in line
+    assert "console: appliance console --url http://10.1.2.3:8000 --token-file /t;" in line
+    assert line.endswith("admin token: none (/admin is disabled)")
 
 
 def test_validation_is_strict_and_names_the_field() -> None:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -44,6 +45,12 @@ def gguf_entry(path: Path, cache_dir: Path) -> Path:
     """The GGUF's cache entry (its facts and converted tokenizer), written if missing."""
     entry = cache_entry(path, cache_dir)
     if not (entry / "complete").is_file():
+        log.info(
+            "first start with %s: checking its tensors and converting its tokenizer "
+            "(about 15 s; later starts read the result from %s)...",
+            path.name,
+            entry.parent,
+        )
         _write_entry(path, entry)
     return entry
 
@@ -142,15 +149,30 @@ def cached_weights(
         if not target.is_file():
             with exclusive(target.with_name(target.name + ".lock")):
                 if not target.is_file():
-                    layout = {n: cached_layout(weights.shape(n), dtype) for n in weights}
-                    pieces = weights.pieces(layout, _threads())
-                    safetensors_file.write_safetensors(target, layout, pieces)
+                    _write_dense(weights, target, dtype)
     except OSError as exc:
         log.warning(
             "cannot cache %s in %s (%s): it is read from the file", weights.path, entry, exc
         )
         return weights
     return safetensors_file.read_safetensors(target)
+
+
+def _write_dense(weights: gguf_file.GGUFWeights, target: Path, dtype: torch.dtype) -> None:
+    """Dequantize every weight into `target`, saying so: a large model takes minutes."""
+    name = str(dtype).removeprefix("torch.")
+    log.info(
+        "converting %s to dense %s weights, once (later starts map %s)...",
+        weights.path.name,
+        name,
+        target,
+    )
+    began = time.monotonic()
+    layout = {n: cached_layout(weights.shape(n), dtype) for n in weights}
+    pieces = weights.pieces(layout, _threads())
+    safetensors_file.write_safetensors(target, layout, pieces)
+    size = target.stat().st_size / 2**30
+    log.info("dense %s weights written in %.1f s (%.2f GiB)", name, time.monotonic() - began, size)
 
 
 def cached_layout(

@@ -20,6 +20,7 @@ from appliance.admin.latency_window import LatencyWindow
 from appliance.admin.snapshot import SnapshotBuilder
 from appliance.admin.token import remove_token, write_token
 from appliance.appliance import Appliance
+from appliance.config import Settings, is_loopback
 from appliance.server import routes
 from appliance.server.admin import AdminState, admin_routes
 from appliance.server.errors import APIError, api_error, http_error, unexpected_error
@@ -29,6 +30,8 @@ from appliance.server.state import ServerState
 from appliance.topology.nvml import import_nvml
 
 log = logging.getLogger("appliance.server")
+WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}  # and how to reach them
+DEFAULT_PORT: int = Settings.model_fields["port"].default  # the console's without --url
 
 
 def build_app(
@@ -45,7 +48,9 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         starting = asyncio.create_task(appliance.start())
-        starting.add_done_callback(lambda task: _started(task, state, notifier, on_start_failed))
+        starting.add_done_callback(
+            lambda task: _started(task, state, admin, notifier, on_start_failed)
+        )
         beat = asyncio.create_task(heartbeat(notifier, _beat_interval(state), state.status_line))
         try:
             yield
@@ -65,6 +70,8 @@ def build_app(
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
+            # an id may hold slashes ("org/name"), as a Hugging Face one does
+            Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             *admin_routes(),
@@ -78,7 +85,8 @@ def build_app(
     )
     app.state.server = state
     app.state.admin = admin
-    app.state.on_listening = lambda: _write_token(admin)  # the server calls it once bound
+    # The server calls it once bound, with the port it got (port 0 picks a free one).
+    app.state.on_listening = lambda port: _listening(state, admin, port)
     return app
 
 
@@ -87,6 +95,52 @@ def _admin_state(appliance: Appliance, latency: LatencyWindow) -> AdminState:
     nvml = import_nvml() if any(d.kind == "cuda" for d in devices) else None
     snapshots = SnapshotBuilder(appliance, latency, DeviceStats(nvml))
     return AdminState(appliance, snapshots, appliance.settings.admin_token_path())
+
+
+def _listening(state: ServerState, admin: AdminState, port: int) -> None:
+    """Bound: write the admin token (a port-0 server's under the port it got, where the
+    console looks for it), and say ready if the workers were quicker."""
+    state.port = port
+    settings = state.settings
+    if settings.port == 0:
+        admin.token_path = settings.model_copy(update={"port": port}).admin_token_path()
+    _write_token(admin)
+    _say_ready(state, admin)
+
+
+def _say_ready(state: ServerState, admin: AdminState) -> None:
+    """Once listening and every worker ready: the line a user starts from."""
+    if state.announced or state.port is None or not state.appliance.ready:
+        return
+    state.announced = True
+    log.info("%s", ready_line(state, admin))
+
+
+def ready_line(state: ServerState, admin: AdminState) -> str:
+    """`ready:`, the model and its workers, the API's URL, the console command and where
+    the admin token is."""
+    settings = state.settings
+    port = state.port if state.port is not None else settings.port
+    host = settings.host
+    wildcard = host in WILDCARD_HOSTS
+    local = WILDCARD_HOSTS.get(host, host)
+    base = f"http://{f'[{local}]' if ':' in local else local}:{port}"
+    where = f"listening on all interfaces, {host} port {port}" if wildcard else ""
+    if settings.api_key is not None:
+        where = ", ".join(filter(None, [where, "send the API key"]))
+    api = f"{base}/v1" + (f" ({where})" if where else "")
+    console = "appliance console"
+    if port != DEFAULT_PORT or not (wildcard or is_loopback(host)):
+        console += f" --url {base}"
+    if settings.admin.token_file is not None:
+        console += f" --token-file {admin.token_path}"
+    token = str(admin.token_path) if admin.token is not None else "none (/admin is disabled)"
+    views = state.appliance.state.views()
+    pools = ", ".join(f"{v.role} worker on {v.device}" for v in views)
+    return (
+        f"ready: {state.appliance.model_name} ({pools}); API: {api}; "
+        f"console: {console}; admin token: {token}"
+    )
 
 
 def _write_token(admin: AdminState) -> None:
@@ -116,6 +170,7 @@ def _beat_interval(state: ServerState) -> float:
 def _started(
     task: asyncio.Task,
     state: ServerState,
+    admin: AdminState,
     notifier: Notifier,
     on_start_failed: Callable[[], None],
 ) -> None:
@@ -123,9 +178,7 @@ def _started(
         return
     error = task.exception()
     if error is None:
-        views = state.appliance.state.views()
-        pools = ", ".join(f"{v.role} worker on {v.device}" for v in views)
-        log.info("ready: %s (%s)", state.appliance.model_name, pools)
+        _say_ready(state, admin)
         notifier.ready(state.status_line())
         return
     state.startup_error = str(error)

@@ -4,6 +4,7 @@ in OpenAI's API."""
 
 from __future__ import annotations
 
+import json
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -12,10 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from appliance.engine.sequence import SamplingParams
 from appliance.server.errors import APIError
 
-# Fields OpenAI defines that this server does not implement: sent with a value other than
-# the one meaning "off", they are refused instead of silently ignored.
+# Fields this server does not implement, each with the values meaning "off" (what clients
+# send by default): sent with another value, they are refused (400, naming the field)
+# instead of silently ignored. OpenAI's own fields first, then the extra sampling fields of
+# vLLM (and a few of llama.cpp's server) that OpenAI-compatible clients send in extra_body.
+# Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos;
+# skip_special_tokens is only ever true (special tokens never reach the text).
 UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
     {
+        # OpenAI
         "tools": (None, []),
         "tool_choice": (None, "none"),
         "functions": (None, []),
@@ -29,11 +35,45 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "best_of": (None, 1),
         "presence_penalty": (None, 0, 0.0),
         "frequency_penalty": (None, 0, 0.0),
+        # vLLM's extra sampling parameters
+        "repetition_penalty": (None, 1, 1.0),
+        "min_p": (None, 0, 0.0),
+        "min_tokens": (None, 0),
+        "length_penalty": (None, 1, 1.0),
+        "use_beam_search": (None, False),
+        "include_stop_str_in_output": (None, False),
+        "skip_special_tokens": (None, True),
+        "spaces_between_special_tokens": (None, True),
+        "truncate_prompt_tokens": (None,),
+        "prompt_logprobs": (None,),
+        "allowed_token_ids": (None,),
+        "bad_words": (None, []),
+        "logits_processors": (None, []),
+        "guided_json": (None,),
+        "guided_regex": (None,),
+        "guided_choice": (None,),
+        "guided_grammar": (None,),
+        "guided_decoding_backend": (None,),
+        "guided_whitespace_pattern": (None,),
+        "structured_outputs": (None,),
+        "detokenize": (None, True),
+        # vLLM's prompt options: the prompt would not be the one asked for
+        "add_generation_prompt": (None, True),
+        "continue_final_message": (None, False),
+        "chat_template": (None,),
+        "chat_template_kwargs": (None, {}),
+        # llama.cpp server's sampling fields
+        "repeat_penalty": (None, 1, 1.0),
+        "typical_p": (None, 1, 1.0),
+        "mirostat": (None, 0),
+        "grammar": (None, ""),
+        "json_schema": (None,),
     }
 )
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # stop matching rescans held-back text: long stops slow a worker
 MAX_SEED = 2**63 - 1
+MAX_STOP_TOKEN_IDS = 64
 
 
 def unsupported_field(body: dict[str, Any]) -> str | None:
@@ -42,6 +82,13 @@ def unsupported_field(body: dict[str, Any]) -> str | None:
         if name in body and not any(_same(body[name], value) for value in off):
             return name
     return None
+
+
+def unsupported_message(name: str) -> str:
+    """Why `name` is refused, and what it may be sent as instead."""
+    off = [value for value in UNSUPPORTED_FIELDS[name] if value is not None]
+    accepted = f"send {json.dumps(off[-1])} or leave it out" if off else "leave it out"
+    return f"{name} is not supported by this server: {accepted}"
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -84,6 +131,7 @@ class SamplingFields(Body):
     top_k: int = Field(-1, ge=-1, description="-1 or 0: no top-k cut")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -101,6 +149,13 @@ class SamplingFields(Body):
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return [_valid_unicode(s) for s in stops]
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids_are_ids(cls, value: list[int]) -> list[int]:
+        if any(i < 0 for i in value):
+            raise ValueError("token ids must not be negative")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -123,6 +178,7 @@ class SamplingFields(Body):
             top_p=self.top_p,
             seed=seed,
             stop=tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
         )
 

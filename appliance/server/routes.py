@@ -26,6 +26,7 @@ from appliance.server.protocol import (
     CompletionRequest,
     SamplingFields,
     unsupported_field,
+    unsupported_message,
 )
 from appliance.server.responses import ChatShape, CompletionShape, Envelope, Shape
 from appliance.server.state import ServerState
@@ -65,14 +66,25 @@ async def models(request: Request) -> Response:
     """GET /v1/models: the one model served."""
     state: ServerState = request.app.state.server
     state.authorize(request)
-    card = {
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def model(request: Request) -> Response:
+    """GET /v1/models/{id}: the served model's card; 404 (model_not_found) for another id."""
+    state: ServerState = request.app.state.server
+    state.authorize(request)
+    state.check_model(request.path_params["model_id"])
+    return JSONResponse(_model_card(state))
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
         "id": state.appliance.model_name,
         "object": "model",
         "created": 0,
         "owned_by": "appliance",
         "max_model_len": state.appliance.max_model_len if state.appliance.ready else None,
     }
-    return JSONResponse({"object": "list", "data": [card]})
 
 
 async def health(request: Request) -> Response:
@@ -140,7 +152,7 @@ async def _accept(request: Request) -> tuple[ServerState, dict[str, Any]]:
     state.check_admission_open()
     field = unsupported_field(body)
     if field is not None:
-        raise APIError(400, f"{field} is not supported by this server", field, "unsupported")
+        raise APIError(400, unsupported_message(field), field, "unsupported")
     return state, body
 
 

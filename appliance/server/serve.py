@@ -28,7 +28,7 @@ class DrainingServer(uvicorn.Server):
     stops it at once."""
 
     def __init__(
-        self, config: uvicorn.Config, state: ServerState, on_listening: Callable[[], None]
+        self, config: uvicorn.Config, state: ServerState, on_listening: Callable[[int], None]
     ) -> None:
         super().__init__(config)
         self.state = state
@@ -44,7 +44,14 @@ class DrainingServer(uvicorn.Server):
         # Only a server that got its port writes the admin token: a second one started on
         # the same port by mistake must not replace (then delete) the first one's.
         if not self.should_exit:
-            self.on_listening()
+            self.on_listening(self._bound_port())
+
+    def _bound_port(self) -> int:
+        """The port listened on: the one asked for, or the one port 0 got."""
+        for server in self.servers:
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return self.config.port
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         loop = self._loop

@@ -47,6 +47,8 @@ class ServerState:
     in_flight: int = 0  # admitted generations not yet finished
     startup_error: str | None = None  # set when the workers could not start
     draining: bool = False  # shutting down: running requests finish, new ones get 503
+    port: int | None = None  # the port bound, once listening
+    announced: bool = False  # the `ready:` line is out
 
     @property
     def settings(self) -> Settings:

@@ -7,6 +7,7 @@ worker; "decode" pulls parked blocks from a prefill worker's shared pool and dec
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import queue
@@ -52,6 +53,9 @@ from appliance.workers.shard_group import TensorGroup, open_pools, pickle_pool
 IDLE_WAIT_S = 0.05  # how long an idle worker blocks on its inbox before looking again
 COPY_POLL_S = 0.0005  # how often one with only handed-off copies in flight looks at them
 LEASE_S = 30.0  # parked blocks nobody pulled within this are freed
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # as `appliance serve`'s
+
+log = logging.getLogger("appliance.worker")
 
 
 @dataclass
@@ -88,7 +92,18 @@ def run_worker(
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid is not None:  # spawned by a supervisor
         die_with_parent(parent.pid)
+    # A spawned process starts with no logging set up: its progress lines (loading, a
+    # first conversion to dense weights) go to the stderr it shares with the supervisor.
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     settings = use_device(settings, devices[0])
+    log.info(
+        "worker %d (%s) on %s: loading the model (dtype: %s, weights: %s)...",
+        worker_id,
+        role,
+        "+".join(d.name for d in devices),
+        settings.dtype,
+        settings.weights,
+    )
     group = None
     if len(devices) > 1:
         group = TensorGroup.start(settings, devices)
