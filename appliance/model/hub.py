@@ -185,9 +185,9 @@ def _parse(spec: str) -> _Spec:
     """`org/name[:QUANT]` (an `hf.co/` prefix, as Ollama takes, allowed), or ModelNotFound
     saying no such path exists for what looks like one."""
     text = re.sub(r"^(https?://)?(hf\.co|huggingface\.co)/", "", spec.strip())
-    repo_id, _, quant = text.partition(":")
+    repo_id, colon, quant = text.partition(":")
     looks_like_path = spec.startswith(("/", ".", "~")) or spec.lower().endswith(".gguf")
-    if looks_like_path or not _REPO_ID.fullmatch(repo_id) or (_ and not quant):
+    if looks_like_path or not _REPO_ID.fullmatch(repo_id) or (colon and not quant):
         raise ModelNotFound(
             f"no such file or folder: {spec} (a model by name is org/name or org/name:QUANT)"
         )
