@@ -377,8 +377,10 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     if config_file is not None and not config_file.is_file():
         raise SettingsError(f"config file not found: {config_file}")
     try:
-        given = {k: v for k, v in overrides.items() if v is not None}
-        return Settings(**given, **({"config": config_file} if config_file else {}))
+        given: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+        if config_file is not None:
+            given["config"] = config_file
+        return Settings(**given)
     except ValidationError as exc:
         raise SettingsError(_describe(exc)) from None
     except ValueError as exc:  # e.g. malformed TOML or env JSON
