@@ -15,10 +15,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import gguf
+import httpx
 import pytest
 import torch
 from huggingface_hub import constants, scan_cache_dir, try_to_load_from_cache
 from random_models import random_model, save_folder, write_gguf
+from server_process import ServerProcess
 
 from appliance.model import hub
 from appliance.model.errors import ModelLoadError
@@ -296,7 +298,6 @@ def assert_one_line_refusal(result: subprocess.CompletedProcess, *words: str) ->
 
 @pytest.mark.parametrize("name", ["test/tiny-llama", "test/tiny-gguf:Q8_0"])
 def test_generate_serves_a_model_by_name(hf_home: Path, tmp_path: Path, name: str) -> None:
-    """Needs config.py's `model` to accept a name (resolve_model in its validator)."""
     result = appliance(
         hf_home, tmp_path, "generate", "--model", name, "hi", "--max-tokens", "4", "--raw"
     )
@@ -314,9 +315,43 @@ def test_generate_serves_a_model_by_name(hf_home: Path, tmp_path: Path, name: st
 def test_generate_refuses_a_bad_name_in_one_line(
     hf_home: Path, tmp_path: Path, name: str, words: tuple[str, ...]
 ) -> None:
-    """Needs config.py's `model` to accept a name (resolve_model in its validator)."""
     result = appliance(hf_home, tmp_path, "generate", "--model", name, "hi", "--max-tokens", "4")
     assert_one_line_refusal(result, *words)
+
+
+@pytest.mark.parametrize("name", ["test/tiny-llama", "test/tiny-gguf:Q8_0"])
+def test_serve_answers_as_the_model_it_was_named_by(
+    hf_home: Path, tmp_path: Path, name: str
+) -> None:
+    server = ServerProcess(
+        {
+            "HF_HOME": str(hf_home),
+            "APPLIANCE_CACHE_DIR": str(tmp_path / "cache"),
+            "APPLIANCE_ADMIN__TOKEN_FILE": str(tmp_path / "admin.token"),
+            "APPLIANCE_MODE": "colocated",
+            "APPLIANCE_CPU_DEVICES": "1",
+            "APPLIANCE_KV__MEMORY_MB": "16",
+        },
+        args=("serve", "--model", name),
+    )
+    server.start()
+    try:
+        models = httpx.get(server.url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [name]  # the served id is the name given
+        reply = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": name, "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        assert server.stop() == 0
+
+
+def test_serve_refuses_a_name_not_in_the_cache_in_one_line(hf_home: Path, tmp_path: Path) -> None:
+    result = appliance(hf_home, tmp_path, "serve", "--model", "test/absent", "--port", "0")
+    assert_one_line_refusal(result, "not in the local Hugging Face cache")
 
 
 def test_pull_refuses_offline(hf_home: Path, tmp_path: Path) -> None:
