@@ -46,7 +46,9 @@ class Appliance:
         settings = self.settings
         log.info("loading the tokenizer of %s...", self.model_name)
         began = time.monotonic()
-        self.config, self.tokenizer = prepare_tokenizer(settings.model, settings.cache_dir)
+        self.config, self.tokenizer = prepare_tokenizer(
+            settings.model, settings.cache_dir, settings.chat_template
+        )
         log.info(
             "tokenizer loaded in %.1f s (%d tokens, %s, context %d)",
             time.monotonic() - began,

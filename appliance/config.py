@@ -144,6 +144,11 @@ class Settings(BaseSettings):
         "cache by name (org/name, org/name:Q4_K_M for one GGUF quant; `appliance pull` "
         "fetches one); empty means the embedded SmolLM2.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template file, or the template itself, rendering chat "
+        "messages in place of the model's own template (vLLM's --chat-template).",
+    )
     revision: str | None = Field(
         None,
         description="With a model by name: the branch, tag or commit of its repository; "
@@ -254,6 +259,19 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_model_is_default(cls, value: object) -> object:
         return None if value is None or str(value) == "" else value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_from_file(cls, value: str | None) -> str | None:
+        # A file is read here, once: what travels to workers is the template's text.
+        if not value:
+            return None
+        if "{" not in value:  # a path: a template has Jinja tags
+            path = Path(value).expanduser()
+            if not path.is_file():
+                raise ValueError(f"no such chat template file: {value}")
+            return path.read_text()
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -53,6 +53,7 @@ def other_value(flag: Flag, default: Any, folder: Path) -> list[str]:
         ("cluster", "listen"): "127.0.0.1:7401",
         ("cluster", "head"): "127.0.0.1:7402",
         ("cluster", "secret_file"): str(secret),
+        ("chat_template",): "{{ messages[0].content }}",
     }
     if isinstance(default, bool):
         return [flag.option if not default else "--no-" + flag.option.removeprefix("--")]
@@ -183,9 +184,7 @@ def serve_with_a_file(tmp_path: Path, before: bool) -> None:
         f'[kv]\nmemory_mb = 32\n[admin]\ntoken_file = "{tmp_path / "admin.token"}"\n'
     )
     args = ("--config", str(config), "serve") if before else ("serve", "--config", str(config))
-    server = ServerProcess(
-        {}, port=port, args=args, port_in_env=False, split_unless_named=False
-    )
+    server = ServerProcess({}, port=port, args=args, port_in_env=False, split_unless_named=False)
     server.start()
     try:
         models = httpx.get(server.url + "/v1/models", timeout=10)
@@ -207,3 +206,24 @@ def test_serve_reads_its_config_file_given_before_the_subcommand(tmp_path: Path)
 
 def test_serve_reads_its_config_file_given_after_the_subcommand(tmp_path: Path) -> None:
     serve_with_a_file(tmp_path, before=False)
+
+
+def test_a_chat_template_is_read_from_its_file_once(tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0].content }}!")
+    assert parsed("--chat-template", str(template)).chat_template == "{{ messages[0].content }}!"
+    with pytest.raises(SettingsError, match=r"chat_template .*no such chat template file"):
+        parsed("--chat-template", str(tmp_path / "nope.jinja"))
+
+
+def test_generate_renders_the_chat_template_given(tmp_path: Path) -> None:
+    """The model's own template is replaced: this one refuses every conversation."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ raise_exception('the custom template ran') }}")
+    done = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "generate", "hi", "--chat-template", str(template)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "the custom template ran" in done.stderr, done.stderr

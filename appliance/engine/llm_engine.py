@@ -121,7 +121,9 @@ class LLMEngine:
             shard = Shard(0, group.size)
             parts = load_shard(settings, shard, group.all_reduce, shared_kv=shared_kv)
         cfg = parts.files.config
-        tokenizer = Tokenizer.load(parts.files.tokenizer_dir, cfg.eos_token_ids)
+        tokenizer = Tokenizer.load(
+            parts.files.tokenizer_dir, cfg.eos_token_ids, settings.chat_template
+        )
         limits = SchedulerLimits(
             max_num_seqs=settings.batch.max_num_seqs,
             max_num_batched_tokens=settings.batch.max_num_batched_tokens,

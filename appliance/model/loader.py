@@ -121,11 +121,14 @@ def model_name(path: Path | None) -> str:
     return base if base and is_quant else name
 
 
-def prepare_tokenizer(path: Path | None, cache_dir: Path) -> tuple[ModelConfig, Tokenizer]:
-    """The model's facts and its tokenizer (stopping at the model's end tokens), for a
-    process that runs no model; see prepare_model."""
+def prepare_tokenizer(
+    path: Path | None, cache_dir: Path, chat_template: str | None = None
+) -> tuple[ModelConfig, Tokenizer]:
+    """The model's facts and its tokenizer (stopping at the model's end tokens; rendering
+    `chat_template` if given, else the model's own), for a process that runs no model; see
+    prepare_model."""
     config, tokenizer_dir = prepare_model(path, cache_dir)
-    return config, Tokenizer.load(tokenizer_dir, config.eos_token_ids)
+    return config, Tokenizer.load(tokenizer_dir, config.eos_token_ids, chat_template)
 
 
 def prepare_model(path: Path | None, cache_dir: Path) -> tuple[ModelConfig, Path]:

@@ -67,9 +67,12 @@ class Tokenizer:
         self.stop_token_ids = self._find_stop_ids(extra_eos_ids)
 
     @classmethod
-    def load(cls, folder: Path, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+    def load(
+        cls, folder: Path, extra_eos_ids: tuple[int, ...] = (), chat_template: str | None = None
+    ) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json and any chat_template.jinja from a
-        folder; the eos_token_id of a generation_config.json there stops generation too."""
+        folder; the eos_token_id of a generation_config.json there stops generation too.
+        `chat_template` (the chat_template setting) replaces the model's own."""
         try:
             raw = RawTokenizer.from_file(str(folder / "tokenizer.json"))
             config = _read_json(folder / "tokenizer_config.json")
@@ -80,7 +83,8 @@ class Tokenizer:
             raise ModelLoadError(folder, f"cannot load its tokenizer ({exc})") from None
         eos_ids = extra_eos_ids + _token_ids(generation.get("eos_token_id"))
         try:
-            return cls(raw, _special_tokens(config), _read_template(folder, config), eos_ids)
+            template = chat_template or _read_template(folder, config)
+            return cls(raw, _special_tokens(config), template, eos_ids)
         except ValueError as exc:  # a chat template that does not compile
             raise ModelLoadError(folder, str(exc)) from None
 
