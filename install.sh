@@ -323,7 +323,7 @@ install -d -m 0755 /etc/appliance
 if [ ! -e /etc/appliance/appliance.env ]; then
   install -m 0640 -g appliance /dev/null /etc/appliance/appliance.env
   cat > /etc/appliance/appliance.env <<'ENV'
-# Settings of the appliance service (see README: Settings). Restart it after a change:
+# Settings of the appliance service (see docs/settings.md). Restart it after a change:
 #   systemctl restart appliance
 APPLIANCE_HOST=127.0.0.1
 APPLIANCE_PORT=8000
@@ -337,7 +337,7 @@ if [ ! -e /etc/appliance/agent.env ]; then
   install -m 0640 -g appliance /dev/null /etc/appliance/agent.env
   cat > /etc/appliance/agent.env <<'ENV'
 # Settings of the agent service, on a box that lends its devices to a head on another box
-# (see README: Across boxes). Then: systemctl enable --now appliance-agent
+# (see docs/operations.md, Across boxes). Then: systemctl enable --now appliance-agent
 # APPLIANCE_CLUSTER__HEAD=10.0.0.1:7400
 # APPLIANCE_CLUSTER__SECRET_FILE=/etc/appliance/cluster.secret
 # APPLIANCE_CLUSTER__POOL=decode
