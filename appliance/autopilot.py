@@ -1,18 +1,23 @@
 """Autopilot: every `planner.interval_s` the rebalancer looks at the last window of
 traffic, simulates the current layout and every layout one move away with this box's
 profile (appliance/planner/rebalance.py), and, with `planner.auto_rebalance`, moves one
-device through the pool mover. Each look is a decision the admin API shows; each move or
-hold is an event, a Prometheus count and a log line. Without a profile it says so and
-never moves."""
+device through the pool mover. Each look is a decision the admin API shows (the latest
+`DECISIONS_KEPT`) and, with `planner.decisions_log`, a JSON line with its inputs (every
+layout's simulated goodput, the measured figures, the layouts barred, the rule that
+decided); a Prometheus count and a log line. A decision that recommends another layout,
+and a hold on a new rule that weighs measurements, is also an event (`kind: planner`)
+with its reason. Without a profile it says so and never moves."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import Counter, deque
-from typing import cast
+from collections.abc import Mapping
+from typing import Any, cast
 
 from appliance.admin.schema import Decision, Move, PlannerView, Role
 from appliance.bench.metrics import SLO
@@ -21,17 +26,23 @@ from appliance.model.loader import default_model_path
 from appliance.planner.auto_layout import known_profile
 from appliance.planner.profile import Profile, ProfileError, model_id
 from appliance.planner.rebalance import (
+    Measurement,
     RebalanceMemory,
     RebalanceRules,
+    Roles,
     TrafficWindow,
     Verdict,
     decide,
+    mix_of,
 )
 from appliance.planner.simulator import Policy
 from appliance.pool_moves import MoveError, PoolMover, device_roles
 from appliance.supervisor import Supervisor
 
 DECISIONS_KEPT = 10
+# Holds an event notes when their rule differs from the last look's (with the layouts
+# barred as targets, or measurements deciding); routine holds are only counted and logged.
+NOTED_HOLDS = frozenset({"measured-stay"})
 
 log = logging.getLogger("appliance.planner")
 
@@ -53,6 +64,7 @@ class Autopilot:
         self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)  # oldest first
         self.counts: Counter[str] = Counter()  # "move" / "hold" -> decisions made
         self.last: Verdict | None = None  # the latest look's
+        self._last_rule: str | None = None  # the latest recorded decision's rule
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -106,7 +118,8 @@ class Autopilot:
         self.last = verdict
         acted, reason = self._act(verdict)
         decision = _decision(verdict, window, acted, reason)
-        self._record(decision)
+        self._record(decision, verdict)
+        self._log(record_of(decision, verdict, window, now))
         return decision
 
     def _decide(
@@ -149,17 +162,33 @@ class Autopilot:
             return False, f"{verdict.reason}; the move was refused: {exc}"
         return True, verdict.reason
 
-    def _record(self, decision: Decision) -> None:
+    def _record(self, decision: Decision, verdict: Verdict) -> None:
         self.decisions.append(decision)
         action = "move" if decision.move_device is not None else "hold"
         self.counts[action] += 1
         self.status = "watching" if self.planner.auto_rebalance else "recommending only"
         # A hold with nothing better in sight is only counted and logged: one every
-        # interval would push every other event out of the admin API's list.
-        if decision.recommended != decision.current:
-            self.supervisor.note("planner", _line(decision))
+        # interval would push every other event out of the admin API's list. A hold by a
+        # rule that weighs measurements is an event when that rule starts holding.
+        rule = verdict.rule
+        changed, self._last_rule = rule != self._last_rule, rule
+        noted = rule in NOTED_HOLDS or "not a target:" in verdict.reason
+        if decision.recommended != decision.current or (changed and noted):
+            self.supervisor.note("planner", _line(decision, rule))
         else:
-            log.debug("%s", _line(decision))
+            log.debug("%s", _line(decision, rule))
+
+    def _log(self, record: dict[str, Any]) -> None:
+        """Append the decision with its inputs to `planner.decisions_log`, if set."""
+        path = self.planner.decisions_log
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as out:
+                out.write(json.dumps(record) + "\n")
+        except OSError as exc:  # a full disk must not stop the planner
+            log.warning("planner: cannot append to %s: %s", path, exc)
 
     def apply(self) -> Move:
         """Start the first move toward the recommended layout now (autopilot on or off);
@@ -173,8 +202,7 @@ class Autopilot:
         device, to = last.path[0]
         move = self.mover.start(device, cast(Role, to))
         self.supervisor.note("planner", f"recommendation applied: move device {device} to {to}")
-        self.memory.last_move_at = time.monotonic()
-        self.memory.target = last.recommended if len(last.path) > 1 else None
+        self.memory.applied(last, time.monotonic())  # judged, dwelt on, as its own moves are
         self.last = None  # applied: the next look recommends afresh
         return move
 
@@ -211,6 +239,9 @@ def rules_of(settings: Settings) -> RebalanceRules:
         cooldown_s=planner.cooldown_s,
         confirm_windows=planner.confirm_windows,
         min_requests=planner.min_requests,
+        dwell_s=planner.dwell_s,
+        hold_off_s=planner.hold_off_s,
+        remember_s=planner.remember_s,
     )
 
 
@@ -237,15 +268,74 @@ def _decision(verdict: Verdict, window: TrafficWindow, acted: bool, reason: str)
     )
 
 
-def _line(decision: Decision) -> str:
-    """A decision in one log line."""
+def _line(decision: Decision, rule: str = "") -> str:
+    """A decision in one log line (an event's message)."""
     if decision.move_device is None:
         what = "hold"
     else:
         applied = "" if decision.acted else " (not applied)"
         what = f"move device {decision.move_device} to {decision.move_to}{applied}"
+    ruled = f" [{rule}]" if rule else ""
     return (
-        f"planner: {what}; predicted goodput {decision.predicted_current:.2f} -> "
+        f"planner{ruled}: {what}; predicted goodput {decision.predicted_current:.2f} -> "
         f"{decision.predicted_recommended:.2f} req/s on {decision.window_requests} "
         f"requests; {decision.reason}"
     )
+
+
+def roles_key(roles: Roles) -> str:
+    """A layout as a JSON key: each device's role by index, '-' for none."""
+    return ",".join(role or "-" for role in roles)
+
+
+def record_of(
+    decision: Decision, verdict: Verdict, window: TrafficWindow, now: float
+) -> dict[str, Any]:
+    """A decision with its inputs, as `planner.decisions_log` keeps it: the window (its
+    traffic mix and measured attainment), every layout simulated on it, this window's
+    and the remembered measurements on similar traffic, the layouts barred as targets
+    and why, the rule that decided and its reason."""
+    mix = mix_of(window)
+    return {
+        "at": decision.at,
+        "monotonic": now,
+        "current": roles_key(verdict.current),
+        "recommended": roles_key(verdict.recommended),
+        "path": [[device, to] for device, to in verdict.path],
+        "move": None if verdict.move is None else list(verdict.move),
+        "acted": decision.acted,
+        "rule": verdict.rule,
+        "reason": decision.reason,
+        "window": {
+            "seconds": window.duration_s,
+            "requests": len(window.requests),
+            "attainment": window.attainment,
+            "rate": mix.rate,
+            "mean_prompt_tokens": mix.prompt,
+            "mean_output_tokens": mix.output,
+        },
+        "predicted_current": verdict.predicted_current,
+        "predicted_recommended": verdict.predicted_recommended,
+        "predicted_via": verdict.predicted_via,
+        "simulated": {roles_key(r): goodput for r, goodput in verdict.simulated.items()},
+        "measured": _measurement(verdict.measured, now),
+        "remembered": _measurements(verdict.remembered, now),
+        "barred": {roles_key(r): why for r, why in verdict.barred.items()},
+    }
+
+
+def _measurements(found: Mapping[Roles, Measurement], now: float) -> dict[str, Any]:
+    return {roles_key(roles): _measurement(m, now) for roles, m in found.items()}
+
+
+def _measurement(found: Measurement | None, now: float) -> dict[str, float] | None:
+    if found is None:
+        return None
+    return {
+        "age_s": now - found.at,
+        "attainment": found.attainment,
+        "goodput": found.goodput,
+        "rate": found.mix.rate,
+        "mean_prompt_tokens": found.mix.prompt,
+        "mean_output_tokens": found.mix.output,
+    }

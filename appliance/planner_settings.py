@@ -73,11 +73,39 @@ class PlannerSettings(BaseModel):
         "SLO (slo_ttft_ms, slo_tpot_ms).",
     )
     cooldown_s: float = Field(
-        60.0, ge=0, description="No move within this long after the last one."
+        60.0,
+        ge=0,
+        description="No move within this long after the last one (the second step of a "
+        "two-move path and a rollback aside).",
+    )
+    dwell_s: float = Field(
+        90.0,
+        ge=0,
+        description="After a move, the layout it left is not moved back to for this long, "
+        "unless the move back is a rollback.",
+    )
+    hold_off_s: float = Field(
+        300.0,
+        ge=0,
+        description="A layout rolled back from (it measured a lower attainment than the "
+        "layout before it on similar traffic) is not moved to again for this long, while "
+        "the traffic stays similar.",
+    )
+    remember_s: float = Field(
+        600.0,
+        ge=0,
+        description="How long what a layout measured (attainment, goodput, the traffic's "
+        "rate and lengths) counts beside what the simulator predicts.",
     )
     confirm_windows: int = Field(
         2, ge=1, description="Looks in a row that must recommend the same move first."
     )
     min_requests: int = Field(
         8, ge=1, description="Fewer requests in the window than this: no move."
+    )
+    decisions_log: Path | None = Field(
+        None,
+        description="Append every decision of the rebalancer, with its inputs (each "
+        "layout's simulated goodput, the measured figures, the layouts barred and why, the "
+        "rule that decided), as one JSON line to this file; empty: none.",
     )

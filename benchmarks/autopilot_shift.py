@@ -3,16 +3,23 @@
 On two devices (one core each on a 2-core box) the layouts a move can reach are colocated
 x2, 1P+1D and 1D+1C. Each runs the very same `bench --workload shift` schedule from a
 fresh start, then the autopilot (starting in `--start`, `planner.auto_rebalance` on, this
-box's profile, the run's SLO) runs it too, while a poller records its layout every second.
-Prints and
-writes goodput per phase for each, the autopilot's ratios against the best static layout
-per phase and against the best single static layout over the run, the autopilot's
-layout over time and its decisions.
+box's profile, the run's SLO, every other planner setting the shipped default) runs it
+too, while a poller records its layout every second. Prints and writes goodput per phase
+for each, the autopilot's ratios against the best static layout per phase and against
+the best single static layout over the run, the autopilot's layout over time, its moves,
+and every one of its decisions with its inputs (`planner.decisions_log`).
 
     .venv/bin/python benchmarks/autopilot_shift.py                 # profiles first if needed
     .venv/bin/python benchmarks/autopilot_shift.py --simulate      # the simulator's view only
+    .venv/bin/python benchmarks/autopilot_shift.py --mix-seed 3 --start colocated
+    .venv/bin/python benchmarks/autopilot_shift.py --mix-seed 3 --dry-run   # what would run
 
-Writes benchmarks/results/autopilot_shift_cpu/{results.json,table.md,shift.png}.
+`--mix-seed N` draws the phases instead of `--phases`: 2 or 3 of 90-150 s, each a
+workload (chat, long-burst, fixed, shared-prefix) at a light, medium or heavy rate for
+this box (`MIX_RATES`), no phase the same as the one before.
+
+Writes benchmarks/results/autopilot_shift_cpu/{results.json,table.md,shift.png} (with
+--mix-seed, under mix-N/ there).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -36,7 +44,13 @@ from appliance.bench.compare import Target, running
 from appliance.bench.metrics import SLO, phase_summaries, shift_total
 from appliance.bench.report import plain
 from appliance.bench.runner import run_load
-from appliance.bench.shift import Phase, make_shift, parse_phases, shift_schedule
+from appliance.bench.shift import (
+    PHASE_WORKLOADS,
+    Phase,
+    make_shift,
+    parse_phases,
+    shift_schedule,
+)
 from appliance.config import load_settings
 from appliance.model.loader import default_model_path, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
@@ -60,7 +74,7 @@ from appliance.topology.cpu import cpu_model_name
 PHASES = "fixed:1.4:90,chat:1.0:200,fixed:1.4:90"
 INPUT_LEN, OUTPUT_LEN = 600, 16  # the fixed phase's prompt and answer tokens
 GOODPUT = ["ttft:8000", "tpot:60"]
-START = "1P+1D"  # the autopilot's first layout: `appliance serve`'s default split
+START = "split"  # the autopilot's first layout: `appliance serve`'s default split
 OUT = Path(__file__).parent / "results" / "autopilot_shift_cpu"
 SERVE = [sys.executable, "-m", "appliance.cli", "serve"]
 STATIC = {
@@ -68,6 +82,37 @@ STATIC = {
     "1P+1D": ("prefill", "decode"),
     "1D+1C": ("colocated", "decode"),
 }
+STARTS = {"split": "1P+1D", "colocated": "colocated x2"}  # --start: a static layout
+# Light, medium and heavy rates (req/s) of each workload on the 2-core Xeon the README's
+# run used: light, every layout keeps up; heavy, the best barely does (`--simulate`).
+MIX_RATES = {
+    "chat": (0.6, 1.0, 1.4),
+    "long-burst": (0.4, 0.7, 1.0),
+    "fixed": (0.8, 1.2, 1.6),
+    "shared-prefix": (0.8, 1.4, 2.0),
+}
+MIX_SECONDS = (90, 150)  # each drawn phase lasts this long, in steps of 10 s
+
+
+def mixed_phases(seed: int) -> list[Phase]:
+    """2 or 3 phases drawn from `seed` alone: each a workload at one of its `MIX_RATES`
+    for 90-150 s, none the same workload and rate as the one before."""
+    rng = random.Random(f"mix:{seed}")
+    count = rng.choice((2, 3))
+    phases: list[Phase] = []
+    while len(phases) < count:
+        workload = rng.choice(PHASE_WORKLOADS)
+        rate = rng.choice(MIX_RATES[workload])
+        seconds = float(rng.randrange(MIX_SECONDS[0], MIX_SECONDS[1] + 1, 10))
+        if phases and (phases[-1].workload, phases[-1].rate) == (workload, rate):
+            continue
+        phases.append(Phase(workload, rate, seconds))
+    return phases
+
+
+def phases_text(phases: list[Phase]) -> str:
+    """Phases as `--phases` takes them."""
+    return ",".join(f"{p.workload}:{p.rate}:{p.seconds:g}" for p in phases)
 
 
 def layout_env(roles: tuple[str, str]) -> dict[str, str]:
@@ -80,21 +125,28 @@ def layout_env(roles: tuple[str, str]) -> dict[str, str]:
 
 
 def autopilot_env(
-    start: tuple[str, str], profile: Path, token: Path, slo: SLO, interval: float, window: float
+    start: tuple[str, str], profile: Path, token: Path, slo: SLO, decisions: Path
 ) -> dict[str, str]:
-    """The autopilot's settings: it judges attainment by the SLO the run is scored by."""
+    """The autopilot's settings: it judges attainment by the SLO the run is scored by, and
+    logs every decision to `decisions`; its rules (interval, window, margin, cooldown,
+    dwell...) are the shipped defaults."""
+    assert slo.ttft is not None and slo.tpot is not None  # main checked
     return layout_env(start) | {
         "APPLIANCE_PLANNER__PROFILE": str(profile),
         "APPLIANCE_PLANNER__SLO_TTFT_MS": str(slo.ttft * 1000),
         "APPLIANCE_PLANNER__SLO_TPOT_MS": str(slo.tpot * 1000),
         "APPLIANCE_PLANNER__AUTO_REBALANCE": "true",
-        "APPLIANCE_PLANNER__INTERVAL_S": str(interval),
-        "APPLIANCE_PLANNER__WINDOW_S": str(window),
-        "APPLIANCE_PLANNER__CONFIRM_WINDOWS": "1",
-        "APPLIANCE_PLANNER__COOLDOWN_S": str(window),
-        "APPLIANCE_PLANNER__MIN_REQUESTS": "5",
+        "APPLIANCE_PLANNER__DECISIONS_LOG": str(decisions),
         "APPLIANCE_ADMIN__TOKEN_FILE": str(token),
     }
+
+
+def read_decisions(path: Path | None, started_wall: float) -> list[dict[str, Any]]:
+    """Every decision the autopilot logged, each with `t`: seconds from the run's start."""
+    if path is None or not path.exists():
+        return []
+    decisions = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [d | {"t": round(d["at"] - started_wall, 1)} for d in decisions]
 
 
 def find_profile(given: Path | None) -> Path:
@@ -140,12 +192,6 @@ class LayoutPoller:
             roles = [d["pool"] for d in state["devices"]]
             self.seen.append((time.monotonic() - self.started, roles))
 
-    def decisions(self) -> list[dict[str, Any]]:
-        headers = {"Authorization": f"Bearer {self.token.read_text()}"}
-        return httpx.get(self.url + "/admin/planner", headers=headers, timeout=10).json()[
-            "decisions"
-        ]
-
     def blocks_in_use(self, wait_s: float = 15.0) -> int:
         """KV blocks still in use once the last reports are in (0: every block free)."""
         headers = {"Authorization": f"Bearer {self.token.read_text()}"}
@@ -159,20 +205,29 @@ class LayoutPoller:
 
 
 def run_one(
-    target: Target, shift: Any, specs: list, slo: SLO, token: Path, tokenizer: Tokenizer
+    target: Target,
+    shift: Any,
+    specs: list,
+    slo: SLO,
+    token: Path,
+    tokenizer: Tokenizer,
+    decisions_log: Path | None = None,
 ) -> dict:
     """Start the target, drive the shift, stop it; per-phase summaries, the layout over
-    time, its planner's decisions and the KV blocks still in use after."""
+    time, every decision its planner logged to `decisions_log` and the KV blocks still
+    in use after."""
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text))
 
     with running(target, Path(tempfile.mkdtemp(prefix="autopilot-shift-"))) as url:
+        started_wall = time.time()
         with LayoutPoller(url, token) as poller:
             results, _ = asyncio.run(
                 run_load(url, iter(specs), shift, count, extra_body={"ignore_eos": True})
             )
-        decisions, blocks = poller.decisions(), poller.blocks_in_use()
+        blocks = poller.blocks_in_use()
+    decisions = read_decisions(decisions_log, started_wall)
     phases = phase_summaries(results, shift.phases, slo)
     return {
         "label": target.label,
@@ -235,7 +290,18 @@ def table(runs: list[dict], phases: list[Phase]) -> str:
         best_total = max(r["total"].goodput for r in static)
         overall = auto["total"].goodput / best_total if best_total else float("nan")
         lines.append(f"| autopilot / best static | {' | '.join(ratios)} | {overall:.2f}x | |")
+        lines += moves_list(auto["decisions"])
     return "\n".join(lines)
+
+
+def moves_list(decisions: list[dict[str, Any]]) -> list[str]:
+    """The autopilot's moves: when (seconds from the run's start), the rule, the reason;
+    and how many decisions it made by rule."""
+    moves = [d for d in decisions if d.get("acted")]
+    rules = Counter(d.get("rule", "") for d in decisions)
+    lines = ["", f"Autopilot: {len(decisions)} decisions ({dict(sorted(rules.items()))})."]
+    lines += [f"- {d['t']:.0f} s [{d['rule']}] {d['reason']}" for d in moves]
+    return lines if decisions else []
 
 
 def plot(runs: list[dict], phases: list[Phase], path: Path) -> None:
@@ -276,19 +342,34 @@ def plot(runs: list[dict], phases: list[Phase], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phases", default=PHASES)
+    parser.add_argument(
+        "--mix-seed", type=int, help="draw 2-3 phases of 90-150 s from this seed (not --phases)"
+    )
     parser.add_argument("--goodput", nargs="+", default=GOODPUT, help="ttft:MS tpot:MS")
     parser.add_argument("--input-len", type=int, default=INPUT_LEN, help="fixed: prompt tokens")
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="fixed: answer tokens")
-    parser.add_argument("--start", choices=list(STATIC), default=START, help="autopilot's layout")
+    parser.add_argument("--start", choices=list(STARTS), default=START, help="autopilot's layout")
     parser.add_argument("--profile", type=Path)
-    parser.add_argument("--interval", type=float, default=2.0, help="planner.interval_s")
-    parser.add_argument("--window", type=float, default=12.0, help="planner.window_s")
     parser.add_argument("--simulate", action="store_true", help="only the simulator's table")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the phases and settings, run nothing"
+    )
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.mix_seed is not None:
+        args.phases = phases_text(mixed_phases(args.mix_seed))
+    if args.out is None:
+        args.out = OUT if args.mix_seed is None else OUT / f"mix-{args.mix_seed}"
     phases, slo = parse_phases(args.phases), SLO.parse(args.goodput)
     if slo.ttft is None or slo.tpot is None:
         parser.error("--goodput needs both ttft:MS and tpot:MS (the autopilot's SLO too)")
+    start = STATIC[STARTS[args.start]]
+    if args.dry_run:
+        print(f"phases {args.phases} ({sum(p.seconds for p in phases):.0f} s)")
+        env = autopilot_env(start, Path("PROFILE"), Path("TOKEN"), slo, Path("DECISIONS"))
+        print(f"autopilot: starts {STARTS[args.start]}, settings {json.dumps(env)}")
+        print(f"writes {args.out}/{{results.json,table.md,shift.png}}")
+        return
     lengths = (args.input_len, args.output_len)
     profile_path = find_profile(args.profile)
     profile = load_profile(profile_path)
@@ -300,19 +381,20 @@ def main() -> None:
     if args.simulate:
         return
     shift, specs = make_shift(phases, tokenizer, 0, 2, *lengths)
-    token = Path(tempfile.mkdtemp(prefix="autopilot-token-")) / "admin.token"
+    scratch = Path(tempfile.mkdtemp(prefix="autopilot-token-"))
+    token, decisions = scratch / "admin.token", scratch / "decisions.jsonl"
     with_token = {"APPLIANCE_ADMIN__TOKEN_FILE": str(token)}
     targets = [
         Target(label, SERVE, layout_env(roles) | with_token, port_flag=None)
         for label, roles in STATIC.items()
     ]
-    start = STATIC[args.start]
-    env = autopilot_env(start, profile_path, token, slo, args.interval, args.window)
+    env = autopilot_env(start, profile_path, token, slo, decisions)
     targets.append(Target("autopilot", SERVE, env, port_flag=None))
     runs = []
     for target in targets:  # one at a time: each writes the token file at start
         print(f"running {target.label}", file=sys.stderr)
-        runs.append(run_one(target, shift, specs, slo, token, tokenizer))
+        log = decisions if target.label == "autopilot" else None
+        runs.append(run_one(target, shift, specs, slo, token, tokenizer, log))
     args.out.mkdir(parents=True, exist_ok=True)
     text = table(runs, phases)
     cpu = cpu_model_name()
@@ -320,7 +402,8 @@ def main() -> None:
         f"# Autopilot on a shifting workload\n\n{cpu}, 2 devices of one core. Phases "
         f"`{args.phases}` (fixed: {args.input_len}-token prompts, {args.output_len}-token "
         f"answers), SLO `{' '.join(args.goodput)}`, seed 0, ignore_eos; the autopilot starts "
-        f"{args.start}. Goodput req/s (attainment).\n\n"
+        f"{STARTS[args.start]} with the shipped planner defaults. Goodput req/s "
+        f"(attainment).\n\n"
     )
     (args.out / "table.md").write_text(header + text + "\n")
     record = {

@@ -2,7 +2,9 @@
 moves between (planner/layout.py): a hand-made box where prompts are costly and decodes
 cheap, so a prefill-starved split gains from one more prefill worker; and one where a
 decode step beside a prompt chunk is so slow that two colocated workers lose to a
-prefill/decode split two moves away."""
+prefill/decode split two moves away. Then the rules that weigh what each layout measured
+(hand-made windows and measurements): a simulator that sees no layout meeting the SLO,
+a move that measured worse (rolled back once, held off), the dwell after a move."""
 
 from __future__ import annotations
 
@@ -21,18 +23,28 @@ from appliance.planner.profile import (
     WorkerCost,
 )
 from appliance.planner.rebalance import (
+    Measurement,
     Move,
     RebalanceMemory,
     RebalanceRules,
     Roles,
+    TrafficMix,
     TrafficWindow,
     Verdict,
     current_goodput,
     decide,
+    mix_of,
     moves_from,
     predicted_goodput,
+    shape,
 )
-from appliance.planner.rebalance_paths import best_one, best_two, move_between
+from appliance.planner.rebalance_paths import (
+    best_one,
+    best_two,
+    move_between,
+    nearest,
+    path_between,
+)
 from appliance.planner.simulator import Policy, SimRequest, simulate
 
 # A prompt token costs 1 ms; a decode step 2 ms alone, 50 ms beside a prompt chunk.
@@ -446,3 +458,151 @@ def test_a_stationary_chat_mix_takes_the_two_steps_and_then_holds() -> None:
         window = TrafficWindow(20.0, chats(400 + number), attainment=0.0)
         verdict = mix_look(roles, window, memory, now=1000.0 + 20.0 * number)
         assert verdict.move is None and verdict.reason.startswith("no move is simulated to beat")
+
+
+# ---------------------------------------------------------------- measured figures
+
+TWO_PREFILL: Roles = ("prefill", "prefill", "decode")  # where STARVED moves
+NO_ONE_MEETS = SLO(ttft=1.5, tpot=1e-6)  # in simulation no layout meets it
+
+
+def blind_look(
+    roles: Roles, window: TrafficWindow, memory: RebalanceMemory, now: float, rules: RebalanceRules
+) -> Verdict:
+    return decide(window, PROFILE, roles, POLICY, NO_ONE_MEETS, rules, memory, now)
+
+
+def remembered(roles: Roles, window: TrafficWindow, attainment: float, at: float) -> Measurement:
+    """What `roles` measured `attainment` on traffic like `window`'s at `at`."""
+    mix = mix_of(window)
+    return Measurement(at, attainment, attainment * mix.rate, mix)
+
+
+def test_paths_to_a_layout_and_to_the_nearest_of_a_shape() -> None:
+    assert path_between(COLOCATED, SPLIT) is not None
+    assert path_between(COLOCATED, SPLIT).moves == (FIRST, SECOND)  # type: ignore[union-attr]
+    assert path_between(MIDDLE, SPLIT).moves == (SECOND,)  # type: ignore[union-attr]
+    assert path_between(COLOCATED, ("decode", "decode")) is None  # cannot serve
+    assert shape(("prefill", "decode", "decode")) == shape(("decode", "prefill", "decode"))
+    wanted = shape(("prefill", "decode"))
+    two = nearest(COLOCATED, lambda roles: shape(roles) == wanted)
+    assert two is not None and two.moves == (FIRST, SECOND)
+    assert nearest(COLOCATED, lambda roles: shape(roles) == wanted, two=False) is None
+
+
+def test_a_look_remembers_what_a_layout_measured_on_a_whole_window() -> None:
+    window = TrafficWindow(20.0, long_prompts(1), attainment=0.95)
+    memory = RebalanceMemory()
+    first = look(STARVED, window, memory, now=100.0)
+    assert memory.measured == {} and first.measured is not None  # the roles are new
+    assert first.rule == "at-target" and first.measured.attainment == 0.95
+    look(STARVED, window, memory, now=120.0)  # a whole window on these roles
+    kept = memory.measured[shape(STARVED)]
+    rate = len(window.requests) / 20.0
+    assert (kept.at, kept.attainment, kept.goodput) == (120.0, 0.95, 0.95 * rate)
+    assert kept.mix == TrafficMix(rate, 400.0, 16.0)
+    look(TWO_PREFILL, window, memory, now=130.0)  # moved: not measured until 150
+    assert list(memory.measured) == [shape(STARVED)]
+    later = look(TWO_PREFILL, window, memory, now=150.0)
+    assert set(later.remembered) == {shape(STARVED), shape(TWO_PREFILL)}
+    look(TWO_PREFILL, window, memory, now=120.0 + RULES.remember_s + 1)  # forgotten
+    assert list(memory.measured) == [shape(TWO_PREFILL)]
+    # Similar traffic: rate, prompt and output each within a factor 1.5.
+    assert kept.mix.similar(TrafficMix(rate * 1.4, 300.0, 20.0), 1.5)
+    assert not kept.mix.similar(TrafficMix(rate * 1.6, 400.0, 16.0), 1.5)
+    assert not kept.mix.similar(TrafficMix(rate, 400.0, 32.0), 1.5)
+
+
+def test_when_no_layout_is_simulated_to_meet_the_slo_measurements_decide() -> None:
+    low = TrafficWindow(20.0, long_prompts(1), attainment=0.2)
+    rules = RebalanceRules(confirm_windows=1)
+    # Nothing measured elsewhere: it stays (no move on simulated noise around zero).
+    stay = blind_look(TWO_PREFILL, low, RebalanceMemory(), 1000.0, rules)
+    assert len(stay.simulated) > 1 and set(stay.simulated.values()) == {0.0}
+    assert stay.move is None and stay.rule == "measured-stay"
+    assert stay.reason.startswith("measured-stay: every layout simulated at ~0")
+    # The starved split measured 0.9 on similar traffic four minutes ago: it goes there.
+    measured = {shape(STARVED): remembered(STARVED, low, 0.9, 760.0)}
+    memory = RebalanceMemory(measured=dict(measured))
+    verdict = blind_look(TWO_PREFILL, low, memory, 1000.0, rules)
+    assert verdict.rule == "measured-move" and verdict.move == (0, "decode")
+    assert shape(verdict.recommended) == shape(STARVED) and len(verdict.path) == 1
+    assert verdict.predicted_recommended == measured[shape(STARVED)].goodput
+    assert verdict.reason.startswith("measured move: move device 0 from prefill to decode")
+    assert "measured 0.90 of requests within the SLO 240 s ago, this layout 0.20" in verdict.reason
+    assert verdict.remembered == measured and memory.judgement is not None
+    # Measured worse, or on other traffic (twice the rate): it stays.
+    worse = {shape(STARVED): remembered(STARVED, low, 0.05, 760.0)}
+    verdict = blind_look(TWO_PREFILL, low, RebalanceMemory(measured=worse), 1000.0, rules)
+    assert verdict.move is None and verdict.rule == "measured-stay"
+    assert "not a target: 1P+2D (measured 0.05 < 0.20" in verdict.reason
+    busier = TrafficWindow(20.0, long_prompts(1, rate=8.0), attainment=0.9)
+    other = {shape(STARVED): remembered(STARVED, busier, 0.9, 760.0)}
+    verdict = blind_look(TWO_PREFILL, low, RebalanceMemory(measured=other), 1000.0, rules)
+    assert verdict.move is None and verdict.rule == "measured-stay" and not verdict.remembered
+
+
+def test_a_layout_that_measured_worse_is_no_target_on_a_prediction_alone() -> None:
+    window = TrafficWindow(20.0, long_prompts(1), attainment=0.5)
+    rules = RebalanceRules(confirm_windows=1)
+    assert look(STARVED, window, RebalanceMemory(), rules=rules).move == (1, "prefill")
+    worse = {shape(TWO_PREFILL): remembered(TWO_PREFILL, window, 0.2, 900.0)}
+    verdict = look(STARVED, window, RebalanceMemory(measured=dict(worse)), rules=rules)
+    assert verdict.move == (1, "colocated")  # the next best simulated, measured nowhere
+    assert set(verdict.barred) == {shape(TWO_PREFILL)}
+    with_colocated: Roles = ("prefill", "colocated", "decode")
+    worse[shape(with_colocated)] = remembered(with_colocated, window, 0.3, 900.0)
+    verdict = look(STARVED, window, RebalanceMemory(measured=dict(worse)), rules=rules)
+    assert shape(verdict.recommended) not in worse and set(verdict.barred) == set(worse)
+    single = RebalanceRules(confirm_windows=1, two_move_max_devices=0)
+    verdict = look(STARVED, window, RebalanceMemory(measured=dict(worse)), rules=single)
+    assert verdict.move is None and verdict.rule == "no-better"
+    assert verdict.reason.startswith("no move is simulated to beat")
+    assert "not a target: 2P+1D (measured 0.20 < 0.50 on similar traffic 100 s ago); " in (
+        verdict.reason
+    )
+    assert "1P+1D+1C (measured 0.30 < 0.50" in verdict.reason
+    # On other traffic (answers twice as long) the old measurement does not count.
+    longer = tuple(SimRequest(r.arrival_s, 400, 32) for r in long_prompts(1))
+    verdict = look(STARVED, TrafficWindow(20.0, longer, 0.5), RebalanceMemory(measured=worse),
+                   rules=rules)  # fmt: skip
+    assert verdict.move is not None and shape(verdict.recommended) == shape(TWO_PREFILL)
+
+
+def test_a_move_that_measured_worse_is_rolled_back_once_and_held_off() -> None:
+    rules = RebalanceRules(confirm_windows=1)
+    memory = RebalanceMemory()
+    moved = look(STARVED, TrafficWindow(20.0, long_prompts(1), 0.5), memory, 100.0, rules)
+    assert moved.move == (1, "prefill") and moved.rule == "move"
+    assert memory.judgement is not None and memory.judgement.before.attainment == 0.5
+    worse = TrafficWindow(20.0, long_prompts(2), 0.2)  # the same mix, served worse
+    early = look(TWO_PREFILL, worse, memory, 110.0, rules)  # not a whole window yet
+    assert early.move is None and early.rule != "rollback" and memory.judgement is not None
+    back = look(TWO_PREFILL, worse, memory, 130.0, rules)  # within the dwell: a rollback
+    assert back.rule == "rollback" and back.move == (1, "decode") and back.recommended == STARVED
+    assert back.reason.startswith(
+        "rollback: 2P+1D measured 0.20 of requests within the SLO on similar traffic, "
+        "1P+2D 0.50 before the move: move device 1 from prefill to decode; 2P+1D held off 300 s"
+    )
+    assert memory.judgement is None and shape(TWO_PREFILL) in memory.held_off
+    # Back on the starved split, missing the target, the simulator still prefers two
+    # prefill workers (either device): held off, then measured worse, never a target.
+    for now in (140.0, 200.0, 300.0, 500.0, 700.0):
+        window = TrafficWindow(20.0, long_prompts(int(now)), 0.5)
+        again = look(STARVED, window, memory, now, rules)
+        assert shape(again.recommended) != shape(TWO_PREFILL), again.reason
+        why = "held off after a rollback" if now < 430.0 else "measured 0.20 < 0.50"
+        assert again.barred[shape(TWO_PREFILL)].startswith(why)
+        assert again.simulated[TWO_PREFILL] > again.simulated[STARVED] * 2
+
+
+def test_the_layout_a_move_left_is_no_target_within_the_dwell() -> None:
+    prompts = chat_window(1, rate=8.0, output=1)  # colocated wins, two moves back
+    rules = RebalanceRules(confirm_windows=1, cooldown_s=0.0)  # only the dwell holds
+    memory = RebalanceMemory(last_move_at=100.0, left=COLOCATED)
+    held = mix_look(SPLIT, prompts, memory, now=150.0, rules=rules)
+    assert held.move is None and held.rule == "no-better"
+    assert "not a target: colocated x2 (dwell: left 50 s ago, 40 s to go)" in held.reason
+    after = mix_look(SPLIT, prompts, memory, now=191.0, rules=rules)
+    assert after.recommended == COLOCATED and after.move == (1, "colocated")
+    assert after.rule == "move" and memory.target == COLOCATED

@@ -20,19 +20,44 @@ backlog the box holds now; and it times workers alone, without the server and cl
 that share the cores. Where the box serves the window worse than simulated, the
 measured goodput stands for the current layout (`current_goodput`): a move must still be
 simulated to beat the current layout, and its gain is judged against the lower figure.
+
+What the box measured counts beside what the simulator predicts (docs/autopilot.md):
+- Memory: each look whose window ran wholly on the current layout (the roles unchanged
+  for the window's length) and has `rules.min_requests` requests records that layout's
+  (by its `shape`: which device holds which role aside)
+  measured attainment and goodput, when, and the window's traffic mix (`TrafficMix`:
+  rate, mean prompt and output tokens), kept `rules.remember_s`. Two mixes are similar
+  when each of the three figures is within a factor `rules.similar_factor` of the other.
+- A layout that measured worse on similar traffic (its attainment below this window's
+  by more than `rules.attainment_noise`) is no target on a prediction alone.
+- Measurements decide where the simulator cannot: every layout it simulated serves ~0
+  (at most `rules.blind_fraction` of the window's requests per second), or it rates the
+  current layout at over twice what the box measures. Then the layout that measured
+  best on similar traffic is the target if it beat this window by the margin and the
+  noise; with every layout simulated at ~0 and none such, the box stays.
+- Rollback: once the layout a move led to has run a whole window of similar traffic, a
+  measured attainment below the one that moved it (by more than the noise, and under
+  the target) moves back at once (no cooldown, no confirming looks), once; the layout
+  rolled back from is held off `rules.hold_off_s` while the traffic stays similar.
+- Dwell: within `rules.dwell_s` of a move, the layout it left is no target, unless the
+  move back is a rollback.
+Every verdict carries its inputs (each layout's simulated goodput, this window's and the
+remembered measurements, the layouts barred as targets and why) and the rule that
+decided.
 Pure: no torch, no asyncio.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from appliance.bench.metrics import SLO
 from appliance.planner.layout import layout_of_roles, roles_problem
 from appliance.planner.profile import Profile
 from appliance.planner.rebalance_paths import (
+    Barred,
     Move,
     Path,
     Roles,
@@ -41,22 +66,32 @@ from appliance.planner.rebalance_paths import (
     best_two,
     move_between,
     moves_from,
+    nearest,
+    path_between,
 )
 from appliance.planner.simulator import Policy, SimRequest, simulate
 
 __all__ = [
+    "Measurement",
     "Move",
     "RebalanceMemory",
     "RebalanceRules",
     "Roles",
+    "TrafficMix",
     "TrafficWindow",
     "Verdict",
     "decide",
+    "measurement_of",
+    "mix_of",
     "moves_from",
     "predicted_goodput",
+    "shape",
 ]
 
 EPSILON = 1e-9  # goodput (req/s) below which a layout counts as serving nothing
+# The simulator is contradicted where the box measures less than this fraction of the
+# goodput it simulates for the current layout.
+CONTRADICTED = 0.5
 
 
 @dataclass(frozen=True)
@@ -72,6 +107,13 @@ class RebalanceRules:
     # this many devices: O((2n)^2) simulations of the window, ~120 layouts at 8 devices
     # (about 1 s for 80 requests at ~8 ms each). 0: single moves only.
     two_move_max_devices: int = 8
+    # What was measured counts beside what is simulated (module docstring).
+    dwell_s: float = 90.0  # the layout a move left is no target this long (but a rollback)
+    hold_off_s: float = 300.0  # a layout rolled back from is no target this long
+    remember_s: float = 600.0  # a layout's measurement counts this long
+    similar_factor: float = 1.5  # traffic mixes within this factor are similar
+    attainment_noise: float = 0.1  # measured attainments closer than this are equal
+    blind_fraction: float = 0.05  # simulated goodput at most this x the rate is ~0
 
     def __post_init__(self) -> None:
         checks = [
@@ -89,6 +131,21 @@ class RebalanceRules:
             (
                 self.two_move_max_devices >= 0,
                 f"two_move_max_devices must be >= 0, got {self.two_move_max_devices}",
+            ),
+            (self.dwell_s >= 0, f"dwell_s must be >= 0, got {self.dwell_s}"),
+            (self.hold_off_s >= 0, f"hold_off_s must be >= 0, got {self.hold_off_s}"),
+            (self.remember_s >= 0, f"remember_s must be >= 0, got {self.remember_s}"),
+            (
+                self.similar_factor >= 1,
+                f"similar_factor must be >= 1, got {self.similar_factor}",
+            ),
+            (
+                0 <= self.attainment_noise <= 1,
+                f"attainment_noise must be in [0, 1], got {self.attainment_noise}",
+            ),
+            (
+                0 <= self.blind_fraction <= 1,
+                f"blind_fraction must be in [0, 1], got {self.blind_fraction}",
             ),
         ]
         _check(checks)
@@ -122,6 +179,47 @@ class TrafficWindow:
         _check(checks)
 
 
+@dataclass(frozen=True)
+class TrafficMix:
+    """What a window's traffic was like, to tell whether two measurements met similar
+    traffic: requests per second, mean prompt tokens, mean output tokens (a running
+    request's output so far)."""
+
+    rate: float
+    prompt: float
+    output: float
+
+    def similar(self, other: TrafficMix, factor: float) -> bool:
+        """Each of the three figures within `factor` of the other's (1.5: 1.0 and 1.4 req/s
+        are similar, 1.0 and 1.6 are not)."""
+        pairs = ((self.rate, other.rate), (self.prompt, other.prompt))
+        return all(_within(a, b, factor) for a, b in (*pairs, (self.output, other.output)))
+
+    def describe(self) -> str:
+        return f"{self.rate:.2f} req/s, {self.prompt:.0f}/{self.output:.0f} tokens in/out"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What the box measured on one window: when (the look's clock), the fraction of its
+    requests within the SLO, that as goodput (req/s), and the traffic it was."""
+
+    at: float
+    attainment: float
+    goodput: float
+    mix: TrafficMix
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A move (or two-move path) to be judged once its target is measured: the layout it
+    left, its target, and what the layout left measured when it moved."""
+
+    start: Roles
+    target: Roles
+    before: Measurement
+
+
 @dataclass
 class RebalanceMemory:
     """What the rebalancer remembers between looks (`decide` updates it)."""
@@ -130,6 +228,32 @@ class RebalanceMemory:
     streak: Move | None = None  # the move recommended in the last looks
     streak_count: int = 0  # how many looks in a row
     target: Roles | None = None  # after the first step of two: where the second leads
+    # How that first step was chosen: None (simulated), "measured" or "rollback"; the
+    # last two take their second step without simulating again.
+    target_rule: str | None = None
+    seen: Roles | None = None  # the roles at the last look, and since when
+    seen_since: float = 0.0
+    # By shape: the latest measurement of each layout, and the layouts held off (until
+    # when, and the traffic they measured worse on).
+    measured: dict[Roles, Measurement] = field(default_factory=dict)
+    held_off: dict[Roles, tuple[float, TrafficMix]] = field(default_factory=dict)
+    judgement: Judgement | None = None  # the last move, until its target is measured
+    left: Roles | None = None  # the layout the last move (or path) left: it dwells
+
+    def moved(self, current: Roles, path: Path, now: float, before: Measurement | None) -> None:
+        """Note the first (or only) move of `path` from `current`, made at `now`: a path
+        of two is remembered for its second step, its target is judged once measured
+        (against `before`, when given), and the layout left dwells."""
+        self.last_move_at, self.streak, self.streak_count = now, None, 0
+        self.target = path.target if len(path.moves) > 1 else None
+        self.target_rule = None
+        self.left = current
+        self.judgement = None if before is None else Judgement(current, path.target, before)
+
+    def applied(self, verdict: Verdict, now: float) -> None:
+        """An operator applied the first move of `verdict`'s path (as a move of its own)."""
+        path = Path(verdict.path, verdict.recommended, verdict.predicted_recommended)
+        self.moved(verdict.current, path, now, verdict.measured)
 
 
 @dataclass(frozen=True)
@@ -145,6 +269,17 @@ class Verdict:
     reason: str  # why it moves or holds, one line
     path: tuple[Move, ...] = ()  # the moves to recommended, in order; [0] is move if any
     predicted_via: float | None = None  # a two-move path's layout in the middle
+    # The rule that decided: few-requests, none-finished, at-target, no-better, margin,
+    # cooldown, confirming, move, second-step, measured-move, measured-step,
+    # measured-stay, rollback, rollback-step.
+    rule: str = ""
+    # Its inputs: each layout's simulated goodput on this window, this window's
+    # measurement, the remembered ones on similar traffic and the layouts barred as
+    # targets (these two by shape).
+    simulated: Mapping[Roles, float] = field(default_factory=dict)
+    measured: Measurement | None = None
+    remembered: Mapping[Roles, Measurement] = field(default_factory=dict)
+    barred: Mapping[Roles, str] = field(default_factory=dict)
 
 
 def predicted_goodput(
@@ -160,6 +295,31 @@ def predicted_goodput(
     results = simulate(profile, layout, window.requests, policy)
     good = sum(1 for result in results if slo.met_by(result))  # met_by needs ok
     return good / window.duration_s
+
+
+def shape(roles: Sequence[str | None]) -> Roles:
+    """The roles in a canonical order: layouts of one shape differ only in which device
+    holds which role, and serve alike (the devices are alike), so they share what was
+    measured and what is barred."""
+    return tuple(sorted(roles, key=lambda role: role or ""))
+
+
+def mix_of(window: TrafficWindow) -> TrafficMix:
+    """The window's rate and mean prompt and output tokens."""
+    count = len(window.requests)
+    if not count:
+        return TrafficMix(0.0, 0.0, 0.0)
+    prompt = sum(r.prompt_tokens for r in window.requests) / count
+    output = sum(r.output_tokens for r in window.requests) / count
+    return TrafficMix(count / window.duration_s, prompt, output)
+
+
+def measurement_of(window: TrafficWindow, now: float) -> Measurement | None:
+    """What the box measured on the window; None when nothing finished in it."""
+    if window.attainment is None or not window.requests:
+        return None
+    mix = mix_of(window)
+    return Measurement(now, window.attainment, window.attainment * mix.rate, mix)
 
 
 def decide(
@@ -179,19 +339,24 @@ def decide(
     the moves (recommended is then the current roles). After the first step of a
     two-move path (`memory.target`), the second is made at once if the target still
     wins (see `_second_step`); else the look decides afresh. `in_place`: the moves that
-    would keep their device's worker, preferred between equally good paths."""
+    would keep their device's worker, preferred between equally good paths. The verdict
+    carries its inputs and the rule that decided."""
     current: Roles = tuple(roles)
     problem = roles_problem(current)
     if problem is not None:
         raise ValueError(f"the current roles {current} cannot serve: {problem}")
-    score = _scorer(window, profile, policy, slo, device_size)
-    simulated = score(current)
-    target, memory.target = memory.target, None
-    if target is not None:
-        second = _second_step(window, current, target, simulated, score, rules, memory, now)
-        if second is not None:
-            return second
-    return _fresh(window, current, simulated, score, rules, memory, now, in_place)
+    score = _Scorer(window, profile, policy, slo, device_size)
+    measured = measurement_of(window, now)
+    _remember(memory, current, window, measured, rules, now)
+    look = _Look(window, current, score(current), score, rules, memory, now, in_place, measured)
+    verdict = _decide(look)
+    return replace(
+        verdict,
+        simulated=dict(score.known),
+        measured=measured,
+        remembered=look.similar,
+        barred={**look.worse, **look.hard},
+    )
 
 
 def current_goodput(window: TrafficWindow, simulated: float) -> float:
@@ -202,91 +367,304 @@ def current_goodput(window: TrafficWindow, simulated: float) -> float:
     return min(simulated, window.attainment * len(window.requests) / window.duration_s)
 
 
-def _scorer(
-    window: TrafficWindow, profile: Profile, policy: Policy, slo: SLO, device_size: int
-) -> Score:
-    """Predicted goodput of a set of roles on the window, each simulated once."""
-    known: dict[Roles, float] = {}
+class _Scorer:
+    """Predicted goodput of a set of roles on the window, each simulated once; `known`
+    holds every layout simulated so far."""
 
-    def score(roles: Roles) -> float:
-        if roles not in known:
-            known[roles] = predicted_goodput(profile, roles, window, policy, slo, device_size)
-        return known[roles]
+    def __init__(
+        self, window: TrafficWindow, profile: Profile, policy: Policy, slo: SLO, size: int
+    ) -> None:
+        self.window, self.profile, self.policy, self.slo, self.size = (
+            window, profile, policy, slo, size,
+        )  # fmt: skip
+        self.known: dict[Roles, float] = {}
 
-    return score
+    def __call__(self, roles: Roles) -> float:
+        if roles not in self.known:
+            self.known[roles] = predicted_goodput(
+                self.profile, roles, self.window, self.policy, self.slo, self.size
+            )
+        return self.known[roles]
 
 
-def _second_step(
-    window: TrafficWindow,
-    current: Roles,
-    target: Roles,
-    simulated: float,
-    score: Score,
-    rules: RebalanceRules,
+def _remember(
     memory: RebalanceMemory,
+    current: Roles,
+    window: TrafficWindow,
+    measured: Measurement | None,
+    rules: RebalanceRules,
     now: float,
-) -> Verdict | None:
+) -> None:
+    """Note when the roles changed; forget old measurements and lapsed hold-offs; keep
+    this window's measurement where it ran wholly on the current layout."""
+    if memory.seen != current:
+        memory.seen, memory.seen_since = current, now
+    memory.measured = {
+        roles: m for roles, m in memory.measured.items() if now - m.at <= rules.remember_s
+    }
+    memory.held_off = {roles: h for roles, h in memory.held_off.items() if h[0] > now}
+    settled = now - memory.seen_since >= window.duration_s
+    if measured is not None and settled and len(window.requests) >= rules.min_requests:
+        memory.measured[shape(current)] = measured
+
+
+@dataclass
+class _Look:
+    """One look's inputs, and what follows from them: the remembered measurements on
+    similar traffic and the layouts barred as targets."""
+
+    window: TrafficWindow
+    current: Roles
+    simulated: float  # the current layout's simulated goodput
+    score: _Scorer
+    rules: RebalanceRules
+    memory: RebalanceMemory
+    now: float
+    in_place: frozenset[Move]
+    measured: Measurement | None  # this window's
+    similar: dict[Roles, Measurement] = field(init=False)
+    worse: dict[Roles, str] = field(init=False)  # measured worse: no target on a prediction
+    hard: dict[Roles, str] = field(init=False)  # held off, dwelling: no target but a rollback
+
+    def __post_init__(self) -> None:
+        rules, memory, now, measured = self.rules, self.memory, self.now, self.measured
+        self.similar = {}
+        if measured is not None:
+            self.similar = {
+                roles: m
+                for roles, m in memory.measured.items()
+                if m.mix.similar(measured.mix, rules.similar_factor)
+            }
+        self.worse = {
+            roles: (
+                f"measured {m.attainment:.2f} < {measured.attainment:.2f} on similar "
+                f"traffic {now - m.at:.0f} s ago"
+            )
+            for roles, m in self.similar.items()
+            if measured is not None
+            and roles != shape(self.current)
+            and m.attainment < measured.attainment - rules.attainment_noise
+        }
+        self.hard = {
+            roles: f"held off after a rollback: {until - now:.0f} s left"
+            for roles, (until, mix) in memory.held_off.items()
+            if measured is None or mix.similar(measured.mix, rules.similar_factor)
+        }
+        last, left = memory.last_move_at, memory.left
+        if last is not None and left is not None and now - last < rules.dwell_s:
+            self.hard.setdefault(
+                shape(left),
+                f"dwell: left {now - last:.0f} s ago, {rules.dwell_s - now + last:.0f} s to go",
+            )
+
+    @property
+    def here(self) -> float:
+        return current_goodput(self.window, self.simulated)
+
+    def barred(self, roles: Roles) -> bool:
+        """Whether `roles` may not be a target on a prediction."""
+        key = shape(roles)
+        return key in self.worse or key in self.hard
+
+
+def _decide(look: _Look) -> Verdict:
+    memory = look.memory
+    target, memory.target = memory.target, None
+    rule, memory.target_rule = memory.target_rule, None
+    if target is not None:
+        step = _second_step(look, target) if rule is None else _forced_step(look, target, rule)
+        if step is not None:
+            return step
+    rollback = _judge(look)
+    if rollback is not None:
+        return rollback
+    return _fresh(look)
+
+
+def _second_step(look: _Look, target: Roles) -> Verdict | None:
     """The second step to `target`, made now (no cooldown, no confirming looks, nor the
     attainment target) when the window has enough requests, the target is one move away,
     is at least as good as the best layout one move away, is simulated to beat the
-    current layout's `simulated` goodput, and beats its `current_goodput` by the margin
+    current layout's simulated goodput, and beats its `current_goodput` by the margin
     (the first step's rules); None otherwise (decide afresh)."""
+    current, memory, rules = look.current, look.memory, look.rules
     step = move_between(current, target)
-    if step is None or len(window.requests) < rules.min_requests:
+    if step is None or len(look.window.requests) < rules.min_requests:
         return None
-    here = current_goodput(window, simulated)
-    best, goal = best_one(current, score, simulated), score(target)
+    here = look.here
+    best, goal = best_one(current, look.score, look.simulated), look.score(target)
     if best is None or goal < best.goodput or _worth(here, goal, rules) is not None:
         return None
-    memory.last_move_at, memory.streak, memory.streak_count = now, None, 0
+    memory.last_move_at, memory.streak, memory.streak_count = look.now, None, 0
     device, to = step
     reason = (
         f"second step: move device {device} from {current[device]} to {to}: predicted "
         f"{here:.2f} -> {goal:.2f} req/s within the SLO"
     )
-    return Verdict(current, target, step, here, goal, reason, path=(step,))
+    return Verdict(current, target, step, here, goal, reason, path=(step,), rule="second-step")
 
 
-def _fresh(
-    window: TrafficWindow,
-    current: Roles,
-    simulated: float,
-    score: Score,
-    rules: RebalanceRules,
-    memory: RebalanceMemory,
-    now: float,
-    in_place: frozenset[Move],
-) -> Verdict:
-    """Hold, or make the first (or only) move of the best path worth it, per `rules`: the
-    path must beat the current layout's `simulated` goodput, and its gain is judged
-    against `current_goodput`."""
-    here = current_goodput(window, simulated)
-    held = _quiet(window, rules)
+def _forced_step(look: _Look, target: Roles, rule: str) -> Verdict | None:
+    """The second step of a path chosen on measurements ("measured") or of a rollback,
+    made now if the target is one move away (nothing simulated: the middle layout is
+    no fair measure)."""
+    current, memory = look.current, look.memory
+    step = move_between(current, target)
+    if step is None:
+        return None
+    memory.last_move_at, memory.streak, memory.streak_count = look.now, None, 0
+    device, to = step
+    then = memory.measured.get(shape(target))
+    goal = then.goodput if then is not None else look.score(target)
+    here = look.measured.goodput if look.measured is not None else look.here
+    reason = f"{rule} second step: move device {device} from {current[device]} to {to}"
+    return Verdict(current, target, step, here, goal, reason, path=(step,), rule=f"{rule}-step")
+
+
+def _judge(look: _Look) -> Verdict | None:
+    """Roll the last move back (once) when its target, measured on a whole window of
+    traffic similar to the one that moved it, met the SLO for fewer requests (by more
+    than the noise, and under the target): the first step back now, the layout held
+    off. None otherwise; the move is judged once."""
+    memory, rules, current, measured = look.memory, look.rules, look.current, look.measured
+    judgement = memory.judgement
+    if judgement is None:
+        return None
+    if current != judgement.target:
+        memory.judgement = None  # the path was left, or another move came between
+        return None
+    settled = look.now - memory.seen_since >= look.window.duration_s
+    if measured is None or not settled or len(look.window.requests) < rules.min_requests:
+        return None  # not measured yet
+    memory.judgement = None
+    before = judgement.before
+    if (
+        measured.attainment >= rules.target_attainment
+        or not before.mix.similar(measured.mix, rules.similar_factor)
+        or measured.attainment >= before.attainment - rules.attainment_noise
+    ):
+        return None
+    path = path_between(current, judgement.start, look.in_place)
+    if path is None:
+        return None
+    memory.held_off[shape(current)] = (look.now + rules.hold_off_s, measured.mix)
+    memory.moved(current, path, look.now, None)
+    memory.target_rule = "rollback" if len(path.moves) > 1 else None
+    look.hard[shape(current)] = f"held off after a rollback: {rules.hold_off_s:.0f} s left"
+    reason = (
+        f"rollback: {_name(current)} measured {measured.attainment:.2f} of requests within "
+        f"the SLO on similar traffic, {_name(judgement.start)} {before.attainment:.2f} "
+        f"before the move: {_steps(current, path.moves)}; {_name(current)} held off "
+        f"{rules.hold_off_s:.0f} s"
+    )
+    return Verdict(
+        current,
+        judgement.start,
+        path.moves[0],
+        measured.goodput,
+        before.goodput,
+        reason,
+        path=path.moves,
+        rule="rollback",
+    )
+
+
+def _fresh(look: _Look) -> Verdict:
+    """Hold, or make the first (or only) move of the best path worth it, per the rules:
+    measurements first where the simulator cannot tell (`_by_measurement`); else the
+    path (to a layout not barred) must beat the current layout's simulated goodput, and
+    its gain is judged against `current_goodput`."""
+    current, memory, rules, simulated = look.current, look.memory, look.rules, look.simulated
+    here = look.here
+    held = _quiet(look.window, rules)
     if held is not None:
-        return _hold(memory, Verdict(current, current, None, here, here, held))
-    best = _best_path(current, simulated, score, rules, in_place)
+        why, rule = held
+        return _hold(memory, Verdict(current, current, None, here, here, why, rule=rule))
+    best = _best_path(current, simulated, look.score, rules, look.in_place, look.barred)
+    by_measurement = _by_measurement(look)
+    if by_measurement is not None:
+        return by_measurement
     if best is None:
-        nothing = f"no move is simulated to beat {simulated:.2f} req/s"
-        return _hold(memory, Verdict(current, current, None, here, here, nothing))
+        nothing = f"no move is simulated to beat {simulated:.2f} req/s{_barred_note(look)}"
+        return _hold(memory, Verdict(current, current, None, here, here, nothing, rule="no-better"))
     proposal = _proposal(current, here, best)
     worth = _worth(here, best.goodput, rules)
     if worth is not None:
-        return _hold(memory, replace(proposal, reason=worth))
-    return _confirm(memory, rules, now, proposal, best)
+        reason = worth + _barred_note(look)
+        return _hold(memory, replace(proposal, reason=reason, rule="margin"))
+    return _confirm(look, proposal, best, _move_reason(proposal, best), "move")
+
+
+def _by_measurement(look: _Look) -> Verdict | None:
+    """Where the simulator cannot tell (every layout it simulated at ~0, or the current
+    one simulated at over twice what the box measures), the layout that measured best on
+    similar traffic (not held off nor dwelling, at most two moves away) is the target if
+    it beat this window's attainment by the margin and the noise; with every layout at
+    ~0 and none such, the box stays. None: the simulator decides."""
+    measured, rules, current = look.measured, look.rules, look.current
+    if measured is None:
+        return None
+    best_simulated = max(look.score.known.values())
+    blind = best_simulated <= rules.blind_fraction * measured.mix.rate
+    if not blind and measured.goodput >= CONTRADICTED * look.simulated:
+        return None
+    if blind:
+        why = f"every layout simulated at ~0 (at most {best_simulated:.2f} req/s)"
+    else:
+        why = f"simulated {look.simulated:.2f} req/s here, measured {measured.goodput:.2f}"
+    best: tuple[Measurement, Path] | None = None
+    two = len(current) <= rules.two_move_max_devices
+    for key, then in look.similar.items():
+        if key == shape(current) or key in look.hard:
+            continue
+        path = nearest(current, _of_shape(key), look.in_place, two)
+        if path is None:
+            continue
+        gain = then.attainment - measured.attainment
+        if gain <= rules.attainment_noise or gain <= rules.margin * measured.attainment:
+            continue
+        if best is None or then.attainment > best[0].attainment:
+            best = then, path
+    if best is None:
+        if not blind:
+            return None
+        reason = (
+            f"measured-stay: {why}: measurements decide, and no layout measured better on "
+            f"similar traffic than this one's {measured.attainment:.2f}{_barred_note(look)}"
+        )
+        stay = Verdict(
+            current, current, None, measured.goodput, measured.goodput, reason, rule="measured-stay"
+        )
+        return _hold(look.memory, stay)
+    then, path = best
+    proposal = Verdict(
+        current, path.target, None, measured.goodput, then.goodput, "", path=path.moves
+    )
+    reason = (
+        f"measured move: {_steps(current, path.moves)}: on similar traffic "
+        f"{_name(path.target)} measured {then.attainment:.2f} of requests within the SLO "
+        f"{look.now - then.at:.0f} s ago, this layout {measured.attainment:.2f} now; {why}"
+    )
+    return _confirm(look, proposal, path, reason, "measured-move")
 
 
 def _best_path(
-    current: Roles, here: float, score: Score, rules: RebalanceRules, in_place: frozenset[Move]
+    current: Roles,
+    here: float,
+    score: Score,
+    rules: RebalanceRules,
+    in_place: frozenset[Move],
+    barred: Barred,
 ) -> Path | None:
     """The best layout one move away; when it does not clear the margin (on a box of at
     most `rules.two_move_max_devices` devices), the best two moves away if better still.
-    None when nothing beats the current roles."""
-    one = best_one(current, score, here, in_place)
+    Never a layout in `barred`. None when nothing beats the current roles."""
+    one = best_one(current, score, here, in_place, barred)
     if one is not None and _worth(here, one.goodput, rules) is None:
         return one
     if len(current) > rules.two_move_max_devices:
         return one
-    return best_two(current, score, one.goodput if one else here, in_place) or one
+    return best_two(current, score, one.goodput if one else here, in_place, barred) or one
 
 
 def _proposal(current: Roles, here: float, best: Path) -> Verdict:
@@ -296,15 +674,16 @@ def _proposal(current: Roles, here: float, best: Path) -> Verdict:
     )
 
 
-def _quiet(window: TrafficWindow, rules: RebalanceRules) -> str | None:
-    """Why the window gives no cause to move, before any prediction."""
+def _quiet(window: TrafficWindow, rules: RebalanceRules) -> tuple[str, str] | None:
+    """Why the window gives no cause to move, before any prediction, and the rule."""
     count = len(window.requests)
     if count < rules.min_requests:
-        return f"{count} requests in the window < {rules.min_requests}"
+        return f"{count} requests in the window < {rules.min_requests}", "few-requests"
     if window.attainment is None:
-        return "no request finished in the window"
+        return "no request finished in the window", "none-finished"
     if window.attainment >= rules.target_attainment:
-        return f"attainment {window.attainment:.2f} >= target {rules.target_attainment:.2f}"
+        reason = f"attainment {window.attainment:.2f} >= target {rules.target_attainment:.2f}"
+        return reason, "at-target"
     return None
 
 
@@ -316,11 +695,11 @@ def _worth(here: float, there: float, rules: RebalanceRules) -> str | None:
     return f"gain {gain:.0%} < margin {rules.margin:.0%}"
 
 
-def _confirm(
-    memory: RebalanceMemory, rules: RebalanceRules, now: float, proposal: Verdict, best: Path
-) -> Verdict:
-    """A path worth taking: its first move made now unless cooldown or too short a
-    streak (of the same first move) holds it; a two-move path's target is remembered."""
+def _confirm(look: _Look, proposal: Verdict, best: Path, moving: str, rule: str) -> Verdict:
+    """A path worth taking: its first move made now (reason `moving`) unless cooldown or
+    too short a streak (of the same first move) holds it; a two-move path's target is
+    remembered, and the move is judged once its target is measured."""
+    memory, rules, now = look.memory, look.rules, look.now
     move = best.moves[0]
     if memory.streak == move:
         memory.streak_count += 1
@@ -328,29 +707,63 @@ def _confirm(
         memory.streak, memory.streak_count = move, 1
     wait = _cooldown_left(memory, rules, now)
     if wait > 0:
-        return replace(proposal, reason=f"cooldown: {wait:.0f} s left")
+        return replace(proposal, reason=f"cooldown: {wait:.0f} s left", rule="cooldown")
     if memory.streak_count < rules.confirm_windows:
         count = f"{memory.streak_count} of {rules.confirm_windows}"
         steps = ", then ".join(f"device {device} to {to}" for device, to in best.moves)
-        return replace(proposal, reason=f"{count} looks recommend moving {steps}")
-    memory.last_move_at, memory.streak, memory.streak_count = now, None, 0
-    memory.target = best.target if len(best.moves) > 1 else None
-    return replace(proposal, move=move, reason=_move_reason(proposal, best))
+        reason = f"{count} looks recommend moving {steps}"
+        return replace(proposal, reason=reason, rule="confirming")
+    memory.moved(look.current, best, now, look.measured)
+    if rule == "measured-move" and memory.target is not None:
+        memory.target_rule = "measured"
+    return replace(proposal, move=move, reason=moving, rule=rule)
 
 
 def _move_reason(proposal: Verdict, best: Path) -> str:
     """'move device 1 from colocated to decode, then device 0 from colocated to prefill:
     predicted 0.85 -> 1.70 req/s within the SLO (via 0.10)'."""
-    roles, steps = list(proposal.current), []
-    for device, to in best.moves:
-        steps.append(f"device {device} from {roles[device]} to {to}")
-        roles[device] = to
     via = f" (via {best.via:.2f})" if best.via is not None else ""
     before, after = proposal.predicted_current, proposal.predicted_recommended
     return (
-        f"move {', then '.join(steps)}: predicted {before:.2f} -> {after:.2f} req/s "
+        f"{_steps(proposal.current, best.moves)}: predicted {before:.2f} -> {after:.2f} req/s "
         f"within the SLO{via}"
     )
+
+
+def _steps(current: Roles, moves: tuple[Move, ...]) -> str:
+    """'move device 1 from colocated to decode, then device 0 from colocated to prefill'."""
+    roles, steps = list(current), []
+    for device, to in moves:
+        steps.append(f"device {device} from {roles[device]} to {to}")
+        roles[device] = to
+    return f"move {', then '.join(steps)}"
+
+
+def _barred_note(look: _Look) -> str:
+    """'; not a target: 1P+1D (measured 0.10 < 0.60 on similar traffic 40 s ago)' for
+    the barred layouts this look simulated; '' when none."""
+    barred = {**look.worse, **look.hard}
+    scored = {shape(roles) for roles in look.score.known} - {shape(look.current)}
+    notes = [f"{_name(key)} ({why})" for key, why in barred.items() if key in scored]
+    return f"; not a target: {'; '.join(notes)}" if notes else ""
+
+
+def _of_shape(key: Roles) -> Barred:
+    """Whether a set of roles has the shape `key`."""
+    return lambda roles: shape(roles) == key
+
+
+def _name(roles: Roles) -> str:
+    """A layout as tables name it ('colocated x2', '1P+1D')."""
+    try:
+        return layout_of_roles(roles).label
+    except ValueError:
+        return ",".join(role or "-" for role in roles)
+
+
+def _within(a: float, b: float, factor: float) -> bool:
+    low, high = sorted((a, b))
+    return high <= factor * low + EPSILON
 
 
 def _cooldown_left(memory: RebalanceMemory, rules: RebalanceRules, now: float) -> float:

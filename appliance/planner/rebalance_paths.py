@@ -7,7 +7,8 @@ the middle included, must be able to serve (`roles_problem`), since the applianc
 on it between the two moves. Goodput comes from the caller's `score`, which should
 remember what it computed (a layout is reached by several paths). Between layouts of
 equal goodput, the path with more moves in `kept` (moves that keep the device's worker:
-no drain, no reload) wins. Pure.
+no drain, no reload) wins. A layout `barred` says no to (held off, measured worse:
+rebalance.py) is never a path's target, though a two-move path may pass through one. Pure.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from appliance.planner.layout import ROLES, roles_problem
 Roles = tuple[str | None, ...]
 Move = tuple[int, str]
 Score = Callable[[Roles], float]  # predicted goodput (req/s) of a set of roles
+Barred = Callable[[Roles], bool]  # whether a set of roles may not be a target
+
+
+def _free(roles: Roles) -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -63,25 +69,81 @@ def move_between(start: Roles, end: Roles) -> Move | None:
     return move if move in moves_from(start) else None
 
 
-def best_one(
-    current: Roles, score: Score, floor: float, kept: frozenset[Move] = frozenset()
+def path_between(start: Roles, end: Roles, kept: frozenset[Move] = frozenset()) -> Path | None:
+    """The moves (one, or two through a layout that can serve, preferring moves in `kept`)
+    that turn `start` into `end`; None when there are none such (more than two devices
+    differ, or no order of the two moves keeps every layout able to serve). Its goodput
+    is not known here: 0."""
+    one = move_between(start, end)
+    if one is not None:
+        return Path((one,), end, 0.0)
+    if len(start) != len(end):
+        return None
+    changed = [device for device, (a, b) in enumerate(zip(start, end, strict=True)) if a != b]
+    if len(changed) != 2:
+        return None
+    routes: list[tuple[Move, Move]] = []
+    for a, b in (changed, changed[::-1]):
+        to_a, to_b = end[a], end[b]
+        if to_a is None or to_b is None:
+            return None  # no move leaves a device without a worker
+        first, second = (a, to_a), (b, to_b)
+        if first in moves_from(start) and second in moves_from(moved(start, first)):
+            routes.append((first, second))
+    if not routes:
+        return None
+    moves = max(routes, key=lambda route: _kept(route, kept))  # ties: the first found
+    return Path(moves, end, 0.0)
+
+
+def nearest(
+    current: Roles, wanted: Barred, kept: frozenset[Move] = frozenset(), two: bool = True
 ) -> Path | None:
-    """The layout one move away with the highest goodput above `floor` (ties: a move in
-    `kept`, then the first in `moves_from` order); None when none beats it."""
+    """The path of fewest moves (one, else two when `two`) to a layout `wanted` says yes
+    to; between several, the one with more moves in `kept`, then the first found. None:
+    none within reach. Its goodput is not known here: 0."""
+    paths = [Path((m,), moved(current, m), 0.0) for m in moves_from(current)]
+    ones = [path for path in paths if wanted(path.target)]
+    if ones or not two:
+        return max(ones, key=lambda path: _kept(path.moves, kept), default=None)
+    twos = []
+    for first in moves_from(current):
+        middle = moved(current, first)
+        for second in moves_from(middle):
+            target = moved(middle, second)
+            if second[0] != first[0] and wanted(target):
+                twos.append(Path((first, second), target, 0.0))
+    return max(twos, key=lambda path: _kept(path.moves, kept), default=None)
+
+
+def best_one(
+    current: Roles,
+    score: Score,
+    floor: float,
+    kept: frozenset[Move] = frozenset(),
+    barred: Barred = _free,
+) -> Path | None:
+    """The layout one move away, not `barred`, with the highest goodput above `floor`
+    (ties: a move in `kept`, then the first in `moves_from` order); None when none beats
+    it. Barred layouts are scored all the same (a decision shows what each would do)."""
     best: Path | None = None
     for move in moves_from(current):
         target = moved(current, move)
         path = Path((move,), target, score(target))
-        if _better(path, best, floor, kept):
+        if not barred(target) and _better(path, best, floor, kept):
             best = path
     return best
 
 
 def best_two(
-    current: Roles, score: Score, floor: float, kept: frozenset[Move] = frozenset()
+    current: Roles,
+    score: Score,
+    floor: float,
+    kept: frozenset[Move] = frozenset(),
+    barred: Barred = _free,
 ) -> Path | None:
-    """The layout exactly two moves away (two different devices) with the highest
-    goodput above `floor`, reached through the layout in the middle with the highest
+    """The layout exactly two moves away (two different devices), not `barred`, with
+    the highest goodput above `floor`, reached through the layout in the middle with the highest
     goodput (ties: more moves in `kept`, then the lowest first device); None when none
     beats `floor`.
 
@@ -91,7 +153,7 @@ def best_two(
     for first, second, via in _routes(current, score, kept).values():
         target = moved(moved(current, first), second)
         path = Path((first, second), target, score(target), via)
-        if _better(path, best, floor, kept):
+        if not barred(target) and _better(path, best, floor, kept):
             best = path
     return best
 
