@@ -97,3 +97,15 @@ def test_the_slugs_are_githubs() -> None:
     )
     assert slug("Faults, recovery, and overload") == "faults-recovery-and-overload"
     assert slug("Plan: 8x A100-80GB SXM, OPT-13B") == "plan-8x-a100-80gb-sxm-opt-13b"
+
+
+def test_every_setting_is_in_the_settings_table() -> None:
+    """docs/settings.md names every setting by its dotted name (a row may hold several)."""
+    from appliance.config import Settings
+    from appliance.settings_flags import settings_flags
+
+    page = (ROOT / "docs" / "settings.md").read_text()
+    rows = "\n".join(line for line in page.splitlines() if line.startswith("|"))
+    names = {flag.key for flag in settings_flags(Settings)}
+    missing = sorted(name for name in names if not re.search(rf"\b{re.escape(name)}\b", rows))
+    assert not missing, f"docs/settings.md has no row for {missing}"
