@@ -19,7 +19,7 @@ from collections import Counter, deque
 from collections.abc import Mapping
 from typing import Any, cast
 
-from appliance.admin.schema import Decision, Move, PlannerView, Role
+from appliance.admin.schema import Decision, Measured, Move, PlannerView, Role
 from appliance.bench.metrics import SLO
 from appliance.config import Settings
 from appliance.model.loader import default_model_path
@@ -117,7 +117,7 @@ class Autopilot:
             return None  # a move was asked for meanwhile: this look is stale
         self.last = verdict
         acted, reason = self._act(verdict)
-        decision = _decision(verdict, window, acted, reason)
+        decision = _decision(verdict, window, acted, reason, now)
         self._record(decision, verdict)
         self._log(record_of(decision, verdict, window, now))
         return decision
@@ -251,8 +251,24 @@ def device_size(supervisor: Supervisor) -> int:
     return len(first.cores) if first.kind == "cpu" and first.cores else 1
 
 
-def _decision(verdict: Verdict, window: TrafficWindow, acted: bool, reason: str) -> Decision:
+def _decision(
+    verdict: Verdict, window: TrafficWindow, acted: bool, reason: str, now: float
+) -> Decision:
+    """The admin API's decision: the verdict, what was done, and the verdict's inputs
+    (layouts keyed as `roles_key` writes them, measurements aged as of `now`)."""
     device, to = verdict.move if verdict.move is not None else (None, None)
+
+    def measured(found: Measurement) -> Measured:
+        mix = found.mix
+        return Measured(
+            age_s=now - found.at,
+            attainment=found.attainment,
+            goodput=found.goodput,
+            rate=mix.rate,
+            mean_prompt_tokens=mix.prompt,
+            mean_output_tokens=mix.output,
+        )
+
     return Decision(
         at=time.time(),
         current=[cast(Role | None, r) for r in verdict.current],
@@ -265,6 +281,11 @@ def _decision(verdict: Verdict, window: TrafficWindow, acted: bool, reason: str)
         window_requests=len(window.requests),
         acted=acted,
         reason=reason,
+        rule=verdict.rule,
+        simulated={roles_key(r): goodput for r, goodput in verdict.simulated.items()},
+        measured=None if verdict.measured is None else measured(verdict.measured),
+        remembered={roles_key(r): measured(found) for r, found in verdict.remembered.items()},
+        barred={roles_key(r): why for r, why in verdict.barred.items()},
     )
 
 

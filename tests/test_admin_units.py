@@ -1,5 +1,6 @@
 """The admin API's pure parts on plain data: the latency window, tuning validation, the
-token file, who the admin API lets in, and CPU devices that share cores."""
+token file, who the admin API lets in, CPU devices that share cores, and the planner's
+decisions with the rule and inputs that decided them."""
 
 from __future__ import annotations
 
@@ -309,3 +310,72 @@ def test_gpu_stats_are_read_from_nvmls_gpu_not_the_devices_position() -> None:
     load = DeviceStats(nvml).sample(gpu, None, 0.0)
     assert nvml.asked == [4]
     assert (load.utilization, load.memory_used) == (91.0, 4 * 2**30)
+
+
+# ---------------------------------------------------------------- planner decisions
+
+
+def test_a_decision_carries_the_verdicts_rule_and_inputs() -> None:
+    from appliance.admin.schema import Decision, Measured
+    from appliance.autopilot import _decision
+    from appliance.planner.rebalance import Measurement, TrafficMix, TrafficWindow, Verdict
+
+    split, colocated = ("prefill", "decode"), ("colocated", "colocated")
+    now_mix, old_mix = TrafficMix(2.0, 500.0, 60.0), TrafficMix(1.8, 450.0, 64.0)
+    verdict = Verdict(
+        current=split,
+        recommended=split,
+        move=None,
+        predicted_current=0.0,
+        predicted_recommended=0.0,
+        reason="every layout simulated at ~0; the current one measured best",
+        rule="measured-stay",
+        simulated={split: 0.0, colocated: 0.05, ("prefill", None): 0.0},
+        measured=Measurement(at=100.0, attainment=0.8, goodput=1.6, mix=now_mix),
+        remembered={colocated: Measurement(at=40.0, attainment=0.5, goodput=0.9, mix=old_mix)},
+        barred={colocated: "measured worse on similar traffic (50% < 80%)"},
+    )
+    window = TrafficWindow(20.0, (), attainment=0.8)
+    decision = _decision(verdict, window, acted=False, reason=verdict.reason, now=100.0)
+
+    assert decision.rule == "measured-stay"
+    assert decision.reason == verdict.reason
+    assert decision.simulated == {
+        "prefill,decode": 0.0,
+        "colocated,colocated": 0.05,
+        "prefill,-": 0.0,
+    }
+    assert decision.measured == Measured(
+        age_s=0.0,
+        attainment=0.8,
+        goodput=1.6,
+        rate=2.0,
+        mean_prompt_tokens=500.0,
+        mean_output_tokens=60.0,
+    )
+    remembered = decision.remembered["colocated,colocated"]
+    assert (remembered.age_s, remembered.attainment, remembered.goodput) == (60.0, 0.5, 0.9)
+    assert (remembered.rate, remembered.mean_prompt_tokens, remembered.mean_output_tokens) == (
+        1.8,
+        450.0,
+        64.0,
+    )
+    assert decision.barred == {
+        "colocated,colocated": "measured worse on similar traffic (50% < 80%)"
+    }
+    # What the admin API sends comes back whole to the console.
+    assert Decision.model_validate_json(decision.model_dump_json()) == decision
+
+    # A verdict with none of them, and a decision from an older appliance that sends none.
+    bare = _decision(
+        Verdict(split, split, None, 1.0, 1.0, "held"), window, acted=False, reason="held", now=5.0
+    )
+    assert (bare.rule, bare.simulated, bare.measured, bare.remembered, bare.barred) == (
+        "",
+        {},
+        None,
+        {},
+        {},
+    )
+    old = bare.model_dump(exclude={"rule", "simulated", "measured", "remembered", "barred"})
+    assert Decision.model_validate(old) == bare

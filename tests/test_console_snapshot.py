@@ -233,6 +233,15 @@ def test_planner_panel_shows_the_plan_and_decisions(utc: None) -> None:
             assert "applied  TPOT p99 over the SLO" in lines[3]
             assert lines[4].startswith("11:59:30  hold  1.38 → 1.38  SLO 93%  the current")
             assert "applied" not in lines[5] and "SLO 88%" in lines[5]
+            assert "[" not in lines[4]  # a decision without its rule (an older appliance)
+
+            # The rule that decided shows in brackets before the reason.
+            base = base_state()
+            assert base.planner is not None
+            ruled = [d.model_copy(update={"rule": "margin"}) for d in base.planner.decisions]
+            await feed(pilot, [with_planner(base, decisions=ruled)])
+            lines = panel_text(app).splitlines()
+            assert "  [margin] the current layout is the best one move away" in lines[4]
 
             await feed(pilot, [with_planner(base_state(), auto_rebalance=True)])
             assert panel_title(app) == "Planner · autopilot on"

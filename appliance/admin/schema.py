@@ -109,9 +109,24 @@ class Move(BaseModel):
     error: str | None = None
 
 
+class Measured(BaseModel):
+    """What the box measured on one window of traffic: how long ago, the fraction of its
+    finished requests within the SLO, that as goodput, and the traffic it was."""
+
+    age_s: float = Field(description="Seconds before the decision it was measured.")
+    attainment: float = Field(description="Fraction of its finished requests within the SLO.")
+    goodput: float = Field(description="Requests/s within the SLO: attainment x rate.")
+    rate: float = Field(description="Requests per second.")
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+
+
 class Decision(BaseModel):
     """One look of the rebalancer at the last window of traffic: the layout it would
-    run (one device moved at most) and why it moved or held."""
+    run (one device moved at most), why it moved or held, the rule that decided and its
+    inputs. A layout as a key is each device's role by index, '-' for none
+    ('prefill,decode,-'); `remembered` and `barred` key layouts by shape (roles sorted),
+    since layouts of one shape serve alike."""
 
     at: float
     current: list[Role | None] = Field(description="Each device's role, by index.")
@@ -131,6 +146,26 @@ class Decision(BaseModel):
     window_requests: int
     acted: bool = Field(description="A move of the appliance started from this decision.")
     reason: str
+    rule: str = Field(
+        "",
+        description="The rule that decided, a short name (e.g. margin, cooldown, "
+        "measured-stay, rollback; docs/autopilot.md); empty from an appliance that does "
+        "not say.",
+    )
+    simulated: dict[str, float] = Field(
+        default_factory=dict,
+        description="Each layout simulated on the window's traffic: its goodput (req/s).",
+    )
+    measured: Measured | None = Field(
+        None, description="What the box measured on this window; None: nothing finished."
+    )
+    remembered: dict[str, Measured] = Field(
+        default_factory=dict,
+        description="Each layout's latest measurement on traffic similar to this window's.",
+    )
+    barred: dict[str, str] = Field(
+        default_factory=dict, description="The layouts that were no target, and why."
+    )
 
 
 class PlannerView(BaseModel):

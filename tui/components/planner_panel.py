@@ -60,12 +60,15 @@ def plan_to_apply(planner: PlannerView) -> tuple[int, Role] | str:
 
 def decision_line(decision: Decision) -> Content:
     """One decision: time, move or hold, predicted goodput before → after, the measured
-    share within the SLO, 'applied' when a move started from it, and the reason."""
+    share within the SLO, 'applied' when a move started from it, and the reason after the
+    rule that decided it in brackets ('[margin] …'; none from an appliance that sends
+    none)."""
     if decision.move_device is None or decision.move_to is None:
         what = Content.styled("hold", "$text-muted")
     else:
         what = Content(f"move device {decision.move_device} → {decision.move_to}")
     attainment = "—" if decision.attainment is None else f"{decision.attainment:.0%}"
+    ruled = f"[{decision.rule}] " if decision.rule else ""
     return Content.assemble(
         (clock(decision.at), "$text-muted"),
         "  ",
@@ -73,7 +76,7 @@ def decision_line(decision: Decision) -> Content:
         f"  {decision.predicted_current:.2f} → {decision.predicted_recommended:.2f}",
         f"  SLO {attainment}",
         ("  applied", "bold $text-success") if decision.acted else "",
-        ("  " + decision.reason, "$text-muted"),
+        (f"  {ruled}{decision.reason}", "$text-muted"),
     )
 
 
