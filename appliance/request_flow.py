@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from appliance.config import Settings
 from appliance.engine.sequence import SamplingParams
 from appliance.events import Event, EventKind
+from appliance.planner.online_profile import OnlineProfile, worker_size
 from appliance.request_table import Phase, Request, RequestTable
 from appliance.router import Router
 from appliance.tuning import Tuning
@@ -67,6 +68,7 @@ class RequestFlow:
         self.parts = parts
         self.table = parts.table
         self._streams: dict[int, asyncio.Queue[Chunk | Exception]] = {}  # request id -> chunks
+        self.online = OnlineProfile()  # every worker size's recent steps, timed
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
         """Stream one request's chunks; leaving the loop early cancels it on both sides."""
@@ -162,6 +164,7 @@ class RequestFlow:
     def on_tokens(self, worker: WorkerHandle, batch: TokenBatch) -> list[Request]:
         """Stream a step's tokens; returns the requests it parked (prefilled, to hand off)."""
         self.table.on_started(batch.started, batch.step_started_at)
+        self.online.record(worker_size(worker), batch.timing)
         parked = []
         for out in batch.outputs:
             request = self._on_output(worker, out, batch.step_started_at)

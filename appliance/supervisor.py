@@ -27,6 +27,8 @@ from appliance.drains import Drains, Progress
 from appliance.engine.sequence import SamplingParams
 from appliance.events import Event, EventKind, EventLog
 from appliance.handoffs import HandoffParts, Handoffs
+from appliance.planner.online_profile import box_facts, kv_sizes
+from appliance.planner.profile import Profile
 from appliance.process_manager import ProcessManager
 from appliance.recovery import Action, after_worker_lost, retry_action
 from appliance.request_flow import Chunk, FlowParts, RequestFailed, RequestFlow
@@ -362,6 +364,15 @@ def tuning_mode(supervisor: Supervisor) -> str:
     workers = supervisor.workers.values()
     colocated = any(w.role == "colocated" and w.alive for w in workers)
     return "colocated" if colocated else supervisor.settings.mode
+
+
+def online_profile(supervisor: Supervisor, base: Profile | None = None) -> Profile | None:
+    """`base` refined by the steps the workers ran (planner/online_profile.py); with no
+    base, a profile of those steps alone (None until a worker size fits)."""
+    online, sizes = supervisor.flow.online, kv_sizes(supervisor.workers.values())
+    if base is not None:
+        return online.profile(base, sizes)
+    return online.standalone(box_facts(supervisor.settings, supervisor.topology), sizes)
 
 
 def discover_box(settings: Settings) -> Topology:

@@ -16,6 +16,7 @@ from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import Scheduler, SchedulerLimits
 from appliance.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from appliance.engine.shard_loading import load_shard
+from appliance.engine.step_timing import StepClock
 from appliance.engine.stop_strings import StopStringMatcher
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache
@@ -90,7 +91,7 @@ class LLMEngine:
         self._kv_shards = None if group else [KVShard(0, kv.tensor)]
         self.scheduler = Scheduler(kv.allocator, kv.block_size, limits, prefix_caching)
         self.runner = ModelRunner(model, kv, Sampler(model.device), group)
-        self._ids = itertools.count()
+        self._ids, self.clock = itertools.count(), StepClock()  # clock: the last step's timing
         self._seqs: dict[int, Sequence] = {}
         self._streams: dict[int, _Stream] = {}
         # Handed-off requests whose blocks are being copied in (CUDA), held out of the batch.
@@ -304,7 +305,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.empty:
             return []
-        sampled = self.runner.run(out)
+        sampled = self.clock.run(self.runner.run, out, self.kv.tensor.is_cuda)
         updated = self.scheduler.update_from_output(out, sampled, time.monotonic())
         if self.handoff_ready is not None and any(
             s.seq_id in self.scheduler.parked for s in updated

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from appliance.engine.sequence import SamplingParams
+from appliance.engine.step_timing import StepTiming
 from appliance.kv.remote import RemotePool
 
 # ---------------------------------------------------------------- supervisor -> worker
@@ -132,6 +133,7 @@ class TokenBatch:
     num_running: int = 0
     started: list[int] = field(default_factory=list)  # requests whose first chunk ran
     step_started_at: float = 0.0  # time.monotonic() (system-wide) when the step began
+    timing: StepTiming | None = None  # the step's shape and seconds (None: not timed)
 
 
 @dataclass

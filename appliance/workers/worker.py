@@ -340,6 +340,7 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
         num_running=len(state.engine.scheduler.running),
         started=newly_started(state),
         step_started_at=started_at,
+        timing=state.engine.clock.pop(),
     )
     for out in outputs:
         request_id = state.to_request.get(out.seq_id)

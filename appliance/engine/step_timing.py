@@ -1,0 +1,115 @@
+"""One model step's shape and time, as a worker reports it (torch-free).
+
+The shape is in the features of planner/profile.py's StepCost, so the supervisor can fit
+the same step-cost model `appliance profile` fits (planner/online_profile.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, TypeVar
+
+StepKind = Literal["prefill", "decode", "mixed"]
+
+
+class _Chunk(Protocol):
+    """What a scheduled chunk (engine/scheduler.py's ScheduledChunk) tells of its work."""
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """What one model step ran, and the seconds it took.
+
+    tokens: query tokens (every prompt chunk's, one per decode); seqs: sequences in the
+    step; attended: query-key pairs of the prompt chunks (see profile.attended); context:
+    keys the decodes read (each decoding sequence's length, its new token included)."""
+
+    kind: StepKind
+    tokens: int
+    seqs: int
+    attended: int
+    context: int
+    seconds: float
+
+    def features(self) -> dict[str, float]:
+        """As fitting.fit_step_cost reads a sample."""
+        return {
+            "tokens": self.tokens,
+            "seqs": self.seqs,
+            "attended": self.attended,
+            "context": self.context,
+            "seconds": self.seconds,
+        }
+
+
+def step_timing(
+    prefills: Iterable[_Chunk], decodes: Iterable[_Chunk], seconds: float
+) -> StepTiming:
+    """The timing of a step of these prompt chunks and decodes (before the step's tokens
+    are counted as computed: a chunk's `start` is where it begins)."""
+    tokens = seqs = pairs = 0
+    for chunk in prefills:
+        n, start = chunk.num_tokens, chunk.start
+        tokens += n
+        seqs += 1
+        pairs += n * start + n * (n + 1) // 2  # profile.attended, inlined: no import
+    prompt_seqs = seqs
+    context = 0
+    for chunk in decodes:
+        tokens += chunk.num_tokens
+        seqs += 1
+        context += chunk.start + chunk.num_tokens
+    decode_seqs = seqs - prompt_seqs
+    kind: StepKind = (
+        "mixed" if prompt_seqs and decode_seqs else "decode" if decode_seqs else "prefill"
+    )
+    return StepTiming(kind, tokens, seqs, pairs, context, seconds)
+
+
+class _Step(Protocol):
+    """A scheduled step (engine/scheduler.py's SchedulerOutput)."""
+
+    @property
+    def prefills(self) -> Sequence[_Chunk]: ...
+
+    @property
+    def decodes(self) -> Sequence[_Chunk]: ...
+
+
+S = TypeVar("S", bound=_Step)
+
+
+class StepClock:
+    """An engine's record of its last model step, until `pop` (the worker's report).
+
+    The time is the model runner's call: on the CPU it computes the step; on CUDA it waits
+    for the device only where it reads sampled tokens back, so a step that samples none
+    is not timed, and neither is the next (its time includes the other's device work)."""
+
+    def __init__(self) -> None:
+        self.last: StepTiming | None = None
+        self._synced = True  # the last step waited for its device work
+
+    def run(self, run: Callable[[S], dict[int, int]], out: S, cuda: bool) -> dict[int, int]:
+        """`run(out)` (the model runner's step), timed; its sampled tokens."""
+        began = time.perf_counter()
+        sampled = run(out)
+        seconds = time.perf_counter() - began
+        synced = bool(sampled) or not cuda
+        timed = synced and self._synced
+        self.last = step_timing(out.prefills, out.decodes, seconds) if timed else None
+        self._synced = synced
+        return sampled
+
+    def pop(self) -> StepTiming | None:
+        """The last step's timing, once (None: no step since, or one not timed)."""
+        timing, self.last = self.last, None
+        return timing
