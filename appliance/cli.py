@@ -8,9 +8,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from appliance.admin.token import TokenError
-from appliance.config import Settings, SettingsError, load_settings
 from appliance.model.errors import ModelLoadError
-from appliance.settings_flags import add_settings_flags, settings_from_flags
+from appliance.settings.config import Settings, SettingsError, load_settings
+from appliance.settings.flags import add_settings_flags, settings_from_flags
 
 SETTINGS_HELP = (
     "Every setting is a flag below, an APPLIANCE_* variable and a key of the --config file; "

@@ -41,7 +41,6 @@ from typing import Any
 import httpx
 
 from appliance.bench.compare import Target, running
-from appliance.bench.metrics import SLO, phase_summaries, shift_total
 from appliance.bench.report import plain
 from appliance.bench.runner import run_load
 from appliance.bench.shift import (
@@ -51,7 +50,7 @@ from appliance.bench.shift import (
     parse_phases,
     shift_schedule,
 )
-from appliance.config import load_settings
+from appliance.core.goodput import SLO, phase_summaries, shift_total
 from appliance.model.loader import default_model_path, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.planner.layout import layout_of_roles
@@ -63,6 +62,7 @@ from appliance.planner.profile import (
     profiles_folder,
 )
 from appliance.planner.simulator import Policy, SimRequest, simulate
+from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name
 
 # Long prompts with short answers at a rate one prefill core keeps up with (the split

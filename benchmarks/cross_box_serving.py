@@ -27,12 +27,12 @@ from pathlib import Path
 import httpx
 
 from appliance.bench.compare import Target, free_port, running
-from appliance.bench.metrics import SLO, Summary, summarize
 from appliance.bench.report import table
 from appliance.bench.runner import Load, run_load
 from appliance.bench.workloads import generate
-from appliance.config import load_settings
+from appliance.core.goodput import SLO, Summary, summarize
 from appliance.model.loader import prepare_tokenizer
+from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name
 
 OUT = Path(__file__).parent / "results" / "cross_box_serving_cpu.md"

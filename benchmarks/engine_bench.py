@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.model.loader import default_model_path
+from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

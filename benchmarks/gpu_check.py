@@ -70,15 +70,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from appliance.appliance import Appliance
-    from appliance.config import Settings
+    from appliance.api import Appliance
     from appliance.engine.llm_engine import LLMEngine
     from appliance.engine.model_runner import ModelRunner
     from appliance.engine.scheduler import SchedulerOutput
     from appliance.engine.sequence import SamplingParams
     from appliance.model.llama import CausalLM
     from appliance.model.model_config import ModelConfig
-    from appliance.supervisor import Supervisor
+    from appliance.pools.supervisor import Supervisor
+    from appliance.settings.config import Settings
     from appliance.topology.devices import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -363,7 +363,7 @@ def random_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
 
 def settings_for(scale: Scale, dtype: str, **overrides: Any) -> Settings:
     """The appliance's settings for an in-process engine of this scale (its device)."""
-    from appliance.config import load_settings
+    from appliance.settings.config import load_settings
 
     # Dense weights: what a GPU runs (a CPU would multiply the GGUF's blocks in place).
     return load_settings(
@@ -1212,7 +1212,7 @@ async def appliance_run(
     burst_params: SamplingParams,
 ) -> dict[str, Any]:
     """The appliance's side of section 4; every phase has its own deadline."""
-    from appliance.appliance import Appliance
+    from appliance.api import Appliance
 
     # Two workers share the GPU: each may take 40% of it for weights, a step and its pool.
     kv = {"gpu_memory_utilization": 0.4} if scale.cuda else {"memory_mb": 128}

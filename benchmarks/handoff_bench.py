@@ -22,12 +22,12 @@ import random
 import torch
 from timing import best_seconds
 
-from appliance.appliance import Appliance
-from appliance.config import load_settings
+from appliance.api import Appliance
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.block_allocator import BlockAllocator, blocks_for_tokens
 from appliance.kv.cache import KVCache, KVLayout
 from appliance.kv.handoff import copy_blocks
+from appliance.settings.config import load_settings
 
 LENGTHS = (128, 1024, 4096)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

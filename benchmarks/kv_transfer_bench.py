@@ -49,14 +49,14 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from appliance.cluster_settings import ClusterSettings
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.byte_ranges import ByteRange, PoolShape, copy_ranges
 from appliance.kv.handoff import KVShard
 from appliance.kv.remote import KVTransfer, RemotePool, nixl_available, pool_shape
 from appliance.model.loader import model_name, prepare_model
+from appliance.settings.cluster import ClusterSettings
+from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name
 
 BLOCK_SIZE = 16

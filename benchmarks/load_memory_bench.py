@@ -74,7 +74,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.config import load_settings
+from appliance.settings.config import load_settings
 from appliance.engine import shard_loading
 from appliance.engine.shard_loading import build_model, resolve_dtype, use_quant
 from appliance.model.loader import load_model_files, prepare_model

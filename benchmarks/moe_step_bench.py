@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.model.loader import prepare_model
+from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 1024, 4, 16, 4, 1024

@@ -27,13 +27,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from appliance.bench.metrics import SLO, RequestResult, Summary, summarize
-from appliance.config import load_settings
+from appliance.core.goodput import SLO, RequestResult, Summary, summarize
 from appliance.model.loader import prepare_tokenizer
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.plan import duration_of
 from appliance.planner.profile import Profile, load_profile
 from appliance.planner.simulator import Policy, requests_from_workload, simulate
+from appliance.settings.config import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 RATES = {"long-burst": (0.5, 1.0, 2.0), "chat": (0.5, 1.0, 2.0)}

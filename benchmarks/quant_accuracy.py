@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import statistics
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
 from appliance.model.quant import QuantLinear
+from appliance.settings.config import load_settings
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -15,8 +15,7 @@ import math
 import time
 from pathlib import Path
 
-from appliance.bench.metrics import SLO, summarize
-from appliance.config import load_settings
+from appliance.core.goodput import SLO, summarize
 from appliance.model.loader import prepare_tokenizer
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.profile import (
@@ -28,6 +27,7 @@ from appliance.planner.profile import (
     WorkerCost,
 )
 from appliance.planner.simulator import requests_from_workload, simulate
+from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name
 
 LAYOUTS = (

@@ -16,10 +16,10 @@ import argparse
 import torch
 from llama_cpp_bench import cpu_isa, ours_decode
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.model import cpu_kernels
 from appliance.model.tensor_parallel import row_parallel_spans
+from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name
 
 

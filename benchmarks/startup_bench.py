@@ -15,7 +15,7 @@ import tempfile
 import time
 
 READY = """
-from appliance.config import load_settings
+from appliance.settings.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 LLMEngine.from_settings(load_settings(cache_dir={cache!r}, dtype={dtype!r}))
 """

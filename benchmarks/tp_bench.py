@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from appliance.appliance import Appliance
-from appliance.config import load_settings
+from appliance.api import Appliance
 from appliance.engine.sequence import SamplingParams
 from appliance.model.loader import prepare_tokenizer
+from appliance.settings.config import load_settings
 from appliance.topology.devices import Device, Topology
 
 OUT = Path(__file__).resolve().parent / "results" / "tensor_parallel_cpu.md"

@@ -19,7 +19,7 @@ from appliance.model.loader import default_model_path
 CHILD = """
 import json, sys
 import torch
-from appliance.config import load_settings
+from appliance.settings.config import load_settings
 from appliance.engine.shard_loading import load_shard
 
 def rss():

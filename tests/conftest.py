@@ -8,12 +8,12 @@ import pytest
 import torch
 from server_process import API_KEY, ServerProcess
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import SchedulerLimits
 from appliance.kv.cache import KVCache, KVLayout
 from appliance.model import cpu_kernels
 from appliance.model.loader import default_model_path
+from appliance.settings.config import load_settings
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,6 @@ from openai import OpenAI
 from reference import our_prefill_logits
 from server_process import API_KEY, ServerProcess
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
@@ -24,6 +23,7 @@ from appliance.engine.shard_loading import load_shard
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.model.loader import prepare_model
 from appliance.model.tensor_parallel import Shard
+from appliance.settings.config import load_settings
 
 LOGIT_TOLERANCE = 1e-3  # float32 prefill logits, ours against transformers'
 

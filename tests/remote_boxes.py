@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from appliance.cluster_settings import ClusterSettings
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.remote import KVTransfer, RemoteSource
+from appliance.settings.cluster import ClusterSettings
+from appliance.settings.config import load_settings
 
 TCP_ONLY = ClusterSettings(transports="tcp", interface="lo", transfer_timeout_s=5.0)
 

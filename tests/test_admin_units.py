@@ -16,12 +16,12 @@ from appliance.admin.device_stats import DeviceStats
 from appliance.admin.latency_window import Finished, LatencyWindow
 from appliance.admin.schema import MoveRequest, Tuning, TuningPatch
 from appliance.admin.token import TokenError, read_token, remove_token, write_token
-from appliance.config import load_settings
+from appliance.core.tuning import batch_limits
 from appliance.server.admin import AdminState
 from appliance.server.errors import APIError
+from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_devices
 from appliance.topology.devices import Device
-from appliance.tuning import batch_limits
 
 # ---------------------------------------------------------------- latency window
 
@@ -209,7 +209,7 @@ def test_more_devices_than_cores_share_them_when_allowed() -> None:
 
 
 def test_colocated_tuning_keeps_a_token_of_budget_per_sequence() -> None:
-    from appliance.supervisor import Supervisor
+    from appliance.pools.supervisor import Supervisor
 
     colocated = Supervisor(load_settings(device="cpu", cpu_devices=1, mode="colocated"))
     with pytest.raises(ValueError, match=r"decode_max_seqs \(4096\) must not exceed"):
@@ -218,7 +218,7 @@ def test_colocated_tuning_keeps_a_token_of_budget_per_sequence() -> None:
 
 
 def test_decode_workers_get_budget_for_every_sequence() -> None:
-    from appliance.supervisor import Supervisor
+    from appliance.pools.supervisor import Supervisor
 
     supervisor = Supervisor(load_settings(device="cpu", cpu_devices=2))
     tuning = supervisor.tune(
@@ -233,8 +233,8 @@ def test_decode_workers_get_budget_for_every_sequence() -> None:
 
 def test_prompts_go_where_their_prefix_was_prefilled_unless_that_worker_is_far_behind() -> None:
     from appliance.admin.schema import Tuning
-    from appliance.router import Router
-    from appliance.worker_handle import WorkerHandle
+    from appliance.core.router import Router
+    from appliance.pools.worker_handle import WorkerHandle
 
     budget = 512
     tuning = Tuning(
@@ -265,8 +265,8 @@ def test_prompts_go_where_their_prefix_was_prefilled_unless_that_worker_is_far_b
 
 
 def test_handoffs_go_to_the_decode_worker_with_most_room() -> None:
-    from appliance.router import Router
-    from appliance.worker_handle import WorkerHandle
+    from appliance.core.router import Router
+    from appliance.pools.worker_handle import WorkerHandle
 
     a, b, c = (WorkerHandle(i, "decode", i, f"cpu{i}", (i,), None, None) for i in range(3))
     a.num_free, b.num_free, c.num_free = 10, 40, 40
@@ -317,7 +317,7 @@ def test_gpu_stats_are_read_from_nvmls_gpu_not_the_devices_position() -> None:
 
 def test_a_decision_carries_the_verdicts_rule_and_inputs() -> None:
     from appliance.admin.schema import Decision, Measured
-    from appliance.autopilot import _decision
+    from appliance.ops.autopilot import _decision
     from appliance.planner.rebalance import Measurement, TrafficMix, TrafficWindow, Verdict
 
     split, colocated = ("prefill", "decode"), ("colocated", "colocated")

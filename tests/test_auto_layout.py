@@ -14,7 +14,6 @@ import pytest
 from server_process import ServerProcess
 
 from appliance.admin.schema import Snapshot
-from appliance.config import PlannerSettings, SettingsError, load_settings
 from appliance.model.loader import default_model_path
 from appliance.planner.auto_layout import (
     best_layout,
@@ -32,6 +31,7 @@ from appliance.planner.profile import (
     WorkerCost,
     model_id,
 )
+from appliance.settings.config import PlannerSettings, SettingsError, load_settings
 
 PLAN_ENV = {
     "APPLIANCE_PLANNER__WORKLOAD": "chat",

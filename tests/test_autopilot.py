@@ -15,8 +15,8 @@ from test_admin_api import MOVE_BOUND_S, admin_headers, pools, snapshot
 from traffic import Traffic
 
 from appliance.admin.schema import PlannerView
-from appliance.autopilot import Autopilot
-from appliance.config import load_settings
+from appliance.ops.autopilot import Autopilot
+from appliance.ops.pool_moves import MoveError, PoolMover
 from appliance.planner.profile import (
     HandoffCost,
     HostCost,
@@ -25,8 +25,8 @@ from appliance.planner.profile import (
     StepCost,
     WorkerCost,
 )
-from appliance.pool_moves import MoveError, PoolMover
-from appliance.supervisor import Supervisor
+from appliance.pools.supervisor import Supervisor
+from appliance.settings.config import load_settings
 
 # Steps cost a millisecond, but a handoff takes 5 s: on this box's profile every request
 # of a prefill worker misses a 5 ms TPOT, and only a colocated worker can meet it. (The

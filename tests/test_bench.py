@@ -21,7 +21,6 @@ from appliance import cli
 from appliance.bench import runner
 from appliance.bench.client import send
 from appliance.bench.compare import Target, compare
-from appliance.bench.metrics import SLO, RequestResult
 from appliance.bench.runner import Load, poisson_gaps, run_load
 from appliance.bench.shift import (
     DEFAULT_PHASES,
@@ -35,6 +34,7 @@ from appliance.bench.shift import (
     shift_warmup,
 )
 from appliance.bench.workloads import PromptMaker, RequestSpec, generate, load_jsonl
+from appliance.core.goodput import SLO, RequestResult
 from appliance.engine.llm_engine import LLMEngine
 
 BENCH = [sys.executable, "-m", "appliance.cli", "bench"]

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance.bench.metrics import (
+from appliance.bench.report import phase_compare_table, phase_table, write_json
+from appliance.bench.shift import Phase
+from appliance.core.goodput import (
     SLO,
     RequestResult,
     percentile,
@@ -16,8 +18,6 @@ from appliance.bench.metrics import (
     shift_total,
     summarize,
 )
-from appliance.bench.report import phase_compare_table, phase_table, write_json
-from appliance.bench.shift import Phase
 
 
 def result(ttft: float, latency: float, tokens: int, ok: bool = True) -> RequestResult:

@@ -16,9 +16,9 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
-from appliance.config import load_settings
 from appliance.model.loader import default_model_path, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
+from appliance.settings.config import load_settings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 

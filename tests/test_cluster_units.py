@@ -14,9 +14,9 @@ import pytest
 from appliance.cluster import channel
 from appliance.cluster.channel import SecretError, read_secret
 from appliance.cluster.interfaces import interface_of, with_interface
-from appliance.cluster_settings import ClusterSettings, host_port
-from appliance.config import SettingsError, load_settings, parse_devices
-from appliance.router import Router
+from appliance.core.router import Router
+from appliance.settings.cluster import ClusterSettings, host_port
+from appliance.settings.config import SettingsError, load_settings, parse_devices
 from appliance.topology.devices import Device, Topology
 from appliance.topology.partition import partition
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.config import Settings, SettingsError, load_settings, parse_devices
+from appliance.settings.config import Settings, SettingsError, load_settings, parse_devices
 
 
 @pytest.fixture(autouse=True)

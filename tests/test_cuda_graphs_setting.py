@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
-from appliance import engine_settings
-from appliance.config import BatchSettings, KVSettings, SettingsError, load_settings
+from appliance.settings import engine as engine_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.model_runner import ModelRunner, decode_graph_sizes
+from appliance.settings.config import BatchSettings, KVSettings, SettingsError, load_settings
 
 
 def test_off_by_default_and_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

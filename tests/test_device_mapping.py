@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from appliance import cli
-from appliance.config import load_settings
+from appliance.settings.config import load_settings
 from appliance.topology import discovery
 from appliance.topology.cuda_order import (
     NvmlGpu,

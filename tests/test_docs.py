@@ -101,8 +101,8 @@ def test_the_slugs_are_githubs() -> None:
 
 def test_every_setting_is_in_the_settings_table() -> None:
     """docs/settings.md names every setting by its dotted name (a row may hold several)."""
-    from appliance.config import Settings
-    from appliance.settings_flags import settings_flags
+    from appliance.settings.config import Settings
+    from appliance.settings.flags import settings_flags
 
     page = (ROOT / "docs" / "settings.md").read_text()
     rows = "\n".join(line for line in page.splitlines() if line.startswith("|"))

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 
+from appliance.core.request_table import Phase, Request, RequestTable
+from appliance.core.router import Router
 from appliance.engine.sequence import SamplingParams
-from appliance.handoffs import HandoffParts, Handoffs
-from appliance.request_table import Phase, Request, RequestTable
-from appliance.router import Router
-from appliance.wiring import Wiring
-from appliance.worker_handle import WorkerHandle
+from appliance.pools.handoffs import HandoffParts, Handoffs
+from appliance.pools.wiring import Wiring
+from appliance.pools.worker_handle import WorkerHandle
 from appliance.workers.messages import (
     Abort,
     DropPeer,

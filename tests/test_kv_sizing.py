@@ -15,7 +15,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from appliance.config import BatchSettings, load_settings
 from appliance.engine import kv_pool_sizing
 from appliance.engine.kv_pool_sizing import fewest_blocks, pool_blocks, profile_step
 from appliance.engine.llm_engine import LLMEngine
@@ -31,8 +30,9 @@ from appliance.kv.sizing import (
     profile_step_shape,
 )
 from appliance.model.tensor_parallel import Shard, kv_head_ranges
-from appliance.supervisor import Supervisor
-from appliance.worker_handle import WorkerHandle
+from appliance.pools.supervisor import Supervisor
+from appliance.pools.worker_handle import WorkerHandle
+from appliance.settings.config import BatchSettings, load_settings
 from appliance.workers.messages import Ready
 
 A100_80GB = 85_198_045_184

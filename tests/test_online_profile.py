@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.step_timing import StepClock, StepTiming, step_timing
@@ -26,8 +25,9 @@ from appliance.planner.profile import (
     WorkerCost,
     attended,
 )
-from appliance.supervisor import Supervisor, online_profile
-from appliance.worker_handle import WorkerHandle
+from appliance.pools.supervisor import Supervisor, online_profile
+from appliance.pools.worker_handle import WorkerHandle
+from appliance.settings.config import load_settings
 from appliance.workers.messages import Ready, TokenBatch
 
 # One linear model of a small model's step on a CPU worker; its prefill and decode costs are

@@ -9,9 +9,9 @@ import pytest
 import torch
 from reference import hf_greedy, hf_logits, our_prefill_logits
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
+from appliance.settings.config import load_settings
 
 RAW_PROMPTS = [
     "The capital of France is",

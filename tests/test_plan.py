@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.bench.metrics import SLO
+from appliance.core.goodput import SLO
 from appliance.planner.analytic import analytic_profile
 from appliance.planner.plan import Plan, PlanSpec, at_rate, feasible_layouts, make_plan, parse_unit
 from appliance.planner.plan_cli import main, sharegpt_like

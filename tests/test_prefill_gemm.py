@@ -10,11 +10,11 @@ import itertools
 import pytest
 import torch
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.model import cpu_kernels
 from appliance.model.cpu_kernels.loading import compiled
 from appliance.model.quant import QuantLinear, QuantWeight, quantize
+from appliance.settings.config import load_settings
 
 ROWS = cpu_kernels.GEMM_ROWS + 3
 LEVELS = cpu_kernels.cpu_levels()

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.sequence import SamplingParams
+from appliance.settings.config import load_settings
 from tests.test_scheduler import make as scheduler_with
 from tests.test_scheduler import new_seq, run_all, step
 

@@ -22,7 +22,6 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import SchedulerLimits
 from appliance.engine.sequence import SamplingParams
@@ -31,6 +30,7 @@ from appliance.kv.cache import KVCache
 from appliance.model import cpu_kernels
 from appliance.model.loader import load_model_files
 from appliance.model.quant import FORMATS, QuantEmbedding, QuantLinear, QuantWeight, quantize
+from appliance.settings.config import load_settings
 
 # Where each format keeps its half-float scales (d, and dmin or m): random bytes there
 # could be NaN or huge; everything else may be any byte.

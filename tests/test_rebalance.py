@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from appliance.bench.metrics import SLO
+from appliance.core.goodput import SLO
 from appliance.planner.layout import Layout, Pool, layout_of_roles, roles_problem
 from appliance.planner.profile import (
     HandoffCost,

@@ -15,7 +15,6 @@ import torch.multiprocessing as mp
 from remote_boxes import decode_box, prefill_box
 from server_process import wait_until
 
-from appliance.cluster_settings import ClusterSettings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.remote import (
@@ -27,6 +26,7 @@ from appliance.kv.remote import (
     pool_shape,
     ucx_environment,
 )
+from appliance.settings.cluster import ClusterSettings
 
 TEXT = (
     "A lighthouse keeper kept a log of every ship that passed, the weather, the tides "

@@ -8,9 +8,9 @@ from typing import Any, cast
 
 from test_request_table import BLOCKS, DECODE, PREFILL, PROMPT, tokens
 
+from appliance.core.request_table import RequestTable
 from appliance.engine.sequence import SamplingParams
-from appliance.request_flow import FlowParts, RequestFlow
-from appliance.request_table import RequestTable
+from appliance.pools.request_flow import FlowParts, RequestFlow
 from appliance.workers.messages import HandoffResult
 
 

@@ -9,9 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from appliance.engine.sequence import SamplingParams
-from appliance.recovery import Action, Recovery, after_worker_lost, retry_action
-from appliance.request_table import (
+from appliance.core.recovery import Action, Recovery, after_worker_lost, retry_action
+from appliance.core.request_table import (
     TRANSITIONS,
     InvalidTransition,
     ParkedKV,
@@ -20,6 +19,7 @@ from appliance.request_table import (
     RequestTable,
     Timing,
 )
+from appliance.engine.sequence import SamplingParams
 from appliance.workers.messages import HandoffResult, LeaseExpired, Output
 
 PREFILL, DECODE, OTHER_DECODE = 0, 1, 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from appliance.restart_policy import RestartPolicy
+from appliance.core.restart_policy import RestartPolicy
 
 
 def test_backoff_doubles_with_recent_crashes_then_the_device_fails() -> None:

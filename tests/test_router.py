@@ -7,10 +7,10 @@ from collections import Counter
 
 from test_topology import PCIE_4GPU, cpu_box, gpus
 
-from appliance.router import Router
+from appliance.core.router import Router
+from appliance.pools.worker_handle import WorkerHandle
 from appliance.topology.devices import Topology
 from appliance.topology.partition import partition
-from appliance.worker_handle import WorkerHandle
 
 BLOCKS = 3  # KV blocks each handoff below needs
 

@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from appliance.appliance import Appliance
-from appliance.config import load_settings
+from appliance.api import Appliance
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
-from appliance.supervisor import Supervisor
+from appliance.pools.supervisor import Supervisor
+from appliance.settings.config import load_settings
 from appliance.topology.devices import Device, Topology
 
 GREEDY = SamplingParams(max_tokens=16)

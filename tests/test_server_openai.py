@@ -13,9 +13,9 @@ import pytest
 from openai import OpenAI
 from server_process import API_KEY, ServerProcess
 
-from appliance.config import load_settings
 from appliance.model.loader import model_name, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
+from appliance.settings.config import load_settings
 
 MODEL = model_name(None)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from appliance.config import load_settings
+from appliance.pools.supervisor import Chunk
 from appliance.server.app import ready_line
 from appliance.server.errors import APIError, from_validation
 from appliance.server.generation import merged
@@ -22,7 +22,7 @@ from appliance.server.protocol import (
     unsupported_message,
 )
 from appliance.server.routes import _max_tokens
-from appliance.supervisor import Chunk
+from appliance.settings.config import load_settings
 
 HI = [{"role": "user", "content": "Hi"}]
 

@@ -13,7 +13,7 @@ import threading
 import httpx
 from server_process import wait_until
 
-from appliance.config import load_settings
+from appliance.settings.config import load_settings
 
 
 def test_a_port_0_server_says_what_it_loads_and_the_port_it_got() -> None:

@@ -15,8 +15,8 @@ from server_process import ServerProcess
 
 from appliance.bench.compare import free_port
 from appliance.cli import build_parser, settings_of
-from appliance.config import Settings, SettingsError
-from appliance.settings_flags import ALIASES, Flag, settings_flags
+from appliance.settings.config import Settings, SettingsError
+from appliance.settings.flags import ALIASES, Flag, settings_flags
 
 
 def parsed(*argv: str) -> Settings:

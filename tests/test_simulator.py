@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.bench.metrics import SLO, RequestResult, summarize
 from appliance.bench.report import write_json
+from appliance.core.goodput import SLO, RequestResult, summarize
 from appliance.engine.scheduler import Scheduler, SchedulerLimits
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.kv.block_allocator import BlockAllocator
@@ -215,7 +215,7 @@ def test_requests_that_cannot_fit_fail_and_the_rest_run() -> None:
 
 
 def test_the_policy_from_settings_is_a_fresh_appliances_tuning() -> None:
-    from appliance.config import load_settings
+    from appliance.settings.config import load_settings
 
     settings = load_settings()
     policy = Policy.from_settings(settings)
@@ -449,8 +449,8 @@ def test_lazy_decoding_gives_what_scheduling_every_sequence_every_step_gives(
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    from appliance.config import load_settings
     from appliance.model.loader import prepare_tokenizer
+    from appliance.settings.config import load_settings
 
     return prepare_tokenizer(None, load_settings().cache_dir)[1]
 

@@ -17,8 +17,7 @@ import pytest
 import torch
 from test_runtime import QUESTIONS, cpu_topology, run_all, wait_all_free
 
-from appliance.appliance import Appliance
-from appliance.config import load_settings
+from appliance.api import Appliance
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
@@ -33,7 +32,8 @@ from appliance.model.tensor_parallel import (
     shard_plan,
     split_evenly,
 )
-from appliance.pool_moves import MoveError
+from appliance.ops.pool_moves import MoveError
+from appliance.settings.config import load_settings
 
 GREEDY = SamplingParams(max_tokens=16)
 

@@ -21,8 +21,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from appliance.config import SettingsError, load_settings, parse_devices
-from appliance.supervisor import worker_layout
+from appliance.pools.supervisor import worker_layout
+from appliance.settings.config import SettingsError, load_settings, parse_devices
 from appliance.topology.cpu import cpu_devices, pin_to_cores
 from appliance.topology.cuda_order import TorchFacts
 from appliance.topology.devices import Device, DeviceError, Link, NvmlFailed, Topology

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.bench.metrics import SLO
+from appliance.core.goodput import SLO
+from appliance.core.request_table import Phase, Request, Timing
 from appliance.engine.sequence import SamplingParams
-from appliance.request_table import Phase, Request, Timing
-from appliance.traffic_log import TrafficLog, served
+from appliance.planner.traffic_log import TrafficLog, served
 
 SLO_1S = SLO(ttft=1.0, tpot=0.1)
 

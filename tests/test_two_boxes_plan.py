@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.bench.metrics import SLO
+from appliance.core.goodput import SLO
 from appliance.planner.analytic import NETWORK_EFFICIENCY, analytic_profile, network_link
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.plan_cli import main, sharegpt_like

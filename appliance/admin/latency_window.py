@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from appliance.admin.schema import Latency, Percentiles
-from appliance.bench.metrics import percentile
+from appliance.core.goodput import percentile
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # Core types the admin API sends as they are (the console reads them from here).
-from appliance.events import Event as Event
-from appliance.tuning import Tuning as Tuning
-from appliance.tuning import TuningPatch as TuningPatch
+from appliance.core.events import Event as Event
+from appliance.core.roles import Role as Role
+from appliance.core.tuning import Tuning as Tuning
+from appliance.core.tuning import TuningPatch as TuningPatch
 
-Role = Literal["prefill", "decode", "colocated"]
 WorkerPhase = Literal["starting", "ready", "draining", "stopping", "exited"]
 MovePhase = Literal["draining", "stopping", "starting", "done", "failed"]
 
@@ -96,7 +96,7 @@ class MoveRequest(BaseModel):
 
 class Move(BaseModel):
     """A device changing pools: its worker switches role in place (done at once), or, where
-    it cannot (appliance/pool_moves.py), drains, stops, and one of the other role starts."""
+    it cannot (appliance/ops/pool_moves.py), drains, stops, and one of the other role starts."""
 
     move_id: int
     device: int

@@ -23,11 +23,11 @@ from appliance.bench.compare import (
     naive_target,
     our_targets,
 )
-from appliance.bench.metrics import SLO, RequestResult, phase_summaries, shift_total, summarize
 from appliance.bench.runner import Load, run_load
 from appliance.bench.shift import DEFAULT_PHASES, Phase, Shift, make_shift, parse_phases
 from appliance.bench.workloads import RequestSpec, generate
-from appliance.config import load_settings
+from appliance.core.goodput import SLO, RequestResult, phase_summaries, shift_total, summarize
+from appliance.settings.config import load_settings
 
 if TYPE_CHECKING:  # the model's modules load torch: only when a command runs
     from appliance.model.tokenizer import Tokenizer

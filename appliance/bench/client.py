@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
-from appliance.bench.metrics import RequestResult
 from appliance.bench.workloads import RequestSpec
+from appliance.core.goodput import RequestResult
 
 CountTokens = Callable[[str], int]
 

@@ -22,7 +22,10 @@ from typing import Any
 import httpx
 
 from appliance.bench.client import CountTokens
-from appliance.bench.metrics import (
+from appliance.bench.runner import Load, run_load
+from appliance.bench.shift import Shift
+from appliance.bench.workloads import RequestSpec
+from appliance.core.goodput import (
     SLO,
     PhaseSummary,
     RequestResult,
@@ -31,9 +34,6 @@ from appliance.bench.metrics import (
     shift_total,
     summarize,
 )
-from appliance.bench.runner import Load, run_load
-from appliance.bench.shift import Shift
-from appliance.bench.workloads import RequestSpec
 
 START_TIMEOUT_S = 600.0
 BASELINE = "colocated x2"

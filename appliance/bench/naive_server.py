@@ -119,7 +119,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from appliance.config import load_settings
+    from appliance.settings.config import load_settings
 
     path = args.model or default_model_path()
     _, tokenizer = prepare_tokenizer(path, load_settings().cache_dir)

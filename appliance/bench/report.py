@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from appliance.bench.metrics import PhaseSummary, RequestResult, Summary
+from appliance.core.goodput import PhaseSummary, RequestResult, Summary
 
 COLUMNS = (
     "config",

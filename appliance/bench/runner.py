@@ -17,9 +17,9 @@ import httpx
 from tqdm import tqdm
 
 from appliance.bench.client import CountTokens, send
-from appliance.bench.metrics import RequestResult
 from appliance.bench.shift import ScheduledRequest, Shift
 from appliance.bench.workloads import RequestSpec
+from appliance.core.goodput import RequestResult
 
 
 @dataclass

@@ -22,9 +22,9 @@ from appliance.cluster.messages import (
     WorkerExited,
 )
 from appliance.cluster.remote_worker import run_remote_worker
-from appliance.config import Settings
 from appliance.kv.remote import require_nixl
-from appliance.supervisor import discover_box
+from appliance.settings.config import Settings
+from appliance.topology.discovery import discover_box
 
 log = logging.getLogger("appliance.agent")
 REFUSED_EXIT = 78  # EX_CONFIG: joining again would be refused again (the unit does not retry)
@@ -47,7 +47,9 @@ class Agent:
         self.settings = settings
         self.secret = read_secret(cluster.secret_file)
         self.box = cluster.box or socket.gethostname()
-        self.topology = discover_box(settings)
+        self.topology = discover_box(
+            settings.device, settings.cpu_devices, settings.cpu_share_cores
+        )
         self.workers: dict[int, BaseProcess] = {}
         self._ctx = multiprocessing.get_context("spawn")
         self._head: Connection | None = None

@@ -16,7 +16,7 @@ from multiprocessing.connection import (
 )
 from pathlib import Path
 
-from appliance.cluster_settings import host_port
+from appliance.settings.cluster import host_port
 
 CONNECT_RETRY_S = 0.5
 CHALLENGE_TIMEOUT_S = 10.0  # the other end must answer the secret's challenge within this

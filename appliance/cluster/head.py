@@ -31,8 +31,9 @@ from appliance.cluster.messages import (
     WorkerExited,
     WorkerHello,
 )
-from appliance.cluster_settings import ClusterSettings, host_port
-from appliance.config import Settings
+from appliance.core.roles import Role
+from appliance.settings.cluster import ClusterSettings, host_port
+from appliance.settings.config import Settings
 from appliance.topology.devices import Device
 
 log = logging.getLogger("appliance.cluster")
@@ -192,7 +193,7 @@ class ClusterHead:
         threading.Thread(target=_say_and_close, args=(connection, Refused(reason))).start()
 
     def spawn(
-        self, worker_id: int, role: str, settings: Settings, devices: tuple[Device, ...]
+        self, worker_id: int, role: Role, settings: Settings, devices: tuple[Device, ...]
     ) -> tuple[RemoteInbox, RemoteProcess]:
         """Ask the devices' agent to start a worker; its stand-ins here. On a box that is
         gone the process has exited already."""

@@ -10,7 +10,7 @@ import socket
 import struct
 from multiprocessing.connection import Connection
 
-from appliance.cluster_settings import ClusterSettings
+from appliance.settings.cluster import ClusterSettings
 
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 

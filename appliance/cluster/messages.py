@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from appliance.config import Settings
+from appliance.core.roles import Role
+from appliance.settings.config import Settings
 from appliance.topology.devices import Device
 
 
@@ -16,7 +17,7 @@ class AgentHello:
 
     box: str
     devices: tuple[Device, ...]  # numbered on its own box, from 0
-    pool: str  # "prefill", "decode" or "colocated"
+    pool: Role
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class SpawnWorker:
     """To an agent: start worker `worker_id` of `role` on these devices of its box."""
 
     worker_id: int
-    role: str
+    role: Role
     settings: Settings
     devices: tuple[Device, ...]
 

@@ -9,8 +9,9 @@ from typing import Any, cast
 
 from appliance.cluster.channel import ConnectionInbox, connect
 from appliance.cluster.messages import WorkerHello
-from appliance.cluster_settings import ClusterSettings
-from appliance.config import Settings
+from appliance.core.roles import Role
+from appliance.settings.cluster import ClusterSettings
+from appliance.settings.config import Settings
 from appliance.topology.devices import Device
 from appliance.workers.messages import Shutdown
 from appliance.workers.outboxes import Outbox
@@ -23,7 +24,7 @@ def run_remote_worker(
     cluster: ClusterSettings,
     secret: bytes,
     worker_id: int,
-    role: str,
+    role: Role,
     settings: Settings,
     devices: tuple[Device, ...],
 ) -> None:

@@ -8,7 +8,6 @@ import logging
 
 import torch
 
-from appliance.config import BatchSettings, Settings
 from appliance.engine.model_runner import ModelRunner, forward, move_to
 from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -24,6 +23,7 @@ from appliance.kv.sizing import (
 )
 from appliance.model.llama import CausalLM
 from appliance.model.tensor_parallel import WHOLE_MODEL, AllReduce, Shard, no_reduce
+from appliance.settings.config import BatchSettings, Settings
 
 # The engine's logger, as before the split: the start-up line is filtered and tested by it.
 log = logging.getLogger("appliance.engine")

@@ -10,7 +10,6 @@ from typing import Protocol
 
 import torch
 
-from appliance.config import Settings
 from appliance.engine.model_runner import ModelRunner, StepInputs
 from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import Scheduler, SchedulerLimits
@@ -25,6 +24,7 @@ from appliance.kv.remote import Copies, RemoteSource, TransferError
 from appliance.model.llama import CausalLM
 from appliance.model.tensor_parallel import Shard
 from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from appliance.settings.config import Settings
 
 
 class ShardGroup(Protocol):

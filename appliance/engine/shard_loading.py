@@ -9,7 +9,6 @@ from types import MappingProxyType
 
 import torch
 
-from appliance.config import Settings
 from appliance.engine.kv_pool_sizing import pool_blocks
 from appliance.kv.cache import KVCache, KVLayout
 from appliance.model import cpu_kernels
@@ -29,6 +28,7 @@ from appliance.model.tensor_parallel import (
     shard_quant,
     shard_state,
 )
+from appliance.settings.config import Settings
 
 _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from appliance.cluster_settings import ClusterSettings
 from appliance.kv.byte_ranges import ByteRange, PoolShape, copy_ranges
 from appliance.kv.handoff import KVShard
+from appliance.settings.cluster import ClusterSettings
 
 __all__ = [
     "Copies",

@@ -11,8 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from appliance.bench.metrics import SLO
-from appliance.config import Settings, SettingsError
+from appliance.core.goodput import SLO
 from appliance.model.loader import default_model_path, prepare_tokenizer
 from appliance.planner.layout import Layout
 from appliance.planner.plan import PlanSpec, make_plan
@@ -24,6 +23,7 @@ from appliance.planner.profile import (
     profiles_folder,
 )
 from appliance.planner.simulator import Policy, requests_from_workload
+from appliance.settings.config import Settings, SettingsError
 
 log = logging.getLogger("appliance.planner")
 
@@ -76,11 +76,16 @@ def planned_settings(settings: Settings) -> Settings:
 def ruled_settings(settings: Settings) -> Settings:
     """The layout without a profile: colocated on every device of a CPU box; on GPUs the
     automatic split into prefill and decode pools."""
-    from appliance.supervisor import discover_box
+    from appliance.topology.discovery import discover_box
 
     model = model_id(settings.model or default_model_path())
     refine = f"`appliance profile` times this box for {model} so the planner can choose"
-    if all(device.kind == "cpu" for device in discover_box(settings).devices):
+    if all(
+        device.kind == "cpu"
+        for device in discover_box(
+            settings.device, settings.cpu_devices, settings.cpu_share_cores
+        ).devices
+    ):
         log.info("layout: colocated on every device (no profile yet: %s)", refine)
         return settings.model_copy(update={"mode": "colocated"})
     log.info("layout: prefill and decode pools split (no profile yet: %s)", refine)

@@ -17,9 +17,8 @@ from pydantic import (
     model_validator,
 )
 
+from appliance.core.roles import ROLES
 from appliance.planner.profile import worker_unit
-
-ROLES = ("prefill", "decode", "colocated")
 
 
 class Pool(BaseModel):

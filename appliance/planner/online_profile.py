@@ -23,7 +23,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from appliance.engine.step_timing import StepTiming
 from appliance.planner.fitting import fit_step_cost
@@ -38,9 +38,22 @@ from appliance.planner.profile import (
 )
 
 if TYPE_CHECKING:
-    from appliance.config import Settings
+    from appliance.settings.config import Settings
     from appliance.topology.devices import Topology
-    from appliance.worker_handle import WorkerHandle
+
+
+class SizedWorker(Protocol):
+    """What the online profile reads of a worker (the pools' WorkerHandle has it)."""
+
+    @property
+    def cores(self) -> tuple[int, ...]: ...
+    @property
+    def devices(self) -> tuple[int, ...]: ...
+    @property
+    def loaded(self) -> bool: ...
+    @property
+    def num_blocks(self) -> int: ...
+
 
 WINDOW = 2000  # steps kept per worker size and kind: the newest, so the fit follows the box
 MIN_SAMPLES = 30  # steps of a kind before it is fitted
@@ -229,13 +242,13 @@ class BoxFacts:
     assumptions: tuple[str, ...] = ()
 
 
-def worker_size(worker: WorkerHandle) -> str:
+def worker_size(worker: SizedWorker) -> str:
     """A worker's size (profile.worker_unit): the cores of its CPU device, or one GPU (a
     GPU device has no cores; as autopilot.device_size counts), times its devices."""
     return worker_unit(len(worker.cores) or 1, len(worker.devices))
 
 
-def kv_sizes(workers: Iterable[WorkerHandle]) -> dict[str, int]:
+def kv_sizes(workers: Iterable[SizedWorker]) -> dict[str, int]:
     """The KV blocks of each worker size, as its loaded workers said (Ready); the smallest
     where two of a size differ."""
     sizes: dict[str, int] = {}

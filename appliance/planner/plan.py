@@ -2,7 +2,7 @@
 predicted goodput, with the highest rate at which each keeps 90% of requests within the
 SLO. Pure Python (no torch): a profile, requests and the simulator.
 
-Percentiles and goodput come from bench.metrics (`summarize`, `SLO`), the code the bench
+Percentiles and goodput come from core.goodput (`summarize`, `SLO`), the code the bench
 reports measured runs with, so a plan and a benchmark read the same way.
 """
 
@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from appliance.bench.metrics import SLO, RequestResult, Summary, summarize
+from appliance.core.goodput import SLO, RequestResult, Summary, summarize
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.profile import Profile, ProfileKey
 from appliance.planner.simulator import Policy, SimRequest, simulate

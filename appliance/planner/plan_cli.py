@@ -11,8 +11,7 @@ import random
 import sys
 from pathlib import Path
 
-from appliance.bench.metrics import SLO
-from appliance.config import Settings, load_settings
+from appliance.core.goodput import SLO
 from appliance.planner import plan_report, two_boxes
 from appliance.planner.analytic import GPUS, MODEL_SHAPES, analytic_profile, network_link
 from appliance.planner.plan import Plan, PlanSpec, make_plan
@@ -25,6 +24,7 @@ from appliance.planner.profile import (
     profiles_folder,
 )
 from appliance.planner.simulator import Policy, SimRequest, requests_from_workload
+from appliance.settings.config import Settings, load_settings
 
 WORKLOADS = ("chat", "long-burst", "fixed", "shared-prefix", "sharegpt-like")
 # ShareGPT-like lengths (no tokenizer needed): log-normal prompts of median 300 tokens

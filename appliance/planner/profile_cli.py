@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from appliance.config import Settings, load_settings
 from appliance.planner.profile import Profile, profiles_folder
 from appliance.planner.profiler import cpu_unit_runs, gpu_unit_runs, profile_box
+from appliance.settings.config import Settings, load_settings
 from appliance.topology.discovery import discover
 
 

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.config import Settings
 from appliance.planner.fitting import fit_step_cost
 from appliance.planner.profile import (
     HandoffCost,
@@ -29,6 +28,7 @@ from appliance.planner.profile import (
     WorkerCost,
     worker_unit,
 )
+from appliance.settings.config import Settings
 from appliance.topology.cpu import cpu_devices
 from appliance.topology.devices import Device
 

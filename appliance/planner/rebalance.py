@@ -53,7 +53,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from appliance.bench.metrics import SLO
+from appliance.core.goodput import SLO
 from appliance.planner.layout import layout_of_roles, roles_problem
 from appliance.planner.profile import Profile
 from appliance.planner.rebalance_paths import (

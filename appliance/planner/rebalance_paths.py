@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from appliance.planner.layout import ROLES, roles_problem
+from appliance.core.roles import ROLES
+from appliance.planner.layout import roles_problem
 
 Roles = tuple[str | None, ...]
 Move = tuple[int, str]

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from appliance.core.router import PREFIX_KEYS_KEPT
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.planner.sim_pool import SimSeq
 from appliance.planner.sim_worker import Worker
-from appliance.router import PREFIX_KEYS_KEPT
 
 
 class Contention:

@@ -13,7 +13,8 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from appliance.bench.metrics import RequestResult
+from appliance.core.goodput import RequestResult
+from appliance.core.roles import Role
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.planner.layout import Layout
 from appliance.planner.profile import HandoffCost, Profile
@@ -75,7 +76,7 @@ class Simulation:
     def _workers(self, layout: Layout) -> list[Worker]:
         """Every worker, in device order: prefill (colocated in colocated mode), decode,
         then a mixed layout's colocated workers."""
-        first = "colocated" if layout.mode == "colocated" else "prefill"
+        first: Role = "colocated" if layout.mode == "colocated" else "prefill"
         pools = [(first, layout.prefill_unit(), layout.prefill.workers)]
         if layout.decode is not None:
             pools.append(("decode", layout.decode_unit(), layout.decode.workers))
@@ -84,7 +85,7 @@ class Simulation:
         roles = [(role, unit) for role, unit, count in pools for _ in range(count)]
         return [self._worker(i, role, unit) for i, (role, unit) in enumerate(roles)]
 
-    def _worker(self, index: int, role: str, unit: str) -> Worker:
+    def _worker(self, index: int, role: Role, unit: str) -> Worker:
         cost = self.profile.worker(unit)
         policy = self.policy
         budget = policy.prefill_token_budget

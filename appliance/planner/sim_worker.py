@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from appliance.core.roles import Role
 from appliance.planner.profile import StepCost, WorkerCost, attended
 from appliance.planner.sim_pool import KVPool, SimSeq
 
@@ -70,7 +71,7 @@ class Worker:
     """A prefill, decode or colocated worker's scheduler and KV pool."""
 
     def __init__(
-        self, index: int, role: str, cost: WorkerCost, pool: KVPool, limits: Limits
+        self, index: int, role: Role, cost: WorkerCost, pool: KVPool, limits: Limits
     ) -> None:
         self.index = index
         self.role = role

@@ -1,5 +1,5 @@
 """A discrete-event simulator of the appliance: a profile's step costs, a layout and a
-workload in, the bench's per-request results out (so appliance.bench.metrics computes
+workload in, the bench's per-request results out (so appliance.core.goodput computes
 the percentiles and goodput, as for a measured run).
 
 Each worker runs engine/scheduler.py's decisions (token budget, chunked prefill,
@@ -44,15 +44,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance.bench.metrics import RequestResult
+from appliance.core.goodput import RequestResult
 from appliance.planner.layout import Layout
 from appliance.planner.profile import Profile
 from appliance.planner.sim_run import Simulation
 from appliance.planner.sim_worker import StepRecord
 
 if TYPE_CHECKING:
-    from appliance.config import Settings
     from appliance.model.tokenizer import Tokenizer
+    from appliance.settings.config import Settings
 
 __all__ = [
     "Policy",
@@ -118,7 +118,7 @@ class Policy:
     @classmethod
     def from_settings(cls, settings: Settings) -> Policy:
         """The policy a fresh appliance with these settings starts with."""
-        from appliance.tuning import initial_tuning
+        from appliance.core.tuning import initial_tuning
 
         tuning = initial_tuning(settings.batch)
         return cls(

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from appliance.bench import report
-from appliance.bench.metrics import SLO, Distribution, RequestResult
+from appliance.core.goodput import SLO, Distribution, RequestResult
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.plan import Simulate, at_rate, feasible_layouts, parse_unit
 from appliance.planner.profile import Profile

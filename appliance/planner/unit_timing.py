@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from appliance.config import Settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.kv.handoff import copy_blocks
 from appliance.model.loader import default_model_path
@@ -21,6 +20,7 @@ from appliance.planner.fitting import fit_step_cost
 from appliance.planner.profile import model_id
 from appliance.planner.profiler import UnitRun
 from appliance.planner.step_probe import StepProbe, StepShape, default_shapes, time_engine_steps
+from appliance.settings.config import Settings
 from appliance.topology.cpu import cpu_model_name
 from appliance.workers.worker import use_device
 

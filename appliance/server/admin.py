@@ -19,13 +19,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from appliance.admin.schema import MoveRequest, TuningPatch
-from appliance.admin.snapshot import SnapshotBuilder
-from appliance.appliance import Appliance
-from appliance.config import is_loopback
-from appliance.pool_moves import MoveError
+from appliance.api import Appliance, MoveError
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError, from_validation
+from appliance.server.snapshot import SnapshotBuilder
 from appliance.server.state import bearer_is
+from appliance.settings.config import is_loopback
 
 SEND_TIMEOUT_S = 30  # a console that stops reading is dropped
 MAX_ADMIN_BODY = 16 * 1024

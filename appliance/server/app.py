@@ -17,16 +17,16 @@ from starlette.routing import Route
 
 from appliance.admin.device_stats import DeviceStats
 from appliance.admin.latency_window import LatencyWindow
-from appliance.admin.snapshot import SnapshotBuilder
 from appliance.admin.token import remove_token, write_token
-from appliance.appliance import Appliance
-from appliance.config import Settings, is_loopback
+from appliance.api import Appliance
 from appliance.server import routes
 from appliance.server.admin import AdminState, admin_routes
 from appliance.server.errors import APIError, api_error, http_error, unexpected_error
 from appliance.server.metrics import Metrics
 from appliance.server.sd_notify import Notifier, heartbeat
+from appliance.server.snapshot import SnapshotBuilder
 from appliance.server.state import ServerState
+from appliance.settings.config import Settings, is_loopback
 from appliance.topology.nvml import import_nvml
 
 log = logging.getLogger("appliance.server")

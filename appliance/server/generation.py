@@ -12,9 +12,8 @@ from typing import TypeVar, cast
 
 from starlette.requests import Request
 
-from appliance.engine.sequence import SamplingParams
+from appliance.api import Chunk, RequestFailed, SamplingParams
 from appliance.server.metrics import Metrics
-from appliance.supervisor import Chunk, RequestFailed
 
 T = TypeVar("T")
 Chunks = AsyncGenerator[Chunk, None]

@@ -10,9 +10,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from appliance.admin.latency_window import Finished, LatencyWindow
-from appliance.pool_state import PoolState
-from appliance.request_table import Timing
-from appliance.supervisor import Chunk
+from appliance.api import Chunk
+from appliance.core.request_table import Timing
+from appliance.pools.pool_state import PoolState
 
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from appliance.engine.sequence import SamplingParams
+from appliance.api import SamplingParams
 from appliance.server.errors import APIError
 
 # Fields this server does not implement, each with the values meaning "off" (what clients

@@ -13,11 +13,11 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from appliance.api import RequestFailed
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices
 from appliance.server.responses import Envelope, usage
 from appliance.server.state import ServerState, Ticket
-from appliance.supervisor import RequestFailed
 
 log = logging.getLogger("appliance.server")
 SEND_TIMEOUT_S = 30  # a client that stops reading for this long is dropped (frees its slot)

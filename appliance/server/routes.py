@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from appliance.api import RequestFailed
 from appliance.server import replies
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
@@ -30,7 +31,6 @@ from appliance.server.protocol import (
 )
 from appliance.server.responses import ChatShape, CompletionShape, Envelope, Shape
 from appliance.server.state import ServerState
-from appliance.supervisor import RequestFailed
 
 R = TypeVar("R", bound=BaseModel)
 

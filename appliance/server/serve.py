@@ -12,10 +12,10 @@ from types import FrameType
 
 import uvicorn
 
-from appliance.appliance import Appliance
-from appliance.config import Settings, is_loopback
+from appliance.api import Appliance
 from appliance.server.app import build_app
 from appliance.server.state import ServerState
+from appliance.settings.config import Settings, is_loopback
 
 log = logging.getLogger("appliance.server")
 DRAIN_POLL_S = 0.1

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from appliance.appliance import Appliance
-from appliance.config import Settings
+from appliance.api import Appliance
 from appliance.server.errors import APIError
 from appliance.server.metrics import Metrics
+from appliance.settings.config import Settings
 
 STARTING_RETRY_S = 5
 PAUSED_RETRY_S = 5

@@ -27,6 +27,13 @@ class HostFacts:
     nvidia_signs: tuple[str, ...] = ()  # those of NVIDIA_SIGNS that exist
 
 
+def discover_box(device: str, cpu_devices: int | None, share_cores: bool) -> Topology:
+    """The devices the settings ask for (`device`, `cpu_devices`, `cpu_share_cores`);
+    without accelerators, one CPU "device" per usable core unless told otherwise."""
+    count = cpu_devices or len(os.sched_getaffinity(0))
+    return discover(device, num_cpu_devices=count, share_cores=share_cores)
+
+
 def discover(
     device_setting: str,
     num_cpu_devices: int,

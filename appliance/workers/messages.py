@@ -7,10 +7,13 @@ Request ids are the supervisor's; each worker maps them to its engine's own ids.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.step_timing import StepTiming
-from appliance.kv.remote import RemotePool
+
+if TYPE_CHECKING:  # a pool on another box: its module loads torch, the messages need not
+    from appliance.kv.remote import RemotePool
 
 # ---------------------------------------------------------------- supervisor -> worker
 

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing  # registers the tensor reducers ForkingPickler uses
 
-from appliance.config import RecoverySettings, Settings
 from appliance.engine.model_runner import StepInputs
 from appliance.kv.handoff import KVShard
+from appliance.settings.config import RecoverySettings, Settings
 from appliance.topology.devices import Device
 
 STOP_WAIT_S = 10.0  # how long followers get to exit after Stop before they are killed

@@ -19,11 +19,12 @@ from multiprocessing.queues import Queue
 import torch
 import torch.multiprocessing  # registers the tensor reducers ForkingPickler uses
 
-from appliance.cluster_settings import ClusterSettings
-from appliance.config import Settings
+from appliance.core.roles import Role
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.kv.handoff import KVShard, enable_peer_access
 from appliance.kv.remote import KVTransfer, RemotePool, RemoteSource
+from appliance.settings.cluster import ClusterSettings
+from appliance.settings.config import Settings
 from appliance.topology.cpu import pin_to_cores
 from appliance.topology.devices import Device
 from appliance.workers.lifetime import die_with_parent
@@ -81,7 +82,7 @@ class WorkerState:
 
 def run_worker(
     worker_id: int,
-    role: str,
+    role: Role,
     settings: Settings,
     devices: tuple[Device, ...],
     inbox: Queue[ToWorker],
@@ -117,7 +118,7 @@ def run_worker(
 
 def load_and_serve(
     worker_id: int,
-    role: str,
+    role: Role,
     settings: Settings,
     group: TensorGroup | None,
     inbox: Queue[ToWorker],

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.model_runner import move_to
 from appliance.engine.sampler import Sampler
 from appliance.engine.sequence import SamplingParams
+from appliance.settings.config import load_settings
 
 GREEDY = SamplingParams(max_tokens=12)
 

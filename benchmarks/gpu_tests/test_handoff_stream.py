@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from appliance.config import load_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.handoff import CopyStreams, KVShard, start_copy
+from appliance.settings.config import load_settings
 from appliance.workers.shard_group import open_pools, pickle_pool
 
 if not torch.cuda.is_available():

@@ -34,11 +34,11 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from appliance.cluster_settings import ClusterSettings
+from appliance.settings.cluster import ClusterSettings
 
-# Re-exported: `from appliance.config import BatchSettings, KVSettings` stays the import.
-from appliance.engine_settings import BatchSettings, KVSettings
-from appliance.planner_settings import PlannerSettings
+# Re-exported: `from appliance.settings.config import BatchSettings, KVSettings` stays the import.
+from appliance.settings.engine import BatchSettings, KVSettings
+from appliance.settings.planner import PlannerSettings
 
 
 class SettingsError(ValueError):

@@ -15,11 +15,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from appliance.core.request_table import ParkedKV, Request, RequestTable
+from appliance.core.roles import Role
+from appliance.core.router import Router
 from appliance.kv.block_allocator import blocks_for_tokens
-from appliance.request_table import ParkedKV, Request, RequestTable
-from appliance.router import Router
-from appliance.wiring import can_pair
-from appliance.worker_handle import WorkerHandle
+from appliance.pools.wiring import can_pair
+from appliance.pools.worker_handle import WorkerHandle
 from appliance.workers.messages import Abort, Handoff, HandoffResult, Release, ToWorker
 
 
@@ -34,7 +35,7 @@ class HandoffParts:
     send: Callable[[int | None, ToWorker], None]
     retry: Callable[[Request, str], None]  # prefill it again, or fail after retries
     fail: Callable[[Request, str], None]
-    may_come_back: Callable[[str], bool]  # a worker of that role is (re)starting
+    may_come_back: Callable[[Role], bool]  # a worker of that role is (re)starting
 
 
 class Handoffs:

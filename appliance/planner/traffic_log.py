@@ -14,10 +14,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from appliance.bench.metrics import SLO, RequestResult
+from appliance.core.goodput import SLO, RequestResult
+from appliance.core.request_table import Phase, Request
 from appliance.planner.rebalance import TrafficWindow
 from appliance.planner.simulator import SimRequest
-from appliance.request_table import Phase, Request
 
 
 @dataclass(frozen=True)

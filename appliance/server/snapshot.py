@@ -11,14 +11,13 @@ from appliance.admin.latency_window import LatencyWindow
 from appliance.admin.schema import (
     DeviceInfo,
     RequestRow,
-    Role,
     Snapshot,
     WorkerInfo,
     WorkerPhase,
 )
-from appliance.appliance import Appliance
-from appliance.request_table import Phase, Request
-from appliance.worker_handle import WorkerView
+from appliance.api import Appliance
+from appliance.core.request_table import Phase, Request
+from appliance.pools.pool_state import WorkerView
 
 MAX_REQUEST_ROWS = 50
 EVENTS_SHOWN = 20
@@ -88,8 +87,7 @@ class SnapshotBuilder:
                     name=device.name,
                     kind=device.kind,
                     box=device.box,
-                    # WorkerView.role holds one of Role's values, typed str (pydantic checks it)
-                    pool=cast(Role, view.role) if view else None,
+                    pool=view.role if view else None,
                     worker=self._worker(view, now) if view else None,
                     utilization=load.utilization,
                     memory_used=load.memory_used,
@@ -101,9 +99,9 @@ class SnapshotBuilder:
     def _worker(self, view: WorkerView, now: float) -> WorkerInfo:
         return WorkerInfo(
             worker_id=view.worker_id,
-            # WorkerView types these str; they hold Role's and WorkerPhase's values
-            # (WorkerHandle.phase returns only those), and pydantic checks them here too.
-            role=cast(Role, view.role),
+            # WorkerView types the phase str; it holds WorkerPhase's values (WorkerHandle.phase
+            # returns only those), and pydantic checks it here too.
+            role=view.role,
             phase=cast(WorkerPhase, view.phase),
             pid=view.pid,
             waiting=view.waiting,

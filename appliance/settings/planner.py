@@ -1,4 +1,4 @@
-"""The planner's section of the settings model (appliance/config.py, which re-exports it):
+"""The planner's section of the settings model (appliance/settings/config.py, which re-exports it):
 how `appliance serve` picks its pool layout."""
 
 from __future__ import annotations

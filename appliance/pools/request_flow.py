@@ -2,7 +2,7 @@
 each step's tokens streamed to its consumer, run again or failed when its worker is lost,
 cancelled on both sides when its consumer leaves.
 
-Its phase, timing and workers are the request table's (appliance/request_table.py);
+Its phase, timing and workers are the request table's (appliance/core/request_table.py);
 where it goes is the router's; this module sends the messages and streams the chunks.
 """
 
@@ -13,18 +13,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
-from appliance.config import Settings
+from appliance.core.events import Event, EventKind
+from appliance.core.request_table import Phase, Request, RequestTable
+from appliance.core.roles import ENTRY_ROLES, Role
+from appliance.core.router import Router
+from appliance.core.tuning import Tuning
 from appliance.engine.sequence import SamplingParams
-from appliance.events import Event, EventKind
 from appliance.planner.online_profile import OnlineProfile, worker_size
-from appliance.request_table import Phase, Request, RequestTable
-from appliance.router import Router
-from appliance.tuning import Tuning
-from appliance.worker_handle import WorkerHandle
+from appliance.pools.worker_handle import WorkerHandle
+from appliance.settings.config import Settings
 from appliance.workers.messages import Abort, Output, Release, Submit, TokenBatch, ToWorker
 
 # Prompts go to prefill workers (which hand their KV off) and colocated ones (which keep it).
-ENTRY_ROLES = ("prefill", "colocated")
 NO_ENTRY_WORKER = "no prefill or colocated worker is running"
 
 
@@ -55,7 +55,7 @@ class FlowParts:
     router: Router
     send: Callable[[int | None, ToWorker], None]
     tuning: Callable[[], Tuning]  # the live tuning
-    may_come_back: Callable[[str], bool]  # a worker of that role is (re)starting
+    may_come_back: Callable[[Role], bool]  # a worker of that role is (re)starting
     note: Callable[[EventKind, str], Event]
     forgotten: Callable[[], None]  # a request left the table (a drain may be done)
     ended: Callable[[Request], None]  # its consumer is done with it (the traffic log)
@@ -144,7 +144,7 @@ class RequestFlow:
         for request in self.table.in_phase(Phase.WAITING):
             self.submit(request)
 
-    def fail_waiting(self, role: str) -> None:
+    def fail_waiting(self, role: Role) -> None:
         """A worker of `role` will not come (back): WAITING requests fail if no prefill or
         colocated worker takes work or is on its way."""
         waiting = self.table.in_phase(Phase.WAITING)

@@ -1,4 +1,4 @@
-"""The cluster's section of the settings model (appliance/config.py, which re-exports it):
+"""The cluster's section of the settings model (appliance/settings/config.py, which re-exports it):
 the head that agents on other boxes join, and how KV blocks cross between boxes (NIXL over
 UCX: TCP here, RDMA where the NICs have it)."""
 

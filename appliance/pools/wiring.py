@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 
-from appliance.worker_handle import WorkerHandle
+from appliance.pools.worker_handle import WorkerHandle
 from appliance.workers.messages import (
     DropPeer,
     PeerDropped,

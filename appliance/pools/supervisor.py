@@ -2,45 +2,45 @@
 
 One asyncio loop owns all state. A reader thread turns the workers' pipes (one each)
 into messages on that loop, each handled by `_dispatch`. The parts, one file each:
-- appliance/process_manager.py: the worker processes (spawn, inboxes, watch, restart, stop)
-- appliance/boxes.py: other boxes' agents joining and leaving (cluster.listen)
-- appliance/wiring.py: which decode worker holds which prefill worker's KV tensor
-- appliance/request_flow.py: each request's attempts and its stream of chunks
-- appliance/handoffs.py: prefilled prompts on their way to a decode worker
-- appliance/request_table.py: each request's phase, timing and workers (pure)
-- appliance/recovery.py: what a lost worker means for each request it held (pure)
-- appliance/router.py: which worker takes a prompt or a handoff (pure)
+- appliance/pools/process_manager.py: the worker processes (spawn, inboxes, watch, restart, stop)
+- appliance/pools/boxes.py: other boxes' agents joining and leaving (cluster.listen)
+- appliance/pools/wiring.py: which decode worker holds which prefill worker's KV tensor
+- appliance/pools/request_flow.py: each request's attempts and its stream of chunks
+- appliance/pools/handoffs.py: prefilled prompts on their way to a decode worker
+- appliance/core/request_table.py: each request's phase, timing and workers (pure)
+- appliance/core/recovery.py: what a lost worker means for each request it held (pure)
+- appliance/core/router.py: which worker takes a prompt or a handoff (pure)
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
 from collections.abc import Set as AbstractSet
 
-from appliance.boxes import Boxes
-from appliance.config import BatchSettings, Settings
-from appliance.drains import Drains, Progress
+from appliance.core.events import Event, EventKind, EventLog
+from appliance.core.recovery import Action, after_worker_lost, retry_action
+from appliance.core.request_table import Phase, Request, RequestTable
+from appliance.core.roles import Role
+from appliance.core.router import Router
+from appliance.core.tuning import Tuning, TuningPatch, batch_limits, check_for_mode, initial_tuning
 from appliance.engine.sequence import SamplingParams
-from appliance.events import Event, EventKind, EventLog
-from appliance.handoffs import HandoffParts, Handoffs
 from appliance.planner.online_profile import box_facts, kv_sizes
 from appliance.planner.profile import Profile
-from appliance.process_manager import ProcessManager
-from appliance.recovery import Action, after_worker_lost, retry_action
-from appliance.request_flow import Chunk, FlowParts, RequestFailed, RequestFlow
-from appliance.request_table import Phase, Request, RequestTable
-from appliance.router import Router
+from appliance.planner.traffic_log import TrafficLog
+from appliance.pools.boxes import Boxes
+from appliance.pools.drains import Drains, Progress
+from appliance.pools.handoffs import HandoffParts, Handoffs
+from appliance.pools.process_manager import ProcessManager
+from appliance.pools.request_flow import Chunk, FlowParts, RequestFailed, RequestFlow
+from appliance.pools.wiring import Wiring
+from appliance.pools.worker_handle import WorkerHandle, WorkerView
+from appliance.settings.config import BatchSettings, Settings
 from appliance.topology.devices import Topology
-from appliance.topology.discovery import discover
+from appliance.topology.discovery import discover_box
 from appliance.topology.partition import Partition, partition, tp_groups
-from appliance.traffic_log import TrafficLog
-from appliance.tuning import Tuning, TuningPatch, batch_limits, check_for_mode, initial_tuning
-from appliance.wiring import Wiring
-from appliance.worker_handle import WorkerHandle, WorkerView
 from appliance.workers.messages import (
     Failed,
     FromWorker,
@@ -62,7 +62,9 @@ class Supervisor:
 
     def __init__(self, settings: Settings, topology: Topology | None = None) -> None:
         self.settings = settings
-        topology = topology or discover_box(settings)
+        topology = topology or discover_box(
+            settings.device, settings.cpu_devices, settings.cpu_share_cores
+        )
         devices = settings.prefill_devices, settings.decode_devices, settings.colocated_devices
         boxes = bool(settings.cluster.listen)  # decode may come from other boxes only
         self.partition: Partition = partition(topology, settings.mode, *devices, boxes=boxes)
@@ -199,7 +201,7 @@ class Supervisor:
 
     # ------------------------------------------------------------ lost workers (ProcessHooks)
 
-    def settings_for(self, role: str) -> Settings:
+    def settings_for(self, role: Role) -> Settings:
         """The settings with the live tuning a worker of `role` starts with."""
         limits = batch_limits(self.settings.batch, role, self.tuning)
         batch = BatchSettings(**{**self.settings.batch.model_dump(), **limits})
@@ -219,11 +221,11 @@ class Supervisor:
         self.handoffs.retry_waiting()  # those waiting for it may go elsewhere, or fail
         self.drains.check()
 
-    def on_gone(self, role: str) -> None:
+    def on_gone(self, role: Role) -> None:
         self.flow.fail_waiting(role)
         self.handoffs.retry_waiting()
 
-    def may_come_back(self, role: str) -> bool:
+    def may_come_back(self, role: Role) -> bool:
         """A worker of `role` is starting, restarting, or on its way by a pool move."""
         return self.arriving[role] > 0 or self.processes.may_come_back(role)
 
@@ -343,7 +345,7 @@ class Supervisor:
         return False
 
     async def add_worker(
-        self, role: str, devices: int | tuple[int, ...], timeout: float
+        self, role: Role, devices: int | tuple[int, ...], timeout: float
     ) -> WorkerHandle:
         """Start a worker of `role` on a device (or a tensor-parallel group of them) while
         the pools serve; returns once it takes requests. Raises RuntimeError if it exits
@@ -375,23 +377,15 @@ def online_profile(supervisor: Supervisor, base: Profile | None = None) -> Profi
     return online.standalone(box_facts(supervisor.settings, supervisor.topology), sizes)
 
 
-def discover_box(settings: Settings) -> Topology:
-    """The devices the settings ask for; without accelerators, one CPU "device" per usable
-    core unless told otherwise."""
-    cpu_devices = settings.cpu_devices or len(os.sched_getaffinity(0))
-    return discover(
-        settings.device, num_cpu_devices=cpu_devices, share_cores=settings.cpu_share_cores
-    )
-
-
 def worker_layout(
     topology: Topology, part: Partition, settings: Settings
-) -> list[tuple[str, tuple[int, ...]]]:
+) -> list[tuple[Role, tuple[int, ...]]]:
     """Each worker to start: its role and its devices (several for tensor parallelism)."""
     if settings.mode == "colocated":
         groups = tp_groups(topology, part.prefill, settings.prefill_tp, "prefill_tp")
         return [("colocated", g) for g in groups]
     prefill = tp_groups(topology, part.prefill, settings.prefill_tp, "prefill_tp")
     decode = tp_groups(topology, part.decode, settings.decode_tp, "decode_tp")
-    colocated = [("colocated", (d,)) for d in part.colocated]  # one device each
-    return [("prefill", g) for g in prefill] + [("decode", g) for g in decode] + colocated
+    workers: list[tuple[Role, tuple[int, ...]]] = [("prefill", g) for g in prefill]
+    workers += [("decode", g) for g in decode]
+    return workers + [("colocated", (d,)) for d in part.colocated]  # one device each

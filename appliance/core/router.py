@@ -22,13 +22,28 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
+from appliance.core.tuning import Tuning
 from appliance.kv.prefix_cache import prefix_keys
-from appliance.tuning import Tuning
 
-if TYPE_CHECKING:  # the handle's module reaches torch through the worker messages
-    from appliance.worker_handle import WorkerHandle
+
+class WorkerLoad(Protocol):
+    """What the router reads of a worker: the counters the pools keep on its handle."""
+
+    @property
+    def worker_id(self) -> int: ...
+    @property
+    def devices(self) -> tuple[int, ...]: ...
+    @property
+    def num_free(self) -> int: ...  # free KV blocks as of its last report
+    @property
+    def running(self) -> int: ...
+    @property
+    def queued_tokens(self) -> int: ...  # prompt tokens sent and not yet answered
+
+
+W = TypeVar("W", bound=WorkerLoad)  # the pools' handle type, handed back as it came
 
 PREFIX_KEYS_KEPT = 8192  # per prefill worker: block keys of prompts it prefilled lately
 
@@ -54,9 +69,7 @@ class Router:
         # worker id -> keys of prompt blocks it prefilled lately (likely still cached there)
         self._prefixes: dict[int, OrderedDict[int, None]] = {}
 
-    def prefill(
-        self, candidates: list[WorkerHandle], token_ids: list[int], tuning: Tuning
-    ) -> WorkerHandle:
+    def prefill(self, candidates: list[W], token_ids: list[int], tuning: Tuning) -> W:
         """Pick the worker that prefills `token_ids`, and remember it got their prefix."""
         # Only a prefix cache makes where a prefix went matter: otherwise skip the hashing.
         keys = prefix_keys(token_ids, self.block_size) if self.prefix_caching else []
@@ -73,16 +86,16 @@ class Router:
 
     def decode(
         self,
-        candidates: list[WorkerHandle],
+        candidates: list[W],
         in_flight: Mapping[int, int],
-        source: WorkerHandle,
+        source: W,
         blocks: int,
-    ) -> WorkerHandle:
+    ) -> W:
         """Pick the decode worker that continues a request prefilled by `source` and needing
         `blocks` KV blocks; `in_flight` maps a worker id to the blocks of the handoffs it
         has been sent and not answered."""
 
-        def free(worker: WorkerHandle) -> int:
+        def free(worker: W) -> int:
             return worker.num_free - in_flight.get(worker.worker_id, 0)
 
         roomy = [w for w in candidates if free(w) >= blocks]
@@ -90,25 +103,25 @@ class Router:
             return max(candidates, key=lambda w: (free(w), -w.running))
         return max(roomy, key=lambda w: (self._link(source, w), free(w), -w.running))
 
-    def _link(self, source: WorkerHandle, decode: WorkerHandle) -> int:
+    def _link(self, source: W, decode: W) -> int:
         """How fast KV moves from `source` to `decode`: the slowest link between their
         devices (a tensor-parallel handoff may copy between any of their shards)."""
         return min(self.link_rank(a, b) for a in source.devices for b in decode.devices)
 
 
 def least_loaded(
-    candidates: list[WorkerHandle],
+    candidates: list[W],
     keys: list[int],
     budget: int,
     prefixes: Mapping[int, Mapping[int, None]],
-) -> WorkerHandle:
+) -> W:
     """The worker with the fewest queued prompt tokens, or, among those within `budget`
     tokens of it, the one holding the longest run of `keys` (prompt block keys);
     `prefixes` maps a worker id to the block keys it prefilled lately."""
     least = min(w.queued_tokens for w in candidates)
     near = [w for w in candidates if w.queued_tokens <= least + budget]
 
-    def score(worker: WorkerHandle) -> tuple[int, int, int]:
+    def score(worker: W) -> tuple[int, int, int]:
         held = prefixes.get(worker.worker_id, {})
         matched = 0
         while matched < len(keys) and keys[matched] in held:

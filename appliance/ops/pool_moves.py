@@ -20,13 +20,13 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import cast
 
-from appliance.admin.schema import Move, Role
-from appliance.planner.layout import ROLES, roles_problem
-from appliance.supervisor import Supervisor
-from appliance.tuning import batch_limits, check_for_mode
-from appliance.worker_handle import WorkerHandle
+from appliance.admin.schema import Move
+from appliance.core.roles import ROLES, Role
+from appliance.core.tuning import batch_limits, check_for_mode
+from appliance.planner.layout import roles_problem
+from appliance.pools.supervisor import Supervisor
+from appliance.pools.worker_handle import WorkerHandle
 from appliance.workers.messages import Tune
 
 START_TIMEOUT_S = 300.0
@@ -63,8 +63,7 @@ class PoolMover:
         move = Move(
             move_id=next(self._ids),
             device=device,
-            # WorkerHandle.role holds one of Role's values, typed str (Move checks it too)
-            from_role=cast(Role, worker.role),
+            from_role=worker.role,
             to_role=to,
             phase="draining",
             remaining=supervisor.busy_with(worker.worker_id),

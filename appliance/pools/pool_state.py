@@ -8,11 +8,11 @@ from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Protocol
 
-from appliance.events import Event
-from appliance.request_table import Request
+from appliance.core.events import Event
+from appliance.core.request_table import Request
+from appliance.core.tuning import Tuning
+from appliance.pools.worker_handle import WorkerView as WorkerView  # what a view shows
 from appliance.topology.devices import Topology
-from appliance.tuning import Tuning
-from appliance.worker_handle import WorkerView
 
 
 class PoolState(Protocol):

@@ -7,7 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from appliance.config import BatchSettings
+from appliance.core.roles import Role
+from appliance.settings.config import BatchSettings
 
 
 class Tuning(BaseModel):
@@ -55,7 +56,7 @@ class TuningPatch(BaseModel):
         return Tuning.model_validate({**tuning.model_dump(), **changes})
 
 
-def batch_limits(batch: BatchSettings, role: str, tuning: Tuning) -> dict[str, int]:
+def batch_limits(batch: BatchSettings, role: Role, tuning: Tuning) -> dict[str, int]:
     """The scheduler limits `tuning` sets for a worker of `role` (`batch`: the configured
     ones, which the tuning overrides)."""
     prefill = {

@@ -1,5 +1,5 @@
 """What a lost worker means for each request it held: plain decisions on the request
-table's data. The supervisor carries them out (appliance/supervisor.py, `_recover`)."""
+table's data. The supervisor carries them out (appliance/pools/supervisor.py, `_recover`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from appliance.request_table import Phase, Request
+from appliance.core.request_table import Phase, Request
 
 
 class Action(Enum):

@@ -15,11 +15,12 @@ from multiprocessing.connection import Connection
 from appliance.cluster.head import ClusterHead
 from appliance.cluster.interfaces import with_interface
 from appliance.cluster.messages import AgentHello
-from appliance.cluster_settings import ClusterSettings, host_port
-from appliance.config import Settings
-from appliance.events import EventKind
+from appliance.core.events import EventKind
+from appliance.core.roles import Role
 from appliance.kv.remote import require_nixl
-from appliance.process_manager import ProcessManager
+from appliance.pools.process_manager import ProcessManager
+from appliance.settings.cluster import ClusterSettings, host_port
+from appliance.settings.config import Settings
 from appliance.topology.devices import Device
 
 
@@ -95,11 +96,11 @@ class Boxes:
     def lost(self, box: str) -> None:
         self._note("box", f"lost box {box!r}: its workers' requests go on elsewhere")
 
-    def _start(self, role: str, index: int) -> None:
+    def _start(self, role: Role, index: int) -> None:
         timeout = self.settings.recovery.start_timeout_s
         self.processes.track(asyncio.create_task(self._add(role, index, timeout)))
 
-    async def _add(self, role: str, index: int, timeout: float) -> None:
+    async def _add(self, role: Role, index: int, timeout: float) -> None:
         try:
             await self.processes.add_worker(role, (index,), timeout)
         except RuntimeError as error:

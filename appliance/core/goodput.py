@@ -6,10 +6,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from appliance.bench.shift import Phase
+
+class Phase(Protocol):
+    """A stretch of a run summed on its own (bench/shift.py's Phase is one)."""
+
+    @property
+    def seconds(self) -> float: ...
+
+    def label(self, index: int) -> str: ...
 
 
 @dataclass

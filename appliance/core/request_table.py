@@ -12,10 +12,44 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from appliance.engine.sequence import SamplingParams
-from appliance.workers.messages import HandoffResult, LeaseExpired, Output
+
+
+class Output(Protocol):
+    """What the table reads of a worker's output message (workers/messages.py Output)."""
+
+    @property
+    def request_id(self) -> int: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def handoff_blocks(self) -> list[int] | None: ...
+
+
+class HandoffResult(Protocol):
+    """A decode worker's answer to a handoff (workers/messages.py HandoffResult)."""
+
+    @property
+    def worker_id(self) -> int: ...
+    @property
+    def request_id(self) -> int: ...
+    @property
+    def accepted(self) -> bool: ...
+    @property
+    def bytes_moved(self) -> int: ...
+
+
+class LeaseExpired(Protocol):
+    """A prefill worker freed a parked request's blocks (workers/messages.py LeaseExpired)."""
+
+    @property
+    def worker_id(self) -> int: ...
+    @property
+    def request_id(self) -> int: ...
 
 
 class Phase(Enum):

@@ -19,10 +19,11 @@ from collections import Counter, deque
 from collections.abc import Mapping
 from typing import Any, cast
 
-from appliance.admin.schema import Decision, Measured, Move, PlannerView, Role
-from appliance.bench.metrics import SLO
-from appliance.config import Settings
+from appliance.admin.schema import Decision, Measured, Move, PlannerView
+from appliance.core.goodput import SLO
+from appliance.core.roles import Role
 from appliance.model.loader import default_model_path
+from appliance.ops.pool_moves import MoveError, PoolMover, device_roles
 from appliance.planner.auto_layout import known_profile
 from appliance.planner.profile import Profile, ProfileError, model_id
 from appliance.planner.rebalance import (
@@ -36,8 +37,8 @@ from appliance.planner.rebalance import (
     mix_of,
 )
 from appliance.planner.simulator import Policy
-from appliance.pool_moves import MoveError, PoolMover, device_roles
-from appliance.supervisor import Supervisor
+from appliance.pools.supervisor import Supervisor
+from appliance.settings.config import Settings
 
 DECISIONS_KEPT = 10
 # Holds an event notes when their rule differs from the last look's (with the layouts

@@ -1,8 +1,12 @@
-"""The in-process API the server and tests use:
+"""The in-process API the server and tests use, and the one module they import it from:
 
-async with Appliance(settings) as app:
-    async for chunk in app.generate(messages=[...], params=SamplingParams(...)):
-        print(chunk.text, end="")
+    from appliance.api import Appliance, SamplingParams, load_settings
+
+    async with Appliance(load_settings()) as app:
+        async for chunk in app.generate(messages=[...], params=SamplingParams(...)):
+            print(chunk.text, end="")
+
+The HTTP server reads the pools through this facade and the read-only pool state only.
 """
 
 from __future__ import annotations
@@ -12,18 +16,22 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from appliance.autopilot import Autopilot
-from appliance.config import Settings
-from appliance.engine.sequence import SamplingParams
+from appliance.core.tuning import Tuning, TuningPatch
+from appliance.engine.sequence import SamplingParams as SamplingParams
 from appliance.model.loader import model_name, prepare_tokenizer
 from appliance.model.model_config import ModelConfig
 from appliance.model.tensor_parallel import check_degree
 from appliance.model.tokenizer import Tokenizer
-from appliance.pool_moves import PoolMover
-from appliance.pool_state import PoolState
-from appliance.supervisor import Chunk, Supervisor
+from appliance.ops.autopilot import Autopilot
+from appliance.ops.pool_moves import MoveError as MoveError
+from appliance.ops.pool_moves import PoolMover
+from appliance.pools.pool_state import PoolState
+from appliance.pools.request_flow import Chunk as Chunk
+from appliance.pools.request_flow import RequestFailed as RequestFailed
+from appliance.pools.supervisor import Supervisor
+from appliance.settings.config import Settings
+from appliance.settings.config import load_settings as load_settings
 from appliance.topology.devices import Topology
-from appliance.tuning import Tuning, TuningPatch
 
 log = logging.getLogger("appliance")
 

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from appliance.core.roles import Role
 from appliance.workers.messages import ToWorker
 
 
@@ -37,7 +38,7 @@ class WorkerHandle:
     """One worker: its process and inbox, its place in the pools, its last reported load."""
 
     worker_id: int
-    role: str  # "prefill", "decode" or "colocated"
+    role: Role  # "prefill", "decode" or "colocated"
     device_index: int  # the first of its devices: the one its own process runs on
     device: str
     cores: tuple[int, ...]
@@ -119,7 +120,7 @@ class WorkerView:
     """One worker as the server's /health and /metrics show it."""
 
     worker_id: int
-    role: str
+    role: Role
     device: str
     ready: bool
     alive: bool

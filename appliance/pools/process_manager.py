@@ -16,11 +16,12 @@ from typing import Protocol
 import torch.multiprocessing as mp
 
 from appliance.cluster.head import ClusterHead
-from appliance.config import Settings
-from appliance.events import Event, EventKind
-from appliance.restart_policy import RestartPolicy
+from appliance.core.events import Event, EventKind
+from appliance.core.restart_policy import RestartPolicy
+from appliance.core.roles import Role
+from appliance.pools.worker_handle import Inbox, WorkerHandle, WorkerProcess
+from appliance.settings.config import Settings
 from appliance.topology.devices import Device, Topology
-from appliance.worker_handle import Inbox, WorkerHandle, WorkerProcess
 from appliance.workers.messages import Shutdown, ToWorker
 from appliance.workers.outboxes import Outbox, OutboxReader
 from appliance.workers.worker import run_worker
@@ -31,7 +32,7 @@ WATCH_INTERVAL_S = 0.2  # how often worker processes are checked for being alive
 class ProcessHooks(Protocol):
     """What the process manager asks of, and tells, the supervisor."""
 
-    def settings_for(self, role: str) -> Settings:
+    def settings_for(self, role: Role) -> Settings:
         """The settings (with the live tuning) a worker of `role` starts with."""
         ...
 
@@ -43,7 +44,7 @@ class ProcessHooks(Protocol):
         """A serving worker's process exited (a restart, if any, is already scheduled)."""
         ...
 
-    def on_gone(self, role: str) -> None:
+    def on_gone(self, role: Role) -> None:
         """A worker of `role` will not come (back): it crashed too often or failed to
         start. Requests waiting for one may have nobody left."""
         ...
@@ -92,7 +93,7 @@ class ProcessManager:
             raise RuntimeError("the process manager is not started: call start() first")
         return self._loop
 
-    def start(self, layout: list[tuple[str, tuple[int, ...]]], hooks: ProcessHooks) -> None:
+    def start(self, layout: list[tuple[Role, tuple[int, ...]]], hooks: ProcessHooks) -> None:
         """Spawn a worker per (role, devices) of `layout`; `all_ready` resolves once every
         one is marked ready, or fails if one exits first."""
         self._hooks = hooks
@@ -103,7 +104,7 @@ class ProcessManager:
         self._reader.start()
         self._watchdog = asyncio.create_task(self._watch())
 
-    def spawn(self, role: str, group: int | tuple[int, ...]) -> WorkerHandle:
+    def spawn(self, role: Role, group: int | tuple[int, ...]) -> WorkerHandle:
         """Start a worker process of `role` on a device or a tensor-parallel group (on
         another box, through its agent)."""
         group = (group,) if isinstance(group, int) else group
@@ -128,7 +129,7 @@ class ProcessManager:
         return worker
 
     def _spawn_here(
-        self, worker_id: int, role: str, settings: Settings, devices: tuple[Device, ...]
+        self, worker_id: int, role: Role, settings: Settings, devices: tuple[Device, ...]
     ) -> tuple[Inbox, WorkerProcess]:
         """A worker process on this box, with its inbox queue and outbox pipe."""
         inbox = self._ctx.Queue()
@@ -166,7 +167,7 @@ class ProcessManager:
         if ready is not None and not ready.done() and all(w.ready for w in self.workers.values()):
             ready.set_result(None)
 
-    def may_come_back(self, role: str) -> bool:
+    def may_come_back(self, role: Role) -> bool:
         """A worker of `role` is starting, or restarting after a crash."""
         starting = any(w.role == role and w.routable_soon for w in self.workers.values())
         return starting or role in self._restarting.values()
@@ -263,7 +264,7 @@ class ProcessManager:
     # ------------------------------------------------------------ joining and leaving
 
     async def add_worker(
-        self, role: str, devices: int | tuple[int, ...], timeout: float
+        self, role: Role, devices: int | tuple[int, ...], timeout: float
     ) -> WorkerHandle:
         """Start a worker of `role` while the pools serve; returns once it takes requests.
         Raises RuntimeError if it exits or is not ready within `timeout`."""

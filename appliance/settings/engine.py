@@ -1,5 +1,5 @@
-"""The engine's sections of the settings model (appliance/config.py): the KV pool and
-batching. Import them from appliance.config, which re-exports them."""
+"""The engine's sections of the settings model (appliance/settings/config.py): the KV pool and
+batching. Import them from appliance.settings.config, which re-exports them."""
 
 from __future__ import annotations
 
