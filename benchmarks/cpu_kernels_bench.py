@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from timing import best_seconds
 
 from appliance.model import cpu_kernels
-from appliance.model.attention import DecodeGroup, sdpa_decode, write_kv
-from appliance.model.rope import apply_rope
+from appliance.model.layers.paged_attention import DecodeGroup, sdpa_decode, write_kv
+from appliance.model.layers.rotary import apply_rope
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 9, 3, 64, 576  # SmolLM2-135M
 BLOCK = 16

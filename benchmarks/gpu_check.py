@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from appliance.engine.model_runner import ModelRunner
     from appliance.engine.scheduler import SchedulerOutput
     from appliance.engine.sequence import SamplingParams
-    from appliance.model.llama import CausalLM
+    from appliance.model.families.llama import CausalLM
     from appliance.model.model_config import ModelConfig
     from appliance.pools.supervisor import Supervisor
     from appliance.settings.config import Settings
@@ -627,7 +627,7 @@ def section_paged_bf16(scale: Scale) -> Result:
     them, prefilled beside running decodes; then decodes of mixed context lengths), every
     row's logits against a dense model without paging, in float32 (the truth) and in
     bfloat16 (the error bfloat16 itself makes)."""
-    from appliance.model import attention
+    from appliance.model.layers import paged_attention as attention
 
     tracker = peak_tracker(scale.device)
     engine = engine_for(scale, "bfloat16", chunk=scale.chunk_size, memory_mb=1024)
@@ -680,7 +680,7 @@ def engine_for(scale: Scale, dtype: str, chunk: int, memory_mb: int) -> LLMEngin
 def count_attention_calls(device: torch.device) -> Counter:
     """Count, from now on in this process, which attention implementation each layer
     calls: the Triton kernel, SDPA prefill, or the CPU/SDPA decode."""
-    from appliance.model import attention
+    from appliance.model.layers import paged_attention as attention
 
     calls: Counter = Counter(triton=0, sdpa_prefill=0, torch_decode=0)
 
@@ -694,7 +694,7 @@ def count_attention_calls(device: torch.device) -> Counter:
     attention._prefill = counted("sdpa_prefill", attention._prefill)
     attention._decode = counted("torch_decode", attention._decode)
     if attention.runs_triton(device):
-        from appliance.model import triton_attention
+        from appliance.model.layers import triton_attention
 
         triton_attention.attend = counted("triton", triton_attention.attend)
     return calls
@@ -924,7 +924,7 @@ def section_triton_kernel(scale: Scale) -> Result:
     """The Triton paged-attention kernel on random data in shuffled, NaN-padded pools (a
     read outside a context would show as NaN) against dense float64 attention; then a
     decode and a chunked-prefill launch timed."""
-    from appliance.model import triton_attention
+    from appliance.model.layers import triton_attention
 
     torch.manual_seed(0)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -1389,7 +1389,7 @@ def section_throughput(scale: Scale) -> Result:
     tokens/s and the device memory its steps take above the loaded model."""
     from appliance.engine.llm_engine import LLMEngine
     from appliance.engine.sequence import SamplingParams
-    from appliance.model import attention
+    from appliance.model.layers import paged_attention as attention
 
     kv = {"memory_mb": 2048 if scale.cuda else 256, "prefix_caching": False}
     engine = LLMEngine.from_settings(settings_for(scale, "bfloat16", kv=kv))

@@ -264,7 +264,7 @@ def write_random_folder(folder: Path, shape: Shape, files: int = 4, seed: int = 
     and a byte-level tokenizer of TOKENS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from appliance.model.safetensors_file import write_safetensors
+    from appliance.model.formats.safetensors_file import write_safetensors
 
     folder.mkdir(parents=True)
     tensors = hf_tensors(shape)

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
-from appliance.model.attention import DecodeGroup, sdpa_decode, write_kv
 from appliance.model.cpu_kernels import loading
-from appliance.model.rope import apply_rope
+from appliance.model.layers.paged_attention import DecodeGroup, sdpa_decode, write_kv
+from appliance.model.layers.rotary import apply_rope
 
 BLOCK = 16
 

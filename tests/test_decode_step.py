@@ -8,8 +8,8 @@ import torch
 
 from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
-from appliance.model.attention import AttentionBatch, DecodeGroup
 from appliance.model.decode_step import CompiledDecode, compiled_problem
+from appliance.model.layers.paged_attention import AttentionBatch, DecodeGroup
 
 QUESTIONS = ("What do bees make?", "Name three planets.", "Write a haiku about rain.")
 

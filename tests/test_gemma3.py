@@ -30,9 +30,9 @@ from random_models import (
 from reference import our_prefill_logits
 
 from appliance.engine.sequence import SamplingParams
-from appliance.model import gguf_file
 from appliance.model.decode_step import compiled_problem
 from appliance.model.errors import ModelLoadError
+from appliance.model.formats import gguf_file
 from appliance.model.gemma_config import gemma3_gguf_facts
 from appliance.model.model_config import from_hf_config
 

@@ -31,7 +31,7 @@ from gguf_builder import (
 )
 
 from appliance.model.errors import ModelLoadError
-from appliance.model.gguf_file import (
+from appliance.model.formats.gguf_file import (
     dequantize_tensor,
     open_gguf,
     quant_names,
@@ -40,7 +40,7 @@ from appliance.model.gguf_file import (
     read_weights,
     tensor_index,
 )
-from appliance.model.gguf_names import unpermute_rope_rows
+from appliance.model.formats.gguf_names import unpermute_rope_rows
 from appliance.model.model_config import ModelConfig
 
 Q = GGMLQuantizationType

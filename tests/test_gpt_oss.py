@@ -31,9 +31,10 @@ from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import SchedulerLimits
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.cache import KVCache, KVLayout
-from appliance.model import cpu_kernels, gguf_file
+from appliance.model import cpu_kernels
 from appliance.model.decode_step import compiled_problem
 from appliance.model.errors import ModelLoadError
+from appliance.model.formats import gguf_file
 from appliance.model.model_config import from_hf_config
 from appliance.model.quant import QuantLinear
 

@@ -26,9 +26,9 @@ import pytest
 import torch
 from gguf_builder import model_tensors
 
-from appliance.model import gguf_file
 from appliance.model.errors import ModelLoadError
-from appliance.model.llama import CausalLM
+from appliance.model.families.llama import CausalLM
+from appliance.model.formats import gguf_file
 from appliance.model.loader import default_model_path
 from appliance.model.model_config import ModelConfig
 from appliance.model.tensor_parallel import WHOLE_MODEL, Shard, shard_state
@@ -154,8 +154,8 @@ from pathlib import Path
 import torch
 
 from appliance.engine.shard_loading import build_model
-from appliance.model.gguf_file import read_weights
-from appliance.model.llama import CausalLM
+from appliance.model.formats.gguf_file import read_weights
+from appliance.model.families.llama import CausalLM
 from appliance.model.loader import ModelFiles
 from appliance.model.model_config import ModelConfig
 

@@ -29,8 +29,8 @@ from random_models import (
 
 from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
-from appliance.model.attention import DecodeGroup, sdpa_decode
 from appliance.model.errors import ModelLoadError
+from appliance.model.layers.paged_attention import DecodeGroup, sdpa_decode
 from appliance.model.model_config import from_hf_config
 
 WINDOW = 24
@@ -217,7 +217,7 @@ def test_the_decode_kernel_reads_only_the_window(window: int, dtype: torch.dtype
 _TRITON_CHILD = r"""
 import json
 import torch
-from appliance.model.triton_attention import paged_attention
+from appliance.model.layers.triton_attention import paged_attention
 
 def case(runs, window, dtype, seed):
     gen = torch.Generator().manual_seed(seed)

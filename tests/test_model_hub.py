@@ -261,7 +261,7 @@ def test_a_truncated_safetensors_file_says_its_size(tmp_path: Path) -> None:
     save_file({"w": torch.zeros(64, 64)}, str(whole))
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(whole.read_bytes()[:-100])
-    from appliance.model.safetensors_file import read_safetensors
+    from appliance.model.formats.safetensors_file import read_safetensors
 
     with pytest.raises(ModelLoadError) as excinfo:
         read_safetensors(cut)

@@ -27,8 +27,9 @@ from gguf_builder import (
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from appliance.model import gguf_cache, gguf_file, loader, safetensors_file
+from appliance.model import gguf_cache, loader
 from appliance.model.errors import ModelLoadError
+from appliance.model.formats import gguf_file, safetensors_file
 from appliance.model.gguf_cache import cache_entry
 from appliance.model.loader import ModelFiles, load_model_files
 

@@ -25,8 +25,9 @@ from random_models import (
 from reference import our_prefill_logits
 
 from appliance.engine.sequence import SamplingParams
-from appliance.model import gguf_file, moe
 from appliance.model.errors import ModelLoadError
+from appliance.model.formats import gguf_file
+from appliance.model.layers import moe
 from appliance.model.model_config import ModelConfig, from_hf_config
 from appliance.model.quant import QuantLinear
 

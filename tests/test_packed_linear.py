@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from appliance.engine.shard_loading import build_model
 from appliance.model import packed_linear
-from appliance.model.llama import CausalLM
+from appliance.model.families.llama import CausalLM
 from appliance.model.loader import ModelFiles, default_model_path, load_model_files
 from appliance.model.packed_linear import PackedLinear, pack_linears, packs_linears
 from appliance.settings.config import load_settings
@@ -118,7 +118,7 @@ def test_packing_an_untied_head_packs_that_head(files: ModelFiles) -> None:
 
 
 def prefill_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
-    from appliance.model.attention import AttentionBatch, PrefillSegment
+    from appliance.model.layers.paged_attention import AttentionBatch, PrefillSegment
 
     cfg = model.config
     kv = torch.zeros(cfg.num_layers, 2, 1, 16, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)

@@ -34,10 +34,11 @@ from random_models import (
 from reference import our_prefill_logits
 
 from appliance.engine.sequence import SamplingParams
-from appliance.model import cpu_kernels, gguf_file
+from appliance.model import cpu_kernels
 from appliance.model.errors import ModelLoadError
+from appliance.model.families.phi3 import Phi3Weights, rotary_row_order
+from appliance.model.formats import gguf_file
 from appliance.model.model_config import from_hf_config
-from appliance.model.phi3 import Phi3Weights, rotary_row_order
 
 VOCAB, HIDDEN, FF, LAYERS, HEADS, KV_HEADS = 49152, 64, 128, 2, 4, 2
 ORIGINAL, CONTEXT, PARTIAL = 64, 256, 0.75  # LongRoPE's pretraining length, the context

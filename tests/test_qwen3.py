@@ -21,7 +21,8 @@ from random_models import (
 from reference import our_prefill_logits
 
 from appliance.engine.sequence import SamplingParams
-from appliance.model import cpu_kernels, gguf_file
+from appliance.model import cpu_kernels
+from appliance.model.formats import gguf_file
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 64  # head_dim 64, not hidden / heads = 16
 

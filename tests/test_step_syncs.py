@@ -30,7 +30,7 @@ from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.kv.block_allocator import blocks_for_tokens
-from appliance.model.attention import AttentionBatch, DecodeGroup, PrefillSegment
+from appliance.model.layers.paged_attention import AttentionBatch, DecodeGroup, PrefillSegment
 
 # Tensor calls that hand a value to the host (on CUDA: wait for the device).
 READS = {

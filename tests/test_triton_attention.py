@@ -138,7 +138,7 @@ def _reference(
 def _run_case(case: Case) -> float:
     """The kernel's largest error against the reference, over 1 + |reference| (NaN if it
     produced any NaN)."""
-    from appliance.model import triton_attention
+    from appliance.model.layers import triton_attention
 
     dtype = getattr(torch, case.dtype)
     contexts = [cached + new for cached, new in case.runs]
@@ -180,9 +180,9 @@ def _run_attend(sinks: bool = False) -> float:
     and two decode groups, one out of row order) against attention.paged_attention's CPU
     path: the max abs difference. With `sinks` (and a window): gpt-oss's attention, whose
     CPU path is attend_with_sinks."""
-    from appliance.model import triton_attention
-    from appliance.model.attention import AttentionBatch, DecodeGroup, PrefillSegment
-    from appliance.model.attention import paged_attention as cpu_paged_attention
+    from appliance.model.layers import triton_attention
+    from appliance.model.layers.paged_attention import AttentionBatch, DecodeGroup, PrefillSegment
+    from appliance.model.layers.paged_attention import paged_attention as cpu_paged_attention
 
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     chunks = [(0, 21), (40, 30)]  # prefill: (cached, chunk)

@@ -15,8 +15,13 @@ from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.cache import KVCache
 from appliance.model import cpu_kernels
-from appliance.model.attention import AttentionBatch, DecodeGroup, PrefillSegment, runs_triton
-from appliance.model.llama import CausalLM
+from appliance.model.families.llama import CausalLM
+from appliance.model.layers.paged_attention import (
+    AttentionBatch,
+    DecodeGroup,
+    PrefillSegment,
+    runs_triton,
+)
 
 
 @dataclass

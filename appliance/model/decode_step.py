@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from appliance.model import cpu_kernels
-from appliance.model.attention import AttentionBatch
+from appliance.model.layers.paged_attention import AttentionBatch
 from appliance.model.quant import QuantLinear, projections
 
 if TYPE_CHECKING:
-    from appliance.model.llama import CausalLM, DecoderLayer
+    from appliance.model.families.llama import CausalLM, DecoderLayer
 
 
 def compiled_problem(model: CausalLM) -> str:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from appliance.model import gguf_file, safetensors_file
 from appliance.model.errors import ModelLoadError
+from appliance.model.formats import gguf_file, safetensors_file
 from appliance.model.model_config import ModelConfig
 
 log = logging.getLogger("appliance.model")

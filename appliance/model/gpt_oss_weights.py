@@ -27,8 +27,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from appliance.model.errors import ModelLoadError
+from appliance.model.formats.weight_parts import WeightParts
 from appliance.model.model_config import ModelConfig
-from appliance.model.weight_parts import WeightParts
 
 _EXPERTS = r"model\.layers\.(\d+)\.mlp\.experts\."
 # A folder's stacked tensors -> (the projection, its kind, which of the interleaved

@@ -19,9 +19,12 @@ from pathlib import Path
 
 import torch
 
-from appliance.model import gguf_file, gpt_oss_weights, moe, phi3, safetensors_file
+from appliance.model import gpt_oss_weights
 from appliance.model.errors import ModelLoadError
+from appliance.model.families import phi3
+from appliance.model.formats import gguf_file, safetensors_file
 from appliance.model.gguf_cache import cached_config, cached_weights, gguf_entry
+from appliance.model.layers import moe
 from appliance.model.model_config import ModelConfig, from_hf_config
 from appliance.model.quant import QuantWeight
 from appliance.model.tokenizer import Tokenizer

@@ -22,7 +22,7 @@ from appliance.model import cpu_kernels
 from appliance.model.cpu_kernels import QuantMatrix
 
 if TYPE_CHECKING:
-    from appliance.model.llama import CausalLM
+    from appliance.model.families.llama import CausalLM
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from appliance.model import cpu_kernels
-from appliance.model.attention import AttentionBatch, paged_attention, rotate_and_store
 from appliance.model.decode_step import CompiledDecode
 from appliance.model.errors import ModelLoadError
+from appliance.model.layers.moe import SparseMoE
+from appliance.model.layers.paged_attention import AttentionBatch, paged_attention, rotate_and_store
+from appliance.model.layers.rotary import RotaryEmbedding
 from appliance.model.model_config import ModelConfig
-from appliance.model.moe import SparseMoE
-from appliance.model.rope import RotaryEmbedding
 from appliance.model.tensor_parallel import (
     WHOLE_MODEL,
     AllReduce,

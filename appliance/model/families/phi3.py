@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from appliance.model.formats.weight_parts import WeightParts
 from appliance.model.model_config import ModelConfig
 from appliance.model.quant import QuantWeight
-from appliance.model.weight_parts import WeightParts
 
 # Our fused sources and the projections they hold, in row order.
 _FUSED = {

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from appliance.model.attention import AttentionBatch
-from appliance.model.gpt_oss import GptOssCausalLM
-from appliance.model.llama import MLP, Attention, CausalLM, HeadNorm, sum_partials
+from appliance.model.families.gpt_oss import GptOssCausalLM
+from appliance.model.families.llama import MLP, Attention, CausalLM, HeadNorm, sum_partials
+from appliance.model.layers.paged_attention import AttentionBatch
+from appliance.model.layers.rotary import RotaryEmbedding
 from appliance.model.model_config import ModelConfig
-from appliance.model.rope import RotaryEmbedding
 from appliance.model.tensor_parallel import WHOLE_MODEL, AllReduce, Shard, no_reduce
 
 

@@ -25,10 +25,10 @@ from torch import nn
 
 from appliance.model import cpu_kernels
 from appliance.model.errors import ModelLoadError
+from appliance.model.formats.weight_parts import WeightParts
 from appliance.model.model_config import ModelConfig
 from appliance.model.quant import QuantWeight
 from appliance.model.tensor_parallel import Shard, shard_plan
-from appliance.model.weight_parts import WeightParts
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from appliance.model.llama import Attention, CausalLM
+from appliance.model.families.llama import Attention, CausalLM
+from appliance.model.layers.moe import SparseMoE
 from appliance.model.model_config import ModelConfig
-from appliance.model.moe import SparseMoE
 from appliance.model.tensor_parallel import (
     WHOLE_MODEL,
     AllReduce,

@@ -21,11 +21,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from appliance.model import gguf_names, moe, phi3
 from appliance.model.errors import ModelLoadError
+from appliance.model.families import phi3
+from appliance.model.formats import gguf_names
+from appliance.model.formats.gguf_index import TensorEntry, tensor_index
 from appliance.model.gemma_config import gemma3_gguf_facts
-from appliance.model.gguf_index import TensorEntry, tensor_index
 from appliance.model.gpt_oss_config import gpt_oss_gguf_facts
+from appliance.model.layers import moe
 from appliance.model.model_config import (
     MOE_LAYOUTS,
     OWN_LAYOUTS,

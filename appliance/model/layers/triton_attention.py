@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:  # attention.py imports this module when it first runs on CUDA
-    from appliance.model.attention import AttentionBatch
+    from appliance.model.layers.paged_attention import AttentionBatch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KEY_TILE = 64  # BLOCK_N: keys per loop step; 64 x 128 bf16 = 16 KiB per K (and V) tile

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.model import cpu_kernels
-from appliance.model.rope import apply_rope
+from appliance.model.layers.rotary import apply_rope
 
 # Looked up, not imported: CPU processes never load triton.
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
