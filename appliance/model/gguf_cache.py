@@ -6,8 +6,6 @@ worker that needs them, so later starts only map that file."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import glob
 import hashlib
 import json
@@ -15,10 +13,11 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from appliance.model.errors import ModelLoadError
 from appliance.model.formats import gguf_file, safetensors_file
@@ -189,12 +188,8 @@ def _threads() -> int:
     return min(8, len(os.sched_getaffinity(0)))
 
 
-@contextlib.contextmanager
-def exclusive(lock: Path) -> Iterator[None]:
-    """Held by one process at a time (an advisory lock on `lock`)."""
-    with lock.open("a") as file:
-        fcntl.flock(file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(file, fcntl.LOCK_UN)
+def exclusive(lock: Path) -> FileLock:
+    """Held by one process at a time, used as `with exclusive(path):` (filelock's lock on
+    `lock`: flock where the filesystem has it, else a marker file; the others wait for it,
+    with no timeout). Raises OSError where `lock` cannot be created."""
+    return FileLock(lock)
