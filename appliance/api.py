@@ -25,10 +25,11 @@ from appliance.model.tokenizer import Tokenizer
 from appliance.ops.autopilot import Autopilot
 from appliance.ops.pool_moves import MoveError as MoveError
 from appliance.ops.pool_moves import PoolMover
+from appliance.planner.profile import Profile
 from appliance.pools.pool_state import PoolState
 from appliance.pools.request_flow import Chunk as Chunk
 from appliance.pools.request_flow import RequestFailed as RequestFailed
-from appliance.pools.supervisor import Supervisor
+from appliance.pools.supervisor import Supervisor, online_profile
 from appliance.settings.config import Settings
 from appliance.settings.config import load_settings as load_settings
 from appliance.topology.devices import Topology
@@ -107,6 +108,11 @@ class Appliance:
         """The pools as the server, admin API and metrics read them: read-only, so what
         they do goes through this class's methods (tune, generate_ids, pools)."""
         return self.supervisor
+
+    def profile(self) -> Profile | None:
+        """The step costs the planner plans with now: this box's profile on disk refined by
+        the steps the workers ran lately, or those steps alone (None: neither yet)."""
+        return online_profile(self.supervisor, self.autopilot.profile)
 
     def tune(self, patch: TuningPatch) -> Tuning:
         """Apply new knobs now and return those in force. Raises ValueError for a bad

@@ -137,6 +137,7 @@ ADMIN_CALLS = [
     ("GET", "/admin/events", None),
     ("POST", "/admin/pools", {"device": 2, "to": "prefill"}),
     ("PATCH", "/admin/tuning", {"admission": "paused"}),
+    ("GET", "/admin/profile", None),
 ]
 
 
@@ -151,6 +152,33 @@ def test_admin_calls_need_the_admin_token(
     error = reply.json()["error"]
     assert error["code"] == "invalid_admin_token" and "admin token" in error["message"]
     assert snapshot(pool_server).tuning.admission == "open"  # nothing was done
+
+
+def test_the_profile_is_fitted_from_the_steps_the_workers_ran(pool_server: ServerProcess) -> None:
+    """After traffic, /admin/profile has the step costs of the workers' size, fitted from
+    their steps (on top of a profile on disk, if this machine has one)."""
+
+    def ask(prompt: str) -> None:
+        body = {"model": model_name(None), "prompt": prompt, "max_tokens": 24, "ignore_eos": True}
+        reply = httpx.post(
+            pool_server.url + "/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+
+    prompts = [" ".join(["word"] * (5 + 9 * i)) for i in range(8)]  # prompts of 5..68 words
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(ask, prompts))
+    reply = httpx.get(
+        pool_server.url + "/admin/profile", headers=admin_headers(pool_server), timeout=30
+    )
+    assert reply.status_code == 200, reply.text
+    profile = reply.json()
+    assert "1x1" in profile["workers"]  # one shared core per device
+    decode = profile["workers"]["1x1"]["decode"]
+    assert decode["base_s"] > 0 or decode["per_seq_s"] > 0
 
 
 @pytest.mark.parametrize(

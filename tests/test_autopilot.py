@@ -5,6 +5,7 @@ Prometheus count and on /admin/planner; every KV block is free after."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,9 +133,18 @@ def test_without_a_profile_the_planner_says_what_to_do(tmp_path: Path) -> None:
     settings = load_settings(device="cpu", cpu_devices=2, cache_dir=tmp_path)
     supervisor = Supervisor(settings)
     autopilot = Autopilot(supervisor, PoolMover(supervisor, 10.0), settings)
-    autopilot.start()  # no profile: no loop to start
-    view = autopilot.view()
-    assert "run `appliance profile`" in view.status
-    assert view.decisions == [] and view.next_move is None and view.current == [None, None]
-    with pytest.raises(MoveError, match="has not looked at any traffic"):
-        autopilot.apply()
+
+    async def started_without_a_profile() -> None:
+        autopilot.start()  # no profile: it looks all the same, learning from the steps
+        try:
+            view = autopilot.view()
+            assert "learning the step costs" in view.status
+            assert "run `appliance profile`" in view.status
+            assert view.decisions == [] and view.next_move is None
+            assert view.current == [None, None]
+            with pytest.raises(MoveError, match="has not looked at any traffic"):
+                autopilot.apply()
+        finally:
+            await autopilot.stop()
+
+    asyncio.run(started_without_a_profile())

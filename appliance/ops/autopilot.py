@@ -37,7 +37,7 @@ from appliance.planner.rebalance import (
     mix_of,
 )
 from appliance.planner.simulator import Policy
-from appliance.pools.supervisor import Supervisor
+from appliance.pools.supervisor import Supervisor, online_profile
 from appliance.settings.config import Settings
 
 DECISIONS_KEPT = 10
@@ -69,10 +69,11 @@ class Autopilot:
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
-        """Find the profile and begin looking every interval (the workers are ready)."""
+        """Find the profile and begin looking every interval (the workers are ready).
+        Without one it looks all the same: the steps the workers run are fitted as they
+        come (the online profile), and it plans once a worker size fits."""
         self.profile, self.status = self._find_profile()
-        if self.profile is not None:
-            self._task = asyncio.create_task(self._loop())
+        self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -87,7 +88,10 @@ class Autopilot:
             return None, f"cannot plan: {exc}"
         if found is None:
             model = model_id(self.settings.model or default_model_path())
-            return None, f"no profile of {model}: run `appliance profile` to let it plan"
+            return None, (
+                f"no profile of {model} yet: learning the step costs from the steps the "
+                "workers run (or run `appliance profile` to time the box now)"
+            )
         self.profile_name = str(where)
         return found, "watching"
 
@@ -98,8 +102,12 @@ class Autopilot:
 
     async def look(self, now: float) -> Decision | None:
         """One look at the traffic: decide, record, and move if autopilot is on."""
-        if self.profile is None or not self.supervisor.ready:
+        if not self.supervisor.ready:
             return None
+        # The profile on disk (if any) refined by the steps the workers ran lately.
+        profile = online_profile(self.supervisor, self.profile)
+        if profile is None:
+            return None  # no worker size has steps enough to fit yet
         if (running := self.mover.running) is not None:
             self.status = f"move {running.move_id} of device {running.device} is running"
             return None
@@ -110,7 +118,7 @@ class Autopilot:
         # Simulating every layout a move or two away takes milliseconds to seconds (a big
         # box): off the loop that streams tokens. Only this task touches the memory.
         try:
-            verdict = await asyncio.to_thread(self._decide, window, roles, now, in_place)
+            verdict = await asyncio.to_thread(self._decide, profile, window, roles, now, in_place)
         except (ValueError, ProfileError) as exc:  # e.g. a worker restarting, a size unprofiled
             self.status = f"cannot plan this look: {exc}"
             return None
@@ -125,12 +133,12 @@ class Autopilot:
 
     def _decide(
         self,
+        profile: Profile,
         window: TrafficWindow,
         roles: list[str | None],
         now: float,
         in_place: frozenset[tuple[int, str]],
     ) -> Verdict:
-        assert self.profile is not None  # look() checked
         tuning = self.supervisor.tuning  # the live knobs, which the workers schedule with
         policy = Policy(
             max_num_seqs=tuning.decode_max_seqs,
@@ -142,7 +150,7 @@ class Autopilot:
         size = device_size(self.supervisor)
         return decide(
             window,
-            self.profile,
+            profile,
             roles,
             policy,
             self.slo,

@@ -62,6 +62,7 @@ def admin_routes() -> list[Route]:
         Route("/admin/tuning", tuning, methods=["PATCH"]),
         Route("/admin/planner", planner, methods=["GET"]),
         Route("/admin/planner/apply", apply_plan, methods=["POST"]),
+        Route("/admin/profile", profile, methods=["GET"]),
     ]
 
 
@@ -112,6 +113,16 @@ async def planner(request: Request) -> Response:
     """GET /admin/planner: the rebalancer's PlannerView."""
     admin = _admin(request)
     return JSONResponse(admin.appliance.autopilot.view().model_dump(mode="json"))
+
+
+async def profile(request: Request) -> Response:
+    """GET /admin/profile: the step costs the planner plans with now (the profile on disk
+    refined by the steps the workers ran); 404 until a worker size has steps enough."""
+    admin = _admin(request)
+    current = admin.appliance.profile()
+    if current is None:
+        raise APIError(404, "no profile yet: the workers have not run steps enough to fit")
+    return JSONResponse(current.model_dump(mode="json"))
 
 
 async def apply_plan(request: Request) -> Response:
