@@ -5,6 +5,7 @@ graphs as batch.cuda_graphs turns them on, and chunked prefills with their peak 
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from pathlib import Path
@@ -19,7 +20,7 @@ from .scale import Scale
 if TYPE_CHECKING:
     from appliance.engine.model_runner import ModelRunner
     from appliance.engine.scheduler import SchedulerOutput
-    from appliance.model.families.llama import CausalLM
+    from appliance.model.families.llama import LlamaForCausalLM as CausalLM
     from appliance.model.model_config import ModelConfig
 
 
@@ -31,42 +32,126 @@ def section_bandwidth(scale: Scale) -> Result:
     """A Llama-3-8B-shaped model of random bfloat16 weights: decode steps (runner.run, as
     the engine makes them) of `batch` sequences at a context length, ms per step and the
     GB/s of weights and KV they read, against the device's peak; with the runner's CUDA
-    graphs too where it has them; chunked prefills with their time and peak memory."""
+    graphs too where it has them; chunked prefills with their time and peak memory. The
+    KV pool is sized to the rows that fit the device memory free beside the weights (see
+    plan_rows); a row that does not fit is skipped with the memory it would need."""
     from appliance.engine.model_runner import ModelRunner
     from appliance.engine.sampler import Sampler
     from appliance.kv.cache import KVCache, KVLayout
 
     config = shaped_config(scale)
     model = random_model(config, scale.device)
-    weight_bytes = sum(
-        p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name
+    # What a decode step reads of the weights: all but the embedding, of which it reads
+    # a row per sequence (the model's linear weights are not its parameters: counted
+    # from their shapes).
+    weight_bytes = model_bytes(config) - 2 * config.vocab_size * config.hidden_size
+    layout = KVLayout(
+        config.num_layers, BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.bfloat16
     )
-    layout = KVLayout(config.num_layers, 16, config.num_kv_heads, config.head_dim, torch.bfloat16)
-    kv = KVCache(layout, pool_blocks(scale, layout.block_size), scale.device)
+    plan = plan_rows(scale, free_device_bytes(scale.device))
+    kv = KVCache(layout, plan["pool_blocks"], scale.device)
     runner = ModelRunner(model, kv, Sampler(scale.device))
     per_token = layout.bytes_per_block() // layout.block_size
     limit = hbm_limit(scale.device)
+    fits = [row for row in plan["decode"] if row["fits"]]
     eager = [
-        decode_row(runner, batch, ctx, weight_bytes, per_token, limit, scale)
-        for batch in scale.bandwidth_batches
-        for ctx in scale.bandwidth_contexts
+        decode_row(runner, row["batch"], row["tokens"], weight_bytes, per_token, limit, scale)
+        for row in fits
     ]
-    graphs = graph_rows(runner, weight_bytes, per_token, limit, scale)
-    prefill = [prefill_row(runner, n, scale) for n in scale.bandwidth_prefills]
-    best = max(eager, key=lambda r: r["gb_per_s"])
+    graphs = graph_rows(runner, fits, weight_bytes, per_token, limit, scale)
+    prefill = [prefill_row(runner, row["tokens"], scale) for row in plan["prefill"] if row["fits"]]
+    skipped = [row for row in plan["decode"] + plan["prefill"] if not row["fits"]]
+    best = max(eager, key=lambda r: r["gb_per_s"], default=None)
+    checks = {
+        "some decode row fits the device memory": bool(eager),
+        "the CUDA graph rows raised no error": graphs["status"] != "error",
+    }
+    if scale.cuda:  # elsewhere use_decode_graphs says they are CUDA only: skipped
+        checks["the CUDA graph rows ran"] = graphs["status"] == "ran"
     return verdict(
-        {"every step ran": True},
-        summary=f"best {best['gb_per_s']} GB/s (batch {best['batch']}, context {best['context']})"
-        + (f" of {limit['gb_per_s']} GB/s" if limit["gb_per_s"] else ""),
+        checks,
+        summary=(f"best {best['gb_per_s']} GB/s (batch {best['batch']}, context {best['context']})"
+                 if best else "no decode row fits")
+        + (f" of {limit['gb_per_s']} GB/s" if limit["gb_per_s"] else "")
+        + (f"; {len(skipped)} row(s) skipped: too large for the memory free" if skipped else ""),
         model=dict(zip(("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads",
                         "head_dim"), scale.bandwidth_shape, strict=True)),
         weight_gib=round(weight_bytes / 2**30, 2),
+        memory={k: v for k, v in plan.items() if k not in ("decode", "prefill")},
+        skipped=[{k: row[k] for k in ("kind", "batch", "tokens", "reason")} for row in skipped],
         hbm=limit,
         eager=eager,
         cuda_graphs=graphs,
         prefill=prefill,
         table=[*markdown_table(eager), "", *markdown_table(prefill)],
     )  # fmt: skip
+
+
+# Device memory left beside the weights and the KV pool: the allocator's slack, a step's
+# activations (a 512-token chunk of the 8B shape, its logits included: ~0.5 GiB), the
+# CUDA graphs' memory pool and the prefills' peak.
+HEADROOM_BYTES = 3 * 2**30
+BLOCK_SIZE = 16
+
+
+def model_bytes(config: ModelConfig) -> int:
+    """Bytes of all the weights random_model builds for `config` (bfloat16)."""
+    return sum(2 * math.prod(shape) for shape in weight_shapes(config).values())
+
+
+def block_bytes_of(config: ModelConfig) -> int:
+    """Bytes of one KV block (K and V, every layer, bfloat16)."""
+    return 2 * config.num_layers * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 2
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """The device memory free now (after the weights are loaded); None on the CPU, where
+    the dry run's tiny shapes are not sized."""
+    if device.type != "cuda":
+        return None
+    free_memory()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def plan_rows(scale: Scale, free_bytes: int | None) -> dict[str, Any]:
+    """Which rows run in `free_bytes` of device memory (free beside the weights; None: no
+    limit) and the KV pool they take: a decode row `batch` sequences of ceil(context /
+    16) blocks each, a prefill ceil(tokens / 16), the pool the largest row that fits and
+    one block more, HEADROOM_BYTES kept free. A row that does not fit is skipped, its
+    reason the memory it would need."""
+    block_bytes = block_bytes_of(shaped_config(scale))
+    room = None
+    if free_bytes is not None:
+        room = max(0, (free_bytes - HEADROOM_BYTES) // block_bytes - 1)
+
+    def gib(blocks: int) -> float:
+        return round(blocks * block_bytes / 2**30, 2)
+
+    def row(kind: str, batch: int, tokens: int) -> dict[str, Any]:
+        blocks = batch * -(-tokens // BLOCK_SIZE)
+        planned = {"kind": kind, "batch": batch, "tokens": tokens, "blocks": blocks,
+                   "kv_gib": gib(blocks), "fits": room is None or blocks <= room}  # fmt: skip
+        if not planned["fits"]:
+            planned["reason"] = (
+                f"its KV cache needs {gib(blocks)} GiB; {gib(room or 0)} GiB are free beside "
+                f"the weights and {HEADROOM_BYTES / 2**30:.0f} GiB kept for steps"
+            )
+        return planned
+
+    decode = [
+        row("decode", b, c) for b in scale.bandwidth_batches for c in scale.bandwidth_contexts
+    ]
+    prefill = [row("prefill", 1, n) for n in scale.bandwidth_prefills]
+    pool = max((r["blocks"] for r in decode + prefill if r["fits"]), default=0) + 1
+    return {
+        "free_gib": None if free_bytes is None else round(free_bytes / 2**30, 2),
+        "headroom_gib": HEADROOM_BYTES / 2**30,
+        "block_bytes": block_bytes,
+        "pool_blocks": pool,
+        "pool_gib": gib(pool),
+        "decode": decode,
+        "prefill": prefill,
+    }
 
 
 def shaped_config(scale: Scale) -> ModelConfig:
@@ -86,6 +171,21 @@ def random_model(config: ModelConfig, device: torch.device) -> CausalLM:
     from appliance.engine.shard_loading import build_model
     from appliance.model.loader import ModelFiles
 
+    weights = {
+        name: torch.ones(shape, dtype=torch.bfloat16, device=device)
+        if len(shape) == 1
+        else torch.randn(shape, dtype=torch.bfloat16, device=device).mul_(0.02)
+        for name, shape in weight_shapes(config).items()
+    }
+    files = ModelFiles(Path("random"), config, weights, Path("."))
+    model = build_model(files, torch.bfloat16, device, config.max_position_embeddings)
+    del weights, files
+    free_memory()
+    return model
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each weight's name and shape in a Llama checkpoint of `config` (untied head)."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes = {
@@ -104,24 +204,7 @@ def random_model(config: ModelConfig, device: torch.device) -> CausalLM:
                    p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
                    p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
                    p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}  # fmt: skip
-    weights = {
-        name: torch.ones(shape, dtype=torch.bfloat16, device=device)
-        if len(shape) == 1
-        else torch.randn(shape, dtype=torch.bfloat16, device=device).mul_(0.02)
-        for name, shape in shapes.items()
-    }
-    files = ModelFiles(Path("random"), config, weights, Path("."))
-    model = build_model(files, torch.bfloat16, device, config.max_position_embeddings)
-    del weights, files
-    free_memory()
-    return model
-
-
-def pool_blocks(scale: Scale, block_size: int) -> int:
-    """Blocks for the largest decode batch at the longest context, or the longest prefill."""
-    per_seq = -(-(max(scale.bandwidth_contexts) + 1) // block_size)
-    prefill = -(-max(scale.bandwidth_prefills) // block_size)
-    return max(max(scale.bandwidth_batches) * per_seq, prefill) + 1
+    return shapes
 
 
 def hbm_limit(device: torch.device) -> dict[str, Any]:
@@ -194,21 +277,29 @@ def decode_row(
 
 
 def graph_rows(
-    runner: ModelRunner, weight_bytes: int, per_token: int, limit: dict[str, Any], scale: Scale
+    runner: ModelRunner,
+    fits: list[dict[str, Any]],
+    weight_bytes: int,
+    per_token: int,
+    limit: dict[str, Any],
+    scale: Scale,
 ) -> dict[str, Any]:
-    """The decode rows again with CUDA graphs, turned on as batch.cuda_graphs does
-    (runner.use_decode_graphs: sizes 1, 2, 4, ... up to the largest batch); on the CPU
-    that call says graphs are CUDA only and the rows are skipped."""
+    """The decode rows that fit again with CUDA graphs, turned on as batch.cuda_graphs
+    does (runner.use_decode_graphs: sizes 1, 2, 4, ... up to the largest batch); on the
+    CPU that call says graphs are CUDA only and the rows are skipped. An error (a capture
+    or replay that fails) is the status "error" with its traceback: the section fails."""
     from appliance.engine.model_runner import decode_graph_sizes
 
-    largest, longest = max(scale.bandwidth_batches), max(scale.bandwidth_contexts)
+    if not fits:
+        return {"status": "skipped", "reason": "no decode row fits the device memory"}
+    largest = max(row["batch"] for row in fits)
+    longest = max(row["tokens"] for row in fits)
     try:
         if not runner.use_decode_graphs(largest, longest):
             return {"status": "skipped", "reason": "CUDA graphs apply to CUDA devices only"}
         rows = [
-            decode_row(runner, batch, ctx, weight_bytes, per_token, limit, scale)
-            for batch in scale.bandwidth_batches
-            for ctx in scale.bandwidth_contexts
+            decode_row(runner, row["batch"], row["tokens"], weight_bytes, per_token, limit, scale)
+            for row in fits
         ]
     except Exception:
         return {"status": "error", "error": traceback.format_exc()[-3000:]}

@@ -8,8 +8,8 @@ machine lacks (`--wheels`)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
-import importlib.util
 import os
 import platform
 import subprocess
@@ -100,6 +100,10 @@ def section_environment(scale: Scale) -> Result:
         checks["discover maps every GPU to a torch ordinal"] = bool(gpus) and all(
             d["ordinal"] is not None for d in gpus
         )
+        facts["uuid_mismatches"] = uuid_mismatches(gpus, facts["torch"].get("devices", []))
+        checks["torch's UUID for each GPU's ordinal is the one NVML gave it"] = bool(gpus) and (
+            not facts["uuid_mismatches"]
+        )
     torch_line = f"torch {torch.__version__} (CUDA {torch.version.cuda})"
     devices = (mapping or {}).get("devices", [])
     summary = f"{torch_line}, triton {facts['versions'].get('triton')}, {len(devices)} device(s)"
@@ -118,8 +122,37 @@ def package_versions() -> dict[str, str | None]:
 
 
 def missing_modules() -> list[str]:
-    """The distributions of NEEDED_MODULES that this Python cannot find."""
-    return [dist for module, dist in NEEDED_MODULES.items() if not importlib.util.find_spec(module)]
+    """The distributions of NEEDED_MODULES whose module does not import here, each with
+    why: a module found is not enough (a wheel built for another Python, a dependency
+    missing, a broken install fail only when imported)."""
+    missing = []
+    for module, dist in NEEDED_MODULES.items():
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            missing.append(f"{dist} ({type(exc).__name__}: {str(exc)[:200]})")
+    return missing
+
+
+def uuid_mismatches(gpus: list[dict[str, Any]], torch_devices: list[dict[str, Any]]) -> list[str]:
+    """The GPUs discover mapped (`gpus`: its devices as dicts) whose NVML UUID is not the
+    UUID torch reports for the ordinal it gave them (`torch_devices`: device_facts), so a
+    worker on that ordinal would run on another GPU. NVML writes "GPU-<uuid>", torch the
+    bare uuid."""
+    by_ordinal = {d["ordinal"]: _bare_uuid(d.get("uuid")) for d in torch_devices}
+    mismatches = []
+    for gpu in gpus:
+        nvml, seen = _bare_uuid(gpu.get("uuid")), by_ordinal.get(gpu["ordinal"])
+        if nvml is None or nvml != seen:
+            mismatches.append(
+                f"device {gpu['index']} ({gpu['name']}): NVML {gpu.get('uuid')}, torch "
+                f"cuda:{gpu['ordinal']} {seen}"
+            )
+    return mismatches
+
+
+def _bare_uuid(uuid: str | None) -> str | None:
+    return str(uuid).lower().removeprefix("gpu-") if uuid else None
 
 
 def torch_facts() -> dict[str, Any]:
