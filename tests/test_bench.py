@@ -38,6 +38,8 @@ from appliance.core.goodput import SLO, RequestResult
 from appliance.engine.llm_engine import LLMEngine
 
 BENCH = [sys.executable, "-m", "appliance.cli", "bench"]
+# What a streaming server's reply says it is (the bench reads no other).
+SSE = {"content-type": "text/event-stream"}
 
 
 def test_prompts_have_exact_token_counts(engine: LLMEngine) -> None:
@@ -142,7 +144,8 @@ def test_compare_runs_every_layout_on_the_same_requests(tmp_path: Path) -> None:
 def replay(events: list[str], status: int = 200) -> httpx.AsyncClient:
     """A client whose server answers every request with these SSE lines."""
     body = "".join(f"data: {e}\n\n" for e in events).encode()
-    transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+    answer = lambda request: httpx.Response(status, headers=SSE, content=body)  # noqa: E731
+    transport = httpx.MockTransport(answer)
     return httpx.AsyncClient(transport=transport, base_url="http://peer")
 
 
@@ -280,7 +283,7 @@ def test_a_shift_sends_each_request_at_its_time_and_records_its_phase(
 
     def answer(request: httpx.Request) -> httpx.Response:
         sent.append(time.perf_counter())
-        return httpx.Response(200, content=done.encode())
+        return httpx.Response(200, headers=SSE, content=done.encode())
 
     mock = functools.partial(httpx.AsyncClient, transport=httpx.MockTransport(answer))
     monkeypatch.setattr(runner.httpx, "AsyncClient", mock)
@@ -341,7 +344,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         body = b'data: {"choices": [{"text": " a"}]}\\n\\ndata: [DONE]\\n\\n'
-        self.send_response(200)
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream")
         self.send_header("Content-Length", str(len(body))); self.end_headers()
         self.wfile.write(body)
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), Handler).serve_forever()

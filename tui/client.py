@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from httpx_sse import aconnect_sse
 
 from appliance.admin.schema import Event, Move, Snapshot, Tuning
 from appliance.admin.token import TokenError, read_token
@@ -25,43 +26,11 @@ class AdminError(Exception):
         return f"{self.message} (HTTP {self.status})"
 
 
-class SSEParser:
-    """Turns Server-Sent Events lines into (event name, data) pairs, one per message.
-
-    Feed it lines without their line ends; a blank line ends a message. Comment lines
-    (":" first) are skipped, and so are the `id` and `retry` fields: the console needs
-    neither, since it resumes from a fresh snapshot.
-    """
-
-    def __init__(self) -> None:
-        self._event = ""
-        self._data: list[str] = []
-
-    def feed(self, line: str) -> tuple[str, str] | None:
-        """Take one line; returns the message it completes, if any."""
-        if not line:
-            return self._dispatch()
-        if line.startswith(":"):
-            return None
-        field, _, value = line.partition(":")
-        # the spec strips exactly one space after the colon
-        value = value.removeprefix(" ")
-        if field == "event":
-            self._event = value
-        elif field == "data":
-            self._data.append(value)
-        return None
-
-    def _dispatch(self) -> tuple[str, str] | None:
-        event, data = self._event or "message", self._data
-        self._event, self._data = "", []
-        if not data:
-            return None
-        return event, "\n".join(data)
-
-
 def parse_item(event: str, data: str) -> Snapshot | Event | None:
-    """The model one SSE message carries; None for event names the console doesn't know."""
+    """The model one SSE message carries; None for event names the console doesn't know
+    and for messages without data."""
+    if not data:
+        return None
     if event == "state":
         return Snapshot.model_validate_json(data)
     if event == "event":
@@ -100,14 +69,16 @@ class AdminClient:
 
     async def events(self) -> AsyncIterator[Snapshot | Event]:
         """GET /admin/events: snapshots and events as they come, until the stream ends."""
-        parser = SSEParser()
-        async with self._http.stream("GET", "/admin/events") as response:
+        async with aconnect_sse(self._http, "GET", "/admin/events") as source:
+            response = source.response
             if response.is_error:
                 await response.aread()
                 self._raise_for_error(response)
-            async for line in response.aiter_lines():
-                message = parser.feed(line)
-                item = parse_item(*message) if message else None
+            # httpx-sse parses the stream (and refuses one that is not text/event-stream:
+            # an SSEError, an httpx.HTTPError); `id` and `retry` go unused, since the
+            # console resumes from a fresh snapshot
+            async for message in source.aiter_sse():
+                item = parse_item(message.event, message.data)
                 if item is not None:
                     yield item
 

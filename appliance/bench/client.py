@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource, aconnect_sse
 
 from appliance.bench.workloads import RequestSpec
 from appliance.core.goodput import RequestResult
@@ -40,12 +41,13 @@ async def send(
     sent = time.perf_counter()
     result.start = sent - run_start
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as reply:
+        async with aconnect_sse(client, "POST", "/v1/completions", json=body) as source:
+            reply = source.response
             if reply.status_code != 200:
                 text = (await reply.aread()).decode(errors="replace")
                 result.error = f"HTTP {reply.status_code}: {text[:200]}"
                 return result
-            await _read_events(reply, result, sent, count_tokens)
+            await _read_events(source, result, sent, count_tokens)
     except Exception as exc:  # a bad reply of any kind is a failed request, never a crash
         result.ok = False
         result.error = f"{type(exc).__name__}: {exc}"
@@ -53,15 +55,17 @@ async def send(
 
 
 async def _read_events(
-    reply: httpx.Response, result: RequestResult, sent: float, count_tokens: CountTokens
+    source: EventSource, result: RequestResult, sent: float, count_tokens: CountTokens
 ) -> None:
+    """Time the stream's messages (httpx-sse parses it; a reply that is no
+    text/event-stream raises SSEError); only their data counts, whatever their name."""
     last = sent
     text = ""
     usage_tokens = None
-    async for line in reply.aiter_lines():
-        if not line.startswith("data:"):
+    async for message in source.aiter_sse():
+        data = message.data.strip()
+        if not data:
             continue
-        data = line[5:].strip()
         if data == "[DONE]":
             result.ok = True
             break
