@@ -32,9 +32,9 @@ from reference import our_prefill_logits
 from appliance.engine.sequence import SamplingParams
 from appliance.model.decode_step import compiled_problem
 from appliance.model.errors import ModelLoadError
+from appliance.model.families.gemma3 import gguf_facts
 from appliance.model.formats import gguf_file
-from appliance.model.gemma_config import gemma3_gguf_facts
-from appliance.model.model_config import from_hf_config
+from appliance.model.registry import from_hf_config
 
 VOCAB, WINDOW, HEAD_DIM = 49152, 12, 64  # head_dim 64: the compiled decode kernel's size
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -336,11 +336,11 @@ def test_llama_cpp_defaults_for_what_a_gemma3_gguf_does_not_say() -> None:
     base = from_hf_config(config.to_dict(), "g")
     assert base.layer_types[4:] == ("sliding_attention", "full_attention", "sliding_attention")
     plain = replace(base, architecture="llama", qk_norm=False, layer_types=())
-    facts = gemma3_gguf_facts(plain, {}, "g")
+    facts = gguf_facts(plain, {}, None, "g")
     assert facts.layer_types == base.layer_types and facts.local_rope_theta == 10000.0
-    unwindowed = gemma3_gguf_facts(replace(plain, sliding_window=None), {}, "g")
+    unwindowed = gguf_facts(replace(plain, sliding_window=None), {}, None, "g")
     assert unwindowed.layer_types == () and unwindowed.local_rope_theta == unwindowed.rope_theta
     big = replace(plain, num_layers=62, hidden_size=5376, num_heads=32, head_dim=128)
-    assert gemma3_gguf_facts(big, {}, "g").query_pre_attn_scalar == 168
+    assert gguf_facts(big, {}, None, "g").query_pre_attn_scalar == 168
     with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
-        gemma3_gguf_facts(plain, {"gemma3.attn_logit_softcapping": 50.0}, "g")
+        gguf_facts(plain, {"gemma3.attn_logit_softcapping": 50.0}, None, "g")

@@ -35,8 +35,8 @@ from appliance.model import cpu_kernels
 from appliance.model.decode_step import compiled_problem
 from appliance.model.errors import ModelLoadError
 from appliance.model.formats import gguf_file
-from appliance.model.model_config import from_hf_config
 from appliance.model.quant import QuantLinear
+from appliance.model.registry import from_hf_config
 
 VOCAB, WINDOW, EXPERTS, TOP_K, LIMIT = 49152, 12, 8, 2, 1.5
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]

@@ -27,7 +27,7 @@ import torch
 from gguf_builder import model_tensors
 
 from appliance.model.errors import ModelLoadError
-from appliance.model.families.llama import CausalLM
+from appliance.model.families.llama import LlamaForCausalLM as CausalLM
 from appliance.model.formats import gguf_file
 from appliance.model.loader import default_model_path
 from appliance.model.model_config import ModelConfig
@@ -155,7 +155,7 @@ import torch
 
 from appliance.engine.shard_loading import build_model
 from appliance.model.formats.gguf_file import read_weights
-from appliance.model.families.llama import CausalLM
+from appliance.model.families.llama import LlamaForCausalLM as CausalLM
 from appliance.model.loader import ModelFiles
 from appliance.model.model_config import ModelConfig
 

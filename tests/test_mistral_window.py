@@ -31,7 +31,7 @@ from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
 from appliance.model.errors import ModelLoadError
 from appliance.model.layers.paged_attention import DecodeGroup, sdpa_decode
-from appliance.model.model_config import from_hf_config
+from appliance.model.registry import from_hf_config
 
 WINDOW = 24
 HEAD_DIM = 64  # a head size the compiled decode kernel takes, so its fallback is exercised

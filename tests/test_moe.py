@@ -26,10 +26,13 @@ from reference import our_prefill_logits
 
 from appliance.engine.sequence import SamplingParams
 from appliance.model.errors import ModelLoadError
+from appliance.model.families.mixtral import MoEWeights
 from appliance.model.formats import gguf_file
 from appliance.model.layers import moe
-from appliance.model.model_config import ModelConfig, from_hf_config
+from appliance.model.model_config import ModelConfig
 from appliance.model.quant import QuantLinear
+from appliance.model.registry import from_hf_config
+from appliance.model.tensor_parallel import Shard, shard_plan
 
 VOCAB = 49152  # the embedded model's tokenizer, which save_folder copies
 EXPERTS, TOP_K = 8, 2
@@ -152,7 +155,7 @@ def test_moe_weights_names() -> None:
         "model.layers.1.mlp.experts.0.down_proj.weight": torch.ones(4, 3),
         "model.layers.2.mlp.experts.gate_up_proj": gate_up,
     }
-    loaded = moe.MoEWeights(weights, config)
+    loaded = MoEWeights(weights, config)
     assert sorted(loaded) == sorted(
         [
             "model.layers.0.mlp.gate.weight",
@@ -193,7 +196,9 @@ def test_a_step_runs_only_the_routed_experts() -> None:
     other expert runs; the sum equals every expert computed densely and weighted."""
     torch.manual_seed(0)
     fields = _config_fields() | {"hidden_size": 16, "num_experts": 8, "expert_intermediate_size": 8}
-    block = moe.SparseMoE(ModelConfig.from_dict(fields), moe.Shard())
+    config = ModelConfig.from_dict(fields)
+    columns = len(shard_plan(config, Shard()).expert_columns)
+    block = moe.SparseMoE(16, 8, 2, columns)
     block.requires_grad_(False)
     for param in block.parameters():
         param.normal_()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from appliance.engine.shard_loading import build_model
 from appliance.model import packed_linear
-from appliance.model.families.llama import CausalLM
+from appliance.model.families.llama import LlamaForCausalLM as CausalLM
 from appliance.model.loader import ModelFiles, default_model_path, load_model_files
 from appliance.model.packed_linear import PackedLinear, pack_linears, packs_linears
 from appliance.settings.config import load_settings

@@ -38,7 +38,7 @@ from appliance.model import cpu_kernels
 from appliance.model.errors import ModelLoadError
 from appliance.model.families.phi3 import Phi3Weights, rotary_row_order
 from appliance.model.formats import gguf_file
-from appliance.model.model_config import from_hf_config
+from appliance.model.registry import from_hf_config
 
 VOCAB, HIDDEN, FF, LAYERS, HEADS, KV_HEADS = 49152, 64, 128, 2, 4, 2
 ORIGINAL, CONTEXT, PARTIAL = 64, 256, 0.75  # LongRoPE's pretraining length, the context

@@ -21,7 +21,7 @@ from appliance.kv.sizing import (
     gpu_kv_blocks,
     profile_step_shape,
 )
-from appliance.model.families.llama import CausalLM
+from appliance.model.causal_lm import CausalLM
 from appliance.model.tensor_parallel import WHOLE_MODEL, AllReduce, Shard, no_reduce
 from appliance.settings.config import BatchSettings, Settings
 

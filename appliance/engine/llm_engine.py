@@ -21,7 +21,7 @@ from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache
 from appliance.kv.handoff import CopyStreams, HandoffCopy, KVShard, PendingCopies, start_copy
 from appliance.kv.remote import Copies, RemoteSource, TransferError
-from appliance.model.families.llama import CausalLM
+from appliance.model.causal_lm import CausalLM
 from appliance.model.tensor_parallel import Shard
 from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from appliance.settings.config import Settings

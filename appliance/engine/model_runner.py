@@ -15,7 +15,7 @@ from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.cache import KVCache
 from appliance.model import cpu_kernels
-from appliance.model.families.llama import CausalLM
+from appliance.model.causal_lm import CausalLM
 from appliance.model.layers.paged_attention import (
     AttentionBatch,
     DecodeGroup,

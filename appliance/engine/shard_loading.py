@@ -12,12 +12,12 @@ import torch
 from appliance.engine.kv_pool_sizing import pool_blocks
 from appliance.kv.cache import KVCache, KVLayout
 from appliance.model import cpu_kernels
+from appliance.model.causal_lm import CausalLM
 from appliance.model.decode_step import CompiledDecode, compiled_problem
-from appliance.model.families.gemma3 import model_class
-from appliance.model.families.llama import CausalLM
 from appliance.model.loader import ModelFiles, Selected, load_model_files
 from appliance.model.packed_linear import pack_linears, packs_linears
 from appliance.model.quant import attach_quant, quantizable, quantize_weights, use_gemm_dtype
+from appliance.model.registry import model_class
 from appliance.model.tensor_parallel import (
     WHOLE_MODEL,
     AllReduce,

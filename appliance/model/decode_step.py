@@ -18,7 +18,8 @@ from appliance.model.layers.paged_attention import AttentionBatch
 from appliance.model.quant import QuantLinear, projections
 
 if TYPE_CHECKING:
-    from appliance.model.families.llama import CausalLM, DecoderLayer
+    from appliance.model.causal_lm import CausalLM
+    from appliance.model.layers.decoder import DecoderLayer
 
 
 def compiled_problem(model: CausalLM) -> str:

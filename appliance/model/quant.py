@@ -22,7 +22,7 @@ from appliance.model import cpu_kernels
 from appliance.model.cpu_kernels import QuantMatrix
 
 if TYPE_CHECKING:
-    from appliance.model.families.llama import CausalLM
+    from appliance.model.causal_lm import CausalLM
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ _FUSED = {
     "mlp.down_proj": ("mlp.down_proj",),
 }
 EMBEDDING = "model.embed_tokens.weight"
-# A routed expert's projections (model/moe.py) and the parts they are made of.
+# A routed expert's projections (layers/moe.py) and the parts they are made of.
 _EXPERT_FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
@@ -329,7 +329,7 @@ def _attach_experts(
     dense: dict[str, torch.Tensor],
     spans: dict[str, int],
 ) -> set[str]:
-    """Layer `index`'s routed experts (model/moe.py) whose parts are all in `quant`, each
+    """Layer `index`'s routed experts (layers/moe.py) whose parts are all in `quant`, each
     projection a QuantLinear with its biases from `dense` where it has them (gpt-oss), as
     attach_quant gives the MLP's (the down projections row-parallel); the names now
     served."""

@@ -9,7 +9,7 @@ norms and the LM head are replicated. Splits need not be even: SmolLM2's 3 KV he
 is the first shard's alone, zeros on the others, so the sum adds it once; gpt-oss's sink
 logits go with their query heads.
 
-Routed experts (model/moe.py) are split as the MLP is: every shard holds every expert,
+Routed experts (layers/moe.py) are split as the MLP is: every shard holds every expert,
 each cut by intermediate column (gate/up by row, down by input column), and the router
 whole. Each shard routes the same whole hidden state with the same router, so all pick
 the same experts with no exchange of tokens, and the experts' partial sums join the

@@ -1,6 +1,6 @@
 """Phi-3, Phi-3.5, Phi-4 and Phi-4-mini (config.json model_type and GGUF architecture
-"phi3"): their weights under the names and row orders the decoder (model/llama.py) loads,
-and the facts a GGUF keeps of them.
+"phi3"): llama's decoder (families/llama.py builds it), their weights under the names and
+row orders it loads, and the facts a config.json and a GGUF keep of them.
 
 Phi-3 fuses q/k/v (`qkv_proj`, rows [q; k; v]; a GGUF's `attn_qkv`) and gate/up
 (`gate_up_proj`, rows [gate; up]; a GGUF's `ffn_up`, which holds both). They are cut here
@@ -11,7 +11,7 @@ gate/up by column), the quantized path and the compiled decode step take Phi-3 u
 Partial RoPE (Phi-4-mini turns the first 3/4 of each head, pairing dimension i with
 i + rotary_dim / 2): each head's Q and K rows are reordered at load so that the turned
 dimensions pair as a whole head's do (i with i + head_dim / 2), the unturned ones in the
-pairs left over, which the RoPE tables leave as they are (cos 1, sin 0: model/rope.py).
+pairs left over, which the RoPE tables leave as they are (cos 1, sin 0: layers/rotary.py).
 Q and K move alike, so every q.k (and the attention) is unchanged; V and the output
 projection keep their order. The KV cache holds keys in that order, the same in every
 worker.
@@ -19,14 +19,33 @@ worker.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGUFReader
 
+from appliance.model.families import llama
+from appliance.model.formats.gguf_file import dequantize_tensor
 from appliance.model.formats.weight_parts import WeightParts
-from appliance.model.model_config import ModelConfig
+from appliance.model.model_config import ModelConfig, check_longrope
 from appliance.model.quant import QuantWeight
+
+# The decoder is llama's: the weights are cut to its layout.
+MODEL = llama.LlamaForCausalLM
+
+
+def from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
+    """A phi3 config.json: llama's facts, a partial RoPE allowed (reordered at load)."""
+    return llama.hf_config(cfg, source, "phi3", partial_rotary=True)
+
+
+def weights(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> Mapping[str, torch.Tensor]:
+    """The files' weights under the names and row orders the decoder loads (Phi3Weights)."""
+    return Phi3Weights(weights, config)
+
 
 # Our fused sources and the projections they hold, in row order.
 _FUSED = {
@@ -131,13 +150,19 @@ def split_quant(quant: dict[str, QuantWeight], config: ModelConfig) -> dict[str,
 
 
 def gguf_facts(
-    meta: dict[str, Any], factors: dict[str, list[float]], head_dim: int
-) -> dict[str, Any]:
+    config: ModelConfig, meta: dict[str, Any], reader: GGUFReader, path: Path
+) -> ModelConfig:
     """What a llama.cpp "phi3" GGUF says beyond the common facts: the turned dimensions of
     a head (rope.dimension_count, less than the head for Phi-4-mini), and LongRoPE, whose
-    short and long factors are the tensors rope_factors_short/long (`factors`, by those
-    names) with the pretraining length and attention factor in rope.scaling.*."""
+    short and long factors are the tensors rope_factors_short/long with the pretraining
+    length and attention factor in rope.scaling.*."""
+    factors = {
+        name: dequantize_tensor(t, path).tolist()
+        for t in reader.tensors
+        if (name := t.name.removesuffix(".weight")) in ROPE_FACTOR_NAMES
+    }
     dims = meta.get("phi3.rope.dimension_count")
+    head_dim = config.head_dim
     facts: dict[str, Any] = {"rotary_dim": int(dims) if dims and int(dims) < head_dim else None}
     if factors:
         original = meta.get("phi3.rope.scaling.original_context_length")
@@ -149,4 +174,6 @@ def gguf_facts(
             "original_max_position_embeddings": int(original) if original else None,
             "attention_factor": float(attn) if attn is not None else None,
         }
-    return facts
+    config = dataclasses.replace(config, **facts)
+    check_longrope(config, str(path))
+    return config

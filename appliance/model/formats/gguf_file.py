@@ -8,8 +8,8 @@ GGUF files and safetensors folders alike.
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,34 +21,16 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from appliance.model import registry
 from appliance.model.errors import ModelLoadError
-from appliance.model.families import phi3
 from appliance.model.formats import gguf_names
 from appliance.model.formats.gguf_index import TensorEntry, tensor_index
-from appliance.model.gemma_config import gemma3_gguf_facts
-from appliance.model.gpt_oss_config import gpt_oss_gguf_facts
-from appliance.model.layers import moe
-from appliance.model.model_config import (
-    MOE_LAYOUTS,
-    OWN_LAYOUTS,
-    SUPPORTED_ARCHITECTURES,
-    ModelConfig,
-    check_longrope,
-    check_sliding_window,
-)
+from appliance.model.model_config import ModelConfig, check_sliding_window
 from appliance.model.quant import FORMATS, BlockFormat, QuantWeight
 
 SUPPORTED_QUANTS = frozenset(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
-)
-
-# GGUF architectures named apart from their config.json model_type.
-_GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
-# The file's architectures, under llama.cpp's names.
-_ARCHITECTURES = tuple(
-    {hf: name for name, hf in _GGUF_ARCHITECTURES.items()}.get(a, a)
-    for a in SUPPORTED_ARCHITECTURES
 )
 
 
@@ -92,13 +74,13 @@ def metadata(reader: GGUFReader) -> dict[str, Any]:
 
 
 def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
-    """The architecture facts from the file's metadata."""
+    """The architecture facts from the file's metadata: those every llama.cpp
+    architecture writes alike, then what the family (registry.gguf_family) reads of its
+    own."""
     meta = metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ModelLoadError(
-            path, f"unknown architecture {arch!r} (supported: {', '.join(_ARCHITECTURES)})"
-        )
+    family = registry.gguf_family(arch, path)
+    assert isinstance(arch, str)  # gguf_family() knows it
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -115,9 +97,8 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         raise ModelLoadError(
             path, f"metadata key {arch}.vocab_size is missing and the file has no token list"
         )
-    layout = MOE_LAYOUTS.get(_GGUF_ARCHITECTURES.get(arch, arch), arch)
     config = ModelConfig(
-        architecture=layout if layout in OWN_LAYOUTS else "llama",
+        architecture=family.gguf[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -134,19 +115,10 @@ def read_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         eos_token_ids=_stop_ids(reader),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=_sliding_window(meta.get(f"{arch}.attention.sliding_window"), arch, path),
-        **moe.gguf_facts(meta, arch, tensor_names, path),
+        **_experts(meta, arch, tensor_names, path),
     )
-    if arch == "phi3":
-        factors = {
-            name: dequantize_tensor(t, path).tolist()
-            for t in reader.tensors
-            if (name := t.name.removesuffix(".weight")) in phi3.ROPE_FACTOR_NAMES
-        }
-        config = dataclasses.replace(config, **phi3.gguf_facts(meta, factors, config.head_dim))
-        check_longrope(config, str(path))
-    if arch == "gpt-oss":
-        return gpt_oss_gguf_facts(config, meta, str(path))
-    return gemma3_gguf_facts(config, meta, str(path)) if arch == "gemma3" else config
+    facts = getattr(family.module(), "gguf_facts", None)
+    return config if facts is None else facts(config, meta, reader, path)
 
 
 def _sliding_window(value: Any, arch: str, path: Path) -> int | None:
@@ -172,6 +144,33 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
     if kind == "linear" and factor:
         return {"rope_type": "linear", "factor": float(factor)}
     return None
+
+
+def _experts(meta: dict[str, Any], arch: Any, names: set[str], path: Path) -> dict[str, Any]:
+    """A mixture-of-experts file's routed experts (llama.cpp's Mixtral is a "llama" with
+    expert_count; "qwen3moe"): the layers with a router route, the others keep a dense
+    MLP. Weights renormalized unless expert_weights_norm says not (llama.cpp always
+    renormalizes Mixtral's and Qwen3-MoE's)."""
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return {}
+    layers = int(meta[f"{arch}.block_count"])
+    used = int(meta.get(f"{arch}.expert_used_count") or 0)
+    if not 0 < used <= experts:
+        raise ModelLoadError(path, f"{arch}.expert_used_count {used} of {experts} experts")
+    width = meta.get(f"{arch}.expert_feed_forward_length") or meta[f"{arch}.feed_forward_length"]
+    if any(re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", n) for n in names):
+        old = "experts stored one tensor each (an old Mixtral GGUF) are not supported"
+        raise ModelLoadError(path, f"{old}; convert it again")
+    return {
+        "num_experts": experts,
+        "experts_per_token": used,
+        "expert_intermediate_size": int(width),
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        "dense_layers": tuple(
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names
+        ),
+    }
 
 
 def read_weights(path: Path, config: ModelConfig) -> GGUFWeights:

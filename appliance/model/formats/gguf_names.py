@@ -27,7 +27,7 @@ LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-    # Routed experts (model/moe.py): the router, each projection's experts stacked.
+    # Routed experts (layers/moe.py): the router, each projection's experts stacked.
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
@@ -41,7 +41,7 @@ GEMMA3_NAMES = LAYER_NAMES | {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-# gpt-oss (model/gpt_oss.py): biases on o, the router and each projection's stacked
+# gpt-oss (families/gpt_oss.py): biases on o, the router and each projection's stacked
 # experts, a sink logit per head, and the norm before the experts as llama.cpp names it.
 GPT_OSS_NAMES = LAYER_NAMES | {
     "post_attention_norm.weight": "post_attention_layernorm.weight",

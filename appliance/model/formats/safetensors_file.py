@@ -129,7 +129,9 @@ def write_safetensors(
     layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     pieces: Iterable[tuple[str, torch.Tensor]],
 ) -> None:
-    """A safetensors file written a piece at a time: `layout` gives each tensor's shape
+    """A safetensors file written a piece at a time (ours: the safetensors library writes
+    a file only from whole tensors held in memory, which for a dequantized GGUF would be
+    the whole model at once): `layout` gives each tensor's shape
     and dtype, in file order, and `pieces` their values in that order, as (name,
     row-major piece), each cast to its tensor's dtype as it is written. Written beside
     `path`, then renamed: a crash never leaves half a file."""

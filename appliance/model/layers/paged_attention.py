@@ -116,7 +116,7 @@ def paged_attention(
     last `window` keys only (None: its whole context). `sinks` [heads]: each head's sink
     logit, in every softmax's denominator (None: none)."""
     if runs_triton(q.device):
-        from appliance.model import triton_attention  # on first CUDA use, never on CPU
+        from appliance.model.layers import triton_attention  # on first CUDA use, never on CPU
 
         return triton_attention.attend(q, k_cache, v_cache, batch, scale, window, sinks)
     groups = batch.decode_groups

@@ -122,7 +122,7 @@ class RotaryEmbedding:
     """Cos/sin tables for every position up to max_positions, applied to Q and K together.
 
     A model that turns only `rotary_dim` of each head's dimensions (partial RoPE) has its
-    Q/K rows reordered at load (model/phi3.py) so that the turned ones pair as a whole
+    Q/K rows reordered at load (families/phi3.py) so that the turned ones pair as a whole
     head's would; the pairs left are given cos 1, sin 0, which leave them as they are."""
 
     def __init__(
