@@ -1,4 +1,9 @@
-"""Shared fixtures: the embedded model is loaded once per test session."""
+"""Shared fixtures: the embedded model is loaded once per test session.
+
+The slow lane carries the `process` mark: tests that start processes (a server, workers, the
+command) or run a whole model: those using a fixture that does (marked here), and those
+that start their own (marked in their module). The quick lane, the pure and light in-process
+tests, is `pytest -m "not process"`."""
 
 from __future__ import annotations
 
@@ -14,6 +19,19 @@ from appliance.kv.cache import KVCache, KVLayout
 from appliance.model import cpu_kernels
 from appliance.model.loader import default_model_path
 from appliance.settings.config import load_settings
+
+# Fixtures that start an `appliance serve` or other boxes, or load the embedded model or
+# transformers' reference: a test using one is in the slow lane.
+PROCESS_FIXTURES = frozenset(
+    {"server", "pool_server", "autopilot_server", "fault_server", "service", "cluster", "boxes"}
+    | {"engine", "quant_engine", "make_engine", "hf_reference"}
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.process)
 
 
 @pytest.fixture(scope="session")

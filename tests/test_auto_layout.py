@@ -93,6 +93,7 @@ def test_the_planner_picks_two_colocated_workers_on_a_prompt_bound_box(profile_f
     }
 
 
+@pytest.mark.process
 def test_serve_layout_auto_runs_the_planned_layout(profile_file: Path) -> None:
     server = ServerProcess(
         {
@@ -122,6 +123,7 @@ def test_serve_layout_auto_runs_the_planned_layout(profile_file: Path) -> None:
         assert server.stop() == 0
 
 
+@pytest.mark.process
 def test_serve_layout_auto_without_a_profile_refuses_and_says_what_to_do(tmp_path: Path) -> None:
     env = {"APPLIANCE_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run(
@@ -160,6 +162,7 @@ def test_without_a_profile_a_cpu_box_runs_every_device_colocated(tmp_path: Path)
         planned_settings(load_settings(cache_dir=tmp_path, planner={"layout": "auto"}))
 
 
+@pytest.mark.process
 def test_a_fresh_serve_starts_at_once_on_the_rule(tmp_path: Path) -> None:
     server = ServerProcess(
         {

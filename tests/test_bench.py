@@ -120,6 +120,7 @@ def test_bench_counts_failed_requests(server: ServerProcess, tmp_path: Path) -> 
     assert all("HTTP 401" in r["error"] for r in saved["results"])
 
 
+@pytest.mark.process
 def test_compare_runs_every_layout_on_the_same_requests(tmp_path: Path) -> None:
     args = ["compare", "--configs", "ours", "--workload", "fixed", "--input-len", "16"]
     args += ["--output-len", "6", "--num-requests", "3", "--warmup", "0"]

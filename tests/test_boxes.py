@@ -28,6 +28,8 @@ from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.remote import nixl_available
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 PROMPTS = [
     "The lighthouse keeper wrote in his log that the ship",
     "Three things every garden needs are",

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 APPLIANCE = [sys.executable, "-m", "appliance.cli"]
 
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 from server_process import API_KEY, ServerProcess
 from textual.pilot import Pilot
 from traffic import Traffic
@@ -19,6 +20,8 @@ from tui.app import ConsoleApp
 from tui.client import AdminClient
 from tui.components.device_card import DeviceCard
 from tui.components.tuning_form import TuningForm
+
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 
 SIZE = (140, 44)
 MOVE_BOUND_S = 240.0

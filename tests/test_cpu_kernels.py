@@ -20,6 +20,8 @@ from appliance.model.cpu_kernels import loading
 from appliance.model.layers.paged_attention import DecodeGroup, sdpa_decode, write_kv
 from appliance.model.layers.rotary import apply_rope
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 BLOCK = 16
 
 

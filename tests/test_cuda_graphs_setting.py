@@ -8,10 +8,12 @@ import logging
 
 import pytest
 
-from appliance.settings import engine as engine_settings
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.model_runner import ModelRunner, decode_graph_sizes
+from appliance.settings import engine as engine_settings
 from appliance.settings.config import BatchSettings, KVSettings, SettingsError, load_settings
+
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 
 
 def test_off_by_default_and_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,8 @@ from appliance.model import cpu_kernels
 from appliance.model.decode_step import CompiledDecode, compiled_problem
 from appliance.model.layers.paged_attention import AttentionBatch, DecodeGroup
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 QUESTIONS = ("What do bees make?", "Name three planets.", "Write a haiku about rain.")
 
 

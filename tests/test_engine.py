@@ -9,6 +9,8 @@ from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.model.cpu_kernels import loading
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 GREEDY = SamplingParams(max_tokens=24)
 TEXT = (
     "The river wound through the valley, past farms and mills, until it reached the old "

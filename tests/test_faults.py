@@ -21,6 +21,8 @@ from server_process import ServerProcess, wait_until
 from appliance.admin.schema import Snapshot, WorkerInfo
 from appliance.model.loader import model_name
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 CLIENTS = 50
 REQUESTS_PER_CLIENT = 3
 MAX_TOKENS = 16

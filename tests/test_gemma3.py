@@ -36,6 +36,8 @@ from appliance.model.families.gemma3 import gguf_facts
 from appliance.model.formats import gguf_file
 from appliance.model.registry import from_hf_config
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 VOCAB, WINDOW, HEAD_DIM = 49152, 12, 64  # head_dim 64: the compiled decode kernel's size
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 

@@ -10,8 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from test_model_loader import read_directly, write_gguf
+
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -38,6 +38,8 @@ from appliance.model.formats import gguf_file
 from appliance.model.quant import QuantLinear
 from appliance.model.registry import from_hf_config
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 VOCAB, WINDOW, EXPERTS, TOP_K, LIMIT = 49152, 12, 8, 2, 1.5
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
 # YaRN over a short pretraining length, so the ramp between the scaled and unscaled

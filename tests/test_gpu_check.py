@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 SECTIONS = (
     "environment",

@@ -15,6 +15,8 @@ from appliance.engine.sequence import SamplingParams
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.handoff import copy_blocks
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 TEXT = (
     "A lighthouse keeper kept a log of every ship that passed, the weather, the tides "
     "and the birds, and after forty years the log filled a whole shelf of the tower."

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL = ROOT / "install.sh"
 BASH = shutil.which("bash") or "/bin/bash"

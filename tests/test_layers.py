@@ -137,6 +137,7 @@ def test_no_module_is_named_like_its_package() -> None:
     assert named_alike == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", TORCH_FREE)
 def test_pure_parts_load_without_torch(name: str) -> None:
     loaded = "sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3]"

@@ -33,6 +33,8 @@ from appliance.model.loader import default_model_path
 from appliance.model.model_config import ModelConfig
 from appliance.model.tensor_parallel import WHOLE_MODEL, Shard, shard_state
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 MiB = 2**20

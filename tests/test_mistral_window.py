@@ -33,6 +33,8 @@ from appliance.model.errors import ModelLoadError
 from appliance.model.layers.paged_attention import DecodeGroup, sdpa_decode
 from appliance.model.registry import from_hf_config
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 WINDOW = 24
 HEAD_DIM = 64  # a head size the compiled decode kernel takes, so its fallback is exercised
 

@@ -296,6 +296,7 @@ def assert_one_line_refusal(result: subprocess.CompletedProcess, *words: str) ->
         assert word in result.stderr, f"{word!r} not in {result.stderr!r}"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", ["test/tiny-llama", "test/tiny-gguf:Q8_0"])
 def test_generate_serves_a_model_by_name(hf_home: Path, tmp_path: Path, name: str) -> None:
     result = appliance(
@@ -304,6 +305,7 @@ def test_generate_serves_a_model_by_name(hf_home: Path, tmp_path: Path, name: st
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("name", "words"),
     [
@@ -319,6 +321,7 @@ def test_generate_refuses_a_bad_name_in_one_line(
     assert_one_line_refusal(result, *words)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", ["test/tiny-llama", "test/tiny-gguf:Q8_0"])
 def test_serve_answers_as_the_model_it_was_named_by(
     hf_home: Path, tmp_path: Path, name: str
@@ -349,16 +352,19 @@ def test_serve_answers_as_the_model_it_was_named_by(
         assert server.stop() == 0
 
 
+@pytest.mark.process
 def test_serve_refuses_a_name_not_in_the_cache_in_one_line(hf_home: Path, tmp_path: Path) -> None:
     result = appliance(hf_home, tmp_path, "serve", "--model", "test/absent", "--port", "0")
     assert_one_line_refusal(result, "not in the local Hugging Face cache")
 
 
+@pytest.mark.process
 def test_pull_refuses_offline(hf_home: Path, tmp_path: Path) -> None:
     result = appliance(hf_home, tmp_path, "pull", "test/absent", HF_HUB_OFFLINE="1")
     assert_one_line_refusal(result, "HF_HUB_OFFLINE")
 
 
+@pytest.mark.process
 def test_pull_from_an_unreachable_hub_fails_fast(hf_home: Path, tmp_path: Path) -> None:
     start = time.monotonic()
     result = appliance(hf_home, tmp_path, "pull", "test/absent", HF_ENDPOINT="http://127.0.0.1:9")
@@ -366,6 +372,7 @@ def test_pull_from_an_unreachable_hub_fails_fast(hf_home: Path, tmp_path: Path) 
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.process
 def test_models_lists_the_cache(hf_home: Path, tmp_path: Path) -> None:
     result = appliance(hf_home, tmp_path, "models")
     assert result.returncode == 0, result.stderr

@@ -34,6 +34,8 @@ from appliance.model.quant import QuantLinear
 from appliance.model.registry import from_hf_config
 from appliance.model.tensor_parallel import Shard, shard_plan
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 VOCAB = 49152  # the embedded model's tokenizer, which save_folder copies
 EXPERTS, TOP_K = 8, 2
 

@@ -13,6 +13,8 @@ from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.settings.config import load_settings
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 RAW_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",

@@ -40,6 +40,8 @@ from appliance.model.families.phi3 import Phi3Weights, rotary_row_order
 from appliance.model.formats import gguf_file
 from appliance.model.registry import from_hf_config
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 VOCAB, HIDDEN, FF, LAYERS, HEADS, KV_HEADS = 49152, 64, 128, 2, 4, 2
 ORIGINAL, CONTEXT, PARTIAL = 64, 256, 0.75  # LongRoPE's pretraining length, the context
 

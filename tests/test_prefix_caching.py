@@ -4,8 +4,12 @@ memory pressure never touches a running sequence."""
 
 from __future__ import annotations
 
+import pytest
+
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
+
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 SYSTEM = (

@@ -151,6 +151,7 @@ def test_a_cpu_box_is_timed_whole_halved_and_quartered() -> None:
     assert all(len(r.device.cores) == int(r.unit.split("x")[0]) for r in runs)
 
 
+@pytest.mark.process
 def test_profiling_the_default_model_times_each_worker_size(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     done = subprocess.run(

@@ -24,6 +24,8 @@ from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
 from appliance.model.formats import gguf_file
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 64  # head_dim 64, not hidden / heads = 16
 
 

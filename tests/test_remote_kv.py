@@ -28,6 +28,8 @@ from appliance.kv.remote import (
 )
 from appliance.settings.cluster import ClusterSettings
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 TEXT = (
     "A lighthouse keeper kept a log of every ship that passed, the weather, the tides "
     "and the birds, and after forty years the log filled a whole shelf of the tower."

@@ -18,6 +18,8 @@ from appliance.pools.supervisor import Supervisor
 from appliance.settings.config import load_settings
 from appliance.topology.devices import Device, Topology
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 GREEDY = SamplingParams(max_tokens=16)
 QUESTIONS = [
     "What is the capital of France?",

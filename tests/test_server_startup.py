@@ -11,9 +11,12 @@ import sys
 import threading
 
 import httpx
+import pytest
 from server_process import wait_until
 
 from appliance.settings.config import load_settings
+
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 
 
 def test_a_port_0_server_says_what_it_loads_and_the_port_it_got() -> None:

@@ -22,6 +22,8 @@ from server_process import ServerProcess, wait_until
 
 from appliance.model.loader import model_name
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 UNIT = Path(__file__).resolve().parents[1] / "systemd" / "appliance.service"
 AGENT_UNIT = UNIT.with_name("appliance-agent.service")
 

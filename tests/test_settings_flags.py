@@ -158,6 +158,7 @@ def test_settings_from_a_file_travel_to_worker_processes(tmp_path: Path) -> None
     assert again == settings and again.batch.max_num_seqs == 3
 
 
+@pytest.mark.process
 def test_version_and_a_quick_help() -> None:
     version = subprocess.run(
         [sys.executable, "-m", "appliance.cli", "--version"], capture_output=True, text=True
@@ -200,10 +201,12 @@ def serve_with_a_file(tmp_path: Path, before: bool) -> None:
         assert server.stop() == 0
 
 
+@pytest.mark.process
 def test_serve_reads_its_config_file_given_before_the_subcommand(tmp_path: Path) -> None:
     serve_with_a_file(tmp_path, before=True)
 
 
+@pytest.mark.process
 def test_serve_reads_its_config_file_given_after_the_subcommand(tmp_path: Path) -> None:
     serve_with_a_file(tmp_path, before=False)
 
@@ -216,6 +219,7 @@ def test_a_chat_template_is_read_from_its_file_once(tmp_path: Path) -> None:
         parsed("--chat-template", str(tmp_path / "nope.jinja"))
 
 
+@pytest.mark.process
 def test_generate_renders_the_chat_template_given(tmp_path: Path) -> None:
     """The model's own template is replaced: this one refuses every conversation."""
     template = tmp_path / "t.jinja"

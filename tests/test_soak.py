@@ -15,9 +15,12 @@ import asyncio
 
 import httpx
 import psutil
+import pytest
 from server_process import API_KEY, ServerProcess
 
 from appliance.model.loader import model_name
+
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 
 REQUESTS = 240
 CONCURRENCY = 8

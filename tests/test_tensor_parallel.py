@@ -35,6 +35,8 @@ from appliance.model.tensor_parallel import (
 from appliance.ops.pool_moves import MoveError
 from appliance.settings.config import load_settings
 
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
 GREEDY = SamplingParams(max_tokens=16)
 
 
