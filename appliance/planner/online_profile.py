@@ -26,6 +26,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
 from appliance.engine.step_timing import StepTiming
+from appliance.planner.analytic_specs import Efficiency
 from appliance.planner.fitting import fit_step_cost
 from appliance.planner.profile import (
     HandoffCost,
@@ -67,11 +68,13 @@ FEATURES = MappingProxyType(
         "mixed": ("tokens", "seqs", "attended", "context"),
     }
 )
-# What a box's own steps do not show, where no base profile says: planner/analytic_specs.py's
-# Efficiency defaults (host 200 us a step, 20 us a streamed token; a handoff's 1 ms of
-# control messages), and a copy at memory (CPU) or PCIe (GPU) speed.
-HOST = HostCost(per_step_s=200e-6, per_token_s=20e-6)
-HANDOFF_BASE_S = 1e-3
+# What a box's own steps do not show, where no base profile says: the analytic profiles'
+# Efficiency defaults (host costs a step and a streamed token; a handoff's control
+# messages), and a copy at memory (CPU) or PCIe (GPU) speed.
+HOST = HostCost(
+    per_step_s=Efficiency().host_step_us / 1e6, per_token_s=Efficiency().host_token_us / 1e6
+)
+HANDOFF_BASE_S = Efficiency().handoff_base_us / 1e6
 COPY_BYTES_PER_S = {"cpu": 5e9, "cuda": 20e9}
 
 
