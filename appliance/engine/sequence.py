@@ -7,6 +7,25 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match, as plain data (it travels to worker processes,
+    which build their own grammar matcher from it and replay the tokens so far).
+
+    kind "json": `spec` is a JSON schema as JSON text; "json_object": any JSON object
+    (`spec` empty); "regex": a regular expression; "choice": a JSON list of strings;
+    "grammar": a grammar (Lark or GBNF) as text."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        kinds = ("json", "json_object", "regex", "choice", "grammar")
+        if self.kind not in kinds:
+            raise ValueError(f"structured output kind must be one of {kinds}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -21,12 +40,24 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # added to the model's own end tokens
     ignore_eos: bool = False
+    # vLLM's penalties: presence and frequency over the generated tokens, repetition over
+    # prompt and generated (1: off); logit_bias as (token id, bias) pairs.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0  # drop tokens under min_p times the likeliest one's probability
+    min_tokens: int = 0  # end tokens and stop token ids are masked until this many
+    logprobs: int | None = None  # None: none; k: the sampled token's and the top k
+    processed_logprobs: bool = False  # False: the model's raw distribution (vLLM's default)
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple(tuple(p) for p in self.logit_bias))
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (
@@ -36,6 +67,24 @@ class SamplingParams:
             (self.top_k >= 0, f"top_k must be >= 0 (0 turns it off), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                0 < self.repetition_penalty <= 2,
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+            ),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
