@@ -23,7 +23,17 @@ from appliance.settings.config import load_settings
 # Fixtures that start an `appliance serve` or other boxes, or load the embedded model or
 # transformers' reference: a test using one is in the slow lane.
 PROCESS_FIXTURES = frozenset(
-    {"server", "pool_server", "autopilot_server", "fault_server", "service", "cluster", "boxes"}
+    {
+        "server",
+        "colocated_server",
+        "layout_server",
+        "pool_server",
+        "autopilot_server",
+        "fault_server",
+        "service",
+        "cluster",
+        "boxes",
+    }
     | {"engine", "quant_engine", "make_engine", "hf_reference"}
 )
 
@@ -95,6 +105,31 @@ def server() -> Iterator[ServerProcess]:
     process.start()
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="session")
+def colocated_server() -> Iterator[ServerProcess]:
+    """One `appliance serve` in the colocated layout (each worker prefills and decodes its
+    own requests), otherwise as `server`: the other layout of the request-field tests."""
+    process = ServerProcess(
+        {
+            "APPLIANCE_API_KEY": API_KEY,
+            "APPLIANCE_SERVER__MAX_CONCURRENT_REQUESTS": "40",
+            "APPLIANCE_KV__MEMORY_MB": "128",
+            "APPLIANCE_MODE": "colocated",
+        }
+    )
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(params=["split", "colocated"])
+def layout_server(
+    request: pytest.FixtureRequest, server: ServerProcess, colocated_server: ServerProcess
+) -> ServerProcess:
+    """Each layout's shared server in turn: a test using it runs on both."""
+    return server if request.param == "split" else colocated_server
 
 
 @pytest.fixture(scope="session")
