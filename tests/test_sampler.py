@@ -7,12 +7,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from appliance.engine.sampler import Sampler, batch_probabilities
+from appliance.engine.sampler import Sampler, SampleRow, batch_probabilities
 from appliance.engine.sampler import _cuts as cuts_of
 from appliance.engine.sequence import SamplingParams
 
 CPU = torch.device("cpu")
 VOCAB = 32
+
+
+def draw(
+    sampler: Sampler, logits: torch.Tensor, requests: list[tuple[int, SamplingParams]]
+) -> list[int]:
+    """The tokens `sampler` picks for rows of (seq_id, params) with no token history."""
+    return sampler.sample(logits, [SampleRow(i, p) for i, p in requests]).token_ids
 
 
 def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
@@ -27,7 +34,7 @@ def support(probs: torch.Tensor) -> set[int]:
 def test_greedy_is_argmax() -> None:
     logits = random_logits(4)
     requests = [(i, SamplingParams()) for i in range(4)]
-    tokens = Sampler(CPU).sample(logits, requests)
+    tokens = draw(Sampler(CPU), logits, requests)
     assert tokens == logits.argmax(dim=-1).tolist()
     assert all(isinstance(t, int) for t in tokens)
 
@@ -36,14 +43,14 @@ def test_greedy_picks_hand_made_maximum() -> None:
     logits = torch.full((2, VOCAB), -1.0)
     logits[0, 17] = 5.0
     logits[1, 3] = 0.5
-    assert Sampler(CPU).sample(logits, [(0, SamplingParams()), (1, SamplingParams())]) == [17, 3]
+    assert draw(Sampler(CPU), logits, [(0, SamplingParams()), (1, SamplingParams())]) == [17, 3]
 
 
 def test_same_seed_same_tokens_across_sampler_instances() -> None:
     params = SamplingParams(temperature=1.0, seed=1234)
     first, second = Sampler(CPU), Sampler(CPU)
-    a = [first.sample(random_logits(1, step), [(7, params)])[0] for step in range(20)]
-    b = [second.sample(random_logits(1, step), [(7, params)])[0] for step in range(20)]
+    a = [draw(first, random_logits(1, step), [(7, params)])[0] for step in range(20)]
+    b = [draw(second, random_logits(1, step), [(7, params)])[0] for step in range(20)]
     assert a == b
     assert len(set(a)) > 1  # really sampled, not a constant
 
@@ -54,7 +61,7 @@ def test_different_seeds_differ() -> None:
     for seed in (1, 2):
         sampler = Sampler(CPU)
         params = SamplingParams(temperature=1.0, seed=seed)
-        runs.append([sampler.sample(logits, [(0, params)])[0] for _ in range(20)])
+        runs.append([draw(sampler, logits, [(0, params)])[0] for _ in range(20)])
     assert runs[0] != runs[1]
 
 
@@ -64,7 +71,7 @@ def test_seeded_row_does_not_depend_on_the_rest_of_the_batch() -> None:
     solo_tokens, batch_tokens = [], []
     for step in range(15):
         logits = random_logits(1, step)
-        solo_tokens.append(alone.sample(logits, [(5, params)])[0])
+        solo_tokens.append(draw(alone, logits, [(5, params)])[0])
         others = random_logits(3, 1000 + step)
         batch = torch.cat([others[:1], logits, others[1:]])
         requests = [
@@ -73,7 +80,7 @@ def test_seeded_row_does_not_depend_on_the_rest_of_the_batch() -> None:
             (2, SamplingParams(temperature=1.3)),  # unseeded
             (3, SamplingParams()),  # greedy
         ]
-        tokens = crowded.sample(batch, requests)
+        tokens = draw(crowded, batch, requests)
         batch_tokens.append(tokens[1])
         assert tokens[3] == int(others[2].argmax())
     assert solo_tokens == batch_tokens
@@ -83,10 +90,10 @@ def test_seed_follows_the_request_not_the_row() -> None:
     params = SamplingParams(temperature=1.0, seed=42)
     logits = torch.zeros(2, VOCAB)
     sampler = Sampler(CPU)
-    row_first = [sampler.sample(logits[:1], [(10, params)])[0] for _ in range(10)]
+    row_first = [draw(sampler, logits[:1], [(10, params)])[0] for _ in range(10)]
     other = Sampler(CPU)
     moved = [
-        other.sample(logits, [(11, SamplingParams(temperature=1.0, seed=3)), (10, params)])[1]
+        draw(other, logits, [(11, SamplingParams(temperature=1.0, seed=3)), (10, params)])[1]
         for _ in range(10)
     ]
     assert row_first == moved
@@ -96,9 +103,9 @@ def test_forget_restarts_the_seeded_stream() -> None:
     params = SamplingParams(temperature=1.0, seed=5)
     logits = torch.zeros(1, VOCAB)
     sampler = Sampler(CPU)
-    first = [sampler.sample(logits, [(0, params)])[0] for _ in range(8)]
+    first = [draw(sampler, logits, [(0, params)])[0] for _ in range(8)]
     sampler.forget(0)
-    again = [sampler.sample(logits, [(0, params)])[0] for _ in range(8)]
+    again = [draw(sampler, logits, [(0, params)])[0] for _ in range(8)]
     assert first == again
     sampler.forget(12345)  # unknown ids are fine
 
@@ -106,7 +113,7 @@ def test_forget_restarts_the_seeded_stream() -> None:
 def test_top_k_one_equals_greedy() -> None:
     logits = random_logits(6, seed=3)
     params = SamplingParams(temperature=1.5, top_k=1, seed=0)
-    tokens = Sampler(CPU).sample(logits, [(i, params) for i in range(6)])
+    tokens = draw(Sampler(CPU), logits, [(i, params) for i in range(6)])
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
@@ -116,7 +123,7 @@ def test_tiny_top_p_keeps_only_the_top_token() -> None:
     probs = Sampler.probabilities(logits, params)
     assert support(probs) == {int(logits.argmax())}
     assert float(probs.max()) == pytest.approx(1.0)
-    tokens = Sampler(CPU).sample(logits[None], [(0, SamplingParams(temperature=1.0, top_p=1e-6))])
+    tokens = draw(Sampler(CPU), logits[None], [(0, SamplingParams(temperature=1.0, top_p=1e-6))])
     assert tokens == [int(logits.argmax())]
 
 
@@ -181,7 +188,7 @@ def test_sampled_tokens_stay_inside_the_support() -> None:
     logits = torch.tensor([[0.1, 3.0, -2.0, 2.5, 0.0, 1.0, -1.0, 2.0]])
     params = SamplingParams(temperature=2.0, top_k=2, seed=11)
     sampler = Sampler(CPU)
-    drawn = {sampler.sample(logits, [(0, params)])[0] for _ in range(50)}
+    drawn = {draw(sampler, logits, [(0, params)])[0] for _ in range(50)}
     assert drawn == {1, 3}
 
 
@@ -191,7 +198,7 @@ def test_empirical_frequencies_follow_probabilities() -> None:
     sampler = Sampler(CPU)
     counts = [0] * 4
     for _ in range(600):
-        counts[sampler.sample(logits, [(0, params)])[0]] += 1
+        counts[draw(sampler, logits, [(0, params)])[0]] += 1
     assert counts[2] == 0
     expected = torch.softmax(logits[0], -1).tolist()
     for token in (0, 1, 3):
@@ -209,7 +216,7 @@ def seeded_counts(logits: torch.Tensor, params: SamplingParams, draws: int) -> t
     """Token counts of `draws` rows of the same logits, each with its own seed, sampled
     in one call (the batched path)."""
     requests = [(i, replace(params, seed=i)) for i in range(draws)]
-    tokens = Sampler(CPU).sample(logits.expand(draws, -1).contiguous(), requests)
+    tokens = draw(Sampler(CPU), logits.expand(draws, -1).contiguous(), requests)
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).double()
 
 
@@ -277,7 +284,7 @@ def test_batched_draws_follow_the_distribution(
 def test_one_seeded_request_over_many_steps_follows_the_distribution() -> None:
     params = SamplingParams(temperature=1.5, top_k=5, seed=31)
     sampler = Sampler(CPU)
-    tokens = [sampler.sample(SMALL[None], [(0, params)])[0] for _ in range(2000)]
+    tokens = [draw(sampler, SMALL[None], [(0, params)])[0] for _ in range(2000)]
     counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
     expected = hand_made([0, 1, 2, 3, 4], torch.softmax(SMALL / 1.5, -1))
     assert counts[5] == 0
@@ -289,7 +296,7 @@ def test_unseeded_rows_follow_the_distribution() -> None:
     # bar is loose (a false alarm about once in a million runs).
     draws = 3000
     requests = [(i, SamplingParams(temperature=1.0, top_p=0.9)) for i in range(draws)]
-    tokens = Sampler(CPU).sample(SMALL.expand(draws, -1).contiguous(), requests)
+    tokens = draw(Sampler(CPU), SMALL.expand(draws, -1).contiguous(), requests)
     counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
     expected = hand_made([0, 1, 2, 3], torch.softmax(SMALL, -1))  # cumulative .85 < .9
     assert counts[4:].sum() == 0
@@ -299,7 +306,7 @@ def test_unseeded_rows_follow_the_distribution() -> None:
 def test_unseeded_requests_differ_between_samplers() -> None:
     logits = torch.zeros(1, VOCAB)
     params = SamplingParams(temperature=1.0)
-    runs = [[Sampler(CPU).sample(logits, [(0, params)])[0] for _ in range(20)] for _ in "ab"]
+    runs = [[draw(Sampler(CPU), logits, [(0, params)])[0] for _ in range(20)] for _ in "ab"]
     assert runs[0] != runs[1]
 
 
@@ -315,7 +322,7 @@ def test_mixed_batch_rows_each_follow_their_own_settings() -> None:
     ]
     sampler = Sampler(CPU)
     for _ in range(20):
-        tokens = sampler.sample(logits, requests)
+        tokens = draw(sampler, logits, requests)
         assert all(isinstance(t, int) for t in tokens)
         assert tokens[0] == int(logits[0].argmax())
         assert tokens[1] == int(logits[1].argmax())
@@ -330,13 +337,13 @@ def test_seeded_row_ignores_what_the_others_cut() -> None:
     alone, crowded = Sampler(CPU), Sampler(CPU)
     for step in range(15):
         logits = random_logits(3, 500 + step)
-        solo = alone.sample(logits[1:2], [(9, params)])[0]
+        solo = draw(alone, logits[1:2], [(9, params)])[0]
         requests = [
             (1, SamplingParams(temperature=0.9, top_k=4, seed=1)),
             (9, params),
             (2, SamplingParams(temperature=1.0, top_p=0.7, seed=2)),
         ]
-        assert crowded.sample(logits, requests)[1] == solo
+        assert draw(crowded, logits, requests)[1] == solo
 
 
 def test_batch_rows_equal_single_row_probabilities() -> None:
@@ -347,13 +354,12 @@ def test_batch_rows_equal_single_row_probabilities() -> None:
         SamplingParams(temperature=1.4, top_p=0.8),
         SamplingParams(temperature=1.0, top_k=7, top_p=0.6),
     ]
-    requests = list(enumerate(settings))
     batch = batch_probabilities(
         logits,
         torch.tensor([p.temperature for p in settings]),
         torch.tensor([p.top_k for p in settings]),
         torch.tensor([p.top_p for p in settings]),
-        cuts=cuts_of(requests, VOCAB),
+        cuts=cuts_of(settings, VOCAB),
     )
     for row, params in enumerate(settings):
         assert torch.equal(batch[row], Sampler.probabilities(logits[row], params))
@@ -366,4 +372,4 @@ def test_zero_noise_never_picks_a_cut_token(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, **_: self.zero_())
     logits = torch.tensor([[float("-inf"), 1.0, float("-inf"), 3.0, 2.0]])
     params = SamplingParams(temperature=1.0, top_k=2, seed=1)
-    assert Sampler(CPU).sample(logits, [(0, params)]) == [3]
+    assert draw(Sampler(CPU), logits, [(0, params)]) == [3]

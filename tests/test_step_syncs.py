@@ -26,7 +26,7 @@ from appliance.engine.model_runner import (
     move_to,
     pack_to,
 )
-from appliance.engine.sampler import Sampler
+from appliance.engine.sampler import Sampler, SampleRow
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.kv.block_allocator import blocks_for_tokens
@@ -152,10 +152,13 @@ def test_a_step_that_samples_nothing_reads_nothing(runner: ModelRunner) -> None:
 def test_sampling_reads_once_however_many_random_rows() -> None:
     logits = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
     requests = [
-        (i, SamplingParams(temperature=0.5 + i / 10, top_k=i % 5, top_p=0.5 + i / 40, seed=i))
+        SampleRow(
+            i, SamplingParams(temperature=0.5 + i / 10, top_k=i % 5, top_p=0.5 + i / 40, seed=i)
+        )
         for i in range(16)
     ]
-    tokens, reads = counted(lambda: Sampler(torch.device("cpu")).sample(logits, requests))
+    sampled, reads = counted(lambda: Sampler(torch.device("cpu")).sample(logits, requests))
+    tokens = sampled.token_ids
     assert reads == ["tolist"]
     assert len(tokens) == 16
 

@@ -10,7 +10,8 @@ from typing import Any, Protocol
 import torch
 
 from appliance.engine.decode_groups import decode_groups
-from appliance.engine.sampler import Sampler
+from appliance.engine.logprobs import TokenLogprobs
+from appliance.engine.sampler import Sampler, SampleRow
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.cache import KVCache
@@ -120,6 +121,8 @@ class ModelRunner:
         ) or runs_triton(model.device)
         # Off unless enable_decode_graphs() is called (CUDA only, not yet run on a GPU).
         self.decode_graphs: DecodeGraphs | None = None
+        # The last run's logprobs, of the sequences that asked for them.
+        self.logprobs: dict[int, TokenLogprobs] = {}
 
     def enable_decode_graphs(self, batch_sizes: tuple[int, ...], max_len: int) -> None:
         """Capture CUDA graphs of decode-only steps of these batch sizes, for sequences of
@@ -151,7 +154,9 @@ class ModelRunner:
         return True
 
     def run(self, out: SchedulerOutput) -> dict[int, int]:
-        """Compute the step; return {seq_id: next token} for sequences whose chunk completed."""
+        """Compute the step; return {seq_id: next token} for sequences whose chunk completed.
+        The logprobs of those that asked for them are in `self.logprobs` until the next run."""
+        self.logprobs = {}
         inputs = self.prepare(out)  # built on the host: followers are sent these
         if self.followers is not None:
             self.followers.run_step(inputs)
@@ -164,11 +169,15 @@ class ModelRunner:
             if not inputs.sample_requests:
                 return {}
             logits = self.model.logits(hidden[inputs.sample_rows])
-        # The step's one read from the device: the sampled ids, all rows at once.
-        tokens = self.sampler.sample(logits, inputs.sample_requests)
-        return {
-            seq_id: tok for (seq_id, _), tok in zip(inputs.sample_requests, tokens, strict=True)
+        # The sampler's rows carry the token lists its processors read: built here, not
+        # in StepInputs (which followers are sent), in prepare's order.
+        rows = [SampleRow.of(chunk.seq) for chunk in out.chunks if chunk.completes]
+        # The step's one read from the device: the sampled ids (and logprobs), all rows.
+        sampled = self.sampler.sample(logits, rows)
+        self.logprobs = {
+            row.seq_id: lp for row, lp in zip(rows, sampled.logprobs, strict=True) if lp is not None
         }
+        return {row.seq_id: tok for row, tok in zip(rows, sampled.token_ids, strict=True)}
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's flat token batch as host (CPU) tensors."""

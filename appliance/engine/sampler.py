@@ -1,18 +1,75 @@
-"""Picking next tokens from logits: greedy, temperature, top-k, top-p, per-request seeds.
+"""Picking next tokens from logits: logits processing, greedy, temperature, top-k, top-p,
+min-p, per-request seeds, and the log probabilities requests ask for.
 
 A step's rows are sampled together with batched tensor ops, whatever mix of greedy and
-random rows and of settings it holds: per-row temperature, top-k and top-p travel as
-tensors, and the draw is an exponential race, argmax(probs / E) with E ~ Exp(1) drawn
-per vocabulary entry, which picks token i with probability probs[i] (it is the Gumbel-max
-trick in probability space). Nothing reads the device until the step's token ids are
-complete: `sample` reads them once with one `.tolist()`, the step's only host sync.
+random rows and of settings it holds: per-row settings travel as tensors, and the draw is
+an exponential race, argmax(probs / E) with E ~ Exp(1) drawn per vocabulary entry, which
+picks token i with probability probs[i] (it is the Gumbel-max trick in probability space).
+Nothing reads the device until the step's results are complete: `sample` reads them once
+with one `.tolist()` (token ids, and logprobs where asked, packed in one tensor), the
+step's only host sync.
+
+The order, vLLM's: `process_logits` (structured-output mask, logit_bias, min_tokens,
+penalties), then `_pick` (temperature, min_p, top-k, top-p, the draw; greedy rows take
+the argmax of the processed logits).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from collections.abc import Sequence as Ids
+from dataclasses import dataclass
+
 import torch
 
-from appliance.engine.sequence import SamplingParams
+from appliance.engine.logprobs import TokenLogprobs
+from appliance.engine.penalties import apply_penalties, token_counts
+from appliance.engine.sequence import SamplingParams, Sequence
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One row of a step's logits to sample: the request and what its processors read."""
+
+    seq_id: int
+    params: SamplingParams
+    token_ids: Ids[int] = ()  # prompt + output so far (read during the step, never written)
+    num_prompt_tokens: int = 0
+    end_token_ids: frozenset[int] = frozenset()  # the model's end tokens (none: ignore_eos)
+
+    @classmethod
+    def of(cls, seq: Sequence) -> SampleRow:
+        """The row of a sequence whose chunk completes this step."""
+        return cls(seq.seq_id, seq.params, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids)
+
+    @property
+    def output_ids(self) -> Ids[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def masks_end(self) -> bool:
+        """Whether min_tokens still holds the end tokens and stop token ids back."""
+        return len(self.token_ids) - self.num_prompt_tokens < self.params.min_tokens
+
+    @property
+    def penalized(self) -> bool:
+        p = self.params
+        return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+    @property
+    def processed(self) -> bool:
+        """Whether process_logits changes this row (a greedy row then takes the argmax of
+        the processed logits, not of the model's)."""
+        p = self.params
+        return p.structured is not None or bool(p.logit_bias) or self.masks_end or self.penalized
+
+
+@dataclass
+class Sampled:
+    """A step's draw: a token per row, and its TokenLogprobs where the row asked."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
 
 
 class Sampler:
@@ -27,74 +84,102 @@ class Sampler:
         self._shared = torch.Generator(device=device)
         self._shared.seed()
 
-    def sample(self, logits: torch.Tensor, requests: list[tuple[int, SamplingParams]]) -> list[int]:
-        """logits float32 [rows, vocab], one row per (seq_id, params); returns a token per row.
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
+        """logits float32 [rows, vocab], one row per SampleRow; returns a token per row and
+        the logprobs of the rows that ask for them.
 
-        Reads the device once: the step's token ids, together."""
-        return self.sample_tensor(logits, requests).tolist()
+        Reads the device once: the step's token ids (and logprobs), together."""
+        processed = self.process_logits(logits, rows)
+        want = any(row.params.logprobs is not None for row in rows)
+        tokens, probs = self._pick(processed, rows, keep_probs=want)
+        if not want:
+            return Sampled(tokens.tolist(), [None] * len(rows))
+        table = logprob_table(logits, processed, probs, tokens, rows)
+        return read_logprobs(table.tolist(), rows)
 
-    def sample_tensor(
-        self, logits: torch.Tensor, requests: list[tuple[int, SamplingParams]]
-    ) -> torch.Tensor:
-        """Like `sample`, but the token ids stay on the logits' device ([rows] int64): no
-        host sync, so a caller (or a CUDA graph later) can queue more work behind them."""
+    def sample_tensor(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Like `sample` without logprobs, but the token ids stay on the logits' device
+        ([rows] int64): no host sync, so a caller (or a CUDA graph later) can queue more
+        work behind them."""
+        return self._pick(self.process_logits(logits, rows), rows, keep_probs=False)[0]
+
+    def process_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """The one place logits change before temperature and the draw, in vLLM's order.
+        Returns `logits` itself when no row needs any of it, a new tensor otherwise."""
+        if not any(row.processed for row in rows):
+            return logits
+        logits = logits.clone()  # [rows, vocab]: the raw ones stay for raw logprobs
+        # 1. Structured output: the grammar mask of rows with params.structured goes here
+        #    (helper B's one call), before the bias or the penalties can favour a token
+        #    the grammar forbids.
+        # 2. logit_bias, 3. min_tokens, 4. repetition, presence and frequency penalties.
+        add_logit_bias(logits, rows)
+        mask_end_tokens(logits, rows)
+        return penalize(logits, rows)
+
+    def _pick(
+        self, logits: torch.Tensor, rows: list[SampleRow], *, keep_probs: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [rows] int64 from processed logits: greedy rows their argmax, the others
+        a draw after temperature, min_p, top-k and top-p; and (keep_probs) the random rows'
+        probabilities [rows, vocab] (None when every row is greedy)."""
         greedy = logits.argmax(dim=-1)
-        if all(params.greedy for _, params in requests):
-            return greedy  # the common case costs one argmax, as it always did
-        settings = self._settings(requests, logits.device)
-        probs = batch_probabilities(logits, *settings, cuts=_cuts(requests, logits.shape[-1]))
-        noise = self._noise(probs, requests)
-        drawn = probs.div_(noise).argmax(dim=-1)
+        if all(row.params.greedy for row in rows):
+            return greedy, None  # the common case costs one argmax, as it always did
+        params = [row.params for row in rows]
+        temperature, top_k, top_p, min_p = self._settings(params, logits.device)
+        probs = batch_probabilities(
+            logits, temperature, top_k, top_p, min_p=min_p, cuts=_cuts(params, logits.shape[-1])
+        )
+        noise = self._noise(probs, rows)
+        drawn = (probs / noise if keep_probs else probs.div_(noise)).argmax(dim=-1)
         # Greedy rows took a placeholder temperature of 1 above; their argmax wins here.
-        return torch.where(settings[0] == 0, greedy, drawn)
+        return torch.where(temperature == 0, greedy, drawn), probs if keep_probs else None
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """[vocab] logits -> [vocab] probabilities after temperature, top-k and top-p: one
-        row of what `sample` draws from."""
+        """[vocab] logits -> [vocab] probabilities after temperature, min_p, top-k and
+        top-p: one row of what `sample` draws from (logits already processed)."""
         if params.greedy:
             return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
         vocab = logits.shape[-1]
-        settings = (
-            torch.tensor([params.temperature], dtype=torch.float32, device=logits.device),
-            torch.tensor([params.top_k], dtype=torch.int64, device=logits.device),
-            torch.tensor([params.top_p], dtype=torch.float32, device=logits.device),
-        )
-        return batch_probabilities(logits[None], *settings, cuts=_cuts([(0, params)], vocab))[0]
+        settings = Sampler._settings([params], logits.device)
+        return batch_probabilities(
+            logits[None], *settings[:3], min_p=settings[3], cuts=_cuts([params], vocab)
+        )[0]
 
+    @staticmethod
     def _settings(
-        self, requests: list[tuple[int, SamplingParams]], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-row temperature (0 for greedy rows), top_k and top_p as [rows] tensors on
-        `device`."""
+        params: list[SamplingParams], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per-row temperature (0 for greedy rows), top_k, top_p and min_p (None when no
+        row has one) as [rows] tensors on `device`."""
         # Greedy rows (temperatures below GREEDY_BELOW too) travel as 0: the mark that
         # picks their argmax, and no division by a tiny temperature.
-        temperature = [0.0 if params.greedy else params.temperature for _, params in requests]
-        top_k = [params.top_k for _, params in requests]
-        top_p = [params.top_p for _, params in requests]
+        temperature = [0.0 if p.greedy else p.temperature for p in params]
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
         return (
             _upload(temperature, torch.float32, device),
-            _upload(top_k, torch.int64, device),
-            _upload(top_p, torch.float32, device),
+            _upload([p.top_k for p in params], torch.int64, device),
+            _upload([p.top_p for p in params], torch.float32, device),
+            _upload(min_p, torch.float32, device) if any(min_p) else None,
         )
 
-    def _noise(
-        self, probs: torch.Tensor, requests: list[tuple[int, SamplingParams]]
-    ) -> torch.Tensor:
+    def _noise(self, probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Exp(1) noise [rows, vocab]: a seeded row's from its own generator (so its draw
         depends on nothing else in the batch), the others' from the shared one in one call."""
         noise = torch.empty_like(probs)
         seeded = [
-            (row, seq_id, params)
-            for row, (seq_id, params) in enumerate(requests)
-            if params.seed is not None and not params.greedy
+            (index, row)
+            for index, row in enumerate(rows)
+            if row.params.seed is not None and not row.params.greedy
         ]
-        if len(seeded) < len(requests):
+        if len(seeded) < len(rows):
             noise.exponential_(generator=self._shared)
-        for row, seq_id, params in seeded:
+        for index, row in seeded:
             # One launch per seeded row, but no sync: the row's generator advances on the
             # device like the row's tokens do.
-            noise[row].exponential_(generator=self._generator(seq_id, params))
+            noise[index].exponential_(generator=self._generator(row.seq_id, row.params))
         # Exp(1) can round to 0: 0/0 would be NaN, which argmax prefers. The smallest
         # normal float keeps every quotient finite and a zero probability at zero.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
@@ -115,10 +200,122 @@ class Sampler:
         self._generators.pop(seq_id, None)
 
 
-def _cuts(requests: list[tuple[int, SamplingParams]], vocab: int) -> tuple[int, bool]:
+def add_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Add each row's logit_bias to its logits [rows, vocab], in place, in one scatter."""
+    vocab = logits.shape[-1]
+    entries = [
+        (index, token, bias)
+        for index, row in enumerate(rows)
+        for token, bias in row.params.logit_bias
+        if 0 <= token < vocab
+    ]
+    if not entries:
+        return
+    index, tokens, biases = zip(*entries, strict=True)
+    device = logits.device
+    logits.index_put_(
+        (_upload(list(index), torch.int64, device), _upload(list(tokens), torch.int64, device)),
+        _upload(list(biases), logits.dtype, device),
+        accumulate=True,
+    )
+
+
+def mask_end_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """min_tokens: rows with fewer outputs than that cannot end yet, so their end tokens
+    and stop token ids get -inf, in place (vLLM's MinTokensLogitsProcessor)."""
+    vocab = logits.shape[-1]
+    entries = [
+        (index, token)
+        for index, row in enumerate(rows)
+        if row.masks_end
+        for token in sorted(row.end_token_ids | set(row.params.stop_token_ids))
+        if 0 <= token < vocab
+    ]
+    if not entries:
+        return
+    index, tokens = zip(*entries, strict=True)
+    device = logits.device
+    where = (_upload(list(index), torch.int64, device), _upload(list(tokens), torch.int64, device))
+    logits.index_put_(where, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
+
+
+def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The penalized rows' logits after their penalties (penalties.py), the others as
+    they are. Counts are built only for the rows that have a penalty."""
+    chosen = [index for index, row in enumerate(rows) if row.penalized]
+    if not chosen:
+        return logits
+    picked = [rows[i] for i in chosen]
+    device, vocab = logits.device, logits.shape[-1]
+    # The prompt counts only for repetition: others skip its (possibly long) ids.
+    prompts = [
+        row.token_ids[: row.num_prompt_tokens] if row.params.repetition_penalty != 1 else ()
+        for row in picked
+    ]
+    params = [row.params for row in picked]
+    where = _upload(chosen, torch.int64, device)
+    penalized = apply_penalties(
+        logits[where],
+        token_counts(prompts, vocab, device),
+        token_counts([row.output_ids for row in picked], vocab, device),
+        _upload([p.presence_penalty for p in params], torch.float32, device),
+        _upload([p.frequency_penalty for p in params], torch.float32, device),
+        _upload([p.repetition_penalty for p in params], torch.float32, device),
+    )
+    return logits.index_copy_(0, where, penalized.to(logits.dtype))
+
+
+def logprob_table(
+    raw: torch.Tensor,
+    processed: torch.Tensor,
+    probs: torch.Tensor | None,
+    tokens: torch.Tensor,
+    rows: list[SampleRow],
+) -> torch.Tensor:
+    """The step's logprobs in one tensor [rows, 3 + 2k] float64 (k: the largest number of
+    top logprobs a row asks for), to read with the token ids in one sync: per row the
+    sampled token, its logprob, its rank, the top k ids, their logprobs.
+
+    A row's distribution is the model's raw one, or with processed_logprobs the one it was
+    drawn from: after processing, and for random rows after temperature and the cuts
+    (cut tokens at -inf), as vLLM's processed_logprobs mode."""
+    logprobs = raw.float().log_softmax(-1)  # [rows, vocab]
+    wants = [row.params.processed_logprobs for row in rows]
+    if any(wants):
+        done = processed.float().log_softmax(-1)
+        if probs is not None:
+            random = [not row.params.greedy for row in rows]
+            done = torch.where(_upload(random, torch.bool, raw.device)[:, None], probs.log(), done)
+        logprobs = torch.where(_upload(wants, torch.bool, raw.device)[:, None], done, logprobs)
+    k = max(row.params.logprobs or 0 for row in rows)
+    chosen = logprobs.gather(1, tokens[:, None])  # [rows, 1]
+    rank = (logprobs > chosen).sum(-1, keepdim=True) + 1
+    top = logprobs.topk(k, dim=-1)  # [rows, k] each
+    parts = (tokens[:, None], chosen, rank, top.indices, top.values)
+    return torch.cat([part.double() for part in parts], dim=1)
+
+
+def read_logprobs(table: list[list[float]], rows: list[SampleRow]) -> Sampled:
+    """A Sampled from logprob_table's rows, read to the host."""
+    k = (len(table[0]) - 3) // 2 if table else 0
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    for values, row in zip(table, rows, strict=True):
+        tokens.append(int(values[0]))
+        asked = row.params.logprobs
+        if asked is None:
+            logprobs.append(None)
+            continue
+        ids, lps = values[3 : 3 + asked], values[3 + k : 3 + k + asked]
+        top = tuple((int(i), lp) for i, lp in zip(ids, lps, strict=True))
+        logprobs.append(TokenLogprobs(int(values[0]), values[1], int(values[2]), top))
+    return Sampled(tokens, logprobs)
+
+
+def _cuts(params: Iterable[SamplingParams], vocab: int) -> tuple[int, bool]:
     """What the batch's rows cut, known on the host without reading the device: the
     largest top-k that cuts anything (0: none does), and whether any row has top-p."""
-    sampled = [params for _, params in requests if not params.greedy]
+    sampled = [p for p in params if not p.greedy]
     top_k = max((p.top_k for p in sampled if 0 < p.top_k < vocab), default=0)
     return top_k, any(p.top_p < 1.0 for p in sampled)
 
@@ -129,15 +326,22 @@ def batch_probabilities(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     *,
+    min_p: torch.Tensor | None = None,
     cuts: tuple[int, bool],
 ) -> torch.Tensor:
     """[rows, vocab] logits -> probabilities, each row after its own temperature [rows]
-    (0, a greedy row, counts as 1), top_k [rows] (0 or >= vocab: no cut) and top_p [rows]
-    (1: no cut). `cuts` (from _cuts) lets a batch skip the sort or the top-k it does not
-    need. A row's result depends on nothing else in the batch, whatever the others cut."""
+    (0, a greedy row, counts as 1), min_p [rows] (0: no cut; None: no row has one), top_k
+    [rows] (0 or >= vocab: no cut) and top_p [rows] (1: no cut), in vLLM's order. `cuts`
+    (from _cuts) lets a batch skip the sort or the top-k it does not need. A row's result
+    depends on nothing else in the batch, whatever the others cut."""
     max_k, any_top_p = cuts
     vocab = logits.shape[-1]
     logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if min_p is not None:
+        # vLLM's: drop tokens less likely than min_p times the likeliest, after temperature.
+        probs = logits.softmax(-1)
+        floor = min_p[:, None] * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     if not max_k and not any_top_p:
         return logits.softmax(-1)
     # Rows without a top-k keep everything: their threshold is -inf.

@@ -12,7 +12,7 @@ import torch
 
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.model_runner import move_to
-from appliance.engine.sampler import Sampler
+from appliance.engine.sampler import Sampler, SampleRow
 from appliance.engine.sequence import SamplingParams
 from appliance.settings.config import load_settings
 
@@ -33,7 +33,7 @@ def test_cuda_upload_and_sampling_never_sync() -> None:
     device = torch.device("cuda")
     logits = torch.randn(8, 1000, device=device)
     requests = [
-        (i, SamplingParams(temperature=0.0 if i == 0 else 1.0, top_k=i, top_p=0.9, seed=i))
+        SampleRow(i, SamplingParams(temperature=0.0 if i == 0 else 1.0, top_k=i, top_p=0.9, seed=i))
         for i in range(8)
     ]
     sampler = Sampler(device)
