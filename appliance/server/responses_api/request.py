@@ -1,0 +1,311 @@
+"""The body of POST /v1/responses: its fields, what is refused (a 400 naming the field),
+and the chat messages and sampling parameters it becomes.
+
+This server keeps nothing between requests, so whatever needs a stored response or
+conversation is refused, as are OpenAI's built-in tools and image, file or audio inputs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import Field
+
+from appliance.api import SamplingParams
+from appliance.engine.sequence import StructuredOutput
+from appliance.server.errors import APIError
+from appliance.server.protocol import Body
+
+# Raw-body fields that need state this server does not keep (each with why), refused when
+# sent with a value that asks for it. `store` is not among them: see `ResponsesRequest`.
+STATEFUL_FIELDS = {
+    "previous_response_id": "this server stores no responses: send the earlier turns' items "
+    "in `input` instead",
+    "conversation": "this server stores no conversations: send the earlier turns' items in "
+    "`input` instead",
+    "prompt": "this server stores no prompt templates: send the prompt in `input`",
+}
+TEXT_PARTS = ("input_text", "output_text", "text")
+# Items a client replays from an earlier response that carry nothing a prompt needs: a
+# reasoning item is the model's own thinking, which chat templates drop from earlier turns.
+SKIPPED_ITEMS = ("reasoning",)
+
+
+def refuse_unserved(body: dict[str, Any]) -> None:
+    """Raise a 400 naming the first field of the raw body that asks for something this
+    server does not do (checked before validation, so the answer names it plainly)."""
+    for name, why in STATEFUL_FIELDS.items():
+        if body.get(name) is not None:
+            raise _refused(name, f"{name} is not supported: {why}")
+    if body.get("background") is True:
+        raise _refused(
+            "background",
+            "background is not supported: this server stores no "
+            "responses to poll; send background: false or leave it out",
+        )
+    if body.get("truncation") == "auto":
+        raise _refused(
+            "truncation",
+            'truncation "auto" is not supported: this server never '
+            'drops input; send "disabled" or leave it out',
+        )
+    if body.get("top_logprobs") not in (None, 0):
+        raise _refused(
+            "top_logprobs",
+            "top_logprobs is not supported on /v1/responses by this server: send 0 or leave it out",
+        )
+    include = body.get("include")
+    if isinstance(include, list) and "message.output_text.logprobs" in include:
+        raise _refused(
+            "include",
+            "include: message.output_text.logprobs is not supported "
+            "on /v1/responses by this server",
+        )
+    _refuse_built_in_tools(body.get("tools"))
+    _refuse_tool_choice(body.get("tool_choice"))
+
+
+def _refuse_built_in_tools(tools: Any) -> None:
+    if not isinstance(tools, list):
+        return  # not a list: validation names it (422)
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind is not None and kind != "function":
+            raise _refused(
+                f"tools[{i}].type",
+                f"tools[{i}] has type {kind!r}: this server runs no built-in tools (web "
+                "search, file search, code interpreter, computer use, image generation, MCP, "
+                'shell...); only {"type": "function"} tools are served',
+            )
+
+
+def _refuse_tool_choice(choice: Any) -> None:
+    if not isinstance(choice, dict):
+        return  # a string: validation checks it
+    kind = choice.get("type")
+    if kind != "function":
+        raise _refused(
+            "tool_choice",
+            f"tool_choice of type {kind!r} is not supported: send none, auto, required or "
+            '{"type": "function", "name": ...}',
+        )
+
+
+def _refused(param: str, message: str) -> APIError:
+    return APIError(400, message, param, "unsupported")
+
+
+class TextFormat(Body):
+    """text.format: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    # `schema` would shadow pydantic's BaseModel.schema: the body's key is its alias.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """What the grammar engine must hold the output to (None: plain text)."""
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise APIError(
+                    400,
+                    "text.format.schema is required for json_schema",
+                    "text.format.schema",
+                    "missing_required_parameter",
+                )
+            return StructuredOutput("json", json.dumps(self.json_schema))
+        return None
+
+    def echoed(self) -> dict[str, Any]:
+        """As the response object repeats it."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {
+            "type": "json_schema",
+            "name": self.name,
+            "description": self.description,
+            "schema": self.json_schema,
+            "strict": self.strict,
+        }
+
+
+class TextConfig(Body):
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
+class FunctionTool(Body):
+    """A function tool in this API's flat shape (chat completions nests it in `function`)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def echoed(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=False)
+
+    def as_chat_tool(self) -> dict[str, Any]:
+        """The same function in chat completions' shape, as templates and parsers take it."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        function["parameters"] = self.parameters or {"type": "object", "properties": {}}
+        if self.strict is not None:
+            function["strict"] = self.strict
+        return {"type": "function", "function": function}
+
+
+class NamedFunction(Body):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(Body):
+    """The served fields of a /v1/responses body; others are ignored, as on the other
+    routes, except those `refuse_unserved` refuses.
+
+    `store`: this server keeps no responses. `store: true` (the API's default) is served
+    anyway and the response says `store: false`, as vLLM does without its store enabled:
+    most clients send true only because it is the default."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    text: TextConfig = Field(default_factory=TextConfig)
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction = "auto"
+    parallel_tool_calls: bool = True
+    store: bool = True
+    stream: bool = False
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            structured=self.text.format.structured(),
+        )
+
+    def uses_tools(self) -> bool:
+        """Whether the model is offered the function tools (tool_choice none hides them)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def named_tool(self) -> FunctionTool | None:
+        """The function tool_choice names, or None; 400 when no tool has that name."""
+        if not isinstance(self.tool_choice, NamedFunction):
+            return None
+        for tool in self.tools:
+            if tool.name == self.tool_choice.name:
+                return tool
+        raise APIError(
+            400,
+            f"tool_choice names {self.tool_choice.name!r}, which is not among the tools",
+            "tool_choice",
+        )
+
+    def echoed_tool_choice(self) -> str | dict[str, Any]:
+        if isinstance(self.tool_choice, NamedFunction):
+            return self.tool_choice.model_dump()
+        return self.tool_choice
+
+
+def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The conversation in chat completions' message shape: `instructions` as a system
+    message first, then each input item (a string input is one user message)."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+        return messages
+    if not req.input:
+        raise APIError(400, "input is empty", "input")
+    for i, item in enumerate(req.input):
+        _add_item(messages, item, f"input[{i}]")
+    return messages
+
+
+def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
+    kind = item.get("type", "message")
+    if kind == "message":
+        messages.append(_message(item, where))
+    elif kind == "function_call":
+        call = {
+            "id": _text_field(item, "call_id", where),
+            "type": "function",
+            "function": {
+                "name": _text_field(item, "name", where),
+                "arguments": _text_field(item, "arguments", where),
+            },
+        }
+        last = messages[-1] if messages else None
+        # Parallel calls arrive as consecutive items: one assistant turn holds them all.
+        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+            last["tool_calls"].append(call)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        text = output if isinstance(output, str) else _joined_text(output, f"{where}.output")
+        messages.append(
+            {"role": "tool", "tool_call_id": _text_field(item, "call_id", where), "content": text}
+        )
+    elif kind not in SKIPPED_ITEMS:
+        raise APIError(
+            400,
+            f"{where} has type {kind!r}: this server takes message, "
+            "function_call and function_call_output items (it stores no items to "
+            "reference and runs no built-in tools)",
+            f"{where}.type",
+            "unsupported",
+        )
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise APIError(
+            400,
+            f"{where}.role must be user, system, developer or assistant, got {role!r}",
+            f"{where}.role",
+        )
+    content = item.get("content")
+    text = content if isinstance(content, str) else _joined_text(content, f"{where}.content")
+    # Chat templates know the classic roles; "developer" is OpenAI's new name for system.
+    return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def _joined_text(parts: Any, where: str) -> str:
+    """Text parts joined; any other part (image, file, audio) is refused."""
+    if not isinstance(parts, list):
+        raise APIError(400, f"{where} must be a string or a list of text parts", where)
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise APIError(
+                400,
+                f"{where}[{j}] has type {kind!r}: this server takes text "
+                'only ({"type": "input_text", "text": "..."})',
+                f"{where}[{j}]",
+                "unsupported",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _text_field(item: dict[str, Any], name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise APIError(400, f"{where}.{name} must be a string", f"{where}.{name}")
+    return value

@@ -1,0 +1,191 @@
+"""POST /v1/responses: the request's conversation through the model's chat template and
+the same pools as /v1/chat/completions, answered as one response object or as the
+Responses API's event stream.
+
+Key -> readiness -> body -> refusals -> validation -> model -> tokens -> output budget ->
+admission -> the pools (generation.py) -> events; a whole response is the stream's last
+event's response, so the two cannot disagree."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from sse_starlette import ServerSentEvent
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from appliance.api import RequestFailed
+from appliance.server.body import read_json_object, validated
+from appliance.server.errors import APIError
+from appliance.server.generation import Choice, run_choices, unless_disconnected
+from appliance.server.replies import SEND_TIMEOUT_S, Releasing
+from appliance.server.responses_api.events import (
+    Draft,
+    EventStream,
+    MessageEvents,
+    usage,
+)
+from appliance.server.responses_api.request import (
+    ResponsesRequest,
+    chat_messages,
+    refuse_unserved,
+)
+from appliance.server.state import ServerState
+
+log = logging.getLogger("appliance.server")
+Events = AsyncIterator[dict[str, Any]]
+
+
+async def create_response(request: Request) -> Response:
+    """POST /v1/responses."""
+    state: ServerState = request.app.state.server
+    arrival = time.monotonic()
+    state.authorize(request)
+    body = await read_json_object(request, state.settings.server.max_body_bytes)
+    state.check_ready()
+    state.check_admission_open()
+    refuse_unserved(body)
+    req = validated(ResponsesRequest, body)
+    state.check_model(req.model)
+    state.check_room(1)
+    messages = chat_messages(req)
+    ids = await _tokenize(state, messages)
+    max_tokens = _output_budget(req, len(ids), state.appliance.max_model_len)
+    try:
+        params = req.sampling_params(max_tokens)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    choice = Choice(0, ids, params, arrival)
+    ticket = state.admit(1)
+    draft = Draft(_echo(req, state.appliance.model_name))
+    events = _events(state, choice, draft)
+    if req.stream:
+        sse = EventSourceResponse(_as_sse(events), sep="\n", send_timeout=SEND_TIMEOUT_S)
+        return Releasing(sse, ticket)
+    try:
+        final = await unless_disconnected(request, _last(events))
+    finally:
+        ticket.release()
+    if final is None:
+        return Response(status_code=499)  # the client left: nobody reads it
+    response = final["response"]
+    if response["status"] == "failed":
+        raise APIError(503, response["error"]["message"], retry_after=1)
+    return JSONResponse(response)
+
+
+async def _tokenize(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
+    # Long prompts take milliseconds to seconds: off the loop that streams the others.
+    try:
+        return await asyncio.to_thread(lambda: state.appliance.tokenize(messages=messages))
+    except ValueError as exc:  # an empty prompt, a template that rejects the messages
+        raise APIError(400, str(exc), "input") from None
+
+
+def _output_budget(req: ResponsesRequest, prompt_len: int, context: int) -> int:
+    """max_output_tokens, checked against the room the prompt leaves; all of it if unset."""
+    if prompt_len >= context:
+        raise APIError(
+            400,
+            f"the input has {prompt_len} tokens, but this model's context holds {context} "
+            f"tokens (input + output); shorten the input to at most {context - 1} tokens",
+            "input",
+            "context_length_exceeded",
+        )
+    room = context - prompt_len
+    if req.max_output_tokens is None:
+        return room
+    if req.max_output_tokens > room:
+        raise APIError(
+            400,
+            f"max_output_tokens is {req.max_output_tokens}, but the input has {prompt_len} "
+            f"tokens and the context holds {context}: at most {room} tokens can be generated",
+            "max_output_tokens",
+            "context_length_exceeded",
+        )
+    return req.max_output_tokens
+
+
+def _echo(req: ResponsesRequest, model: str) -> dict[str, Any]:
+    """The request fields every response object repeats, in OpenAI's shapes."""
+    return {
+        "model": model,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "tool_choice": req.echoed_tool_choice(),
+        "tools": [tool.echoed() for tool in req.tools],
+        "text": {"format": req.text.format.echoed()},
+        "store": False,  # kept nowhere, whatever was asked (see ResponsesRequest)
+        "background": False,
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "truncation": "disabled",
+        "metadata": req.metadata,
+        "user": req.user,
+    }
+
+
+async def _events(state: ServerState, choice: Choice, draft: Draft) -> Events:
+    """The stream's events from response.created to the closing one; a failed generation
+    ends it with response.failed (what was streamed stays in its output)."""
+    stream = EventStream(draft)
+    for event in stream.opening():
+        yield event
+    try:
+        async for event in _generated(state, choice, stream):
+            yield event
+    except RequestFailed as exc:
+        draft.fail("server_error", f"generation failed: {exc}")
+    except Exception as exc:  # a bug: still end the stream properly, and say what broke
+        log.exception("responses stream failed")
+        draft.fail("server_error", f"internal error: {type(exc).__name__}: {exc}")
+    yield stream.closing()
+
+
+async def _generated(state: ServerState, choice: Choice, stream: EventStream) -> Events:
+    """The output items' events as the pools generate: one assistant message."""
+    message = MessageEvents(stream)
+    for event in message.opened():
+        yield event
+    output_tokens = cached = 0
+    reason = None
+    generate = state.appliance.generate_ids
+    async with aclosing(run_choices(generate, [choice], state.metrics)) as chunks:
+        async for _, chunk in chunks:
+            output_tokens += len(chunk.token_ids)
+            cached = max(cached, chunk.cached_tokens)
+            if chunk.text:
+                yield message.delta(chunk.text)
+            if chunk.finished:
+                reason = chunk.finish_reason
+    stream.draft.finish(reason, usage(len(choice.prompt_ids), output_tokens, cached))
+    for event in message.closed(stream.draft.item_status()):
+        yield event
+
+
+async def _last(events: Events) -> dict[str, Any]:
+    """Run the events to their end: the closing one."""
+    last: dict[str, Any] = {}
+    async with aclosing(events) as each:  # type: ignore[type-var]
+        async for event in each:
+            last = event
+    return last
+
+
+async def _as_sse(events: Events) -> AsyncIterator[ServerSentEvent]:
+    """Each event as OpenAI sends it: `event: <type>` and its JSON as data."""
+    async with aclosing(events) as each:  # type: ignore[type-var]
+        async for event in each:
+            yield ServerSentEvent(
+                data=json.dumps(event, separators=(",", ":")), event=event["type"]
+            )

@@ -1,0 +1,215 @@
+"""/v1/responses, OpenAI's Responses API, driven by the official openai client on both
+layouts' shared servers: text and message input, instructions, the event stream and the
+SDK's stream helper, max_output_tokens, text.format json_schema, function tools, store,
+and each refusal (a 400 naming the field)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai import OpenAI
+from server_process import API_KEY, ServerProcess
+
+from appliance.model.loader import model_name
+
+MODEL = model_name(None)
+QUESTION = "What is the capital of France?"
+GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
+
+
+@pytest.fixture
+def client(layout_server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=layout_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def chat_reply(client: OpenAI, messages: Any, max_tokens: int) -> Any:
+    """The same conversation through /v1/chat/completions, greedy."""
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=max_tokens,
+    )
+
+
+def test_text_input_answers_as_chat_completions_does(client: OpenAI) -> None:
+    response = client.responses.create(input=QUESTION, **GREEDY, extra_body={"unknown": 1})
+    chat = chat_reply(client, [{"role": "user", "content": QUESTION}], 12)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.model == MODEL
+    [item] = response.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    [part] = item.content
+    assert part.type == "output_text"
+    assert response.output_text == part.text == chat.choices[0].message.content
+    assert response.output_text.strip()
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == chat.usage.total_tokens
+    expected = "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    assert response.status == item.status == expected
+    # Nothing is kept: the response says so whatever the request's store was.
+    assert response.store is False
+
+
+def test_message_items_with_instructions_become_the_chat_messages(client: OpenAI) -> None:
+    instructions = "You answer in one word."
+    items: list[Any] = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+        {"role": "user", "content": QUESTION},
+    ]
+    response = client.responses.create(input=items, instructions=instructions, **GREEDY)
+    chat = chat_reply(
+        client,
+        [
+            {"role": "system", "content": instructions},
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": QUESTION},
+        ],
+        12,
+    )
+    assert response.instructions == instructions
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_stream_events_in_order_and_deltas_make_the_text(client: OpenAI) -> None:
+    events = list(client.responses.create(input=QUESTION, stream=True, **GREEDY))
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert deltas, kinds
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[4 : 4 + len(deltas)] == ["response.output_text.delta"] * len(deltas)
+    closing = kinds[4 + len(deltas) :]
+    assert closing[:3] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert closing[3] in ("response.completed", "response.incomplete") and len(closing) == 4
+    created, last = events[0], events[-1]
+    assert created.response.status == "in_progress" and created.response.output == []
+    final = last.response
+    text = "".join(d.delta for d in deltas)
+    assert text == events[-4].text == final.output_text
+    assert final.id == created.response.id
+    item_id = events[2].item.id
+    assert {d.item_id for d in deltas} == {item_id} and final.output[0].id == item_id
+    whole = client.responses.create(input=QUESTION, **GREEDY)
+    assert whole.output_text == text and whole.status == final.status
+
+
+def test_sdk_stream_helper_yields_the_final_response(client: OpenAI) -> None:
+    deltas = []
+    with client.responses.stream(
+        model=MODEL, input=QUESTION, temperature=0, max_output_tokens=200
+    ) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    assert final.status == "completed", final.incomplete_details
+    assert final.output_text == "".join(deltas) and final.output_text.strip()
+
+
+def test_max_output_tokens_cuts_it_incomplete(client: OpenAI) -> None:
+    ask: dict[str, Any] = dict(model=MODEL, input="Count from 1 to 100.", temperature=0)
+    response = client.responses.create(**ask, max_output_tokens=3)
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage is not None and response.usage.output_tokens == 3
+    assert response.output[0].status == "incomplete"
+    events = list(client.responses.create(**ask, max_output_tokens=3, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert events[-1].response.output_text == response.output_text
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_text_format_yields_valid_json(client: OpenAI) -> None:
+    text_format: Any = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    response = client.responses.create(
+        model=MODEL,
+        input="Describe a person as JSON.",
+        temperature=1,
+        max_output_tokens=200,
+        text={"format": text_format},
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == "json_schema"
+
+
+REFUSALS: list[tuple[dict[str, Any], str]] = [
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"conversation": "conv_123"}, "conversation"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools[0].type"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"truncation": "auto"}, "truncation"),
+    (
+        {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is this?"},
+                        {"type": "input_image", "image_url": "https://example.com/a.png"},
+                    ],
+                }
+            ]
+        },
+        "input[0].content[1]",
+    ),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+        "input[0].content[0]",
+    ),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), REFUSALS, ids=[p for _, p in REFUSALS])
+def test_refused_fields_are_a_400_naming_the_field(
+    client: OpenAI, fields: dict[str, Any], param: str
+) -> None:
+    body: dict[str, Any] = {"model": MODEL, "input": QUESTION} | fields
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post("/responses", body=body, cast_to=httpx.Response)
+    assert info.value.param == param, info.value.message
+    assert info.value.code == "unsupported"
+
+
+def test_store_false_is_served_and_said(client: OpenAI) -> None:
+    response = client.responses.create(input=QUESTION, store=False, **GREEDY)
+    assert response.store is False and response.output_text
