@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
@@ -47,6 +48,8 @@ _SPECIAL_KEYS = (
 # Names a message's reasoning comes under; transformers fills `reasoning_content` (and
 # `thinking`) from whichever is set, as templates read those.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# What render_chat itself passes the template: chat_template_kwargs may not replace them.
+_RENDER_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 class Tokenizer:
@@ -63,6 +66,7 @@ class Tokenizer:
         self.special_tokens = special_tokens
         self.chat_template = chat_template
         self._template = _compile_template(chat_template) if chat_template else None
+        self._takes_tools = _reads_variable(chat_template, "tools")
         self.vocab_size = raw.get_vocab_size(with_added_tokens=True)
         self.stop_token_ids = self._find_stop_ids(extra_eos_ids)
 
@@ -99,30 +103,65 @@ class Tokenizer:
         """A raw prompt, with whatever special tokens the model's tokenizer adds."""
         return self._raw.encode(text, add_special_tokens=True).ids
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """Messages rendered by the model's template, ready for the assistant's turn: what
-        transformers' apply_chat_template(messages, add_generation_prompt=True) renders."""
+        transformers' apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+        **template_kwargs) renders. `tools` are OpenAI's tool definitions ({"type":
+        "function", "function": {...}}), as transformers hands them to the template;
+        `template_kwargs` are extra template variables (e.g. enable_thinking)."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a raw prompt instead")
         if not messages:
             raise ValueError("there are no messages to render")
+        extra = dict(template_kwargs or {})
+        clash = sorted(set(extra) & set(_RENDER_ARGUMENTS))
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
         try:
             return self._template.render(
-                **self.special_tokens,
+                # transformers: the special tokens, then the caller's kwargs over them
+                **{**self.special_tokens, **extra},
                 messages=_template_messages(messages),
-                tools=None,
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=True,
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template rejected the messages: {exc}") from None
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        # The template already holds any BOS; adding special tokens again would double it.
-        return self._raw.encode(self.render_chat(messages), add_special_tokens=False).ids
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template renders tool definitions (reads a `tools` variable);
+        Phi-4-mini's reads them from the system message's own `tools` key instead."""
+        return self._takes_tools
 
-    def decode(self, ids: list[int]) -> str:
-        return self._raw.decode(ids, skip_special_tokens=True)
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        # The template already holds any BOS; adding special tokens again would double it.
+        text = self.render_chat(messages, tools, template_kwargs)
+        return self._raw.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids; `skip_special_tokens=False` keeps markers such as
+        `<|python_tag|>` or `<|channel|>`, which the chat output parsers read."""
+        return self._raw.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _reads_variable(source: str | None, name: str) -> bool:
+    """Whether a template reads the top-level variable `name` (Jinja's own analysis)."""
+    if not source:
+        return False
+    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    return name in jinja2.meta.find_undeclared_variables(env.parse(source))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -285,8 +324,9 @@ def _compile_template(source: str) -> Any:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, never half a UTF-8 character."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix_offset = 0  # a few tokens of context so merges decode right
         self._read_offset = 0  # ids before this are already emitted as text
@@ -294,8 +334,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append a token; return the new text that is now complete (may be empty)."""
         self._ids.append(token_id)
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        text = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
         if len(text) <= len(prefix) or text.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 sequence (or nothing visible) so far
         self._prefix_offset = self._read_offset
@@ -304,7 +344,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The text still held back at the end of generation (even if not valid UTF-8)."""
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        text = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         return text[len(prefix) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, self._skip)
