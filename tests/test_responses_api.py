@@ -16,6 +16,7 @@ from openai import OpenAI
 from server_process import API_KEY, ServerProcess
 
 from appliance.model.loader import model_name
+from appliance.server.responses_api.events import Draft, EventStream, OutputItems, usage
 
 MODEL = model_name(None)
 QUESTION = "What is the capital of France?"
@@ -213,3 +214,60 @@ def test_refused_fields_are_a_400_naming_the_field(
 def test_store_false_is_served_and_said(client: OpenAI) -> None:
     response = client.responses.create(input=QUESTION, store=False, **GREEDY)
     assert response.store is False and response.output_text
+
+
+def test_output_items_follow_one_another_in_openai_order() -> None:
+    """Text, then two calls (the second's arguments in two pieces): each item closes as
+    the next opens, numbered in order, and the response holds the finished items."""
+    draft = Draft({"model": MODEL})
+    stream = EventStream(draft)
+    items = OutputItems(stream)
+    events = stream.opening() + items.text("Let me look.")
+    events += items.call(0, "weather", '{"city": "Paris"}', "call_a")
+    events += items.call(1, "time", '{"zone":', "call_b") + items.call(1, None, ' "CET"}', "")
+    draft.finish("stop", usage(10, 5, 0))
+    events += [*items.finish(), stream.closing()]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"].removeprefix("response.") for e in events] == [
+        "created",
+        "in_progress",
+        "output_item.added",
+        "content_part.added",
+        "output_text.delta",
+        "output_text.done",
+        "content_part.done",
+        "output_item.done",
+        "output_item.added",
+        "function_call_arguments.delta",
+        "function_call_arguments.done",
+        "output_item.done",
+        "output_item.added",
+        "function_call_arguments.delta",
+        "function_call_arguments.delta",
+        "function_call_arguments.done",
+        "output_item.done",
+        "completed",
+    ]
+    final = events[-1]["response"]
+    assert final["status"] == "completed" and final["usage"]["total_tokens"] == 15
+    message, weather, clock = final["output"]
+    assert message["content"][0]["text"] == "Let me look." and message["status"] == "completed"
+    assert (weather["call_id"], weather["name"], weather["arguments"]) == (
+        "call_a",
+        "weather",
+        '{"city": "Paris"}',
+    )
+    assert (clock["call_id"], clock["arguments"]) == ("call_b", '{"zone": "CET"}')
+    assert events[0]["response"]["output"] == []  # a snapshot, not the live list
+
+
+def test_an_empty_cut_off_output_is_one_incomplete_message() -> None:
+    draft = Draft({"model": MODEL})
+    stream = EventStream(draft)
+    items = OutputItems(stream)
+    draft.finish("length", usage(3, 1, 0))
+    events = [*items.finish(), stream.closing()]
+    assert events[-1]["type"] == "response.incomplete"
+    [message] = events[-1]["response"]["output"]
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == ""
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}

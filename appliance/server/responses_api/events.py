@@ -215,3 +215,56 @@ class CallEvents:
             ),
             self.stream.event("response.output_item.done", output_index=self.index, item=item),
         ]
+
+
+class OutputItems:
+    """The response's output items as the model writes them: text goes to an assistant
+    message, each tool call to its own function_call item. Items come one after another,
+    as OpenAI streams them: opening one closes the one before."""
+
+    def __init__(self, stream: EventStream) -> None:
+        self.stream = stream
+        self.open: MessageEvents | CallEvents | None = None
+        self.calls: dict[int, CallEvents] = {}  # by the parser's call index
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events = []
+        if not isinstance(self.open, MessageEvents):
+            events += self._close("completed")
+            self.open = MessageEvents(self.stream)
+            events += self.open.opened()
+        events.append(self.open.delta(text))
+        return events
+
+    def call(
+        self, index: int, name: str | None, arguments: str, call_id: str
+    ) -> list[dict[str, Any]]:
+        """Call `index`: its name opens its item, arguments come as deltas."""
+        events = []
+        call = self.calls.get(index)
+        if call is None:
+            events += self._close("completed")
+            call = self.calls[index] = CallEvents(self.stream, name or "", call_id)
+            self.open = call
+            events += call.opened()
+        if arguments:
+            events.append(call.delta(arguments))
+        return events
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The generation ended (the draft holds how): the last item closes with the
+        response's status; an output with nothing in it is one empty message."""
+        events = []
+        if not self.stream.draft.output:
+            self.open = MessageEvents(self.stream)
+            events += self.open.opened()
+        return events + self._close(self.stream.draft.item_status())
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        events = self.open.closed(status)
+        self.open = None
+        return events

@@ -29,7 +29,7 @@ from appliance.server.replies import SEND_TIMEOUT_S, Releasing
 from appliance.server.responses_api.events import (
     Draft,
     EventStream,
-    MessageEvents,
+    OutputItems,
     usage,
 )
 from appliance.server.responses_api.request import (
@@ -153,10 +153,8 @@ async def _events(state: ServerState, choice: Choice, draft: Draft) -> Events:
 
 
 async def _generated(state: ServerState, choice: Choice, stream: EventStream) -> Events:
-    """The output items' events as the pools generate: one assistant message."""
-    message = MessageEvents(stream)
-    for event in message.opened():
-        yield event
+    """The output items' events as the pools generate."""
+    items = OutputItems(stream)
     output_tokens = cached = 0
     reason = None
     generate = state.appliance.generate_ids
@@ -164,12 +162,12 @@ async def _generated(state: ServerState, choice: Choice, stream: EventStream) ->
         async for _, chunk in chunks:
             output_tokens += len(chunk.token_ids)
             cached = max(cached, chunk.cached_tokens)
-            if chunk.text:
-                yield message.delta(chunk.text)
+            for event in items.text(chunk.text):
+                yield event
             if chunk.finished:
                 reason = chunk.finish_reason
     stream.draft.finish(reason, usage(len(choice.prompt_ids), output_tokens, cached))
-    for event in message.closed(stream.draft.item_status()):
+    for event in items.finish():
         yield event
 
 
