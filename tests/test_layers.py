@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("appliance/kv",),  # block accounting, the KV tensor, handoff copies
     ("appliance/engine",),  # scheduler, model runner, sampler of one worker
     ("appliance/core",),  # pure decisions: request table, router, recovery, tuning, roles
+    ("appliance/chat",),  # chat turns: tools in the prompt, output read as calls/reasoning
     ("appliance/workers",),  # worker processes and their messages
     ("appliance/admin", "appliance/bench"),  # the admin wire schema; load and its report
     ("appliance/planner",),  # profile, simulate, plan, rebalance
@@ -52,6 +53,8 @@ TORCH_FREE = (
     "appliance.planner.rebalance",
     "appliance.planner.online_profile",
     "appliance.admin.schema",
+    "appliance.chat.chat_output",
+    "appliance.chat.tool_calls",
 )
 
 

@@ -1,0 +1,162 @@
+"""A chat request's choices read as OpenAI assistant messages: content, reasoning_content
+and tool_calls, whole or as stream deltas (a call's index, id, type and name first, then
+its argument fragments; finish_reason "tool_calls" when a reply that stopped made calls).
+
+One ChatOutputs per request, one parser per choice. Where the format's markers are
+special tokens (harmony, Mistral, Llama 3, Phi-4-mini), the choice's text is decoded again
+from its token ids with special tokens kept (the model's end-of-turn tokens left out):
+the workers' text has them skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from appliance.chat.chat_delta import ChatDelta, ToolCall
+from appliance.chat.tool_calls import ToolPlan
+from appliance.chat.tool_parsers.base import OutputParser
+from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class GeneratedPiece(Protocol):
+    """What a chunk of a choice's stream carries (appliance.api.Chunk)."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+
+
+class ChoiceOutput:
+    """One choice's output as an assistant message, fed as it streams."""
+
+    def __init__(self, parser: OutputParser, call_id: Callable[[], str], reasoning: bool) -> None:
+        self._parser = parser
+        self._call_id = call_id
+        self._reasoning = reasoning
+        self.content = ""
+        self.reasoning = ""
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> dict[str, Any]:
+        """More output; the OpenAI delta fields it adds (may be none: held back)."""
+        return self._accept(self._parser.feed(text)) if text else {}
+
+    def finish(self) -> dict[str, Any]:
+        """The output ended; the delta fields of what was held back."""
+        return self._accept(self._parser.finish())
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+    def message(self) -> dict[str, Any]:
+        """The whole assistant message, after finish()."""
+        content: str | None = self.content
+        if self.calls and not self.content.strip():
+            content = None  # OpenAI: a message that only calls has no content
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.calls:
+            message["tool_calls"] = [c.as_openai() for c in self.calls]
+        if self._reasoning:
+            message["reasoning_content"] = self.reasoning or None
+        return message
+
+    def _accept(self, delta: ChatDelta) -> dict[str, Any]:
+        self.content += delta.content
+        self.reasoning += delta.reasoning
+        fields: dict[str, Any] = {}
+        if delta.reasoning:
+            fields["reasoning_content"] = delta.reasoning
+        if delta.content:
+            fields["content"] = delta.content
+        calls = self._call_deltas(delta)
+        if calls:
+            fields["tool_calls"] = calls
+        return fields
+
+    def _call_deltas(self, delta: ChatDelta) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for piece in delta.calls:
+            if piece.name is not None:
+                call = ToolCall(self._call_id(), piece.name, piece.arguments)
+                self.calls.append(call)
+                function = {"name": call.name, "arguments": piece.arguments}
+                out.append(
+                    {"index": piece.index, "id": call.id, "type": "function", "function": function}
+                )
+                continue
+            self.calls[piece.index].arguments += piece.arguments
+            if out and out[-1]["index"] == piece.index:
+                out[-1]["function"]["arguments"] += piece.arguments
+            else:
+                out.append({"index": piece.index, "function": {"arguments": piece.arguments}})
+        return out
+
+
+class ChatOutputs:
+    """Every choice of one chat request, read through `plan`'s parser."""
+
+    def __init__(self, plan: ToolPlan, tokenizer: Tokenizer) -> None:
+        self._plan = plan
+        self._tokenizer = tokenizer
+        self._special = plan.parser().needs_special_tokens
+        self._streams: dict[int, ChoiceOutput] = {}
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+
+    def text_of(self, index: int, piece: GeneratedPiece) -> str:
+        """The text the parser reads of choice `index`'s next piece."""
+        if not self._special:
+            return piece.text
+        detokenizer = self._detokenizers.get(index)
+        if detokenizer is None:
+            detokenizer = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=False)
+            self._detokenizers[index] = detokenizer
+        ends = self._tokenizer.stop_token_ids
+        text = "".join(detokenizer.add(i) for i in piece.token_ids if i not in ends)
+        return text + detokenizer.flush() if piece.finished else text
+
+    def delta(
+        self, index: int, text: str, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """The delta fields of choice `index`'s next text, and its finish_reason."""
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = self._new()
+        fields = stream.feed(text)
+        if finish_reason is not None:
+            fields = _merged(fields, stream.finish())
+        return fields, stream.finish_reason(finish_reason)
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The whole message of a choice's whole text, and its finish_reason."""
+        output = self._new()
+        output.feed(text)
+        output.finish()
+        return output.message(), output.finish_reason(finish_reason)
+
+    def _new(self) -> ChoiceOutput:
+        return ChoiceOutput(
+            self._plan.parser(), self._plan.format.call_id, self._plan.format.reasoning
+        )
+
+
+def _merged(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two deltas' fields as one: texts joined, call pieces one after the other."""
+    out = dict(first)
+    for key, value in second.items():
+        if key == "tool_calls":
+            out[key] = _joined_calls(out.get(key, []), value)
+        else:
+            out[key] = out.get(key, "") + value
+    return out
+
+
+def _joined_calls(
+    first: Sequence[dict[str, Any]], second: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    out = [dict(c, function=dict(c["function"])) for c in first]
+    for call in second:
+        if out and out[-1]["index"] == call["index"] and "id" not in call:
+            out[-1]["function"]["arguments"] += call["function"]["arguments"]
+        else:
+            out.append(call)
+    return out

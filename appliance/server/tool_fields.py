@@ -1,0 +1,206 @@
+"""The chat request's tool fields, as OpenAI defines them: `tools` (functions with a JSON
+schema of their parameters), `tool_choice`, `parallel_tool_calls`; assistant messages with
+`tool_calls`, `role: "tool"` results; and vLLM's `chat_template_kwargs`.
+
+ChatTurn turns a validated request into the prompt (the family's template, with the tools
+where it reads them) and the readers of its output (appliance/chat). OpenAI's deprecated
+`functions`/`function_call` stay refused (protocol.UNSUPPORTED_FIELDS): send `tools`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from appliance.api import SamplingParams
+from appliance.chat.chat_output import ChatOutputs
+from appliance.chat.formats import chat_format
+from appliance.chat.function_tool import FunctionTool
+from appliance.chat.tool_calls import ToolPlan, plan_tools
+from appliance.engine.sequence import StructuredOutput
+from appliance.model.tokenizer import Tokenizer
+from appliance.server.errors import APIError
+
+FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"  # OpenAI's: letters, digits, _ and - (64 at most)
+
+
+class _Strict(BaseModel):
+    """As protocol.Body: strict fields, unknown ones ignored, null taken as unset."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted: required and named calls are always constrained
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ToolFields(BaseModel):
+    """The chat request's tool fields (a part of protocol.ChatCompletionRequest)."""
+
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def function_tools(self) -> list[FunctionTool]:
+        return [
+            FunctionTool(t.function.name, t.function.description, t.function.parameters)
+            for t in self.tools or []
+        ]
+
+    def choice_name(self) -> str | None:
+        """tool_choice as plan_tools takes it: a mode, or the named function."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice
+
+
+class MessageToolFields(BaseModel):
+    """The tool fields of a message (a part of protocol.ChatMessage)."""
+
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+def template_message(
+    role: str, content: str | None, name: str | None, fields: MessageToolFields
+) -> dict[str, Any]:
+    """A message as chat templates read it (transformers' documented shape): calls with
+    their arguments as objects (vLLM parses them so, for templates that `tojson` them),
+    a tool result with its call's id; a calling turn without content has "" (as Qwen's
+    and vLLM's examples write it)."""
+    if content is None and fields.tool_calls:
+        content = ""  # templates read a calling turn's content (Qwen3's splits it)
+    message: dict[str, Any] = {"role": role, "content": content}
+    if name is not None:
+        message["name"] = name
+    if fields.tool_calls:
+        message["tool_calls"] = [_template_call(c) for c in fields.tool_calls]
+    if fields.tool_call_id is not None:
+        message["tool_call_id"] = fields.tool_call_id
+    if fields.reasoning_content is not None:
+        message["reasoning_content"] = fields.reasoning_content
+    return message
+
+
+def _template_call(call: MessageToolCall) -> dict[str, Any]:
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments  # not JSON: the template gets the text
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def check_tool_messages(messages: Any) -> None:
+    """A tool result needs the id of the call it answers (400 naming the field)."""
+    if not isinstance(messages, list):
+        return
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                where = f"messages[{i}].tool_call_id"
+                raise APIError(
+                    400,
+                    f"Missing required parameter: '{where}'.",
+                    where,
+                    "missing_required_parameter",
+                )
+
+
+@dataclass
+class ChatTurn:
+    """A chat request's prompt and the reading of its output, from the model's template."""
+
+    tokenizer: Tokenizer
+    messages: list[dict[str, Any]]
+    plan: ToolPlan
+    template_kwargs: dict[str, Any]
+
+    @classmethod
+    def of(
+        cls, tokenizer: Tokenizer, messages: list[dict[str, Any]], fields: ToolFields
+    ) -> ChatTurn:
+        """The turn of validated fields; APIError 400 for a tool_choice the tools cannot
+        meet."""
+        fmt = chat_format(tokenizer.chat_template, tokenizer.takes_tools)
+        try:
+            plan = plan_tools(
+                fmt, fields.function_tools(), fields.choice_name(), fields.parallel_tool_calls
+            )
+        except ValueError as exc:
+            param = "tools" if str(exc).startswith("tools") else "tool_choice"
+            raise APIError(400, str(exc), param) from None
+        return cls(tokenizer, messages, plan, dict(fields.chat_template_kwargs or {}))
+
+    def token_ids(self) -> list[int]:
+        """The prompt: the messages (and tools) through the model's template. ValueError
+        where the template refuses them."""
+        messages = self.plan.messages(self.messages)
+        return self.tokenizer.apply_chat_template(
+            messages, self.plan.prompt_tools(), self.template_kwargs
+        )
+
+    def outputs(self) -> ChatOutputs | None:
+        """The readers of the choices' output; None where the output is plain content (no
+        tools, no reasoning, no markers to read), so the reply is the text as it was."""
+        if self.plan.mode == "none" and not self.plan.format.reasoning:
+            return None
+        return ChatOutputs(self.plan, self.tokenizer)
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        return self.plan.structured
+
+
+def constrained(params: SamplingParams, structured: StructuredOutput | None) -> SamplingParams:
+    """`params` with the tool calls' constraint; a request constrained another way too
+    (response_format) is refused: one output cannot follow two grammars."""
+    if structured is None:
+        return params
+    if params.structured is not None:
+        raise APIError(
+            400,
+            "tool_choice constrains the output to tool calls; it cannot be combined with "
+            "response_format or another structured output",
+            "tool_choice",
+        )
+    return replace(params, structured=structured)
