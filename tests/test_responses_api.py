@@ -6,6 +6,7 @@ and each refusal (a 400 naming the field)."""
 from __future__ import annotations
 
 import json
+import typing
 from typing import Any
 
 import httpx
@@ -13,13 +14,18 @@ import jsonschema
 import openai
 import pytest
 from openai import OpenAI
+from openai.types.responses import Response, ResponseStreamEvent
 from server_process import API_KEY, ServerProcess
 
 from appliance.model.loader import model_name
 from appliance.server.responses_api.events import Draft, EventStream, OutputItems, usage
+from appliance.server.responses_api.request import ResponsesRequest
+from appliance.server.responses_api.route import response_echo
 
 MODEL = model_name(None)
 QUESTION = "What is the capital of France?"
+# What a response repeats of a request, as the route makes it.
+ECHO = response_echo(ResponsesRequest(model=MODEL, input="Hi"), MODEL)
 GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
 
 
@@ -39,7 +45,11 @@ def chat_reply(client: OpenAI, messages: Any, max_tokens: int) -> Any:
 
 
 def test_text_input_answers_as_chat_completions_does(client: OpenAI) -> None:
-    response = client.responses.create(input=QUESTION, **GREEDY, extra_body={"unknown": 1})
+    raw = client.responses.with_raw_response.create(
+        input=QUESTION, **GREEDY, extra_body={"unknown": 1}
+    )
+    # Checked against the SDK's type, required fields and all (the client builds it unchecked).
+    response = Response.model_validate(raw.http_response.json())
     chat = chat_reply(client, [{"role": "user", "content": QUESTION}], 12)
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.model == MODEL
@@ -87,6 +97,7 @@ def test_message_items_with_instructions_become_the_chat_messages(client: OpenAI
 
 def test_stream_events_in_order_and_deltas_make_the_text(client: OpenAI) -> None:
     events = list(client.responses.create(input=QUESTION, stream=True, **GREEDY))
+    assert_sdk_types([e.to_dict() for e in events])
     kinds = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e for e in events if e.type == "response.output_text.delta"]
@@ -219,7 +230,7 @@ def test_store_false_is_served_and_said(client: OpenAI) -> None:
 def test_output_items_follow_one_another_in_openai_order() -> None:
     """Text, then two calls (the second's arguments in two pieces): each item closes as
     the next opens, numbered in order, and the response holds the finished items."""
-    draft = Draft({"model": MODEL})
+    draft = Draft(ECHO)
     stream = EventStream(draft)
     items = OutputItems(stream)
     events = stream.opening() + items.text("Let me look.")
@@ -259,10 +270,11 @@ def test_output_items_follow_one_another_in_openai_order() -> None:
     )
     assert (clock["call_id"], clock["arguments"]) == ("call_b", '{"zone": "CET"}')
     assert events[0]["response"]["output"] == []  # a snapshot, not the live list
+    assert_sdk_types(events)
 
 
 def test_an_empty_cut_off_output_is_one_incomplete_message() -> None:
-    draft = Draft({"model": MODEL})
+    draft = Draft(ECHO)
     stream = EventStream(draft)
     items = OutputItems(stream)
     draft.finish("length", usage(3, 1, 0))
@@ -271,3 +283,41 @@ def test_an_empty_cut_off_output_is_one_incomplete_message() -> None:
     [message] = events[-1]["response"]["output"]
     assert message["status"] == "incomplete" and message["content"][0]["text"] == ""
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert_sdk_types(events)
+
+
+def test_reasoning_is_its_own_item_before_the_message() -> None:
+    draft = Draft(ECHO)
+    stream = EventStream(draft)
+    items = OutputItems(stream)
+    events = stream.opening() + items.reasoning("The user greets") + items.reasoning(" me.")
+    events += items.text("Hello!")
+    draft.finish("stop", usage(4, 6, 0))
+    events += [*items.finish(), stream.closing()]
+    kinds = [e["type"].removeprefix("response.") for e in events]
+    assert kinds[2:9] == [
+        "output_item.added",
+        "content_part.added",
+        "reasoning_text.delta",
+        "reasoning_text.delta",
+        "reasoning_text.done",
+        "content_part.done",
+        "output_item.done",
+    ]
+    assert kinds[9:12] == ["output_item.added", "content_part.added", "output_text.delta"]
+    reasoning, message = events[-1]["response"]["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "The user greets me."}]
+    assert message["content"][0]["text"] == "Hello!"
+    assert_sdk_types(events)
+
+
+def assert_sdk_types(events: list[dict[str, Any]]) -> None:
+    """Every event validates as the openai SDK's type of its name, required fields and
+    all (the SDK itself builds them unchecked)."""
+    (union, *_) = typing.get_args(ResponseStreamEvent)  # Annotated[Union[...], discriminator]
+    by_name = {
+        cls.model_fields["type"].annotation.__args__[0]: cls for cls in typing.get_args(union)
+    }
+    for event in events:
+        by_name[event["type"]].model_validate(event)

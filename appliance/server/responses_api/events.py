@@ -18,10 +18,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(
+    input_tokens: int, output_tokens: int, cached_tokens: int, written_tokens: int = 0
+) -> dict[str, Any]:
+    """`written_tokens`: input tokens newly keyed in the prefix cache (`cache_write_tokens`)."""
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "input_tokens_details": {
+            "cached_tokens": cached_tokens,
+            "cache_write_tokens": written_tokens,
+        },
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": input_tokens + output_tokens,
@@ -40,8 +46,18 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     }
 
 
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """The model's reasoning (Qwen3's thinking, gpt-oss's analysis channel) as its text."""
+    content = [] if text is None else [reasoning_part(text)]
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status, "content": content}
+
+
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -134,40 +150,58 @@ class EventStream:
         return self.event(f"response.{kind}", response=self.draft.body())
 
 
-class MessageEvents:
-    """One assistant message item of a stream: opened, its text in deltas, closed."""
+class TextEvents:
+    """One item of text in a stream, an assistant message or the model's reasoning:
+    opened, its text in deltas, closed."""
 
-    def __init__(self, stream: EventStream) -> None:
+    def __init__(self, stream: EventStream, reasoning: bool = False) -> None:
         self.stream = stream
-        self.id = new_id("msg")
+        self.reasoning = reasoning
+        self.id = new_id("rs" if reasoning else "msg")
         self.index = len(stream.draft.output)
         self.text = ""
-        stream.draft.output.append(message_item(self.id, "", "in_progress"))
+        self.kind = "reasoning_text" if reasoning else "output_text"
+        stream.draft.output.append(self._item("", "in_progress"))
+
+    def _item(self, text: str | None, status: str) -> dict[str, Any]:
+        make = reasoning_item if self.reasoning else message_item
+        return make(self.id, text, status)
+
+    def _part(self, text: str) -> dict[str, Any]:
+        return reasoning_part(text) if self.reasoning else text_part(text)
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.id, "output_index": self.index, "content_index": 0}
+
+    def _logprobs(self) -> dict[str, Any]:
+        return {} if self.reasoning else {"logprobs": []}  # output text's events carry them
 
     def opened(self) -> list[dict[str, Any]]:
-        where = {"item_id": self.id, "output_index": self.index, "content_index": 0}
         return [
             self.stream.event(
                 "response.output_item.added",
                 output_index=self.index,
-                item=message_item(self.id, None, "in_progress"),
+                item=self._item(None, "in_progress"),
             ),
-            self.stream.event("response.content_part.added", **where, part=text_part("")),
+            self.stream.event("response.content_part.added", **self._where(), part=self._part("")),
         ]
 
     def delta(self, text: str) -> dict[str, Any]:
         self.text += text
-        self.stream.draft.output[self.index] = message_item(self.id, self.text, "in_progress")
-        where = {"item_id": self.id, "output_index": self.index, "content_index": 0}
-        return self.stream.event("response.output_text.delta", **where, delta=text, logprobs=[])
+        self.stream.draft.output[self.index] = self._item(self.text, "in_progress")
+        return self.stream.event(
+            f"response.{self.kind}.delta", **self._where(), delta=text, **self._logprobs()
+        )
 
     def closed(self, status: str) -> list[dict[str, Any]]:
-        item = message_item(self.id, self.text, status)
+        item = self._item(self.text, status)
         self.stream.draft.output[self.index] = item
-        where = {"item_id": self.id, "output_index": self.index, "content_index": 0}
+        where = self._where()
         return [
-            self.stream.event("response.output_text.done", **where, text=self.text, logprobs=[]),
-            self.stream.event("response.content_part.done", **where, part=text_part(self.text)),
+            self.stream.event(
+                f"response.{self.kind}.done", **where, text=self.text, **self._logprobs()
+            ),
+            self.stream.event("response.content_part.done", **where, part=self._part(self.text)),
             self.stream.event("response.output_item.done", output_index=self.index, item=item),
         ]
 
@@ -218,25 +252,21 @@ class CallEvents:
 
 
 class OutputItems:
-    """The response's output items as the model writes them: text goes to an assistant
-    message, each tool call to its own function_call item. Items come one after another,
-    as OpenAI streams them: opening one closes the one before."""
+    """The response's output items as the model writes them: reasoning to a reasoning
+    item, the reply to an assistant message, each tool call to its own function_call item.
+    Items come one after another, as OpenAI streams them: opening one closes the one
+    before."""
 
     def __init__(self, stream: EventStream) -> None:
         self.stream = stream
-        self.open: MessageEvents | CallEvents | None = None
+        self.open: TextEvents | CallEvents | None = None
         self.calls: dict[int, CallEvents] = {}  # by the parser's call index
 
     def text(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        events = []
-        if not isinstance(self.open, MessageEvents):
-            events += self._close("completed")
-            self.open = MessageEvents(self.stream)
-            events += self.open.opened()
-        events.append(self.open.delta(text))
-        return events
+        return self._write(text, reasoning=False)
+
+    def reasoning(self, text: str) -> list[dict[str, Any]]:
+        return self._write(text, reasoning=True)
 
     def call(
         self, index: int, name: str | None, arguments: str, call_id: str
@@ -255,12 +285,25 @@ class OutputItems:
 
     def finish(self) -> list[dict[str, Any]]:
         """The generation ended (the draft holds how): the last item closes with the
-        response's status; an output with nothing in it is one empty message."""
+        response's status; an output with no message and no call gets an empty message."""
         events = []
-        if not self.stream.draft.output:
-            self.open = MessageEvents(self.stream)
+        if all(item["type"] == "reasoning" for item in self.stream.draft.output):
+            events += self._close("completed")
+            self.open = TextEvents(self.stream)
             events += self.open.opened()
         return events + self._close(self.stream.draft.item_status())
+
+    def _write(self, text: str, reasoning: bool) -> list[dict[str, Any]]:
+        """More reply or reasoning text: into the open item of that kind, else a new one."""
+        if not text:
+            return []
+        events = []
+        if not (isinstance(self.open, TextEvents) and self.open.reasoning == reasoning):
+            events += self._close("completed")
+            self.open = TextEvents(self.stream, reasoning)
+            events += self.open.opened()
+        events.append(self.open.delta(text))
+        return events
 
     def _close(self, status: str) -> list[dict[str, Any]]:
         if self.open is None:

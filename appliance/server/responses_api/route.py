@@ -64,7 +64,7 @@ async def create_response(request: Request) -> Response:
         raise APIError(400, str(exc)) from None
     choice = Choice(0, ids, params, arrival)
     ticket = state.admit(1)
-    draft = Draft(_echo(req, state.appliance.model_name))
+    draft = Draft(response_echo(req, state.appliance.model_name))
     events = _events(state, choice, draft)
     if req.stream:
         sse = EventSourceResponse(_as_sse(events), sep="\n", send_timeout=SEND_TIMEOUT_S)
@@ -113,7 +113,7 @@ def _output_budget(req: ResponsesRequest, prompt_len: int, context: int) -> int:
     return req.max_output_tokens
 
 
-def _echo(req: ResponsesRequest, model: str) -> dict[str, Any]:
+def response_echo(req: ResponsesRequest, model: str) -> dict[str, Any]:
     """The request fields every response object repeats, in OpenAI's shapes."""
     return {
         "model": model,
@@ -166,9 +166,19 @@ async def _generated(state: ServerState, choice: Choice, stream: EventStream) ->
                 yield event
             if chunk.finished:
                 reason = chunk.finish_reason
-    stream.draft.finish(reason, usage(len(choice.prompt_ids), output_tokens, cached))
+    written = _cache_written(state, len(choice.prompt_ids), cached)
+    stream.draft.finish(reason, usage(len(choice.prompt_ids), output_tokens, cached, written))
     for event in items.finish():
         yield event
+
+
+def _cache_written(state: ServerState, prompt_len: int, cached: int) -> int:
+    """Input tokens the prefix cache keyed anew: the prompt's full blocks it did not
+    already hold (only full blocks are keyed)."""
+    kv = state.settings.kv
+    if not kv.prefix_caching:
+        return 0
+    return max(0, prompt_len // kv.block_size * kv.block_size - cached)
 
 
 async def _last(events: Events) -> dict[str, Any]:
