@@ -7,13 +7,16 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from appliance.admin.device_stats import DeviceStats
 from appliance.admin.latency_window import LatencyWindow
@@ -23,6 +26,8 @@ from appliance.server import routes
 from appliance.server.admin import AdminState, admin_routes
 from appliance.server.errors import APIError, api_error, http_error, unexpected_error
 from appliance.server.metrics import Metrics
+from appliance.server.origin_guard import OriginGuard, OriginRules
+from appliance.server.responses_api.route import create_response
 from appliance.server.sd_notify import Notifier, heartbeat
 from appliance.server.snapshot import SnapshotBuilder
 from appliance.server.state import ServerState
@@ -32,6 +37,14 @@ from appliance.topology.nvml import import_nvml
 log = logging.getLogger("appliance.server")
 WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}  # and how to reach them
 DEFAULT_PORT: int = Settings.model_fields["port"].default  # the console's without --url
+STATIC = Path(__file__).with_name("static")  # the chat page's files
+# The chat page loads its own files only, and no other site may frame it.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+    "form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 def build_app(
@@ -69,13 +82,17 @@ def build_app(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             # an id may hold slashes ("org/name"), as a Hugging Face one does
             Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             *admin_routes(),
+            Route("/", _chat_page, methods=["GET"]),
+            Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ],
+        middleware=[Middleware(OriginGuard, rules=OriginRules.for_settings(appliance.settings))],
         exception_handlers={
             APIError: _counted(api_error),
             HTTPException: _counted(http_error),
@@ -88,6 +105,11 @@ def build_app(
     # The server calls it once bound, with the port it got (port 0 picks a free one).
     app.state.on_listening = lambda port: _listening(state, admin, port)
     return app
+
+
+async def _chat_page(request: Request) -> Response:
+    """GET /: the chat page (static/index.html), which talks to /v1 like any client."""
+    return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
 
 
 def _admin_state(appliance: Appliance, latency: LatencyWindow) -> AdminState:
