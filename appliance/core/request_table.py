@@ -292,13 +292,17 @@ class RequestTable:
         what is left of max_tokens. The old attempt's messages are stale from now on."""
         request = self.requests[request_id]
         left = request.params.max_tokens - len(request.output_ids)
+        params = replace(request.params, max_tokens=max(1, left))
+        if params.structured is not None:  # its grammar replays the output the prompt holds
+            emitted = len(request.output_ids)
+            params = replace(params, structured=replace(params.structured, emitted=emitted))
         self._move(
             request,
             Phase.WAITING,
             prefill_worker=None,
             decode_worker=None,
             parked=None,
-            attempt_params=replace(request.params, max_tokens=max(1, left)),
+            attempt_params=params,
         )
         request.retries += 1
         request.timing.handoff_sent = request.timing.handoff_taken = None  # handed off anew

@@ -17,6 +17,7 @@ from appliance.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from appliance.engine.shard_loading import load_shard
 from appliance.engine.step_timing import StepClock
 from appliance.engine.stop_strings import StopStringMatcher
+from appliance.engine.structured.masks import GrammarMasks
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache
 from appliance.kv.handoff import CopyStreams, HandoffCopy, KVShard, PendingCopies, start_copy
@@ -90,7 +91,10 @@ class LLMEngine:
         self._group = group
         self._kv_shards = None if group else [KVShard(0, kv.tensor)]
         self.scheduler = Scheduler(kv.allocator, kv.block_size, limits, prefix_caching)
-        self.runner = ModelRunner(model, kv, Sampler(model.device), group)
+        sampler = Sampler(model.device)
+        # Structured outputs' matchers live with the sampler that masks their rows.
+        sampler.grammar = self.grammar = GrammarMasks(tokenizer, model.config.vocab_size)
+        self.runner = ModelRunner(model, kv, sampler, group)
         self._ids, self.clock = itertools.count(), StepClock()  # clock: the last step's timing
         self._seqs: dict[int, Sequence] = {}
         self._streams: dict[int, _Stream] = {}
@@ -305,6 +309,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.empty:
             return []
+        # Grammar masks of the rows to sample are computed while the forward runs.
+        self.grammar.start([chunk.seq for chunk in out.chunks if chunk.completes])
         sampled = self.clock.run(self.runner.run, out, self.kv.tensor.is_cuda)
         updated = self.scheduler.update_from_output(out, sampled, time.monotonic())
         if self.handoff_ready is not None and any(
@@ -342,6 +348,7 @@ class LLMEngine:
     def _forget(self, seq_id: int) -> None:
         self._streams.pop(seq_id, None)
         self.runner.sampler.forget(seq_id)
+        self.grammar.forget(seq_id)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
         """Run one request alone, yielding its outputs as they come."""

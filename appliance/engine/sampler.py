@@ -25,6 +25,7 @@ import torch
 from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.penalties import apply_penalties, token_counts
 from appliance.engine.sequence import SamplingParams, Sequence
+from appliance.engine.structured.masks import GrammarMasks, apply_grammar
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class Sampler:
         # in one call, seeded from the OS so runs differ.
         self._shared = torch.Generator(device=device)
         self._shared.seed()
+        self.grammar: GrammarMasks | None = None  # the engine sets it: it has the tokenizer
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
         """logits float32 [rows, vocab], one row per SampleRow; returns a token per row and
@@ -112,6 +114,7 @@ class Sampler:
         # 1. Structured output: the grammar mask of rows with params.structured goes here
         #    (helper B's one call), before the bias or the penalties can favour a token
         #    the grammar forbids.
+        apply_grammar(self.grammar, logits, rows)
         # 2. logit_bias, 3. min_tokens, 4. repetition, presence and frequency penalties.
         add_logit_bias(logits, rows)
         mask_end_tokens(logits, rows)

@@ -17,15 +17,21 @@ class StructuredOutput:
 
     kind "json": `spec` is a JSON schema as JSON text; "json_object": any JSON object
     (`spec` empty); "regex": a regular expression; "choice": a JSON list of strings;
-    "grammar": a grammar (Lark or GBNF) as text."""
+    "grammar": a grammar (Lark or GBNF) as text.
+
+    `emitted`: how many of the prompt's last tokens are the request's own output already
+    (a re-run folds what it streamed into its prompt): the matcher replays them."""
 
     kind: str
     spec: str = ""
+    emitted: int = 0
 
     def __post_init__(self) -> None:
         kinds = ("json", "json_object", "regex", "choice", "grammar")
         if self.kind not in kinds:
             raise ValueError(f"structured output kind must be one of {kinds}, got {self.kind!r}")
+        if self.emitted < 0:
+            raise ValueError(f"structured output emitted must be >= 0, got {self.emitted}")
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from appliance.api import SamplingParams
 from appliance.server.errors import APIError
+from appliance.server.structured_fields import StructuredFields
 
 # Fields this server does not implement, each with the values meaning "off" (what clients
 # send by default): sent with another value, they are refused (400, naming the field)
 # instead of silently ignored. OpenAI's own fields first, then the extra sampling fields of
 # vLLM (and a few of llama.cpp's server) that OpenAI-compatible clients send in extra_body.
-# Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos;
+# Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos; the
+# structured-output fields (structured_fields.py);
 # skip_special_tokens is only ever true (special tokens never reach the text).
 UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
     {
@@ -29,7 +31,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "logit_bias": (None, {}),
         "logprobs": (None, False),
         "top_logprobs": (None, 0),
-        "response_format": (None, {"type": "text"}),
         "suffix": (None, ""),
         "echo": (None, False),
         "best_of": (None, 1),
@@ -49,13 +50,8 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "allowed_token_ids": (None,),
         "bad_words": (None, []),
         "logits_processors": (None, []),
-        "guided_json": (None,),
-        "guided_regex": (None,),
-        "guided_choice": (None,),
-        "guided_grammar": (None,),
         "guided_decoding_backend": (None,),
         "guided_whitespace_pattern": (None,),
-        "structured_outputs": (None,),
         "detokenize": (None, True),
         # vLLM's prompt options: the prompt would not be the one asked for
         "add_generation_prompt": (None, True),
@@ -121,8 +117,9 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
-class SamplingFields(Body):
-    """What both routes share: the model, how to sample, when to stop, how to answer."""
+class SamplingFields(Body, StructuredFields):
+    """What both routes share: the model, how to sample, when to stop, how to answer (and
+    the structured-output fields, structured_fields.py)."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -180,6 +177,7 @@ class SamplingFields(Body):
             stop=tuple(self.stop),
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            structured=self.structured_output(),
         )
 
 

@@ -1,0 +1,142 @@
+"""A worker's grammar masks: each structured request's matcher (made at its first sampled
+row, dropped when the request leaves the worker) and the step's masks on the logits.
+
+The masks of a step can be computed while its model forward runs: `start` hands the rows
+about to be sampled to one background thread (llguidance releases the GIL, so it runs
+beside torch's threads), and `apply` waits for them and masks the logits in one batched
+op. Without `start` (or on a one-core worker), `apply` computes them itself."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import llguidance
+import torch
+
+from appliance.engine.sequence import SamplingParams
+from appliance.engine.structured.matcher import RequestMatcher
+from appliance.engine.structured.vocabulary import grammar_vocabulary
+from appliance.model.tokenizer import Tokenizer
+
+BITS = 32  # tokens per bitmask word (int32)
+
+
+class GrammarRow(Protocol):
+    """What the masks read of a row to sample (a Sequence or the sampler's SampleRow)."""
+
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+class GrammarMasks:
+    """Matchers per request of one worker, and the masks of its steps."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, *, background: bool | None = None
+    ) -> None:
+        """vocab_size: the logits' width. background: compute masks on a thread during the
+        forward (default: when this process may run on more than one core)."""
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + BITS - 1) // BITS
+        self.background = len(os.sched_getaffinity(0)) > 1 if background is None else background
+        self._vocabulary: llguidance.LLTokenizer | None = None  # built at first use
+        self._matchers: dict[int, RequestMatcher] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[dict[int, torch.Tensor]] | None = None
+
+    def start(self, rows: Sequence[GrammarRow]) -> None:
+        """Begin computing the masks of these rows (the step's rows to sample; others are
+        skipped) on the background thread, if masks run there."""
+        structured = [r for r in rows if r.params.structured is not None]
+        self._settle()
+        if not structured or not self.background:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._pending = self._pool.submit(self._compute, structured)
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[GrammarRow]) -> None:
+        """Mask, in place, each structured row of logits [rows, vocab] to the tokens its
+        grammar allows (the others to -inf); rows without a spec are left alone."""
+        index = [i for i, r in enumerate(rows) if r.params.structured is not None]
+        if not index:
+            return
+        ready = self._settle()
+        missing = [rows[i] for i in index if rows[i].seq_id not in ready]
+        ready.update(self._compute(missing))
+        bitmask = torch.stack([ready[rows[i].seq_id] for i in index])  # [k, words] int32
+        allowed = unpack(bitmask, logits.shape[-1]).to(logits.device, non_blocking=True)
+        where = torch.tensor(index, device=logits.device)
+        logits[where] = logits[where].masked_fill(~allowed, float("-inf"))
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a request's matcher: it finished, was aborted, or left for another worker."""
+        self._settle()
+        self._matchers.pop(seq_id, None)
+
+    def _settle(self) -> dict[int, torch.Tensor]:
+        """The masks started earlier (waited for), if any; none is left pending."""
+        pending, self._pending = self._pending, None
+        return {} if pending is None else pending.result()
+
+    def _compute(self, rows: Sequence[GrammarRow]) -> dict[int, torch.Tensor]:
+        """Each row's bitmask [words] int32, after its matcher took its new tokens."""
+        if not rows:
+            return {}
+        out = torch.empty(len(rows), self.words, dtype=torch.int32)  # [k, words]
+        for i, row in enumerate(rows):
+            matcher = self._matcher(row)
+            matcher.catch_up(row.token_ids)
+            matcher.fill(out[i].data_ptr(), self.words * 4)
+        return {row.seq_id: out[i] for i, row in enumerate(rows)}
+
+    def _matcher(self, row: GrammarRow) -> RequestMatcher:
+        matcher = self._matchers.get(row.seq_id)
+        if matcher is None:
+            assert row.params.structured is not None
+            matcher = RequestMatcher(row.params.structured, self.vocabulary, row.num_prompt_tokens)
+            self._matchers[row.seq_id] = matcher
+        return matcher
+
+    @property
+    def vocabulary(self) -> llguidance.LLTokenizer:
+        if self._vocabulary is None:
+            self._vocabulary = grammar_vocabulary(
+                self._tokenizer, self.vocab_size, self._tokenizer.stop_token_ids
+            )
+        return self._vocabulary
+
+    def close(self) -> None:
+        """Stop the background thread (a worker shutting down)."""
+        self._settle()
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 bitmask -> [rows, vocab_size] bool, token t allowed where bit
+    t % 32 of word t // 32 is set."""
+    shifts = torch.arange(BITS, dtype=torch.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [rows, words, 32]
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def apply_grammar(
+    masks: GrammarMasks | None, logits: torch.Tensor, rows: Sequence[GrammarRow]
+) -> None:
+    """The sampler's call: `masks.apply`, or an error when a row asks for a structured
+    output and the sampler was built without masks (never silently unconstrained)."""
+    if masks is not None:
+        masks.apply(logits, rows)
+    elif any(row.params.structured is not None for row in rows):
+        raise ValueError("a structured output needs the engine's grammar masks (Sampler.grammar)")

@@ -1,0 +1,56 @@
+"""One request's place in its grammar, rebuilt from plain data wherever it goes.
+
+A worker never receives a matcher: it builds one from the request's StructuredOutput and
+replays the request's own tokens so far. That covers every way a request arrives: the
+decode worker gets the prefill worker's first token as the last prompt token; a re-run
+(after a crash or a lost handoff) carries its streamed tokens in the prompt, counted by
+StructuredOutput.emitted. After that it catches up with each token the worker samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Ids
+
+import llguidance
+
+from appliance.engine.sequence import StructuredOutput
+from appliance.engine.structured.compile import grammar_text
+
+
+class GrammarError(RuntimeError):
+    """A token the grammar cannot take reached the matcher (a replay that does not fit)."""
+
+
+class RequestMatcher:
+    """The grammar state of one request: which tokens may come next."""
+
+    def __init__(
+        self, spec: StructuredOutput, vocabulary: llguidance.LLTokenizer, num_prompt_tokens: int
+    ) -> None:
+        self.matcher = llguidance.LLMatcher(vocabulary, grammar_text(spec), log_level=0)
+        if self.matcher.is_error():  # the server checked it: a worker should not see this
+            raise GrammarError(self.matcher.get_error())
+        # The request's own output starts `emitted` tokens before the end of the prompt.
+        self.start = num_prompt_tokens - spec.emitted
+        if self.start < 1:
+            raise GrammarError(f"emitted={spec.emitted} leaves no prompt before the output")
+        self.consumed = 0  # of the output tokens (from `start`), how many the matcher took
+
+    def catch_up(self, token_ids: Ids[int]) -> None:
+        """Feed the matcher the output tokens it has not seen: all of them the first time
+        (the replay), the last sampled one at each later step."""
+        new = list(token_ids[self.start + self.consumed :])
+        if not new:
+            return
+        if not self.matcher.consume_tokens(new):
+            raise GrammarError(f"the grammar refused a token: {self.matcher.get_error()}")
+        self.consumed += len(new)
+
+    def fill(self, address: int, nbytes: int) -> None:
+        """Write the allowed-token bitmask (one bit per token, int32 words, nbytes long)
+        at `address`. llguidance releases the GIL while it computes."""
+        self.matcher.unsafe_compute_mask_ptr(address, nbytes)
+
+    @property
+    def complete(self) -> bool:
+        """Nothing but an end token may follow (the mask then allows only those)."""
+        return bool(self.matcher.is_stopped())
