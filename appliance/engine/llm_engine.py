@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.model_runner import ModelRunner, StepInputs
 from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import Scheduler, SchedulerLimits
@@ -54,6 +55,7 @@ class RequestOutput:
     num_output_tokens: int
     handoff_blocks: list[int] | None = None  # a parked prefill's blocks, to pull then release
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, where the request asked
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str | None
     num_prompt_tokens: int
+    logprobs: list[TokenLogprobs] | None = None  # one per token, where the request asked
 
 
 @dataclass
@@ -318,9 +321,11 @@ class LLMEngine:
         ):
             # After the step that wrote the parked blocks, before they are announced.
             self.handoff_ready.record(torch.cuda.current_stream(self.kv.tensor.device))
-        return [self._output(seq) for seq in updated]
+        logprobs = self.runner.logprobs
+        return [self._output(seq, logprobs.get(seq.seq_id)) for seq in updated]
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        """What `seq` made this step; `logprobs`: its sampled token's, if it asked."""
         stream = self._streams[seq.seq_id]
         new_ids = seq.output_ids[stream.sent_tokens :]
         stream.sent_tokens = len(seq.output_ids)
@@ -343,6 +348,8 @@ class LLMEngine:
             len(seq.output_ids),
             list(seq.block_table) if parked else None,
             seq.num_cached_tokens,
+            # A step samples one token a request: the one new id this output carries.
+            [logprobs] if logprobs is not None and new_ids else None,
         )
 
     def _forget(self, seq_id: int) -> None:
@@ -368,14 +375,23 @@ class LLMEngine:
         order = [self.add_request(p, params) for p in prompts]
         texts: dict[int, list[str]] = {i: [] for i in order}
         tokens: dict[int, list[int]] = {i: [] for i in order}
+        logprobs: dict[int, list[TokenLogprobs]] = {i: [] for i in order}
         reasons: dict[int, str | None] = {}
         while self.has_unfinished():
             for output in self.step():
                 texts[output.seq_id].append(output.text)
                 tokens[output.seq_id].extend(output.token_ids)
+                logprobs[output.seq_id].extend(output.logprobs or [])
                 if output.finished:
                     reasons[output.seq_id] = output.finish_reason
+        asked = params.logprobs is not None
         return [
-            Completion("".join(texts[i]), tokens[i], reasons.get(i), len(prompt))
+            Completion(
+                "".join(texts[i]),
+                tokens[i],
+                reasons.get(i),
+                len(prompt),
+                logprobs[i] if asked else None,
+            )
             for i, prompt in zip(order, prompts, strict=True)
         ]

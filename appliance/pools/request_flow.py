@@ -18,6 +18,7 @@ from appliance.core.request_table import Phase, Request, RequestTable
 from appliance.core.roles import ENTRY_ROLES, Role
 from appliance.core.router import Router
 from appliance.core.tuning import Tuning
+from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams
 from appliance.planner.online_profile import OnlineProfile, worker_size
 from appliance.pools.worker_handle import WorkerHandle
@@ -43,6 +44,7 @@ class Chunk:
     timing: dict[str, float] | None = None  # on the last chunk: Timing.as_dict()
     handoff_bytes: int = 0  # on the last chunk: KV bytes copied from prefill to decode pool
     cached_tokens: int = 0  # on the first chunk: prompt tokens the prefix cache supplied
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, where the request asked
 
 
 @dataclass
@@ -233,4 +235,5 @@ def _chunk(request: Request, out: Output, cached_tokens: int) -> Chunk:
         request.timing.as_dict() if finished else None,
         request.handoff_bytes if finished else 0,
         cached_tokens,
+        out.logprobs,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.step_timing import StepTiming
 
@@ -148,6 +149,7 @@ class Output:
     finish_reason: str | None
     handoff_blocks: list[int] | None = None
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, where the request asked
 
 
 @dataclass

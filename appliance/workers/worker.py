@@ -359,6 +359,7 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
                 out.finish_reason,
                 out.handoff_blocks,
                 out.cached_tokens,
+                out.logprobs,
             )
         )
     state.outbox.put(batch)
