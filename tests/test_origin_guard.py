@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 
 from appliance.model.loader import model_name
 from appliance.server.origin_guard import Origin, OriginGuard, OriginRules, parse_origin
-from appliance.settings.config import Settings
+from appliance.settings.config import Settings, SettingsError, load_settings
 
 LOOPBACK_KEYLESS = OriginRules.build(check_host=True)
 WITH_KEY = OriginRules.build(check_host=False)
@@ -122,6 +122,16 @@ def test_the_host_is_checked_on_loopback_without_a_key(
     settings: dict[str, object], check_host: bool
 ) -> None:
     assert OriginRules.for_settings(Settings(**settings)).check_host is check_host
+
+
+def test_allowed_origins_come_from_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APPLIANCE_SERVER__ALLOWED_ORIGINS", "https://chat.example.com, http://b:81")
+    rules = OriginRules.for_settings(load_settings())
+    assert rules.allowed == {Origin("https", "chat.example.com", 443), Origin("http", "b", 81)}
+    assert rules.refusal("chat.example.com", "https://chat.example.com") is None
+    monkeypatch.setenv("APPLIANCE_SERVER__ALLOWED_ORIGINS", "chat.example.com")
+    with pytest.raises(SettingsError, match=r"server\.allowed_origins .*is not an origin"):
+        load_settings()
 
 
 def guarded(rules: OriginRules) -> TestClient:

@@ -110,8 +110,10 @@ class OriginRules:
 
     @classmethod
     def for_settings(cls, settings: Settings) -> OriginRules:
-        """The rules for a server: the Host check where it listens on loopback with no key."""
-        return cls.build(is_loopback(settings.host) and settings.api_key is None)
+        """The rules for a server: the Host check where it listens on loopback with no key,
+        and the origins `server.allowed_origins` names."""
+        check_host = is_loopback(settings.host) and settings.api_key is None
+        return cls.build(check_host, settings.server.allowed_origins)
 
     def refusal(self, host_header: str | None, origin_header: str | None) -> Refusal | None:
         """Why a request with these headers is refused; None when it may go on."""

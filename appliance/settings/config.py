@@ -48,6 +48,10 @@ class SettingsError(ValueError):
 # Device indices, sorted, each once; None: split automatically. NoDecode: pydantic-settings
 # would read a tuple's environment variable as JSON, and '0,1' or '0-3' is not JSON.
 DeviceList = Annotated[tuple[NonNegativeInt, ...] | None, NoDecode]
+# Origins as a browser writes them in its Origin header; a variable or flag holds them
+# comma-separated (NoDecode: not as JSON).
+OriginList = Annotated[tuple[str, ...], NoDecode]
+ORIGIN = re.compile(r"https?://[^/\s,?#@]+/?")
 
 
 class ServerSettings(BaseModel):
@@ -76,6 +80,31 @@ class ServerSettings(BaseModel):
         description="On SIGTERM/SIGINT: new requests get 503 and running ones may finish "
         "for this long; what still runs then ends with an error event.",
     )
+    allowed_origins: OriginList = Field(
+        (),
+        description="Origins besides the server's own whose browser pages may call it "
+        "(scheme://host[:port], comma-separated), e.g. a reverse proxy's "
+        "https://chat.example.com; their host names pass the loopback Host check too. "
+        "No CORS headers are sent.",
+    )
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _read_origins(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _are_origins(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for origin in value:
+            if not ORIGIN.fullmatch(origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin: write scheme://host[:port], "
+                    "e.g. https://chat.example.com"
+                )
+        return value
 
 
 class RecoverySettings(BaseModel):
