@@ -143,6 +143,8 @@ async function send(text) {
   const stats = document.createElement("p");
   stats.className = "stats";
   item.append(stats);
+  // Busy while it streams: a screen reader reads the answer once, not every token.
+  item.setAttribute("aria-busy", "true");
   const answer = { text: "", pieces: 0, usage: null, start: performance.now(), first: null };
   answer.ended = "";
   page.controller = new AbortController();
@@ -166,6 +168,7 @@ async function send(text) {
     if (!$("prompt").value) $("prompt").value = text;
   }
   stats.textContent = describe(answer);
+  item.setAttribute("aria-busy", "false");
   setBusy(false);
   $("prompt").focus();
 }
