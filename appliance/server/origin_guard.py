@@ -124,7 +124,8 @@ class OriginRules:
                 f"Host {host_header!r} does not name this machine: this server listens on "
                 "loopback without an API key, so it answers only requests sent to localhost, "
                 "127.0.0.1 or [::1] (a page on another site that re-points its name at this "
-                "machine, DNS rebinding, is refused)",
+                "machine, DNS rebinding, is refused); to serve another name, set an API key "
+                "or list that origin in server.allowed_origins",
                 "host_not_allowed",
             )
         if origin_header is None:
@@ -136,8 +137,8 @@ class OriginRules:
         return Refusal(
             403,
             f"cross-origin request refused: the page at {origin_header!r} is not this "
-            f"server's origin ({own_text}); a browser may call this API only from the "
-            "server's own page",
+            f"server's origin ({own_text}); a browser may call this server only from its "
+            "own page or an origin listed in server.allowed_origins",
             "origin_not_allowed",
         )
 
