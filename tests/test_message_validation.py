@@ -54,14 +54,19 @@ def test_message_without_content_is_refused(
     assert param in error["message"]
 
 
-def test_assistant_tool_calls_are_refused_not_ignored(client: OpenAI) -> None:
+def test_a_calling_turn_needs_no_content_but_a_tool_result_does(client: OpenAI) -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1"},
     ]
     error = _refusal(client, messages)
-    assert error["param"] == "messages[1].tool_calls" and error["code"] == "unsupported"
+    assert error["param"] == "messages[2].content"
+    assert error["code"] == "missing_required_parameter"
+    messages[2]["content"] = "42"
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+    assert reply.choices[0].message.content is not None
 
 
 def test_empty_content_and_full_history_still_answer(client: OpenAI) -> None:

@@ -115,7 +115,16 @@ CASES = [
         None,
     ),
     ("logprobs asked", "POST", CHAT, chat(logprobs=True), AUTH, 400, "logprobs", "unsupported"),
-    ("tools given", "POST", CHAT, chat(tools=[{"type": "function"}]), AUTH, 400, "tools", None),
+    (
+        "tool without its function",
+        "POST",
+        CHAT,
+        chat(tools=[{"type": "function"}]),
+        AUTH,
+        422,
+        "tools.0.function",
+        None,
+    ),
     ("presence penalty", "POST", CHAT, chat(presence_penalty=0.5), AUTH, 400, None, None),
     (
         "lone surrogate in content",

@@ -8,11 +8,19 @@ import json
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from appliance.api import SamplingParams
 from appliance.server.errors import APIError
 from appliance.server.structured_fields import StructuredFields
+from appliance.server.tool_fields import (
+    MessageToolFields,
+    StructuredOutput,
+    ToolFields,
+    check_tool_messages,
+    constrained,
+    template_message,
+)
 
 # Fields this server does not implement, each with the values meaning "off" (what clients
 # send by default): sent with another value, they are refused (400, naming the field)
@@ -24,8 +32,8 @@ from appliance.server.structured_fields import StructuredFields
 UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
     {
         # OpenAI
-        "tools": (None, []),
-        "tool_choice": (None, "none"),
+        # tools and tool_choice are served (tool_fields.py); the deprecated functions and
+        # function_call are not: send tools.
         "functions": (None, []),
         "function_call": (None, "none"),
         "logit_bias": (None, {}),
@@ -57,7 +65,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "add_generation_prompt": (None, True),
         "continue_final_message": (None, False),
         "chat_template": (None,),
-        "chat_template_kwargs": (None, {}),
         # llama.cpp server's sampling fields
         "repeat_penalty": (None, 1, 1.0),
         "typical_p": (None, 1, 1.0),
@@ -181,11 +188,13 @@ class SamplingFields(Body, StructuredFields):
         )
 
 
-class ChatMessage(Body):
-    """One turn; content is text or text parts (joined). Tools and images are not served."""
+class ChatMessage(Body, MessageToolFields):
+    """One turn; content is text or text parts (joined); an assistant turn's tool calls,
+    a tool's result (tool_fields.py). Images are not served."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]]  # present and not null: check_message_contents
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Present and not null (check_message_contents), but for an assistant turn that calls.
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
     @field_validator("content")
@@ -204,12 +213,12 @@ class ChatMessage(Body):
             texts.append(part["text"])
         return _valid_unicode("".join(texts))
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self) -> dict[str, Any]:
         # The template knows the classic roles; "developer" is OpenAI's new name for system.
         role = "system" if self.role == "developer" else self.role
         # `_text_only` has joined any text parts: a validated message's content is a str.
-        assert isinstance(self.content, str)
-        return {"role": role, "content": self.content}
+        assert self.content is None or isinstance(self.content, str)
+        return template_message(role, self.content, self.name, self)
 
 
 def check_message_contents(messages: Any) -> None:
@@ -217,7 +226,7 @@ def check_message_contents(messages: Any) -> None:
 
     Runs on the raw body, before nulls become defaults (a null content would otherwise
     read as "" and be generated from). Only an assistant turn carrying tool calls may lack
-    content in OpenAI's API, and this server serves no tools, so every role needs it."""
+    content in OpenAI's API."""
     if not isinstance(messages, list):
         return  # not a list: the field validation names it (422)
     for i, message in enumerate(messages):
@@ -225,12 +234,7 @@ def check_message_contents(messages: Any) -> None:
             continue
         where = f"messages[{i}]"
         if message.get("role") == "assistant" and message.get("tool_calls"):
-            raise APIError(
-                400,
-                f"{where}.tool_calls: tool calls are not supported by this server",
-                f"{where}.tool_calls",
-                "unsupported",
-            )
+            continue
         raise APIError(
             400,
             f"Missing required parameter: '{where}.content'.",
@@ -239,8 +243,10 @@ def check_message_contents(messages: Any) -> None:
         )
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # The tool calls' constraint, set by the route once it knows the model's format.
+    _tool_output: StructuredOutput | None = PrivateAttr(None)
     max_completion_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="before")
@@ -249,7 +255,15 @@ class ChatCompletionRequest(SamplingFields):
         # An APIError is no ValueError: pydantic lets it through as it is (a 400, not 422).
         if isinstance(data, dict):
             check_message_contents(data.get("messages"))
+            check_tool_messages(data.get("messages"))
         return data
+
+    def constrain_tool_calls(self, structured: StructuredOutput | None) -> None:
+        """Each choice's output follows `structured` (tool_choice required or named)."""
+        self._tool_output = structured
+
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        return constrained(super().sampling_params(max_tokens, choice), self._tool_output)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

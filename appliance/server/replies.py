@@ -34,7 +34,7 @@ async def whole(
     generate = state.appliance.generate_ids
     async with aclosing(run_choices(generate, choices, state.metrics)) as chunks:
         async for index, chunk in chunks:
-            texts[index] += chunk.text
+            texts[index] += envelope.shape.text_of(index, chunk)
             generated += len(chunk.token_ids)
             cached[index] = max(cached[index], chunk.cached_tokens)
             if chunk.finished:
@@ -90,8 +90,9 @@ async def _events(
             async for index, piece in chunks:
                 generated += len(piece.token_ids)
                 cached[index] = max(cached[index], piece.cached_tokens)
-                if piece.text or piece.finished:
-                    yield chunk(envelope.shape.delta(index, piece.text, piece.finish_reason))
+                text = envelope.shape.text_of(index, piece)  # what tool parsers read
+                if text or piece.finished:
+                    yield chunk(envelope.shape.delta(index, text, piece.finish_reason))
         if include_usage:
             total = usage(prompt_tokens, generated, cached_prompt(choices, cached))
             yield _json(envelope.chunk([], total, True))

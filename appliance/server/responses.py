@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.chat.chat_output import ChatOutputs, GeneratedPiece
+
 
 class ChatShape:
     """/v1/chat/completions: choices carry a message, stream chunks a delta."""
@@ -15,8 +17,18 @@ class ChatShape:
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
+    def __init__(self, outputs: ChatOutputs | None = None) -> None:
+        # The readers of tool calls and reasoning (tool_fields.ChatTurn); None: plain text.
+        self.outputs = outputs
+
+    def text_of(self, index: int, piece: GeneratedPiece) -> str:
+        """The text of choice `index`'s next piece that the reply is made of."""
+        return piece.text if self.outputs is None else self.outputs.text_of(index, piece)
+
     def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.outputs is not None:
+            message, finish_reason = self.outputs.message(text, finish_reason)
         return {
             "index": index,
             "message": message,
@@ -25,7 +37,9 @@ class ChatShape:
         }
 
     def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if text else {}
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if self.outputs is not None:
+            delta, finish_reason = self.outputs.delta(index, text, finish_reason)
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def opening(self, index: int) -> dict[str, Any] | None:
@@ -40,6 +54,9 @@ class CompletionShape:
     object = "text_completion"
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
+
+    def text_of(self, index: int, piece: GeneratedPiece) -> str:
+        return piece.text
 
     def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}

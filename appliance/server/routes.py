@@ -31,6 +31,7 @@ from appliance.server.protocol import (
 )
 from appliance.server.responses import ChatShape, CompletionShape, Envelope, Shape
 from appliance.server.state import ServerState
+from appliance.server.tool_fields import ChatTurn
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -41,8 +42,16 @@ async def chat_completions(request: Request) -> Response:
     req = validated(ChatCompletionRequest, body)
     _precheck(state, req, num_prompts=1)
     messages = [m.for_template() for m in req.messages]
-    ids = await _tokenize(lambda: state.appliance.tokenize(messages=messages), "messages")
-    return await _respond(request, state, req, [ids], ChatShape())
+    tokenizer = state.appliance.tokenizer
+    assert tokenizer is not None  # requests are served only once the tokenizer is loaded
+    # The tools in the prompt where the family's template reads them, the constraint of
+    # tool_choice required or named, and the readers of calls and reasoning (appliance/chat).
+    turn = ChatTurn.of(tokenizer, messages, req)
+    req.constrain_tool_calls(turn.structured)
+    ids = await _tokenize(turn.token_ids, "messages")
+    if not ids:
+        raise APIError(400, "the prompt is empty", "messages")
+    return await _respond(request, state, req, [ids], ChatShape(turn.outputs()))
 
 
 async def completions(request: Request) -> Response:

@@ -20,6 +20,7 @@ from appliance.chat.formats import chat_format
 from appliance.chat.function_tool import FunctionTool
 from appliance.chat.tool_calls import ToolPlan, plan_tools
 from appliance.engine.sequence import StructuredOutput
+from appliance.engine.structured.compile import UnsupportedSpec, check
 from appliance.model.tokenizer import Tokenizer
 from appliance.server.errors import APIError
 
@@ -169,6 +170,13 @@ class ChatTurn:
         except ValueError as exc:
             param = "tools" if str(exc).startswith("tools") else "tool_choice"
             raise APIError(400, str(exc), param) from None
+        if plan.structured is not None:
+            try:  # as the workers will build it: what the grammar engine refuses is a 400
+                check(plan.structured)
+            except UnsupportedSpec as exc:
+                raise APIError(
+                    400, f"a tool's parameters cannot constrain the calls: {exc}", "tools"
+                ) from None
         return cls(tokenizer, messages, plan, dict(fields.chat_template_kwargs or {}))
 
     def token_ids(self) -> list[int]:
