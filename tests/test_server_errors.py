@@ -114,7 +114,7 @@ CASES = [
         "stream_options",
         None,
     ),
-    ("logprobs asked", "POST", CHAT, chat(logprobs=True), AUTH, 400, "logprobs", "unsupported"),
+    ("echo asked", "POST", CHAT, chat(echo=True), AUTH, 400, "echo", "unsupported"),
     (
         "tool without its function",
         "POST",
@@ -125,7 +125,16 @@ CASES = [
         "tools.0.function",
         None,
     ),
-    ("presence penalty", "POST", CHAT, chat(presence_penalty=0.5), AUTH, 400, None, None),
+    (
+        "presence penalty",
+        "POST",
+        CHAT,
+        chat(presence_penalty=2.5),
+        AUTH,
+        422,
+        "presence_penalty",
+        None,
+    ),
     (
         "lone surrogate in content",
         "POST",

@@ -198,9 +198,9 @@ def test_a_model_is_retrieved_by_its_id_and_another_id_is_404(client: OpenAI) ->
 
 
 REFUSED_EXTRAS = [
-    {"repetition_penalty": 1.1},
-    {"min_p": 0.05},
-    {"min_tokens": 4},
+    {"typical_p": 0.9},
+    {"bad_words": ["sky"]},
+    {"allowed_token_ids": [1, 2]},
     {"length_penalty": 0.5},
     {"use_beam_search": True},
     {"include_stop_str_in_output": True},
@@ -212,7 +212,7 @@ REFUSED_EXTRAS = [
     {"structured_outputs": {"regex": "[0-9]+"}},
     {"logits_processors": ["x"]},
     {"add_generation_prompt": False},
-    {"repeat_penalty": 1.2},
+    {"mirostat": 2},
 ]
 
 

@@ -30,7 +30,7 @@ HI = [{"role": "user", "content": "Hi"}]
 def test_unsupported_fields_are_refused_unless_off() -> None:
     assert unsupported_field({"logprobs": False, "echo": False, "presence_penalty": 0}) is None
     assert unsupported_field({"response_format": {"type": "text"}, "best_of": 1}) is None
-    assert unsupported_field({"logprobs": True}) == "logprobs"
+    assert unsupported_field({"echo": True}) == "echo"
     assert unsupported_field({"best_of": True}) == "best_of"  # true is not the number 1
     assert unsupported_field({"response_format": {"type": "json_object"}}) == "response_format"
 
@@ -47,17 +47,17 @@ def test_vllm_extras_are_refused_unless_at_their_defaults() -> None:
         "guided_json": None,
         "prompt_logprobs": None,
         "add_generation_prompt": True,
-        "return_tokens_as_token_ids": True,  # logprobs only, and those are refused
+        "return_tokens_as_token_ids": False,  # logprobs name tokens by their text
         "priority": 3,  # scheduling, not sampling: ignored
     }
     assert unsupported_field(defaults) is None
-    assert unsupported_field({"repetition_penalty": 1.05}) == "repetition_penalty"
-    assert unsupported_field({"min_p": 0.1}) == "min_p"
-    assert unsupported_field({"min_p": False}) == "min_p"  # false is not the number 0
+    assert unsupported_field({"length_penalty": 1.05}) == "length_penalty"
+    assert unsupported_field({"typical_p": 0.9}) == "typical_p"
+    assert unsupported_field({"typical_p": True}) == "typical_p"  # true is not the number 1
     assert unsupported_field({"prompt_logprobs": 0}) == "prompt_logprobs"
     assert unsupported_field({"guided_regex": "a+"}) == "guided_regex"
-    assert unsupported_message("min_p") == (
-        "min_p is not supported by this server: send 0.0 or leave it out"
+    assert unsupported_message("length_penalty") == (
+        "length_penalty is not supported by this server: send 1.0 or leave it out"
     )
     assert unsupported_message("guided_json").endswith(": leave it out")
 

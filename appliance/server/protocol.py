@@ -26,8 +26,9 @@ from appliance.server.tool_fields import (
 # send by default): sent with another value, they are refused (400, naming the field)
 # instead of silently ignored. OpenAI's own fields first, then the extra sampling fields of
 # vLLM (and a few of llama.cpp's server) that OpenAI-compatible clients send in extra_body.
-# Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos; the
-# structured-output fields (structured_fields.py);
+# Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos, the
+# structured-output fields (structured_fields.py), the
+# penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs;
 # skip_special_tokens is only ever true (special tokens never reach the text).
 UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
     {
@@ -36,18 +37,10 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         # function_call are not: send tools.
         "functions": (None, []),
         "function_call": (None, "none"),
-        "logit_bias": (None, {}),
-        "logprobs": (None, False),
-        "top_logprobs": (None, 0),
         "suffix": (None, ""),
         "echo": (None, False),
         "best_of": (None, 1),
-        "presence_penalty": (None, 0, 0.0),
-        "frequency_penalty": (None, 0, 0.0),
         # vLLM's extra sampling parameters
-        "repetition_penalty": (None, 1, 1.0),
-        "min_p": (None, 0, 0.0),
-        "min_tokens": (None, 0),
         "length_penalty": (None, 1, 1.0),
         "use_beam_search": (None, False),
         "include_stop_str_in_output": (None, False),
@@ -55,6 +48,7 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "spaces_between_special_tokens": (None, True),
         "truncate_prompt_tokens": (None,),
         "prompt_logprobs": (None,),
+        "return_tokens_as_token_ids": (None, False),  # logprobs name tokens by their text
         "allowed_token_ids": (None,),
         "bad_words": (None, []),
         "logits_processors": (None, []),
@@ -66,7 +60,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "continue_final_message": (None, False),
         "chat_template": (None,),
         # llama.cpp server's sampling fields
-        "repeat_penalty": (None, 1, 1.0),
         "typical_p": (None, 1, 1.0),
         "mirostat": (None, 0),
         "grammar": (None, ""),
@@ -77,6 +70,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # stop matching rescans held-back text: long stops slow a worker
 MAX_SEED = 2**63 - 1
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM takes as many on completions
 
 
 def unsupported_field(body: dict[str, Any]) -> str | None:
@@ -141,6 +136,19 @@ class SamplingFields(Body, StructuredFields):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # vLLM's penalties (OpenAI has presence and frequency); llama.cpp calls repetition
+    # "repeat_penalty". Ranges as SamplingParams checks them.
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0, le=2, allow_inf_nan=False)
+    repeat_penalty: float | None = Field(None, gt=0, le=2, allow_inf_nan=False)
+    # OpenAI's: {"token id": bias in [-100, 100]}, added to the logits before sampling.
+    logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
+    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0)
+    # vLLM's switch (its server option, here per request): the model's own distribution,
+    # or the one tokens are drawn from (after bias, penalties, temperature and the cuts).
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
     @field_validator("stop")
     @classmethod
@@ -160,6 +168,32 @@ class SamplingFields(Body, StructuredFields):
         if any(i < 0 for i in value):
             raise ValueError("token ids must not be negative")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_is_by_token_id(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (as strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for {key}")
+        return value
+
+    def check_sampling(self, vocab: int) -> None:
+        """Refuse, before tokenizing, what a valid body may still ask wrongly: token ids
+        this model does not have, top_logprobs without logprobs (400, naming the field)."""
+        self.requested_logprobs()
+        bad = [int(key) for key in self.logit_bias if int(key) >= vocab]
+        if bad:
+            raise APIError(
+                400,
+                f"logit_bias token id {bad[0]} is outside the vocabulary ({vocab})",
+                "logit_bias",
+            )
+
+    def requested_logprobs(self) -> int | None:
+        """How many top logprobs a token carries (None: no logprobs at all)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -185,7 +219,26 @@ class SamplingFields(Body, StructuredFields):
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             structured=self.structured_output(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self._repetition_penalty(),
+            logit_bias=tuple((int(key), bias) for key, bias in self.logit_bias.items()),
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            logprobs=self.requested_logprobs(),
+            processed_logprobs=self.logprobs_mode == "processed_logprobs",
         )
+
+    def _repetition_penalty(self) -> float:
+        both = (self.repetition_penalty, self.repeat_penalty)
+        if None not in both and both[0] != both[1]:
+            raise APIError(
+                400,
+                f"repetition_penalty ({both[0]}) and repeat_penalty ({both[1]}) are two "
+                "names for one setting: send one",
+                "repeat_penalty",
+            )
+        return next((p for p in both if p is not None), 1.0)
 
 
 class ChatMessage(Body, MessageToolFields):
@@ -248,6 +301,8 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     # The tool calls' constraint, set by the route once it knows the model's format.
     _tool_output: StructuredOutput | None = PrivateAttr(None)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="before")
     @classmethod
@@ -268,10 +323,22 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:  # OpenAI's rule: top_logprobs needs logprobs true
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
 
 class CompletionRequest(SamplingFields):
     # One prompt (text or token ids) or a batch of them; each gets n choices.
     prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI's takes 0..5 top logprobs here; like vLLM this server takes up to 20.
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def default_max_tokens(self, room: int) -> int:
         return min(16, room)  # OpenAI's default for this route

@@ -3,6 +3,7 @@ OpenAI chunks that always ends with `[DONE]` (after an error event if generation
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -13,10 +14,10 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from appliance.api import RequestFailed
+from appliance.api import RequestFailed, TokenLogprobs
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices
-from appliance.server.responses import Envelope, usage
+from appliance.server.responses import Envelope, Logprobs, Piece, usage
 from appliance.server.state import ServerState, Ticket
 
 log = logging.getLogger("appliance.server")
@@ -30,6 +31,7 @@ async def whole(
     texts = [""] * len(choices)
     reasons: list[str | None] = [None] * len(choices)
     cached = [0] * len(choices)
+    tokens: list[list[TokenLogprobs]] = [[] for _ in choices]
     generated = 0
     generate = state.appliance.generate_ids
     async with aclosing(run_choices(generate, choices, state.metrics)) as chunks:
@@ -37,10 +39,39 @@ async def whole(
             texts[index] += envelope.shape.text_of(index, chunk)
             generated += len(chunk.token_ids)
             cached[index] = max(cached[index], chunk.cached_tokens)
+            tokens[index].extend(chunk.logprobs or [])
             if chunk.finished:
                 reasons[index] = chunk.finish_reason
-    body = [envelope.shape.choice(i, texts[i], reasons[i]) for i in range(len(choices))]
+    pieces = token_pieces(state)
+    body = [
+        envelope.shape.choice(
+            i, texts[i], reasons[i], _logprobs(envelope, choices[i], tokens[i], pieces, 0)
+        )
+        for i in range(len(choices))
+    ]
     return envelope.whole(body, usage(prompt_tokens, generated, cached_prompt(choices, cached)))
+
+
+def token_pieces(state: ServerState) -> Piece:
+    """Each token id's text as logprobs name it: the tokenizer's decoding of it alone,
+    special tokens kept (vLLM's), remembered for the request."""
+    tokenizer = state.appliance.tokenizer
+    assert tokenizer is not None  # requests are served only once the tokenizer is loaded
+
+    @functools.lru_cache(maxsize=4096)
+    def piece(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return piece
+
+
+def _logprobs(
+    envelope: Envelope, choice: Choice, tokens: list[TokenLogprobs], pieces: Piece, offset: int
+) -> Logprobs:
+    """A choice's "logprobs" value: None unless its request asked for logprobs."""
+    if choice.params.logprobs is None:
+        return None
+    return envelope.shape.logprobs(tokens, pieces, offset)
 
 
 def cached_prompt(choices: list[Choice], cached: list[int]) -> int:
@@ -80,6 +111,11 @@ async def _events(
 
     generated = 0
     cached = [0] * len(choices)
+    # Logprobs of tokens whose text is held back (a possible stop string, a partial
+    # character) wait for the next delta; `sent`: characters streamed so far.
+    pending: list[list[TokenLogprobs]] = [[] for _ in choices]
+    sent = [0] * len(choices)
+    pieces = token_pieces(state)
     try:
         for c in choices:
             opening = envelope.shape.opening(c.index)
@@ -90,9 +126,15 @@ async def _events(
             async for index, piece in chunks:
                 generated += len(piece.token_ids)
                 cached[index] = max(cached[index], piece.cached_tokens)
+                pending[index].extend(piece.logprobs or [])
                 text = envelope.shape.text_of(index, piece)  # what tool parsers read
                 if text or piece.finished:
-                    yield chunk(envelope.shape.delta(index, text, piece.finish_reason))
+                    logprobs = _logprobs(
+                        envelope, choices[index], pending[index], pieces, sent[index]
+                    )
+                    pending[index], sent[index] = [], sent[index] + len(piece.text)
+                    delta = envelope.shape.delta(index, text, piece.finish_reason, logprobs)
+                    yield chunk(delta)
         if include_usage:
             total = usage(prompt_tokens, generated, cached_prompt(choices, cached))
             yield _json(envelope.chunk([], total, True))

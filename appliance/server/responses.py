@@ -4,10 +4,29 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.api import TokenLogprobs
 from appliance.chat.chat_output import ChatOutputs, GeneratedPiece
+
+Piece = Callable[[int], str]  # a token id's text, as the tokenizer decodes it alone
+Logprobs = dict[str, Any] | None  # a choice's "logprobs" value
+LOWEST_LOGPROB = -9999.0  # what vLLM reports for -inf (JSON has no infinity)
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOWEST_LOGPROB)
+
+
+def _token(piece: str, logprob: float) -> dict[str, Any]:
+    """OpenAI's chat token entry: its text, logprob and UTF-8 bytes."""
+    return {
+        "token": piece,
+        "logprob": _logprob(logprob),
+        "bytes": list(piece.encode("utf-8", errors="replace")),
+    }
 
 
 class ChatShape:
@@ -25,22 +44,40 @@ class ChatShape:
         """The text of choice `index`'s next piece that the reply is made of."""
         return piece.text if self.outputs is None else self.outputs.text_of(index, piece)
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: Logprobs = None
+    ) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.outputs is not None:
             message, finish_reason = self.outputs.message(text, finish_reason)
         return {
             "index": index,
             "message": message,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def delta(
+        self, index: int, text: str, finish_reason: str | None, logprobs: Logprobs = None
+    ) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": text} if text else {}
         if self.outputs is not None:
             delta, finish_reason = self.outputs.delta(index, text, finish_reason)
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+
+    def logprobs(self, tokens: list[TokenLogprobs], piece: Piece, offset: int) -> dict[str, Any]:
+        """OpenAI's chat logprobs: per token its entry and its top alternatives."""
+        content = []
+        for token in tokens:
+            entry = _token(piece(token.token_id), token.logprob)
+            entry["top_logprobs"] = [_token(piece(i), lp) for i, lp in token.top]
+            content.append(entry)
+        return {"content": content}
 
     def opening(self, index: int) -> dict[str, Any] | None:
         """The first chunk of each choice names the role, as OpenAI's stream does."""
@@ -58,11 +95,40 @@ class CompletionShape:
     def text_of(self, index: int, piece: GeneratedPiece) -> str:
         return piece.text
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: Logprobs = None
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return self.choice(index, text, finish_reason)
+    def delta(
+        self, index: int, text: str, finish_reason: str | None, logprobs: Logprobs = None
+    ) -> dict[str, Any]:
+        return self.choice(index, text, finish_reason, logprobs)
+
+    def logprobs(self, tokens: list[TokenLogprobs], piece: Piece, offset: int) -> dict[str, Any]:
+        """OpenAI's legacy logprobs: parallel lists, each token's top alternatives as a
+        {text: logprob} dict that always holds the sampled token (so up to k + 1), and
+        each token's character offset in the text, counting from `offset`."""
+        texts = [piece(token.token_id) for token in tokens]
+        top: list[dict[str, float]] = []
+        offsets: list[int] = []
+        for token, text in zip(tokens, texts, strict=True):
+            alternatives = {piece(i): _logprob(lp) for i, lp in token.top}
+            alternatives.setdefault(text, _logprob(token.logprob))
+            top.append(alternatives)
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [_logprob(token.logprob) for token in tokens],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
 
     def opening(self, index: int) -> dict[str, Any] | None:
         return None

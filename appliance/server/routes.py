@@ -168,6 +168,7 @@ async def _accept(request: Request) -> tuple[ServerState, dict[str, Any]]:
 def _precheck(state: ServerState, req: SamplingFields, num_prompts: int) -> None:
     """What can be refused before paying for tokenization."""
     state.check_model(req.model)
+    req.check_sampling(state.appliance.model_config.vocab_size)
     limits = state.settings.server
     if req.n > limits.max_n:
         raise APIError(422, f"n is {req.n}; at most {limits.max_n}", "n")

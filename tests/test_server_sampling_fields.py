@@ -1,0 +1,270 @@
+"""The sampling fields OpenAI and vLLM clients send (penalties, logit_bias, min_p,
+min_tokens, logprobs): validated into SamplingParams, then served on both pool layouts
+and read back with the official openai client in OpenAI's shapes, whole and streamed."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import openai
+import pytest
+from openai import OpenAI
+from pydantic import ValidationError
+from server_process import API_KEY, ServerProcess
+
+from appliance.model.loader import model_name, prepare_tokenizer
+from appliance.model.tokenizer import Tokenizer
+from appliance.server.errors import APIError
+from appliance.server.protocol import ChatCompletionRequest, CompletionRequest
+from appliance.settings.config import load_settings
+
+MODEL = model_name(None)
+HI = [{"role": "user", "content": "Hi"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+REPEATS = "one, two, one, two, one, two, one, two, one, two,"
+
+
+# ---------------------------------------------------------------- the request models
+
+
+def chat_params(**fields: Any) -> Any:
+    body = {"model": "m", "messages": HI, **fields}
+    request = ChatCompletionRequest.model_validate(body)
+    request.check_sampling(vocab=1000)
+    return request.sampling_params(8, 0)
+
+
+def test_fields_reach_the_sampling_params() -> None:
+    params = chat_params(
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.2,
+        logit_bias={"17": -100, "3": 2.5},
+        min_p=0.05,
+        min_tokens=4,
+        logprobs=True,
+        top_logprobs=5,
+        logprobs_mode="processed_logprobs",
+    )
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert params.repetition_penalty == 1.2
+    assert params.logit_bias == ((17, -100.0), (3, 2.5))
+    assert (params.min_p, params.min_tokens) == (0.05, 4)
+    assert (params.logprobs, params.processed_logprobs) == (5, True)
+    plain = chat_params()
+    assert (plain.logprobs, plain.processed_logprobs, plain.repetition_penalty) == (
+        None,
+        False,
+        1.0,
+    )
+    assert chat_params(logprobs=True).logprobs == 0  # the sampled token's only
+
+
+def test_llama_cpp_repeat_penalty_is_repetition_penalty() -> None:
+    assert chat_params(repeat_penalty=1.3).repetition_penalty == 1.3
+    assert chat_params(repeat_penalty=1.3, repetition_penalty=1.3).repetition_penalty == 1.3
+    with pytest.raises(APIError) as info:
+        chat_params(repeat_penalty=1.3, repetition_penalty=1.1)
+    assert (info.value.status, info.value.param) == (400, "repeat_penalty")
+
+
+def test_completion_logprobs_is_a_count() -> None:
+    body = {"model": "m", "prompt": "x", "logprobs": 3}
+    assert CompletionRequest.model_validate(body).sampling_params(4, 0).logprobs == 3
+    for bad in (21, -1, True):
+        with pytest.raises(ValidationError) as info:
+            CompletionRequest.model_validate(body | {"logprobs": bad})
+        assert info.value.errors()[0]["loc"][0] == "logprobs"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repeat_penalty": 3.0}, "repeat_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"logprobs": 5}, "logprobs"),  # chat: a bool
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs_mode": "raw_logits"}, "logprobs_mode"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": HI, **fields})
+    assert info.value.errors()[0]["loc"][0] == param
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"top_logprobs": 3}, "top_logprobs"),  # OpenAI: needs logprobs true
+        ({"logit_bias": {"1000": 1}}, "logit_bias"),  # outside the vocabulary of 1000
+    ],
+)
+def test_checks_past_the_types_are_400s(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        chat_params(**fields)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+# ---------------------------------------------------------------- served, both layouts
+
+
+@pytest.fixture
+def client(layout_server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=layout_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return prepare_tokenizer(None, load_settings().cache_dir)[1]
+
+
+def test_chat_logprobs_whole_and_streamed(client: OpenAI) -> None:
+    ask: dict[str, Any] = dict(
+        model=MODEL, messages=QUESTION, max_tokens=8, temperature=0, logprobs=True, top_logprobs=5
+    )
+    whole = client.chat.completions.create(**ask)
+    choice = whole.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert isinstance(content[0], openai.types.chat.ChatCompletionTokenLogprob)
+    assert whole.usage is not None and len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert len(entry.top_logprobs) == 5
+        values = [top.logprob for top in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        # Greedy: the token taken is the likeliest, at the likeliest's logprob.
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(values[0], abs=1e-5)
+    assert "".join(e.token for e in content).startswith(choice.message.content or "")
+
+    streamed = client.chat.completions.create(**ask, stream=True)
+    pieces = []
+    for chunk in streamed:
+        for c in chunk.choices:
+            if c.logprobs is not None and c.logprobs.content:
+                pieces.extend(c.logprobs.content)
+    assert [e.token for e in pieces] == [e.token for e in content]
+    assert [e.logprob for e in pieces] == pytest.approx([e.logprob for e in content], abs=1e-2)
+    assert [len(e.top_logprobs) for e in pieces] == [5] * len(content)
+    # Without logprobs, none.
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_whole_and_streamed(client: OpenAI) -> None:
+    ask: dict[str, Any] = dict(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=3
+    )
+    whole = client.completions.create(**ask)
+    choice = whole.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs
+    assert logprobs.top_logprobs is not None and logprobs.text_offset is not None
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+    assert "".join(logprobs.tokens) == choice.text
+    offsets = [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+    assert logprobs.text_offset == offsets
+    for token, value, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert len(top) in (3, 4) and top[token] == value  # the sampled token is always in
+        assert value == pytest.approx(max(top.values()), abs=1e-5)  # greedy
+    streamed = client.completions.create(**ask, stream=True)
+    tokens: list[str] = []
+    offsets_streamed: list[int] = []
+    for chunk in streamed:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens or []
+            offsets_streamed += chunk.choices[0].logprobs.text_offset or []
+    assert tokens == logprobs.tokens
+    assert offsets_streamed == offsets
+
+
+def raw_top(client: OpenAI, **fields: Any) -> Any:
+    """A greedy completion of REPEATS with each token's 20 likeliest raw alternatives."""
+    return client.completions.create(
+        model=MODEL,
+        prompt=REPEATS,
+        max_tokens=12,
+        temperature=0,
+        logprobs=20,
+        extra_body={"ignore_eos": True, **fields},
+    ).choices[0]
+
+
+def test_penalties_change_a_repeating_output(client: OpenAI) -> None:
+    plain = raw_top(client)
+    assert plain.text.count("one") + plain.text.count("two") >= 4  # it repeats
+    penalized = raw_top(client, frequency_penalty=1.0, presence_penalty=0.5)
+    assert penalized.text != plain.text
+    # Each pick is the likeliest after vLLM's penalties, applied here by hand to the raw
+    # distribution the server reports (both shift-free: logprobs or logits, same argmax).
+    logprobs = penalized.logprobs
+    seen: Counter[str] = Counter()
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True):
+        scores = {t: v - 1.0 * seen[t] - 0.5 * (seen[t] > 0) for t, v in top.items()}
+        assert max(scores, key=scores.__getitem__) == token
+        seen[token] += 1
+    # Repetition (and llama.cpp's name for it) changes it too; processed logprobs show the
+    # distribution drawn from, where each greedy pick is the likeliest.
+    repeated = raw_top(client, repeat_penalty=1.5, logprobs_mode="processed_logprobs")
+    assert repeated.text != plain.text
+    processed = repeated.logprobs
+    for token, value, top in zip(
+        processed.tokens, processed.token_logprobs, processed.top_logprobs, strict=True
+    ):
+        assert value == pytest.approx(max(top.values()), abs=1e-5), token
+
+
+def test_logit_bias_min_tokens_and_min_p(client: OpenAI, tokenizer: Tokenizer) -> None:
+    forced = tokenizer.encode(" Paris")
+    assert len(forced) == 1
+    biased = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(forced[0]): 100},
+    )
+    assert biased.choices[0].text == " Paris" * 3
+    ask: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}])
+    short = client.chat.completions.create(**ask, max_tokens=64, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage is not None
+    assert short.usage.completion_tokens < 30
+    held = client.chat.completions.create(
+        **ask, max_tokens=64, temperature=0, extra_body={"min_tokens": 40}
+    )
+    assert held.usage is not None and held.usage.completion_tokens >= 40
+    # min_p 1 keeps only the likeliest token: sampling at any temperature is then greedy.
+    sampled = client.chat.completions.create(
+        **ask, max_tokens=12, temperature=1.5, seed=3, extra_body={"min_p": 1.0}
+    )
+    greedy = client.chat.completions.create(**ask, max_tokens=12, temperature=0)
+    assert sampled.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_bad_fields_are_refused_over_http(client: OpenAI) -> None:
+    cases = [
+        ({"logit_bias": {"99999999": 5}}, 400, "logit_bias"),
+        ({"top_logprobs": 2}, 400, "top_logprobs"),
+        ({"logit_bias": {"x": 5}}, 422, "logit_bias"),
+        ({"min_p": 2}, 422, "min_p"),
+    ]
+    for fields, status, param in cases:
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=2, extra_body=fields
+            )
+        assert info.value.status_code == status, fields
+        body = info.value.body
+        assert isinstance(body, dict) and param in str(body.get("param")), (fields, body)
