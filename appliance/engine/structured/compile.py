@@ -5,16 +5,19 @@ that names what is unsupported. Torch-free: the server process runs it."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
+
+if TYPE_CHECKING:  # a TypedDict of llguidance's stubs only
+    from llguidance._lib import JsonCompileOptions
 
 from appliance.engine.sequence import StructuredOutput
 
 # Compact JSON with the spaces models write after ", " and ": ", and no free whitespace:
 # free whitespace lets a small model emit newlines until max_tokens (vLLM's llguidance
 # backend turns it off too).
-JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
@@ -64,10 +67,13 @@ def check(spec: StructuredOutput) -> str:
 
 
 def _json_schema(schema: Any) -> str:
-    if not isinstance(schema, dict | bool):
-        raise UnsupportedSpec("a JSON schema must be an object (or true/false)")
+    if schema is True:
+        schema = {}  # any JSON value
+    if not isinstance(schema, dict):
+        raise UnsupportedSpec("a JSON schema must be an object (or true)")
     try:
-        return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
+        text = json.dumps(schema)
+        return str(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS))
     except ValueError as exc:
         raise UnsupportedSpec(_first_line(str(exc))) from None
 

@@ -8,6 +8,8 @@ StructuredOutput.emitted. After that it catches up with each token the worker sa
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from collections.abc import Sequence as Ids
 
 import llguidance
@@ -15,9 +17,11 @@ import llguidance
 from appliance.engine.sequence import StructuredOutput
 from appliance.engine.structured.compile import grammar_text
 
+log = logging.getLogger("appliance.engine")
+
 
 class GrammarError(RuntimeError):
-    """A token the grammar cannot take reached the matcher (a replay that does not fit)."""
+    """A spec a worker cannot build a matcher for (the server checks specs before)."""
 
 
 class RequestMatcher:
@@ -26,6 +30,8 @@ class RequestMatcher:
     def __init__(
         self, spec: StructuredOutput, vocabulary: llguidance.LLTokenizer, num_prompt_tokens: int
     ) -> None:
+        self.end_ids = list(vocabulary.eos_tokens)
+        self.refused: str | None = None  # why a token was refused: only end tokens remain
         self.matcher = llguidance.LLMatcher(vocabulary, grammar_text(spec), log_level=0)
         if self.matcher.is_error():  # the server checked it: a worker should not see this
             raise GrammarError(self.matcher.get_error())
@@ -37,18 +43,28 @@ class RequestMatcher:
 
     def catch_up(self, token_ids: Ids[int]) -> None:
         """Feed the matcher the output tokens it has not seen: all of them the first time
-        (the replay), the last sampled one at each later step."""
+        (the replay), the last sampled one at each later step. A token the grammar refuses
+        (an end token sampled under ignore_eos, past the document's end) leaves only the end
+        tokens allowed from then on: the request ends, the worker carries on."""
         new = list(token_ids[self.start + self.consumed :])
-        if not new:
+        if not new or self.refused is not None:
             return
-        if not self.matcher.consume_tokens(new):
-            raise GrammarError(f"the grammar refused a token: {self.matcher.get_error()}")
         self.consumed += len(new)
+        if not self.matcher.consume_tokens(new):
+            self.refused = self.matcher.get_error() or "a token the grammar does not allow"
+            log.warning("structured output: %s; only end tokens remain", self.refused)
 
     def fill(self, address: int, nbytes: int) -> None:
         """Write the allowed-token bitmask (one bit per token, int32 words, nbytes long)
         at `address`. llguidance releases the GIL while it computes."""
-        self.matcher.unsafe_compute_mask_ptr(address, nbytes)
+        if self.refused is None:
+            self.matcher.unsafe_compute_mask_ptr(address, nbytes)
+            return
+        words = [0] * (nbytes // 4)
+        for token in self.end_ids:
+            words[token // 32] |= 1 << (token % 32)
+        packed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # as int32
+        ctypes.memmove(address, (ctypes.c_int32 * len(packed))(*packed), nbytes)
 
     @property
     def complete(self) -> bool:
