@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as RawTokenizer
 
-from appliance.chat.chat_output import ChoiceOutput
+from appliance.chat.chat_output import ChatOutputs, ChoiceOutput
 from appliance.chat.formats import ChatFormat, chat_format
 from appliance.chat.function_tool import FunctionTool
 from appliance.chat.json_calls import JsonCallScanner
 from appliance.chat.tool_calls import plan_tools
 from appliance.chat.tool_parsers.base import OutputParser
-from appliance.model.tokenizer import _reads_variable
+from appliance.model.tokenizer import Tokenizer, _reads_variable
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 
@@ -405,3 +408,92 @@ def test_scanner_skips_text_between_values() -> None:
     assert [c.name for c in delta.calls if c.name] == ["a", "b"]
     assert scanner.complete
     assert [scanner.arguments(c) for c in scanner.calls] == ['{"x": [1, 2]}', "{}"]
+
+
+# --- Through token ids: markers that are special tokens ------------------------------------
+
+
+@dataclass
+class Piece:
+    """A chunk of a choice's stream, as the workers send it: ids, text without specials."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+
+
+def char_tokenizer(name: str, specials: dict[str, str], markers: list[str]) -> Tokenizer:
+    """A tokenizer of single characters plus `markers` as special tokens (decoding fuses
+    the pieces back into the text), with the fixture template of `name`."""
+    chars = {chr(c): i for i, c in enumerate(range(32, 127))} | {"\n": 95}
+    raw = RawTokenizer(models.WordLevel(chars, unk_token=" "))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    raw.add_special_tokens(sorted(set(markers) | set(specials.values())))
+    template = (FIXTURES / f"{name}.jinja").read_text(encoding="utf-8")
+    return Tokenizer(raw, specials, template)
+
+
+def served(
+    tokenizer: Tokenizer, text: str, seed: int
+) -> tuple[ChatOutputs, list[dict[str, Any]], str | None]:
+    """`text` (with its end token) sent through ChatOutputs as the server reads a choice:
+    ids in random pieces, the workers' text without special tokens beside them."""
+    fmt = chat_format(tokenizer.chat_template, tokenizer.takes_tools)
+    outputs = ChatOutputs(plan_tools(fmt, tools("get_weather"), "auto"), tokenizer)
+    ids = tokenizer.encode(text)
+    rng = random.Random(seed)
+    deltas, reason, at = [], None, 0
+    while at < len(ids):
+        size = rng.randint(1, 3)
+        part = ids[at : at + size]
+        at += size
+        piece = Piece(part, tokenizer.decode(part), finished=at >= len(ids))
+        delta, reason = outputs.delta(
+            0, outputs.text_of(0, piece), "stop" if piece.finished else None
+        )
+        deltas.append(delta)
+    return outputs, deltas, reason
+
+
+HARMONY = [
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|call|>",
+    "<|return|>",
+    "<|constrain|>",
+]
+GPT_OSS = {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_harmony_markers_are_read_from_the_token_ids(seed: int) -> None:
+    """The workers' text has no special tokens; the server decodes the ids with them, so
+    the channels are read; <|end|> does not stop gpt-oss, <|call|> does and is no text."""
+    tokenizer = char_tokenizer("gpt-oss-20b", GPT_OSS, HARMONY)
+    stops = {tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.stop_token_ids}
+    assert stops == {"<|return|>", "<|call|>"}
+    text = (
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Paris"}<|call|>'
+    )
+    _, deltas, reason = served(tokenizer, text, seed)
+    assert reason == "tool_calls"
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert reasoning == "Need the weather." and not any("content" in d for d in deltas)
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Paris"}
+
+
+def test_mistral_tool_calls_token_is_read_from_the_token_ids() -> None:
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    tokenizer = char_tokenizer("mistral-7b-instruct-v0.3", specials, ["[TOOL_CALLS]"])
+    text = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]</s>'
+    _, deltas, reason = served(tokenizer, text, 0)
+    [call] = [c for d in deltas for c in d.get("tool_calls", []) if "id" in c]
+    assert reason == "tool_calls" and len(call["id"]) == 9
+    assert not any(d.get("content") for d in deltas)

@@ -34,6 +34,9 @@ _END_OF_TURN_TOKENS = (
     "<end_of_turn>",
     "<|endoftext|>",
 )
+# Harmony's (gpt-oss): a reply ends with <|return|>, a tool call with <|call|> (the ids of
+# the model's generation_config.json).
+_HARMONY_END_TOKENS = ("<|return|>", "<|call|>", "<|endoftext|>")
 # The named special tokens transformers passes to a chat template (its SPECIAL_TOKENS_ATTRIBUTES);
 # any other `*_token` entry of tokenizer_config.json is passed too (a model-specific token).
 _SPECIAL_KEYS = (
@@ -95,7 +98,10 @@ class Tokenizer:
     def _find_stop_ids(self, extra: tuple[int, ...]) -> frozenset[int]:
         ids = set(extra)
         names = [self.special_tokens.get("eos_token")]
-        names += [t for t in _END_OF_TURN_TOKENS if t in (self.chat_template or "")]
+        template = self.chat_template or ""
+        # In harmony (gpt-oss) <|end|> ends one message of a turn that goes on.
+        ends = _HARMONY_END_TOKENS if "<|channel|>" in template else _END_OF_TURN_TOKENS
+        names += [t for t in ends if t in template]
         ids.update(i for n in names if n and (i := self._raw.token_to_id(n)) is not None)
         return frozenset(ids)
 
