@@ -497,3 +497,14 @@ def test_mistral_tool_calls_token_is_read_from_the_token_ids() -> None:
     [call] = [c for d in deltas for c in d.get("tool_calls", []) if "id" in c]
     assert reason == "tool_calls" and len(call["id"]) == 9
     assert not any(d.get("content") for d in deltas)
+
+
+def test_output_outside_the_json_formats_is_content() -> None:
+    """Text that is neither calls nor a reply in the format (the constraint did not hold,
+    or it was cut off before either began) comes back as content, not dropped."""
+    fmt = family("smollm2-135m-instruct")
+    for choice in ("auto", "required"):
+        output = read_whole(constrained_parser(choice), fmt, "Sorry, I cannot.")
+        assert output.content == "Sorry, I cannot." and not output.calls
+    empty_reply = read_whole(constrained_parser("auto"), fmt, '{"response": ""}')
+    assert empty_reply.content == "" and not empty_reply.calls

@@ -63,6 +63,7 @@ class JsonCallScanner:
         self._awaiting: str = ""  # "name", "arguments" or "text": the next value is that
         self.calls: list[_Call] = []
         self._call: _Call | None = None
+        self.saw_text = False  # a `text_key` string began
 
     @property
     def complete(self) -> bool:
@@ -152,6 +153,7 @@ class JsonCallScanner:
         else:
             self._string_role = self._awaiting if self._awaiting in ("name", "text") else ""
             self._text_sent = 0
+            self.saw_text = self.saw_text or self._string_role == "text"
         self._awaiting = ""
 
     def _close_string(self, out: ChatDelta) -> None:

@@ -19,12 +19,19 @@ class JsonCalls:
 
     def __init__(self, call_depth: int, text_key: str | None = None) -> None:
         self._scanner = JsonCallScanner(call_depth, text_key)
+        self._raw: list[str] = []
 
     def feed(self, text: str) -> ChatDelta:
+        self._raw.append(text)
         return self._scanner.feed(text)
 
     def finish(self) -> ChatDelta:
-        return ChatDelta(calls=self._scanner.string_argument_deltas())
+        scanner = self._scanner
+        if not any(c.named for c in scanner.calls) and not scanner.saw_text:
+            # Neither calls nor a reply in the format (an output the constraint did not
+            # hold, or one cut off before either began): the text is the content.
+            return ChatDelta(content="".join(self._raw))
+        return ChatDelta(calls=scanner.string_argument_deltas())
 
 
 def required_calls() -> JsonCalls:
