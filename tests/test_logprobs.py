@@ -122,3 +122,10 @@ def test_min_tokens_holds_the_end_back(engine: LLMEngine) -> None:
     assert len(held.token_ids) >= 40
     ends = engine.tokenizer.stop_token_ids
     assert not ends & set(held.token_ids[:40])
+    # Nor does a stop string end it before min_tokens (vLLM's rule), though it does after.
+    text = short.text
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
+    [cut] = engine.generate([chat], SamplingParams(max_tokens=64, stop=(stop,)))
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    [kept] = engine.generate([chat], SamplingParams(max_tokens=64, stop=(stop,), min_tokens=20))
+    assert len(kept.token_ids) >= 20 and kept.text.startswith(text[: len(text) // 3] + stop)

@@ -163,6 +163,24 @@ def test_sampling_reads_once_however_many_random_rows() -> None:
     assert len(tokens) == 16
 
 
+def test_processing_and_logprobs_still_read_once() -> None:
+    # Penalties, logit_bias, min_tokens, min_p and logprobs (raw and processed) in one
+    # batch with plain rows: still one read, the tokens and logprobs packed together.
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    ids = [3, 9, 9, 12, 3, 40]  # a prompt of 2, then 4 outputs
+    rows = [
+        SampleRow(0, SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5), ids, 2),
+        SampleRow(1, SamplingParams(logit_bias=((7, 3.0),), logprobs=5, seed=1, temperature=1)),
+        SampleRow(2, SamplingParams(min_tokens=9, logprobs=2, processed_logprobs=True), ids, 2),
+        SampleRow(3, SamplingParams(temperature=0.8, min_p=0.1, presence_penalty=1), ids, 2),
+        SampleRow(4, SamplingParams()),
+    ]
+    sampled, reads = counted(lambda: Sampler(torch.device("cpu")).sample(logits, rows))
+    assert reads == ["tolist"]
+    assert len(sampled.token_ids) == 5
+    assert [lp is not None for lp in sampled.logprobs] == [False, True, True, False, False]
+
+
 def test_the_counter_sees_per_row_reads() -> None:
     # What the sampler did before: one read per random row. The counter must see each,
     # or the tests above could not fail.

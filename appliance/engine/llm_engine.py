@@ -207,7 +207,7 @@ class LLMEngine:
         self._track(seq)
         stream = self._streams[seq.seq_id]
         # The prefill side already streamed the first token: prime the text state only.
-        stream.stops.feed(stream.detokenizer.add(token_ids[-1]))
+        _shown(stream, params, 0, stream.detokenizer.add(token_ids[-1]))
         stream.sent_tokens = len(seq.output_ids)
         self._copies.add(seq.seq_id, seq, self._settled(seq.seq_id, copy))
         self.admit_copied()
@@ -327,9 +327,12 @@ class LLMEngine:
     def _output(self, seq: Sequence, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         """What `seq` made this step; `logprobs`: its sampled token's, if it asked."""
         stream = self._streams[seq.seq_id]
-        new_ids = seq.output_ids[stream.sent_tokens :]
+        first, new_ids = stream.sent_tokens, seq.output_ids[stream.sent_tokens :]
         stream.sent_tokens = len(seq.output_ids)
-        text = "".join(stream.stops.feed(stream.detokenizer.add(t)) for t in new_ids)
+        text = "".join(
+            _shown(stream, seq.params, first + i, stream.detokenizer.add(t))
+            for i, t in enumerate(new_ids)
+        )
         if stream.stops.stopped and not seq.finished:
             self.scheduler.finish(seq, "stop")
         if seq.finished:
@@ -395,3 +398,11 @@ class LLMEngine:
             )
             for i, prompt in zip(order, prompts, strict=True)
         ]
+
+
+def _shown(stream: _Stream, params: SamplingParams, position: int, piece: str) -> str:
+    """The text output token `position` (from 0) adds, as far as it can be shown. Before
+    min_tokens no stop string ends the output (vLLM's rule): that text skips the matcher."""
+    if position < params.min_tokens:
+        return piece
+    return stream.stops.feed(piece)

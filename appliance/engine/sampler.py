@@ -239,7 +239,8 @@ def mask_end_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     index, tokens = zip(*entries, strict=True)
     device = logits.device
     where = (_upload(list(index), torch.int64, device), _upload(list(tokens), torch.int64, device))
-    logits.index_put_(where, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
+    # A fill on the device, not a host scalar copied there (that copy would wait).
+    logits.index_put_(where, logits.new_full((len(index),), float("-inf")))
 
 
 def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
