@@ -508,3 +508,22 @@ def test_output_outside_the_json_formats_is_content() -> None:
         assert output.content == "Sorry, I cannot." and not output.calls
     empty_reply = read_whole(constrained_parser("auto"), fmt, '{"response": ""}')
     assert empty_reply.content == "" and not empty_reply.calls
+
+
+def test_without_parallel_calls_only_the_first_call_is_kept() -> None:
+    """parallel_tool_calls false: the family's format is not constrained, so a second call
+    the model writes anyway is dropped, whole and streamed."""
+    fmt = family("qwen2.5-0.5b-instruct")
+    text = CANONICAL["qwen2.5 hermes"][1]
+    for seed in range(3):
+        plan = plan_tools(fmt, tools("f"), "auto", parallel=False)
+        output = ChoiceOutput(plan.parser(), fmt.call_id, fmt.reasoning, max_calls=1)
+        rng, at = random.Random(seed), 0
+        deltas = []
+        while at < len(text):
+            size = rng.randint(1, 4)
+            deltas.append(output.feed(text[at : at + size]))
+            at += size
+        deltas.append(output.finish())
+        assert [c.name for c in output.calls] == ["get_current_temperature"]
+        assert {p["index"] for d in deltas for p in d.get("tool_calls", [])} == {0}

@@ -29,10 +29,19 @@ class GeneratedPiece(Protocol):
 class ChoiceOutput:
     """One choice's output as an assistant message, fed as it streams."""
 
-    def __init__(self, parser: OutputParser, call_id: Callable[[], str], reasoning: bool) -> None:
+    def __init__(
+        self,
+        parser: OutputParser,
+        call_id: Callable[[], str],
+        reasoning: bool,
+        max_calls: int | None = None,
+    ) -> None:
         self._parser = parser
         self._call_id = call_id
         self._reasoning = reasoning
+        # parallel_tool_calls false: calls after the first are dropped (the family's own
+        # format is not constrained, and a model may write several).
+        self._max_calls = max_calls
         self.content = ""
         self.reasoning = ""
         self.calls: list[ToolCall] = []
@@ -76,6 +85,8 @@ class ChoiceOutput:
     def _call_deltas(self, delta: ChatDelta) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for piece in delta.calls:
+            if self._max_calls is not None and piece.index >= self._max_calls:
+                continue
             if piece.name is not None:
                 call = ToolCall(self._call_id(), piece.name, piece.arguments)
                 self.calls.append(call)
@@ -134,9 +145,9 @@ class ChatOutputs:
         return output.message(), output.finish_reason(finish_reason)
 
     def _new(self) -> ChoiceOutput:
-        return ChoiceOutput(
-            self._plan.parser(), self._plan.format.call_id, self._plan.format.reasoning
-        )
+        plan = self._plan
+        max_calls = None if plan.parallel else 1
+        return ChoiceOutput(plan.parser(), plan.format.call_id, plan.format.reasoning, max_calls)
 
 
 def _merged(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
