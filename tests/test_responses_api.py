@@ -179,8 +179,120 @@ def test_json_schema_text_format_yields_valid_json(client: OpenAI) -> None:
     jsonschema.validate(json.loads(response.output_text), PERSON)
     assert response.text is not None and response.text.format is not None
     assert response.text.format.type == "json_schema"
+    streamed = client.responses.create(
+        model=MODEL,
+        input="Name one color in JSON.",
+        temperature=0,  # greedy: a free-form object's length is then fixed
+        max_output_tokens=200,
+        text={"format": {"type": "json_object"}},
+        stream=True,
+    )
+    last = list(streamed)[-1]
+    assert last.type == "response.completed", last.response.output_text
+    assert isinstance(json.loads(last.response.output_text), dict)
 
 
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER: Any = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city.",
+    "parameters": WEATHER_PARAMETERS,
+    "strict": True,
+}
+WEATHER_CHAT: Any = {
+    "type": "function",
+    "function": {k: v for k, v in WEATHER.items() if k != "type"},
+}
+ASK_WEATHER = "What is the weather in Paris?"
+
+
+def test_required_tool_choice_calls_then_the_output_continues(client: OpenAI) -> None:
+    """An agent loop's two turns: tool_choice required gives a function_call item (the
+    same call chat completions makes), and its output sent back as a
+    function_call_output item is the tool turn chat completions would render."""
+    ask: Any = dict(model=MODEL, tools=[WEATHER], temperature=0, max_output_tokens=100)
+    first = client.responses.create(input=ASK_WEATHER, tool_choice="required", **ask)
+    assert first.status == "completed", first.incomplete_details
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMETERS)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": ASK_WEATHER}],
+        tools=[WEATHER_CHAT],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=100,
+    )
+    [chat_call] = chat.choices[0].message.tool_calls or []
+    assert (call.name, call.arguments) == (chat_call.function.name, chat_call.function.arguments)
+
+    result = json.dumps({"temperature_c": 18, "sky": "clear"})
+    items: Any = [
+        {"role": "user", "content": ASK_WEATHER},
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": result},
+    ]
+    second = client.responses.create(input=items, tool_choice="none", **ask)
+    chat_second = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": ASK_WEATHER},
+            {"role": "assistant", "content": None, "tool_calls": [chat_call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": result},
+        ],
+        tools=[WEATHER_CHAT],
+        tool_choice="none",
+        temperature=0,
+        max_tokens=100,
+    )
+    assert second.output[0].type == "message" and second.output_text.strip()
+    assert second.output_text == chat_second.choices[0].message.content
+    assert second.usage is not None and chat_second.usage is not None
+    assert second.usage.input_tokens == chat_second.usage.prompt_tokens
+    # The call and its output reach the prompt: it is longer than the question alone's.
+    alone = client.responses.create(input=ASK_WEATHER, tool_choice="none", **ask)
+    assert alone.usage is not None and second.usage.input_tokens > alone.usage.input_tokens + 10
+
+
+def test_a_streamed_call_comes_as_argument_deltas(client: OpenAI) -> None:
+    named: Any = {"type": "function", "name": "get_weather"}
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input=ASK_WEATHER,
+            tools=[WEATHER],
+            tool_choice=named,
+            temperature=0,
+            max_output_tokens=100,
+            stream=True,
+        )
+    )
+    assert_sdk_types([e.to_dict() for e in events])
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.completed"
+    [added] = [e for e in events if e.type == "response.output_item.added"]
+    assert added.item.type == "function_call" and added.item.name == "get_weather"
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    final = events[-1].response.output[0]
+    assert final.type == "function_call" and final.status == "completed"
+    assert "".join(deltas) == done.arguments == final.arguments
+    jsonschema.validate(json.loads(final.arguments), WEATHER_PARAMETERS)
+
+
+ZODIAC = {"type": "string", "format": "zodiac"}  # a format the grammar engine does not know
 REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"conversation": "conv_123"}, "conversation"),
@@ -189,6 +301,10 @@ REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools[0].type"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"truncation": "auto"}, "truncation"),
+    (
+        {"text": {"format": {"type": "json_schema", "name": "z", "schema": ZODIAC}}},
+        "text.format",
+    ),
     (
         {
             "input": [
@@ -220,6 +336,22 @@ def test_refused_fields_are_a_400_naming_the_field(
         client.post("/responses", body=body, cast_to=httpx.Response)
     assert info.value.param == param, info.value.message
     assert info.value.code == "unsupported"
+
+
+TOOL_CHOICE_ERRORS: list[dict[str, Any]] = [
+    {"tool_choice": "required"},  # and no tools
+    {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_time"}},
+]
+
+
+@pytest.mark.parametrize("fields", TOOL_CHOICE_ERRORS, ids=["no_tools", "unknown_function"])
+def test_a_tool_choice_the_tools_cannot_meet_is_a_400(
+    client: OpenAI, fields: dict[str, Any]
+) -> None:
+    body: dict[str, Any] = {"model": MODEL, "input": QUESTION} | fields
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post("/responses", body=body, cast_to=httpx.Response)
+    assert info.value.param == "tool_choice", info.value.message
 
 
 def test_store_false_is_served_and_said(client: OpenAI) -> None:

@@ -9,12 +9,19 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr, model_validator
 
 from appliance.api import SamplingParams
 from appliance.engine.sequence import StructuredOutput
+from appliance.engine.structured.compile import UnsupportedSpec, check
 from appliance.server.errors import APIError
 from appliance.server.protocol import Body
+from appliance.server.tool_fields import (
+    FUNCTION_NAME,
+    MessageToolFields,
+    ToolFields,
+    template_message,
+)
 
 # Raw-body fields that need state this server does not keep (each with why), refused when
 # sent with a value that asks for it. `store` is not among them: see `ResponsesRequest`.
@@ -105,20 +112,37 @@ class TextFormat(Body):
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
+    _spec: StructuredOutput | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _compiles(self) -> TextFormat:
+        # Checked as the workers will compile it, before any tokenizing: what the engine
+        # cannot compile is a 400 naming the reason (an APIError passes pydantic as it is).
+        if self.type == "text":
+            return self
+        if self.type == "json_object":
+            spec = StructuredOutput("json_object")
+        elif self.json_schema is None:
+            raise APIError(
+                400,
+                "text.format.schema is required for json_schema",
+                "text.format.schema",
+                "missing_required_parameter",
+            )
+        else:
+            spec = StructuredOutput("json", json.dumps(self.json_schema))
+        try:
+            check(spec)
+        except UnsupportedSpec as exc:
+            raise APIError(
+                400, f"text.format: unsupported: {exc}", "text.format", "unsupported"
+            ) from None
+        self._spec = spec
+        return self
+
     def structured(self) -> StructuredOutput | None:
         """What the grammar engine must hold the output to (None: plain text)."""
-        if self.type == "json_object":
-            return StructuredOutput("json_object")
-        if self.type == "json_schema":
-            if self.json_schema is None:
-                raise APIError(
-                    400,
-                    "text.format.schema is required for json_schema",
-                    "text.format.schema",
-                    "missing_required_parameter",
-                )
-            return StructuredOutput("json", json.dumps(self.json_schema))
-        return None
+        return self._spec
 
     def echoed(self) -> dict[str, Any]:
         """As the response object repeats it."""
@@ -141,7 +165,7 @@ class FunctionTool(Body):
     """A function tool in this API's flat shape (chat completions nests it in `function`)."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1)
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -196,21 +220,20 @@ class ResponsesRequest(Body):
             structured=self.text.format.structured(),
         )
 
-    def uses_tools(self) -> bool:
-        """Whether the model is offered the function tools (tool_choice none hides them)."""
-        return bool(self.tools) and self.tool_choice != "none"
-
-    def named_tool(self) -> FunctionTool | None:
-        """The function tool_choice names, or None; 400 when no tool has that name."""
-        if not isinstance(self.tool_choice, NamedFunction):
-            return None
-        for tool in self.tools:
-            if tool.name == self.tool_choice.name:
-                return tool
-        raise APIError(
-            400,
-            f"tool_choice names {self.tool_choice.name!r}, which is not among the tools",
-            "tool_choice",
+    def tool_fields(self) -> ToolFields:
+        """The tools and tool_choice in chat completions' shape, as the chat route's tool
+        handling (tool_fields.ChatTurn) takes them."""
+        choice: str | dict[str, Any] = (
+            {"type": "function", "function": {"name": self.tool_choice.name}}
+            if isinstance(self.tool_choice, NamedFunction)
+            else self.tool_choice
+        )
+        return ToolFields.model_validate(
+            {
+                "tools": [tool.as_chat_tool() for tool in self.tools] or None,
+                "tool_choice": choice,
+                "parallel_tool_calls": self.parallel_tool_calls,
+            }
         )
 
     def echoed_tool_choice(self) -> str | dict[str, Any]:
@@ -220,8 +243,9 @@ class ResponsesRequest(Body):
 
 
 def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The conversation in chat completions' message shape: `instructions` as a system
-    message first, then each input item (a string input is one user message)."""
+    """The conversation as chat templates read it: `instructions` as a system message
+    first, then each input item (a string input is one user message); an earlier call
+    becomes an assistant turn's tool_calls, its output a `tool` turn."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
@@ -232,7 +256,7 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         raise APIError(400, "input is empty", "input")
     for i, item in enumerate(req.input):
         _add_item(messages, item, f"input[{i}]")
-    return messages
+    return [_for_template(m) for m in messages]
 
 
 def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
@@ -249,9 +273,10 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) 
             },
         }
         last = messages[-1] if messages else None
-        # Parallel calls arrive as consecutive items: one assistant turn holds them all.
-        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-            last["tool_calls"].append(call)
+        # One assistant turn holds its text and the calls after it (parallel calls arrive
+        # as consecutive items), as a chat completion's message does.
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output":
@@ -269,6 +294,14 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) 
             f"{where}.type",
             "unsupported",
         )
+
+
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat-shaped message as the chat route hands it to the template."""
+    fields = MessageToolFields.model_validate(
+        {k: message[k] for k in ("tool_calls", "tool_call_id") if k in message}
+    )
+    return template_message(message["role"], message["content"], None, fields)
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:

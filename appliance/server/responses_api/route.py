@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from appliance.api import RequestFailed
+from appliance.chat.chat_output import ChatOutputs
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices, unless_disconnected
@@ -38,6 +39,7 @@ from appliance.server.responses_api.request import (
     refuse_unserved,
 )
 from appliance.server.state import ServerState
+from appliance.server.tool_fields import ChatTurn, constrained
 
 log = logging.getLogger("appliance.server")
 Events = AsyncIterator[dict[str, Any]]
@@ -55,17 +57,21 @@ async def create_response(request: Request) -> Response:
     req = validated(ResponsesRequest, body)
     state.check_model(req.model)
     state.check_room(1)
-    messages = chat_messages(req)
-    ids = await _tokenize(state, messages)
+    tokenizer = state.appliance.tokenizer
+    assert tokenizer is not None  # requests are served only once the tokenizer is loaded
+    # As chat completions does: the tools in the prompt where the family's template reads
+    # them, the constraint of tool_choice required or named, the readers of the output.
+    turn = ChatTurn.of(tokenizer, chat_messages(req), req.tool_fields())
+    ids = await _tokenize(turn)
     max_tokens = _output_budget(req, len(ids), state.appliance.max_model_len)
     try:
         params = req.sampling_params(max_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
-    choice = Choice(0, ids, params, arrival)
+    choice = Choice(0, ids, constrained(params, turn.structured), arrival)
     ticket = state.admit(1)
     draft = Draft(response_echo(req, state.appliance.model_name))
-    events = _events(state, choice, draft)
+    events = _events(state, choice, draft, turn.outputs())
     if req.stream:
         sse = EventSourceResponse(_as_sse(events), sep="\n", send_timeout=SEND_TIMEOUT_S)
         return Releasing(sse, ticket)
@@ -81,12 +87,15 @@ async def create_response(request: Request) -> Response:
     return JSONResponse(response)
 
 
-async def _tokenize(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
+async def _tokenize(turn: ChatTurn) -> list[int]:
     # Long prompts take milliseconds to seconds: off the loop that streams the others.
     try:
-        return await asyncio.to_thread(lambda: state.appliance.tokenize(messages=messages))
-    except ValueError as exc:  # an empty prompt, a template that rejects the messages
+        ids = await asyncio.to_thread(turn.token_ids)
+    except ValueError as exc:  # a template that rejects the messages
         raise APIError(400, str(exc), "input") from None
+    if not ids:
+        raise APIError(400, "the prompt is empty", "input")
+    return ids
 
 
 def _output_budget(req: ResponsesRequest, prompt_len: int, context: int) -> int:
@@ -135,14 +144,16 @@ def response_echo(req: ResponsesRequest, model: str) -> dict[str, Any]:
     }
 
 
-async def _events(state: ServerState, choice: Choice, draft: Draft) -> Events:
+async def _events(
+    state: ServerState, choice: Choice, draft: Draft, outputs: ChatOutputs | None
+) -> Events:
     """The stream's events from response.created to the closing one; a failed generation
     ends it with response.failed (what was streamed stays in its output)."""
     stream = EventStream(draft)
     for event in stream.opening():
         yield event
     try:
-        async for event in _generated(state, choice, stream):
+        async for event in _generated(state, choice, OutputItems(stream), outputs):
             yield event
     except RequestFailed as exc:
         draft.fail("server_error", f"generation failed: {exc}")
@@ -152,9 +163,11 @@ async def _events(state: ServerState, choice: Choice, draft: Draft) -> Events:
     yield stream.closing()
 
 
-async def _generated(state: ServerState, choice: Choice, stream: EventStream) -> Events:
-    """The output items' events as the pools generate."""
-    items = OutputItems(stream)
+async def _generated(
+    state: ServerState, choice: Choice, items: OutputItems, outputs: ChatOutputs | None
+) -> Events:
+    """The output items' events as the pools generate. `outputs` reads reasoning and tool
+    calls out of the text (None: the text is all reply)."""
     output_tokens = cached = 0
     reason = None
     generate = state.appliance.generate_ids
@@ -162,14 +175,33 @@ async def _generated(state: ServerState, choice: Choice, stream: EventStream) ->
         async for _, chunk in chunks:
             output_tokens += len(chunk.token_ids)
             cached = max(cached, chunk.cached_tokens)
-            for event in items.text(chunk.text):
-                yield event
             if chunk.finished:
                 reason = chunk.finish_reason
-    written = _cache_written(state, len(choice.prompt_ids), cached)
-    stream.draft.finish(reason, usage(len(choice.prompt_ids), output_tokens, cached, written))
+            if outputs is None:
+                for event in items.text(chunk.text):
+                    yield event
+                continue
+            fields, _ = outputs.delta(0, outputs.text_of(0, chunk), reason)
+            for event in _items_of(items, fields):
+                yield event
+    prompt_len = len(choice.prompt_ids)
+    written = _cache_written(state, prompt_len, cached)
+    items.stream.draft.finish(reason, usage(prompt_len, output_tokens, cached, written))
     for event in items.finish():
         yield event
+
+
+def _items_of(items: OutputItems, fields: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of a chat delta's fields (reasoning_content, content, tool_calls: each
+    call's index, id and name first, then its argument fragments)."""
+    events = items.reasoning(fields.get("reasoning_content", ""))
+    events += items.text(fields.get("content", ""))
+    for call in fields.get("tool_calls", []):
+        function = call["function"]
+        events += items.call(
+            call["index"], function.get("name"), function["arguments"], call.get("id", "")
+        )
+    return events
 
 
 def _cache_written(state: ServerState, prompt_len: int, cached: int) -> int:
