@@ -435,12 +435,12 @@ def char_tokenizer(name: str, specials: dict[str, str], markers: list[str]) -> T
 
 
 def served(
-    tokenizer: Tokenizer, text: str, seed: int
+    tokenizer: Tokenizer, text: str, seed: int, stop: tuple[str, ...] = ()
 ) -> tuple[ChatOutputs, list[dict[str, Any]], str | None]:
     """`text` (with its end token) sent through ChatOutputs as the server reads a choice:
     ids in random pieces, the workers' text without special tokens beside them."""
     fmt = chat_format(tokenizer.chat_template, tokenizer.takes_tools)
-    outputs = ChatOutputs(plan_tools(fmt, tools("get_weather"), "auto"), tokenizer)
+    outputs = ChatOutputs(plan_tools(fmt, tools("get_weather"), "auto"), tokenizer, stop)
     ids = tokenizer.encode(text)
     rng = random.Random(seed)
     deltas, reason, at = [], None, 0
@@ -527,3 +527,14 @@ def test_without_parallel_calls_only_the_first_call_is_kept() -> None:
         deltas.append(output.finish())
         assert [c.name for c in output.calls] == ["get_current_temperature"]
         assert {p["index"] for d in deltas for p in d.get("tool_calls", [])} == {0}
+
+
+def test_the_text_decoded_with_special_tokens_stops_at_the_stop_strings() -> None:
+    """The workers cut their text at a stop string; the text the server decodes again
+    (special tokens kept) is cut there too."""
+    tokenizer = char_tokenizer("gpt-oss-20b", GPT_OSS, HARMONY)
+    text = "<|channel|>final<|message|>Paris. STOP and more<|return|>"
+    for seed in range(3):
+        _, deltas, reason = served(tokenizer, text, seed, stop=("STOP",))
+        assert "".join(d.get("content", "") for d in deltas) == "Paris. "
+        assert reason == "stop"

@@ -4,8 +4,9 @@ its argument fragments; finish_reason "tool_calls" when a reply that stopped mad
 
 One ChatOutputs per request, one parser per choice. Where the format's markers are
 special tokens (harmony, Mistral, Llama 3, Phi-4-mini), the choice's text is decoded again
-from its token ids with special tokens kept (the model's end-of-turn tokens left out):
-the workers' text has them skipped."""
+from its token ids with special tokens kept (the workers' text has them skipped): the
+model's end-of-turn tokens left out, cut at the request's stop strings as the workers'
+text is."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 from appliance.chat.chat_delta import ChatDelta, ToolCall
 from appliance.chat.tool_calls import ToolPlan
 from appliance.chat.tool_parsers.base import OutputParser
+from appliance.engine.stop_strings import StopStringMatcher
 from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -106,24 +108,29 @@ class ChoiceOutput:
 class ChatOutputs:
     """Every choice of one chat request, read through `plan`'s parser."""
 
-    def __init__(self, plan: ToolPlan, tokenizer: Tokenizer) -> None:
+    def __init__(self, plan: ToolPlan, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
         self._plan = plan
         self._tokenizer = tokenizer
+        self._stop = stop  # the request's stop strings, for the text decoded here
         self._special = plan.parser().needs_special_tokens
         self._streams: dict[int, ChoiceOutput] = {}
-        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._detokenizers: dict[int, tuple[IncrementalDetokenizer, StopStringMatcher]] = {}
 
     def text_of(self, index: int, piece: GeneratedPiece) -> str:
         """The text the parser reads of choice `index`'s next piece."""
         if not self._special:
             return piece.text
-        detokenizer = self._detokenizers.get(index)
-        if detokenizer is None:
+        if index not in self._detokenizers:
             detokenizer = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=False)
-            self._detokenizers[index] = detokenizer
+            self._detokenizers[index] = (detokenizer, StopStringMatcher(self._stop))
+        detokenizer, stops = self._detokenizers[index]
         ends = self._tokenizer.stop_token_ids
         text = "".join(detokenizer.add(i) for i in piece.token_ids if i not in ends)
-        return text + detokenizer.flush() if piece.finished else text
+        if piece.finished:
+            text += detokenizer.flush()
+        # The workers cut their text at a stop string: this text is cut there too.
+        text = stops.feed(text)
+        return text + stops.flush() if piece.finished else text
 
     def delta(
         self, index: int, text: str, finish_reason: str | None

@@ -51,7 +51,7 @@ async def chat_completions(request: Request) -> Response:
     ids = await _tokenize(turn.token_ids, "messages")
     if not ids:
         raise APIError(400, "the prompt is empty", "messages")
-    return await _respond(request, state, req, [ids], ChatShape(turn.outputs()))
+    return await _respond(request, state, req, [ids], ChatShape(turn.outputs(tuple(req.stop))))
 
 
 async def completions(request: Request) -> Response:

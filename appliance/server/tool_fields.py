@@ -187,12 +187,13 @@ class ChatTurn:
             messages, self.plan.prompt_tools(), self.template_kwargs
         )
 
-    def outputs(self) -> ChatOutputs | None:
-        """The readers of the choices' output; None where the output is plain content (no
-        tools, no reasoning, no markers to read), so the reply is the text as it was."""
+    def outputs(self, stop: tuple[str, ...] = ()) -> ChatOutputs | None:
+        """The readers of the choices' output (`stop`: the request's stop strings); None
+        where the output is plain content (no tools, no reasoning, no markers to read),
+        so the reply is the text as it was."""
         if self.plan.mode == "none" and not self.plan.format.reasoning:
             return None
-        return ChatOutputs(self.plan, self.tokenizer)
+        return ChatOutputs(self.plan, self.tokenizer, stop)
 
     @property
     def structured(self) -> StructuredOutput | None:
