@@ -19,7 +19,7 @@ from server_process import API_KEY, ServerProcess
 
 from appliance.model.loader import model_name
 from appliance.server.responses_api.events import Draft, EventStream, OutputItems, usage
-from appliance.server.responses_api.request import ResponsesRequest
+from appliance.server.responses_api.request import ResponsesRequest, chat_messages
 from appliance.server.responses_api.route import response_echo
 
 MODEL = model_name(None)
@@ -453,3 +453,52 @@ def assert_sdk_types(events: list[dict[str, Any]]) -> None:
     }
     for event in events:
         by_name[event["type"]].model_validate(event)
+
+
+def test_input_items_become_the_template_messages() -> None:
+    """Instructions first, developer as system, text parts joined, a reasoning item
+    skipped, an assistant's text and the calls after it one turn (arguments as objects,
+    as templates read them), each output a tool turn."""
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "Weather in "},
+                {"type": "input_text", "text": "Paris and Rome?"},
+            ],
+        },
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "w", "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+        {
+            "type": "function_call_output",
+            "call_id": "c2",
+            "output": [{"type": "input_text", "text": "21 C"}],
+        },
+    ]
+    req = ResponsesRequest(model=MODEL, input=items, instructions="You help.")
+    calls = [
+        {"id": c, "type": "function", "function": {"name": "w", "arguments": {"city": city}}}
+        for c, city in (("c1", "Paris"), ("c2", "Rome"))
+    ]
+    assert chat_messages(req) == [
+        {"role": "system", "content": "You help."},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+        {"role": "tool", "content": "18 C", "tool_call_id": "c1"},
+        {"role": "tool", "content": "21 C", "tool_call_id": "c2"},
+    ]
+
+
+def test_a_call_without_text_before_it_is_its_own_turn() -> None:
+    items = [
+        {"role": "user", "content": "Hi"},
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+    ]
+    [_, turn] = chat_messages(ResponsesRequest(model=MODEL, input=items))
+    assert turn["role"] == "assistant" and turn["content"] == ""  # as chat renders it
+    assert [c["id"] for c in turn["tool_calls"]] == ["c1"]
