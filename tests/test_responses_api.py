@@ -502,3 +502,18 @@ def test_a_call_without_text_before_it_is_its_own_turn() -> None:
     [_, turn] = chat_messages(ResponsesRequest(model=MODEL, input=items))
     assert turn["role"] == "assistant" and turn["content"] == ""  # as chat renders it
     assert [c["id"] for c in turn["tool_calls"]] == ["c1"]
+
+
+def test_a_failed_generation_ends_with_response_failed() -> None:
+    draft = Draft(ECHO)
+    stream = EventStream(draft)
+    items = OutputItems(stream)
+    events = stream.opening() + items.text("Par")
+    draft.fail("server_error", "generation failed: the decode pool is gone")
+    events.append(stream.closing())
+    assert events[-1]["type"] == "response.failed"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    [message] = failed["output"]
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == "Par"
+    assert_sdk_types(events)

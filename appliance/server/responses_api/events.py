@@ -97,8 +97,14 @@ class Draft:
             self.completed_at = int(time.time())
 
     def fail(self, code: str, message: str) -> None:
+        """Failed mid-generation: what was generated stays, the item it was in is left
+        incomplete."""
         self.status = "failed"
         self.error = {"code": code, "message": message}
+        self.output = [
+            {**item, "status": "incomplete"} if item["status"] == "in_progress" else item
+            for item in self.output
+        ]
 
     def body(self) -> dict[str, Any]:
         """The response object (a deep copy: events keep their own snapshot)."""
