@@ -1,5 +1,6 @@
-"""Tiny GGUF files for tests, written with gguf.GGUFWriter, and the check that a load
-failed with one clear line.
+"""Tiny GGUF files for tests, written with gguf.GGUFWriter (the one GGUF writer of the
+tests: random_models.write_gguf writes a transformers model through it), a toy byte-level
+tokenizer for them, and the check that a load failed with one clear line.
 
 The shapes are those of a two-layer llama small enough to write, read and convert in
 milliseconds. Tensors are given in GGUF names and PyTorch (row-major) shapes.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -34,6 +36,26 @@ BASE_METADATA: dict[str, int | float] = {
 }
 
 Tensor = np.ndarray | tuple[np.ndarray, GGMLQuantizationType]
+MetadataValue = int | float | str | list[bool]
+
+# A byte-level BPE vocabulary small enough for transformers to convert in milliseconds.
+TOY_TOKENS = ["<|endoftext|>", *(chr(c) for c in range(ord("a"), ord("z") + 1))]
+TOY_TOKENS += ["ab", "cd", "ef", "gh", "Ġ"]
+TOY_MERGES = ["a b", "c d", "e f", "g h"]
+assert len(TOY_TOKENS) == VOCAB
+
+
+def toy_tokenizer() -> dict[str, Any]:
+    """write_gguf's tokenizer arguments for the toy vocabulary: a gpt2-style BPE whose
+    token 0 is the control token that begins and ends a text."""
+    return {
+        "tokens": TOY_TOKENS,
+        "pre": "default",
+        "token_types": [gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (VOCAB - 1),
+        "merges": TOY_MERGES,
+        "bos": 0,
+        "eos": 0,
+    }
 
 
 def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -69,7 +91,7 @@ def write_gguf(
     tensors: Mapping[str, Tensor],
     *,
     arch: str = "llama",
-    metadata: Mapping[str, int | float] = BASE_METADATA,
+    metadata: Mapping[str, MetadataValue] = BASE_METADATA,
     drop: Sequence[str] = (),
     tokens: Sequence[str] | None = None,
     pre: str | None = None,
@@ -82,7 +104,8 @@ def write_gguf(
 ) -> Path:
     """A GGUF file with `metadata` (less `drop`), an optional gpt2 tokenizer and these tensors.
 
-    Metadata keys get the "<arch>." prefix. A tensor is a float32/float16 array in
+    Metadata keys get the "<arch>." prefix; ints are written as uint32s, floats as
+    float32s, lists as arrays. A tensor is a float32/float16 array in
     PyTorch (row-major) shape, or a pair (uint8 array in byte shape, quant type) for raw
     quantized blocks. Tokenizer keys are written only when given; `tokens` also writes
     tokenizer.ggml.model = "gpt2".
@@ -91,7 +114,11 @@ def write_gguf(
     for key, value in metadata.items():
         if key in drop:
             continue
-        if isinstance(value, float):
+        if isinstance(value, str):
+            writer.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, list):
+            writer.add_array(f"{arch}.{key}", value)
+        elif isinstance(value, float):
             writer.add_float32(f"{arch}.{key}", value)
         else:
             writer.add_uint32(f"{arch}.{key}", value)

@@ -1,5 +1,7 @@
 """Small random-weight transformers models saved as Hugging Face folders or GGUF files,
-and the check that our engine answers as transformers does on them (float32)."""
+and the check that our engine answers as transformers does on them (float32).
+
+TOY_TOKENS and TOY_MERGES (gguf_builder's toy tokenizer) stay importable from here."""
 
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import gguf_builder
 import numpy as np
 import torch
+from gguf_builder import TOY_MERGES as TOY_MERGES  # re-exported: tests import it from here
+from gguf_builder import TOY_TOKENS as TOY_TOKENS
+from gguf_builder import MetadataValue, Tensor, toy_tokenizer
 from openai import OpenAI
 from reference import our_prefill_logits
 from server_process import API_KEY, ServerProcess
@@ -26,11 +32,6 @@ from appliance.model.tensor_parallel import Shard
 from appliance.settings.config import load_settings
 
 LOGIT_TOLERANCE = 1e-3  # float32 prefill logits, ours against transformers'
-
-# A byte-level BPE vocabulary small enough for transformers to convert in milliseconds.
-TOY_TOKENS = ["<|endoftext|>", *(chr(c) for c in range(ord("a"), ord("z") + 1))]
-TOY_TOKENS += ["ab", "cd", "ef", "gh", "Ġ"]
-TOY_MERGES = ["a b", "c d", "e f", "g h"]
 
 
 def random_model(config: Any) -> torch.nn.Module:
@@ -60,7 +61,7 @@ def write_gguf(
     model: torch.nn.Module,
     path: Path,
     arch: gguf.MODEL_ARCH,
-    metadata: Mapping[str, int | float | str | list[bool]],
+    metadata: Mapping[str, MetadataValue],
     *,
     quantize: bool = False,
     extra: Mapping[str, np.ndarray] | None = None,
@@ -68,35 +69,34 @@ def write_gguf(
     types: Mapping[str, gguf.GGMLQuantizationType] | None = None,
 ) -> Path:
     """`model` as a GGUF of architecture `arch` with the toy tokenizer (its vocabulary
-    must be len(TOY_TOKENS)): tensor names from the gguf package's own map, matrices in
-    Q8_0 blocks when `quantize`, else float32; Gemma 3's norm weights as 1 + weight, as
-    convert_hf_to_gguf stores them; `extra` tensors (float32, by GGUF name) after the
-    model's; `tensors` (by Hugging Face name) in place of the model's state dict, `types`
-    (by the same names) the block formats some are stored in (gpt-oss's MXFP4 experts).
-    Metadata keys lack the "<arch>." prefix; ints are uint32s, floats float32s."""
+    must be len(TOY_TOKENS)), written by gguf_builder.write_gguf: tensor names from the
+    gguf package's own map, matrices in Q8_0 blocks when `quantize`, else float32; Gemma
+    3's norm weights as 1 + weight, as convert_hf_to_gguf stores them; `extra` tensors
+    (float32, by GGUF name) after the model's; `tensors` (by Hugging Face name) in place
+    of the model's state dict, `types` (by the same names) the block formats some are
+    stored in (gpt-oss's MXFP4 experts). Metadata keys lack the "<arch>." prefix."""
+    state = model.state_dict() if tensors is None else tensors
+    arrays = gguf_tensors(model, state, arch, metadata, quantize=quantize, types=types or {})
+    for gguf_name, array in (extra or {}).items():
+        arrays[gguf_name] = np.ascontiguousarray(array, dtype=np.float32)
     name = gguf.MODEL_ARCH_NAMES[arch]
-    layers = int(metadata["block_count"])
-    names = gguf.get_tensor_name_map(arch, layers)
-    writer = gguf.GGUFWriter(str(path), name)
-    for key, value in metadata.items():
-        if isinstance(value, str):
-            writer.add_string(f"{name}.{key}", value)
-        elif isinstance(value, list):
-            writer.add_array(f"{name}.{key}", value)
-        elif isinstance(value, float):
-            writer.add_float32(f"{name}.{key}", value)
-        else:
-            writer.add_uint32(f"{name}.{key}", value)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(TOY_TOKENS)
-    types = [gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (len(TOY_TOKENS) - 1)
-    writer.add_token_types(types)
-    writer.add_token_merges(TOY_MERGES)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(0)
+    return gguf_builder.write_gguf(path, arrays, arch=name, metadata=metadata, **toy_tokenizer())
+
+
+def gguf_tensors(
+    model: torch.nn.Module,
+    state: Mapping[str, torch.Tensor],
+    arch: gguf.MODEL_ARCH,
+    metadata: Mapping[str, MetadataValue],
+    *,
+    quantize: bool,
+    types: Mapping[str, gguf.GGMLQuantizationType],
+) -> dict[str, Tensor]:
+    """`state` (Hugging Face names) under GGUF names, as convert_hf_to_gguf stores it."""
+    names = gguf.get_tensor_name_map(arch, int(metadata["block_count"]))
     tied = bool(model.config.tie_word_embeddings)
-    for hf_name, tensor in (model.state_dict() if tensors is None else tensors).items():
+    arrays: dict[str, Tensor] = {}
+    for hf_name, tensor in state.items():
         if tied and hf_name == "lm_head.weight":  # a GGUF without output.weight is tied
             continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -110,21 +110,14 @@ def write_gguf(
             array = _permute_rope_rows(array, int(heads))
         if arch == gguf.MODEL_ARCH.GEMMA3 and hf_name.endswith("norm.weight"):
             array = array + 1
-        if types and hf_name in types:
-            qtype = types[hf_name]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        elif quantize and array.ndim >= 2:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, q8), raw_dtype=q8)
+        qtype = types.get(hf_name)
+        if qtype is None and quantize and array.ndim >= 2:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+        if qtype is None:
+            arrays[gguf_name] = np.ascontiguousarray(array)
         else:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
-    for gguf_name, array in (extra or {}).items():
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+            arrays[gguf_name] = (gguf.quants.quantize(array, qtype), qtype)
+    return arrays
 
 
 def _permute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -23,6 +23,7 @@ from gguf_builder import (
     VOCAB,
     assert_load_error,
     model_tensors,
+    toy_tokenizer,
 )
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -32,19 +33,6 @@ from appliance.model.errors import ModelLoadError
 from appliance.model.formats import gguf_file, safetensors_file
 from appliance.model.gguf_cache import cache_entry
 from appliance.model.loader import ModelFiles, load_model_files
-
-# A byte-level BPE vocabulary small enough for transformers to convert in milliseconds.
-TOKENS = [
-    "<|endoftext|>",
-    *(chr(c) for c in range(ord("a"), ord("z") + 1)),
-    "ab",
-    "cd",
-    "ef",
-    "gh",
-    "Ġ",
-]
-MERGES = ["a b", "c d", "e f", "g h"]
-assert len(TOKENS) == VOCAB
 
 HF_CONFIG = {
     "model_type": "llama",
@@ -65,16 +53,7 @@ HF_CONFIG = {
 def write_gguf(path: Path, *, seed: int = 0, tokenizer: bool = True, blocks: bool = True) -> Path:
     """A tiny tied llama GGUF with a gpt2-style tokenizer that transformers can convert;
     its matrices in Q8_0 blocks (`blocks`) or float32."""
-    tokenizer_keys: dict[str, Any] = {}
-    if tokenizer:
-        tokenizer_keys = {
-            "tokens": TOKENS,
-            "pre": "default",
-            "token_types": [gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (VOCAB - 1),
-            "merges": MERGES,
-            "bos": 0,
-            "eos": 0,
-        }
+    tokenizer_keys = toy_tokenizer() if tokenizer else {}
     tensors: dict[str, Any] = dict(model_tensors(np.random.default_rng(seed), tied=True))
     if blocks:
         q8 = gguf.GGMLQuantizationType.Q8_0
