@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hand_profiles import hand_profile
 from server_process import API_KEY, ServerProcess, wait_until
 from test_admin_api import MOVE_BOUND_S, admin_headers, pools, snapshot
 from traffic import Traffic
@@ -20,9 +21,6 @@ from appliance.ops.autopilot import Autopilot
 from appliance.ops.pool_moves import MoveError, PoolMover
 from appliance.planner.profile import (
     HandoffCost,
-    HostCost,
-    Profile,
-    ProfileKey,
     StepCost,
     WorkerCost,
 )
@@ -32,13 +30,8 @@ from appliance.settings.config import load_settings
 # Steps cost a millisecond, but a handoff takes 5 s: on this box's profile every request
 # of a prefill worker misses a 5 ms TPOT, and only a colocated worker can meet it. (The
 # real box misses it too, so the measured attainment stays below the target.)
-SLOW_HANDOFFS = Profile(
-    key=ProfileKey(model="hand-made", dtype="float32", weights="dense", device_kind="test"),
-    atoms=3,
-    block_size=16,
-    kv_bytes_per_token=1024,
-    max_model_len=4096,
-    workers={
+SLOW_HANDOFFS = hand_profile(
+    {
         "1x1": WorkerCost(
             prefill=StepCost(base_s=0.001, per_token_s=0.0001),
             decode=StepCost(base_s=0.001),
@@ -46,8 +39,8 @@ SLOW_HANDOFFS = Profile(
             kv_blocks=10_000,
         )
     },
+    atoms=3,
     handoff=HandoffCost(base_s=5.0, per_byte_s=0.0),
-    host=HostCost(),
 )
 
 

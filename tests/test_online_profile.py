@@ -11,6 +11,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
+from hand_profiles import hand_profile
 
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
@@ -18,7 +19,6 @@ from appliance.engine.step_timing import StepClock, StepTiming, step_timing
 from appliance.planner.online_profile import OnlineProfile, kv_sizes, worker_size
 from appliance.planner.profile import (
     HandoffCost,
-    HostCost,
     Profile,
     ProfileKey,
     StepCost,
@@ -158,15 +158,13 @@ def test_the_window_keeps_the_newest_steps_only() -> None:
 
 
 def base_profile(workers: dict[str, WorkerCost]) -> Profile:
-    return Profile(
+    return hand_profile(
+        workers,
         key=ProfileKey(model="m", dtype="float32", weights="dense", device_kind="cpu: test"),
         atoms=4,
-        block_size=16,
         kv_bytes_per_token=1000,
         max_model_len=2048,
-        workers=workers,
         handoff=HandoffCost(base_s=1e-3, per_byte_s=1e-9),
-        host=HostCost(),
         assumptions=("measured",),
     )
 

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from hand_profiles import hand_profile
 
 from appliance.core.goodput import SLO
 from appliance.planner.analytic import analytic_profile
@@ -13,30 +14,11 @@ from appliance.planner.plan_cli import main, sharegpt_like
 from appliance.planner.plan_report import COLUMNS, table
 from appliance.planner.profile import (
     HandoffCost,
-    HostCost,
     Profile,
-    ProfileKey,
     StepCost,
     WorkerCost,
 )
 from appliance.planner.simulator import Policy, SimRequest
-
-
-def hand_profile(
-    atoms: int,
-    units: dict[str, WorkerCost],
-    handoff_s: float = 0.0005,
-) -> Profile:
-    return Profile(
-        key=ProfileKey(model="hand-made", dtype="float32", weights="dense", device_kind="test"),
-        atoms=atoms,
-        block_size=16,
-        kv_bytes_per_token=1024,
-        max_model_len=4096,
-        workers=units,
-        handoff=HandoffCost(base_s=handoff_s, per_byte_s=0.0),
-        host=HostCost(),
-    )
 
 
 def worker(prefill_per_token: float, decode_base: float, mixed_base: float) -> WorkerCost:
@@ -56,7 +38,7 @@ def labels(layouts: list) -> set[str]:
 
 
 def test_a_two_core_box_has_four_layouts_three_of_them_full() -> None:
-    profile = hand_profile(2, {"1x1": FLAT, "2x1": FLAT})
+    profile = hand_profile({"1x1": FLAT, "2x1": FLAT}, atoms=2)
     every = feasible_layouts(profile)
     assert labels(every) == {"colocated x1/2c", "colocated x2", "colocated x1", "1P+1D"}
     assert len(every) == 4
@@ -113,7 +95,7 @@ def test_costly_prompts_beside_cheap_decodes_make_a_prefill_heavy_split_win() ->
     # beside it: colocated decodes miss a 20 ms TPOT whenever prompts arrive; split
     # pools keep TPOT at 2 ms, and 3 prefill workers keep TTFT lowest.
     slow_prompts = worker(0.001, 0.002, 0.05)
-    profile = hand_profile(4, {"1x1": slow_prompts})
+    profile = hand_profile({"1x1": slow_prompts}, atoms=4)
     requests = sharegpt_like(1, 200, 8.0, 4096)
     requests = [SimRequest(r.arrival_s, 200, 20) for r in requests]
     plan = _plan(profile, 8.0, SLO(ttft=1.0, tpot=0.02), requests)
@@ -127,7 +109,7 @@ def test_costly_prompts_beside_cheap_decodes_make_a_prefill_heavy_split_win() ->
 def test_a_costly_handoff_makes_colocated_win() -> None:
     # Mixed steps cost what decode steps do (no interference) and each handoff takes
     # 0.5 s: splitting only adds that to every request's second token.
-    profile = hand_profile(2, {"1x1": FLAT}, handoff_s=0.5)
+    profile = hand_profile({"1x1": FLAT}, atoms=2, handoff=HandoffCost(base_s=0.5, per_byte_s=0.0))
     requests = [SimRequest(0.25 * i + 0.1, 64, 16) for i in range(80)]
     plan = _plan(profile, 4.0, SLO(ttft=1.0, tpot=0.02), requests)
     assert plan.best.label == "colocated x2"
@@ -138,7 +120,7 @@ def test_a_costly_handoff_makes_colocated_win() -> None:
 
 
 def _save(tmp_path: Path) -> Path:
-    return hand_profile(2, {"1x1": FLAT, "2x1": FLAT}).save(tmp_path)
+    return hand_profile({"1x1": FLAT, "2x1": FLAT}, atoms=2).save(tmp_path)
 
 
 PLAN_ARGS = ["plan", "--workload", "sharegpt-like", "--rate", "2", "--num-requests", "40"]

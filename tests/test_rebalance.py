@@ -11,14 +11,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from hand_profiles import hand_profile
 
 from appliance.core.goodput import SLO
 from appliance.planner.layout import Layout, Pool, layout_of_roles, roles_problem
 from appliance.planner.profile import (
-    HandoffCost,
-    HostCost,
-    Profile,
-    ProfileKey,
     StepCost,
     WorkerCost,
 )
@@ -54,16 +51,7 @@ SLOW_PROMPTS = WorkerCost(
     mixed=StepCost(base_s=0.05, per_token_s=0.001),
     kv_blocks=10_000,
 )
-PROFILE = Profile(
-    key=ProfileKey(model="hand-made", dtype="float32", weights="dense", device_kind="test"),
-    atoms=3,
-    block_size=16,
-    kv_bytes_per_token=1024,
-    max_model_len=4096,
-    workers={"1x1": SLOW_PROMPTS},
-    handoff=HandoffCost(base_s=0.0005, per_byte_s=0.0),
-    host=HostCost(),
-)
+PROFILE = hand_profile({"1x1": SLOW_PROMPTS}, atoms=3)
 SLO_ = SLO(ttft=1.5, tpot=0.05)
 POLICY = Policy()
 RULES = RebalanceRules()  # the defaults

@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+from hand_profiles import hand_profile
 
 from appliance.bench.report import write_json
 from appliance.core.goodput import SLO, RequestResult, summarize
@@ -57,13 +58,11 @@ def profile(
     worker = WorkerCost(
         prefill=PREFILL, decode=decode, mixed=MIXED, kv_blocks=kv_blocks, contention=contention
     )
-    return Profile(
+    return hand_profile(
+        {"1x1": worker},
         key=ProfileKey(model="test", dtype="float32", weights="dense", device_kind="cpu: test"),
-        atoms=2,
-        block_size=16,
         kv_bytes_per_token=KV_BYTES,
         max_model_len=max_model_len,
-        workers={"1x1": worker},
         handoff=HANDOFF,
         host=host,
     )

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+from hand_profiles import hand_profile
 
 from appliance.core.goodput import SLO
 from appliance.planner.analytic import NETWORK_EFFICIENCY, analytic_profile, network_link
@@ -16,9 +17,7 @@ from appliance.planner.layout import Layout, Pool
 from appliance.planner.plan_cli import main, sharegpt_like
 from appliance.planner.profile import (
     HandoffCost,
-    HostCost,
     Profile,
-    ProfileKey,
     StepCost,
     WorkerCost,
     load_profile,
@@ -54,21 +53,15 @@ INTERFERING = WorkerCost(
 )
 
 
-def hand_profile(
+def linked_profile(
     network: HandoffCost | None = None,
     atoms: int = 2,
     workers: dict[str, WorkerCost] | None = None,
 ) -> Profile:
-    return Profile(
-        key=ProfileKey(model="hand-made", dtype="float32", weights="dense", device_kind="test"),
-        atoms=atoms,
-        block_size=16,
-        kv_bytes_per_token=KV_BYTES,
-        max_model_len=4096,
-        workers=workers or {"1x1": FAST_WORKER},
-        handoff=HANDOFF,
-        host=HostCost(),
-        network=network,
+    """A box of fast workers and slow handoffs, with `network` the link to its twin."""
+    workers = workers or {"1x1": FAST_WORKER}
+    return hand_profile(
+        workers, atoms=atoms, kv_bytes_per_token=KV_BYTES, handoff=HANDOFF, network=network
     )
 
 
@@ -119,12 +112,12 @@ def test_an_analytic_profile_takes_its_link_from_a_speed_and_says_so() -> None:
 
 
 def test_a_profile_saved_before_the_link_still_loads(tmp_path: Path) -> None:
-    path = hand_profile().save(tmp_path)
+    path = linked_profile().save(tmp_path)
     data = json.loads(path.read_text())
     del data["network"]  # as an older appliance wrote it
     path.write_text(json.dumps(data))
     assert load_profile(path).network is None
-    linked = hand_profile(network_link(400))
+    linked = linked_profile(network_link(400))
     assert load_profile(linked.save(tmp_path / "linked")) == linked
 
 
@@ -147,7 +140,7 @@ def test_a_cross_box_handoff_costs_the_links_time() -> None:
     # One request alone: its first token is the prefill box's (TTFT does not move); its
     # second comes the handoff's time after, so the link's time replaces the box's.
     slow = HandoffCost(base_s=0.2, per_byte_s=1e-6)
-    profile = hand_profile(slow)
+    profile = linked_profile(slow)
     request = [SimRequest(arrival_s=0.0, prompt_tokens=100, output_tokens=4)]
     in_box = simulate(profile, split(cross_box=False), request)[0]
     across = simulate(profile, split(), request)[0]
@@ -163,7 +156,7 @@ def test_handoffs_queue_on_the_one_link_between_the_boxes() -> None:
     # Two prompts prefilled at once by two prefill workers: their KV leaves together,
     # but the link sends one after the other, so the second lands 1 s (its bytes) later.
     link = HandoffCost(base_s=0.0, per_byte_s=1e-5)
-    profile = hand_profile(link, atoms=3)
+    profile = linked_profile(link, atoms=3)
     requests = [SimRequest(0.0, 100, 4), SimRequest(0.0, 100, 4)]
     first, second = sorted(simulate(profile, split(prefill=2), requests), key=lambda r: r.itl[0])
     assert first.ttft == pytest.approx(second.ttft)
@@ -185,7 +178,7 @@ def test_workers_on_different_boxes_do_not_slow_each_other() -> None:
 
 def test_a_cross_box_layout_on_a_profile_without_a_link_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"\[1P\]\+\[1D\] spans two boxes .* no network link"):
-        simulate(hand_profile(), split(), [SimRequest(0.0, 10, 2)])
+        simulate(linked_profile(), split(), [SimRequest(0.0, 10, 2)])
 
 
 def test_the_cross_box_splits_of_an_8_gpu_box_are_every_pair_of_tp_degrees() -> None:
@@ -210,7 +203,7 @@ SLO_TPOT = SLO(ttft=2.0, tpot=0.02)
 
 def one_gpu_boxes(network: HandoffCost) -> Profile:
     # A box of one device: alone it can only colocate; two of them can split.
-    return hand_profile(network, atoms=1, workers={"1x1": INTERFERING})
+    return linked_profile(network, atoms=1, workers={"1x1": INTERFERING})
 
 
 def test_a_free_link_and_interfering_prompts_make_the_cross_box_split_win() -> None:
@@ -250,7 +243,7 @@ def test_boxes_take_arrivals_in_turn_and_a_light_load_is_a_tie() -> None:
     first, second = alternate(requests)
     assert [r.arrival_s for r in first] == [0.0, 2.0, 4.0]
     assert [r.arrival_s for r in second] == [1.0, 3.0]
-    profile = hand_profile(network_link(400))
+    profile = linked_profile(network_link(400))
     both = compare_two_boxes(profile, requests, 1.0, SLO(ttft=1.0))
     assert both.winner == TIE and both.margin == 1.0
     assert both.two_boxes.requests == both.cross_box.requests == 5
@@ -259,8 +252,8 @@ def test_boxes_take_arrivals_in_turn_and_a_light_load_is_a_tie() -> None:
 def test_bad_comparisons_are_clear_errors() -> None:
     requests = [SimRequest(0.0, 50, 5), SimRequest(1.0, 50, 5)]
     with pytest.raises(ValueError, match="network link"):
-        compare_two_boxes(hand_profile(), requests, 1.0, SLO(ttft=1.0))
-    linked = hand_profile(network_link(400))
+        compare_two_boxes(linked_profile(), requests, 1.0, SLO(ttft=1.0))
+    linked = linked_profile(network_link(400))
     with pytest.raises(ValueError, match="at least two requests"):
         compare_two_boxes(linked, requests[:1], 1.0, SLO(ttft=1.0))
     with pytest.raises(ValueError, match="positive request rate"):
@@ -275,7 +268,7 @@ TWO_BOX_ARGS = ["plan", "--workloads", "sharegpt-like", "--num-requests", "30"]
 def test_the_command_prints_a_table_of_both_ways_at_each_rate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = hand_profile().save(tmp_path)
+    path = linked_profile().save(tmp_path)
     args = [*TWO_BOX_ARGS, "--rates", "1", "2", "--goodput", "ttft:2000", "tpot:200"]
     code = main([*args, "--profile", str(path), "--boxes", "2", "--link-gbps", "400"])
     assert code == 0
@@ -302,7 +295,7 @@ def test_the_command_prints_a_table_of_both_ways_at_each_rate(
 def test_bad_two_box_input_is_a_clear_error_with_exit_2(
     args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = hand_profile().save(tmp_path)
+    path = linked_profile().save(tmp_path)
     assert main([*TWO_BOX_ARGS, "--goodput", "ttft:100", "--profile", str(path), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
