@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+from worker_handles import worker_handle
+
 from appliance.core.request_table import Phase, Request, RequestTable
 from appliance.core.router import Router
 from appliance.engine.sequence import SamplingParams
@@ -39,12 +41,7 @@ class Inbox(list):
 
 
 def worker(worker_id: int, role: str, free: int = 8) -> WorkerHandle:
-    handle = WorkerHandle(
-        worker_id, role, worker_id, f"cpu{worker_id}", (worker_id,), Inbox(), None
-    )  # type: ignore[arg-type]
-    handle.loaded = handle.ready = True
-    handle.num_blocks = handle.num_free = free
-    return handle
+    return worker_handle(worker_id, role, free=free, inbox=Inbox(), ready=True)
 
 
 class Box:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from test_topology import PCIE_4GPU, cpu_box, gpus
+from worker_handles import worker_handle
 
 from appliance.core.router import Router
 from appliance.pools.worker_handle import WorkerHandle
@@ -16,9 +17,7 @@ BLOCKS = 3  # KV blocks each handoff below needs
 
 
 def worker(worker_id: int, role: str, device: int, free: int = 0) -> WorkerHandle:
-    handle = WorkerHandle(worker_id, role, device, f"dev{device}", (device,), None, None)
-    handle.num_free = free
-    return handle
+    return worker_handle(worker_id, role, device=device, free=free)
 
 
 def hand_off(
