@@ -196,6 +196,43 @@ def test_auto_on_the_embedded_model_is_the_generic_format(client: OpenAI) -> Non
             assert not (choice.message.content or "").lstrip().startswith('{"response"')
 
 
+def collect_stream(stream: Any) -> tuple[str, list[tuple[str, str]], str | None]:
+    """A streamed choice put together: its content, its calls (name, arguments), reason."""
+    content, reason = "", None
+    calls: dict[int, list[str]] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reason = choice.finish_reason or reason
+            for piece in choice.delta.tool_calls or []:
+                if piece.function.name:
+                    calls[piece.index] = [piece.function.name, ""]
+                calls[piece.index][1] += piece.function.arguments or ""
+    return content, [(name, args) for name, args in calls.values()], reason
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_streamed_equals_whole_for_a_seed(client: OpenAI, tool_choice: str) -> None:
+    """The same seed gives the same message streamed and whole: the generic reply's text
+    streams as content (never its JSON), calls as their pieces."""
+    ask: dict[str, Any] = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=5,
+    )
+    whole = client.chat.completions.create(**ask).choices[0]
+    content, calls, reason = collect_stream(client.chat.completions.create(**ask, stream=True))
+    assert reason == whole.finish_reason
+    assert content == (whole.message.content or "")
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert calls == expected
+    assert not content.lstrip().startswith("{")
+
+
 # --- Requests refused: what each names (one layout is enough) -------------------------------
 
 
