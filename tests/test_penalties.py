@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from appliance.engine.penalties import apply_penalties, token_counts
+from appliance.engine.penalties import apply_penalties, padded
 from appliance.engine.sampler import Sampler, SampleRow, batch_probabilities
 from appliance.engine.sequence import SamplingParams
 
@@ -52,8 +52,8 @@ def test_penalties_equal_the_per_row_reference() -> None:
     repetition = [1.3, 1.0, 0.8, 1.7, 2.0, 1.1]
     got = apply_penalties(
         logits,
-        token_counts(prompts, VOCAB, CPU),
-        token_counts(outputs, VOCAB, CPU),
+        prompts,
+        outputs,
         torch.tensor(presence),
         torch.tensor(frequency),
         torch.tensor(repetition),
@@ -72,21 +72,37 @@ def test_penalties_equal_the_per_row_reference() -> None:
     assert not torch.allclose(got, logits)
 
 
-def test_token_counts_count_every_occurrence() -> None:
-    counts = token_counts([[3, 3, 1], [], [0, 5, 5, 5]], 6, CPU)
-    assert counts.tolist() == [[0, 1, 0, 2, 0, 0], [0] * 6, [1, 0, 0, 0, 0, 3]]
+def test_rows_pad_with_their_own_first_id() -> None:
+    ids, valid = padded([[3, 3, 1], [], [0, 5, 5, 5]], CPU)
+    assert ids.tolist() == [[3, 3, 1, 3], [0, 0, 0, 0], [0, 5, 5, 5]]
+    assert valid.tolist() == [[True] * 3 + [False], [False] * 4, [True] * 4]
+    assert padded([[], []], CPU)[0].shape == (2, 1)
+
+
+def test_rows_without_ids_or_penalties_are_untouched() -> None:
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
+    # Row 0 has no ids at all (its pads point at token 0); row 1 has ids but no penalty.
+    got = apply_penalties(
+        logits,
+        [[], [1, 2], [0]],
+        [[], [2, 2], [0, 0]],
+        torch.tensor([2.0, 0.0, 1.0]),
+        torch.tensor([2.0, 0.0, 0.5]),
+        torch.tensor([2.0, 1.0, 1.5]),
+    )
+    assert torch.equal(got[:2], logits[:2])
+    expected = reference_row(logits[2].tolist(), [0], [0, 0], 1.0, 0.5, 1.5)
+    assert got[2].tolist() == pytest.approx(expected, abs=1e-6)
 
 
 def test_repetition_divides_positive_and_multiplies_negative_logits() -> None:
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
-    seen = token_counts([[0, 1]], 4, CPU)
-    none = token_counts([[]], 4, CPU)
     zero, two = torch.tensor([0.0]), torch.tensor([2.0])
     # Seen in the prompt only: repetition still applies; presence/frequency do not.
-    got = apply_penalties(logits, seen, none, two, two, two)
+    got = apply_penalties(logits, [[0, 1]], [[]], two, two, two)
     assert got.tolist() == [[1.0, -4.0, 2.0, -2.0]]
     # Seen in the output: all three apply.
-    got = apply_penalties(logits, none, seen, zero + 0.5, zero + 0.25, two)
+    got = apply_penalties(logits, [[]], [[0, 1]], zero + 0.5, zero + 0.25, two)
     assert got.tolist() == [[1.0 - 0.75, -4.0 - 0.75, 2.0, -2.0]]
 
 

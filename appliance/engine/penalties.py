@@ -3,7 +3,10 @@
 Repetition penalises every token seen in the prompt or the output: a positive logit is
 divided by the penalty, a negative one multiplied (so > 1 always makes it less likely).
 Presence subtracts its value once from every token the output holds; frequency subtracts
-its value times how often the output holds it. The prompt does not count for those two."""
+its value times how often the output holds it. The prompt does not count for those two.
+
+Only the seen tokens change, so the work is over each row's ids (gathered, penalised,
+scattered back), not over the vocabulary: a decode step pays for the ids it penalises."""
 
 from __future__ import annotations
 
@@ -12,33 +15,46 @@ from collections.abc import Sequence
 import torch
 
 
-def token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """How often each token occurs in each row's ids: [rows, vocab] int64, from one
-    scatter_add over the rows padded to the longest (pads count into a dropped bin)."""
-    width = max((len(row) for row in ids), default=0)
-    rows = [list(row) + [vocab] * (width - len(row)) for row in ids]
-    padded = torch.tensor(rows, dtype=torch.int64).reshape(len(ids), width)  # [rows, width]
-    if device.type == "cuda":
-        # Pinned and non-blocking: a pageable copy would wait for the queued step.
-        padded = padded.pin_memory().to(device, non_blocking=True)
-    counts = torch.zeros(len(ids), vocab + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded))
-    return counts[:, :vocab]
-
-
 def apply_penalties(
     logits: torch.Tensor,
-    prompt_counts: torch.Tensor,
-    output_counts: torch.Tensor,
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
     presence: torch.Tensor,
     frequency: torch.Tensor,
     repetition: torch.Tensor,
 ) -> torch.Tensor:
-    """logits [rows, vocab] after each row's penalties: presence, frequency, repetition
-    [rows] float32 (0, 0 and 1 are off); token counts [rows, vocab] of the prompt and of
-    the output so far (token_counts). Returns a new tensor."""
-    seen = (prompt_counts > 0) | (output_counts > 0)
-    scale = torch.where(seen, repetition[:, None], 1.0)  # [rows, vocab]
-    logits = torch.where(logits > 0, logits / scale, logits * scale)
-    logits = logits - frequency[:, None] * output_counts
-    return logits - presence[:, None] * (output_counts > 0)
+    """logits [rows, vocab] after each row's penalties, as a new tensor: presence,
+    frequency, repetition [rows] float32 (0, 0 and 1 are off); each row's prompt and
+    output ids so far (a row whose repetition is off may pass an empty prompt)."""
+    logits = logits.clone()
+    device = logits.device
+    seen, seen_valid = padded([[*p, *o] for p, o in zip(prompts, outputs, strict=True)], device)
+    # A row with no ids at all pads with token 0: its scale stays 1 there.
+    scale = torch.where(seen_valid[:, :1], repetition[:, None], 1.0)  # [rows, 1]
+    values = logits.gather(1, seen)  # [rows, width]
+    # Repeated ids (and pads, copies of the row's first id) write the same value.
+    logits.scatter_(1, seen, torch.where(values > 0, values / scale, values * scale))
+    out, out_valid = padded(outputs, device)
+    counts = torch.zeros_like(logits)  # [rows, vocab]: how often the output holds each
+    counts.scatter_add_(1, out, out_valid.to(logits.dtype))
+    times = counts.gather(1, out)  # [rows, width]: each output id's count (0 at pads of empty rows)
+    penalty = frequency[:, None] * times + presence[:, None] * (times > 0)
+    logits.scatter_(1, out, logits.gather(1, out) - penalty)
+    return logits
+
+
+def padded(ids: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ids as [rows, width] int64 (width: the longest row, at least 1), each row
+    padded with its own first id (0 when empty), and [rows, width] bool: which are real."""
+    width = max(1, max((len(row) for row in ids), default=0))
+    rows = [[*row, *[row[0] if row else 0] * (width - len(row))] for row in ids]
+    valid = [[True] * len(row) + [False] * (width - len(row)) for row in ids]
+    ids_t = torch.tensor(rows, dtype=torch.int64).reshape(len(ids), width)
+    valid_t = torch.tensor(valid, dtype=torch.bool).reshape(len(ids), width)
+    if device.type == "cuda":
+        # Pinned and non-blocking: a pageable copy would wait for the queued step.
+        return (
+            ids_t.pin_memory().to(device, non_blocking=True),
+            valid_t.pin_memory().to(device, non_blocking=True),
+        )
+    return ids_t, valid_t

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from appliance.engine.logprobs import TokenLogprobs
-from appliance.engine.penalties import apply_penalties, token_counts
+from appliance.engine.penalties import apply_penalties
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.engine.structured.masks import GrammarMasks, apply_grammar
 
@@ -245,12 +245,12 @@ def mask_end_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 
 def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """The penalized rows' logits after their penalties (penalties.py), the others as
-    they are. Counts are built only for the rows that have a penalty."""
+    they are. Only the rows that have a penalty pass their ids."""
     chosen = [index for index, row in enumerate(rows) if row.penalized]
     if not chosen:
         return logits
     picked = [rows[i] for i in chosen]
-    device, vocab = logits.device, logits.shape[-1]
+    device = logits.device
     # The prompt counts only for repetition: others skip its (possibly long) ids.
     prompts = [
         row.token_ids[: row.num_prompt_tokens] if row.params.repetition_penalty != 1 else ()
@@ -260,8 +260,8 @@ def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     where = _upload(chosen, torch.int64, device)
     penalized = apply_penalties(
         logits[where],
-        token_counts(prompts, vocab, device),
-        token_counts([row.output_ids for row in picked], vocab, device),
+        prompts,
+        [row.output_ids for row in picked],
         _upload([p.presence_penalty for p in params], torch.float32, device),
         _upload([p.frequency_penalty for p in params], torch.float32, device),
         _upload([p.repetition_penalty for p in params], torch.float32, device),
