@@ -93,7 +93,7 @@ def main() -> None:
     engine = LLMEngine.from_settings(load_settings(device="cpu"))
     masks: GrammarMasks = engine.grammar
     timing = Timed()
-    masks._compute = timed(masks._compute, timing.compute)  # type: ignore[method-assign]
+    masks.banned = timed(masks.banned, timing.compute)  # type: ignore[method-assign]
     masks.apply = timed(masks.apply, timing.wait)  # type: ignore[method-assign]
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
     spec = StructuredOutput("json", json.dumps(SCHEMA))

@@ -284,3 +284,19 @@ def test_the_sampler_draws_valid_documents_from_random_logits(
         document = json.loads(tokenizer.decode(tokens[len(PROMPT) : -1]))
         jsonschema.validate(document, schema, format_checker=jsonschema.FormatChecker())
     masks.close()
+
+
+def test_masks_started_for_other_rows_are_recomputed(tokenizer: Tokenizer) -> None:
+    """The sampler's rows differ from those started (another order): the mask is computed
+    for the rows given, never taken from the wrong ones."""
+    masks = GrammarMasks(tokenizer, tokenizer.vocab_size, background=True)
+    digits = Row(1, constrained("regex", "[0-9]+"), PROMPT, len(PROMPT))
+    words = Row(2, constrained("regex", "[a-z]+"), PROMPT, len(PROMPT))
+    masks.start([digits, words])
+    logits = torch.zeros(2, tokenizer.vocab_size)
+    masks.apply(logits, [words, digits])
+    first = [tokenizer.decode([t]) for t in torch.isfinite(logits[0]).nonzero()[:, 0].tolist()]
+    second = [tokenizer.decode([t]) for t in torch.isfinite(logits[1]).nonzero()[:, 0].tolist()]
+    assert first and all(t.isalpha() and t.islower() for t in first)
+    assert second and all(t.isdigit() for t in second)
+    masks.close()

@@ -52,53 +52,56 @@ class GrammarMasks:
         self._vocabulary: llguidance.LLTokenizer | None = None  # built at first use
         self._matchers: dict[int, RequestMatcher] = {}
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: Future[dict[int, torch.Tensor]] | None = None
+        # The started step's rows (seq ids in order) and its mask, being computed.
+        self._pending: tuple[tuple[int, ...], Future[torch.Tensor]] | None = None
 
     def start(self, rows: Sequence[GrammarRow]) -> None:
-        """Begin computing the masks of these rows (the step's rows to sample; others are
-        skipped) on the background thread, if masks run there."""
-        structured = [r for r in rows if r.params.structured is not None]
+        """Begin computing the mask of a step's rows to sample, in the order the sampler
+        will see them, on the background thread (if masks run there)."""
         self._settle()
-        if not structured or not self.background:
+        if not self.background or not any(r.params.structured is not None for r in rows):
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        self._pending = self._pool.submit(self._compute, structured)
+        self._pending = (_ids(rows), self._pool.submit(self.banned, list(rows)))
 
     def apply(self, logits: torch.Tensor, rows: Sequence[GrammarRow]) -> None:
-        """Mask, in place, each structured row of logits [rows, vocab] to the tokens its
-        grammar allows (the others to -inf); rows without a spec are left alone."""
-        index = [i for i, r in enumerate(rows) if r.params.structured is not None]
-        if not index:
+        """Set to -inf, in place and in one op, every token of logits [rows, vocab] that
+        its row's grammar forbids; rows without a spec are left alone."""
+        if not any(r.params.structured is not None for r in rows):
             return
-        ready = self._settle()
-        missing = [rows[i] for i in index if rows[i].seq_id not in ready]
-        ready.update(self._compute(missing))
-        bitmask = torch.stack([ready[rows[i].seq_id] for i in index])  # [k, words] int32
-        allowed = unpack(bitmask, logits.shape[-1]).to(logits.device, non_blocking=True)
-        where = torch.tensor(index, device=logits.device)
-        logits[where] = logits[where].masked_fill(~allowed, float("-inf"))
+        pending, banned = self._pending, None
+        if pending is not None and pending[0] == _ids(rows):
+            banned = self._settle()
+        if banned is None:  # not started for exactly these rows: compute it now
+            self._settle()
+            banned = self.banned(rows)
+        logits.masked_fill_(banned.to(logits.device, non_blocking=True), float("-inf"))
 
     def forget(self, seq_id: int) -> None:
         """Drop a request's matcher: it finished, was aborted, or left for another worker."""
         self._settle()
         self._matchers.pop(seq_id, None)
 
-    def _settle(self) -> dict[int, torch.Tensor]:
-        """The masks started earlier (waited for), if any; none is left pending."""
+    def _settle(self) -> torch.Tensor | None:
+        """The mask started earlier (waited for), if any; none is left pending."""
         pending, self._pending = self._pending, None
-        return {} if pending is None else pending.result()
+        return None if pending is None else pending[1].result()
 
-    def _compute(self, rows: Sequence[GrammarRow]) -> dict[int, torch.Tensor]:
-        """Each row's bitmask [words] int32, after its matcher took its new tokens."""
-        if not rows:
-            return {}
-        out = torch.empty(len(rows), self.words, dtype=torch.int32)  # [k, words]
-        for i, row in enumerate(rows):
-            matcher = self._matcher(row)
-            matcher.catch_up(row.token_ids)
-            matcher.fill(out[i].data_ptr(), self.words * 4)
-        return {row.seq_id: out[i] for i, row in enumerate(rows)}
+    def banned(self, rows: Sequence[GrammarRow]) -> torch.Tensor:
+        """[rows, vocab] bool: True where a row's grammar forbids the token (after its
+        matcher took the row's new tokens); all False for a row without a spec."""
+        index = [i for i, r in enumerate(rows) if r.params.structured is not None]
+        bitmask = torch.empty(len(index), self.words, dtype=torch.int32)  # [k, words]
+        for k, i in enumerate(index):
+            matcher = self._matcher(rows[i])
+            matcher.catch_up(rows[i].token_ids)
+            matcher.fill(bitmask[k].data_ptr(), self.words * 4)
+        if len(index) == len(rows):
+            return ~unpack(bitmask, self.vocab_size)
+        banned = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool)
+        banned[index] = ~unpack(bitmask, self.vocab_size)
+        return banned
 
     def _matcher(self, row: GrammarRow) -> RequestMatcher:
         matcher = self._matchers.get(row.seq_id)
@@ -121,6 +124,10 @@ class GrammarMasks:
         self._settle()
         if self._pool is not None:
             self._pool.shutdown()
+
+
+def _ids(rows: Sequence[GrammarRow]) -> tuple[int, ...]:
+    return tuple(r.seq_id for r in rows)
 
 
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
