@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from openai import OpenAI
 from openai.types.responses import Response, ResponseStreamEvent
@@ -266,6 +267,29 @@ def test_required_tool_choice_calls_then_the_output_continues(client: OpenAI) ->
     assert alone.usage is not None and second.usage.input_tokens > alone.usage.input_tokens + 10
 
 
+def test_auto_tool_choice_answers_as_chat_does(client: OpenAI) -> None:
+    """tool_choice auto: the model replies or calls (the embedded model has no tool
+    format: the generic reply-or-calls JSON, constrained), the same as chat's."""
+    response = client.responses.create(
+        model=MODEL, input=ASK_WEATHER, tools=[WEATHER], temperature=0, max_output_tokens=100
+    )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": ASK_WEATHER}],
+        tools=[WEATHER_CHAT],
+        temperature=0,
+        max_tokens=100,
+    )
+    assert response.status == "completed", response.incomplete_details
+    message = chat.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    items = [(i.name, i.arguments) for i in response.output if i.type == "function_call"]
+    assert items == calls
+    texts = [i for i in response.output if i.type == "message"]
+    assert [t.content[0].text for t in texts] == ([message.content] if message.content else [])
+    assert items or texts
+
+
 def test_a_streamed_call_comes_as_argument_deltas(client: OpenAI) -> None:
     named: Any = {"type": "function", "name": "get_weather"}
     events = list(
@@ -290,6 +314,25 @@ def test_a_streamed_call_comes_as_argument_deltas(client: OpenAI) -> None:
     assert final.type == "function_call" and final.status == "completed"
     assert "".join(deltas) == done.arguments == final.arguments
     jsonschema.validate(json.loads(final.arguments), WEATHER_PARAMETERS)
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=30)
+    country: str = pydantic.Field(max_length=30)
+
+
+def test_the_sdk_parse_helper_gets_its_pydantic_model(client: OpenAI) -> None:
+    """responses.parse(text_format=Model): the SDK sends the model's strict schema and
+    parses the output into it."""
+    parsed = client.responses.parse(
+        model=MODEL,
+        input="Name a city and its country.",
+        temperature=0,
+        max_output_tokens=100,
+        text_format=City,
+    )
+    assert parsed.status == "completed"
+    assert isinstance(parsed.output_parsed, City) and parsed.output_parsed.name
 
 
 ZODIAC = {"type": "string", "format": "zodiac"}  # a format the grammar engine does not know
