@@ -560,3 +560,9 @@ def test_a_failed_generation_ends_with_response_failed() -> None:
     [message] = failed["output"]
     assert message["status"] == "incomplete" and message["content"][0]["text"] == "Par"
     assert_sdk_types(events)
+
+
+def test_the_route_needs_the_api_key(layout_server: ServerProcess) -> None:
+    stranger = OpenAI(base_url=layout_server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4)
