@@ -193,6 +193,40 @@ def test_json_schema_text_format_yields_valid_json(client: OpenAI) -> None:
     assert isinstance(json.loads(last.response.output_text), dict)
 
 
+def test_logprobs_when_included_equal_chats(client: OpenAI) -> None:
+    """include message.output_text.logprobs with top_logprobs: each output token's entry
+    in the output_text part, the same as chat completions reports; streamed, the deltas'
+    entries add up to the done event's."""
+    ask: Any = dict(
+        input=QUESTION, include=["message.output_text.logprobs"], top_logprobs=3, **GREEDY
+    )
+    response = client.responses.create(**ask)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    part = response.output[0].content[0]
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    expected = chat.choices[0].logprobs.content
+    assert response.usage is not None and len(part.logprobs) == response.usage.output_tokens
+    assert [e.token for e in part.logprobs] == [e.token for e in expected]
+    for got, want in zip(part.logprobs, expected, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert got.bytes == want.bytes
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs]
+        assert len(got.top_logprobs) == 3
+    events = list(client.responses.create(**ask, stream=True))
+    assert_sdk_types([e.to_dict() for e in events])
+    streamed = [e for d in events if d.type == "response.output_text.delta" for e in d.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [e.token for e in done.logprobs] == [e.token for e in part.logprobs]
+    assert [e.token for e in streamed] == [e.token for e in done.logprobs][: len(streamed)]
+
+
 WEATHER_PARAMETERS = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 30}},
@@ -379,6 +413,18 @@ def test_refused_fields_are_a_400_naming_the_field(
         client.post("/responses", body=body, cast_to=httpx.Response)
     assert info.value.param == param, info.value.message
     assert info.value.code == "unsupported"
+
+
+def test_logprobs_with_tools_are_a_400_naming_include(client: OpenAI) -> None:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "input": ASK_WEATHER,
+        "tools": [WEATHER],
+        "include": ["message.output_text.logprobs"],
+    }
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post("/responses", body=body, cast_to=httpx.Response)
+    assert info.value.param == "include" and info.value.code == "unsupported"
 
 
 TOOL_CHOICE_ERRORS: list[dict[str, Any]] = [

@@ -34,9 +34,11 @@ def usage(
     }
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+def message_item(
+    item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """An assistant message; `text` None: no content part yet (just opened)."""
-    content = [] if text is None else [text_part(text)]
+    content = [] if text is None else [text_part(text, logprobs)]
     return {
         "id": item_id,
         "type": "message",
@@ -52,8 +54,23 @@ def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any
     return {"id": item_id, "type": "reasoning", "summary": [], "status": status, "content": content}
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`logprobs`: its tokens' entries (token, bytes, logprob, top_logprobs), if asked."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def without_bytes(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Logprob entries as the stream's text events carry them: no `bytes`."""
+    return [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "top_logprobs": [
+                {"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]
+            ],
+        }
+        for e in entries
+    ]
 
 
 def reasoning_part(text: str) -> dict[str, Any]:
@@ -167,20 +184,23 @@ class TextEvents:
         self.index = len(stream.draft.output)
         self.text = ""
         self.kind = "reasoning_text" if reasoning else "output_text"
+        self.logprobs: list[dict[str, Any]] = []  # the part's, with bytes
         stream.draft.output.append(self._item("", "in_progress"))
 
     def _item(self, text: str | None, status: str) -> dict[str, Any]:
-        make = reasoning_item if self.reasoning else message_item
-        return make(self.id, text, status)
+        if self.reasoning:
+            return reasoning_item(self.id, text, status)
+        return message_item(self.id, text, status, self.logprobs)
 
     def _part(self, text: str) -> dict[str, Any]:
-        return reasoning_part(text) if self.reasoning else text_part(text)
+        return reasoning_part(text) if self.reasoning else text_part(text, self.logprobs)
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.id, "output_index": self.index, "content_index": 0}
 
-    def _logprobs(self) -> dict[str, Any]:
-        return {} if self.reasoning else {"logprobs": []}  # output text's events carry them
+    def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        # Output text's events carry logprobs (empty unless asked); reasoning's none.
+        return {} if self.reasoning else {"logprobs": without_bytes(entries)}
 
     def opened(self) -> list[dict[str, Any]]:
         return [
@@ -192,11 +212,16 @@ class TextEvents:
             self.stream.event("response.content_part.added", **self._where(), part=self._part("")),
         ]
 
-    def delta(self, text: str) -> dict[str, Any]:
+    def delta(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """More text, with its tokens' logprob entries where the request asked for them."""
         self.text += text
+        self.logprobs += logprobs or []
         self.stream.draft.output[self.index] = self._item(self.text, "in_progress")
         return self.stream.event(
-            f"response.{self.kind}.delta", **self._where(), delta=text, **self._logprobs()
+            f"response.{self.kind}.delta",
+            **self._where(),
+            delta=text,
+            **self._logprobs(logprobs or []),
         )
 
     def closed(self, status: str) -> list[dict[str, Any]]:
@@ -205,7 +230,10 @@ class TextEvents:
         where = self._where()
         return [
             self.stream.event(
-                f"response.{self.kind}.done", **where, text=self.text, **self._logprobs()
+                f"response.{self.kind}.done",
+                **where,
+                text=self.text,
+                **self._logprobs(self.logprobs),
             ),
             self.stream.event("response.content_part.done", **where, part=self._part(self.text)),
             self.stream.event("response.output_item.done", output_index=self.index, item=item),
@@ -268,11 +296,11 @@ class OutputItems:
         self.open: TextEvents | CallEvents | None = None
         self.calls: dict[int, CallEvents] = {}  # by the parser's call index
 
-    def text(self, text: str) -> list[dict[str, Any]]:
-        return self._write(text, reasoning=False)
+    def text(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        return self._write(text, False, logprobs)
 
     def reasoning(self, text: str) -> list[dict[str, Any]]:
-        return self._write(text, reasoning=True)
+        return self._write(text, True)
 
     def call(
         self, index: int, name: str | None, arguments: str, call_id: str
@@ -289,17 +317,22 @@ class OutputItems:
             events.append(call.delta(arguments))
         return events
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The generation ended (the draft holds how): the last item closes with the
-        response's status; an output with no message and no call gets an empty message."""
+        response's status; an output with no message and no call gets an empty message.
+        `logprobs`: those of the last tokens, which added no text (an end token)."""
         events = []
         if all(item["type"] == "reasoning" for item in self.stream.draft.output):
             events += self._close("completed")
             self.open = TextEvents(self.stream)
             events += self.open.opened()
+        if logprobs and isinstance(self.open, TextEvents) and not self.open.reasoning:
+            self.open.logprobs += logprobs
         return events + self._close(self.stream.draft.item_status())
 
-    def _write(self, text: str, reasoning: bool) -> list[dict[str, Any]]:
+    def _write(
+        self, text: str, reasoning: bool, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
         """More reply or reasoning text: into the open item of that kind, else a new one."""
         if not text:
             return []
@@ -308,7 +341,7 @@ class OutputItems:
             events += self._close("completed")
             self.open = TextEvents(self.stream, reasoning)
             events += self.open.opened()
-        events.append(self.open.delta(text))
+        events.append(self.open.delta(text, logprobs))
         return events
 
     def _close(self, status: str) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, model_validator
 
 from appliance.api import SamplingParams
-from appliance.engine.sequence import StructuredOutput
+from appliance.engine.sequence import MAX_TOP_LOGPROBS, StructuredOutput
 from appliance.engine.structured.compile import UnsupportedSpec, check
 from appliance.server.errors import APIError
 from appliance.server.protocol import Body
@@ -33,6 +33,7 @@ STATEFUL_FIELDS = {
     "prompt": "this server stores no prompt templates: send the prompt in `input`",
 }
 TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for logprobs
 # Items a client replays from an earlier response that carry nothing a prompt needs: a
 # reasoning item is the model's own thinking, which chat templates drop from earlier turns.
 SKIPPED_ITEMS = ("reasoning",)
@@ -55,18 +56,6 @@ def refuse_unserved(body: dict[str, Any]) -> None:
             "truncation",
             'truncation "auto" is not supported: this server never '
             'drops input; send "disabled" or leave it out',
-        )
-    if body.get("top_logprobs") not in (None, 0):
-        raise _refused(
-            "top_logprobs",
-            "top_logprobs is not supported on /v1/responses by this server: send 0 or leave it out",
-        )
-    include = body.get("include")
-    if isinstance(include, list) and "message.output_text.logprobs" in include:
-        raise _refused(
-            "include",
-            "include: message.output_text.logprobs is not supported "
-            "on /v1/responses by this server",
         )
     _refuse_built_in_tools(body.get("tools"))
     _refuse_tool_choice(body.get("tool_choice"))
@@ -207,27 +196,37 @@ class ResponsesRequest(Body):
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction = "auto"
     parallel_tool_calls: bool = True
+    # Logprobs come back where `include` names LOGPROBS, with top_logprobs alternatives;
+    # other include entries name what only built-in tools and images produce: nothing here.
+    include: list[str] = Field(default_factory=list)
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     store: bool = True
     stream: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
+
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in self.include
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
+            logprobs=self.top_logprobs if self.wants_logprobs() else None,
             structured=self.text.format.structured(),
         )
 
     def tool_fields(self) -> ToolFields:
         """The tools and tool_choice in chat completions' shape, as the chat route's tool
         handling (tool_fields.ChatTurn) takes them."""
-        choice: str | dict[str, Any] = (
+        choice: str | dict[str, Any] | None = (
             {"type": "function", "function": {"name": self.tool_choice.name}}
             if isinstance(self.tool_choice, NamedFunction)
             else self.tool_choice
         )
+        if choice == "auto" and not self.tools:
+            choice = None  # this API's default: no tools, so nothing to choose from
         return ToolFields.model_validate(
             {
                 "tools": [tool.as_chat_tool() for tool in self.tools] or None,

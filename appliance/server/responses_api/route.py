@@ -21,12 +21,13 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from appliance.api import RequestFailed
+from appliance.api import Chunk, RequestFailed
 from appliance.chat.chat_output import ChatOutputs
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices, unless_disconnected
-from appliance.server.replies import SEND_TIMEOUT_S, Releasing
+from appliance.server.replies import SEND_TIMEOUT_S, Releasing, token_pieces
+from appliance.server.responses import LOWEST_LOGPROB
 from appliance.server.responses_api.events import (
     Draft,
     EventStream,
@@ -34,6 +35,7 @@ from appliance.server.responses_api.events import (
     usage,
 )
 from appliance.server.responses_api.request import (
+    LOGPROBS,
     ResponsesRequest,
     chat_messages,
     refuse_unserved,
@@ -62,6 +64,17 @@ async def create_response(request: Request) -> Response:
     # As chat completions does: the tools in the prompt where the family's template reads
     # them, the constraint of tool_choice required or named, the readers of the output.
     turn = ChatTurn.of(tokenizer, chat_messages(req), req.tool_fields())
+    outputs = turn.outputs()
+    if req.wants_logprobs() and outputs is not None:
+        # The parsers split the text into reasoning, reply and calls; token logprobs are
+        # not split with it.
+        raise APIError(
+            400,
+            f"include {LOGPROBS}: logprobs are served for a plain reply only, without "
+            "tools and on a model without reasoning",
+            "include",
+            "unsupported",
+        )
     ids = await _tokenize(turn)
     max_tokens = _output_budget(req, len(ids), state.appliance.max_model_len)
     try:
@@ -71,7 +84,7 @@ async def create_response(request: Request) -> Response:
     choice = Choice(0, ids, constrained(params, turn.structured), arrival)
     ticket = state.admit(1)
     draft = Draft(response_echo(req, state.appliance.model_name))
-    events = _events(state, choice, draft, turn.outputs())
+    events = _events(state, choice, draft, outputs)
     if req.stream:
         sse = EventSourceResponse(_as_sse(events), sep="\n", send_timeout=SEND_TIMEOUT_S)
         return Releasing(sse, ticket)
@@ -137,6 +150,7 @@ def response_echo(req: ResponsesRequest, model: str) -> dict[str, Any]:
         "store": False,  # kept nowhere, whatever was asked (see ResponsesRequest)
         "background": False,
         "previous_response_id": None,
+        "top_logprobs": req.top_logprobs,
         "reasoning": {"effort": None, "summary": None},
         "truncation": "disabled",
         "metadata": req.metadata,
@@ -170,6 +184,7 @@ async def _generated(
     calls out of the text (None: the text is all reply)."""
     output_tokens = cached = 0
     reason = None
+    logprobs = Logprobs(state) if choice.params.logprobs is not None else None
     generate = state.appliance.generate_ids
     async with aclosing(run_choices(generate, [choice], state.metrics)) as chunks:
         async for _, chunk in chunks:
@@ -178,7 +193,8 @@ async def _generated(
             if chunk.finished:
                 reason = chunk.finish_reason
             if outputs is None:
-                for event in items.text(chunk.text):
+                entries = logprobs.of(chunk) if logprobs is not None else None
+                for event in items.text(chunk.text, entries):
                     yield event
                 continue
             fields, _ = outputs.delta(0, outputs.text_of(0, chunk), reason)
@@ -187,8 +203,41 @@ async def _generated(
     prompt_len = len(choice.prompt_ids)
     written = _cache_written(state, prompt_len, cached)
     items.stream.draft.finish(reason, usage(prompt_len, output_tokens, cached, written))
-    for event in items.finish():
+    for event in items.finish(logprobs.pending if logprobs is not None else None):
         yield event
+
+
+class Logprobs:
+    """The logprob entries of a reply's tokens (token, bytes, logprob, top_logprobs), in
+    the Responses API's shape; tokens whose text is held back (a partial character) wait
+    for the next text."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.piece = token_pieces(state)
+        self.pending: list[dict[str, Any]] = []
+
+    def of(self, chunk: Chunk) -> list[dict[str, Any]]:
+        """The entries of the tokens whose text this chunk completes (none while its text
+        is held back: they wait in `pending`)."""
+        self.pending += [
+            {
+                **self._entry(t.token_id, t.logprob),
+                "top_logprobs": [self._entry(i, lp) for i, lp in t.top],
+            }
+            for t in chunk.logprobs or []
+        ]
+        if not chunk.text:
+            return []
+        entries, self.pending = self.pending, []
+        return entries
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        piece = self.piece(token_id)
+        return {
+            "token": piece,
+            "bytes": list(piece.encode("utf-8", errors="replace")),
+            "logprob": max(logprob, LOWEST_LOGPROB),  # JSON has no -inf
+        }
 
 
 def _items_of(items: OutputItems, fields: dict[str, Any]) -> list[dict[str, Any]]:
