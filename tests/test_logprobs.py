@@ -3,6 +3,8 @@ the same tokens (float32, dense weights and KV: the `engine` fixture)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from reference import hf_logits
@@ -129,3 +131,25 @@ def test_min_tokens_holds_the_end_back(engine: LLMEngine) -> None:
     assert cut.finish_reason == "stop" and stop not in cut.text
     [kept] = engine.generate([chat], SamplingParams(max_tokens=64, stop=(stop,), min_tokens=20))
     assert len(kept.token_ids) >= 20 and kept.text.startswith(text[: len(text) // 3] + stop)
+
+
+@pytest.mark.parametrize("chunk_size", [512, 5], ids=["one_chunk", "chunks_of_5"])
+def test_prompt_logprobs_match_transformers(
+    make_engine: Callable[..., LLMEngine], hf_reference, chunk_size: int
+) -> None:
+    engine = make_engine(chunk_size=chunk_size, max_num_batched_tokens=max(chunk_size, 64))
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]
+    completions = engine.generate(prompts, SamplingParams(max_tokens=2, prompt_logprobs=3))
+    for prompt, completion in zip(prompts, completions, strict=True):
+        assert completion.logprobs is None  # asked for the prompt's only
+        entries = completion.prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt) - 1
+        reference = hf_logits(hf_reference, prompt).log_softmax(-1)
+        for position, entry in enumerate(entries, start=1):
+            expected = reference[position - 1]  # the row before predicts this token
+            assert entry.token_id == prompt[position]
+            assert abs(entry.logprob - float(expected[entry.token_id])) < TOLERANCE
+            assert [v for _, v in entry.top] == pytest.approx(
+                expected.topk(3).values.tolist(), abs=TOLERANCE
+            )
+    assert engine.num_free_blocks == engine.kv.num_blocks

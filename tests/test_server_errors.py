@@ -182,7 +182,7 @@ CASES = [
     ("empty token prompt", "POST", TEXT, text(prompt=[]), AUTH, 422, "prompt", None),
     ("negative token id", "POST", TEXT, text(prompt=[1, -3]), AUTH, 422, "prompt", None),
     ("token id past the vocabulary", "POST", TEXT, text(prompt=[10**8]), AUTH, 400, "prompt", None),
-    ("echo asked", "POST", TEXT, text(echo=True), AUTH, 400, "echo", "unsupported"),
+    ("suffix asked", "POST", TEXT, text(suffix="!"), AUTH, 400, "suffix", "unsupported"),
     ("no API key", "POST", CHAT, chat(), {}, 401, None, "invalid_api_key"),
     ("wrong API key", "POST", CHAT, chat(), {"Authorization": "Bearer nope"}, 401, None, None),
     ("models without API key", "GET", "/v1/models", b"", {}, 401, None, None),

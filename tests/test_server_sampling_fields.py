@@ -268,3 +268,43 @@ def test_bad_fields_are_refused_over_http(client: OpenAI) -> None:
         assert info.value.status_code == status, fields
         body = info.value.body
         assert isinstance(body, dict) and param in str(body.get("param")), (fields, body)
+
+
+def test_completion_echo_with_prompt_logprobs(client: OpenAI, tokenizer: Tokenizer) -> None:
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt)
+    ask: dict[str, Any] = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    plain = client.completions.create(**ask).choices[0]
+    echoed = client.completions.create(**ask, echo=True).choices[0]
+    assert echoed.text == prompt + plain.text
+    assert echoed.logprobs is None
+    whole = client.completions.create(**ask, echo=True, logprobs=2)
+    choice = whole.choices[0]
+    logprobs = choice.logprobs
+    assert choice.text == prompt + plain.text and logprobs is not None
+    assert whole.usage is not None
+    assert logprobs.tokens is not None and logprobs.token_logprobs is not None
+    assert len(logprobs.tokens) == len(ids) + whole.usage.completion_tokens
+    assert "".join(logprobs.tokens) == choice.text
+    # The first prompt token has no logprob; the others their own, with alternatives.
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs is not None
+    assert logprobs.top_logprobs[0] is None
+    for token, value, top in zip(
+        logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True
+    ):
+        assert value is not None and value <= 0 and top[token] == value
+        assert len(top) in (2, 3)
+    assert logprobs.text_offset == [
+        sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
+    ]
+    streamed = client.completions.create(**ask, echo=True, logprobs=2, stream=True)
+    text, tokens, values = "", [], []
+    for chunk in streamed:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            if chunk.choices[0].logprobs is not None:
+                tokens += chunk.choices[0].logprobs.tokens or []
+                values += chunk.choices[0].logprobs.token_logprobs or []
+    assert text == choice.text and tokens == logprobs.tokens
+    assert values[0] is None
+    assert values[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-2)

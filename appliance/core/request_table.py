@@ -295,6 +295,8 @@ class RequestTable:
         params = replace(request.params, max_tokens=max(1, left))
         # The tokens already streamed count towards min_tokens (the prompt now holds them).
         params = replace(params, min_tokens=max(0, params.min_tokens - len(request.output_ids)))
+        if request.output_ids:  # its first chunk carried them; the new prompt is longer
+            params = replace(params, prompt_logprobs=None)
         if params.structured is not None:  # its grammar replays the output the prompt holds
             emitted = len(request.output_ids)
             params = replace(params, structured=replace(params.structured, emitted=emitted))

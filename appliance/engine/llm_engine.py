@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -56,6 +56,9 @@ class RequestOutput:
     handoff_blocks: list[int] | None = None  # a parked prefill's blocks, to pull then release
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # one per new token, where the request asked
+    # On the first output, where asked: the prompt's tokens from its second on, each
+    # under the distribution of the positions before it (vLLM's prompt_logprobs).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -67,6 +70,7 @@ class Completion:
     finish_reason: str | None
     num_prompt_tokens: int
     logprobs: list[TokenLogprobs] | None = None  # one per token, where the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # from the prompt's second token
 
 
 @dataclass
@@ -74,6 +78,9 @@ class _Stream:
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
     sent_tokens: int = 0
+    # Prompt logprobs by position, gathered over the prompt's chunks (a recomputed chunk
+    # of a preempted prompt gives the same again) until the first output carries them.
+    prompt: dict[int, TokenLogprobs] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -321,6 +328,9 @@ class LLMEngine:
         ):
             # After the step that wrote the parked blocks, before they are announced.
             self.handoff_ready.record(torch.cuda.current_stream(self.kv.tensor.device))
+        for seq_id, found in self.runner.prompt_logprobs.items():
+            if (stream := self._streams.get(seq_id)) is not None:
+                stream.prompt.update(found)
         logprobs = self.runner.logprobs
         return [self._output(seq, logprobs.get(seq.seq_id)) for seq in updated]
 
@@ -353,7 +363,15 @@ class LLMEngine:
             seq.num_cached_tokens,
             # A step samples one token a request: the one new id this output carries.
             [logprobs] if logprobs is not None and new_ids else None,
+            self._prompt_logprobs(seq, stream) if first == 0 and new_ids else None,
         )
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, stream: _Stream) -> list[TokenLogprobs] | None:
+        """The prompt logprobs the first output carries, in order, where asked."""
+        if seq.params.prompt_logprobs is None:
+            return None
+        return [stream.prompt[p] for p in range(1, seq.num_prompt_tokens) if p in stream.prompt]
 
     def _forget(self, seq_id: int) -> None:
         self._streams.pop(seq_id, None)
@@ -379,12 +397,15 @@ class LLMEngine:
         texts: dict[int, list[str]] = {i: [] for i in order}
         tokens: dict[int, list[int]] = {i: [] for i in order}
         logprobs: dict[int, list[TokenLogprobs]] = {i: [] for i in order}
+        prompt_logprobs: dict[int, list[TokenLogprobs] | None] = {}
         reasons: dict[int, str | None] = {}
         while self.has_unfinished():
             for output in self.step():
                 texts[output.seq_id].append(output.text)
                 tokens[output.seq_id].extend(output.token_ids)
                 logprobs[output.seq_id].extend(output.logprobs or [])
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[output.seq_id] = output.prompt_logprobs
                 if output.finished:
                     reasons[output.seq_id] = output.finish_reason
         asked = params.logprobs is not None
@@ -395,6 +416,7 @@ class LLMEngine:
                 reasons.get(i),
                 len(prompt),
                 logprobs[i] if asked else None,
+                prompt_logprobs.get(i),
             )
             for i, prompt in zip(order, prompts, strict=True)
         ]

@@ -11,7 +11,7 @@ import torch
 
 from appliance.engine.decode_groups import decode_groups
 from appliance.engine.logprobs import TokenLogprobs
-from appliance.engine.sampler import Sampler, SampleRow
+from appliance.engine.sampler import Sampler, SampleRow, table_entry, token_table
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.cache import KVCache
@@ -121,8 +121,10 @@ class ModelRunner:
         ) or runs_triton(model.device)
         # Off unless enable_decode_graphs() is called (CUDA only, not yet run on a GPU).
         self.decode_graphs: DecodeGraphs | None = None
-        # The last run's logprobs, of the sequences that asked for them.
+        # The last run's logprobs, of the sequences that asked for them; and of the prompt
+        # tokens its chunks computed, {seq_id: [(position, logprobs)]}, where asked.
         self.logprobs: dict[int, TokenLogprobs] = {}
+        self.prompt_logprobs: dict[int, list[tuple[int, TokenLogprobs]]] = {}
 
     def enable_decode_graphs(self, batch_sizes: tuple[int, ...], max_len: int) -> None:
         """Capture CUDA graphs of decode-only steps of these batch sizes, for sequences of
@@ -156,7 +158,7 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> dict[int, int]:
         """Compute the step; return {seq_id: next token} for sequences whose chunk completed.
         The logprobs of those that asked for them are in `self.logprobs` until the next run."""
-        self.logprobs = {}
+        self.logprobs, self.prompt_logprobs = {}, {}
         inputs = self.prepare(out)  # built on the host: followers are sent these
         if self.followers is not None:
             self.followers.run_step(inputs)
@@ -166,6 +168,7 @@ class ModelRunner:
             if self.device.type != "cpu":
                 inputs = move_to(inputs, self.device)
             hidden = forward(self.model, inputs, self.kv.tensor)
+            self.prompt_logprobs = self._prompt_logprobs(out, hidden)
             if not inputs.sample_requests:
                 return {}
             logits = self.model.logits(hidden[inputs.sample_rows])
@@ -178,6 +181,35 @@ class ModelRunner:
             row.seq_id: lp for row, lp in zip(rows, sampled.logprobs, strict=True) if lp is not None
         }
         return {row.seq_id: tok for row, tok in zip(rows, sampled.token_ids, strict=True)}
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, hidden: torch.Tensor
+    ) -> dict[int, list[tuple[int, TokenLogprobs]]]:
+        """Each asking sequence's prompt tokens this step's chunks predict: the token at
+        position p + 1 from the row of position p. Reads the device once more, on the
+        steps that have any (vLLM's prompt_logprobs)."""
+        rows: list[int] = []  # flat batch rows, in prepare's order
+        targets: list[int] = []
+        owners: list[tuple[int, int, int]] = []  # (seq_id, position, k)
+        start = 0
+        for chunk in out.chunks:
+            seq, k = chunk.seq, chunk.seq.params.prompt_logprobs
+            for p in range(chunk.start, chunk.start + chunk.num_tokens):
+                if k is not None and p + 1 < seq.num_prompt_tokens:
+                    rows.append(start + p - chunk.start)
+                    targets.append(seq.token_ids[p + 1])
+                    owners.append((seq.seq_id, p + 1, k))
+            start += chunk.num_tokens
+        if not rows:
+            return {}
+        device = hidden.device
+        logits = self.model.logits(hidden[self._tensor(rows).to(device)])  # [n, vocab]
+        top = max(k for _, _, k in owners)
+        table = token_table(logits.float().log_softmax(-1), self._tensor(targets).to(device), top)
+        found: dict[int, list[tuple[int, TokenLogprobs]]] = {}
+        for values, (seq_id, position, k) in zip(table.tolist(), owners, strict=True):
+            found.setdefault(seq_id, []).append((position, table_entry(values, k)))
+        return found
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's flat token batch as host (CPU) tensors."""

@@ -291,7 +291,12 @@ def logprob_table(
             random = [not row.params.greedy for row in rows]
             done = torch.where(_upload(random, torch.bool, raw.device)[:, None], probs.log(), done)
         logprobs = torch.where(_upload(wants, torch.bool, raw.device)[:, None], done, logprobs)
-    k = max(row.params.logprobs or 0 for row in rows)
+    return token_table(logprobs, tokens, max(row.params.logprobs or 0 for row in rows))
+
+
+def token_table(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """logprobs [rows, vocab] and a token per row [rows] -> [rows, 3 + 2k] float64: per
+    row the token, its logprob, its rank, the top k ids, their logprobs (one read)."""
     chosen = logprobs.gather(1, tokens[:, None])  # [rows, 1]
     rank = (logprobs > chosen).sum(-1, keepdim=True) + 1
     top = logprobs.topk(k, dim=-1)  # [rows, k] each
@@ -299,20 +304,21 @@ def logprob_table(
     return torch.cat([part.double() for part in parts], dim=1)
 
 
+def table_entry(values: list[float], asked: int) -> TokenLogprobs:
+    """One row of token_table, read to the host, with its `asked` top entries."""
+    k = (len(values) - 3) // 2
+    ids, lps = values[3 : 3 + asked], values[3 + k : 3 + k + asked]
+    top = tuple((int(i), lp) for i, lp in zip(ids, lps, strict=True))
+    return TokenLogprobs(int(values[0]), values[1], int(values[2]), top)
+
+
 def read_logprobs(table: list[list[float]], rows: list[SampleRow]) -> Sampled:
     """A Sampled from logprob_table's rows, read to the host."""
-    k = (len(table[0]) - 3) // 2 if table else 0
-    tokens: list[int] = []
-    logprobs: list[TokenLogprobs | None] = []
-    for values, row in zip(table, rows, strict=True):
-        tokens.append(int(values[0]))
-        asked = row.params.logprobs
-        if asked is None:
-            logprobs.append(None)
-            continue
-        ids, lps = values[3 : 3 + asked], values[3 + k : 3 + k + asked]
-        top = tuple((int(i), lp) for i, lp in zip(ids, lps, strict=True))
-        logprobs.append(TokenLogprobs(int(values[0]), values[1], int(values[2]), top))
+    tokens = [int(values[0]) for values in table]
+    logprobs = [
+        None if row.params.logprobs is None else table_entry(values, row.params.logprobs)
+        for values, row in zip(table, rows, strict=True)
+    ]
     return Sampled(tokens, logprobs)
 
 

@@ -56,6 +56,7 @@ class SamplingParams:
     min_tokens: int = 0  # end tokens and stop token ids are masked until this many
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
     processed_logprobs: bool = False  # False: the model's raw distribution (vLLM's default)
+    prompt_logprobs: int | None = None  # k: each prompt token's (from the 2nd) and top k
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -90,6 +91,10 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
                 f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+                f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
             ),
         ]
         for ok, message in checks:

@@ -45,6 +45,8 @@ class Chunk:
     handoff_bytes: int = 0  # on the last chunk: KV bytes copied from prefill to decode pool
     cached_tokens: int = 0  # on the first chunk: prompt tokens the prefix cache supplied
     logprobs: list[TokenLogprobs] | None = None  # one per token id, where the request asked
+    # On the first chunk, where asked: the prompt's tokens from the second on.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -236,4 +238,5 @@ def _chunk(request: Request, out: Output, cached_tokens: int) -> Chunk:
         request.handoff_bytes if finished else 0,
         cached_tokens,
         out.logprobs,
+        out.prompt_logprobs,
     )

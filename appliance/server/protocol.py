@@ -5,6 +5,7 @@ in OpenAI's API."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -38,7 +39,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "functions": (None, []),
         "function_call": (None, "none"),
         "suffix": (None, ""),
-        "echo": (None, False),
         "best_of": (None, 1),
         # vLLM's extra sampling parameters
         "length_penalty": (None, 1, 1.0),
@@ -303,6 +303,18 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # completions only: refused here (check_sampling)
+
+    def check_sampling(self, vocab: int) -> None:
+        if self.echo:
+            raise APIError(
+                400,
+                "echo is not supported by this server on chat completions: send false or "
+                "leave it out",
+                "echo",
+                "unsupported",
+            )
+        super().check_sampling(vocab)
 
     @model_validator(mode="before")
     @classmethod
@@ -336,9 +348,16 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     # OpenAI's takes 0..5 top logprobs here; like vLLM this server takes up to 20.
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # the prompt's text first (and with logprobs, its tokens' logprobs)
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        params = super().sampling_params(max_tokens, choice)
+        if self.echo and self.logprobs is not None:
+            return replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     def default_max_tokens(self, room: int) -> int:
         return min(16, room)  # OpenAI's default for this route

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 from appliance.api import RequestFailed, TokenLogprobs
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices
-from appliance.server.responses import Envelope, Logprobs, Piece, usage
+from appliance.server.responses import CompletionShape, Envelope, Logprobs, Piece, usage
 from appliance.server.state import ServerState, Ticket
 
 log = logging.getLogger("appliance.server")
@@ -32,6 +32,7 @@ async def whole(
     reasons: list[str | None] = [None] * len(choices)
     cached = [0] * len(choices)
     tokens: list[list[TokenLogprobs]] = [[] for _ in choices]
+    prompts: list[list[TokenLogprobs] | None] = [None] * len(choices)
     generated = 0
     generate = state.appliance.generate_ids
     async with aclosing(run_choices(generate, choices, state.metrics)) as chunks:
@@ -40,15 +41,15 @@ async def whole(
             generated += len(chunk.token_ids)
             cached[index] = max(cached[index], chunk.cached_tokens)
             tokens[index].extend(chunk.logprobs or [])
+            prompts[index] = chunk.prompt_logprobs or prompts[index]
             if chunk.finished:
                 reasons[index] = chunk.finish_reason
     pieces = token_pieces(state)
-    body = [
-        envelope.shape.choice(
-            i, texts[i], reasons[i], _logprobs(envelope, choices[i], tokens[i], pieces, 0)
-        )
-        for i in range(len(choices))
-    ]
+    body = []
+    for i, choice in enumerate(choices):
+        prefix, head = _echo(state, envelope, choice, prompts[i], pieces)
+        tail = _logprobs(envelope, choice, tokens[i], pieces, _end(head, prefix))
+        body.append(envelope.shape.choice(i, prefix + texts[i], reasons[i], _joined(head, tail)))
     return envelope.whole(body, usage(prompt_tokens, generated, cached_prompt(choices, cached)))
 
 
@@ -72,6 +73,40 @@ def _logprobs(
     if choice.params.logprobs is None:
         return None
     return envelope.shape.logprobs(tokens, pieces, offset)
+
+
+def _echo(
+    state: ServerState,
+    envelope: Envelope,
+    choice: Choice,
+    prompt: list[TokenLogprobs] | None,
+    pieces: Piece,
+) -> tuple[str, Logprobs]:
+    """What a completion with echo puts first: the prompt's text, and with logprobs the
+    prompt's tokens and their logprobs (`prompt`, from the first chunk). Else nothing."""
+    shape = envelope.shape
+    if not isinstance(shape, CompletionShape) or not shape.echo:
+        return "", None
+    tokenizer = state.appliance.tokenizer
+    assert tokenizer is not None  # requests are served only once the tokenizer is loaded
+    text = tokenizer.decode(choice.prompt_ids)
+    if choice.params.logprobs is None:
+        return text, None
+    return text, shape.prompt_logprobs(choice.prompt_ids, prompt or [], pieces)
+
+
+def _end(head: Logprobs, prefix: str) -> int:
+    """Where the generated tokens' text offsets start after an echoed prompt."""
+    if head is None or not head["tokens"]:
+        return len(prefix)
+    return int(head["text_offset"][-1]) + len(head["tokens"][-1])
+
+
+def _joined(head: Logprobs, tail: Logprobs) -> Logprobs:
+    """The echoed prompt's logprobs followed by the generated tokens' (same keys)."""
+    if head is None or tail is None:
+        return tail if head is None else head
+    return {key: head[key] + tail[key] for key in head}
 
 
 def cached_prompt(choices: list[Choice], cached: list[int]) -> int:
@@ -115,6 +150,8 @@ async def _events(
     # character) wait for the next delta; `sent`: characters streamed so far.
     pending: list[list[TokenLogprobs]] = [[] for _ in choices]
     sent = [0] * len(choices)
+    prompts: list[list[TokenLogprobs] | None] = [None] * len(choices)
+    echoed = [False] * len(choices)  # echo: the prompt went out with the first delta
     pieces = token_pieces(state)
     try:
         for c in choices:
@@ -127,13 +164,22 @@ async def _events(
                 generated += len(piece.token_ids)
                 cached[index] = max(cached[index], piece.cached_tokens)
                 pending[index].extend(piece.logprobs or [])
+                prompts[index] = piece.prompt_logprobs or prompts[index]
                 text = envelope.shape.text_of(index, piece)  # what tool parsers read
                 if text or piece.finished:
-                    logprobs = _logprobs(
-                        envelope, choices[index], pending[index], pieces, sent[index]
-                    )
+                    prefix, head = "", None
+                    if not echoed[index]:
+                        echoed[index] = True
+                        prefix, head = _echo(
+                            state, envelope, choices[index], prompts[index], pieces
+                        )
+                        sent[index] = _end(head, prefix)
+                    tail = _logprobs(envelope, choices[index], pending[index], pieces, sent[index])
                     pending[index], sent[index] = [], sent[index] + len(piece.text)
-                    delta = envelope.shape.delta(index, text, piece.finish_reason, logprobs)
+                    logprobs = _joined(head, tail)
+                    delta = envelope.shape.delta(
+                        index, prefix + text, piece.finish_reason, logprobs
+                    )
                     yield chunk(delta)
         if include_usage:
             total = usage(prompt_tokens, generated, cached_prompt(choices, cached))

@@ -35,6 +35,7 @@ class ChatShape:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+    echo = False  # chat never repeats the prompt
 
     def __init__(self, outputs: ChatOutputs | None = None) -> None:
         # The readers of tool calls and reasoning (tool_fields.ChatTurn); None: plain text.
@@ -91,6 +92,25 @@ class CompletionShape:
     object = "text_completion"
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
+
+    def __init__(self, echo: bool = False) -> None:
+        self.echo = echo  # the text (and logprobs) start with the prompt's
+
+    def prompt_logprobs(
+        self, prompt_ids: list[int], tokens: list[TokenLogprobs], piece: Piece
+    ) -> dict[str, Any]:
+        """`logprobs`' prompt part under echo, as vLLM gives it: the first prompt token has
+        no logprob (null), the others `tokens` (prompt logprobs from the second token)."""
+        if not prompt_ids:
+            return self.logprobs([], piece, 0)
+        first = piece(prompt_ids[0])
+        rest = self.logprobs(tokens, piece, len(first))
+        return {
+            "tokens": [first, *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]],
+        }
 
     def text_of(self, index: int, piece: GeneratedPiece) -> str:
         return piece.text

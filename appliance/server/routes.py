@@ -68,7 +68,7 @@ async def completions(request: Request) -> Response:
                 400, f"token id {max(ids)} is outside the vocabulary ({vocab})", "prompt"
             )
         prompts.append(ids)
-    return await _respond(request, state, req, prompts, CompletionShape())
+    return await _respond(request, state, req, prompts, CompletionShape(req.echo))
 
 
 async def models(request: Request) -> Response:

@@ -150,6 +150,7 @@ class Output:
     handoff_blocks: list[int] | None = None
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     logprobs: list[TokenLogprobs] | None = None  # one per token id, where the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output, where asked
 
 
 @dataclass

@@ -360,6 +360,7 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
                 out.handoff_blocks,
                 out.cached_tokens,
                 out.logprobs,
+                out.prompt_logprobs,
             )
         )
     state.outbox.put(batch)
