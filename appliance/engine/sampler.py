@@ -276,22 +276,31 @@ def logprob_table(
     tokens: torch.Tensor,
     rows: list[SampleRow],
 ) -> torch.Tensor:
-    """The step's logprobs in one tensor [rows, 3 + 2k] float64 (k: the largest number of
-    top logprobs a row asks for), to read with the token ids in one sync: per row the
-    sampled token, its logprob, its rank, the top k ids, their logprobs.
+    """The step's tokens and logprobs packed in one float64 tensor, to read in one sync:
+    the [rows] token ids, then, for the rows that ask (in order), token_table's rows
+    [asking, 3 + 2k] flattened (k: the largest number of top logprobs asked).
 
     A row's distribution is the model's raw one, or with processed_logprobs the one it was
     drawn from: after processing, and for random rows after temperature and the cuts
-    (cut tokens at -inf), as vLLM's processed_logprobs mode."""
-    logprobs = raw.float().log_softmax(-1)  # [rows, vocab]
-    wants = [row.params.processed_logprobs for row in rows]
+    (cut tokens at -inf), as vLLM's processed_logprobs mode. Only the asking rows pay for
+    the log-softmax."""
+    asking = [row for row in rows if row.params.logprobs is not None]
+    where = _upload(
+        [i for i, row in enumerate(rows) if row.params.logprobs is not None],
+        torch.int64,
+        raw.device,
+    )
+    logprobs = raw.index_select(0, where).float().log_softmax(-1)  # [asking, vocab]
+    wants = [row.params.processed_logprobs for row in asking]
     if any(wants):
-        done = processed.float().log_softmax(-1)
+        done = processed.index_select(0, where).float().log_softmax(-1)
         if probs is not None:
-            random = [not row.params.greedy for row in rows]
-            done = torch.where(_upload(random, torch.bool, raw.device)[:, None], probs.log(), done)
+            random = _upload([not row.params.greedy for row in asking], torch.bool, raw.device)
+            done = torch.where(random[:, None], probs.index_select(0, where).log(), done)
         logprobs = torch.where(_upload(wants, torch.bool, raw.device)[:, None], done, logprobs)
-    return token_table(logprobs, tokens, max(row.params.logprobs or 0 for row in rows))
+    k = max(row.params.logprobs or 0 for row in asking)
+    table = token_table(logprobs, tokens.index_select(0, where), k)
+    return torch.cat([tokens.double(), table.flatten()])
 
 
 def token_table(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
@@ -312,13 +321,19 @@ def table_entry(values: list[float], asked: int) -> TokenLogprobs:
     return TokenLogprobs(int(values[0]), values[1], int(values[2]), top)
 
 
-def read_logprobs(table: list[list[float]], rows: list[SampleRow]) -> Sampled:
-    """A Sampled from logprob_table's rows, read to the host."""
-    tokens = [int(values[0]) for values in table]
-    logprobs = [
-        None if row.params.logprobs is None else table_entry(values, row.params.logprobs)
-        for values, row in zip(table, rows, strict=True)
-    ]
+def read_logprobs(packed: list[float], rows: list[SampleRow]) -> Sampled:
+    """A Sampled from logprob_table's values, read to the host."""
+    tokens = [int(value) for value in packed[: len(rows)]]
+    asking = sum(row.params.logprobs is not None for row in rows)
+    width = (len(packed) - len(rows)) // max(asking, 1)
+    entries = iter(range(len(rows), len(packed), max(width, 1)))
+    logprobs: list[TokenLogprobs | None] = []
+    for row in rows:
+        if row.params.logprobs is None:
+            logprobs.append(None)
+            continue
+        start = next(entries)
+        logprobs.append(table_entry(packed[start : start + width], row.params.logprobs))
     return Sampled(tokens, logprobs)
 
 
