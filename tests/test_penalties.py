@@ -10,7 +10,7 @@ import torch
 
 from appliance.engine.penalties import apply_penalties, padded
 from appliance.engine.sampler import Sampler, SampleRow, batch_probabilities
-from appliance.engine.sequence import SamplingParams
+from appliance.engine.sequence import SamplingParams, Sequence
 
 CPU = torch.device("cpu")
 VOCAB = 40
@@ -240,3 +240,17 @@ def test_processed_logprobs_are_the_distribution_drawn_from() -> None:
     row = Sampler(CPU).sample(logits, [SampleRow(0, greedy)]).logprobs[0]
     assert row is not None and row.token_id == 0
     assert row.logprob == pytest.approx(float(biased[0].log_softmax(-1)[0]), abs=1e-6)
+
+
+def test_a_reruns_earlier_output_still_counts_as_output() -> None:
+    # A re-run's prompt ends with the 2 tokens its first attempt made (params.emitted):
+    # presence penalises them as output, and they count towards min_tokens.
+    seq = Sequence(
+        0, [1, 2, 3, 5, 6], SamplingParams(presence_penalty=1.0, min_tokens=3, emitted=2)
+    )
+    row = SampleRow.of(seq)
+    assert row.output_start == 3 and list(row.output_ids) == [5, 6]
+    assert row.masks_end  # 2 of 3
+    logits = torch.zeros(1, VOCAB)
+    got = Sampler(CPU).process_logits(logits, [row])
+    assert got[0, 5] == -1.0 and got[0, 6] == -1.0 and got[0, 3] == 0.0

@@ -536,3 +536,14 @@ def test_terminal_phases_have_no_way_out() -> None:
 def test_time_to_first_token_counts_the_wait_until_there_is_one() -> None:
     assert Timing(arrival=1.0).time_to_first_token(now=3.0) == 2.0
     assert Timing(arrival=1.0, first_token=1.5).time_to_first_token(now=3.0) == 0.5
+
+
+def test_a_rerun_says_how_much_of_its_prompt_is_output() -> None:
+    # The first token was streamed: the new attempt's prompt ends with it, and the
+    # penalties and min_tokens must still count it as output.
+    table = RequestTable()
+    request = parked(table)
+    assert request.output_ids == [7] and request.attempt_params.emitted == 0
+    table.rerun(request.request_id)
+    assert request.attempt_params.emitted == 1
+    assert request.attempt_params.max_tokens == request.params.max_tokens - 1

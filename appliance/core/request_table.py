@@ -293,8 +293,9 @@ class RequestTable:
         request = self.requests[request_id]
         left = request.params.max_tokens - len(request.output_ids)
         params = replace(request.params, max_tokens=max(1, left))
-        # The tokens already streamed count towards min_tokens (the prompt now holds them).
-        params = replace(params, min_tokens=max(0, params.min_tokens - len(request.output_ids)))
+        # The tokens already streamed stay output for the penalties and min_tokens, though
+        # the new attempt's prompt holds them.
+        params = replace(params, emitted=len(request.output_ids))
         if request.output_ids:  # its first chunk carried them; the new prompt is longer
             params = replace(params, prompt_logprobs=None)
         if params.structured is not None:  # its grammar replays the output the prompt holds

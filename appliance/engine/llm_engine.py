@@ -425,6 +425,6 @@ class LLMEngine:
 def _shown(stream: _Stream, params: SamplingParams, position: int, piece: str) -> str:
     """The text output token `position` (from 0) adds, as far as it can be shown. Before
     min_tokens no stop string ends the output (vLLM's rule): that text skips the matcher."""
-    if position < params.min_tokens:
+    if position + params.emitted < params.min_tokens:  # a re-run's earlier output counts
         return piece
     return stream.stops.feed(piece)

@@ -44,13 +44,19 @@ class SampleRow:
         return cls(seq.seq_id, seq.params, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids)
 
     @property
+    def output_start(self) -> int:
+        """Where the request's output begins in token_ids: a re-run's prompt ends with the
+        output its earlier attempt made (params.emitted), output for the processors too."""
+        return max(0, self.num_prompt_tokens - self.params.emitted)
+
+    @property
     def output_ids(self) -> Ids[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.output_start :]
 
     @property
     def masks_end(self) -> bool:
         """Whether min_tokens still holds the end tokens and stop token ids back."""
-        return len(self.token_ids) - self.num_prompt_tokens < self.params.min_tokens
+        return len(self.token_ids) - self.output_start < self.params.min_tokens
 
     @property
     def penalized(self) -> bool:
@@ -253,7 +259,7 @@ def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     device = logits.device
     # The prompt counts only for repetition: others skip its (possibly long) ids.
     prompts = [
-        row.token_ids[: row.num_prompt_tokens] if row.params.repetition_penalty != 1 else ()
+        row.token_ids[: row.output_start] if row.params.repetition_penalty != 1 else ()
         for row in picked
     ]
     params = [row.params for row in picked]

@@ -57,6 +57,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
     processed_logprobs: bool = False  # False: the model's raw distribution (vLLM's default)
     prompt_logprobs: int | None = None  # k: each prompt token's (from the 2nd) and top k
+    # A re-run's: how many of the prompt's last tokens the request generated already (they
+    # count as output for the penalties and min_tokens, as they did in the first attempt).
+    emitted: int = 0
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -92,6 +95,7 @@ class SamplingParams:
                 self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
                 f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
             ),
+            (self.emitted >= 0, f"emitted must be >= 0, got {self.emitted}"),
             (
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
                 f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
