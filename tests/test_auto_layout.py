@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hand_profiles import hand_profile
 from server_process import ServerProcess
 
 from appliance.admin.schema import Snapshot
@@ -58,13 +59,11 @@ def prompt_bound_profile() -> Profile:
         weights="quantized",
         device_kind="cpu: test",
     )
-    return Profile(
+    return hand_profile(
+        {"1x1": fast, "2x1": slow},
         key=key,
-        atoms=2,
-        block_size=16,
         kv_bytes_per_token=46080,
         max_model_len=8192,
-        workers={"1x1": fast, "2x1": slow},
         handoff=HandoffCost(base_s=0.001, per_byte_s=1e-10),
         host=HostCost(per_step_s=0.0005, per_token_s=0.00005),
     )

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hand_profiles import hand_profile
 
 from appliance.planner.fitting import fit_step_cost
 from appliance.planner.profile import (
@@ -37,13 +38,10 @@ KEY = ProfileKey(model="m.gguf (10 bytes)", dtype="float32", weights="quantized"
 def a_profile(model: str = KEY.model) -> Profile:
     step = StepCost(base_s=0.01, per_token_s=0.001)
     worker = WorkerCost(prefill=step, decode=step, mixed=step, kv_blocks=100)
-    return Profile(
+    return hand_profile(
+        {"1x1": worker},
         key=KEY.model_copy(update={"model": model}),
-        atoms=2,
-        block_size=16,
-        kv_bytes_per_token=1024,
         max_model_len=2048,
-        workers={"1x1": worker},
         handoff=HandoffCost(base_s=0.001, per_byte_s=1e-9),
         host=HostCost(per_step_s=0.0005, per_token_s=0.0001),
     )
