@@ -206,7 +206,7 @@ REFUSED_EXTRAS = [
     {"include_stop_str_in_output": True},
     {"skip_special_tokens": False},
     {"truncate_prompt_tokens": 8},
-    {"prompt_logprobs": 1},
+    {"detokenize": False},
     {"guided_json": {"type": "object"}},
     {"guided_choice": ["yes", "no"]},
     {"structured_outputs": {"regex": "[0-9]+"}},

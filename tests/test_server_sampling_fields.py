@@ -69,6 +69,24 @@ def test_llama_cpp_repeat_penalty_is_repetition_penalty() -> None:
     assert (info.value.status, info.value.param) == (400, "repeat_penalty")
 
 
+def test_prompt_logprobs_are_asked_whole_only() -> None:
+    body = {"model": "m", "prompt": "x", "prompt_logprobs": 2}
+    assert CompletionRequest.model_validate(body).sampling_params(4, 0).prompt_logprobs == 2
+    echoed = body | {"echo": True, "logprobs": 1, "prompt_logprobs": 3}
+    assert CompletionRequest.model_validate(echoed).sampling_params(4, 0).prompt_logprobs == 3
+    echo_only = {"model": "m", "prompt": "x", "echo": True, "logprobs": 4}
+    assert CompletionRequest.model_validate(echo_only).sampling_params(4, 0).prompt_logprobs == 4
+    assert (
+        CompletionRequest.model_validate(body | {"echo": True})
+        .sampling_params(4, 0)
+        .prompt_logprobs
+        == 2
+    )
+    with pytest.raises(APIError) as info:
+        chat_params(prompt_logprobs=1, stream=True)
+    assert (info.value.status, info.value.param) == (400, "prompt_logprobs")
+
+
 def test_completion_logprobs_is_a_count() -> None:
     body = {"model": "m", "prompt": "x", "logprobs": 3}
     assert CompletionRequest.model_validate(body).sampling_params(4, 0).logprobs == 3
@@ -308,3 +326,26 @@ def test_completion_echo_with_prompt_logprobs(client: OpenAI, tokenizer: Tokeniz
     assert text == choice.text and tokens == logprobs.tokens
     assert values[0] is None
     assert values[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-2)
+
+
+def test_vllm_prompt_logprobs_whole(client: OpenAI, tokenizer: Tokenizer) -> None:
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt)
+    text = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 2}
+    )
+    found = text.choices[0].model_extra["prompt_logprobs"]
+    assert len(found) == len(ids) and found[0] is None
+    for position, entry in enumerate(found[1:], start=1):
+        assert str(ids[position]) in entry  # the prompt token itself, with its rank
+        assert 2 <= len(entry) <= 3
+        ranks = sorted(v["rank"] for v in entry.values())
+        assert ranks[:2] == [1, 2] and all(v["logprob"] <= 0 for v in entry.values())
+        mine = entry[str(ids[position])]
+        assert mine["decoded_token"] == tokenizer.decode([ids[position]])
+    chat = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=2, extra_body={"prompt_logprobs": 0}
+    )
+    whole = chat.model_extra["prompt_logprobs"]
+    assert whole[0] is None and all(len(entry) == 1 for entry in whole[1:])
+    assert chat.usage is not None and len(whole) == chat.usage.prompt_tokens

@@ -117,9 +117,8 @@ class Sampler:
         if not any(row.processed for row in rows):
             return logits
         logits = logits.clone()  # [rows, vocab]: the raw ones stay for raw logprobs
-        # 1. Structured output: the grammar mask of rows with params.structured goes here
-        #    (helper B's one call), before the bias or the penalties can favour a token
-        #    the grammar forbids.
+        # 1. Structured output: the grammar mask of rows with params.structured, first,
+        #    so neither the bias nor the penalties can favour a token the grammar forbids.
         apply_grammar(self.grammar, logits, rows)
         # 2. logit_bias, 3. min_tokens, 4. repetition, presence and frequency penalties.
         add_logit_bias(logits, rows)

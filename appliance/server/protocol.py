@@ -47,7 +47,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "skip_special_tokens": (None, True),
         "spaces_between_special_tokens": (None, True),
         "truncate_prompt_tokens": (None,),
-        "prompt_logprobs": (None,),
         "return_tokens_as_token_ids": (None, False),  # logprobs name tokens by their text
         "allowed_token_ids": (None,),
         "bad_words": (None, []),
@@ -149,6 +148,8 @@ class SamplingFields(Body, StructuredFields):
     # vLLM's switch (its server option, here per request): the model's own distribution,
     # or the one tokens are drawn from (after bias, penalties, temperature and the cuts).
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    # vLLM's: each prompt token's logprob and its top k, as `prompt_logprobs` (whole only).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -181,8 +182,12 @@ class SamplingFields(Body, StructuredFields):
 
     def check_sampling(self, vocab: int) -> None:
         """Refuse, before tokenizing, what a valid body may still ask wrongly: token ids
-        this model does not have, top_logprobs without logprobs (400, naming the field)."""
+        this model does not have, top_logprobs without logprobs, prompt logprobs streamed
+        (400, naming the field)."""
         self.requested_logprobs()
+        if self.stream and self.prompt_logprobs is not None:
+            message = "prompt_logprobs is not available when stream is enabled (as vLLM)"
+            raise APIError(400, message, "prompt_logprobs")
         bad = [int(key) for key in self.logit_bias if int(key) >= vocab]
         if bad:
             raise APIError(
@@ -227,6 +232,7 @@ class SamplingFields(Body, StructuredFields):
             min_tokens=self.min_tokens,
             logprobs=self.requested_logprobs(),
             processed_logprobs=self.logprobs_mode == "processed_logprobs",
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def _repetition_penalty(self) -> float:
@@ -356,7 +362,10 @@ class CompletionRequest(SamplingFields):
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         params = super().sampling_params(max_tokens, choice)
         if self.echo and self.logprobs is not None:
-            return replace(params, prompt_logprobs=self.logprobs)
+            # Echo's prompt part takes `logprobs` alternatives (vLLM's prompt_logprobs may
+            # ask more: the larger is computed, each shows its own).
+            k = max(self.logprobs, self.prompt_logprobs or 0)
+            return replace(params, prompt_logprobs=k)
         return params
 
     def default_max_tokens(self, room: int) -> int:

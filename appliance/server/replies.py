@@ -17,7 +17,15 @@ from starlette.types import Receive, Scope, Send
 from appliance.api import RequestFailed, TokenLogprobs
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices
-from appliance.server.responses import CompletionShape, Envelope, Logprobs, Piece, usage
+from appliance.server.responses import (
+    ChatShape,
+    CompletionShape,
+    Envelope,
+    Logprobs,
+    Piece,
+    usage,
+    vllm_prompt_logprobs,
+)
 from appliance.server.state import ServerState, Ticket
 
 log = logging.getLogger("appliance.server")
@@ -50,7 +58,19 @@ async def whole(
         prefix, head = _echo(state, envelope, choice, prompts[i], pieces)
         tail = _logprobs(envelope, choice, tokens[i], pieces, _end(head, prefix))
         body.append(envelope.shape.choice(i, prefix + texts[i], reasons[i], _joined(head, tail)))
-    return envelope.whole(body, usage(prompt_tokens, generated, cached_prompt(choices, cached)))
+    result = envelope.whole(body, usage(prompt_tokens, generated, cached_prompt(choices, cached)))
+    k = envelope.prompt_logprobs
+    if k is not None:  # vLLM's: on each completion choice; once for a chat (one prompt)
+        found = [
+            vllm_prompt_logprobs(choice.prompt_ids, prompts[i] or [], pieces, k)
+            for i, choice in enumerate(choices)
+        ]
+        if isinstance(envelope.shape, ChatShape):
+            result["prompt_logprobs"] = found[0]
+        else:
+            for entry, logprobs in zip(body, found, strict=True):
+                entry["prompt_logprobs"] = logprobs
+    return result
 
 
 def token_pieces(state: ServerState) -> Piece:
@@ -92,7 +112,9 @@ def _echo(
     text = tokenizer.decode(choice.prompt_ids)
     if choice.params.logprobs is None:
         return text, None
-    return text, shape.prompt_logprobs(choice.prompt_ids, prompt or [], pieces)
+    return text, shape.prompt_logprobs(
+        choice.prompt_ids, prompt or [], pieces, choice.params.logprobs
+    )
 
 
 def _end(head: Logprobs, prefix: str) -> int:

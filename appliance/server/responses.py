@@ -20,6 +20,29 @@ def _logprob(value: float) -> float:
     return max(value, LOWEST_LOGPROB)
 
 
+def vllm_prompt_logprobs(
+    prompt_ids: list[int], tokens: list[TokenLogprobs], piece: Piece, k: int
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token a
+    {token id: {logprob, rank, decoded_token}} of its top k and the prompt token itself."""
+    found: list[dict[str, Any] | None] = [None] if prompt_ids else []
+    for token in tokens:
+        entry = {
+            str(i): {"logprob": _logprob(lp), "rank": rank, "decoded_token": piece(i)}
+            for rank, (i, lp) in enumerate(token.top[:k], start=1)
+        }
+        entry.setdefault(
+            str(token.token_id),
+            {
+                "logprob": _logprob(token.logprob),
+                "rank": token.rank,
+                "decoded_token": piece(token.token_id),
+            },
+        )
+        found.append(entry)
+    return found
+
+
 def _token(piece: str, logprob: float) -> dict[str, Any]:
     """OpenAI's chat token entry: its text, logprob and UTF-8 bytes."""
     return {
@@ -97,14 +120,14 @@ class CompletionShape:
         self.echo = echo  # the text (and logprobs) start with the prompt's
 
     def prompt_logprobs(
-        self, prompt_ids: list[int], tokens: list[TokenLogprobs], piece: Piece
+        self, prompt_ids: list[int], tokens: list[TokenLogprobs], piece: Piece, asked: int
     ) -> dict[str, Any]:
         """`logprobs`' prompt part under echo, as vLLM gives it: the first prompt token has
         no logprob (null), the others `tokens` (prompt logprobs from the second token)."""
         if not prompt_ids:
             return self.logprobs([], piece, 0)
         first = piece(prompt_ids[0])
-        rest = self.logprobs(tokens, piece, len(first))
+        rest = self.logprobs(tokens, piece, len(first), keep=asked)
         return {
             "tokens": [first, *rest["tokens"]],
             "token_logprobs": [None, *rest["token_logprobs"]],
@@ -130,15 +153,18 @@ class CompletionShape:
     ) -> dict[str, Any]:
         return self.choice(index, text, finish_reason, logprobs)
 
-    def logprobs(self, tokens: list[TokenLogprobs], piece: Piece, offset: int) -> dict[str, Any]:
-        """OpenAI's legacy logprobs: parallel lists, each token's top alternatives as a
-        {text: logprob} dict that always holds the sampled token (so up to k + 1), and
-        each token's character offset in the text, counting from `offset`."""
+    def logprobs(
+        self, tokens: list[TokenLogprobs], piece: Piece, offset: int, keep: int | None = None
+    ) -> dict[str, Any]:
+        """OpenAI's legacy logprobs: parallel lists, each token's top alternatives (the
+        first `keep` of them; None: all) as a {text: logprob} dict that always holds the
+        sampled token (so up to k + 1), and each token's character offset in the text,
+        counting from `offset`."""
         texts = [piece(token.token_id) for token in tokens]
         top: list[dict[str, float]] = []
         offsets: list[int] = []
         for token, text in zip(tokens, texts, strict=True):
-            alternatives = {piece(i): _logprob(lp) for i, lp in token.top}
+            alternatives = {piece(i): _logprob(lp) for i, lp in token.top[:keep]}
             alternatives.setdefault(text, _logprob(token.logprob))
             top.append(alternatives)
             offsets.append(offset)
@@ -165,6 +191,7 @@ class Envelope:
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, where asked (whole only)
 
     def __post_init__(self) -> None:
         self.id = self.id or self.shape.id_prefix + uuid.uuid4().hex

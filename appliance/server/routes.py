@@ -242,7 +242,7 @@ async def _respond(
     context = state.appliance.max_model_len
     choices = _choices(req, prompts, context, param, request.state.arrival)
     ticket = state.admit(len(choices))
-    envelope = Envelope(shape, state.appliance.model_name)
+    envelope = Envelope(shape, state.appliance.model_name, prompt_logprobs=req.prompt_logprobs)
     prompt_tokens = sum(len(ids) for ids in prompts)
     if req.stream:
         return replies.streamed(state, choices, envelope, prompt_tokens, req.include_usage, ticket)
