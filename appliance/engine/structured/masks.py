@@ -4,7 +4,8 @@ row, dropped when the request leaves the worker) and the step's masks on the log
 The masks of a step can be computed while its model forward runs: `start` hands the rows
 about to be sampled to one background thread (llguidance releases the GIL, so it runs
 beside torch's threads), and `apply` waits for them and masks the logits in one batched
-op. Without `start` (or on a one-core worker), `apply` computes them itself."""
+op. Without `start`, or where no core is left beside torch's threads, `apply` computes
+them itself (benchmarks/results/structured_tpot.md: what each costs)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import llguidance
+import numpy as np
 import torch
 
 from appliance.engine.sequence import SamplingParams
@@ -44,11 +46,11 @@ class GrammarMasks:
         self, tokenizer: Tokenizer, vocab_size: int, *, background: bool | None = None
     ) -> None:
         """vocab_size: the logits' width. background: compute masks on a thread during the
-        forward (default: when this process may run on more than one core)."""
+        forward (default: when this process has a core its torch threads leave free)."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.words = (vocab_size + BITS - 1) // BITS
-        self.background = len(os.sched_getaffinity(0)) > 1 if background is None else background
+        self.background = _spare_core() if background is None else background
         self._vocabulary: llguidance.LLTokenizer | None = None  # built at first use
         self._matchers: dict[int, RequestMatcher] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -90,18 +92,21 @@ class GrammarMasks:
 
     def banned(self, rows: Sequence[GrammarRow]) -> torch.Tensor:
         """[rows, vocab] bool: True where a row's grammar forbids the token (after its
-        matcher took the row's new tokens); all False for a row without a spec."""
+        matcher took the row's new tokens); all False for a row without a spec.
+
+        numpy, not torch: on the thread a torch op would start a second OpenMP team beside
+        the forward's (tens of ms on two cores where numpy takes a fraction of one)."""
         index = [i for i, r in enumerate(rows) if r.params.structured is not None]
-        bitmask = torch.empty(len(index), self.words, dtype=torch.int32)  # [k, words]
+        bitmask = np.empty((len(index), self.words), dtype=np.int32)  # [k, words]
         for k, i in enumerate(index):
             matcher = self._matcher(rows[i])
             matcher.catch_up(rows[i].token_ids)
-            matcher.fill(bitmask[k].data_ptr(), self.words * 4)
+            matcher.fill(bitmask.ctypes.data + k * self.words * 4, self.words * 4)
         if len(index) == len(rows):
-            return ~unpack(bitmask, self.vocab_size)
-        banned = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool)
-        banned[index] = ~unpack(bitmask, self.vocab_size)
-        return banned
+            return torch.from_numpy(bits(bitmask, self.vocab_size) == 0)
+        banned = np.zeros((len(rows), self.vocab_size), dtype=np.bool_)
+        banned[index] = bits(bitmask, self.vocab_size) == 0
+        return torch.from_numpy(banned)
 
     def _matcher(self, row: GrammarRow) -> RequestMatcher:
         matcher = self._matchers.get(row.seq_id)
@@ -126,16 +131,26 @@ class GrammarMasks:
             self._pool.shutdown()
 
 
+def _spare_core() -> bool:
+    """Whether this process may run on a core torch's own threads leave free: only then
+    does a mask thread beside the forward come for free (on a two-core box whose forward
+    takes both cores it slowed decode steps by half, measured)."""
+    return len(os.sched_getaffinity(0)) > torch.get_num_threads()
+
+
 def _ids(rows: Sequence[GrammarRow]) -> tuple[int, ...]:
     return tuple(r.seq_id for r in rows)
 
 
+def bits(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[rows, words] int32 bitmask -> [rows, vocab_size] uint8 0/1, token t's bit being
+    bit t % 32 of word t // 32 (little-endian words, as llguidance writes them)."""
+    return np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+
+
 def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, words] int32 bitmask -> [rows, vocab_size] bool, token t allowed where bit
-    t % 32 of word t // 32 is set."""
-    shifts = torch.arange(BITS, dtype=torch.int32)
-    bits = (bitmask[:, :, None] >> shifts) & 1  # [rows, words, 32]
-    return bits.flatten(1)[:, :vocab_size].bool()
+    """[rows, words] int32 bitmask tensor -> [rows, vocab_size] bool, True where allowed."""
+    return torch.from_numpy(bits(bitmask.numpy(), vocab_size) != 0)
 
 
 def apply_grammar(
