@@ -20,7 +20,7 @@ from appliance.engine.sampler import Sampler, SampleRow
 from appliance.engine.sequence import SamplingParams, StructuredOutput
 from appliance.engine.structured.compile import UnsupportedSpec, check
 from appliance.engine.structured.masks import GrammarMasks, apply_grammar, unpack
-from appliance.engine.structured.matcher import GrammarError, RequestMatcher
+from appliance.engine.structured.matcher import RequestMatcher
 from appliance.model.loader import prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.settings.config import load_settings
@@ -178,9 +178,18 @@ def test_a_token_the_grammar_refuses_leaves_only_end_tokens(
     masks.forget(6)
 
 
-def test_a_spec_no_matcher_can_be_built_for_is_an_error(masks: GrammarMasks) -> None:
-    with pytest.raises(GrammarError, match="unclosed"):
-        RequestMatcher(StructuredOutput("regex", "(a"), masks.vocabulary, 4)
+@pytest.mark.parametrize(
+    "spec", [StructuredOutput("regex", "(a"), StructuredOutput("json", "{not json")]
+)
+def test_a_spec_no_matcher_can_be_built_for_ends_the_request(
+    masks: GrammarMasks, tokenizer: Tokenizer, spec: StructuredOutput
+) -> None:
+    """Only a caller that skipped the server's check sends one: the worker's step goes on,
+    and that request can only end."""
+    row = Row(8, SamplingParams(structured=spec), PROMPT, len(PROMPT))
+    assert allowed(masks, row) == set(tokenizer.stop_token_ids)
+    assert masks._matchers[8].refused
+    masks.forget(8)
 
 
 def test_a_complete_grammar_allows_only_the_end_tokens(

@@ -15,31 +15,39 @@ from collections.abc import Sequence as Ids
 import llguidance
 
 from appliance.engine.sequence import StructuredOutput
-from appliance.engine.structured.compile import grammar_text
+from appliance.engine.structured.compile import UnsupportedSpec, grammar_text
 
 log = logging.getLogger("appliance.engine")
 
 
-class GrammarError(RuntimeError):
-    """A spec a worker cannot build a matcher for (the server checks specs before)."""
-
-
 class RequestMatcher:
-    """The grammar state of one request: which tokens may come next."""
+    """The grammar state of one request: which tokens may come next.
+
+    A worker never fails a step over one request's grammar: a spec it cannot build (the
+    server checks specs before submitting, so only a caller that skipped the check sends
+    one) or a token the grammar refuses leaves only the end tokens, and the request ends."""
 
     def __init__(
         self, spec: StructuredOutput, vocabulary: llguidance.LLTokenizer, num_prompt_tokens: int
     ) -> None:
         self.end_ids = list(vocabulary.eos_tokens)
-        self.refused: str | None = None  # why a token was refused: only end tokens remain
-        self.matcher = llguidance.LLMatcher(vocabulary, grammar_text(spec), log_level=0)
-        if self.matcher.is_error():  # the server checked it: a worker should not see this
-            raise GrammarError(self.matcher.get_error())
+        self.refused: str | None = None  # why only end tokens remain (None: they do not)
+        self.matcher: llguidance.LLMatcher | None = None
+        try:
+            self.matcher = llguidance.LLMatcher(vocabulary, grammar_text(spec), log_level=0)
+            if self.matcher.is_error():
+                self._refuse(self.matcher.get_error())
+        except UnsupportedSpec as exc:
+            self._refuse(str(exc))
         # The request's own output starts `emitted` tokens before the end of the prompt.
         self.start = num_prompt_tokens - spec.emitted
         if self.start < 1:
-            raise GrammarError(f"emitted={spec.emitted} leaves no prompt before the output")
+            self._refuse(f"emitted={spec.emitted} leaves no prompt before the output")
         self.consumed = 0  # of the output tokens (from `start`), how many the matcher took
+
+    def _refuse(self, reason: str) -> None:
+        self.refused = self.refused or reason
+        log.warning("structured output: %s; only end tokens remain", reason)
 
     def catch_up(self, token_ids: Ids[int]) -> None:
         """Feed the matcher the output tokens it has not seen: all of them the first time
@@ -47,17 +55,16 @@ class RequestMatcher:
         (an end token sampled under ignore_eos, past the document's end) leaves only the end
         tokens allowed from then on: the request ends, the worker carries on."""
         new = list(token_ids[self.start + self.consumed :])
-        if not new or self.refused is not None:
+        if not new or self.refused is not None or self.matcher is None:
             return
         self.consumed += len(new)
         if not self.matcher.consume_tokens(new):
-            self.refused = self.matcher.get_error() or "a token the grammar does not allow"
-            log.warning("structured output: %s; only end tokens remain", self.refused)
+            self._refuse(self.matcher.get_error() or "a token the grammar does not allow")
 
     def fill(self, address: int, nbytes: int) -> None:
         """Write the allowed-token bitmask (one bit per token, int32 words, nbytes long)
         at `address`. llguidance releases the GIL while it computes."""
-        if self.refused is None:
+        if self.refused is None and self.matcher is not None:
             self.matcher.unsafe_compute_mask_ptr(address, nbytes)
             return
         words = [0] * (nbytes // 4)
@@ -69,4 +76,4 @@ class RequestMatcher:
     @property
     def complete(self) -> bool:
         """Nothing but an end token may follow (the mask then allows only those)."""
-        return bool(self.matcher.is_stopped())
+        return self.matcher is None or bool(self.matcher.is_stopped())
