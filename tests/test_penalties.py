@@ -51,7 +51,7 @@ def test_penalties_equal_the_per_row_reference() -> None:
     frequency = [0.2, 0.0, -0.5, 1.1, 0.3, 0.9]
     repetition = [1.3, 1.0, 0.8, 1.7, 2.0, 1.1]
     got = apply_penalties(
-        logits,
+        logits.clone(),
         prompts,
         outputs,
         torch.tensor(presence),
@@ -83,7 +83,7 @@ def test_rows_without_ids_or_penalties_are_untouched() -> None:
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
     # Row 0 has no ids at all (its pads point at token 0); row 1 has ids but no penalty.
     got = apply_penalties(
-        logits,
+        logits.clone(),
         [[], [1, 2], [0]],
         [[], [2, 2], [0, 0]],
         torch.tensor([2.0, 0.0, 1.0]),
@@ -99,10 +99,10 @@ def test_repetition_divides_positive_and_multiplies_negative_logits() -> None:
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
     zero, two = torch.tensor([0.0]), torch.tensor([2.0])
     # Seen in the prompt only: repetition still applies; presence/frequency do not.
-    got = apply_penalties(logits, [[0, 1]], [[]], two, two, two)
+    got = apply_penalties(logits.clone(), [[0, 1]], [[]], two, two, two)
     assert got.tolist() == [[1.0, -4.0, 2.0, -2.0]]
     # Seen in the output: all three apply.
-    got = apply_penalties(logits, [[]], [[0, 1]], zero + 0.5, zero + 0.25, two)
+    got = apply_penalties(logits.clone(), [[]], [[0, 1]], zero + 0.5, zero + 0.25, two)
     assert got.tolist() == [[1.0 - 0.75, -4.0 - 0.75, 2.0, -2.0]]
 
 

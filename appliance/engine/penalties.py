@@ -10,9 +10,11 @@ scattered back), not over the vocabulary: a decode step pays for the ids it pena
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 def apply_penalties(
@@ -23,10 +25,9 @@ def apply_penalties(
     frequency: torch.Tensor,
     repetition: torch.Tensor,
 ) -> torch.Tensor:
-    """logits [rows, vocab] after each row's penalties, as a new tensor: presence,
+    """Each row's penalties on logits [rows, vocab], in place (returned too): presence,
     frequency, repetition [rows] float32 (0, 0 and 1 are off); each row's prompt and
     output ids so far (a row whose repetition is off may pass an empty prompt)."""
-    logits = logits.clone()
     device = logits.device
     seen, seen_valid = padded([[*p, *o] for p, o in zip(prompts, outputs, strict=True)], device)
     # A row with no ids at all pads with token 0: its scale stays 1 there.
@@ -45,16 +46,20 @@ def apply_penalties(
 
 def padded(ids: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ids as [rows, width] int64 (width: the longest row, at least 1), each row
-    padded with its own first id (0 when empty), and [rows, width] bool: which are real."""
-    width = max(1, max((len(row) for row in ids), default=0))
-    rows = [[*row, *[row[0] if row else 0] * (width - len(row))] for row in ids]
-    valid = [[True] * len(row) + [False] * (width - len(row)) for row in ids]
-    ids_t = torch.tensor(rows, dtype=torch.int64).reshape(len(ids), width)
-    valid_t = torch.tensor(valid, dtype=torch.bool).reshape(len(ids), width)
+    padded with its own first id (0 when empty), and [rows, width] bool: which are real.
+    Built from one flat tensor (pad_sequence), not per-id Python lists."""
+    lengths = [len(row) for row in ids]
+    flat = torch.tensor(list(itertools.chain.from_iterable(ids)), dtype=torch.int64)
     if device.type == "cuda":
         # Pinned and non-blocking: a pageable copy would wait for the queued step.
-        return (
-            ids_t.pin_memory().to(device, non_blocking=True),
-            valid_t.pin_memory().to(device, non_blocking=True),
-        )
-    return ids_t, valid_t
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    rows = list(flat.split(lengths)) or [flat]
+    width = max(1, max(lengths, default=0))
+    grid = pad_sequence(rows, batch_first=True)  # [rows, longest], zero-padded
+    if grid.shape[1] < width:  # every row empty
+        grid = torch.zeros(len(ids), width, dtype=torch.int64, device=device)
+    lengths_t = torch.tensor(lengths, dtype=torch.int64).to(device)
+    valid = torch.arange(width, device=device)[None, :] < lengths_t[:, None]  # [rows, width]
+    return torch.where(valid, grid, grid[:, :1]), valid

@@ -262,16 +262,18 @@ def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         for row in picked
     ]
     params = [row.params for row in picked]
+    every = len(chosen) == len(rows)
     where = _upload(chosen, torch.int64, device)
+    # Every row penalised: in place (process_logits' copy); else on a copy of those rows.
     penalized = apply_penalties(
-        logits[where],
+        logits if every else logits[where],
         prompts,
         [row.output_ids for row in picked],
         _upload([p.presence_penalty for p in params], torch.float32, device),
         _upload([p.frequency_penalty for p in params], torch.float32, device),
         _upload([p.repetition_penalty for p in params], torch.float32, device),
     )
-    return logits.index_copy_(0, where, penalized.to(logits.dtype))
+    return logits if every else logits.index_copy_(0, where, penalized)
 
 
 def logprob_table(
