@@ -73,20 +73,18 @@ def penalized_greedy(
     model: torch.nn.Module, prompt: list[int], steps: int, params: SamplingParams
 ) -> list[int]:
     """The greedy continuation under vLLM's penalties, one token at a time on
-    transformers' logits, with the penalties applied token by token in Python."""
+    transformers' logits, with the penalties applied token by token in Python (to the
+    seen tokens: the others keep their logits)."""
     output: list[int] = []
     for _ in range(steps):
-        logits = hf_logits(model, prompt + output)[-1].tolist()
-        best, best_value = -1, float("-inf")
-        for token, value in enumerate(logits):
-            if token in prompt or token in output:
-                r = params.repetition_penalty
-                value = value / r if value > 0 else value * r
+        values = hf_logits(model, prompt + output)[-1].tolist()
+        for token in set(prompt) | set(output):
+            r = params.repetition_penalty
+            values[token] = values[token] / r if values[token] > 0 else values[token] * r
+        for token in set(output):
             count = output.count(token)
-            value -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
-            if value > best_value:
-                best, best_value = token, value
-        output.append(best)
+            values[token] -= params.frequency_penalty * count + params.presence_penalty
+        output.append(max(range(len(values)), key=values.__getitem__))
     return output
 
 
@@ -118,19 +116,18 @@ def test_penalties_change_a_repeating_output_as_vllm_defines_them(
 
 def test_min_tokens_holds_the_end_back(engine: LLMEngine) -> None:
     chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
-    [short] = engine.generate([chat], SamplingParams(max_tokens=64))
-    assert short.finish_reason == "stop" and len(short.token_ids) < 30
-    [held] = engine.generate([chat], SamplingParams(max_tokens=64, min_tokens=40))
-    assert len(held.token_ids) >= 40
+    [short] = engine.generate([chat], SamplingParams(max_tokens=40))
+    n = len(short.token_ids)
+    assert short.finish_reason == "stop" and n < 30
+    [held] = engine.generate([chat], SamplingParams(max_tokens=n + 3, min_tokens=n + 2))
+    assert len(held.token_ids) >= n + 2
     ends = engine.tokenizer.stop_token_ids
-    assert not ends & set(held.token_ids[:40])
+    assert not ends & set(held.token_ids[: n + 2])
     # Nor does a stop string end it before min_tokens (vLLM's rule), though it does after.
     text = short.text
     stop = text[len(text) // 3 : len(text) // 3 + 3]
-    [cut] = engine.generate([chat], SamplingParams(max_tokens=64, stop=(stop,)))
-    assert cut.finish_reason == "stop" and stop not in cut.text
-    [kept] = engine.generate([chat], SamplingParams(max_tokens=64, stop=(stop,), min_tokens=20))
-    assert len(kept.token_ids) >= 20 and kept.text.startswith(text[: len(text) // 3] + stop)
+    [kept] = engine.generate([chat], SamplingParams(max_tokens=n, stop=(stop,), min_tokens=n - 1))
+    assert len(kept.token_ids) >= n - 1 and kept.text.startswith(text[: len(text) // 3] + stop)
 
 
 @pytest.mark.parametrize("chunk_size", [512, 5], ids=["one_chunk", "chunks_of_5"])
