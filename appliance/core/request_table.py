@@ -293,14 +293,11 @@ class RequestTable:
         request = self.requests[request_id]
         left = request.params.max_tokens - len(request.output_ids)
         params = replace(request.params, max_tokens=max(1, left))
-        # The tokens already streamed stay output for the penalties and min_tokens, though
-        # the new attempt's prompt holds them.
+        # The tokens already streamed stay output for the penalties, min_tokens and the
+        # grammar (its matcher replays them), though the new attempt's prompt holds them.
         params = replace(params, emitted=len(request.output_ids))
         if request.output_ids:  # its first chunk carried them; the new prompt is longer
             params = replace(params, prompt_logprobs=None)
-        if params.structured is not None:  # its grammar replays the output the prompt holds
-            emitted = len(request.output_ids)
-            params = replace(params, structured=replace(params.structured, emitted=emitted))
         self._move(
             request,
             Phase.WAITING,

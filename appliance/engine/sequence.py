@@ -17,21 +17,16 @@ class StructuredOutput:
 
     kind "json": `spec` is a JSON schema as JSON text; "json_object": any JSON object
     (`spec` empty); "regex": a regular expression; "choice": a JSON list of strings;
-    "grammar": a grammar (Lark or GBNF) as text.
-
-    `emitted`: how many of the prompt's last tokens are the request's own output already
-    (a re-run folds what it streamed into its prompt): the matcher replays them."""
+    "grammar": a grammar (Lark or GBNF) as text. A re-run's matcher replays the output
+    its prompt holds (SamplingParams.emitted)."""
 
     kind: str
     spec: str = ""
-    emitted: int = 0
 
     def __post_init__(self) -> None:
         kinds = ("json", "json_object", "regex", "choice", "grammar")
         if self.kind not in kinds:
             raise ValueError(f"structured output kind must be one of {kinds}, got {self.kind!r}")
-        if self.emitted < 0:
-            raise ValueError(f"structured output emitted must be >= 0, got {self.emitted}")
 
 
 @dataclass(frozen=True)
@@ -58,7 +53,7 @@ class SamplingParams:
     processed_logprobs: bool = False  # False: the model's raw distribution (vLLM's default)
     prompt_logprobs: int | None = None  # k: each prompt token's (from the 2nd) and top k
     # A re-run's: how many of the prompt's last tokens the request generated already (they
-    # count as output for the penalties and min_tokens, as they did in the first attempt).
+    # count as output for the penalties, min_tokens and the grammar, as in the first attempt).
     emitted: int = 0
     structured: StructuredOutput | None = None
 

@@ -95,6 +95,11 @@ class Tokenizer:
         except ValueError as exc:  # a chat template that does not compile
             raise ModelLoadError(folder, str(exc)) from None
 
+    def to_json(self) -> str:
+        """The tokenizer.json this tokenizer was built from, as text (for libraries that
+        build their own view of the vocabulary, such as the grammar engine)."""
+        return self._raw.to_str()
+
     def _find_stop_ids(self, extra: tuple[int, ...]) -> frozenset[int]:
         ids = set(extra)
         names = [self.special_tokens.get("eos_token")]

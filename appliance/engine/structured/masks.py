@@ -112,7 +112,8 @@ class GrammarMasks:
         matcher = self._matchers.get(row.seq_id)
         if matcher is None:
             assert row.params.structured is not None
-            matcher = RequestMatcher(row.params.structured, self.vocabulary, row.num_prompt_tokens)
+            start = row.num_prompt_tokens - row.params.emitted  # a re-run's prompt holds output
+            matcher = RequestMatcher(row.params.structured, self.vocabulary, start)
             self._matchers[row.seq_id] = matcher
         return matcher
 

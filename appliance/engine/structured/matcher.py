@@ -4,7 +4,7 @@ A worker never receives a matcher: it builds one from the request's StructuredOu
 replays the request's own tokens so far. That covers every way a request arrives: the
 decode worker gets the prefill worker's first token as the last prompt token; a re-run
 (after a crash or a lost handoff) carries its streamed tokens in the prompt, counted by
-StructuredOutput.emitted. After that it catches up with each token the worker samples."""
+SamplingParams.emitted. After that it catches up with each token the worker samples."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class RequestMatcher:
     one) or a token the grammar refuses leaves only the end tokens, and the request ends."""
 
     def __init__(
-        self, spec: StructuredOutput, vocabulary: llguidance.LLTokenizer, num_prompt_tokens: int
+        self, spec: StructuredOutput, vocabulary: llguidance.LLTokenizer, output_start: int
     ) -> None:
         self.end_ids = list(vocabulary.eos_tokens)
         self.refused: str | None = None  # why only end tokens remain (None: they do not)
@@ -39,10 +39,10 @@ class RequestMatcher:
                 self._refuse(self.matcher.get_error())
         except UnsupportedSpec as exc:
             self._refuse(str(exc))
-        # The request's own output starts `emitted` tokens before the end of the prompt.
-        self.start = num_prompt_tokens - spec.emitted
+        # A re-run's own output starts before the end of its prompt (SamplingParams.emitted).
+        self.start = output_start
         if self.start < 1:
-            self._refuse(f"emitted={spec.emitted} leaves no prompt before the output")
+            self._refuse("the output starts before any prompt token (emitted too large)")
         self.consumed = 0  # of the output tokens (from `start`), how many the matcher took
 
     def _refuse(self, reason: str) -> None:

@@ -23,6 +23,6 @@ def grammar_vocabulary(
     if not ends:
         raise ValueError("structured outputs need the model's end tokens, and it has none")
     # The Rust tokenizer's own JSON: the token table transformers would hand llguidance,
-    # without importing transformers in a worker (Tokenizer keeps that object private).
-    raw = tokenizer._raw.to_str()
+    # without importing transformers in a worker.
+    raw = tokenizer.to_json()
     return llguidance.LLTokenizer(raw, n_vocab=vocab_size, eos_token=ends)
