@@ -149,11 +149,12 @@ def test_both_layouts_constrain_whole_and_streamed_chat(
 
 
 def test_both_layouts_constrain_completions_by_each_spelling(layout_server: ServerProcess) -> None:
-    """/v1/completions with vLLM's structured_outputs and the older guided_json, and chat
-    with response_format json_object: streamed and whole."""
+    """/v1/completions with vLLM's structured_outputs, the older guided_json and llama.cpp
+    server's json_schema, and chat with response_format json_object: streamed and whole."""
     client, schema = client_of(layout_server), SCHEMAS["enum_status"]
     prompt = "A task as JSON with its status and priority: "
-    for extra in ({"structured_outputs": {"json": schema}}, {"guided_json": schema}):
+    spellings = ({"structured_outputs": {"json": schema}}, {"guided_json": schema})
+    for extra in (*spellings, {"json_schema": schema}):
         ask = dict(model=MODEL, prompt=prompt, temperature=1.0, max_tokens=MAX_TOKENS)
         whole = client.completions.create(**ask, extra_body=extra)  # type: ignore[call-overload]
         assert_valid(whole.choices[0].text, schema, whole.choices[0].finish_reason)
@@ -193,6 +194,7 @@ def test_both_layouts_constrain_completions_by_each_spelling(layout_server: Serv
             "missing",
         ),
         ({"guided_json": {"type": "string", "format": "zodiac"}}, "guided_json", "zodiac"),
+        ({"grammar": "root ::= missing"}, "grammar", "missing"),  # llama.cpp's GBNF field
         ({"guided_choice": []}, "guided_choice", "non-empty"),
     ],
 )

@@ -61,8 +61,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         # llama.cpp server's sampling fields
         "typical_p": (None, 1, 1.0),
         "mirostat": (None, 0),
-        "grammar": (None, ""),
-        "json_schema": (None,),
     }
 )
 MAX_STOP_STRINGS = 16

@@ -62,6 +62,9 @@ class StructuredFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # llama.cpp server's own spellings: a JSON schema, and a GBNF grammar ("" is off)
+    json_schema: Schema | None = None
+    grammar: str | None = None
     _spec: StructuredOutput | None = PrivateAttr(None)
 
     @model_validator(mode="after")
@@ -105,6 +108,9 @@ class StructuredFields(BaseModel):
             grammar=self.guided_grammar,
         )
         asked += [(f"guided_{name}", spec) for name, spec in _vllm_specs(legacy)]
+        llama_cpp = StructuredOutputs(json=self.json_schema, grammar=self.grammar or None)
+        names = {"json": "json_schema", "grammar": "grammar"}
+        asked += [(names[name], spec) for name, spec in _vllm_specs(llama_cpp)]
         return asked
 
 
