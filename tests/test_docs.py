@@ -75,7 +75,7 @@ def test_the_readme_is_a_page() -> None:
 def test_the_readme_keeps_the_commands_ci_and_the_server_tests_read() -> None:
     text = README.read_text()
     assert ".venv/bin/python -m pytest -q" in text  # .ci/run runs the README's command
-    # tests/test_server_openai.py runs this block against a real server.
+    # tests/server/test_server_openai.py runs this block against a real server.
     assert re.search(r"```sh\n(curl -N http://127\.0\.0\.1:8000.*?)\n```", text, re.S)
 
 

@@ -163,9 +163,9 @@ def test_a_cuda_graph_failure_fails_the_bandwidth_section(
 
 
 def recorded_gpus() -> dict[str, Any]:
-    """topology.discover's mapping of a recorded NVML box (tests/test_topology.py's
+    """topology.discover's mapping of a recorded NVML box (tests/topology/test_topology.py's
     MIXED: two H100s and an RTX 4090), as the environment section records it."""
-    from test_topology import MIXED, FakeNvml
+    from nvml_boxes import MIXED, FakeNvml
 
     from appliance.topology.cuda_order import TorchFacts
     from appliance.topology.discovery import HostFacts, discover
