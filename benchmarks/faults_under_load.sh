@@ -12,7 +12,7 @@ trap 'kill $busy' EXIT
 failed=0
 for i in $(seq "${RUNS:-5}"); do
   start=$(date +%s)
-  .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_faults.py | tail -1
+  .venv/bin/python -m pytest -q -p no:cacheprovider tests/server/test_faults.py | tail -1
   rc=${PIPESTATUS[0]}
   echo "run $i: rc $rc, $(($(date +%s) - start)) s"
   [[ $rc == 0 ]] || failed=1

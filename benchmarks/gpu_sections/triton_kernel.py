@@ -82,7 +82,8 @@ def kernel_case(kernels: Any, case: KernelCase, device: torch.device) -> dict[st
 def kernel_tolerance(dtype: torch.dtype, v_max: float) -> float:
     """Float32 runs IEEE dots and a float32 softmax; 16-bit inputs round the probabilities
     to the input dtype before the second product and the output at the end: half an ulp
-    of the output plus as much of the largest |V| (as tests/test_triton_attention.py)."""
+    of the output plus as much of the largest |V| (as
+    tests/model/layers/test_triton_attention.py)."""
     if dtype == torch.float32:
         return 1e-5
     half_ulp = 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12

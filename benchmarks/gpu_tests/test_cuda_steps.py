@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 
 def prompts_for(engine: LLMEngine, lengths: tuple[int, ...]) -> list[list[int]]:
-    """Prompts of these token counts (tests/test_step_syncs.py's)."""
+    """Prompts of these token counts (tests/engine/test_step_syncs.py's)."""
     text = "Graphs replay a whole decode step in one launch; padding rows copy the last."
     ids = engine.tokenizer.encode(text * 6)
     return [ids[:n] for n in lengths]

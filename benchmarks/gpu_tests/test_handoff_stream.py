@@ -1,5 +1,5 @@
 """CUDA-only checks of the handoff copy (appliance/kv/handoff.py), run on a GPU machine by
-benchmarks/gpu_check.py (section "cuda_tests"); the CPU half is tests/test_handoff_stream.py.
+benchmarks/gpu_check.py (section "cuda_tests"); the CPU half is tests/kv/test_handoff_stream.py.
 
 The copy runs on side streams of the decode process, behind the prefill worker's
 interprocess event, and says when it has landed without blocking anyone:
