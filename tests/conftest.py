@@ -8,8 +8,16 @@ tests, is `pytest -m "not process"`."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+
+# The shared helpers (tests/helpers) assert too: rewritten as test modules are, a failed
+# assert there says what it compared. Registered before any of them is imported.
+pytest.register_assert_rewrite(
+    *sorted(path.stem for path in (Path(__file__).parent / "helpers").glob("*.py"))
+)
+
 import torch
 from server_process import API_KEY, ServerProcess
 
