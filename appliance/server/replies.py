@@ -202,7 +202,8 @@ async def _events(
                     delta = envelope.shape.delta(
                         index, prefix + text, piece.finish_reason, logprobs
                     )
-                    yield chunk(delta)
+                    if not _empty(delta):
+                        yield chunk(delta)
         if include_usage:
             total = usage(prompt_tokens, generated, cached_prompt(choices, cached))
             yield _json(envelope.chunk([], total, True))
@@ -212,6 +213,12 @@ async def _events(
         log.exception("stream failed")
         yield _json(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body())
     yield "[DONE]"
+
+
+def _empty(choice: dict[str, Any]) -> bool:
+    """A chat delta that says nothing: text a tool parser holds back (a call's opening
+    marker, say) and no logprobs or finish to carry. OpenAI's stream sends none."""
+    return choice.get("delta") == {} and not choice["logprobs"] and not choice["finish_reason"]
 
 
 def _json(value: dict[str, Any]) -> str:

@@ -105,7 +105,8 @@ def test_a_named_function_is_called_with_valid_arguments(client: OpenAI) -> None
 
 def test_streamed_calls_come_as_openai_streams_them(client: OpenAI) -> None:
     """The first piece of a call has its index, id, type and name; then argument
-    fragments; the last chunk says finish_reason "tool_calls". Without parallel calls, one."""
+    fragments; the last chunk says finish_reason "tool_calls". Without parallel calls, one.
+    No chunk after the role's opening is empty (text the parser holds back sends none)."""
     stream = client.chat.completions.create(
         model=MODEL,
         messages=ASK,
@@ -119,9 +120,11 @@ def test_streamed_calls_come_as_openai_streams_them(client: OpenAI) -> None:
     )
     calls: dict[int, dict[str, Any]] = {}
     reasons = []
-    for chunk in stream:
+    for number, chunk in enumerate(stream):
         for choice in chunk.choices:
             reasons.append(choice.finish_reason)
+            said = choice.delta.content or choice.delta.tool_calls or choice.finish_reason
+            assert number == 0 or said, f"chunk {number} says nothing: {chunk}"
             for piece in choice.delta.tool_calls or []:
                 if piece.index not in calls:
                     assert piece.id and piece.type == "function" and piece.function.name
