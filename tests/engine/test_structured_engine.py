@@ -306,3 +306,28 @@ def test_masks_started_for_other_rows_are_recomputed(tokenizer: Tokenizer) -> No
     assert first and all(t.isalpha() and t.islower() for t in first)
     assert second and all(t.isdigit() for t in second)
     masks.close()
+
+
+def test_a_date_the_grammar_allows_is_a_calendar_date() -> None:
+    """llguidance's `format: date` let 2761-02-29 through (no leap year): dates are held to
+    a subset that is a date in every year, as jsonschema's format checker reads dates."""
+    import re
+
+    from jsonschema import FormatChecker
+
+    from appliance.engine.structured.compile import VALID_DATE, _calendar_dates
+
+    schema = {"type": "object", "properties": {"born": {"type": "string", "format": "date"}}}
+    assert _calendar_dates(schema)["properties"]["born"] == {
+        "type": "string",
+        "pattern": VALID_DATE,
+    }
+    checker = FormatChecker()
+    for year in (0, 1, 1900, 2000, 2024, 2761, 9999):
+        for month in range(0, 14):
+            for day in range(0, 33):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                if re.fullmatch(VALID_DATE, text):
+                    assert checker.conforms(text, "date"), text
+    assert not re.fullmatch(VALID_DATE, "2761-02-29")
+    assert re.fullmatch(VALID_DATE, "2761-02-28") and re.fullmatch(VALID_DATE, "2024-12-31")

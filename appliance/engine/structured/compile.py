@@ -72,10 +72,34 @@ def _json_schema(schema: Any) -> str:
     if not isinstance(schema, dict):
         raise UnsupportedSpec("a JSON schema must be an object (or true)")
     try:
-        text = json.dumps(schema)
+        text = json.dumps(_calendar_dates(schema))
         return str(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS))
     except ValueError as exc:
         raise UnsupportedSpec(_first_line(str(exc))) from None
+
+
+# A calendar date with no February 29th: llguidance's `format: date` allows Feb 29 of any
+# year (2761-02-29 was sampled), which is no date in a common year. This subset is valid
+# in every year (and has no year 0000, which is none either); a leap day is never produced
+# (a regular language tells leap years apart only by a long alternation of years).
+VALID_DATE = (
+    r"^(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+    r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))$"
+)
+
+
+def _calendar_dates(schema: Any) -> Any:
+    """The schema with each `format: date` string (without a pattern of its own) held to
+    VALID_DATE instead."""
+    if isinstance(schema, list):
+        return [_calendar_dates(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    found = {key: _calendar_dates(value) for key, value in schema.items()}
+    if found.get("format") == "date" and "pattern" not in found:
+        del found["format"]
+        found["pattern"] = VALID_DATE
+    return found
 
 
 def _parse_json(text: str, what: str) -> Any:
