@@ -75,7 +75,7 @@ class Handoffs:
         if decode is None:
             self._waiting[parked.wire_id] = parked
             return
-        decode.last_work = time.monotonic()
+        decode.sent_handoff(time.monotonic())
         self.table.send_handoff(request.request_id, decode.worker_id, time.monotonic())
         self.parts.send(
             decode.worker_id,
@@ -120,7 +120,7 @@ class Handoffs:
             return
         if not result.accepted:
             if decode is not None:
-                decode.refused = True  # until its next report says it has room
+                decode.refused_handoff()  # until its next report says it has room
             self.hand_off(request.kv)
             return
         # Its next report holds these blocks: a worker answers before it reports again.
@@ -128,7 +128,7 @@ class Handoffs:
         # unanswered: counted twice for those milliseconds, which only errs towards
         # waiting.)
         if decode is not None:
-            decode.taken_blocks += self._blocks(request)
+            decode.took_handoff(self._blocks(request))
         self.parts.send(request.prefill_worker, Release(result.request_id))
 
     def take_back(self, request: Request) -> None:

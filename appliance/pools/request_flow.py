@@ -111,8 +111,7 @@ class RequestFlow:
         worker = self.parts.router.prefill(candidates, token_ids, self.parts.tuning())
         prefill_only = worker.role == "prefill"  # a colocated worker decodes it too
         wire_id = self.table.submit(request.request_id, worker.worker_id, prefill_only)
-        worker.queued_tokens += len(token_ids)
-        worker.last_work = time.monotonic()
+        worker.sent_prompt(len(token_ids), time.monotonic())
         self.parts.send(
             worker.worker_id, Submit(wire_id, token_ids, request.attempt_params, prefill_only)
         )
@@ -187,7 +186,7 @@ class RequestFlow:
                 self.parts.send(worker.worker_id, Release(out.request_id))
             return None
         if first:
-            worker.queued_tokens -= request.submitted_len
+            worker.unqueued(request.submitted_len)
         cached = out.cached_tokens if first and request.retries == 0 else 0
         request.cached_tokens += cached
         self.put(request, _chunk(request, out, cached))
@@ -212,7 +211,7 @@ class RequestFlow:
         if not request.phase.awaiting_first or request.prefill_worker is None:
             return
         if (worker := self.parts.workers.get(request.prefill_worker)) is not None:
-            worker.queued_tokens -= request.submitted_len
+            worker.unqueued(request.submitted_len)
 
 
 async def _next_item(

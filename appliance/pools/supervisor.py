@@ -164,7 +164,7 @@ class Supervisor:
         worker = self.processes.workers.get(message.worker_id)
         if worker is None:
             return
-        worker.num_blocks = worker.num_free = message.num_blocks
+        worker.pool_allocated(message.num_blocks)
         worker.shard_pids = message.shard_pids
         worker.loaded = True
         block_size = self.settings.kv.block_size
@@ -190,10 +190,7 @@ class Supervisor:
         worker = self.processes.workers.get(batch.worker_id)
         if worker is None or not worker.alive:  # retired or dead since it sent this
             return
-        worker.num_free, worker.running = batch.num_free_blocks, batch.num_running
-        worker.taken_blocks, worker.refused = 0, False
-        worker.last_report = time.monotonic()
-        worker.tokens_out += sum(len(out.token_ids) for out in batch.outputs)
+        worker.reported(batch, time.monotonic())
         for request in self.flow.on_tokens(worker, batch):
             self.handoffs.hand_off(request.kv)
         if worker.role == "decode":  # its report may show room for waiting handoffs

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from appliance.core.roles import Role
-from appliance.workers.messages import ToWorker
+from appliance.workers.messages import TokenBatch, ToWorker
 
 
 class Inbox(Protocol):
@@ -70,6 +70,44 @@ class WorkerHandle:
 
     def __post_init__(self) -> None:
         self.devices = self.devices or (self.device_index,)
+
+    # Its load changes only here, each method named for what happened: the pools' other
+    # parts report events, the handle keeps the counters (tests/pools/
+    # test_worker_handle_ownership.py holds the rule).
+
+    def pool_allocated(self, num_blocks: int) -> None:
+        """It loaded with a KV pool of `num_blocks` blocks, all free."""
+        self.num_blocks = self.num_free = num_blocks
+
+    def reported(self, batch: TokenBatch, now: float) -> None:
+        """A step report: its free blocks and running requests as of now; the handoffs it
+        took and refused before are in these counts (room may have come)."""
+        self.num_free, self.running = batch.num_free_blocks, batch.num_running
+        self.taken_blocks, self.refused = 0, False
+        self.last_report = now
+        self.tokens_out += sum(len(out.token_ids) for out in batch.outputs)
+
+    def sent_prompt(self, tokens: int, now: float) -> None:
+        """A prompt of `tokens` tokens went to it: queued until its first token comes."""
+        self.queued_tokens += tokens
+        self.last_work = now
+
+    def unqueued(self, tokens: int) -> None:
+        """A prompt of `tokens` tokens left its queue: its first token came, or its
+        request ended before that."""
+        self.queued_tokens -= tokens
+
+    def sent_handoff(self, now: float) -> None:
+        """A handoff went to it (a decode worker): it has work from now."""
+        self.last_work = now
+
+    def refused_handoff(self) -> None:
+        """It had no room for a handoff: none goes to it until its next report."""
+        self.refused = True
+
+    def took_handoff(self, blocks: int) -> None:
+        """It took a handoff of `blocks` KV blocks, which its next report will count."""
+        self.taken_blocks += blocks
 
     @property
     def routable(self) -> bool:
