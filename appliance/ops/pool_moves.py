@@ -102,7 +102,7 @@ class PoolMover:
         """Retune the worker for its new role and route by it from now on; a worker that
         now decodes for (or prefills to) the other pool is wired to it first."""
         supervisor = self.supervisor
-        worker.role = move.to_role
+        supervisor.processes.switch_role(worker, move.to_role)
         worker.inbox.put(
             Tune(**batch_limits(supervisor.settings.batch, worker.role, supervisor.tuning))
         )

@@ -158,6 +158,29 @@ class ProcessManager:
         if worker_id is not None and worker_id in self.workers:
             self.workers[worker_id].inbox.put(message)
 
+    # A worker's identity and lifecycle (its role, loaded, ready, alive, draining,
+    # stopping...) change here only; the other parts call these methods
+    # (tests/pools/test_worker_handle_ownership.py holds the rule).
+
+    def mark_loaded(self, worker: WorkerHandle, num_blocks: int, shard_pids: list[int]) -> None:
+        """The worker said Ready: its model is loaded, its KV pool of `num_blocks` blocks
+        allocated; `shard_pids`: its other shards' processes. It takes work once wired."""
+        worker.pool_allocated(num_blocks)
+        worker.shard_pids = shard_pids
+        worker.loaded = True
+
+    def start_draining(self, worker_id: int) -> None:
+        """Route nothing new to the worker (its device is moving to another pool)."""
+        self.workers[worker_id].draining = True
+
+    def stop_draining(self, worker_id: int) -> None:
+        """The worker takes work again (its drain ran out of time: the move is off)."""
+        self.workers[worker_id].draining = False
+
+    def switch_role(self, worker: WorkerHandle, role: Role) -> None:
+        """The worker serves as `role` from now on, in place (a pool move that keeps it)."""
+        worker.role = role
+
     def mark_ready(self, worker: WorkerHandle) -> None:
         """The worker is loaded and wired: it takes work, and whoever waits for it goes on."""
         worker.ready = True

@@ -164,9 +164,7 @@ class Supervisor:
         worker = self.processes.workers.get(message.worker_id)
         if worker is None:
             return
-        worker.pool_allocated(message.num_blocks)
-        worker.shard_pids = message.shard_pids
-        worker.loaded = True
+        self.processes.mark_loaded(worker, message.num_blocks, message.shard_pids)
         block_size = self.settings.kv.block_size
         self.note(
             "worker",
@@ -331,14 +329,14 @@ class Supervisor:
         """Route nothing new to the worker from now on; the awaitable returned waits until
         no request needs it, telling `progress` how many still do at each change, and is
         False if `timeout` passes first (the worker then takes work again)."""
-        self.workers[worker_id].draining = True
+        self.processes.start_draining(worker_id)
         idle = self.drains.start(worker_id, progress)
         return self._drained(worker_id, idle, timeout)
 
     async def _drained(self, worker_id: int, idle: asyncio.Event, timeout: float) -> bool:
         if await self.drains.wait(worker_id, idle, timeout):
             return True
-        self.workers[worker_id].draining = False
+        self.processes.stop_draining(worker_id)
         return False
 
     async def add_worker(
