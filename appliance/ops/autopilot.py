@@ -24,7 +24,7 @@ from appliance.core.goodput import SLO
 from appliance.core.roles import Role
 from appliance.model.loader import default_model_path
 from appliance.ops.pool_moves import MoveError, PoolMover, device_roles
-from appliance.planner.auto_layout import known_profile
+from appliance.planner.auto_layout import analytic_base, known_profile
 from appliance.planner.profile import Profile, ProfileError, model_id
 from appliance.planner.rebalance import (
     Measurement,
@@ -88,12 +88,23 @@ class Autopilot:
             return None, f"cannot plan: {exc}"
         if found is None:
             model = model_id(self.settings.model or default_model_path())
-            return None, (
-                f"no profile of {model} yet: learning the step costs from the steps the "
-                "workers run (or run `appliance profile` to time the box now)"
+            learning = (
+                "learning the step costs from the steps the workers run (or run "
+                "`appliance profile` to time the box now)"
             )
+            analytic, about = self._analytic_base()
+            if analytic is not None:
+                return analytic, f"no profile of {model} yet: planning on {about}, {learning}"
+            return None, f"no profile of {model} yet: {learning}"
         self.profile_name = str(where)
         return found, "watching"
+
+    def _analytic_base(self) -> tuple[Profile | None, str]:
+        """On a GPU box, the analytic profile of its cards (none on CPUs)."""
+        topology = self.supervisor.topology
+        if all(device.kind == "cpu" for device in topology.devices):
+            return None, "a CPU box"
+        return analytic_base(self.settings, topology)
 
     async def _loop(self) -> None:
         while True:

@@ -1,7 +1,8 @@
 """The layout `serve` runs by default (planner.layout=auto): the one the planner ranks first
 for the traffic the settings describe (planner.workload, rate, SLO) from this box's profile;
 with no profile yet, a rule that starts at once (on CPUs every device colocated: each core
-set prefills and decodes, which served chat 3x the split's goodput on a 2-core box). A layout
+set prefills and decodes, which served chat 3x the split's goodput on a 2-core box; on GPUs
+the planner's best on the analytic profile of the detected cards). A layout
 the settings name (mode, a device list, a tensor-parallel degree, or planner.layout=manual)
 is run as set."""
 
@@ -12,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from appliance.core.goodput import SLO
-from appliance.model.loader import default_model_path, prepare_tokenizer
+from appliance.model.loader import default_model_path, prepare_model, prepare_tokenizer
+from appliance.planner.analytic_box import box_profile
 from appliance.planner.layout import Layout
 from appliance.planner.plan import PlanSpec, make_plan
 from appliance.planner.profile import (
@@ -24,6 +26,7 @@ from appliance.planner.profile import (
 )
 from appliance.planner.simulator import Policy, requests_from_workload
 from appliance.settings.config import Settings, SettingsError
+from appliance.topology.devices import Topology
 
 log = logging.getLogger("appliance.planner")
 
@@ -73,23 +76,41 @@ def planned_settings(settings: Settings) -> Settings:
     return settings.model_copy(update=layout_settings(layout, profile))
 
 
-def ruled_settings(settings: Settings) -> Settings:
+def ruled_settings(settings: Settings, topology: Topology | None = None) -> Settings:
     """The layout without a profile: colocated on every device of a CPU box; on GPUs the
-    automatic split into prefill and decode pools."""
-    from appliance.topology.discovery import discover_box
+    planner's best on the analytic profile of the detected cards (analytic_box.py), else,
+    where there is none (a card without a datasheet preset, a mix of cards), the automatic
+    split into prefill and decode pools. `topology`: the box (discovered when None)."""
+    if topology is None:
+        from appliance.topology.discovery import discover_box
 
+        topology = discover_box(settings.device, settings.cpu_devices, settings.cpu_share_cores)
     model = model_id(settings.model or default_model_path())
     refine = f"`appliance profile` times this box for {model} so the planner can choose"
-    if all(
-        device.kind == "cpu"
-        for device in discover_box(
-            settings.device, settings.cpu_devices, settings.cpu_share_cores
-        ).devices
-    ):
+    if all(device.kind == "cpu" for device in topology.devices):
         log.info("layout: colocated on every device (no profile yet: %s)", refine)
         return settings.model_copy(update={"mode": "colocated"})
-    log.info("layout: prefill and decode pools split (no profile yet: %s)", refine)
-    return settings
+    profile, about = analytic_base(settings, topology)
+    if profile is None:
+        log.info("layout: prefill and decode pools split (no profile yet, %s: %s)", about, refine)
+        return settings
+    layout = best_layout(settings, profile)
+    log.info(
+        "layout: %s, the planner's best for %s at %s req/s on %s (no profile yet: %s)",
+        layout.label,
+        settings.planner.workload,
+        settings.planner.rate,
+        about,
+        refine,
+    )
+    return settings.model_copy(update=layout_settings(layout, profile))
+
+
+def analytic_base(settings: Settings, topology: Topology) -> tuple[Profile | None, str]:
+    """The analytic profile of the box's GPUs serving the settings' model, and what it is;
+    (None, why not) where there is none."""
+    config, _ = prepare_model(settings.model, settings.cache_dir)
+    return box_profile(topology, config, model_id(settings.model or default_model_path()))
 
 
 def known_profile(settings: Settings) -> tuple[Profile | None, Path]:
