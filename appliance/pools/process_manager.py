@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import Counter
 from multiprocessing.connection import Connection
 from typing import Protocol
 
@@ -69,6 +70,8 @@ class ProcessManager:
         recovery = settings.recovery
         self.restart_policy = RestartPolicy(recovery.max_crashes, recovery.crash_window_s)
         self._restarting: dict[int, str] = {}  # device -> role of the worker coming back
+        # Roles a pool move is bringing to a device: requests wait for them, not fail.
+        self.arriving: Counter[str] = Counter()
         self._ids = itertools.count()
         self._ctx = mp.get_context("spawn")
         self._reader = reader
@@ -191,9 +194,10 @@ class ProcessManager:
             ready.set_result(None)
 
     def may_come_back(self, role: Role) -> bool:
-        """A worker of `role` is starting, or restarting after a crash."""
+        """A worker of `role` is starting, restarting after a crash, or on its way by a
+        pool move."""
         starting = any(w.role == role and w.routable_soon for w in self.workers.values())
-        return starting or role in self._restarting.values()
+        return starting or role in self._restarting.values() or self.arriving[role] > 0
 
     # ------------------------------------------------------------ watching
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +32,25 @@ class WorkerProcess(Protocol):
     def join(self, timeout: float | None = None, /) -> None: ...
 
     def kill(self) -> None: ...
+
+
+class WorkerPool(Protocol):
+    """The workers as the request flow and the handoffs reach them (the process manager
+    is this): their handles to read, their inboxes to send to, and whether one of a role
+    is on its way."""
+
+    @property
+    def workers(self) -> Mapping[int, WorkerHandle]:
+        """Every worker by id (read it: the process manager changes it)."""
+        ...
+
+    def send(self, worker_id: int | None, message: ToWorker, /) -> None:
+        """Put a message in a worker's inbox; a worker that is gone is skipped."""
+        ...
+
+    def may_come_back(self, role: Role, /) -> bool:
+        """A worker of `role` is starting, restarting, or on its way by a pool move."""
+        ...
 
 
 @dataclass
