@@ -6,44 +6,54 @@ it waits here, oldest first, and is tried again when something can have changed:
 decode worker reports a step (blocks freed) or becomes ready, or a worker is gone. A
 decode worker that refused a handoff (no room after all) is not asked again until its
 next report says how much room it has.
+
+The request flow (appliance/pools/request_flow.py) owns the handoffs and hands them each
+prompt its workers prefilled; a handoff that cannot go goes back to it (`Attempts`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from typing import Protocol
 
 from appliance.core.request_table import ParkedKV, Request, RequestTable
-from appliance.core.roles import Role
 from appliance.core.router import Router
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.pools.wiring import can_pair
-from appliance.pools.worker_handle import WorkerHandle
-from appliance.workers.messages import Abort, Handoff, HandoffResult, Release, ToWorker
+from appliance.pools.worker_handle import WorkerHandle, WorkerPool
+from appliance.workers.messages import Abort, Handoff, HandoffResult, Release
 
 
-@dataclass
-class HandoffParts:
-    """What the handoffs read and call, all owned by the supervisor."""
+class Attempts(Protocol):
+    """Where a request whose handoff cannot go goes back to: the request flow, which
+    holds these handoffs (a Protocol, not an import: the flow imports this module)."""
 
-    block_size: int
-    table: RequestTable
-    workers: Mapping[int, WorkerHandle]
-    router: Router
-    send: Callable[[int | None, ToWorker], None]
-    retry: Callable[[Request, str], None]  # prefill it again, or fail after retries
-    fail: Callable[[Request, str], None]
-    may_come_back: Callable[[Role], bool]  # a worker of that role is (re)starting
+    def retry(self, request: Request, reason: str, /) -> None:
+        """Prefill it again, or fail it after too many tries."""
+        ...
+
+    def fail(self, request: Request, reason: str, /) -> None:
+        """End it with an error its consumer raises."""
+        ...
 
 
 class Handoffs:
     """The handoffs waiting for room, and the sending of each."""
 
-    def __init__(self, parts: HandoffParts) -> None:
-        self.parts = parts
-        self.table = parts.table
+    def __init__(
+        self,
+        block_size: int,
+        table: RequestTable,
+        router: Router,
+        pool: WorkerPool,
+        attempts: Attempts,
+    ) -> None:
+        self.block_size = block_size
+        self.table = table
+        self.router = router
+        self.pool = pool
+        self.attempts = attempts
         self._waiting: dict[int, ParkedKV] = {}  # wire id -> KV waiting for room, oldest first
 
     @property
@@ -57,19 +67,19 @@ class Handoffs:
         self._waiting.pop(parked.wire_id, None)
         request = self.table.by_wire(parked.wire_id)
         if request is None:  # cancelled, failed or running again: nobody wants it now
-            self.parts.send(parked.source, Release(parked.wire_id))
+            self.pool.send(parked.source, Release(parked.wire_id))
             return
-        source = self.parts.workers.get(parked.source)
+        source = self.pool.workers.get(parked.source)
         if source is None or not source.alive:  # its blocks are gone: prefill again
-            self.parts.retry(request, f"prefill worker {parked.source} exited")
+            self.attempts.retry(request, f"prefill worker {parked.source} exited")
             return
         decodes = [
-            w for w in self.parts.workers.values() if w.role == "decode" and can_pair(source, w)
+            w for w in self.pool.workers.values() if w.role == "decode" and can_pair(source, w)
         ]
-        if not any(w.routable_soon for w in decodes) and not self.parts.may_come_back("decode"):
-            self.parts.send(parked.source, Release(parked.wire_id))
+        if not any(w.routable_soon for w in decodes) and not self.pool.may_come_back("decode"):
+            self.pool.send(parked.source, Release(parked.wire_id))
             reason = "no decode worker is running that this prefill worker can hand off to"
-            self.parts.fail(request, reason)
+            self.attempts.fail(request, reason)
             return
         decode = self._pick(decodes, source, request)
         if decode is None:
@@ -77,7 +87,7 @@ class Handoffs:
             return
         decode.sent_handoff(time.monotonic())
         self.table.send_handoff(request.request_id, decode.worker_id, time.monotonic())
-        self.parts.send(
+        self.pool.send(
             decode.worker_id,
             Handoff(
                 parked.wire_id,
@@ -99,7 +109,7 @@ class Handoffs:
         if not candidates:  # decode workers (re)starting, being wired, or full
             return None
         in_flight, blocks = self._blocks_in_flight(), self._blocks(request)
-        decode = self.parts.router.decode(candidates, in_flight, source, blocks)
+        decode = self.router.decode(candidates, in_flight, source, blocks)
         room = decode.num_free - in_flight.get(decode.worker_id, 0)
         return decode if room >= blocks else None
 
@@ -113,10 +123,10 @@ class Handoffs:
         """A decode worker took a handoff (the prefill worker frees its blocks) or had no
         room (it goes to another one, or waits)."""
         request = self.table.on_handoff_result(result, time.monotonic())
-        decode = self.parts.workers.get(result.worker_id)
+        decode = self.pool.workers.get(result.worker_id)
         if request is None:
             if result.accepted:  # a stale answer (from a worker given up on): undo it
-                self.parts.send(result.worker_id, Abort(result.request_id))
+                self.pool.send(result.worker_id, Abort(result.request_id))
             return
         if not result.accepted:
             if decode is not None:
@@ -129,7 +139,7 @@ class Handoffs:
         # waiting.)
         if decode is not None:
             decode.took_handoff(self._blocks(request))
-        self.parts.send(request.prefill_worker, Release(result.request_id))
+        self.pool.send(request.prefill_worker, Release(result.request_id))
 
     def take_back(self, request: Request) -> None:
         """Its decode worker is gone before answering: the KV is still parked, send it on."""
@@ -143,7 +153,7 @@ class Handoffs:
         """Decode worker id -> KV blocks its last report does not show yet: of handoffs sent
         to it and not answered, and of those it took since that report."""
         in_flight: Counter[int] = Counter()
-        for worker in self.parts.workers.values():
+        for worker in self.pool.workers.values():
             sent = self.table.handoffs_to(worker.worker_id)
             in_flight[worker.worker_id] += sum(self._blocks(r) for r in sent)
             in_flight[worker.worker_id] += worker.taken_blocks
@@ -151,4 +161,4 @@ class Handoffs:
 
     def _blocks(self, request: Request) -> int:
         """The KV blocks a decode worker holds for a handed-off request."""
-        return blocks_for_tokens(request.submitted_len + 1, self.parts.block_size)
+        return blocks_for_tokens(request.submitted_len + 1, self.block_size)

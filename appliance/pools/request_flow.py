@@ -3,17 +3,20 @@ each step's tokens streamed to its consumer, run again or failed when its worker
 cancelled on both sides when its consumer leaves.
 
 Its phase, timing and workers are the request table's (appliance/core/request_table.py);
-where it goes is the router's; this module sends the messages and streams the chunks.
+where it goes is the router's; this module sends the messages and streams the chunks. A
+prompt prefilled in the prefill pool goes on through the flow's handoffs
+(appliance/pools/handoffs.py), which come back to the flow when one cannot go.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from appliance.core.events import Event, EventKind
+from appliance.core.events import EventLog
+from appliance.core.recovery import Action, retry_action
 from appliance.core.request_table import Phase, Request, RequestTable
 from appliance.core.roles import ENTRY_ROLES, Role
 from appliance.core.router import Router
@@ -21,9 +24,12 @@ from appliance.core.tuning import Tuning
 from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams
 from appliance.planner.online_profile import OnlineProfile, worker_size
-from appliance.pools.worker_handle import WorkerHandle
+from appliance.planner.traffic_log import TrafficLog
+from appliance.pools.drains import Drains
+from appliance.pools.handoffs import Handoffs
+from appliance.pools.worker_handle import WorkerHandle, WorkerPool
 from appliance.settings.config import Settings
-from appliance.workers.messages import Abort, Output, Release, Submit, TokenBatch, ToWorker
+from appliance.workers.messages import Abort, Output, Release, Submit, TokenBatch
 
 # Prompts go to prefill workers (which hand their KV off) and colocated ones (which keep it).
 NO_ENTRY_WORKER = "no prefill or colocated worker is running"
@@ -49,28 +55,35 @@ class Chunk:
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
-@dataclass
-class FlowParts:
-    """What the request flow reads and calls, all owned by the supervisor."""
-
-    settings: Settings
-    table: RequestTable
-    workers: Mapping[int, WorkerHandle]
-    router: Router
-    send: Callable[[int | None, ToWorker], None]
-    tuning: Callable[[], Tuning]  # the live tuning
-    may_come_back: Callable[[Role], bool]  # a worker of that role is (re)starting
-    note: Callable[[EventKind, str], Event]
-    forgotten: Callable[[], None]  # a request left the table (a drain may be done)
-    ended: Callable[[Request], None]  # its consumer is done with it (the traffic log)
-
-
 class RequestFlow:
-    """Every request's stream, and the sending of its attempts."""
+    """Every request's stream, and the sending of its attempts; its handoffs take the
+    prefilled ones on to a decode worker."""
 
-    def __init__(self, parts: FlowParts) -> None:
-        self.parts = parts
-        self.table = parts.table
+    def __init__(
+        self,
+        settings: Settings,
+        table: RequestTable,
+        router: Router,
+        pool: WorkerPool,
+        tuning: Callable[[], Tuning],
+        log: EventLog,
+        drains: Drains,
+        traffic: TrafficLog,
+    ) -> None:
+        """`tuning` is a callable, not a value: Supervisor.tune replaces the knobs in force
+        and each prompt is routed by those. `drains` are told when a request leaves (a
+        drain may be done); `traffic` records each request its consumer is done with."""
+        self.settings = settings
+        self.table = table
+        self.router = router
+        self.pool = pool
+        self.tuning = tuning
+        self.log = log
+        self.drains = drains
+        self.traffic = traffic
+        # The handoffs are the flow's: it hands them what its workers prefilled, and a
+        # handoff that cannot go comes back to it (run again, or failed).
+        self.handoffs = Handoffs(settings.kv.block_size, table, router, pool, self)
         self._streams: dict[int, asyncio.Queue[Chunk | Exception]] = {}  # request id -> chunks
         self.online = OnlineProfile()  # every worker size's recent steps, timed
 
@@ -79,7 +92,7 @@ class RequestFlow:
         arrival = time.monotonic()
         request = self.table.add(prompt, params, arrival)
         stream = self._streams[request.request_id] = asyncio.Queue()
-        limit = self.parts.settings.server.request_timeout_s
+        limit = self.settings.server.request_timeout_s
         deadline = None if limit is None else arrival + limit
         try:
             self.submit(request)
@@ -108,11 +121,11 @@ class RequestFlow:
                 self.fail(request, NO_ENTRY_WORKER)
             return
         token_ids = request.tokens
-        worker = self.parts.router.prefill(candidates, token_ids, self.parts.tuning())
+        worker = self.router.prefill(candidates, token_ids, self.tuning())
         prefill_only = worker.role == "prefill"  # a colocated worker decodes it too
         wire_id = self.table.submit(request.request_id, worker.worker_id, prefill_only)
         worker.sent_prompt(len(token_ids), time.monotonic())
-        self.parts.send(
+        self.pool.send(
             worker.worker_id, Submit(wire_id, token_ids, request.attempt_params, prefill_only)
         )
 
@@ -126,8 +139,15 @@ class RequestFlow:
         it already sent, for what is left of max_tokens."""
         self._unqueue(request)
         self.table.rerun(request.request_id)
-        self.parts.note("worker", f"request {request.request_id}: {reason}; running it again")
+        self.log.note("worker", f"request {request.request_id}: {reason}; running it again")
         self.submit(request)
+
+    def retry(self, request: Request, reason: str) -> None:
+        """Its current attempt is lost: run it again, or fail it after too many tries."""
+        if retry_action(request, self.settings.recovery.max_request_retries) is Action.RERUN:
+            self.rerun(request, reason)
+        else:
+            self.fail(request, f"{reason}; retried too often")
 
     def fail(self, request: Request, message: str) -> None:
         """End the request with an error its consumer raises."""
@@ -158,14 +178,15 @@ class RequestFlow:
 
     def _entry_workers(self) -> list[WorkerHandle]:
         """The workers a prompt may go to now."""
-        return [w for w in self.parts.workers.values() if w.role in ENTRY_ROLES and w.routable]
+        return [w for w in self.pool.workers.values() if w.role in ENTRY_ROLES and w.routable]
 
     def _entry_coming(self) -> bool:
         """A prefill or colocated worker is starting, restarting or on its way by a move."""
-        return any(self.parts.may_come_back(role) for role in ENTRY_ROLES)
+        return any(self.pool.may_come_back(role) for role in ENTRY_ROLES)
 
-    def on_tokens(self, worker: WorkerHandle, batch: TokenBatch) -> list[Request]:
-        """Stream a step's tokens; returns the requests it parked (prefilled, to hand off)."""
+    def on_tokens(self, worker: WorkerHandle, batch: TokenBatch) -> None:
+        """Stream a step's tokens; hand off the requests it parked (prefilled). A decode
+        worker's step may have freed room for the handoffs waiting."""
         self.table.on_started(batch.started, batch.step_started_at)
         self.online.record(worker_size(worker), batch.timing)
         parked = []
@@ -173,7 +194,10 @@ class RequestFlow:
             request = self._on_output(worker, out, batch.step_started_at)
             if request is not None and request.phase is Phase.PARKED:
                 parked.append(request)
-        return parked
+        for prefilled in parked:  # once the whole step is streamed
+            self.handoffs.hand_off(prefilled.kv)
+        if worker.role == "decode":
+            self.handoffs.retry_waiting()
 
     def _on_output(
         self, worker: WorkerHandle, out: Output, step_started_at: float
@@ -183,7 +207,7 @@ class RequestFlow:
         request = self.table.on_output(worker.worker_id, out, time.monotonic(), step_started_at)
         if request is None:  # not the worker running its current attempt
             if out.handoff_blocks is not None:  # cancelled while prefilling: nobody pulls
-                self.parts.send(worker.worker_id, Release(out.request_id))
+                self.pool.send(worker.worker_id, Release(out.request_id))
             return None
         if first:
             worker.unqueued(request.submitted_len)
@@ -196,21 +220,21 @@ class RequestFlow:
         """Its consumer is done with it: drop it, cancelling it where it still runs."""
         if request.request_id not in self.table.requests:
             return
-        self.parts.ended(request)
+        self.traffic.record(request)
         self._unqueue(request)
         self._streams.pop(request.request_id, None)
         wire_id = request.wire_id  # None: never sent to a worker
         if self.table.forget(request.request_id) and wire_id is not None:
             # The consumer left early: cancel it wherever it runs.
-            self.parts.send(request.prefill_worker, Abort(wire_id))
-            self.parts.send(request.decode_worker, Abort(wire_id))
-        self.parts.forgotten()
+            self.pool.send(request.prefill_worker, Abort(wire_id))
+            self.pool.send(request.decode_worker, Abort(wire_id))
+        self.drains.check()
 
     def _unqueue(self, request: Request) -> None:
         """Its prompt leaves its prefill worker's queue (the router weighs queued tokens)."""
         if not request.phase.awaiting_first or request.prefill_worker is None:
             return
-        if (worker := self.parts.workers.get(request.prefill_worker)) is not None:
+        if (worker := self.pool.workers.get(request.prefill_worker)) is not None:
             worker.unqueued(request.submitted_len)
 
 

@@ -6,7 +6,8 @@ into messages on that loop, each handled by `_dispatch`. The parts, one file eac
 - appliance/pools/boxes.py: other boxes' agents joining and leaving (cluster.listen)
 - appliance/pools/wiring.py: which decode worker holds which prefill worker's KV tensor
 - appliance/pools/request_flow.py: each request's attempts and its stream of chunks
-- appliance/pools/handoffs.py: prefilled prompts on their way to a decode worker
+- appliance/pools/handoffs.py: prefilled prompts on their way to a decode worker (the
+  request flow's: it hands them what it prefilled)
 - appliance/core/request_table.py: each request's phase, timing and workers (pure)
 - appliance/core/recovery.py: what a lost worker means for each request it held (pure)
 - appliance/core/router.py: which worker takes a prompt or a handoff (pure)
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable
 from collections.abc import Set as AbstractSet
 
 from appliance.core.events import Event, EventKind, EventLog
-from appliance.core.recovery import Action, after_worker_lost, retry_action
+from appliance.core.recovery import Action, after_worker_lost
 from appliance.core.request_table import Phase, Request, RequestTable
 from appliance.core.roles import Role
 from appliance.core.router import Router
@@ -32,9 +33,8 @@ from appliance.planner.profile import Profile
 from appliance.planner.traffic_log import TrafficLog
 from appliance.pools.boxes import Boxes
 from appliance.pools.drains import Drains, Progress
-from appliance.pools.handoffs import HandoffParts, Handoffs
 from appliance.pools.process_manager import ProcessManager
-from appliance.pools.request_flow import Chunk, FlowParts, RequestFailed, RequestFlow
+from appliance.pools.request_flow import Chunk, RequestFailed, RequestFlow
 from appliance.pools.wiring import Wiring
 from appliance.pools.worker_handle import WorkerHandle, WorkerView
 from appliance.settings.config import BatchSettings, Settings
@@ -78,37 +78,19 @@ class Supervisor:
         rank = lambda a, b: self.topology.bandwidth_rank(a, b)  # noqa: E731 (boxes join: it grows)
         self.router = Router(settings.kv.block_size, settings.kv.prefix_caching, rank)
         self.boxes = Boxes(settings, self.processes, self.note)
-        workers, send = self.processes.workers, self.processes.send
         self.drains = Drains(self.busy_with)
-        self.wiring = Wiring(workers, send)
-        # Roles a pool move is bringing to a device: requests wait for them, not fail.
-        self.arriving: Counter[str] = Counter()
+        self.wiring = Wiring(self.processes.workers, self.processes.send)
         self.flow = RequestFlow(
-            FlowParts(
-                settings=settings,
-                table=self.table,
-                workers=workers,
-                router=self.router,
-                send=send,
-                tuning=lambda: self.tuning,
-                may_come_back=self.may_come_back,
-                note=self.note,
-                forgotten=self.drains.check,
-                ended=self.traffic.record,
-            )
+            settings,
+            self.table,
+            self.router,
+            pool=self.processes,  # the workers' handles and inboxes
+            tuning=lambda: self.tuning,  # tune() replaces the knobs
+            log=self.log,
+            drains=self.drains,
+            traffic=self.traffic,
         )
-        self.handoffs = Handoffs(
-            HandoffParts(
-                block_size=settings.kv.block_size,
-                table=self.table,
-                workers=workers,
-                router=self.router,
-                send=send,
-                retry=self._retry,
-                fail=self.flow.fail,
-                may_come_back=self.may_come_back,
-            )
-        )
+        self.handoffs = self.flow.handoffs  # what workers answer and lost workers leave
         self._capacity = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -157,7 +139,8 @@ class Supervisor:
                     self.flow.fail(request, message.error)
             case LeaseExpired():
                 if (request := self.table.on_lease_expired(message)) is not None:
-                    self._retry(request, "its parked KV expired before a decode worker took it")
+                    reason = "its parked KV expired before a decode worker took it"
+                    self.flow.retry(request, reason)
         self.drains.check()
 
     def _on_ready(self, message: Ready) -> None:
@@ -189,10 +172,7 @@ class Supervisor:
         if worker is None or not worker.alive:  # retired or dead since it sent this
             return
         worker.reported(batch, time.monotonic())
-        for request in self.flow.on_tokens(worker, batch):
-            self.handoffs.hand_off(request.kv)
-        if worker.role == "decode":  # its report may show room for waiting handoffs
-            self.handoffs.retry_waiting()
+        self.flow.on_tokens(worker, batch)  # streams it, hands off what it prefilled
 
     # ------------------------------------------------------------ lost workers (ProcessHooks)
 
@@ -220,9 +200,11 @@ class Supervisor:
         self.flow.fail_waiting(role)
         self.handoffs.retry_waiting()
 
-    def may_come_back(self, role: Role) -> bool:
-        """A worker of `role` is starting, restarting, or on its way by a pool move."""
-        return self.arriving[role] > 0 or self.processes.may_come_back(role)
+    @property
+    def arriving(self) -> Counter[str]:
+        """Roles a pool move is bringing to a device: requests wait for them, not fail
+        (the process manager's count; the move adds and takes away)."""
+        return self.processes.arriving
 
     async def release(self, worker: WorkerHandle) -> None:
         await self.wiring.release(worker.worker_id)
@@ -230,10 +212,6 @@ class Supervisor:
     @property
     def max_retries(self) -> int:
         return self.settings.recovery.max_request_retries
-
-    def _retry(self, request: Request, reason: str) -> None:
-        """The current attempt is lost: run it again, or fail it after too many tries."""
-        self._act(request, retry_action(request, self.max_retries), reason)
 
     def _act(self, request: Request, action: Action, reason: str) -> None:
         match action:

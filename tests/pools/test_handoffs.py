@@ -14,7 +14,7 @@ from worker_handles import worker_handle
 from appliance.core.request_table import Phase, Request, RequestTable
 from appliance.core.router import Router
 from appliance.engine.sequence import SamplingParams
-from appliance.pools.handoffs import HandoffParts, Handoffs
+from appliance.pools.handoffs import Handoffs
 from appliance.pools.wiring import Wiring
 from appliance.pools.worker_handle import WorkerHandle
 from appliance.workers.messages import (
@@ -45,7 +45,8 @@ def worker(worker_id: int, role: str, free: int = 8) -> WorkerHandle:
 
 
 class Box:
-    """A prefill worker, two decode workers, and the handoffs between them."""
+    """A prefill worker, two decode workers, and the handoffs between them; the box is
+    the handoffs' worker pool and takes back the requests they cannot send."""
 
     def __init__(self, decode_free: tuple[int, int] = (8, 8)) -> None:
         self.workers = {
@@ -59,22 +60,21 @@ class Box:
         self.retried: list[int] = []
         self.failed: list[int] = []
         self.coming_back = False
-        self.handoffs = Handoffs(
-            HandoffParts(
-                block_size=BLOCK_SIZE,
-                table=self.table,
-                workers=self.workers,
-                router=Router(BLOCK_SIZE, prefix_caching=False),
-                send=self.send,
-                retry=lambda request, reason: self.retried.append(request.request_id),
-                fail=lambda request, reason: self.failed.append(request.request_id),
-                may_come_back=lambda role: self.coming_back,
-            )
-        )
+        router = Router(BLOCK_SIZE, prefix_caching=False)
+        self.handoffs = Handoffs(BLOCK_SIZE, self.table, router, pool=self, attempts=self)
 
     def send(self, worker_id: int | None, message: ToWorker) -> None:
         if worker_id in self.workers:
             self.workers[worker_id].inbox.put(message)
+
+    def may_come_back(self, role: str) -> bool:
+        return self.coming_back
+
+    def retry(self, request: Request, reason: str) -> None:
+        self.retried.append(request.request_id)
+
+    def fail(self, request: Request, reason: str) -> None:
+        self.failed.append(request.request_id)
 
     def inbox(self, worker_id: int) -> list[ToWorker]:
         inbox = self.workers[worker_id].inbox

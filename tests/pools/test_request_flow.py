@@ -10,14 +10,14 @@ from table_messages import BLOCKS, DECODE, PREFILL, PROMPT, tokens
 
 from appliance.core.request_table import RequestTable
 from appliance.engine.sequence import SamplingParams
-from appliance.pools.request_flow import FlowParts, RequestFlow
+from appliance.pools.request_flow import RequestFlow
+from appliance.settings.config import Settings
 from appliance.workers.messages import HandoffResult
 
 
 def flow_over(table: RequestTable) -> RequestFlow:
     unused = cast(Any, None)  # the count reads the table alone
-    parts = FlowParts(unused, table, {}, unused, unused, unused, unused, unused, unused, unused)
-    return RequestFlow(parts)
+    return RequestFlow(Settings(), table, unused, unused, unused, unused, unused, unused)
 
 
 def test_prompts_sent_to_prefill_count_until_a_decode_worker_takes_them() -> None:
