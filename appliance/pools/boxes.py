@@ -9,13 +9,13 @@ restarted until the box joins again: then each of its devices gets a worker agai
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from appliance.cluster.head import ClusterHead
 from appliance.cluster.interfaces import with_interface
 from appliance.cluster.messages import AgentHello
-from appliance.core.events import EventKind
+from appliance.core.events import EventLog
 from appliance.core.roles import Role
 from appliance.kv.remote import require_nixl
 from appliance.pools.process_manager import ProcessManager
@@ -31,11 +31,11 @@ class Boxes:
         self,
         settings: Settings,
         processes: ProcessManager,
-        note: Callable[[EventKind, str], object],
+        log: EventLog,
     ) -> None:
         self.settings = settings
         self.processes = processes
-        self._note = note
+        self._note = log.note
         self.head: ClusterHead | None = None
         if settings.cluster.listen:  # before any worker starts: they take it with them
             require_nixl()

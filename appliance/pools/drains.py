@@ -1,8 +1,9 @@
 """Waiting for a worker to drain: routing skips it, and whoever moves its device waits
 until no request needs it any more (running there, or parked in its KV blocks).
 
-Event-driven: the supervisor calls `check` after anything that can end a request's need
-for a worker (a worker's message, a lost worker, a consumer leaving).
+Event-driven: the supervisor (and the request flow, when a consumer leaves) calls
+`check` after anything that can end a request's need for a worker (a worker's message, a
+lost worker, a consumer leaving). The request table says which requests still need it.
 """
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from appliance.core.request_table import RequestTable
+
 Progress = Callable[[int], None]  # told how many requests still need the worker
 
 
 class Drains:
     """The drains in progress: worker id -> (set once idle, its progress callback)."""
 
-    def __init__(self, busy_with: Callable[[int], int]) -> None:
-        self._busy_with = busy_with  # worker id -> requests that still need it
+    def __init__(self, table: RequestTable) -> None:
+        self._table = table
         self._waits: dict[int, tuple[asyncio.Event, Progress]] = {}
 
     def start(self, worker_id: int, progress: Progress) -> asyncio.Event:
@@ -40,7 +43,7 @@ class Drains:
     def check(self) -> None:
         """Tell each drain how many requests still need its worker; wake the idle ones."""
         for worker_id, (idle, progress) in self._waits.items():
-            remaining = self._busy_with(worker_id)
+            remaining = len(self._table.held_by(worker_id))  # running there, or parked
             progress(remaining)
             if remaining == 0:
                 idle.set()

@@ -77,8 +77,8 @@ class Supervisor:
         self.processes = ProcessManager(settings, topology, OutboxReader(self._deliver))
         rank = lambda a, b: self.topology.bandwidth_rank(a, b)  # noqa: E731 (boxes join: it grows)
         self.router = Router(settings.kv.block_size, settings.kv.prefix_caching, rank)
-        self.boxes = Boxes(settings, self.processes, self.note)
-        self.drains = Drains(self.busy_with)
+        self.boxes = Boxes(settings, self.processes, self.log)
+        self.drains = Drains(self.table)
         self.wiring = Wiring(self.processes.workers, self.processes.send)
         self.flow = RequestFlow(
             settings,
