@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_configs import tiny_config
 from reference import hf_greedy, hf_logits, our_prefill_logits
 
 from appliance.engine.llm_engine import LLMEngine
@@ -76,32 +77,21 @@ def _tokenizer_dir() -> Path:
 
 
 def _qwen2_config():
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=49152,
-        hidden_size=64,
+    return tiny_config(
+        "Qwen2Config",
+        49152,
         intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
         tie_word_embeddings=True,
         initializer_range=0.2,
     )
 
 
 def _llama3_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
+    return tiny_config(
+        "LlamaConfig",
+        49152,
         intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=1,
-        max_position_embeddings=512,
         tie_word_embeddings=False,
         initializer_range=0.2,
         rope_theta=50000.0,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from family_configs import tiny_config
 from openai import OpenAI
 from random_models import random_model, save_folder
 from server_process import API_KEY, ServerProcess
@@ -40,19 +41,8 @@ ASK = [{"role": "user", "content": "What time is it in Paris?"}]
 
 
 def qwen3_folder(folder: Path) -> Path:
-    from transformers import Qwen3Config
-
-    config = Qwen3Config(
-        vocab_size=49152,  # the embedded model's tokenizer, which save_folder copies
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    # The embedded model's vocabulary: save_folder copies its tokenizer.
+    config = tiny_config("Qwen3Config", 49152, head_dim=16, tie_word_embeddings=False)
     return save_folder(random_model(config), folder)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from family_configs import tiny_config
 from random_models import TOY_TOKENS, random_model, write_gguf
 
 VOCAB = 49152  # the embedded model's tokenizer, which save_folder copies
@@ -86,17 +87,13 @@ QWEN3_LAYERS, QWEN3_HEADS, QWEN3_KV_HEADS, QWEN3_HEAD_DIM = 2, 4, 2, 64  # not 6
 
 
 def qwen3_config(vocab: int) -> Any:
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+    return tiny_config(
+        "Qwen3Config",
+        vocab,
         num_hidden_layers=QWEN3_LAYERS,
         num_attention_heads=QWEN3_HEADS,
         num_key_value_heads=QWEN3_KV_HEADS,
         head_dim=QWEN3_HEAD_DIM,
-        max_position_embeddings=512,
         tie_word_embeddings=False,
         initializer_range=0.2,
         rope_theta=1000000.0,
@@ -125,17 +122,10 @@ MISTRAL_HEAD_DIM = 64  # a head size the compiled decode kernel takes
 
 
 def mistral_config(vocab: int, window: int | None = WINDOW) -> Any:
-    from transformers import MistralConfig
-
-    return MistralConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    return tiny_config(
+        "MistralConfig",
+        vocab,
         head_dim=MISTRAL_HEAD_DIM,
-        max_position_embeddings=512,
         sliding_window=window,
         tie_word_embeddings=False,
         initializer_range=0.2,
@@ -175,20 +165,17 @@ def phi3_config(vocab: int, kind: str, *, hidden: int = 64, long_only: bool = Fa
     (LongRoPE with a pretraining length of 64 in a 256-token context, RoPE over 3/4 of
     each head, tied embeddings); with `long_only`, its short factors replaced by the long
     ones (transformers then uses the long at every length)."""
-    from transformers import Phi3Config
-
     extra: dict[str, Any] = {}
     if kind == "phi4mini":
         short, long = longrope_factors(1, hidden)
         scaling = {"type": "longrope", "short_factor": long if long_only else short}
         extra = {"partial_rotary_factor": PARTIAL, "rope_scaling": scaling | {"long_factor": long}}
-    return Phi3Config(
-        vocab_size=vocab,
+    return tiny_config(
+        "Phi3Config",
+        vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_hidden_layers=2,
         num_attention_heads=PHI3_HEADS,
-        num_key_value_heads=2,
         max_position_embeddings=CONTEXT,
         original_max_position_embeddings=LONGROPE_ORIGINAL,
         tie_word_embeddings=kind == "phi4mini",
@@ -245,18 +232,12 @@ GEMMA3_HEAD_DIM = 64  # the compiled decode kernel's size
 
 
 def gemma3_config(vocab: int, **fields: Any) -> Any:
-    from transformers import Gemma3TextConfig
-
-    return Gemma3TextConfig(
+    return tiny_config(
+        "Gemma3TextConfig",
+        vocab,
         **{
-            "vocab_size": vocab,
-            "hidden_size": 64,
-            "intermediate_size": 128,
             "num_hidden_layers": len(LAYER_TYPES),
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
             "head_dim": GEMMA3_HEAD_DIM,
-            "max_position_embeddings": 512,
             "sliding_window": GEMMA3_WINDOW,
             "layer_types": LAYER_TYPES,
             "query_pre_attn_scalar": 32,  # not head_dim: the scale is its own
@@ -266,7 +247,7 @@ def gemma3_config(vocab: int, **fields: Any) -> Any:
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             },
         }
-        | fields
+        | fields,
     )
 
 
@@ -303,18 +284,12 @@ def gemma3_metadata(config: Any) -> GgufMetadata:
 
 
 def mixtral_config(vocab: int) -> Any:
-    from transformers import MixtralConfig
-
-    return MixtralConfig(
-        vocab_size=vocab,
-        hidden_size=64,
+    return tiny_config(
+        "MixtralConfig",
+        vocab,
         intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_local_experts=EXPERTS,
         num_experts_per_tok=TOP_K,
-        max_position_embeddings=512,
         initializer_range=0.2,
         tie_word_embeddings=False,
     )
@@ -323,22 +298,17 @@ def mixtral_config(vocab: int) -> Any:
 def qwen3_moe_config(
     vocab: int, norm_topk_prob: bool = False, mlp_only_layers: tuple[int, ...] = (1,)
 ) -> Any:
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        vocab_size=vocab,
-        hidden_size=64,
+    return tiny_config(
+        "Qwen3MoeConfig",
+        vocab,
         intermediate_size=128,  # the dense layer's
         moe_intermediate_size=64,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
         num_experts=EXPERTS,
         num_experts_per_tok=TOP_K,
         norm_topk_prob=norm_topk_prob,  # False: Mixtral tests the renormalized weights
         mlp_only_layers=list(mlp_only_layers),  # (1,): a dense MLP between routed layers
-        max_position_embeddings=512,
         initializer_range=0.2,
         tie_word_embeddings=False,
     )
@@ -396,27 +366,22 @@ GPT_OSS_HEAD_DIM = 64
 
 
 def gpt_oss_config(vocab: int, truncate: bool = False, **fields: Any) -> Any:
-    from transformers import GptOssConfig
-
-    return GptOssConfig(
+    return tiny_config(
+        "GptOssConfig",
+        vocab,
         **{
-            "vocab_size": vocab,
-            "hidden_size": 64,
             "intermediate_size": 96,
             "num_hidden_layers": len(LAYER_TYPES),
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
             "head_dim": GPT_OSS_HEAD_DIM,
             "num_local_experts": EXPERTS,
             "num_experts_per_tok": TOP_K,
             "sliding_window": GEMMA3_WINDOW,
-            "layer_types": LAYER_TYPES,
-            "max_position_embeddings": 512,  # factor x original: no warning
+            "layer_types": LAYER_TYPES,  # TINY's 512 positions: YaRN's factor x original
             "swiglu_limit": GPT_OSS_LIMIT,  # small: the random activations reach it
             "initializer_range": 0.2,
             "rope_parameters": YARN | {"truncate": truncate},
         }
-        | fields
+        | fields,
     )
 
 
