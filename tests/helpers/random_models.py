@@ -25,11 +25,11 @@ from server_process import API_KEY, ServerProcess
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
-from appliance.engine.shard_loading import load_shard
+from appliance.engine.shard_loading import ShardParts, load_shard
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.model.loader import prepare_model
 from appliance.model.tensor_parallel import Shard
-from appliance.settings.config import load_settings
+from appliance.settings.config import Settings, load_settings
 
 LOGIT_TOLERANCE = 1e-3  # float32 prefill logits, ours against transformers'
 
@@ -245,6 +245,19 @@ def sharded_prefill_logits(
     settings = load_settings(
         model=model, dtype="float32", device="cpu", kv={"num_blocks": 64}, prefill_tp=size
     )
+    hidden, first = sharded_prefill(settings, whole, prompts, size)
+    logits = first.model.logits(hidden[0])
+    return list(logits.split([len(p) for p in prompts]))
+
+
+def sharded_prefill(
+    settings: Settings, whole: LLMEngine, prompts: list[list[int]], size: int
+) -> tuple[list[torch.Tensor], ShardParts]:
+    """One batched prefill of `prompts` by `size` tensor-parallel shards of the model
+    `settings` name, run as lockstep threads of this process summing through a
+    LockstepSum: every rank's hidden states ([tokens of all prompts, hidden]) and the
+    first shard (for its logits). `whole` (our engine of the same model) lays out the
+    step."""
     summed = LockstepSum(size)
     parts = [load_shard(settings, Shard(r, size), summed.for_rank(r)) for r in range(size)]
     seqs = [Sequence(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
@@ -269,8 +282,7 @@ def sharded_prefill_logits(
         thread.start()
     for thread in threads:
         thread.join()
-    first = hidden[0]
-    if first is None:
-        raise RuntimeError("shard 0 computed nothing (see the thread's traceback)")
-    logits = parts[0].model.logits(first)
-    return list(logits.split([len(p) for p in prompts]))
+    done = [h for h in hidden if h is not None]
+    if len(done) < size:
+        raise RuntimeError("a shard computed nothing (see the thread's traceback)")
+    return done, parts[0]

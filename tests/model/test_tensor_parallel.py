@@ -11,17 +11,16 @@ import asyncio
 import os
 import signal
 import subprocess
-import threading
 
 import pytest
 import torch
+from random_models import sharded_prefill
 from runtime_runs import QUESTIONS, cpu_topology, run_all, wait_all_free
 
 from appliance.api import Appliance
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
-from appliance.engine.shard_loading import load_shard
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.handoff import KVShard, copy_between_shards
 from appliance.model.quant import quantize
@@ -67,24 +66,6 @@ def test_more_shards_than_kv_heads_is_refused() -> None:
 # --- shards add up to the whole model --------------------------------------------------
 
 
-class LockstepSum:
-    """An all-reduce for shards run as threads of this process: each waits for all."""
-
-    def __init__(self, size: int) -> None:
-        self.parts: list[torch.Tensor | None] = [None] * size
-        self.barrier = threading.Barrier(size, timeout=60)
-
-    def for_rank(self, rank: int):
-        def reduce(x: torch.Tensor) -> torch.Tensor:
-            self.parts[rank] = x.clone()
-            self.barrier.wait()
-            total = sum(self.parts[1:], self.parts[0].clone())  # same order on every rank
-            self.barrier.wait()
-            return x.copy_(total)
-
-        return reduce
-
-
 def shard_hidden_states(
     size: int, prompts: list[list[int]], engine: LLMEngine, weights: str, gemm: str = "auto"
 ) -> torch.Tensor:
@@ -97,29 +78,7 @@ def shard_hidden_states(
         prefill_tp=size,
         prefill_gemm=gemm,
     )
-    summed = LockstepSum(size)
-    parts = [load_shard(settings, Shard(r, size), summed.for_rank(r)) for r in range(size)]
-    seqs = [Sequence(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
-    start = 0
-    for seq in seqs:  # the same blocks in every shard's pool
-        count = blocks_for_tokens(len(seq), 16)
-        seq.block_table = list(range(start, start + count))
-        start += count
-    out = SchedulerOutput(prefills=[ScheduledChunk(s, len(s)) for s in seqs])
-    inputs = engine.runner.prepare(out)
-    results: list[torch.Tensor | None] = [None] * size
-
-    def run(rank: int) -> None:
-        shard = parts[rank]
-        results[rank] = shard.model(
-            inputs.input_ids, inputs.positions, inputs.attention, shard.kv.tensor
-        )
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results, _ = sharded_prefill(settings, engine, prompts, size)
     assert all(torch.equal(results[0], r) for r in results[1:])  # replicated after reduce
     return results[0]
 
