@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     from appliance.bench.cli import add_parser as add_bench_parser
+    from appliance.cluster.certs_cli import add_parser as add_certs_parser
     from appliance.model.hub_cli import add_parser as add_hub_parser
     from appliance.planner.plan_cli import add_parser as add_plan_parser
     from appliance.planner.profile_cli import add_parser as add_profile_parser
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(commands)
     add_plan_parser(commands)
     add_hub_parser(commands)
+    add_certs_parser(commands)
     return parser
 
 
@@ -89,6 +91,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def agent(args: argparse.Namespace) -> int:
     import logging
+    import ssl
     from multiprocessing import AuthenticationError
 
     from appliance.cluster.agent import REFUSED_EXIT, BoxRefused, run_agent
@@ -100,6 +103,11 @@ def agent(args: argparse.Namespace) -> int:
         return run_agent(settings)
     except AuthenticationError:
         reason = f"the head at {settings.cluster.head} refused this box: its cluster secret differs"
+    except ssl.SSLError as error:  # a certificate of another CA, or not fit for its role
+        reason = (
+            f"no TLS link with the head at {settings.cluster.head}: {error} (the head and "
+            "this box need certificates of the same `appliance certs` CA)"
+        )
     except (BoxRefused, MissingNixl) as refusal:
         reason = str(refusal)
     # Not ValueError's exit 2: a head not up yet or a device error at boot is worth a
@@ -169,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             from appliance.planner.plan_cli import run as run_plan
 
             return run_plan(args)
-        if hasattr(args, "run"):  # pull, models
+        if hasattr(args, "run"):  # pull, models, certs
             return int(args.run(args))
         commands = {"serve": serve, "console": console, "generate": generate, "agent": agent}
         return commands[args.command](args)

@@ -1,19 +1,18 @@
-"""`appliance agent`: a box that lends its devices to a head. It joins the head (the
-shared secret proves it may), offers its devices, starts a worker process for each
-SpawnWorker (the worker then talks to the head itself), and says when one exits. When
-the head goes away the agent exits, and its workers with it; systemd brings it back and
-it joins again."""
+"""`appliance agent`: a box that lends its devices to a head. It joins the head (over
+TLS with the box's certificate of the cluster's CA, and the shared secret), offers its
+devices, starts a worker process for each SpawnWorker (the worker then talks to the head
+itself), and says when one exits. When the head goes away the agent exits, and its
+workers with it; systemd brings it back and it joins again."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import socket
-from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
-from appliance.cluster.channel import connect, read_secret
-from appliance.cluster.interfaces import local_ip, with_interface
+from appliance.cluster.channel import Link, connect, read_secret
+from appliance.cluster.interfaces import with_interface
 from appliance.cluster.messages import (
     AgentHello,
     KillWorker,
@@ -22,6 +21,7 @@ from appliance.cluster.messages import (
     WorkerExited,
 )
 from appliance.cluster.remote_worker import run_remote_worker
+from appliance.cluster.tls import box_context
 from appliance.kv.remote import require_nixl
 from appliance.settings.config import Settings
 from appliance.topology.discovery import discover_box
@@ -46,21 +46,25 @@ class Agent:
         require_nixl()
         self.settings = settings
         self.secret = read_secret(cluster.secret_file)
+        self.context = box_context(cluster)  # its files checked before anything starts
         self.box = cluster.box or socket.gethostname()
         self.topology = discover_box(
             settings.device, settings.cpu_devices, settings.cpu_share_cores
         )
         self.workers: dict[int, BaseProcess] = {}
         self._ctx = multiprocessing.get_context("spawn")
-        self._head: Connection | None = None
+        self._head: Link | None = None
         self._interface = ""  # the KV transfer's interface on this box (join() finds it)
 
     def join(self) -> None:
         """Connect to the head and offer this box's devices."""
         cluster = self.settings.cluster
-        self._head = connect(cluster.head, self.secret, JOIN_TIMEOUT_S, cluster.address)
+        self._head = connect(
+            cluster.head, self.secret, self.context, JOIN_TIMEOUT_S, cluster.address
+        )
+        self._head.accepts = (SpawnWorker, KillWorker, Refused)  # all a head tells an agent
         # This box's own if set, else the one it reaches the head from.
-        self._interface = with_interface(cluster, local_ip(self._head)).interface
+        self._interface = with_interface(cluster, self._head.local_ip()).interface
         self._head.send(AgentHello(self.box, self.topology.devices, cluster.pool))
         names = ", ".join(d.name for d in self.topology.devices)
         log.info("joined %s as box %r with %s (%s)", cluster.head, self.box, names, cluster.pool)
@@ -70,11 +74,11 @@ class Agent:
         head = self._head
         assert head is not None, "join() first"
         while True:
-            if wait([head], timeout=WATCH_S):
+            if head.poll(WATCH_S):
                 try:
                     message = head.recv()
-                except (EOFError, OSError):
-                    log.info("the head closed the connection: stopping")
+                except (EOFError, OSError) as error:  # WireError too: a frame we do not take
+                    log.info("the link to the head ended (%s): stopping", error or "closed")
                     return
                 self._handle(message)
             self._report_exits()

@@ -1,12 +1,14 @@
 """The head's side of other boxes: it listens on `cluster.listen` for agents and for the
-workers they start, checks each caller holds the shared secret, keeps one link per agent,
-and stands in for remote worker processes (RemoteProcess) and their inboxes (RemoteInbox)
-so the process manager handles them as it handles its own.
+workers they start, takes only callers with a certificate of the cluster's CA that hold the
+shared secret (channel.py), keeps one link per agent, and stands in for remote worker
+processes (RemoteProcess) and their inboxes (RemoteInbox) so the process manager handles
+them as it handles its own. A caller speaks for the box its certificate names: an agent
+for that box alone, a worker only if that box's agent was asked to start it.
 
-Threads: one accepts, one per new connection runs the secret's challenge and reads the
-caller's hello (a caller that never answers the challenge holds only its own thread, and
-one that answers but says nothing is dropped after HELLO_TIMEOUT_S), one per agent reads
-what it reports. What the supervisor must act on is handed to its loop.
+Threads: one accepts, one per new connection runs TLS, the secret's challenge and reads
+the caller's hello, all within HELLO_TIMEOUT_S (a caller that stalls holds only its own
+thread until then), one per agent reads what it reports. What the supervisor must act on
+is handed to its loop.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
-from appliance.cluster.channel import keep_alive, read_secret, set_read_timeout, socket_of
+from appliance.cluster.channel import Link, accept, read_secret
 from appliance.cluster.messages import (
     AgentHello,
     KillWorker,
@@ -31,13 +32,15 @@ from appliance.cluster.messages import (
     WorkerExited,
     WorkerHello,
 )
+from appliance.cluster.tls import head_context
+from appliance.cluster.wire import FROM_WORKER, HELLOS
 from appliance.core.roles import Role
 from appliance.settings.cluster import ClusterSettings, host_port
 from appliance.settings.config import Settings
 from appliance.topology.devices import Device
 
 log = logging.getLogger("appliance.cluster")
-HELLO_TIMEOUT_S = 10.0  # a caller must prove the secret and say hello within this
+HELLO_TIMEOUT_S = 10.0  # a caller must finish TLS, prove the secret and say hello within this
 MAX_GREETINGS = 64  # callers proving the secret at once; more are turned away
 ACCEPT_RETRY_S = 0.5
 LOST = -1  # the exit code a remote worker gets when its box is lost
@@ -82,14 +85,14 @@ class Sender:
     def put(self, message: object) -> None:
         self._queue.put(message)
 
-    def attach(self, connection: Connection) -> None:
+    def attach(self, connection: Link) -> None:
         self._thread = threading.Thread(target=self._send, args=(connection,), daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         self._queue.put(_CLOSE)
 
-    def _send(self, connection: Connection) -> None:
+    def _send(self, connection: Link) -> None:
         while (message := self._queue.get()) is not _CLOSE:
             try:
                 connection.send(message)
@@ -110,7 +113,7 @@ class AgentLink:
     box: str
     devices: tuple[Device, ...]
     pool: str
-    connection: Connection
+    connection: Link
     processes: dict[int, RemoteProcess] = field(default_factory=dict)
     inboxes: dict[int, RemoteInbox] = field(default_factory=dict)
     lost: bool = False
@@ -127,8 +130,7 @@ class AgentLink:
         """Mark the link lost and end it (its reader then reports the box lost)."""
         self.lost = True
         self.sender.close()
-        with contextlib.suppress(OSError), socket_of(self.connection) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
+        self.connection.shutdown()
 
 
 class ClusterHead:
@@ -142,11 +144,12 @@ class ClusterHead:
         self,
         settings: ClusterSettings,
         call: Callable[..., object],
-        joined: Callable[[AgentHello, Connection], None],
+        joined: Callable[[AgentHello, Link], None],
         lost: Callable[[str], None],
-        attach: Callable[[int, Connection], None],
+        attach: Callable[[int, Link], None],
     ) -> None:
         self.secret = read_secret(settings.secret_file)
+        self.context = head_context(settings)  # before anything listens: a bad file fails here
         self.address = host_port(settings.listen)
         self.agents: dict[str, AgentLink] = {}
         self._call, self._joined, self._lost, self._attach = call, joined, lost, attach
@@ -175,8 +178,9 @@ class ClusterHead:
             agent = self.agents.get(box)
             return agent is not None and not agent.lost
 
-    def admit(self, hello: AgentHello, connection: Connection) -> None:
+    def admit(self, hello: AgentHello, connection: Link) -> None:
         """Take a box that joined: its link replaces any old one, and is read from now."""
+        connection.accepts = (WorkerExited,)  # all an agent reports
         agent = AgentLink(hello.box, hello.devices, hello.pool, connection)
         with self._lock:
             old = self.agents.get(hello.box)
@@ -188,7 +192,7 @@ class ClusterHead:
             old.drop()
         threading.Thread(target=self._read_agent, args=(agent,), daemon=True).start()
 
-    def refuse(self, connection: Connection, reason: str) -> None:
+    def refuse(self, connection: Link, reason: str) -> None:
         """Turn a box that joined away (its agent exits); a link it had stays as it is."""
         threading.Thread(target=_say_and_close, args=(connection, Refused(reason))).start()
 
@@ -228,47 +232,51 @@ class ClusterHead:
             threading.Thread(target=self._greet, args=(sock,), daemon=True).start()
 
     def _greet(self, sock: socket.socket) -> None:
-        """The secret's challenge both ways, then the caller's hello, all within
+        """TLS, the secret's challenge both ways, then the caller's hello, all within
         HELLO_TIMEOUT_S (a read past it fails)."""
-        keep_alive(sock)
-        set_read_timeout(sock, HELLO_TIMEOUT_S)
         peer = sock.getpeername()[0]
-        connection = Connection(sock.detach())
         try:
-            deliver_challenge(connection, self.secret)
-            answer_challenge(connection, self.secret)
-            if not connection.poll(HELLO_TIMEOUT_S):
-                raise TimeoutError("no hello")
+            connection = accept(sock, self.secret, self.context, HELLO_TIMEOUT_S)
+            connection.accepts = HELLOS
             hello = connection.recv()
-            with socket_of(connection) as open_socket:  # from now on it may idle
-                set_read_timeout(open_socket, 0)
-        except Exception as error:  # a wrong secret, a silent or garbled caller
-            log.warning("refused a connection to the cluster port: %s", error or "no secret")
-            connection.close()
+            sock.settimeout(None)  # from now on it may idle
+        except Exception as error:  # no certificate of ours, a wrong secret, a garbled caller
+            log.warning("refused a connection to the cluster port from %s: %s", peer, error)
+            sock.close()
             return
         finally:
             self._greeting.release()
         match hello:
+            case AgentHello() if hello.box != connection.peer:
+                log.warning(
+                    "refused box %r from %s: its certificate is %r's",
+                    hello.box,
+                    peer,
+                    connection.peer,
+                )
+                reason = f"its certificate names box {connection.peer!r}, not {hello.box!r}"
+                self.refuse(connection, reason)
             case AgentHello():
                 log.info("box %r joins from %s", hello.box, peer)
                 self._call(self._joined, hello, connection)  # which admits or refuses it
             case WorkerHello():
                 self._worker_connected(hello, connection)
-            case _:
-                connection.close()
 
-    def _worker_connected(self, hello: WorkerHello, connection: Connection) -> None:
+    def _worker_connected(self, hello: WorkerHello, connection: Link) -> None:
         with self._lock:
             found = [
                 (a.processes[hello.worker_id], a.inboxes[hello.worker_id])
                 for a in self.agents.values()
-                if hello.worker_id in a.inboxes
+                if hello.worker_id in a.inboxes and a.box == connection.peer
             ]
         if not found:
-            connection.close()  # a worker the head did not ask for (or forgot: it exited)
+            # A worker the head did not ask this box for (or forgot: it exited).
+            log.warning("refused worker %d from box %r", hello.worker_id, connection.peer)
+            connection.close()
             return
         [(process, inbox)] = found
         process.pid = hello.pid
+        connection.accepts = FROM_WORKER
         self._attach(hello.worker_id, connection)
         inbox.attach(connection)
 
@@ -298,7 +306,7 @@ class ClusterHead:
             self._call(self._lost, agent.box)
 
 
-def _say_and_close(connection: Connection, message: object) -> None:
+def _say_and_close(connection: Link, message: object) -> None:
     with contextlib.suppress(OSError, ValueError):
         connection.send(message)
     connection.close()

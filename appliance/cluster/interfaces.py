@@ -8,7 +8,6 @@ import fcntl
 import ipaddress
 import socket
 import struct
-from multiprocessing.connection import Connection
 
 from appliance.settings.cluster import ClusterSettings
 
@@ -26,15 +25,6 @@ def interface_of(ip: str) -> str | None:
         if address == ip or (loopback and ipaddress.ip_address(address).is_loopback):
             return name
     return None
-
-
-def local_ip(connection: Connection) -> str:
-    """The address this end of a connection talks from."""
-    with socket.socket(fileno=connection.fileno()) as sock:
-        try:
-            return str(sock.getsockname()[0])
-        finally:
-            sock.detach()  # the connection keeps its descriptor
 
 
 def _addresses() -> list[tuple[str, str]]:

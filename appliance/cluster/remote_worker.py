@@ -9,6 +9,8 @@ from typing import Any, cast
 
 from appliance.cluster.channel import ConnectionInbox, connect
 from appliance.cluster.messages import WorkerHello
+from appliance.cluster.tls import box_context
+from appliance.cluster.wire import TO_WORKER
 from appliance.core.roles import Role
 from appliance.settings.cluster import ClusterSettings
 from appliance.settings.config import Settings
@@ -30,10 +32,13 @@ def run_remote_worker(
 ) -> None:
     """Process entry point (spawned by the agent, dies with it); `cluster` is the agent's:
     where the head is, and the address to connect from."""
-    connection = connect(cluster.head, secret, CONNECT_TIMEOUT_S, cluster.address)
+    context = box_context(cluster)  # the box's certificate: the head knows it by it
+    connection = connect(cluster.head, secret, context, CONNECT_TIMEOUT_S, cluster.address)
+    connection.accepts = TO_WORKER
     connection.send(WorkerHello(worker_id, os.getpid()))
     inbox = ConnectionInbox(connection, Shutdown())
     try:
-        run_worker(worker_id, role, settings, devices, cast("Any", inbox), Outbox(connection))
+        outbox = Outbox(connection)
+        run_worker(worker_id, role, settings, devices, cast("Any", inbox), outbox)
     finally:
         connection.close()

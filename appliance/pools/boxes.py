@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
 
+from appliance.cluster.channel import Link
 from appliance.cluster.head import ClusterHead
 from appliance.cluster.interfaces import with_interface
 from appliance.cluster.messages import AgentHello
@@ -57,7 +57,7 @@ class Boxes:
         self.processes.cluster = self.head
         self.head.start()
 
-    def joined(self, hello: AgentHello, connection: Connection) -> None:
+    def joined(self, hello: AgentHello, connection: Link) -> None:
         """A box joined (or rejoined): a worker of its role on each of its devices, or,
         if it offers other devices than before, turned away."""
         assert self.head is not None
@@ -81,7 +81,7 @@ class Boxes:
             if index not in busy:
                 self._start(hello.pool, index)
 
-    def _refuse(self, hello: AgentHello, known: Sequence[Device], connection: Connection) -> None:
+    def _refuse(self, hello: AgentHello, known: Sequence[Device], connection: Link) -> None:
         """A known box offers other devices than when it first joined: its devices' numbers
         are taken here (workers, moves, the console refer to them), so it is turned away
         (a link it still has stays: this may be another machine claiming its name)."""

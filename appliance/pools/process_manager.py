@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from multiprocessing.connection import Connection
 from typing import Protocol
 
 import torch.multiprocessing as mp
@@ -24,7 +23,7 @@ from appliance.pools.worker_handle import Inbox, WorkerHandle, WorkerProcess
 from appliance.settings.config import Settings
 from appliance.topology.devices import Device, Topology
 from appliance.workers.messages import Shutdown, ToWorker
-from appliance.workers.outboxes import Outbox, OutboxReader
+from appliance.workers.outboxes import Outbox, OutboxReader, Pipe
 from appliance.workers.worker import run_worker
 
 WATCH_INTERVAL_S = 0.2  # how often worker processes are checked for being alive
@@ -147,7 +146,7 @@ class ProcessManager:
         self._reader.add(worker_id, receiving)
         return inbox, process
 
-    def attach(self, worker_id: int, connection: Connection) -> None:
+    def attach(self, worker_id: int, connection: Pipe) -> None:
         """A worker on another box dialled in: read its reports from that connection, on
         a thread of its own."""
         reader = self._reader.sibling()

@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 class ClusterSettings(BaseModel):
     """Boxes beyond the first. The head (`appliance serve`) listens for agents
-    (`appliance agent` on each other box); every connection must prove it holds the shared
-    secret. Inside a box the KV handoff stays shared memory / CUDA IPC."""
+    (`appliance agent` on each other box) over TLS with the cluster's own certificates;
+    every connection must prove it holds the shared secret. Inside a box the KV handoff
+    stays shared memory / CUDA IPC."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -29,7 +30,25 @@ class ClusterSettings(BaseModel):
         "challenge); required with listen or head. Make one with `head -c 32 /dev/urandom "
         "| base64 > secret` and copy it to each box.",
     )
-    box: str = Field("", description="On an agent: this box's name (default: the host name).")
+    ca_file: Path | None = Field(
+        None,
+        description="The cluster CA's certificate (`appliance certs` makes it): the link "
+        "between boxes is TLS, and a peer's certificate must be signed by this CA and no "
+        "other; required with listen or head.",
+    )
+    cert_file: Path | None = Field(
+        None,
+        description="This box's certificate from `appliance certs` (the head's on the head, "
+        "the box's own on an agent: it names the box); required with listen or head.",
+    )
+    key_file: Path | None = Field(
+        None, description="The private key of cert_file (keep it mode 0600 on its box)."
+    )
+    box: str = Field(
+        "",
+        description="On an agent: this box's name (default: the host name); it must be the "
+        "name its certificate carries.",
+    )
     address: str = Field(
         "",
         description="On an agent: the local address it and its workers connect to the head "

@@ -33,6 +33,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "cluster.address": ("--address",),
     "cluster.pool": ("--pool",),
     "cluster.secret_file": ("--secret-file",),
+    "server.ssl_certfile": ("--ssl-certfile",),
+    "server.ssl_keyfile": ("--ssl-keyfile",),
 }
 # Flags that set several settings at once: vLLM's one tensor-parallel size for both pools.
 FANOUT: dict[str, tuple[str, ...]] = {

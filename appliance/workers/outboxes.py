@@ -9,18 +9,31 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
-from typing import cast
+from multiprocessing.connection import wait
+from typing import Any, Protocol, cast
 
 from appliance.workers.messages import FromWorker
 
 WAKE_EVERY_S = 0.2  # how soon a newly added pipe is read
 
 
+class Pipe(Protocol):
+    """One worker's end of its messages: a multiprocessing Connection, or (a worker on
+    another box) its link to the head (appliance/cluster/channel.py's Link)."""
+
+    def send(self, obj: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+    def fileno(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class Outbox:
     """The worker's end: `put` sends one message."""
 
-    def __init__(self, connection: Connection) -> None:
+    def __init__(self, connection: Pipe) -> None:
         self._connection = connection
 
     def put(self, message: FromWorker) -> None:
@@ -35,7 +48,7 @@ class OutboxReader:
     ) -> None:
         self._deliver = deliver
         self._ends_when_empty = ends_when_empty  # the thread ends once its pipes have
-        self._pipes: dict[int, Connection] = {}  # worker id -> the reading end
+        self._pipes: dict[int, Pipe] = {}  # worker id -> the reading end
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -50,7 +63,7 @@ class OutboxReader:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def add(self, worker_id: int, connection: Connection) -> None:
+    def add(self, worker_id: int, connection: Pipe) -> None:
         with self._lock:
             self._pipes[worker_id] = connection
 
@@ -71,13 +84,14 @@ class OutboxReader:
                 pipes = {c: w for w, c in self._pipes.items()}
             if not pipes and self._ends_when_empty:
                 return
-            # `wait` returns those of the objects it was given that are ready: Connections
-            # here (typeshed widens its return to any waitable object).
-            ready = cast(list[Connection], wait(list(pipes), timeout=WAKE_EVERY_S))
+            # `wait` returns those of the objects it was given that are ready: pipes here
+            # (typeshed widens its return to any waitable object).
+            waiting: list[Any] = list(pipes)  # each has its fileno(), as wait needs
+            ready = cast(list[Pipe], wait(waiting, timeout=WAKE_EVERY_S))
             for connection in ready:
                 self._read(pipes[connection], connection)
 
-    def _read(self, worker_id: int, connection: Connection) -> None:
+    def _read(self, worker_id: int, connection: Pipe) -> None:
         try:
             message = connection.recv()
         except (EOFError, OSError):  # the worker exited: its pipe is done

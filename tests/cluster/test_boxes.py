@@ -5,7 +5,8 @@ Prompts prefill on the head; their KV crosses to box b through NIXL over TCP; gr
 outputs equal the single engine's. Killing the agent mid-load loses no request (the head's
 own decode worker takes them over); the box rejoins and takes work again; a third box
 (c, from 127.0.0.4) joining while requests stream takes work; a wrong secret is refused,
-as is a known box offering other devices than before.
+as is a box whose certificate is another cluster's, and a known box offering other
+devices than before. Each box has its certificate of the cluster's CA (conftest.py).
 Runs in file order: each test leaves the cluster as the next expects."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import Certs
 from server_process import API_KEY, ServerProcess, cluster_head, wait_until
 
 from appliance.bench.compare import free_port
@@ -46,8 +48,8 @@ THIRD_ADDRESS = "127.0.0.4"  # box c's
 class Cluster:
     """The head and the agents started against it."""
 
-    def __init__(self, head: ServerProcess, address: str, secret: Path) -> None:
-        self.head, self.address, self.secret = head, address, secret
+    def __init__(self, head: ServerProcess, address: str, secret: Path, certs: Certs) -> None:
+        self.head, self.address, self.secret, self.certs = head, address, secret, certs
         self.agents: list[subprocess.Popen] = []
 
     def agent(
@@ -56,11 +58,13 @@ class Cluster:
         secret: Path | None = None,
         address: str = BOX_ADDRESS,
         cpu_devices: str = "1",
+        certs: Certs | None = None,
     ) -> subprocess.Popen:
         command = [sys.executable, "-m", "appliance.cli", "agent", "--head", self.address]
         command += ["--box", box, "--pool", "decode", "--cpu-devices", cpu_devices]
         command += ["--address", address]
         command += ["--secret-file", str(secret or self.secret)]
+        command += (certs or self.certs).flags(box)
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.agents.append(process)
         return process
@@ -100,13 +104,14 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, certs: Certs) -> Iterator[Cluster]:
     assert nixl_available(), "NIXL is missing: ./install.sh --dev installs it"
     folder = tmp_path_factory.mktemp("cluster")
     address = f"127.0.0.2:{free_port()}"  # the head box's own address
-    head, secret = cluster_head(folder, address, APPLIANCE_CLUSTER__INTERFACE="lo")
+    more = {"APPLIANCE_CLUSTER__INTERFACE": "lo", **certs.env("head")}
+    head, secret = cluster_head(folder, address, **more)
     head.start()
-    running = Cluster(head, address, secret)
+    running = Cluster(head, address, secret, certs)
     yield running
     for agent in running.agents:
         if agent.poll() is None:
@@ -132,6 +137,7 @@ def all_blocks_free(cluster: Cluster) -> bool:
 
 
 def test_a_wrong_secret_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+    """Box stranger has its certificate of this cluster, but not the secret."""
     wrong = tmp_path / "wrong"
     wrong.write_text("not-the-secret-of-these-boxes\n")
     agent = cluster.agent("stranger", wrong)
@@ -139,6 +145,17 @@ def test_a_wrong_secret_is_refused(cluster: Cluster, tmp_path: Path) -> None:
     assert agent.returncode == 78, output  # a refusal: the unit does not restart it
     assert b"refused this box: its cluster secret differs" in output, output
     assert not cluster.on_box("stranger")
+
+
+def test_a_box_with_another_clusters_certificate_is_refused(
+    cluster: Cluster, other_certs: Certs
+) -> None:
+    agent = cluster.agent("b", certs=other_certs)  # the secret is right
+    output, _ = agent.communicate(timeout=60)
+    assert agent.returncode == 78, output
+    assert b"no TLS link with the head" in output and b"certificate verify failed" in output
+    assert b"refused a connection to the cluster port" in "".join(cluster.head.output).encode()
+    assert not cluster.on_box("b")
 
 
 def test_prefill_on_the_head_decode_on_box_b_equals_one_engine(

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
+from conftest import Certs
 from server_process import API_KEY, ServerProcess, cluster_head, wait_until
 
 from appliance.bench.compare import free_port
@@ -74,14 +75,16 @@ def namespace() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def boxes(namespace: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+def boxes(
+    namespace: str, tmp_path_factory: pytest.TempPathFactory, certs: Certs
+) -> Iterator[tuple]:
     folder = tmp_path_factory.mktemp("netns")
     listen = f"{HEAD_IP}:{free_port()}"  # its interface: the veth's head end
-    head, secret = cluster_head(folder, listen)
+    head, secret = cluster_head(folder, listen, **certs.env("head"))
     head.start()
     command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "appliance.cli"]
     command += ["agent", "--head", listen, "--box", "b", "--pool", "decode"]
-    command += ["--cpu-devices", "1", "--secret-file", str(secret)]
+    command += ["--cpu-devices", "1", "--secret-file", str(secret), *certs.flags("b")]
     agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         yield head, agent
