@@ -64,15 +64,21 @@ def test_the_dry_run_passes_every_section(tmp_path: Path) -> None:
     )
 
 
-def test_the_paged_check_fails_on_a_corrupted_kv_cache(tmp_path: Path) -> None:
+def test_the_paged_check_fails_on_a_corrupted_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its bounds are loose enough for bfloat16 on every CPU; this shows they are not too
-    loose to see 16 zeroed keys of one block."""
-    out = tmp_path / "fault.json"
-    proc = run_check(
-        "--dry-run", "--out", str(out), "--sections", "paged_bf16", "--inject-fault", timeout=300
-    )
-    section = json.loads(out.read_text())["sections"]["paged_bf16"]
-    assert proc.returncode == 1 and section["status"] == "fail", section
+    loose to see 16 zeroed keys of one block. The section in this process, as its child
+    runs it (the dry run above runs it as a child; a failed section's exit status is the
+    timeout test's)."""
+    from gpu_sections import paged_bf16
+    from gpu_sections.scale import DRY
+
+    from appliance.model.layers import paged_attention as attention
+
+    # The section counts the attention calls by wrapping these: the wrappers go after it.
+    monkeypatch.setattr(attention, "_prefill", attention._prefill)
+    monkeypatch.setattr(attention, "_decode", attention._decode)
+    section = paged_bf16.section_paged_bf16(DRY._replace(inject_fault=True))
+    assert section["status"] == "fail", section
     rows_over = {kind: got["rows_over_bound"] for kind, got in section["engine_vs_float32"].items()}
     # The long prompt's rows after its first chunk, the prompt that reuses that block, and
     # the long prompt's decodes read the zeroed keys; the short prompts never do.
@@ -100,10 +106,11 @@ def test_a_section_past_its_timeout_is_killed_and_recorded(tmp_path: Path) -> No
     assert sections["handoff"]["status"] in ("pass", "timeout")  # ran after it, all the same
 
 
-def test_wheels_are_pinned_to_what_is_installed_here() -> None:
-    proc = run_check("--wheels", timeout=60)
-    lines = proc.stdout.split()
-    assert proc.returncode == 0
+def test_wheels_are_pinned_to_what_is_installed_here(capsys: pytest.CaptureFixture[str]) -> None:
+    import gpu_check  # the script's own main, in this process: --wheels starts nothing
+
+    assert gpu_check.main(["--wheels"]) == 0
+    lines = capsys.readouterr().out.split()
     assert {"gguf", "pydantic", "pydantic-core", "pydantic-settings"} <= {
         line.split("==")[0] for line in lines
     }
