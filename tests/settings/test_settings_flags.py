@@ -178,14 +178,15 @@ def test_version_and_a_quick_help() -> None:
     assert out.stdout.strip() == "False"
 
 
-def serve_with_a_file(tmp_path: Path, before: bool) -> None:
+@pytest.mark.process
+def test_serve_reads_its_config_file_given_before_the_subcommand(tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "appliance.toml"
     config.write_text(
         f'port = {port}\nmode = "colocated"\ncpu_devices = 1\n'
         f'[kv]\nmemory_mb = 32\n[admin]\ntoken_file = "{tmp_path / "admin.token"}"\n'
     )
-    args = ("--config", str(config), "serve") if before else ("serve", "--config", str(config))
+    args = ("--config", str(config), "serve")
     server = ServerProcess({}, port=port, args=args, port_in_env=False, split_unless_named=False)
     server.start()
     try:
@@ -202,14 +203,23 @@ def serve_with_a_file(tmp_path: Path, before: bool) -> None:
         assert server.stop() == 0
 
 
-@pytest.mark.process
-def test_serve_reads_its_config_file_given_before_the_subcommand(tmp_path: Path) -> None:
-    serve_with_a_file(tmp_path, before=True)
-
-
-@pytest.mark.process
-def test_serve_reads_its_config_file_given_after_the_subcommand(tmp_path: Path) -> None:
-    serve_with_a_file(tmp_path, before=False)
+def test_serve_runs_on_the_same_settings_with_its_config_file_after_the_subcommand(
+    tmp_path: Path,
+) -> None:
+    """`serve` runs on `settings_of(args)` alone: the file's settings are the same where
+    the --config stands, so the served run above shows the file after it too."""
+    config = tmp_path / "appliance.toml"
+    config.write_text('port = 1234\nmode = "colocated"\ncpu_devices = 1\n[kv]\nmemory_mb = 32\n')
+    parser = build_parser()
+    before = settings_of(parser.parse_args(["--config", str(config), "serve"]))
+    after = settings_of(parser.parse_args(["serve", "--config", str(config)]))
+    assert after == before
+    assert (after.port, after.mode, after.cpu_devices, after.kv.memory_mb) == (
+        1234,
+        "colocated",
+        1,
+        32,
+    )
 
 
 def test_a_chat_template_is_read_from_its_file_once(tmp_path: Path) -> None:
