@@ -113,6 +113,25 @@ class ServerProcess:
             return self.process.wait()
 
 
+def admin_split_server(folder: Path, devices: int, **more: str) -> ServerProcess:
+    """A split server for the tests that kill its workers, not yet started: `devices` CPU
+    devices sharing the cores, prefill on device 0 and decode on the others, a 64 MB KV
+    pool, its admin token in `folder` (worker_faults.state reads it); `more` adds
+    settings. Each such test module starts its own: their assertions count restarts and
+    leave a device failed, which a shared server would carry into the next module."""
+    token_file = folder / "admin.token"
+    env = {
+        "APPLIANCE_CPU_DEVICES": str(devices),
+        "APPLIANCE_CPU_SHARE_CORES": "true",
+        "APPLIANCE_PREFILL_DEVICES": "0",
+        "APPLIANCE_DECODE_DEVICES": ",".join(str(d) for d in range(1, devices)),
+        "APPLIANCE_KV__MEMORY_MB": "64",
+        "APPLIANCE_ADMIN__TOKEN_FILE": str(token_file),
+        **more,
+    }
+    return ServerProcess(env, admin_token_file=token_file)
+
+
 def cluster_head(folder: Path, listen: str, **more: str) -> tuple[ServerProcess, Path]:
     """A head for the tests with boxes, not yet started, and its cluster secret: prefill
     on device 0 and decode on device 1 of two one-core devices, listening for agents on

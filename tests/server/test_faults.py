@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from server_process import ServerProcess, wait_until
+from server_process import ServerProcess, admin_split_server, wait_until
 from worker_faults import state, stop_holding_requests
 
 from appliance.model.loader import model_name
@@ -31,20 +31,10 @@ RESTART_BOUND_S = 120.0
 
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    token_file = tmp_path_factory.mktemp("faults") / "admin.token"
-    process = ServerProcess(
-        {
-            "APPLIANCE_CPU_DEVICES": "3",
-            "APPLIANCE_CPU_SHARE_CORES": "true",
-            "APPLIANCE_PREFILL_DEVICES": "0",
-            "APPLIANCE_DECODE_DEVICES": "1,2",
-            "APPLIANCE_KV__MEMORY_MB": "64",
-            "APPLIANCE_SERVER__MAX_CONCURRENT_REQUESTS": "64",
-            "APPLIANCE_ADMIN__TOKEN_FILE": str(token_file),
-        }
-    )
+    """1 prefill + 2 decode workers, room for every client's stream at once."""
+    folder = tmp_path_factory.mktemp("faults")
+    process = admin_split_server(folder, 3, APPLIANCE_SERVER__MAX_CONCURRENT_REQUESTS="64")
     process.start()
-    process.admin_token_file = token_file
     yield process
     process.stop()
 

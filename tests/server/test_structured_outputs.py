@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 from openai import OpenAI
-from server_process import API_KEY, ServerProcess, wait_until
+from server_process import API_KEY, ServerProcess, admin_split_server, wait_until
 from tests_root import DATA
 from worker_faults import state, stop_holding_requests
 
@@ -228,19 +228,8 @@ def test_two_constraints_at_once_are_refused(client: OpenAI) -> None:
 @pytest.fixture(scope="module")
 def crash_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """1 prefill + 1 decode worker, the admin token in a file: its decode worker is killed."""
-    token_file = tmp_path_factory.mktemp("structured") / "admin.token"
-    process = ServerProcess(
-        {
-            "APPLIANCE_CPU_DEVICES": "2",
-            "APPLIANCE_CPU_SHARE_CORES": "true",
-            "APPLIANCE_PREFILL_DEVICES": "0",
-            "APPLIANCE_DECODE_DEVICES": "1",
-            "APPLIANCE_KV__MEMORY_MB": "64",
-            "APPLIANCE_ADMIN__TOKEN_FILE": str(token_file),
-        }
-    )
+    process = admin_split_server(tmp_path_factory.mktemp("structured"), 2)
     process.start()
-    process.admin_token_file = token_file
     yield process
     process.stop()
 
