@@ -22,7 +22,7 @@ from appliance.engine.structured.masks import GrammarMasks
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache
 from appliance.kv.handoff import CopyStreams, HandoffCopy, KVShard, PendingCopies, start_copy
-from appliance.kv.remote import Copies, RemoteSource, TransferError
+from appliance.kv.remote import Copies, RemoteSource, TransferError, check_source_dtype
 from appliance.model.causal_lm import CausalLM
 from appliance.model.tensor_parallel import Shard
 from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -196,6 +196,7 @@ class LLMEngine:
         CUDA at a later step (or admit_copied); pop_landed says which have. Release the
         source blocks only then. A read from another box that fails frees the request
         (pop_failed_copies says which): prefill it again."""
+        check_source_dtype(source, self.kv.tensor.dtype)  # moved as stored: one dtype
         if len(self.scheduler.running) + len(self._copies) >= self.scheduler.limits.max_num_seqs:
             return None
         seq = self._new_sequence(list(token_ids), params)

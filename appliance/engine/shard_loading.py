@@ -10,7 +10,7 @@ from types import MappingProxyType
 import torch
 
 from appliance.engine.kv_pool_sizing import pool_blocks
-from appliance.kv.cache import KVCache, KVLayout
+from appliance.kv.cache import KVCache, KVLayout, resolve_kv_dtype
 from appliance.model import cpu_kernels
 from appliance.model.causal_lm import CausalLM
 from appliance.model.decode_step import CompiledDecode, compiled_problem
@@ -173,8 +173,11 @@ def load_shard(
     )
     if quantized:
         use_gemm_dtype(model, cpu_kernels.prefill_gemm_dtype(settings.prefill_gemm))
+    kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, dtype, device)
+    if kv_dtype != dtype:
+        model.decode_step = None  # the compiled step reads and writes K/V in one dtype
     largest = KVLayout(
-        cfg.num_layers, settings.kv.block_size, len(kv_heads[0]), cfg.head_dim, dtype
+        cfg.num_layers, settings.kv.block_size, len(kv_heads[0]), cfg.head_dim, kv_dtype
     )
     own = replace(largest, num_kv_heads=len(kv_heads[shard.rank]))
     num_blocks = pool_blocks(settings, model, largest, own, max_len, shard, all_reduce)

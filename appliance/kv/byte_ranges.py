@@ -29,6 +29,7 @@ class PoolShape:
     head_dim: int
     elem_size: int  # bytes per element
     head_start: int = 0
+    dtype: str = ""  # the elements' type by name ("bfloat16"); "" where not told
 
     def __post_init__(self) -> None:
         sizes = (self.layers, self.blocks, self.block_size, self.heads, self.head_dim)
@@ -74,7 +75,7 @@ def copy_ranges(
 ) -> list[ByteRange]:
     """The byte ranges that make dst[:, :, dst_ids] = src[:, :, src_ids] for the heads
     both pools hold, adjacent ranges merged. ValueError when the pools cannot meet (other
-    layers, block size or head size, element size) or an id is out of range."""
+    layers, block size or head size, element size or type) or an id is out of range."""
     _check_meet(src, dst)
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"copying {len(src_ids)} blocks into {len(dst_ids)}")
@@ -135,6 +136,12 @@ def _check_meet(src: PoolShape, dst: PoolShape) -> None:
             raise ValueError(
                 f"KV pools differ in {name}: {getattr(src, name)} vs {getattr(dst, name)}"
             )
+    # Bytes move as stored: a bfloat16 pool into a float16 one would read as other numbers.
+    if src.dtype and dst.dtype and src.dtype != dst.dtype:
+        raise ValueError(
+            f"KV pools differ in dtype: {src.dtype} vs {dst.dtype}; give every worker the "
+            "same kv_cache_dtype (and dtype)"
+        )
 
 
 def _check_ids(ids: Sequence[int], blocks: int, side: str) -> None:

@@ -8,6 +8,26 @@ import torch
 
 from appliance.kv.block_allocator import BlockAllocator
 
+# kv_cache_dtype's explicit choices (settings/config.py); "auto" is the activations' dtype.
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_dtype(name: str, activations: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a worker's KV pool keeps K/V in, for the kv_cache_dtype setting `name`:
+    'auto' is the activations' dtype. Elsewhere than the CPU only that one is taken: the
+    Triton attention reads K/V in the queries' dtype (ValueError naming the setting)."""
+    if name == "auto":
+        return activations
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r} is not one of auto, {', '.join(KV_DTYPES)}")
+    dtype = KV_DTYPES[name]
+    if device.type != "cpu" and dtype != activations:
+        raise ValueError(
+            f"kv_cache_dtype={name}: on {device.type} the KV cache is kept in the "
+            f"activations' dtype ({str(activations).removeprefix('torch.')}); use auto"
+        )
+    return dtype
+
 
 @dataclass(frozen=True)
 class KVLayout:

@@ -181,7 +181,8 @@ def _heads(shard: KVShard, first: int, last: int) -> torch.Tensor:
 def copy_blocks(
     src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]
 ) -> int:
-    """dst[:, :, dst_ids] = src[:, :, src_ids] for pools [layers, 2, blocks, ...]; returns bytes.
+    """dst[:, :, dst_ids] = src[:, :, src_ids] for pools [layers, 2, blocks, ...] of one
+    dtype, the bytes as stored (ValueError for pools of two dtypes); returns bytes.
 
     Across GPUs this is one device-to-device copy (over NVLink where peer access exists),
     on the current streams (start_copy makes its side streams current).
@@ -190,6 +191,13 @@ def copy_blocks(
         raise ValueError(f"copying {len(src_ids)} blocks into {len(dst_ids)}")
     if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
         raise ValueError(f"KV pools differ in layout: {tuple(src.shape)} vs {tuple(dst.shape)}")
+    if src.dtype != dst.dtype:
+        # The blocks move as stored: converting would round (or widen) the prefill's K/V
+        # into other numbers than the colocated answer reads; the pools' settings differ.
+        raise ValueError(
+            f"KV pools differ in dtype: {_name(src.dtype)} vs {_name(dst.dtype)}; give "
+            "every worker the same kv_cache_dtype (and dtype)"
+        )
     with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
         # One strided copy per run of consecutive ids on both sides: a single pass over
         # the bytes, where index_select + index_copy_ would make two and a temporary.
@@ -200,6 +208,10 @@ def copy_blocks(
                 src[:, :, src_start : src_start + length], non_blocking=True
             )
     return len(src_ids) * src[:, :, :1].numel() * src.element_size()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def peer_access(src: torch.device, dst: torch.device) -> bool:

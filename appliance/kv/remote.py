@@ -76,7 +76,9 @@ def pool_shape(tensor: torch.Tensor, head_start: int = 0) -> PoolShape:
             f"{tuple(tensor.shape)}"
         )
     layers, _, blocks, block_size, heads, head_dim = tensor.shape
-    return PoolShape(layers, blocks, block_size, heads, head_dim, tensor.element_size(), head_start)
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    size = tensor.element_size()
+    return PoolShape(layers, blocks, block_size, heads, head_dim, size, head_start, dtype)
 
 
 def ucx_environment(settings: ClusterSettings) -> dict[str, str]:
@@ -326,6 +328,24 @@ class RemoteSource:
             for pool in self.pools
         ]
         return Copies(reads)
+
+
+def check_source_dtype(source: list[KVShard] | RemoteSource, dtype: torch.dtype) -> None:
+    """Raises ValueError where a handoff's source pools keep K/V in another dtype than
+    `dtype` (the destination pool's): blocks move as stored, never converted, so a
+    mismatch (workers given different kv_cache_dtype or dtype) is refused before any
+    block is taken for it."""
+    want = str(dtype).removeprefix("torch.")
+    if isinstance(source, RemoteSource):
+        found = {pool.shape.dtype for pool in source.pools} - {""}
+    else:
+        found = {str(shard.tensor.dtype).removeprefix("torch.") for shard in source}
+    other = sorted(found - {want})
+    if other:
+        raise ValueError(
+            f"the handed-off KV is {', '.join(other)} and this pool keeps {want}: give "
+            "every worker the same kv_cache_dtype (and dtype)"
+        )
 
 
 @dataclass

@@ -275,7 +275,10 @@ def box_facts(settings: Settings, topology: Topology) -> BoxFacts:
     atoms = sum(len(d.cores) or 1 for d in local) if kind == "cpu" else len(local)
     explicit = {"float32": 4, "bfloat16": 2, "float16": 2}
     # "auto" on a CPU: float32 (the quantized kernels' activations, and CPUs without bf16).
-    value_bytes = explicit.get(settings.dtype, 4 if kind == "cpu" else 2)
+    # kv_cache_dtype, where set, is what the pool holds (auto: the activations' dtype).
+    value_bytes = explicit.get(
+        settings.kv_cache_dtype, explicit.get(settings.dtype, 4 if kind == "cpu" else 2)
+    )
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * value_bytes
     context = config.max_position_embeddings
     copy_speed = COPY_BYTES_PER_S[kind]
@@ -293,7 +296,8 @@ def box_facts(settings: Settings, topology: Topology) -> BoxFacts:
         handoff=HandoffCost(base_s=HANDOFF_BASE_S, per_byte_s=1 / copy_speed),
         host=HOST,
         assumptions=(
-            f"online: KV of {value_bytes} bytes a value (dtype {settings.dtype})",
+            f"online: KV of {value_bytes} bytes a value (dtype {settings.dtype}, "
+            f"kv_cache_dtype {settings.kv_cache_dtype})",
             f"online, not measured: a handoff {HANDOFF_BASE_S * 1e3:g} ms + bytes at "
             f"{copy_speed / 1e9:g} GB/s; host {HOST.per_step_s * 1e6:g} us a step, "
             f"{HOST.per_token_s * 1e6:g} us a streamed token",

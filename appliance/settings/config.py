@@ -186,6 +186,12 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations dtype; auto picks per device."
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="The dtype the KV cache keeps keys and values in (vLLM's name): auto "
+        "keeps the activations' dtype; bfloat16 on a float32 CPU worker holds twice the "
+        "tokens in the same bytes (rounded as written). On CUDA only the activations' dtype.",
+    )
     weights: Literal["auto", "dense", "quantized"] = Field(
         "auto",
         description="quantized multiplies a GGUF's block-format weights (Q4_0, Q4_1, Q8_0, "

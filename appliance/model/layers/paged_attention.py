@@ -13,6 +13,13 @@ included, as transformers' mask does: SDPA through its mask, the compiled CPU ke
 the Triton one by reading only those. Blocks that fall out of the window stay allocated:
 the cache holds every token of a sequence.
 
+The cache may keep K/V in another dtype than the activations (kv_cache_dtype: a bfloat16
+cache beside float32 activations on the CPU, half the bytes a decode step reads): K/V are
+rounded to it as stored, and read back widened to the queries' dtype (SDPA, the torch
+paths); decode on the compiled CPU kernel, which reads one dtype, reads the cache in place
+with the queries rounded to the cache's dtype and its output widened back (its sums are
+float32 either way).
+
 Attention sinks (gpt-oss): a learned logit per query head joins each softmax's
 denominator and adds no value, so a head may attend to "nothing". SDPA takes no such
 term: with sinks, prefill and decode run attend_with_sinks (the scores as one matrix,
@@ -73,10 +80,11 @@ def write_kv(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store the step's K/V [tokens, kv_heads, head_dim] into their cache slots."""
+    """Store the step's K/V [tokens, kv_heads, head_dim] into their cache slots, in the
+    cache's dtype (rounded, where it is narrower)."""
     # caches [num_blocks, block_size, kv_heads, head_dim] viewed as [slots, kv_heads, head_dim]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def rotate_and_store(
@@ -165,8 +173,8 @@ def _prefill(
         # Keys from the first one the chunk's first query sees (all, without a window).
         first = 0 if window is None else max(0, seg.context_len - seg.length - window + 1)
         if seg.context_len != seg.length:
-            k = _gather(k_cache, seg.block_table, seg.context_len)
-            v = _gather(v_cache, seg.block_table, seg.context_len)
+            k = _gather(k_cache, seg.block_table, seg.context_len).to(q.dtype)
+            v = _gather(v_cache, seg.block_table, seg.context_len).to(q.dtype)
         k, v = k[first:], v[first:]  # [keys, kv_heads, head_dim]
         # The chunk's query i sits at position context_len - length + i.
         q_pos = torch.arange(seg.context_len - seg.length, seg.context_len, device=q.device)
@@ -209,13 +217,16 @@ def _decode(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its cached keys: on the CPU by the compiled
-    kernel, which reads the cache in place; elsewhere (and without it, and with sinks,
+    kernel, which reads the cache in place (queries in another dtype than the cache's
+    rounded to it, the output widened back); elsewhere (and without it, and with sinks,
     which it has not) by SDPA or attend_with_sinks."""
-    if sinks is None and cpu_kernels.decode_takes(q, k_cache, v_cache):
+    rows = q if q.dtype == k_cache.dtype else q.to(k_cache.dtype)
+    if sinks is None and cpu_kernels.decode_takes(rows, k_cache, v_cache):
         tables, lens = group.block_tables, group.context_lens
-        return cpu_kernels.paged_decode(
-            q, k_cache, v_cache, tables, lens, scale, checked=True, window=window
+        out = cpu_kernels.paged_decode(
+            rows, k_cache, v_cache, tables, lens, scale, checked=True, window=window
         )
+        return out.to(q.dtype)
     return sdpa_decode(q, k_cache, v_cache, group, scale, window, sinks)
 
 
@@ -235,6 +246,7 @@ def sdpa_decode(
     # [decodes * max_blocks, block_size, kv_heads, head_dim] -> [decodes, ctx, kv_heads, head_dim]
     k = k_cache.index_select(0, tables.flatten()).view(decodes, -1, kv_heads, head_dim)
     v = v_cache.index_select(0, tables.flatten()).view(decodes, -1, kv_heads, head_dim)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a cache in another dtype: widened as read
     # The query heads sharing a KV head are that head's query rows: [decodes, kv_heads,
     # group, head_dim]. Plain multi-head SDPA over a few rows was 1.2-5x faster on the CPU
     # than one row per query head with enable_gqa, and than matmuls in 16-bit floats.
