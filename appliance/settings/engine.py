@@ -1,9 +1,12 @@
-"""The engine's sections of the settings model (appliance/settings/config.py): the KV pool and
-batching. Import them from appliance.settings.config, which re-exports them."""
+"""The engine's sections of the settings model (appliance/settings/config.py): the KV pool,
+batching and speculative decoding. Import them from appliance.settings.config, which
+re-exports them."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class KVSettings(BaseModel):
@@ -86,3 +89,38 @@ class BatchSettings(BaseModel):
         "measured on a GPU (benchmarks/gpu_check.py compares both): no GPU has run it, "
         "and capture costs start time and memory outside the KV pool's share.",
     )
+
+
+class SpeculativeSettings(BaseModel):
+    """Speculative decoding (vLLM's speculative_config names): a proposer drafts tokens,
+    one forward pass verifies them, and the answer is the one plain decoding gives
+    (greedy: token for token; sampling: the same distribution)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["off", "ngram"] = Field(
+        "off",
+        description="off: plain decoding. ngram: prompt lookup, no extra model: the "
+        "longest recent suffix found earlier in the prompt or output proposes what "
+        "followed it (pays where answers copy their input: summaries, quotes, code edits). "
+        "Requests with penalties, logit_bias, min_tokens still pending, structured "
+        "outputs or logprobs decode plainly.",
+    )
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=16, description="Most draft tokens one sequence verifies in one step."
+    )
+    prompt_lookup_min: int = Field(
+        2, ge=1, description="ngram: the shortest suffix that may propose a continuation."
+    )
+    prompt_lookup_max: int = Field(
+        5, ge=1, description="ngram: the longest suffix tried (the longest match wins)."
+    )
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeSettings:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"speculative.prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self

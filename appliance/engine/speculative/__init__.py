@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers guess the next tokens, one forward pass verifies them."""
