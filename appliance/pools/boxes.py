@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from appliance.cluster.channel import Link
+from appliance.cluster.channel import Link, read_secret
 from appliance.cluster.head import ClusterHead
 from appliance.cluster.interfaces import with_interface
 from appliance.cluster.messages import AgentHello
+from appliance.cluster.tls import head_context
 from appliance.core.events import EventLog
 from appliance.core.roles import Role
 from appliance.kv.remote import require_nixl
@@ -39,6 +40,8 @@ class Boxes:
         self.head: ClusterHead | None = None
         if settings.cluster.listen:  # before any worker starts: they take it with them
             require_nixl()
+            read_secret(settings.cluster.secret_file)  # a missing secret or TLS file fails
+            head_context(settings.cluster)  # here, not once the head's workers are up
             settings.cluster.interface = transfer_interface(settings.cluster)
 
     def start(self) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import pickle
 import queue
+import shutil
 import socket
 import ssl
 import threading
@@ -27,10 +28,11 @@ from server_process import wait_until
 from appliance.bench.compare import free_port
 from appliance.cluster import channel
 from appliance.cluster import messages as c
+from appliance.cluster.certs import CertError, make_certs
 from appliance.cluster.channel import Link, connect
 from appliance.cluster.head import ClusterHead
 from appliance.cluster.messages import AgentHello, Refused, SpawnWorker, WorkerExited
-from appliance.cluster.tls import box_context
+from appliance.cluster.tls import TlsSetupError, box_context, head_context
 from appliance.cluster.wire import AGENT_MESSAGES, MESSAGES, Codec
 from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams, StructuredOutput
@@ -403,3 +405,39 @@ def test_local_tensor_handles_never_leave_their_box() -> None:
         Codec(b"n" * 16).encode(m.PeerPool(0, [(0, b"a pickled shared-memory tensor")]))
     with pytest.raises(TypeError, match="is not a message between boxes"):
         Codec(b"n" * 16).encode(CreatesAFile(Path("x")))
+
+
+def test_the_tls_files_must_be_set_and_usable(certs: Certs) -> None:
+    with pytest.raises(TlsSetupError, match=r"cluster\.ca_file, cluster\.cert_file, cluster"):
+        box_context(ClusterSettings())
+    wrong_key = ClusterSettings(**{**certs.settings("b"), "key_file": certs.folder / "c.key"})
+    with pytest.raises(TlsSetupError, match=r"cluster\.cert_file .* cannot be used"):
+        box_context(wrong_key)
+    not_a_ca = ClusterSettings(**{**certs.settings("b"), "ca_file": certs.folder / "b.key"})
+    with pytest.raises(TlsSetupError, match=r"cluster\.ca_file .* is not a readable CA"):
+        head_context(not_a_ca)
+
+
+def test_certs_adds_boxes_to_its_ca_and_never_replaces_one(tmp_path: Path) -> None:
+    first = make_certs(tmp_path, ["b"])
+    assert [one.name for one in first] == ["head", "b"]
+    assert (tmp_path / "b.key").stat().st_mode & 0o777 == 0o600
+    ca = (tmp_path / "ca.crt").read_bytes()
+    [added] = make_certs(tmp_path, ["d"])  # later: the same CA signs box d
+    assert added.name == "d" and (tmp_path / "ca.crt").read_bytes() == ca
+    with pytest.raises(CertError, match="box 'b' has a certificate"):
+        make_certs(tmp_path, ["b"])
+    for bad in ("../x", "ca", "", "a b"):
+        with pytest.raises(CertError, match="is not a box name"):
+            make_certs(tmp_path, [bad])
+
+
+def test_a_box_added_later_joins(head: Head, certs: Certs, tmp_path: Path) -> None:
+    """`appliance certs` run again on the folder: box d's certificate is of the same CA."""
+    folder = tmp_path / "certs"
+    shutil.copytree(certs.folder, folder)
+    make_certs(folder, ["d"])
+    link = dial(head, Certs(folder), "d")
+    link.send(hello("d"))
+    got, _ = head.joined.get(timeout=10)
+    assert got.box == "d"
