@@ -146,7 +146,8 @@ def ready_line(state: ServerState, admin: AdminState) -> str:
     host = settings.host
     wildcard = host in WILDCARD_HOSTS
     local = WILDCARD_HOSTS.get(host, host)
-    base = f"http://{f'[{local}]' if ':' in local else local}:{port}"
+    scheme = "https" if settings.server.ssl_certfile is not None else "http"
+    base = f"{scheme}://{f'[{local}]' if ':' in local else local}:{port}"
     where = f"listening on all interfaces, {host} port {port}" if wildcard else ""
     if settings.api_key is not None:
         where = ", ".join(filter(None, [where, "send the API key"]))

@@ -5,8 +5,9 @@ Two rules, on every HTTP request (the page, /v1, /health, /metrics, /admin):
 
 - **Origin.** A browser names the page a request comes from in `Origin` (on every POST and
   on every cross-origin fetch). When present it must be the server's own origin, the
-  `http://` + `Host` the request was sent to, or one of the allowed origins: else 403. No
-  CORS headers are ever sent, so a browser never lets another site read an answer either.
+  scheme (`http://`, or `https://` with TLS) + `Host` the request was sent to, or one of
+  the allowed origins: else 403. No CORS headers are ever sent, so a browser never lets
+  another site read an answer either.
   A client that sends no Origin (curl, the openai client, the console) is not concerned.
 - **Host** (only on a loopback server without an API key). A page on evil.example whose
   name is re-pointed at 127.0.0.1 (DNS rebinding) talks to the server same-origin, Origin
@@ -64,12 +65,13 @@ def parse_origin(text: str) -> Origin | None:
     return Origin(scheme, parts.hostname.lower(), port or DEFAULT_PORTS[scheme])
 
 
-def parse_host(header: str) -> Origin | None:
-    """A `Host` header (`127.0.0.1:8000`, `[::1]:8000`, `localhost`) as the http Origin it
-    names; None when it is not a host and optional port."""
+def parse_host(header: str, scheme: str = "http") -> Origin | None:
+    """A `Host` header (`127.0.0.1:8000`, `[::1]:8000`, `localhost`) as the Origin it names
+    for a request that came by `scheme` (https where the server serves TLS); None when it
+    is not a host and optional port."""
     if not header or any(c in header for c in "/?#@\\ "):
         return None
-    return parse_origin(f"http://{header}")
+    return parse_origin(f"{scheme}://{header}")
 
 
 def names_this_machine(host: str) -> bool:
@@ -115,9 +117,12 @@ class OriginRules:
         check_host = is_loopback(settings.host) and settings.api_key is None
         return cls.build(check_host, settings.server.allowed_origins)
 
-    def refusal(self, host_header: str | None, origin_header: str | None) -> Refusal | None:
-        """Why a request with these headers is refused; None when it may go on."""
-        host = parse_host(host_header) if host_header is not None else None
+    def refusal(
+        self, host_header: str | None, origin_header: str | None, scheme: str = "http"
+    ) -> Refusal | None:
+        """Why a request with these headers, sent by `scheme`, is refused; None when it
+        may go on."""
+        host = parse_host(host_header, scheme) if host_header is not None else None
         if self.check_host and not self._host_allowed(host):
             return Refusal(
                 421,
@@ -159,7 +164,8 @@ class OriginGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             headers = _headers(scope)
-            refused = self.rules.refusal(headers.get("host"), headers.get("origin"))
+            scheme = str(scope.get("scheme", "http"))  # https where uvicorn serves TLS
+            refused = self.rules.refusal(headers.get("host"), headers.get("origin"), scheme)
             if refused is not None:
                 error = APIError(refused.status, refused.message, code=refused.code)
                 await error.response()(scope, receive, send)

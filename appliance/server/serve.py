@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -15,7 +16,7 @@ import uvicorn
 from appliance.api import Appliance
 from appliance.server.app import build_app
 from appliance.server.state import ServerState
-from appliance.settings.config import Settings, is_loopback
+from appliance.settings.config import ServerSettings, Settings, is_loopback
 
 log = logging.getLogger("appliance.server")
 DRAIN_POLL_S = 0.1
@@ -89,6 +90,7 @@ def serve(settings: Settings) -> int:
         from appliance.planner.auto_layout import planned_settings
 
         settings = planned_settings(settings)
+    check_https(settings.server)  # a bad certificate fails before the model loads
     appliance = Appliance(settings)
     appliance.prepare()  # a bad model file fails here, before anything listens
     if not is_loopback(settings.host):
@@ -111,7 +113,29 @@ def serve(settings: Settings) -> int:
         log_level="info",
         lifespan="on",
         timeout_graceful_shutdown=CLOSE_GRACE_S,
+        # HTTPS where both are set (check_https): then plain HTTP gets no answer.
+        ssl_certfile=settings.server.ssl_certfile,
+        ssl_keyfile=settings.server.ssl_keyfile,
     )
     server = DrainingServer(config, app.state.server, app.state.on_listening)
     server.run()
     return 1 if app.state.server.startup_error else 0
+
+
+def check_https(server: ServerSettings) -> None:
+    """ValueError naming the setting when HTTPS is asked for half-way or with files TLS
+    cannot use (uvicorn would fail only once the model has loaded)."""
+    cert, key = server.ssl_certfile, server.ssl_keyfile
+    if (cert is None) != (key is None):
+        raise ValueError(
+            "server.ssl_certfile and server.ssl_keyfile go together (--ssl-certfile, "
+            "--ssl-keyfile): set both for HTTPS, neither for plain HTTP"
+        )
+    if cert is None or key is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as error:
+        raise ValueError(
+            f"server.ssl_certfile {cert} with server.ssl_keyfile {key} cannot be used: {error}"
+        ) from None

@@ -37,7 +37,7 @@ from pydantic_settings import (
 from appliance.settings.cluster import ClusterSettings
 
 # Re-exported: `from appliance.settings.config import BatchSettings, KVSettings` stays the import.
-from appliance.settings.engine import BatchSettings, KVSettings
+from appliance.settings.engine import BatchSettings, KVSettings, SpeculativeSettings
 from appliance.settings.planner import PlannerSettings
 
 
@@ -86,6 +86,15 @@ class ServerSettings(BaseModel):
         "(scheme://host[:port], comma-separated), e.g. a reverse proxy's "
         "https://chat.example.com; their host names pass the loopback Host check too. "
         "No CORS headers are sent.",
+    )
+
+    ssl_certfile: Path | None = Field(
+        None,
+        description="Serve HTTPS with this certificate (PEM, its chain after it), as vLLM's "
+        "--ssl-certfile; needs ssl_keyfile. Empty: plain HTTP.",
+    )
+    ssl_keyfile: Path | None = Field(
+        None, description="The private key of ssl_certfile (vLLM's --ssl-keyfile)."
     )
 
     @field_validator("allowed_origins", mode="before")
@@ -285,6 +294,7 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     kv: KVSettings = Field(default_factory=KVSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
+    speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
     planner: PlannerSettings = Field(default_factory=PlannerSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
