@@ -15,6 +15,7 @@ from hand_profiles import hand_profile
 from server_process import ServerProcess
 
 from appliance.admin.schema import Snapshot
+from appliance.model.gguf_cache import gguf_entry
 from appliance.model.loader import default_model_path
 from appliance.planner.auto_layout import (
     best_layout,
@@ -163,9 +164,16 @@ def test_without_a_profile_a_cpu_box_runs_every_device_colocated(tmp_path: Path)
 
 @pytest.mark.process
 def test_a_fresh_serve_starts_at_once_on_the_rule(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    # Fresh to the planner (no profile in its cache), with the model's converted tokenizer
+    # and facts linked in: converting them again (about 8 s) is any first start's work,
+    # not the layout's (tests/model/test_model_loader.py holds it).
+    entry = gguf_entry(default_model_path(), load_settings().cache_dir)
+    (cache / entry.name).symlink_to(entry, target_is_directory=True)
     server = ServerProcess(
         {
-            "APPLIANCE_CACHE_DIR": str(tmp_path / "cache"),
+            "APPLIANCE_CACHE_DIR": str(cache),
             "APPLIANCE_ADMIN__TOKEN_FILE": str(tmp_path / "admin.token"),
         },
         split_unless_named=False,
