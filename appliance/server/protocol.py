@@ -66,6 +66,7 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # stop matching rescans held-back text: long stops slow a worker
 MAX_SEED = 2**63 - 1
+MAX_TOP_K = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM takes as many on completions
@@ -124,7 +125,9 @@ class SamplingFields(Body, StructuredFields):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0: greedy")
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: int = Field(-1, ge=-1, description="-1 or 0: no top-k cut")
+    # Past the vocabulary a cut keeps every token; the bound keeps it a 64-bit integer for
+    # the workers' sampler (a larger one crashed it: the API fuzzer's top_k=2**63).
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K, description="-1 or 0: no top-k cut")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
