@@ -8,6 +8,7 @@ import functools
 import itertools
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -18,9 +19,10 @@ import pytest
 from server_process import API_KEY, ServerProcess
 
 from appliance import cli
+from appliance.bench import cli as bench_cli
 from appliance.bench import runner
 from appliance.bench.client import send
-from appliance.bench.compare import Target, compare
+from appliance.bench.compare import BASELINE, Target, compare
 from appliance.bench.runner import Load, poisson_gaps, run_load
 from appliance.bench.shift import (
     DEFAULT_PHASES,
@@ -111,10 +113,10 @@ def test_bench_against_a_running_server(server: ServerProcess, tmp_path: Path) -
 
 
 def test_bench_counts_failed_requests(server: ServerProcess, tmp_path: Path) -> None:
+    """The command's main in this process (the run above is the one as a process)."""
     args = ["--url", server.url, "--api-key", "wrong", "--workload", "fixed", "--model", "x"]
     args += ["--num-requests", "3", "--warmup", "0", "--out", str(tmp_path)]
-    result = subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1  # failures are reported, never dropped
+    assert cli.main(["bench", *args]) == 1  # failures are reported, never dropped
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["summary"]["failed"] == 3
     assert all("HTTP 401" in r["error"] for r in saved["results"])
@@ -122,24 +124,48 @@ def test_bench_counts_failed_requests(server: ServerProcess, tmp_path: Path) -> 
 
 @pytest.mark.process
 def test_compare_runs_every_layout_on_the_same_requests(tmp_path: Path) -> None:
+    """Our three layouts for real, at one rate (each layout is a server start, the slow
+    part); sweeping several rates, a fresh start each, is the next test's, on stand-ins."""
     args = ["compare", "--configs", "ours", "--workload", "fixed", "--input-len", "16"]
     args += ["--output-len", "6", "--num-requests", "3", "--warmup", "0"]
-    args += ["--rates", "4,inf", "--out", str(tmp_path)]
+    args += ["--rates", "inf", "--out", str(tmp_path)]
     result = subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     saved = json.loads((tmp_path / "compare.json").read_text())
     labels = [run["label"] for run in saved["runs"]]
-    assert labels == [
-        "disaggregated 1P+1D",
-        "disaggregated 1P+1D",
-        "colocated x2",
-        "colocated x2",
-        "colocated x1 (all cores)",
-        "colocated x1 (all cores)",
-    ]
+    assert labels == ["disaggregated 1P+1D", "colocated x2", "colocated x1 (all cores)"]
     assert all(run["summary"]["completed"] == 3 for run in saved["runs"])
+    prompts = {tuple(r["prompt_tokens"] for r in run["results"]) for run in saved["runs"]}
+    assert prompts == {(16, 16, 16)}
     assert "goodput / colocated x2" in (tmp_path / "compare.md").read_text()
-    assert (tmp_path / "goodput_sweep.png").is_file()
+    assert (tmp_path / "latency_cdf.png").is_file()
+
+
+def test_compare_sweeps_each_rate_on_a_fresh_start_of_each_configuration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`bench compare --rates 4,inf` as the command runs it, its configurations stand-in
+    servers that start in a moment: one run per (configuration, rate), configuration by
+    configuration, each run a fresh start; the sweep's table per rate and its plot."""
+    fake = [sys.executable, "-c", FAKE_SERVER]
+    stand_ins = [Target(name, fake, ready_path="/health") for name in ("split", BASELINE)]
+    monkeypatch.setattr(bench_cli, "our_targets", lambda cores: stand_ins)
+    args = ["bench", "compare", "--configs", "ours", "--workload", "fixed", "--input-len", "16"]
+    args += ["--output-len", "6", "--num-requests", "3", "--warmup", "1"]
+    args += ["--rates", "4,inf", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    runs = [(run["label"], run["rate"]) for run in saved["runs"]]
+    # (an infinite rate is written as its text: JSON has no infinity)
+    assert runs == [("split", 4.0), ("split", "inf"), (BASELINE, 4.0), (BASELINE, "inf")]
+    assert all(run["summary"]["completed"] == 3 for run in saved["runs"])
+    for name in ("split", BASELINE):  # the stand-in says when it starts: twice, once a rate
+        log = tmp_path / "logs" / (re.sub(r"\W+", "_", name).strip("_") + ".log")
+        assert log.read_text().count("started") == 2
+    tables = (tmp_path / "compare.md").read_text()
+    assert tables.count("### fixed workload") == 2 and "4.0 req/s Poisson" in tables
+    assert tables.count(f"goodput / {BASELINE}") == 2
+    assert (tmp_path / "goodput_sweep.png").stat().st_size > 10_000
 
 
 def replay(events: list[str], status: int = 200) -> httpx.AsyncClient:
@@ -306,14 +332,17 @@ def test_a_shift_sends_each_request_at_its_time_and_records_its_phase(
     assert seconds >= 0.3
 
 
-def test_bench_shift_against_a_running_server(server: ServerProcess, tmp_path: Path) -> None:
+def test_bench_shift_against_a_running_server(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command's main in this process, against the shared server."""
     args = ["--url", server.url, "--api-key", API_KEY, "--workload", "shift"]
     args += ["--phases", "fixed:4:1,fixed:4:1", "--input-len", "16", "--output-len", "4"]
     args += ["--warmup", "1", "--goodput", "ttft:60000", "--out", str(tmp_path)]
     args += ["--extra-body", '{"ignore_eos": true}']
-    result = subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "| phase |" in result.stdout and "| 2 fixed @4.0/s |" in result.stdout
+    code, printed = cli.main(["bench", *args]), capsys.readouterr()
+    assert code == 0, printed.err
+    assert "| phase |" in printed.out and "| 2 fixed @4.0/s |" in printed.out
     saved = json.loads((tmp_path / "result.json").read_text())
     assert [p["label"] for p in saved["phases"]] == ["1 fixed @4.0/s", "2 fixed @4.0/s"]
     assert {r["phase"] for r in saved["results"]} <= {0, 1}
@@ -348,7 +377,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(200); self.send_header("Content-Type", "text/event-stream")
         self.send_header("Content-Length", str(len(body))); self.end_headers()
         self.wfile.write(body)
-http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), Handler).serve_forever()
+server = http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), Handler)
+print("started", flush=True)
+server.serve_forever()
 """
 
 
