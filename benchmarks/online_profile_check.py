@@ -63,9 +63,12 @@ def main() -> int:
             measured = json.loads((base / "measured" / "result.json").read_text())
     slo = SLO.parse(SLO_SPEC)
     actual = summary_of(measured, slo)
-    predicted = predict(profile, layout, args, slo)
+    predicted, simulated = predict(profile, layout, args, slo)
     text = report(args, layout, profile, predicted, actual)
     args.out.write_text(text)
+    args.out.with_suffix(".json").write_text(
+        json.dumps(per_request(profile, measured, simulated), indent=1)
+    )
     print(text)
     return 0
 
@@ -106,13 +109,31 @@ def served_layout(url: str, token_file: Path) -> Layout:
     )
 
 
-def predict(profile: Profile, layout: Layout, args: argparse.Namespace, slo: SLO) -> Summary:
+def predict(
+    profile: Profile, layout: Layout, args: argparse.Namespace, slo: SLO
+) -> tuple[Summary, list[RequestResult]]:
     tokenizer = prepare_tokenizer(None, load_settings().cache_dir)[1]
     requests = requests_from_workload(
         args.workload, tokenizer, 2, args.num_requests, rate=args.rate, warmup=WARMUP
     )
     simulated = simulate(profile, layout, requests, Policy.from_settings(load_settings()))
-    return summarize(simulated, duration_of(simulated), slo)
+    return summarize(simulated, duration_of(simulated), slo), simulated
+
+
+def per_request(profile: Profile, measured: dict, simulated: list[RequestResult]) -> dict:
+    """Each request measured beside its simulated twin (same seed, same order), and the
+    profile: where a prediction misses, which requests and by how much."""
+    keep = ("prompt_tokens", "output_tokens", "start", "ttft", "tpot")
+    rows = []
+    for real, sim in zip(measured["results"], simulated, strict=False):
+        real_result = RequestResult.from_dict(real)
+        rows.append(
+            {
+                "measured": {k: getattr(real_result, k) for k in keep},
+                "simulated": {k: getattr(sim, k) for k in keep},
+            }
+        )
+    return {"profile": profile.model_dump(mode="json"), "requests": rows}
 
 
 def summary_of(run: dict, slo: SLO) -> Summary:
