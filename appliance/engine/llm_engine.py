@@ -16,6 +16,7 @@ from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import Scheduler, SchedulerLimits
 from appliance.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from appliance.engine.shard_loading import load_shard
+from appliance.engine.speculative.proposer import Drafter
 from appliance.engine.step_timing import StepClock
 from appliance.engine.stop_strings import StopStringMatcher
 from appliance.engine.structured.masks import GrammarMasks
@@ -94,13 +95,15 @@ class LLMEngine:
         limits: SchedulerLimits,
         prefix_caching: bool = False,
         group: ShardGroup | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
+        """drafter: speculative decoding's proposer and draft length (None: off)."""
         self.model = model
         self.tokenizer = tokenizer
         self.kv = kv
         self._group = group
         self._kv_shards = None if group else [KVShard(0, kv.tensor)]
-        self.scheduler = Scheduler(kv.allocator, kv.block_size, limits, prefix_caching)
+        self.scheduler = Scheduler(kv.allocator, kv.block_size, limits, prefix_caching, drafter)
         sampler = Sampler(model.device)
         # Structured outputs' matchers live with the sampler that masks their rows.
         sampler.grammar = self.grammar = GrammarMasks(tokenizer, model.config.vocab_size)
@@ -146,7 +149,10 @@ class LLMEngine:
             max_model_len=parts.max_len,
             prefill_wait_steps=settings.batch.prefill_wait_steps,
         )
-        engine = cls(parts.model, tokenizer, parts.kv, limits, settings.kv.prefix_caching, group)
+        drafter = Drafter.from_settings(settings.speculative)
+        engine = cls(
+            parts.model, tokenizer, parts.kv, limits, settings.kv.prefix_caching, group, drafter
+        )
         if decodes and settings.batch.cuda_graphs:
             engine.runner.use_decode_graphs(settings.batch.max_num_seqs, parts.max_len)
         return engine
@@ -323,7 +329,9 @@ class LLMEngine:
         # Grammar masks of the rows to sample are computed while the forward runs.
         self.grammar.start([chunk.seq for chunk in out.chunks if chunk.completes])
         sampled = self.clock.run(self.runner.run, out, self.kv.tensor.is_cuda)
-        updated = self.scheduler.update_from_output(out, sampled, time.monotonic())
+        updated = self.scheduler.update_from_output(
+            out, sampled, time.monotonic(), self.runner.verified
+        )
         if self.handoff_ready is not None and any(
             s.seq_id in self.scheduler.parked for s in updated
         ):
@@ -339,11 +347,15 @@ class LLMEngine:
         """What `seq` made this step; `logprobs`: its sampled token's, if it asked."""
         stream = self._streams[seq.seq_id]
         first, new_ids = stream.sent_tokens, seq.output_ids[stream.sent_tokens :]
+        pieces = []
+        for i, t in enumerate(new_ids):
+            pieces.append(_shown(stream, seq.params, first + i, stream.detokenizer.add(t)))
+            if stream.stops.stopped and i + 1 < len(new_ids):
+                _cut_verified_run(seq, first + i + 1)
+                new_ids = new_ids[: i + 1]
+                break
         stream.sent_tokens = len(seq.output_ids)
-        text = "".join(
-            _shown(stream, seq.params, first + i, stream.detokenizer.add(t))
-            for i, t in enumerate(new_ids)
-        )
+        text = "".join(pieces)
         if stream.stops.stopped and not seq.finished:
             self.scheduler.finish(seq, "stop")
         if seq.finished:
@@ -429,3 +441,13 @@ def _shown(stream: _Stream, params: SamplingParams, position: int, piece: str) -
     if position + params.emitted < params.min_tokens:  # a re-run's earlier output counts
         return piece
     return stream.stops.feed(piece)
+
+
+def _cut_verified_run(seq: Sequence, outputs: int) -> None:
+    """A stop string ended the output inside a verified run (several tokens made in one
+    step): the tokens after it were never made, as in plain decoding. Keeps the first
+    `outputs` output tokens; the caller finishes the sequence (or it was finished, by an
+    end token or max_tokens after the stop: the stop string came first)."""
+    del seq.token_ids[seq.num_prompt_tokens + outputs :]
+    if seq.finished:
+        seq.finish_reason = "stop"

@@ -35,7 +35,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [tokens] int64
     positions: torch.Tensor  # [tokens] int64
     attention: AttentionBatch
-    sample_rows: torch.Tensor  # [samples] int64, last row of each completing chunk
+    sample_rows: torch.Tensor  # [samples] int64, last row of each completing chunk,
+    # every row of a verify chunk (one request per row in sample_requests)
     sample_requests: list[tuple[int, SamplingParams]]
 
 
@@ -125,6 +126,8 @@ class ModelRunner:
         # tokens its chunks computed, {seq_id: [(position, logprobs)]}, where asked.
         self.logprobs: dict[int, TokenLogprobs] = {}
         self.prompt_logprobs: dict[int, list[tuple[int, TokenLogprobs]]] = {}
+        # The last run's verify chunks: {seq_id: accepted drafts + one token}.
+        self.verified: dict[int, list[int]] = {}
 
     def enable_decode_graphs(self, batch_sizes: tuple[int, ...], max_len: int) -> None:
         """Capture CUDA graphs of decode-only steps of these batch sizes, for sequences of
@@ -158,7 +161,7 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> dict[int, int]:
         """Compute the step; return {seq_id: next token} for sequences whose chunk completed.
         The logprobs of those that asked for them are in `self.logprobs` until the next run."""
-        self.logprobs, self.prompt_logprobs = {}, {}
+        self.logprobs, self.prompt_logprobs, self.verified = {}, {}, {}
         inputs = self.prepare(out)  # built on the host: followers are sent these
         if self.followers is not None:
             self.followers.run_step(inputs)
@@ -175,12 +178,44 @@ class ModelRunner:
         # The sampler's rows carry the token lists its processors read: built here, not
         # in StepInputs (which followers are sent), in prepare's order.
         rows = [SampleRow.of(chunk.seq) for chunk in out.chunks if chunk.completes]
+        if out.verifies:
+            return self._sample_with_verifies(out, logits, rows)
         # The step's one read from the device: the sampled ids (and logprobs), all rows.
         sampled = self.sampler.sample(logits, rows)
         self.logprobs = {
             row.seq_id: lp for row, lp in zip(rows, sampled.logprobs, strict=True) if lp is not None
         }
         return {row.seq_id: tok for row, tok in zip(rows, sampled.token_ids, strict=True)}
+
+    def _sample_with_verifies(
+        self, out: SchedulerOutput, logits: torch.Tensor, rows: list[SampleRow]
+    ) -> dict[int, int]:
+        """run()'s sampling for a step with verify chunks: each verify chunk's rows
+        (logits [1 + k, vocab]) judge its drafts into `self.verified`; the other completing
+        chunks' rows are sampled together as in a plain step. Reads the device once per
+        verify chunk more (twice where it samples)."""
+        plain: list[int] = []  # their rows in `logits`
+        plain_rows: list[SampleRow] = []
+        start = 0
+        completing = [chunk for chunk in out.chunks if chunk.completes]
+        for chunk, row in zip(completing, rows, strict=True):
+            if chunk.drafts:
+                span = logits[start : start + chunk.num_tokens]
+                self.verified[row.seq_id] = self.sampler.verify(span, row, chunk.drafts)
+                start += chunk.num_tokens
+            else:
+                plain.append(start)
+                plain_rows.append(row)
+                start += 1
+        if not plain:
+            return {}
+        sampled = self.sampler.sample(logits[self._tensor(plain).to(logits.device)], plain_rows)
+        self.logprobs = {
+            row.seq_id: lp
+            for row, lp in zip(plain_rows, sampled.logprobs, strict=True)
+            if lp is not None
+        }
+        return {row.seq_id: tok for row, tok in zip(plain_rows, sampled.token_ids, strict=True)}
 
     def _prompt_logprobs(
         self, out: SchedulerOutput, hidden: torch.Tensor
@@ -219,7 +254,7 @@ class ModelRunner:
         segments: list[PrefillSegment] = []
         sample_rows: list[int] = []
         requests: list[tuple[int, SamplingParams]] = []
-        num_prefills = len(out.prefills)
+        num_prefills = len(out.prefills) + len(out.verifies)  # both attend as segments
         for index, chunk in enumerate(out.chunks):
             row = len(ids)
             self._add_tokens(chunk, ids, positions, slots)
@@ -232,7 +267,10 @@ class ModelRunner:
                         self._tensor(chunk.seq.block_table),
                     )
                 )
-            if chunk.completes:
+            if chunk.drafts:  # a verify chunk: every row's logits judge a draft
+                sample_rows.extend(range(row, len(ids)))
+                requests.extend([(chunk.seq.seq_id, chunk.seq.params)] * chunk.num_tokens)
+            elif chunk.completes:
                 sample_rows.append(len(ids) - 1)
                 requests.append((chunk.seq.seq_id, chunk.seq.params))
         decode_start = len(ids) - len(out.decodes)
@@ -250,7 +288,8 @@ class ModelRunner:
     ) -> None:
         seq, bs = chunk.seq, self.kv.block_size
         span = range(chunk.start, chunk.start + chunk.num_tokens)
-        ids.extend(seq.token_ids[span.start : span.stop])
+        ids.extend(seq.token_ids[span.start : span.stop - len(chunk.drafts)])
+        ids.extend(chunk.drafts)  # a verify chunk's drafts follow its one real token
         positions.extend(span)
         slots.extend(seq.block_table[p // bs] * bs + p % bs for p in span)
 

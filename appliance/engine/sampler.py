@@ -25,6 +25,7 @@ import torch
 from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.penalties import apply_penalties
 from appliance.engine.sequence import SamplingParams, Sequence
+from appliance.engine.speculative.verify import accept_greedy, rejection_sample
 from appliance.engine.structured.masks import GrammarMasks, apply_grammar
 
 
@@ -143,6 +144,25 @@ class Sampler:
         drawn = (probs / noise if keep_probs else probs.div_(noise)).argmax(dim=-1)
         # Greedy rows took a placeholder temperature of 1 above; their argmax wins here.
         return torch.where(temperature == 0, greedy, drawn), probs if keep_probs else None
+
+    def verify(self, logits: torch.Tensor, row: SampleRow, drafts: Ids[int]) -> list[int]:
+        """A verify chunk's tokens: logits [1 + k, vocab] of its rows (after its last
+        token, then after each of the k drafts) -> the accepted drafts and one token more
+        (verify.py). Greedy rows compare with the argmax; random rows rejection-sample with
+        the request's generator (its own when seeded). The row must not be `processed`:
+        eligibility.py keeps such sequences off speculation."""
+        if row.processed:
+            raise ValueError(f"request {row.seq_id} processes its logits: it cannot verify")
+        if row.params.greedy:
+            return accept_greedy(drafts, logits.argmax(dim=-1).tolist())
+        params = [row.params] * logits.shape[0]
+        temperature, top_k, top_p, min_p = self._settings(params, logits.device)
+        probs = batch_probabilities(
+            logits, temperature, top_k, top_p, min_p=min_p, cuts=_cuts(params, logits.shape[-1])
+        )  # [1 + k, vocab]
+        seeded = row.params.seed is not None
+        generator = self._generator(row.seq_id, row.params) if seeded else self._shared
+        return rejection_sample(probs, drafts, None, generator)
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Continuous batching with chunked prefill, over plain data (no torch).
 
 Each step gets a token budget. Running sequences that are decoding take one token
-each; then prompts (new ones, or the rest of a chunked one) take chunks of what is
-left. When the KV pool runs dry, the newest running sequence is preempted: its blocks
-are freed and it is recomputed later from its prompt plus the tokens it has made.
+each (with speculative decoding, one token plus the drafts to verify); then prompts
+(new ones, or the rest of a chunked one) take chunks of what is left. When the KV pool
+runs dry, the newest running sequence is preempted: its blocks are freed and it is
+recomputed later from its prompt plus the tokens it has made.
 
 Contract: `schedule() -> SchedulerOutput`, run the model, then
 `update_from_output(output, sampled)`.
@@ -15,16 +16,22 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from appliance.engine.sequence import Sequence, SequenceStatus
+from appliance.engine.speculative.acceptance import AcceptanceCounts
+from appliance.engine.speculative.eligibility import speculates
+from appliance.engine.speculative.proposer import Drafter
 from appliance.kv.block_allocator import BlockAllocator, blocks_for_tokens
 from appliance.kv.prefix_cache import PrefixCache
 
 
 @dataclass(eq=False)
 class ScheduledChunk:
-    """num_tokens of seq's uncomputed tokens to run through the model this step."""
+    """num_tokens of seq's uncomputed tokens to run through the model this step. A verify
+    chunk's last tokens are drafts (not yet the sequence's): its one uncomputed token and
+    the drafts run together over the cached context, every row's logits kept."""
 
     seq: Sequence
     num_tokens: int
+    drafts: tuple[int, ...] = ()
 
     @property
     def start(self) -> int:
@@ -33,20 +40,22 @@ class ScheduledChunk:
     @property
     def completes(self) -> bool:
         """After this chunk every token of the sequence is computed: sample the next one."""
-        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.drafts) == len(self.seq)
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: prompt chunks first, then single-token decodes."""
+    """One step's work: prompt chunks first, then verify chunks (a decode with drafts,
+    attended like a prompt chunk over its cache), then single-token decodes."""
 
     prefills: list[ScheduledChunk] = field(default_factory=list)
     decodes: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    verifies: list[ScheduledChunk] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
-        return self.prefills + self.decodes
+        return self.prefills + self.verifies + self.decodes
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +63,7 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.prefills and not self.decodes and not self.verifies
 
 
 def _streams(seq: Sequence) -> bool:
@@ -81,8 +90,11 @@ class Scheduler:
         block_size: int,
         limits: SchedulerLimits,
         prefix_caching: bool = False,
+        drafter: Drafter | None = None,
     ) -> None:
         self.allocator = allocator
+        self.drafter = drafter  # None: no speculative decoding
+        self.acceptance = AcceptanceCounts()
         self.blocks = PrefixCache(allocator, block_size, prefix_caching)
         self.block_size = block_size
         self.limits = limits
@@ -122,6 +134,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if self.drafter is not None and self._schedule_verify(seq, out, budget, index):
+                budget -= out.verifies[-1].num_tokens
+                index += 1
+                continue
             want = min(seq.num_uncomputed, budget, self.limits.chunk_size)
             while not self._reserve(seq, want):
                 victim = self.running[-1]
@@ -136,6 +152,38 @@ class Scheduler:
             budget -= want
             index += 1
         return budget
+
+    def _schedule_verify(
+        self, seq: Sequence, out: SchedulerOutput, budget: int, index: int
+    ) -> bool:
+        """Schedule seq's last token with drafts to verify, where it may speculate, its
+        proposer has a guess, and the budget and the pool have room. Drafts never preempt
+        another sequence: without room seq decodes plainly."""
+        # Every running sequence after this one keeps one token of the budget.
+        spare = budget - (len(self.running) - index)
+        drafts = self._drafts(seq, spare)
+        if not drafts or not self._reserve(seq, 1 + len(drafts)):
+            return False
+        out.verifies.append(ScheduledChunk(seq, 1 + len(drafts), tuple(drafts)))
+        return True
+
+    def _drafts(self, seq: Sequence, spare: int) -> list[int]:
+        """The drafter's guesses for seq, capped so that none is wasted: by the spare
+        budget, the chunk size, max_tokens (a step emits at most drafts + 1 tokens) and
+        the context."""
+        assert self.drafter is not None
+        if not speculates(seq):
+            return []
+        k = min(
+            self.drafter.num_speculative_tokens,
+            spare,
+            self.limits.chunk_size - 1,
+            seq.params.max_tokens - len(seq.output_ids) - 1,
+            self.max_model_len - len(seq) - 1,
+        )
+        if k <= 0:
+            return []
+        return self.drafter.proposer.propose(seq.token_ids, k)[:k]
 
     def _admits_waiting(self) -> bool:
         """Whether waiting prompts may start this step. With prefill_wait_steps, a prompt
@@ -214,10 +262,15 @@ class Scheduler:
         seq.block_keys = []
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[int, int], now: float = 0.0
+        self,
+        out: SchedulerOutput,
+        sampled: dict[int, int],
+        now: float = 0.0,
+        verified: dict[int, list[int]] | None = None,
     ) -> list[Sequence]:
         """Advance each scheduled sequence, append its sampled token, retire finished ones,
-        park prefill-only ones (their lease starts at `now`).
+        park prefill-only ones (their lease starts at `now`). `verified`: the tokens each
+        verify chunk's sequence emits (its accepted drafts and one token more).
 
         Returns the sequences that got a token this step (finished and parked included)."""
         updated = []
@@ -225,6 +278,12 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
+            if chunk.drafts:
+                assert verified is not None, "a verify chunk ran: its tokens are needed"
+                self.acceptance.record(len(chunk.drafts), len(verified[seq.seq_id]))
+                self._accept(seq, verified[seq.seq_id])
+                updated.append(seq)
+                continue
             seq.num_computed_tokens += chunk.num_tokens
             if self.blocks.enabled:
                 self._cache_full_blocks(seq)
@@ -238,6 +297,29 @@ class Scheduler:
                 self._park(seq, now)
             updated.append(seq)
         return updated
+
+    def _accept(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append a verify step's tokens one by one, ending the sequence where plain
+        decoding would (an end token, a stop token id, max_tokens or the context inside
+        the run: the tokens after it are dropped). The K/V of every token but the newest
+        is now valid (the last token's and the accepted drafts'); the rejected drafts'
+        slots are given back: whole blocks past the sequence's length are freed."""
+        reason = None
+        for token in tokens:
+            seq.token_ids.append(token)
+            if reason := self._stop_reason(seq):
+                break
+        seq.num_computed_tokens = len(seq) - 1
+        if self.blocks.enabled:
+            self._cache_full_blocks(seq)
+        if reason:
+            self.finish(seq, reason)
+            return
+        keep = blocks_for_tokens(len(seq), self.block_size)
+        if len(seq.block_table) > keep:
+            # Past every cached block (those lie below num_computed_tokens): plain frees.
+            self.blocks.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def _park(self, seq: Sequence, now: float) -> None:
         self.running.remove(seq)

@@ -14,9 +14,11 @@ from appliance.settings.engine import SpeculativeSettings
 class Proposer(Protocol):
     """Guesses how a sequence continues.
 
-    A draft model would keep its own KV per sequence and run one small step per draft
-    token here; EAGLE/MTP heads would read the target's last hidden states, which the
-    model runner would have to keep for them (see docs on speculative decoding)."""
+    A draft model would keep its own KV per sequence (in the same pool accounting) and
+    run one small step per draft token here, returning its distributions q for
+    verify.rejection_sample. EAGLE heads and MTP layers draft from the target's hidden
+    states: the model runner would keep the last verified rows' hidden states for them,
+    and propose after the verify step instead of at schedule time."""
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that may follow `token_ids` (prompt + output so far); fewer or
