@@ -320,6 +320,27 @@ class Proxy:
         self.server.close()
 
 
+class TamperingProxy(Proxy):
+    """A relay that flips the last bit of everything a box sends once it has sent
+    `after` chunks (the TLS handshake's), as a man in the middle forging bytes would."""
+
+    def __init__(self, target: str, after: int) -> None:
+        self.after, self.chunks = after, 0
+        super().__init__(target)
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        if source.getsockname()[1] != int(self.address.split(":")[1]):
+            return super()._pump(source, sink)  # the head's side: untouched
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                self.chunks += 1
+                if self.chunks > self.after:
+                    data = data[:-1] + bytes([data[-1] ^ 1])
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+
 def test_the_links_bytes_on_the_wire_are_not_readable(head: Head, certs: Certs) -> None:
     proxy = Proxy(head.address)
     try:
@@ -337,6 +358,20 @@ def test_the_links_bytes_on_the_wire_are_not_readable(head: Head, certs: Certs) 
     assert len(wire) > 1000  # the handshake, the challenge, both messages
     for plain in (MARKER.encode(), SECRET, b"AgentHello", b"Refused"):
         assert plain not in wire
+
+
+@pytest.mark.parametrize("after", [0, 1, 2])
+def test_bytes_forged_on_the_wire_end_the_link(head: Head, certs: Certs, after: int) -> None:
+    """Tampered in the handshake or after it: the box never joins, nothing is decoded."""
+    proxy = TamperingProxy(head.address, after)
+    try:
+        with pytest.raises((ssl.SSLError, ConnectionError, EOFError)):
+            link = connect(proxy.address, SECRET, box_context(box_settings(certs, "b")), 10.0)
+            link.send(hello())
+            link.recv_bytes()  # the head ends the link: EOF
+    finally:
+        proxy.close()
+    assert head.joined.empty() and proxy.chunks > after
 
 
 def test_joining_a_head_that_accepts_and_stays_silent_times_out(
