@@ -141,6 +141,7 @@ def test_compare_runs_every_layout_on_the_same_requests(tmp_path: Path) -> None:
     assert (tmp_path / "latency_cdf.png").is_file()
 
 
+@pytest.mark.process  # stand-in server processes
 def test_compare_sweeps_each_rate_on_a_fresh_start_of_each_configuration(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
