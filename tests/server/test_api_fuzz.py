@@ -17,8 +17,9 @@ bodies. What must hold, for each request:
   400/422 to a body with one field mutated names that field in `param`;
 - /health is ok after each route's run.
 
-How many: APPLIANCE_FUZZ_REQUESTS requests per route (default 2000, what the CI lane
-runs: about a minute and a half on 2 cores); a larger run, e.g.
+How many: APPLIANCE_FUZZ_REQUESTS distinct requests per route (default 2000, what the CI
+lane runs: 15 routes, 30,000 requests, about 5 minutes of sending and as much of drawing on
+2 cores shared with other work, more than the ~1.5 minutes meant for CI); a larger run, e.g.
 `APPLIANCE_FUZZ_REQUESTS=20000 pytest tests/server/test_api_fuzz.py -s`, prints each
 route's status histogram the same way. APPLIANCE_FUZZ_SEED picks another seed (default 40).
 """
@@ -1001,3 +1002,33 @@ def test_a_top_k_past_64_bits_is_refused_naming_it(server: ServerProcess) -> Non
     )
     assert reply.status_code == 200, reply.text
     assert_healthy(server)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "a\ud800b"}, "input"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": "\udfff"}]}]},
+            "input",
+        ),
+        ({"input": "Hi", "instructions": "\ud800"}, "instructions"),
+        ({"input": "Hi", "user": "\ud800"}, "user"),  # echoed: the reply could not be encoded
+    ],
+    ids=["input", "input-part", "instructions", "user"],
+)
+def test_a_lone_surrogate_in_a_responses_input_is_a_400_naming_it(
+    server: ServerProcess, body: dict[str, Json], param: str
+) -> None:
+    """Found by the fuzzer: /v1/responses took a lone surrogate ("\\ud800", which JSON can
+    escape) in its input or instructions (the tokenizer's TypeError came back as a 500) and
+    in fields it echoes (the reply could not be encoded: a 500). Now a 400 naming the field,
+    as chat's messages are."""
+    reply = httpx.post(
+        server.url + "/v1/responses",
+        content=json.dumps({"model": MODEL, "max_output_tokens": 2, **body}),
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=RAW_DEADLINE_S,
+    )
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param

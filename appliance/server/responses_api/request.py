@@ -42,6 +42,9 @@ SKIPPED_ITEMS = ("reasoning",)
 def refuse_unserved(body: dict[str, Any]) -> None:
     """Raise a 400 naming the first field of the raw body that asks for something this
     server does not do (checked before validation, so the answer names it plainly)."""
+    served = {info.alias or name for name, info in ResponsesRequest.model_fields.items()}
+    for name in served & body.keys():  # the served fields: read, or echoed in the reply
+        _check_unicode(body[name], name)
     for name, why in STATEFUL_FIELDS.items():
         if body.get(name) is not None:
             raise _refused(name, f"{name} is not supported: {why}")
@@ -256,6 +259,18 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     for i, item in enumerate(req.input):
         _add_item(messages, item, f"input[{i}]")
     return [_for_template(m) for m in messages]
+
+
+def _check_unicode(value: Any, param: str) -> None:
+    """400 naming `param` where its text holds a lone surrogate: JSON can escape one
+    ("\\ud800"), but it is no character: the tokenizer refused it, and the reply that echoes
+    it could not be encoded (500s the API fuzzer found)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(
+            400, f"{param} is not valid Unicode (a lone surrogate escape?)", param
+        ) from None
 
 
 def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
