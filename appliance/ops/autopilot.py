@@ -24,7 +24,7 @@ from appliance.core.goodput import SLO
 from appliance.core.roles import Role
 from appliance.model.loader import default_model_path
 from appliance.ops.pool_moves import MoveError, PoolMover, device_roles
-from appliance.planner.auto_layout import analytic_base, known_profile
+from appliance.planner.auto_layout import analytic_base, box_kind, known_profile
 from appliance.planner.profile import Profile, ProfileError, model_id
 from appliance.planner.rebalance import (
     Measurement,
@@ -83,7 +83,7 @@ class Autopilot:
 
     def _find_profile(self) -> tuple[Profile | None, str]:
         try:
-            found, where = known_profile(self.settings)
+            found, where = known_profile(self.settings, box_kind(self.supervisor.topology))
         except (ProfileError, OSError) as exc:
             return None, f"cannot plan: {exc}"
         if found is None:
@@ -102,7 +102,7 @@ class Autopilot:
     def _analytic_base(self) -> tuple[Profile | None, str]:
         """On a GPU box, the analytic profile of its cards (none on CPUs)."""
         topology = self.supervisor.topology
-        if all(device.kind == "cpu" for device in topology.devices):
+        if box_kind(topology) == "cpu":
             return None, "a CPU box"
         return analytic_base(self.settings, topology)
 

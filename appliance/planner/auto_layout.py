@@ -61,10 +61,14 @@ def planned_settings(settings: Settings) -> Settings:
     if pins:
         log.info("layout: as set (%s)", ", ".join(pins))
         return settings
-    found, _ = known_profile(settings)
+    from appliance.topology.discovery import discover_box
+
+    topology = discover_box(settings.device, settings.cpu_devices, settings.cpu_share_cores)
+    kind = box_kind(topology)
+    found, _ = known_profile(settings, kind)
     if found is None and "layout" not in settings.planner.model_fields_set:
-        return ruled_settings(settings)
-    profile = find_profile(settings)
+        return ruled_settings(settings, topology)
+    profile = find_profile(settings, kind)
     layout = best_layout(settings, profile)
     log.info(
         "layout auto: %s, the planner's best for %s at %s req/s (profile: %s)",
@@ -87,7 +91,7 @@ def ruled_settings(settings: Settings, topology: Topology | None = None) -> Sett
         topology = discover_box(settings.device, settings.cpu_devices, settings.cpu_share_cores)
     model = model_id(settings.model or default_model_path())
     refine = f"`appliance profile` times this box for {model} so the planner can choose"
-    if all(device.kind == "cpu" for device in topology.devices):
+    if box_kind(topology) == "cpu":
         log.info("layout: colocated on every device (no profile yet: %s)", refine)
         return settings.model_copy(update={"mode": "colocated"})
     profile, about = analytic_base(settings, topology)
@@ -113,20 +117,26 @@ def analytic_base(settings: Settings, topology: Topology) -> tuple[Profile | Non
     return box_profile(topology, config, model_id(settings.model or default_model_path()))
 
 
-def known_profile(settings: Settings) -> tuple[Profile | None, Path]:
-    """planner.profile, else the newest profile of this model (None: there is none), and
-    where it is (or would be); ProfileError for a profile that cannot be read."""
+def box_kind(topology: Topology) -> str:
+    """ "cpu" for a box of CPU devices, else "cuda": the kind of profile that plans it."""
+    return "cpu" if all(device.kind == "cpu" for device in topology.devices) else "cuda"
+
+
+def known_profile(settings: Settings, kind: str | None = None) -> tuple[Profile | None, Path]:
+    """planner.profile, else the newest profile of this model on `kind` of device (any,
+    when None; None: there is none), and where it is (or would be); ProfileError for a
+    profile that cannot be read."""
     if settings.planner.profile is not None:
         return load_profile(settings.planner.profile), settings.planner.profile
     folder = profiles_folder(settings.cache_dir)
-    found = newest_profile(folder, model_id(settings.model or default_model_path()))
+    found = newest_profile(folder, model_id(settings.model or default_model_path()), kind)
     return found, folder / (found.key.file_name() if found else "")
 
 
-def find_profile(settings: Settings) -> Profile:
-    """planner.profile, else the newest profile of this model, else (when
-    planner.profile_at_start) a new one; SettingsError saying what to do otherwise."""
-    found, folder = known_profile(settings)
+def find_profile(settings: Settings, kind: str | None = None) -> Profile:
+    """planner.profile, else the newest profile of this model (on `kind` of device), else
+    (when planner.profile_at_start) a new one; SettingsError saying what to do otherwise."""
+    found, folder = known_profile(settings, kind)
     if found is not None:
         return found
     model = model_id(settings.model or default_model_path())

@@ -180,15 +180,19 @@ def model_id(path: Path) -> str:
     return f"{path.name} ({size} bytes)"
 
 
-def newest_profile(folder: Path, model: str) -> Profile | None:
-    """The most recently written readable profile of `model` (see `model_id`) in `folder`."""
+def newest_profile(folder: Path, model: str, kind: str | None = None) -> Profile | None:
+    """The most recently written readable profile of `model` (see `model_id`) in `folder`;
+    with `kind` ("cpu" or "cuda"), only a profile of that kind of device (a CPU profile
+    does not plan a GPU box)."""
     found = []
     for path in folder.glob(f"profile-v{PROFILE_VERSION}-*.json"):
         try:
             profile = load_profile(path)
         except ProfileError:
             continue  # another version, or half written: not one to plan with
-        if profile.key.model == model:
+        if profile.key.model == model and (
+            kind is None or profile.key.device_kind.startswith(kind)
+        ):
             found.append((path.stat().st_mtime, profile))
     return max(found, key=lambda pair: pair[0])[1] if found else None
 

@@ -9,12 +9,28 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hand_profiles import hand_profile
 from nvml_boxes import H100_NVSWITCH, MIB, MIXED, PCIE_4GPU, TWO_GPU_NO_P2P, cpu_box, gpus
 
+from appliance.model.loader import default_model_path
 from appliance.ops.autopilot import Autopilot
 from appliance.planner.analytic_box import box_profile, gpu_preset
-from appliance.planner.auto_layout import analytic_base, best_layout, ruled_settings
-from appliance.planner.profile import worker_unit
+from appliance.planner.auto_layout import (
+    analytic_base,
+    best_layout,
+    box_kind,
+    known_profile,
+    ruled_settings,
+)
+from appliance.planner.profile import (
+    ProfileKey,
+    StepCost,
+    WorkerCost,
+    model_id,
+    newest_profile,
+    profiles_folder,
+    worker_unit,
+)
 from appliance.settings.config import load_settings
 
 
@@ -142,3 +158,20 @@ def test_the_autopilot_of_a_gpu_box_without_a_profile_starts_from_its_cards(
     profile, status = on_cpus._find_profile()
     assert profile is None
     assert "learning the step costs from the steps the workers run" in status
+
+
+def test_a_cpu_profile_on_disk_does_not_plan_a_gpu_box(tmp_path: Path) -> None:
+    """A profile made on this box's CPUs (say, before its driver worked) is no plan for its
+    GPUs: the planner looks only for profiles of the box's kind of device."""
+    step = StepCost(base_s=0.01, per_token_s=0.001)
+    cost = WorkerCost(prefill=step, decode=step, mixed=step, kv_blocks=100)
+    model = model_id(default_model_path())
+    key = ProfileKey(model=model, dtype="float32", weights="quantized", device_kind="cpu: test")
+    hand_profile({"1x1": cost}, key=key).save(profiles_folder(tmp_path))
+    folder = profiles_folder(tmp_path)
+    assert newest_profile(folder, model) is not None
+    assert newest_profile(folder, model, "cpu") is not None
+    assert newest_profile(folder, model, "cuda") is None
+    settings = load_settings(cache_dir=tmp_path)
+    assert known_profile(settings, box_kind(gpus(H100_NVSWITCH)))[0] is None
+    assert known_profile(settings, box_kind(cpu_box(2, 2)))[0] is not None
