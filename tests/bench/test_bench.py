@@ -367,7 +367,11 @@ def test_options_before_compare_are_kept() -> None:
 
 # A stand-in OpenAI server: every completion is one chunk of text, at once.
 FAKE_SERVER = """
-import http.server, sys
+import http.server, signal, sys
+# A job started in the background by a non-interactive shell (CI's) inherits SIGINT
+# ignored, and Python then keeps it so: compare stops a server with SIGINT, and would wait
+# its 30 s for this one to go.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args): pass
     def do_GET(self):
