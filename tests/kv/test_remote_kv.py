@@ -20,6 +20,7 @@ from appliance.engine.sequence import SamplingParams
 from appliance.kv.remote import (
     Copies,
     RemoteCopy,
+    RemotePool,
     RemoteSource,
     TransferError,
     nixl_available,
@@ -236,7 +237,9 @@ def test_a_failed_read_is_over_at_once_but_its_blocks_wait_until_it_ends(
     engine: LLMEngine,
 ) -> None:
     nixl = Nixl()
-    source = RemoteSource(StalledTransfer(nixl), (None,))  # type: ignore[arg-type]
+    # the stalled transfer never reads its pool: one shaped as this engine's own
+    pool = RemotePool("stalled", b"", 0, pool_shape(engine.kv.tensor))
+    source = RemoteSource(StalledTransfer(nixl), (pool,))
     free = engine.num_free_blocks
     ids = prompts(engine, 3)[2]  # 31 tokens: two blocks
     started = engine.add_prefilled([*ids, 42], len(ids), PARAMS, source, [5, 6])
