@@ -39,28 +39,9 @@ from appliance.kv.cache import KV_DTYPES, KVCache, KVLayout
 from appliance.settings.config import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
-# The parity tests' prompts (tests/model/test_parity_transformers.py: RAW_PROMPTS, CHATS).
-RAW_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "1, 2, 3, 5, 8, 13,",
-    "Once upon a time in a small village by the sea, there lived an old fisherman who",
-    "Das Wetter heute ist",
-    "Q: Why is the sky blue?\nA:",
-]
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [
-        {"role": "system", "content": "You answer in one short sentence."},
-        {"role": "user", "content": "Name three primary colors. " * 6},
-    ],
-]
-
-
-def parity_prompts(engine: LLMEngine) -> list[list[int]]:
-    """The parity tests' prompts as token ids."""
-    ids = [engine.tokenizer.encode(p) for p in RAW_PROMPTS]
-    return ids + [engine.tokenizer.apply_chat_template(c) for c in CHATS]
+# The parity tests' prompts, from their one place (tests/helpers/parity_prompts.py).
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+from parity_prompts import parity_prompts  # noqa: E402
 
 
 def pool_engine(base: LLMEngine, dtype: torch.dtype, num_blocks: int = 256) -> LLMEngine:

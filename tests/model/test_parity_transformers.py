@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from family_configs import tiny_config
+from parity_prompts import parity_prompts
 from reference import hf_greedy, hf_logits, our_prefill_logits
 
 from appliance.engine.llm_engine import LLMEngine
@@ -16,30 +17,9 @@ from appliance.settings.config import load_settings
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 
-RAW_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "1, 2, 3, 5, 8, 13,",
-    "Once upon a time in a small village by the sea, there lived an old fisherman who",
-    "Das Wetter heute ist",
-    "Q: Why is the sky blue?\nA:",
-]
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [
-        {"role": "system", "content": "You answer in one short sentence."},
-        {"role": "user", "content": "Name three primary colors. " * 6},
-    ],
-]
-
-
-def prompt_ids(engine: LLMEngine) -> list[list[int]]:
-    ids = [engine.tokenizer.encode(p) for p in RAW_PROMPTS]
-    return ids + [engine.tokenizer.apply_chat_template(c) for c in CHATS]
-
 
 def test_greedy_batch_matches_transformers(engine: LLMEngine, hf_reference) -> None:
-    prompts = prompt_ids(engine)
+    prompts = parity_prompts(engine)
     assert len(prompts) >= 8 and len({len(p) for p in prompts}) >= 6  # varied lengths
     ours = engine.generate(prompts, SamplingParams(max_tokens=32))
     for prompt, completion in zip(prompts, ours, strict=True):
@@ -48,7 +28,7 @@ def test_greedy_batch_matches_transformers(engine: LLMEngine, hf_reference) -> N
 
 
 def test_prefill_logits_match_transformers(engine: LLMEngine, hf_reference) -> None:
-    prompts = prompt_ids(engine)
+    prompts = parity_prompts(engine)
     for prompt, logits in zip(prompts, our_prefill_logits(engine, prompts), strict=True):
         assert (logits - hf_logits(hf_reference, prompt)).abs().max().item() < 1e-3
     assert engine.num_free_blocks == engine.kv.num_blocks
@@ -127,7 +107,7 @@ def test_random_architectures_match_transformers(
     assert {k: config[k] for k in expected} == expected
     if config["architecture"] == "llama":
         assert config["rope_scaling"]["rope_type"] == "llama3"
-    prompts = prompt_ids(ours)
+    prompts = parity_prompts(ours)
     for prompt, logits in zip(prompts, our_prefill_logits(ours, prompts), strict=True):
         assert (logits - hf_logits(reference, prompt)).abs().max().item() < 1e-3
     completions = ours.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
