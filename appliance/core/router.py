@@ -1,9 +1,9 @@
 """Where work goes: which prefill (or colocated) worker takes a prompt, which decode
 worker continues it.
 
-Pure: it reads the counters the supervisor keeps on each WorkerHandle (queued prompt
-tokens, running sequences, free KV blocks) and writes none of them, never the processes,
-so it is tested on plain data. What each worker prefilled lately is its own memory.
+Pure: it reads the load counters a WorkerHandle keeps through its own event methods
+(queued prompt tokens, running sequences, free KV blocks) and writes none of them, never
+the processes, so it is tested on plain data. What each worker prefilled lately is its own memory.
 - A prompt goes to the worker with the fewest queued prompt tokens or, among those within
   one step budget of it, the one that prefilled the longest prefix of the prompt lately
   (its prefix cache likely still holds it). Round-robin when tuned so.
