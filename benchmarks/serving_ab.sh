@@ -28,7 +28,8 @@ stream_load=(--workload fixed --input-len 260 --output-len 128 --concurrency 16
 site=$(mktemp -d /tmp/serving_ab_site.XXXX)
 cat >"$site/sitecustomize.py" <<'PY'
 import sys
-sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in type(f).__module__]
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in type(f).__module__
+                    and "__editable__" not in getattr(f, "__module__", "")]
 sys.path[:] = [p for p in sys.path if "__editable__" not in p]
 sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in repr(h)]
 sys.path_importer_cache.clear()

@@ -28,6 +28,11 @@ PROBE = """
 import json, sys
 sys.meta_path = [f for f in sys.meta_path if "__editable__" not in type(f).__module__
                  and "__editable__" not in getattr(f, "__module__", "")]
+# The finder's path hook would still add this checkout to namespace packages (a commit's
+# `appliance` has no __init__.py): a package the commit lacks would come from here.
+sys.path[:] = [p for p in sys.path if "__editable__" not in p]
+sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in repr(h)]
+sys.path_importer_cache.clear()
 tree = sys.argv[1]
 sys.path[:0] = [tree, tree + "/benchmarks"]
 try:
@@ -36,7 +41,7 @@ except ImportError:
     from appliance.config import load_settings
 import appliance, llama_cpp_bench as bench
 from appliance.engine.llm_engine import LLMEngine
-assert list(appliance.__path__)[0].startswith(tree), appliance.__path__
+assert all(p.startswith(tree) for p in appliance.__path__), appliance.__path__
 kv = {"memory_mb": 1024, "prefix_caching": False}
 engine = LLMEngine.from_settings(load_settings(device="cpu", kv=kv))
 rows = {
