@@ -80,7 +80,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload",
         default=default("long-burst"),
-        choices=["fixed", "chat", "long-burst", "shared-prefix", "jsonl", "shift"],
+        choices=["fixed", "chat", "long-burst", "shared-prefix", "grounded", "jsonl", "shift"],
+        help="grounded: summarise, quote or edit a passage of the repository's docs, or "
+        "return one of its functions renamed (answers copy their input)",
     )
     parser.add_argument(
         "--phases",

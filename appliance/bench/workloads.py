@@ -3,9 +3,11 @@ output lengths, drawn from a seed so every endpoint gets the very same requests.
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 import random
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +98,116 @@ def shared_prefix(maker: PromptMaker, rng: random.Random) -> Iterator[RequestSpe
         yield RequestSpec(prompt, SHARED_PREFIX_TOKENS + question, rng.randint(32, 64))
 
 
+# The grounded workload: requests whose answers copy their input (summarise, quote or
+# edit a passage, return a function with one change), the case speculative decoding's
+# prompt lookup is for. The passages are the repository's own text, so every machine
+# that has the source has the very same requests.
+PROSE_WORDS = (40, 220)  # a documentation paragraph of this many words
+CODE_LINES = (6, 40)  # a top-level function of this many lines
+GROUNDED_TASKS = ("summarise", "quote", "edit", "code-edit")
+SUMMARY_TOKENS = 96  # a summary's answer; the copying tasks answer the passage's length
+
+
+@dataclass(frozen=True)
+class Passage:
+    """A piece of the repository's text, verbatim: a prose paragraph or a function."""
+
+    source: str  # the file it came from, relative to the repository root
+    text: str
+    name: str = ""  # a function's name ("" for prose)
+
+
+def repository_root() -> Path:
+    """The folder that holds the appliance package (the source tree it runs from)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def prose_passages(root: Path) -> list[Passage]:
+    """The paragraphs of README.md and docs/*.md that are prose: no headings, lists,
+    tables, code or HTML, and a few dozen to a couple of hundred words."""
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    passages = []
+    for page in pages:
+        if not page.is_file():
+            continue
+        text = re.sub(r"^```.*?^```[^\n]*$", "", page.read_text(), flags=re.M | re.S)
+        for block in re.split(r"\n\s*\n", text):
+            block = block.strip()
+            words = len(block.split())
+            if not PROSE_WORDS[0] <= words <= PROSE_WORDS[1] or block[0] in "#|-*<>!`[0123456789":
+                continue
+            passages.append(Passage(page.relative_to(root).as_posix(), block))
+    return passages
+
+
+def code_passages(root: Path) -> list[Passage]:
+    """The appliance package's top-level functions of a few to a few dozen lines, as
+    written (decorators left out)."""
+    passages = []
+    for path in sorted((root / "appliance").rglob("*.py")):
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.parse(source).body:
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            end = node.end_lineno or node.lineno
+            if CODE_LINES[0] <= end - node.lineno + 1 <= CODE_LINES[1]:
+                text = "\n".join(lines[node.lineno - 1 : end])
+                passages.append(Passage(path.relative_to(root).as_posix(), text, node.name))
+    return passages
+
+
+def grounded_prompt(task: str, passage: Passage) -> str:
+    """The user's message for one grounded task on one passage."""
+    if task == "summarise":
+        return (
+            "Summarise this passage from a project's documentation in two or three "
+            f"sentences, keeping its own wording where you can.\n\n{passage.text}"
+        )
+    if task == "quote":
+        return (
+            "Quote the passage below back exactly, word for word, then say in one sentence "
+            f"what it is about.\n\n{passage.text}"
+        )
+    if task == "edit":
+        return (
+            "Proofread the passage below and return the whole passage, with any mistakes "
+            f"corrected and everything else unchanged.\n\n{passage.text}"
+        )
+    if task == "code-edit":
+        return (
+            "Here is a Python function. Return the whole function again, unchanged except "
+            f"that it is renamed from `{passage.name}` to `{passage.name}_v2`."
+            f"\n\n```python\n{passage.text}\n```"
+        )
+    raise ValueError(f"unknown grounded task {task!r}; choose {', '.join(GROUNDED_TASKS)}")
+
+
+def grounded(
+    tokenizer: Tokenizer, rng: random.Random, root: Path | None = None
+) -> Iterator[RequestSpec]:
+    """Requests to summarise, quote or proofread a paragraph of the documentation, or to
+    return a function of the source renamed: one task and one passage drawn per request.
+    The prompt is the user's message in the model's chat template (as text: its special
+    tokens are matched when it is tokenized); a copying answer may run to the passage's
+    length plus a few dozen tokens, a summary to SUMMARY_TOKENS."""
+    root = root or repository_root()
+    prose, code = prose_passages(root), code_passages(root)
+    if not prose or not code:
+        raise ValueError(f"{root} has no documentation paragraphs or functions to ground on")
+    while True:
+        task = rng.choice(GROUNDED_TASKS)
+        passage = rng.choice(code if task == "code-edit" else prose)
+        message = grounded_prompt(task, passage)
+        if tokenizer.chat_template:
+            prompt = tokenizer.render_chat([{"role": "user", "content": message}])
+        else:
+            prompt = message
+        length = len(tokenizer.encode(passage.text))
+        output = SUMMARY_TOKENS if task == "summarise" else length + 32
+        yield RequestSpec(prompt, len(tokenizer.encode(prompt)), output)
+
+
 WORKLOADS: MappingProxyType[str, Callable[[PromptMaker, random.Random], RequestSpec]] = (
     MappingProxyType({"chat": chat_mix, "long-burst": long_prompt_burst})
 )
@@ -110,12 +222,14 @@ def generate(
     jsonl: Path | None = None,
 ) -> Iterator[RequestSpec]:
     """An endless stream of requests of workload `name` (fixed, chat, long-burst,
-    shared-prefix, jsonl)."""
+    shared-prefix, grounded, jsonl)."""
     rng = random.Random(seed)
     if name == "jsonl":
         if jsonl is None:
             raise ValueError("the jsonl workload needs --jsonl FILE")
         return _cycle(load_jsonl(jsonl, tokenizer, output_len))
+    if name == "grounded":  # the repository's text, not random words
+        return grounded(tokenizer, rng)
     maker = PromptMaker(tokenizer)
     if name == "fixed":
         return (fixed(maker, rng, input_len, output_len) for _ in itertools.repeat(None))
@@ -123,7 +237,8 @@ def generate(
         return shared_prefix(maker, rng)
     if name not in WORKLOADS:
         raise ValueError(
-            f"unknown workload {name!r}; choose fixed, chat, long-burst, shared-prefix or jsonl"
+            f"unknown workload {name!r}; choose fixed, chat, long-burst, shared-prefix, "
+            "grounded or jsonl"
         )
     pick = WORKLOADS[name]
     return (pick(maker, rng) for _ in itertools.repeat(None))
