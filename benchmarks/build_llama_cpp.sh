@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's own tools (llama-server, llama-bench, llama-batched-bench) from the
-# sources vendored in the llama-cpp-python sdist on PyPI, for the side-by-side benchmarks
-# (benchmarks/llama_cpp_bench.py, benchmarks/llama_cpp_serving.sh). Nothing here is part of
+# Builds llama.cpp's own tools (llama-server, llama-bench, llama-batched-bench) and its
+# lookup-decoding example (llama-lookup: prompt lookup drafts, one verify pass; with
+# --spec-draft-n-max 0 the same loop decodes plainly) from the sources vendored in the
+# llama-cpp-python sdist on PyPI, for the side-by-side benchmarks
+# (benchmarks/llama_cpp_bench.py, benchmarks/llama_cpp_serving.sh,
+# benchmarks/speculative_bench.py). Nothing here is part of
 # the appliance; the build lands in .bench/llama.cpp/ (ignored by git).
 #
 #   benchmarks/build_llama_cpp.sh            # about 12 minutes on 2 cores
@@ -34,8 +37,8 @@ case "$isa" in
 esac
 cmake -S "$root/src-$version/vendor/llama.cpp" -B "$root/$build" \
   -DCMAKE_BUILD_TYPE=Release "${flags[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >/dev/null
+  -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >/dev/null
 cmake --build "$root/$build" -j "$(nproc)" \
-  --target llama-server llama-bench llama-batched-bench >/dev/null
+  --target llama-server llama-bench llama-batched-bench llama-lookup >/dev/null
 ln -sfn "$build/bin" "$root/$bin"
-echo "built: $root/$bin/{llama-server,llama-bench,llama-batched-bench}"
+echo "built: $root/$bin/{llama-server,llama-bench,llama-batched-bench,llama-lookup}"
