@@ -115,8 +115,14 @@ class Scheduler:
                 f"{self.allocator.num_blocks * self.block_size} tokens)"
             )
         seq.status = SequenceStatus.WAITING
+        self._set_draft_length(seq)
         self.waiting.append(seq)
         self._queued_at[seq.seq_id] = self.steps
+
+    def _set_draft_length(self, seq: Sequence) -> None:
+        """A new request's draft range (None: it decodes plainly here)."""
+        if self.drafter is not None:
+            seq.draft_length = self.drafter.draft_length(seq.params)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -132,9 +138,10 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
+        drafting = self.drafter is not None and self.drafter.batch_drafts(len(self.running))
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            if self.drafter is not None and self._schedule_verify(seq, out, budget, index):
+            if drafting and self._schedule_verify(seq, out, budget, index):
                 budget -= out.verifies[-1].num_tokens
                 index += 1
                 continue
@@ -170,12 +177,14 @@ class Scheduler:
     def _drafts(self, seq: Sequence, spare: int) -> list[int]:
         """The drafter's guesses for seq, capped so that none is wasted: by the spare
         budget, the chunk size, max_tokens (a step emits at most drafts + 1 tokens) and
-        the context."""
+        the context. Nothing where seq's own draft length says not now (paused), or the
+        proposal is shorter than its range's bottom."""
         assert self.drafter is not None
-        if not speculates(seq):
+        length = seq.draft_length
+        if length is None or not speculates(seq):
             return []
         k = min(
-            self.drafter.num_speculative_tokens,
+            length.next_k(),
             spare,
             self.limits.chunk_size - 1,
             seq.params.max_tokens - len(seq.output_ids) - 1,
@@ -183,7 +192,8 @@ class Scheduler:
         )
         if k <= 0:
             return []
-        return self.drafter.proposer.propose(seq.token_ids, k)[:k]
+        drafts = self.drafter.proposer.propose(seq.token_ids, k)[:k]
+        return drafts if len(drafts) >= min(k, length.k_min) else []
 
     def _admits_waiting(self) -> bool:
         """Whether waiting prompts may start this step. With prefill_wait_steps, a prompt
@@ -280,7 +290,10 @@ class Scheduler:
                 continue  # aborted while the step ran
             if chunk.drafts:
                 assert verified is not None, "a verify chunk ran: its tokens are needed"
-                self.acceptance.record(len(chunk.drafts), len(verified[seq.seq_id]))
+                emitted = len(verified[seq.seq_id])
+                self.acceptance.record(len(chunk.drafts), emitted)
+                if seq.draft_length is not None:
+                    seq.draft_length.record(len(chunk.drafts), emitted - 1)
                 self._accept(seq, verified[seq.seq_id])
                 updated.append(seq)
                 continue
@@ -357,6 +370,7 @@ class Scheduler:
         seq.block_keys = keys
         seq.num_cached_tokens = len(cached) * self.block_size
         seq.status = SequenceStatus.RUNNING
+        self._set_draft_length(seq)
         self.running.append(seq)
         return True
 

@@ -6,8 +6,11 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from appliance.engine.speculative.adaptive import DraftLength
+
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_SPECULATIVE_TOKENS = 16  # the most drafts one sequence verifies in one step
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,10 @@ class SamplingParams:
     # count as output for the penalties, min_tokens and the grammar, as in the first attempt).
     emitted: int = 0
     structured: StructuredOutput | None = None
+    # llama.cpp's per-request speculative.n_max / speculative.n_min: this request's draft
+    # length range within the server's (n_max 0: no speculation; None: the server's).
+    speculative_n_max: int | None = None
+    speculative_n_min: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +102,7 @@ class SamplingParams:
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
                 f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
             ),
+            *_speculative_checks(self.speculative_n_max, self.speculative_n_min),
         ]
         for ok, message in checks:
             if not ok:
@@ -104,6 +112,24 @@ class SamplingParams:
     def greedy(self) -> bool:
         # Dividing logits by a temperature this small overflows: it is greedy anyway.
         return self.temperature < GREEDY_BELOW
+
+
+def _speculative_checks(n_max: int | None, n_min: int | None) -> list[tuple[bool, str]]:
+    top = MAX_SPECULATIVE_TOKENS
+    return [
+        (
+            n_max is None or 0 <= n_max <= top,
+            f"speculative.n_max must be in [0, {top}], got {n_max}",
+        ),
+        (
+            n_min is None or 0 <= n_min <= top,
+            f"speculative.n_min must be in [0, {top}], got {n_min}",
+        ),
+        (
+            n_max is None or n_min is None or n_min <= n_max,
+            f"speculative.n_min ({n_min}) must not exceed speculative.n_max ({n_max})",
+        ),
+    ]
 
 
 class SequenceStatus(Enum):
@@ -130,6 +156,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort" or "handoff"
     prefill_only: bool = False  # park after the first token instead of decoding
     parked_at: float = 0.0  # when it was parked: its lease starts then
+    # Its draft length and measured acceptance, where it may speculate (the scheduler's).
+    draft_length: DraftLength | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

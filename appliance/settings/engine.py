@@ -107,7 +107,51 @@ class SpeculativeSettings(BaseModel):
         "outputs or logprobs decode plainly.",
     )
     num_speculative_tokens: int = Field(
-        4, ge=1, le=16, description="Most draft tokens one sequence verifies in one step."
+        4,
+        ge=1,
+        le=16,
+        description="Most draft tokens one sequence verifies in one step (the top of its "
+        "draft length range; an adaptive k starts there).",
+    )
+    num_speculative_tokens_min: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="The bottom of the draft length range: an adaptive k never shrinks "
+        "below it, and a proposal shorter than it is not verified (llama.cpp's draft-min).",
+    )
+    adaptive: bool = Field(
+        True,
+        description="Each sequence's k follows its measured acceptance (halved after a "
+        "draft rejected at its first token, doubled after one kept whole), and a sequence "
+        "whose acceptance says verifying does not pay (see verify_token_cost) proposes "
+        "nothing for a while, then probes again. False: every draft is "
+        "num_speculative_tokens long.",
+    )
+    verify_token_cost: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="adaptive: what one more row of a verify step costs, as a share of a "
+        "one-token decode step (while decode is bandwidth bound a row more is cheap next "
+        "to reading the weights). A sequence speculates while its acceptance a makes "
+        "(1 + a + ... + a^k) / (1 + cost * k) > 1 at the range's bottom k: at k = 1, "
+        "while a > cost.",
+    )
+    disable_by_batch_size: int | None = Field(
+        16,
+        ge=1,
+        description="With more running sequences than this in a worker, nobody drafts "
+        "(vLLM's name). A decode step reads the weights once for the whole batch; at a "
+        "large batch the step is bound by compute rather than by that read, so the "
+        "drafts' extra rows cost about as much as the tokens they may save: past this "
+        "size speculation would slow every stream. None: never.",
+    )
+    opt_in: bool = Field(
+        False,
+        description="Only requests that ask for it (speculative.n_max > 0 in the body) "
+        "speculate; the others decode plainly. False: every request may, unless it "
+        "sends speculative.n_max = 0.",
     )
     prompt_lookup_min: int = Field(
         2, ge=1, description="ngram: the shortest suffix that may propose a continuation."
@@ -118,6 +162,12 @@ class SpeculativeSettings(BaseModel):
 
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeSettings:
+        if self.num_speculative_tokens_min > self.num_speculative_tokens:
+            raise ValueError(
+                f"speculative.num_speculative_tokens_min ({self.num_speculative_tokens_min}) "
+                f"must not exceed speculative.num_speculative_tokens "
+                f"({self.num_speculative_tokens})"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "

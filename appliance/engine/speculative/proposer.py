@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from appliance.engine.sequence import SamplingParams
+from appliance.engine.speculative.adaptive import AdaptivePolicy, DraftLength
 from appliance.engine.speculative.ngram import NgramProposer
 from appliance.settings.engine import SpeculativeSettings
 
@@ -28,16 +30,26 @@ class Proposer(Protocol):
 
 @dataclass(frozen=True)
 class Drafter:
-    """What the scheduler asks for drafts: a proposer and the most tokens it may
-    propose for one sequence in one step (vLLM's num_speculative_tokens)."""
+    """What the scheduler asks for drafts: a proposer, the draft length range of one
+    sequence in one step (num_speculative_tokens its top), how that length adapts, and
+    when the whole batch decodes plainly."""
 
     proposer: Proposer
     num_speculative_tokens: int
+    num_speculative_tokens_min: int = 1
+    policy: AdaptivePolicy | None = None  # None: every sequence drafts k = the top
+    disable_by_batch_size: int | None = None  # more running sequences: nobody drafts
+    opt_in: bool = False  # only requests that send speculative.n_max > 0 speculate
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.num_speculative_tokens_min <= self.num_speculative_tokens:
+            raise ValueError(
+                "num_speculative_tokens_min must be >= 1 and at most num_speculative_tokens, "
+                f"got {self.num_speculative_tokens_min}"
             )
 
     @classmethod
@@ -46,4 +58,30 @@ class Drafter:
         if settings.method == "off":
             return None
         lookup = NgramProposer(settings.prompt_lookup_min, settings.prompt_lookup_max)
-        return cls(lookup, settings.num_speculative_tokens)
+        policy = AdaptivePolicy(settings.verify_token_cost) if settings.adaptive else None
+        return cls(
+            lookup,
+            settings.num_speculative_tokens,
+            settings.num_speculative_tokens_min,
+            policy,
+            settings.disable_by_batch_size,
+            settings.opt_in,
+        )
+
+    def draft_length(self, params: SamplingParams) -> DraftLength | None:
+        """A new request's draft range: this server's, narrowed by the request's own
+        speculative.n_max / speculative.n_min (llama.cpp's per-request fields; never past
+        the server's top, which bounds what a step may cost). None: the request does not
+        speculate (n_max 0, or no n_max on an opt-in server)."""
+        n_max, n_min = params.speculative_n_max, params.speculative_n_min
+        if n_max == 0 or (n_max is None and self.opt_in):
+            return None
+        top = self.num_speculative_tokens
+        top = top if n_max is None else min(n_max, top)
+        bottom = self.num_speculative_tokens_min if n_min is None else max(n_min, 1)
+        return DraftLength(min(bottom, top), top, self.policy)
+
+    def batch_drafts(self, running: int) -> bool:
+        """Whether a step with `running` sequences may carry drafts at all."""
+        limit = self.disable_by_batch_size
+        return limit is None or running <= limit
