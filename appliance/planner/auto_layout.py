@@ -17,6 +17,7 @@ from appliance.model.loader import default_model_path, prepare_model, prepare_to
 from appliance.planner.analytic_box import box_profile
 from appliance.planner.layout import Layout
 from appliance.planner.plan import PlanSpec, make_plan
+from appliance.planner.plan_memo import Choice, PlanMemo, code_digest, memo_key
 from appliance.planner.profile import (
     Profile,
     load_profile,
@@ -69,15 +70,38 @@ def planned_settings(settings: Settings) -> Settings:
     if found is None and "layout" not in settings.planner.model_fields_set:
         return ruled_settings(settings, topology)
     profile = find_profile(settings, kind)
-    layout = best_layout(settings, profile)
+    choice, remembered = planned_choice(settings, profile)
     log.info(
-        "layout auto: %s, the planner's best for %s at %s req/s (profile: %s)",
-        layout.label,
+        "layout auto: %s, the planner's best for %s at %s req/s (profile: %s%s)",
+        choice.label,
         settings.planner.workload,
         settings.planner.rate,
         profile.key.device_kind,
+        "; remembered from an earlier start" if remembered else "",
     )
-    return settings.model_copy(update=layout_settings(layout, profile))
+    return settings.model_copy(update=choice.settings)
+
+
+def planned_choice(settings: Settings, profile: Profile) -> tuple[Choice, bool]:
+    """The planner's best layout for the settings on `profile`, and whether it was
+    remembered (plan_memo.py) rather than ranked now."""
+    code = code_digest((Path(__file__).parent, Path(__file__).parent.parent / "core"))
+    key = memo_key(
+        profile.model_dump_json(),
+        settings.planner.model_dump(),
+        Policy.from_settings(settings),
+        model_id(settings.model or default_model_path()),
+        code,
+    )
+    memo = PlanMemo(settings.cache_dir / "plans")
+    choice = memo.get(key)
+    if choice is not None:
+        return choice, True
+    log.info("layout auto: ranking the layouts on this box's profile (kept for later starts)...")
+    layout = best_layout(settings, profile)
+    choice = Choice(layout.label, layout_settings(layout, profile))
+    memo.put(key, choice)
+    return choice, False
 
 
 def ruled_settings(settings: Settings, topology: Topology | None = None) -> Settings:

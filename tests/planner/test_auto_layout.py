@@ -17,6 +17,7 @@ from server_process import ServerProcess
 from appliance.admin.schema import Snapshot
 from appliance.model.gguf_cache import gguf_entry
 from appliance.model.loader import default_model_path
+from appliance.planner import auto_layout
 from appliance.planner.auto_layout import (
     best_layout,
     layout_pins,
@@ -24,6 +25,7 @@ from appliance.planner.auto_layout import (
     planned_settings,
 )
 from appliance.planner.layout import Layout, Pool
+from appliance.planner.plan_memo import PlanMemo
 from appliance.planner.profile import (
     HandoffCost,
     HostCost,
@@ -33,7 +35,7 @@ from appliance.planner.profile import (
     WorkerCost,
     model_id,
 )
-from appliance.settings.config import PlannerSettings, SettingsError, load_settings
+from appliance.settings.config import PlannerSettings, Settings, SettingsError, load_settings
 
 PLAN_ENV = {
     "APPLIANCE_PLANNER__WORKLOAD": "chat",
@@ -193,3 +195,30 @@ def test_a_fresh_serve_starts_at_once_on_the_rule(tmp_path: Path) -> None:
         assert any("layout: colocated on every device" in line for line in server.output)
     finally:
         assert server.stop() == 0
+
+
+def test_the_auto_layout_is_ranked_once_per_question_then_remembered(
+    profile_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ranked: list[float] = []
+    rank = auto_layout.best_layout
+
+    def counted(settings: Settings, profile: Profile) -> Layout:
+        ranked.append(settings.planner.rate)
+        return rank(settings, profile)
+
+    monkeypatch.setattr(auto_layout, "best_layout", counted)
+    monkeypatch.setattr(auto_layout, "PlanMemo", lambda _folder: PlanMemo(tmp_path))
+    planner = {"layout": "auto", "profile": profile_file, "rate": 3, "num_requests": 60}
+    settings = load_settings(planner={**planner, "slo_ttft_ms": 2000, "slo_tpot_ms": 200})
+    first, second = planned_settings(settings), planned_settings(settings)
+    assert ranked == [3]
+    assert (first.mode, first.prefill_devices, first.cpu_devices) == ("colocated", (0, 1), 2)
+    assert (second.mode, second.prefill_devices, second.cpu_devices) == ("colocated", (0, 1), 2)
+    planned_settings(
+        settings.model_copy(update={"planner": settings.planner.model_copy(update={"rate": 0.5})})
+    )
+    assert ranked == [3, 0.5]  # other traffic: ranked again
+    for kept in tmp_path.glob("*.json"):
+        kept.write_text("{")  # a file cut short: ranked again, not trusted
+    assert planned_settings(settings).prefill_devices == (0, 1) and ranked == [3, 0.5, 3]
