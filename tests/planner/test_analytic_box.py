@@ -118,7 +118,7 @@ def test_a_gpu_box_without_a_profile_runs_the_planners_best_on_its_cards(
 ) -> None:
     """The embedded model on a recorded HGX H100: the layout `serve` starts is the one the
     planner ranks first on the analytic profile, not the fixed split."""
-    settings = load_settings(device="cuda", planner={"num_requests": 100})
+    settings = load_settings(device="cuda", planner={"num_requests": 40})
     topology = gpus(H100_NVSWITCH)
     profile, _ = analytic_base(settings, topology)
     assert profile is not None
@@ -149,7 +149,12 @@ def test_the_autopilot_of_a_gpu_box_without_a_profile_starts_from_its_cards(
     """With no profile on disk the autopilot plans on the analytic profile (refined by the
     steps the workers run) on a GPU box; on a CPU box it has none until steps fit."""
     settings = load_settings(device="cuda", planner={"profile": None})
-    settings = settings.model_copy(update={"cache_dir": tmp_path})  # no profile in it
+    # A cache with no profile in it, holding the model the real one has converted (a cold
+    # one would spend ~10 s converting the embedded GGUF's tokenizer first).
+    for entry in settings.cache_dir.iterdir():
+        if entry.name != "profiles":
+            (tmp_path / entry.name).symlink_to(entry)
+    settings = settings.model_copy(update={"cache_dir": tmp_path})
     on_gpus = Autopilot(SimpleNamespace(topology=gpus(H100_NVSWITCH)), None, settings)
     profile, status = on_gpus._find_profile()
     assert profile is not None and profile.atoms == 8
