@@ -1,15 +1,20 @@
 """The grounded workload: the same requests for the same seed, each built on a passage of
 the repository's own documentation or source, its answer budget the passage's length.
-Only the tokenizer is loaded (no model, no processes)."""
+Only the tokenizer is loaded (no model, no processes), but for the last test, which sends
+the workload with `appliance bench` to the suite's server."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from server_process import API_KEY, ServerProcess
 
 from appliance.bench.workloads import (
     GROUNDED_TASKS,
@@ -104,3 +109,21 @@ def test_a_tree_without_docs_or_functions_is_refused(tokenizer: Tokenizer, tmp_p
     (tmp_path / "README.md").write_text("# Nothing\n\nToo short.\n")
     with pytest.raises(ValueError, match="no documentation paragraphs or functions"):
         next(grounded(tokenizer, random.Random(0), tmp_path))
+
+
+def test_appliance_bench_sends_the_grounded_workload(
+    server: ServerProcess, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """`appliance bench --workload grounded` drives this workload: the seed's requests in
+    order (their prompt lengths), each answered (cut to 4 tokens by --extra-body)."""
+    args = ["--url", server.url, "--api-key", API_KEY, "--workload", "grounded"]
+    args += ["--num-requests", "3", "--warmup", "0", "--concurrency", "1", "--seed", "4"]
+    args += ["--extra-body", '{"max_tokens": 4, "ignore_eos": true}', "--out", str(tmp_path)]
+    bench = [sys.executable, "-m", "appliance.cli", "bench", *args]
+    result = subprocess.run(bench, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((tmp_path / "result.json").read_text())
+    sent = [r["prompt_tokens"] for r in saved["results"]]
+    specs = itertools.islice(generate("grounded", tokenizer, seed=4), 3)
+    assert sent == [s.prompt_tokens for s in specs]
+    assert all(r["output_tokens"] == 4 for r in saved["results"])
