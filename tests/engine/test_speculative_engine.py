@@ -25,6 +25,7 @@ from appliance.engine.sampler import Sampler
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.speculative.ngram import NgramProposer
 from appliance.engine.speculative.proposer import Drafter, Proposer
+from appliance.settings.engine import SpeculativeSettings
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): a whole model
 
@@ -272,3 +273,30 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny: LLMEngine) -> No
     assert set(counts) <= set(cells)
     assert chi_square_p_value([counts[c] for c in cells], [expected[c] for c in cells]) > PASS
     assert tiny.num_free_blocks == tiny.kv.num_blocks
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_adaptive_drafts_shrink_and_pause_where_rejected_with_the_same_answers(
+    make_engine: Callable[..., LLMEngine], plain: list[Completion], prefix_caching: bool
+) -> None:
+    """The settings' adaptive drafter: the same answers; an always-wrong proposer's drafts
+    halve to one token and then pause, so it verifies far fewer drafts than a fixed k;
+    an always-right one keeps its whole drafts."""
+    settings = SpeculativeSettings(method="ngram", num_speculative_tokens=8)
+    adaptive = Drafter.from_settings(settings)
+    assert adaptive is not None and adaptive.policy is not None
+    drafted = {}
+    for wrong in (False, True):
+        for policy in (None, adaptive.policy):
+            spec = make_engine(block_size=4, prefix_caching=prefix_caching)
+            spec.scheduler.drafter = replace(
+                adaptive, proposer=oracle(spec, plain, wrong), policy=policy
+            )
+            got = spec.generate(prompts_of(spec), GREEDY)
+            assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+            assert all_free(spec)
+            counts = spec.scheduler.acceptance
+            assert counts.accepted == (0 if wrong else counts.drafted)
+            drafted[wrong, policy is not None] = counts.drafted
+    assert drafted[True, True] * 3 < drafted[True, False]
+    assert drafted[False, True] == drafted[False, False]  # kept whole: k stays at the top
