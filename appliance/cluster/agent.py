@@ -16,6 +16,8 @@ from appliance.cluster.interfaces import with_interface
 from appliance.cluster.messages import (
     AgentHello,
     KillWorker,
+    Ping,
+    Pong,
     Refused,
     SpawnWorker,
     WorkerExited,
@@ -62,7 +64,7 @@ class Agent:
         self._head = connect(
             cluster.head, self.secret, self.context, JOIN_TIMEOUT_S, cluster.address
         )
-        self._head.accepts = (SpawnWorker, KillWorker, Refused)  # all a head tells an agent
+        self._head.accepts = (SpawnWorker, KillWorker, Refused, Ping)  # all a head tells us
         # This box's own if set, else the one it reaches the head from.
         self._interface = with_interface(cluster, self._head.local_ip()).interface
         self._head.send(AgentHello(self.box, self.topology.devices, cluster.pool))
@@ -101,6 +103,9 @@ class Agent:
                     process.kill()
             case Refused():
                 raise BoxRefused(f"the head refused box {self.box!r}: {message.reason}")
+            case Ping():  # answered from this loop: a frozen agent answers nothing
+                assert self._head is not None
+                self._head.send(Pong(message.seq))
 
     def _spawn(self, message: SpawnWorker) -> None:
         # The head's settings (transports, ports, timeout hold for the whole cluster), but

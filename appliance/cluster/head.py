@@ -7,8 +7,11 @@ for that box alone, a worker only if that box's agent was asked to start it.
 
 Threads: one accepts, one per new connection runs TLS, the secret's challenge and reads
 the caller's hello, all within HELLO_TIMEOUT_S (a caller that stalls holds only its own
-thread until then), one per agent reads what it reports. What the supervisor must act on
-is handed to its loop.
+thread until then), one per agent reads what it reports, and one beats: it pings every
+agent each `cluster.heartbeat_interval_s` and drops the link of one that has said nothing
+for `cluster.heartbeat_timeout_s` (a frozen box: TCP keepalive does not find it, as its
+kernel still answers), which then ends as any lost link does. What the supervisor must
+act on is handed to its loop.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from appliance.cluster.channel import Link, accept, read_secret
 from appliance.cluster.messages import (
     AgentHello,
     KillWorker,
+    Ping,
+    Pong,
     Refused,
     SpawnWorker,
     ToAgent,
@@ -118,6 +123,8 @@ class AgentLink:
     inboxes: dict[int, RemoteInbox] = field(default_factory=dict)
     lost: bool = False
     sender: Sender = field(default_factory=Sender)
+    heard: float = field(default_factory=time.monotonic)  # when it last said anything
+    lost_cause: str = ""  # why its link was dropped, once it was
 
     def __post_init__(self) -> None:
         self.sender.attach(self.connection)
@@ -126,8 +133,11 @@ class AgentLink:
         if not self.lost:
             self.sender.put(message)
 
-    def drop(self) -> None:
-        """Mark the link lost and end it (its reader then reports the box lost)."""
+    def drop(self, cause: str = "") -> None:
+        """Mark the link lost and end it (its reader then reports the box lost, and why:
+        `cause`, or else that its link ended)."""
+        if not self.lost:
+            self.lost_cause = cause
         self.lost = True
         self.sender.close()
         self.connection.shutdown()
@@ -136,7 +146,7 @@ class AgentLink:
 class ClusterHead:
     """Listens for agents and their workers; see the module docstring.
 
-    `joined(hello, connection)` and `lost(box)` run on the supervisor's loop (`call`);
+    `joined(hello, connection)` and `lost(box, cause)` run on the supervisor's loop (`call`);
     joined answers with `admit` or `refuse`. `attach(worker id, connection)` runs on a
     connection's thread (the outbox reader takes the connection)."""
 
@@ -145,12 +155,13 @@ class ClusterHead:
         settings: ClusterSettings,
         call: Callable[..., object],
         joined: Callable[[AgentHello, Link], None],
-        lost: Callable[[str], None],
+        lost: Callable[[str, str], None],
         attach: Callable[[int, Link], None],
     ) -> None:
         self.secret = read_secret(settings.secret_file)
         self.context = head_context(settings)  # before anything listens: a bad file fails here
         self.address = host_port(settings.listen)
+        self.beat_s, self.silence_s = settings.heartbeat_interval_s, settings.heartbeat_timeout_s
         self.agents: dict[str, AgentLink] = {}
         self._call, self._joined, self._lost, self._attach = call, joined, lost, attach
         self._lock = threading.Lock()
@@ -158,9 +169,11 @@ class ClusterHead:
         self._stopping = threading.Event()
         self._greeting = threading.BoundedSemaphore(MAX_GREETINGS)
         self._thread = threading.Thread(target=self._accept, daemon=True, name="cluster")
+        self._beating = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
 
     def start(self) -> None:
         self._thread.start()
+        self._beating.start()
         log.info("listening for boxes on %s:%d", *self.address)
 
     def stop(self) -> None:
@@ -178,9 +191,17 @@ class ClusterHead:
             agent = self.agents.get(box)
             return agent is not None and not agent.lost
 
+    def lose(self, box: str, cause: str) -> None:
+        """Mark a box lost now (`cause`: why, for the event): its link is dropped, and its
+        reader reports it as any lost box. A box already lost is left as it is."""
+        with self._lock:
+            agent = self.agents.get(box)
+        if agent is not None and not agent.lost:
+            agent.drop(cause)
+
     def admit(self, hello: AgentHello, connection: Link) -> None:
         """Take a box that joined: its link replaces any old one, and is read from now."""
-        connection.accepts = (WorkerExited,)  # all an agent reports
+        connection.accepts = (WorkerExited, Pong)  # all an agent reports
         agent = AgentLink(hello.box, hello.devices, hello.pool, connection)
         with self._lock:
             old = self.agents.get(hello.box)
@@ -189,7 +210,7 @@ class ClusterHead:
             # Its agent came back (a reboot, a cut the head had not seen yet): the old
             # link is stale, and ending it loses that box's workers as any loss does.
             log.warning("box %r joined again: dropping its old link", hello.box)
-            old.drop()
+            old.drop("it joined again on a new link")
         threading.Thread(target=self._read_agent, args=(agent,), daemon=True).start()
 
     def refuse(self, connection: Link, reason: str) -> None:
@@ -287,6 +308,7 @@ class ClusterHead:
                 message = agent.connection.recv()
             except Exception:  # ended, timed out (keepalive), or a message we cannot read
                 break
+            agent.heard = time.monotonic()  # any message shows its loop runs, a Pong too
             if isinstance(message, WorkerExited):
                 with self._lock:  # a worker id is never reused: forget it here
                     process = agent.processes.pop(message.worker_id, None)
@@ -295,15 +317,29 @@ class ClusterHead:
                     inbox.close()
                 if process is not None:
                     process.exited(message.exitcode)
-        agent.drop()
+        agent.drop("its link ended")
         with self._lock:
             processes = list(agent.processes.values())
         for process in processes:
             if process.is_alive():
                 process.exited(LOST)
-        if not self._stopping.is_set():
-            log.warning("lost box %r", agent.box)
-            self._call(self._lost, agent.box)
+        if not self._stopping.is_set():  # the supervisor logs it (one line, one event)
+            self._call(self._lost, agent.box, agent.lost_cause)
+
+    def _beat(self) -> None:
+        """Ping every agent each beat_s; drop the link of one silent for over silence_s."""
+        sequence = 0
+        while not self._stopping.wait(self.beat_s):
+            now = time.monotonic()
+            with self._lock:
+                agents = [a for a in self.agents.values() if not a.lost]
+            for agent in agents:
+                silent = now - agent.heard
+                if silent > self.silence_s:
+                    agent.drop(f"no answer to heartbeats for {silent:.1f} s")
+                else:
+                    agent.send(Ping(sequence))
+            sequence += 1
 
 
 def _say_and_close(connection: Link, message: object) -> None:

@@ -60,4 +60,19 @@ class Refused:
     reason: str
 
 
-ToAgent = SpawnWorker | KillWorker | Refused
+@dataclass(frozen=True)
+class Ping:
+    """To an agent, every cluster.heartbeat_interval_s: answer with Pong(seq) (from the
+    agent's loop, so a frozen agent, whose kernel still keeps its TCP link up, is found)."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    """From an agent: its answer to Ping(seq)."""
+
+    seq: int
+
+
+ToAgent = SpawnWorker | KillWorker | Refused | Ping

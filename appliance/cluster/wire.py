@@ -22,6 +22,8 @@ from pydantic import BaseModel
 from appliance.cluster.messages import (
     AgentHello,
     KillWorker,
+    Ping,
+    Pong,
     Refused,
     SpawnWorker,
     WorkerExited,
@@ -73,7 +75,7 @@ class _SharedRemotePools:
 
 
 AGENT_MESSAGES: tuple[type, ...] = (AgentHello, WorkerHello, SpawnWorker, KillWorker)
-AGENT_MESSAGES += (WorkerExited, Refused)
+AGENT_MESSAGES += (WorkerExited, Refused, Ping, Pong)
 TO_WORKER: tuple[type, ...] = (Submit, Handoff, SharePool, PeerPool, DropPeer, Tune, Release)
 TO_WORKER += (Abort, Shutdown)
 FROM_WORKER: tuple[type, ...] = (Ready, PoolShared, PeerDropped, TokenBatch, HandoffResult)

@@ -78,6 +78,9 @@ class Boxes:
         self._note(
             "box",
             f"box {hello.box!r} joined with {len(hello.devices)} device(s) for {hello.pool}",
+            fault="box_joined",
+            box=hello.box,
+            cause="its agent joined" if not known else "its agent joined again",
         )
         busy = {i for w in self.processes.workers.values() if w.alive for i in w.devices}
         for index in indices:
@@ -96,8 +99,19 @@ class Boxes:
         self.head.refuse(connection, reason)
         self._note("box", f"refused box {hello.box!r}: {reason}")
 
-    def lost(self, box: str) -> None:
-        self._note("box", f"lost box {box!r}: its workers' requests go on elsewhere")
+    def lost(self, box: str, cause: str) -> None:
+        """A box's link ended (`cause`: why): its workers have exited or soon will (the
+        process manager re-runs their requests); one event says so."""
+        workers = [w.worker_id for w in self.processes.workers.values() if w.box == box]
+        held = {r for w in workers for r in self.processes.hooks.holding(w)}
+        self._note(
+            "box",
+            f"lost box {box!r} ({cause}): its workers' requests go on elsewhere",
+            fault="box_lost",
+            box=box,
+            cause=cause,
+            requests=held,
+        )
 
     def _start(self, role: Role, index: int) -> None:
         timeout = self.settings.recovery.start_timeout_s

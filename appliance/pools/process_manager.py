@@ -11,14 +11,15 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.multiprocessing as mp
 
-from appliance.cluster.head import ClusterHead
+from appliance.cluster.head import LOST, ClusterHead
 from appliance.core.events import Event, EventKind
 from appliance.core.restart_policy import RestartPolicy
 from appliance.core.roles import Role
+from appliance.core.stall import StallAction, stall_action
 from appliance.pools.worker_handle import Inbox, WorkerHandle, WorkerProcess
 from appliance.settings.config import Settings
 from appliance.topology.devices import Device, Topology
@@ -40,6 +41,10 @@ class ProcessHooks(Protocol):
         """Whether requests wait on this worker (a silent one is then stalled)."""
         ...
 
+    def holding(self, worker_id: int) -> list[int]:
+        """The ids of the requests that still need this worker (for fault events)."""
+        ...
+
     def on_exit(self, worker: WorkerHandle) -> None:
         """A serving worker's process exited (a restart, if any, is already scheduled)."""
         ...
@@ -53,8 +58,8 @@ class ProcessHooks(Protocol):
         """A live worker is about to stop: let the others let go of its KV tensor."""
         ...
 
-    def note(self, kind: EventKind, message: str) -> Event:
-        """Record an event for the admin API."""
+    def note(self, kind: EventKind, message: str, **fault: Any) -> Event:
+        """Record an event for the admin API; `fault`: EventLog.note's fault fields."""
         ...
 
 
@@ -81,6 +86,7 @@ class ProcessManager:
         self.all_ready: asyncio.Future | None = None  # the first workers, all ready
         self.cluster: ClusterHead | None = None  # other boxes' agents, when they may join
         self._remote_readers: list[OutboxReader] = []  # one per worker on another box
+        self._stalls_acted: set[int] = set()  # workers whose current stall was acted on
 
     @property
     def hooks(self) -> ProcessHooks:
@@ -202,7 +208,8 @@ class ProcessManager:
 
     async def _watch(self) -> None:
         """Every WATCH_INTERVAL_S: a worker whose process exited is handled within that
-        time; one that has work but has reported no step for too long is killed."""
+        time; one that has work but has reported no step for too long is acted on once
+        (core/stall.py: killed here, its box marked lost on another box)."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             now = time.monotonic()
@@ -211,9 +218,34 @@ class ProcessManager:
                     continue
                 if not worker.process.is_alive():
                     self._on_exit(worker)
-                elif self._stalled_for(worker, now) > self.settings.recovery.stall_timeout_s:
-                    self.hooks.note("worker", f"worker {worker.worker_id} stalled: killing it")
-                    worker.process.kill()
+                else:
+                    self._check_stall(worker, now)
+
+    def _check_stall(self, worker: WorkerHandle, now: float) -> None:
+        stalled = self._stalled_for(worker, now)
+        if stalled == 0.0:  # it reported a step (or has nothing to do): a new stall may come
+            self._stalls_acted.discard(worker.worker_id)
+        timeout = self.settings.recovery.stall_timeout_s
+        acted = worker.worker_id in self._stalls_acted
+        action = stall_action(stalled, timeout, bool(worker.box), acted)
+        if action is StallAction.NONE:
+            return
+        self._stalls_acted.add(worker.worker_id)
+        cause = f"no step reported for {stalled:.0f} s with work to do"
+        fields = {"worker": worker.worker_id, "box": worker.box, "cause": cause}
+        requests = self.hooks.holding(worker.worker_id)
+        if action is StallAction.KILL:
+            message = f"worker {worker.worker_id} stalled: killing it"
+            self.hooks.note("worker", message, fault="stall", requests=requests, **fields)
+            worker.process.kill()
+            self.hooks.note("worker", f"killed worker {worker.worker_id}", fault="kill", **fields)
+            return
+        # Its kill would be a message to an agent that may never read it (a frozen box):
+        # the box is marked lost once, and its workers' requests go on elsewhere.
+        message = f"worker {worker.worker_id} on box {worker.box!r} stalled: marking the box lost"
+        self.hooks.note("worker", message, fault="stall", requests=requests, **fields)
+        assert self.cluster is not None  # a worker on another box came through it
+        self.cluster.lose(worker.box, f"its worker {worker.worker_id} stalled ({cause})")
 
     def _stalled_for(self, worker: WorkerHandle, now: float) -> float:
         """How long a worker that has work to run has not reported a step (0 if idle)."""
@@ -224,10 +256,17 @@ class ProcessManager:
 
     def _on_exit(self, worker: WorkerHandle) -> None:
         worker.alive = False
+        self._stalls_acted.discard(worker.worker_id)
+        code = worker.process.exitcode
+        cause = "its box was lost" if worker.box and code == LOST else f"exit code {code}"
         self.hooks.note(
             "worker",
-            f"worker {worker.worker_id} ({worker.role}, {worker.device}) exited with "
-            f"code {worker.process.exitcode}",
+            f"worker {worker.worker_id} ({worker.role}, {worker.device}) exited with code {code}",
+            fault="worker_exit",
+            worker=worker.worker_id,
+            box=worker.box,
+            cause=cause,
+            requests=self.hooks.holding(worker.worker_id),
         )
         error = RuntimeError(f"worker {worker.worker_id} exited while starting")
         assert self.all_ready is not None  # start() set it before spawning any worker
@@ -286,6 +325,15 @@ class ProcessManager:
             return
         self._restarting.pop(device, None)
         worker.restarts = dead.restarts + 1
+        self.hooks.note(
+            "worker",
+            f"worker {worker.worker_id} restarted on {worker.device} (after worker "
+            f"{dead.worker_id})",
+            fault="restart",
+            worker=worker.worker_id,
+            box=worker.box,
+            cause=f"worker {dead.worker_id} exited with code {dead.process.exitcode}",
+        )
 
     # ------------------------------------------------------------ joining and leaving
 

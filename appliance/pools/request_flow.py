@@ -118,7 +118,7 @@ class RequestFlow:
         candidates = self._entry_workers()
         if not candidates:
             if not self._entry_coming():
-                self.fail(request, NO_ENTRY_WORKER)
+                self.fail_by_fault(request, NO_ENTRY_WORKER)
             return
         token_ids = request.tokens
         worker = self.router.prefill(candidates, token_ids, self.tuning())
@@ -139,7 +139,13 @@ class RequestFlow:
         it already sent, for what is left of max_tokens."""
         self._unqueue(request)
         self.table.rerun(request.request_id)
-        self.log.note("worker", f"request {request.request_id}: {reason}; running it again")
+        self.log.note(
+            "worker",
+            f"request {request.request_id}: {reason}; running it again",
+            fault="rerun",
+            cause=reason,
+            requests=[request.request_id],
+        )
         self.submit(request)
 
     def retry(self, request: Request, reason: str) -> None:
@@ -147,7 +153,18 @@ class RequestFlow:
         if retry_action(request, self.settings.recovery.max_request_retries) is Action.RERUN:
             self.rerun(request, reason)
         else:
-            self.fail(request, f"{reason}; retried too often")
+            self.fail_by_fault(request, f"{reason}; retried too often")
+
+    def fail_by_fault(self, request: Request, message: str) -> None:
+        """End the request with an error because of a fault (a fault event says so)."""
+        self.log.note(
+            "worker",
+            f"request {request.request_id} failed: {message}",
+            fault="request_failed",
+            cause=message,
+            requests=[request.request_id],
+        )
+        self.fail(request, message)
 
     def fail(self, request: Request, message: str) -> None:
         """End the request with an error its consumer raises."""
@@ -174,7 +191,7 @@ class RequestFlow:
         if role not in ENTRY_ROLES or not waiting or self._entry_workers() or self._entry_coming():
             return
         for request in waiting:
-            self.fail(request, NO_ENTRY_WORKER)
+            self.fail_by_fault(request, NO_ENTRY_WORKER)
 
     def _entry_workers(self) -> list[WorkerHandle]:
         """The workers a prompt may go to now."""

@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
 from collections.abc import Set as AbstractSet
+from typing import Any
 
 from appliance.core.events import Event, EventKind, EventLog
 from appliance.core.recovery import Action, after_worker_lost
@@ -185,6 +186,9 @@ class Supervisor:
     def has_work(self, worker: WorkerHandle) -> bool:
         return self.table.owes_answer(worker.worker_id)
 
+    def holding(self, worker_id: int) -> list[int]:
+        return [r.request_id for r in self.table.held_by(worker_id)]
+
     def on_exit(self, worker: WorkerHandle) -> None:
         """A worker died: decode workers drop its pool, its requests go on elsewhere."""
         self.wiring.forget(worker.worker_id)
@@ -220,7 +224,7 @@ class Supervisor:
             case Action.RERUN:
                 self.flow.rerun(request, reason)
             case Action.FAIL:
-                self.flow.fail(request, f"{reason}; retried too often")
+                self.flow.fail_by_fault(request, f"{reason}; retried too often")
 
     # ------------------------------------------------------------ state (PoolState)
 
@@ -282,9 +286,15 @@ class Supervisor:
 
     # ------------------------------------------------------------ admin: events, tuning, moves
 
-    def note(self, kind: EventKind, message: str) -> Event:
-        """Record an event for the admin API (and the log)."""
-        return self.log.note(kind, message)
+    def note(self, kind: EventKind, message: str, **fault: Any) -> Event:
+        """Record an event for the admin API (and the log); `fault`: EventLog.note's
+        fault fields."""
+        return self.log.note(kind, message, **fault)
+
+    @property
+    def fault_counts(self) -> dict[str, int]:
+        """Fault events since the start, by kind (core/events.py's FaultKind)."""
+        return dict(self.log.fault_counts)
 
     def tune(self, patch: TuningPatch) -> Tuning:
         """Apply new knobs now: routing and admission here, batching limits in each worker's

@@ -97,6 +97,32 @@ class ClusterSettings(BaseModel):
         description="A KV read from another box that has not finished in this long fails (a "
         "frozen or cut-off peer never answers, and the transfer engine would wait for good).",
     )
+    heartbeat_interval_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="On the head: how often it pings each box's agent, which answers from its "
+        "own loop (TCP keepalive does not find a frozen box: its kernel still answers).",
+    )
+    heartbeat_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=600,
+        description="On the head: a box whose agent has said nothing (no answer to a ping) "
+        "for this long is marked lost, its workers' requests run again elsewhere; a frozen "
+        "box is found within heartbeat_timeout_s + heartbeat_interval_s. At least twice "
+        "heartbeat_interval_s (a box is lost only after several missed beats).",
+    )
+
+    @model_validator(mode="after")
+    def _beats_missed_before_lost(self) -> ClusterSettings:
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"cluster.heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be at least "
+                f"twice cluster.heartbeat_interval_s ({self.heartbeat_interval_s}): one late "
+                "beat must not lose a box"
+            )
+        return self
 
 
 def host_port(text: str) -> tuple[str, int]:

@@ -15,6 +15,7 @@ import shutil
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
@@ -56,14 +57,27 @@ class Head:
     address: str
     joined: queue.Queue[tuple[AgentHello, Link]] = field(default_factory=queue.Queue)
     lost: list[str] = field(default_factory=list)
+    causes: list[str] = field(default_factory=list)  # why each was lost
+
+    def on_lost(self, box: str, cause: str) -> None:
+        self.lost.append(box)
+        self.causes.append(cause)
 
 
 @pytest.fixture
 def head(certs: Certs, tmp_path: Path) -> Iterator[Head]:
+    """A head whose heartbeat never fires within a test (the tests below read exactly
+    what the head sends; the heartbeat's own tests start a head that beats)."""
+    with listening(certs, tmp_path, heartbeat_interval_s=60, heartbeat_timeout_s=600) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def listening(certs: Certs, tmp_path: Path, **more: float) -> Iterator[Head]:
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET + b"\n")
     address = f"127.0.0.1:{free_port()}"
-    settings = ClusterSettings(listen=address, secret_file=secret, **certs.settings("head"))
+    settings = ClusterSettings(listen=address, secret_file=secret, **certs.settings("head"), **more)
     running: Head
 
     def call(function: Callable[..., object], *args: object) -> None:
@@ -75,11 +89,13 @@ def head(certs: Certs, tmp_path: Path) -> Iterator[Head]:
     def attach(worker_id: int, link: Link) -> None:
         raise AssertionError("no worker dials in these tests")
 
-    cluster = ClusterHead(settings, call, joined, lambda box: running.lost.append(box), attach)
+    cluster = ClusterHead(settings, call, joined, lambda *lost: running.on_lost(*lost), attach)
     running = Head(cluster, address)
     cluster.start()
-    yield running
-    cluster.stop()
+    try:
+        yield running
+    finally:
+        cluster.stop()
 
 
 def box_settings(certs: Certs, box: str) -> ClusterSettings:
@@ -405,6 +421,8 @@ def every_message() -> list[object]:
         c.KillWorker(3),
         c.WorkerExited(3, -9),
         c.Refused("why"),
+        c.Ping(5),
+        c.Pong(5),
         m.Submit(1, [1, 2], params, True),
         m.Handoff(1, [1, 2, 3], 2, params, 0, [4, 5]),
         m.SharePool(3, remote=True),
@@ -476,3 +494,60 @@ def test_a_box_added_later_joins(head: Head, certs: Certs, tmp_path: Path) -> No
     link.send(hello("d"))
     got, _ = head.joined.get(timeout=10)
     assert got.box == "d"
+
+
+BEAT_S, SILENCE_S = 0.2, 1.0  # a silent box is found within 1.2 s
+
+
+def joined_box(head: Head, certs: Certs) -> Link:
+    """Box b joined and admitted; its link (the agent's end) takes pings."""
+    link = dial(head, certs)
+    link.accepts = (SpawnWorker, Refused, c.Ping)
+    link.send(hello())
+    got, their_link = head.joined.get(timeout=10)
+    head.head.admit(got, their_link)
+    return link
+
+
+def test_a_box_answering_heartbeats_stays_and_a_silent_one_is_lost_once(
+    certs: Certs, tmp_path: Path
+) -> None:
+    """The agent's end answers each Ping with a Pong for a while, then stops answering
+    while its connection stays open (as a frozen box's kernel keeps it): the head marks
+    it lost once, within the timeout and a beat, naming the silence as the cause."""
+    beats = {"heartbeat_interval_s": BEAT_S, "heartbeat_timeout_s": SILENCE_S}
+    with listening(certs, tmp_path, **beats) as head:
+        link = joined_box(head, certs)
+        answered = 0
+        until = time.monotonic() + 5 * SILENCE_S
+        while time.monotonic() < until:  # answering: never lost
+            if link.poll(0.1):
+                ping = link.recv()
+                assert isinstance(ping, c.Ping)
+                link.send(c.Pong(ping.seq))
+                answered += 1
+        assert answered >= 5 * SILENCE_S / BEAT_S - 3 and head.lost == []
+        silent_since = time.monotonic()
+        wait_until(lambda: head.lost == ["b"], 10, "box b lost", every_s=0.02)
+        found_in = time.monotonic() - silent_since
+        assert SILENCE_S - BEAT_S <= found_in <= SILENCE_S + BEAT_S + 0.5, found_in
+        assert head.causes[0].startswith("no answer to heartbeats for")
+        time.sleep(3 * SILENCE_S)
+        assert head.lost == ["b"]  # once
+        with pytest.raises((EOFError, OSError)):  # the head ended the link
+            while True:
+                link.recv()
+        link.close()
+
+
+def test_marking_a_box_lost_twice_loses_it_once(head: Head, certs: Certs) -> None:
+    """The process manager's escalation (a stalled worker on box b) may come while the
+    box is being lost for another reason: the box is lost once, for the first cause."""
+    link = joined_box(head, certs)
+    head.head.lose("b", "its worker 3 stalled")
+    head.head.lose("b", "its worker 4 stalled")
+    wait_until(lambda: head.lost == ["b"], 10, "box b lost")
+    time.sleep(0.5)
+    assert head.lost == ["b"] and head.causes == ["its worker 3 stalled"]
+    assert not head.head.has_box("b")
+    link.close()
