@@ -46,6 +46,15 @@ PROCESS_FIXTURES = frozenset(
 )
 
 
+# The shared servers build the n-gram drafter, but only requests that send
+# speculative.n_max > 0 speculate (tests/server/test_speculative_serving.py): every other
+# test's requests decode as without it.
+OPT_IN_SPECULATION = {
+    "APPLIANCE_SPECULATIVE__METHOD": "ngram",
+    "APPLIANCE_SPECULATIVE__OPT_IN": "true",
+}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
@@ -108,6 +117,7 @@ def server() -> Iterator[ServerProcess]:
             "APPLIANCE_API_KEY": API_KEY,
             "APPLIANCE_SERVER__MAX_CONCURRENT_REQUESTS": "40",
             "APPLIANCE_KV__MEMORY_MB": "128",
+            **OPT_IN_SPECULATION,
         }
     )
     process.start()
@@ -125,6 +135,7 @@ def colocated_server() -> Iterator[ServerProcess]:
             "APPLIANCE_SERVER__MAX_CONCURRENT_REQUESTS": "40",
             "APPLIANCE_KV__MEMORY_MB": "128",
             "APPLIANCE_MODE": "colocated",
+            **OPT_IN_SPECULATION,
         }
     )
     process.start()

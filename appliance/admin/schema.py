@@ -38,6 +38,16 @@ class WorkerInfo(BaseModel):
         default_factory=list,
         description="Every device it runs on: several for a tensor-parallel worker.",
     )
+    spec_acceptance_rate: float | None = Field(
+        None,
+        description="Speculative decoding: draft tokens kept per draft token verified since "
+        "the worker started; None before its first verified draft.",
+    )
+    spec_mean_accepted_length: float | None = Field(
+        None,
+        description="Speculative decoding: tokens a verify step made on average (kept "
+        "drafts + 1); None before its first verified draft.",
+    )
 
 
 class DeviceInfo(BaseModel):

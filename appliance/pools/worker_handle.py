@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from appliance.core.roles import Role
+from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.workers.messages import TokenBatch, ToWorker
 
 
@@ -80,6 +81,9 @@ class WorkerHandle:
     running: int = 0
     queued_tokens: int = 0  # prompt tokens sent and not yet answered
     tokens_out: int = 0  # tokens it has produced
+    # Its process's speculative decoding totals, as of its last report (a restarted
+    # process counts from 0 again).
+    speculation: AcceptanceCounts = field(default_factory=AcceptanceCounts)
     last_report: float = 0.0  # monotonic time of its last step report
     last_work: float = 0.0  # monotonic time it was last sent a prompt or a handoff
     restarts: int = 0
@@ -106,6 +110,7 @@ class WorkerHandle:
         self.taken_blocks, self.refused = 0, False
         self.last_report = now
         self.tokens_out += sum(len(out.token_ids) for out in batch.outputs)
+        self.speculation = batch.speculation
 
     def sent_prompt(self, tokens: int, now: float) -> None:
         """A prompt of `tokens` tokens went to it: queued until its first token comes."""
@@ -170,6 +175,7 @@ class WorkerHandle:
             tokens_out=self.tokens_out,
             devices=self.devices,
             shard_pids=tuple(self.shard_pids),
+            speculation=self.speculation,
         )
 
 
@@ -193,6 +199,7 @@ class WorkerView:
     tokens_out: int
     devices: tuple[int, ...] = ()  # its tensor-parallel group, device_index first
     shard_pids: tuple[int, ...] = ()  # the processes on devices[1:], once loaded
+    speculation: AcceptanceCounts = field(default_factory=AcceptanceCounts)  # its totals
 
     def pid_on(self, device: int) -> int | None:
         """The process that computes on `device` (a shard's, in a tensor-parallel group)."""

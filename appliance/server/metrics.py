@@ -92,6 +92,7 @@ class Metrics:
             ("status",),
         )
         registry.register(PoolCollector(pools))
+        registry.register(SpeculationCollector(pools))
         if planner_counts is not None:
             registry.register(PlannerCollector(planner_counts))
 
@@ -184,3 +185,50 @@ class PoolCollector(Collector):
             "Handoffs sent to a decode worker and not yet answered.",
             value=self.pools.pending_handoffs(),
         )
+
+
+class SpeculationCollector(Collector):
+    """Speculative decoding per worker (vLLM's spec_decode_* names), from the totals each
+    worker reports with its steps: counters, and the acceptance rate and mean accepted
+    length they give (0 until the worker has verified a draft)."""
+
+    def __init__(self, pools: PoolState) -> None:
+        self.pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker", "role", "device"]
+        drafts = CounterMetricFamily(
+            "appliance_spec_decode_num_drafts",
+            "Verify steps: sequence-steps that verified draft tokens.",
+            labels=labels,
+        )
+        draft_tokens = CounterMetricFamily(
+            "appliance_spec_decode_num_draft_tokens",
+            "Draft tokens proposed and verified.",
+            labels=labels,
+        )
+        accepted = CounterMetricFamily(
+            "appliance_spec_decode_num_accepted_tokens",
+            "Draft tokens the target model kept.",
+            labels=labels,
+        )
+        rate = GaugeMetricFamily(
+            "appliance_spec_decode_acceptance_rate",
+            "Draft tokens kept per draft token verified, since the worker started.",
+            labels=labels,
+        )
+        length = GaugeMetricFamily(
+            "appliance_spec_decode_mean_accepted_length",
+            "Tokens a verify step made on average: its kept drafts and the target's own "
+            "token after them (1 + kept drafts per verify step, as vLLM's).",
+            labels=labels,
+        )
+        for view in self.pools.views():
+            key = [str(view.worker_id), view.role, view.device]
+            counts = view.speculation
+            drafts.add_metric(key, counts.verify_steps)
+            draft_tokens.add_metric(key, counts.drafted)
+            accepted.add_metric(key, counts.accepted)
+            rate.add_metric(key, counts.rate)
+            length.add_metric(key, counts.mean_emitted)
+        yield from (drafts, draft_tokens, accepted, rate, length)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from appliance.api import SamplingParams
+from appliance.engine.sequence import MAX_SPECULATIVE_TOKENS
 from appliance.server.errors import APIError
 from appliance.server.structured_fields import StructuredFields
 from appliance.server.tool_fields import (
@@ -151,6 +152,15 @@ class SamplingFields(Body, StructuredFields):
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     # vLLM's: each prompt token's logprob and its top k, as `prompt_logprobs` (whole only).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # llama.cpp server's per-request draft range, under its names (docs/speculative.md):
+    # n_max 0 turns speculation off for this request (> 0 turns it on, on an opt-in
+    # server); neither goes past the server's own range.
+    speculative_n_max: int | None = Field(
+        None, ge=0, le=MAX_SPECULATIVE_TOKENS, alias="speculative.n_max"
+    )
+    speculative_n_min: int | None = Field(
+        None, ge=0, le=MAX_SPECULATIVE_TOKENS, alias="speculative.n_min"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -186,6 +196,10 @@ class SamplingFields(Body, StructuredFields):
         this model does not have, top_logprobs without logprobs, prompt logprobs streamed
         (400, naming the field)."""
         self.requested_logprobs()
+        n_max, n_min = self.speculative_n_max, self.speculative_n_min
+        if n_max is not None and n_min is not None and n_min > n_max:
+            message = f"speculative.n_min ({n_min}) must not exceed speculative.n_max ({n_max})"
+            raise APIError(400, message, "speculative.n_min")
         if self.stream and self.prompt_logprobs is not None:
             message = "prompt_logprobs is not available when stream is enabled (as vLLM)"
             raise APIError(400, message, "prompt_logprobs")
@@ -234,6 +248,8 @@ class SamplingFields(Body, StructuredFields):
             logprobs=self.requested_logprobs(),
             processed_logprobs=self.logprobs_mode == "processed_logprobs",
             prompt_logprobs=self.prompt_logprobs,
+            speculative_n_max=self.speculative_n_max,
+            speculative_n_min=self.speculative_n_min,
         )
 
     def _repetition_penalty(self) -> float:

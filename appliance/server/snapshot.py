@@ -111,6 +111,7 @@ class SnapshotBuilder:
             tokens_per_s=self._tokens_per_s(view, now),
             restarts=view.restarts,
             devices=list(view.devices),
+            **speculation_figures(view),
         )
 
     def _tokens_per_s(self, view: WorkerView, now: float) -> float:
@@ -122,6 +123,17 @@ class SnapshotBuilder:
             rate.per_s = (view.tokens_out - rate.count) / (now - rate.since)
             rate.since, rate.count = now, view.tokens_out
         return rate.per_s
+
+
+def speculation_figures(view: WorkerView) -> dict[str, float]:
+    """WorkerInfo's speculative decoding figures, where the worker has verified drafts."""
+    counts = view.speculation
+    if not counts.verify_steps:
+        return {}
+    return {
+        "spec_acceptance_rate": counts.rate,
+        "spec_mean_accepted_length": counts.mean_emitted,
+    }
 
 
 def _row(request: Request, now: float) -> RequestRow:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams
+from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.engine.step_timing import StepTiming
 
 if TYPE_CHECKING:  # a pool on another box: its module loads torch, the messages need not
@@ -138,6 +139,8 @@ class TokenBatch:
     started: list[int] = field(default_factory=list)  # requests whose first chunk ran
     step_started_at: float = 0.0  # time.monotonic() (system-wide) when the step began
     timing: StepTiming | None = None  # the step's shape and seconds (None: not timed)
+    # Its speculative decoding totals since it started: drafts verified and kept.
+    speculation: AcceptanceCounts = field(default_factory=AcceptanceCounts)
 
 
 @dataclass

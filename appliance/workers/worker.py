@@ -342,6 +342,7 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
         started=newly_started(state),
         step_started_at=started_at,
         timing=state.engine.clock.pop(),
+        speculation=replace(state.engine.scheduler.acceptance),
     )
     for out in outputs:
         request_id = state.to_request.get(out.seq_id)

@@ -31,7 +31,8 @@ def field_names(model: type[BaseModel]) -> set[str]:
 
 def table_names() -> set[str]:
     rows = [line for line in section().splitlines() if line.startswith("| `")]
-    return {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    # A name may hold a dot: llama.cpp's flat `speculative.n_max`.
+    return {name for row in rows for name in re.findall(r"`([\w.]+)`", row.split("|")[1])}
 
 
 def refused_names() -> set[str]:

@@ -115,9 +115,23 @@ class DeviceCard(Widget, can_focus=True):
     def _queue_line(self, worker: WorkerInfo | None) -> Content:
         if worker is None:
             return Content("")
-        return Content.from_markup(
+        line = Content.from_markup(
             "waiting [b]$waiting[/]   running [b]$running[/]   [b]$rate[/] tok/s",
             waiting=str(worker.waiting),
             running=str(worker.running),
             rate=f"{worker.tokens_per_s:.1f}",
+        )
+        return line + self._speculation(worker)
+
+    @staticmethod
+    def _speculation(worker: WorkerInfo) -> Content:
+        """Speculative decoding's acceptance rate and tokens per verify step, where the
+        worker has verified drafts (the admin API says; nothing otherwise)."""
+        rate, length = worker.spec_acceptance_rate, worker.spec_mean_accepted_length
+        if rate is None or length is None:
+            return Content("")
+        return Content.from_markup(
+            "   spec [b]$rate[/] ×[b]$length[/]",
+            rate=percent(rate * 100),
+            length=f"{length:.1f}",
         )
