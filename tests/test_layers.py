@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("appliance/model", "appliance/topology"),  # model files, kernels, forward; devices
     ("appliance/settings",),  # the one settings model (reads a model's name through model/)
     ("appliance/kv",),  # block accounting, the KV tensor, handoff copies
+    ("appliance/kv_store",),  # the box-wide KV store below the workers' pools
     ("appliance/engine",),  # scheduler, model runner, sampler of one worker
     ("appliance/core",),  # pure decisions: request table, router, recovery, tuning, roles
     ("appliance/chat",),  # chat turns: tools in the prompt, output read as calls/reasoning
@@ -55,6 +56,7 @@ TORCH_FREE = (
     "appliance.admin.schema",
     "appliance.chat.chat_output",
     "appliance.chat.tool_calls",
+    "appliance.kv_store.tier_index",
 )
 
 

@@ -1,0 +1,218 @@
+"""Which stored KV blocks the box holds, in which tier, and what a new one pushes out.
+
+Pure bookkeeping (no bytes, no torch): entries keyed by (namespace digest, block key) in
+two tiers, host memory and an optional disk, each with a capacity in bytes and least
+recently used order. A block pushed out of the host tier goes to the disk tier when there
+is one, else it is dropped; one pushed out of the disk tier is dropped. A block is in one
+tier at a time. The index says what to do (a list of moves, in order); the store moves the
+bytes. A pinned block (a reader is copying it) is never pushed out nor dropped.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+StoreKey = tuple[bytes, int]  # (namespace digest, chained 64-bit block key)
+Tier = Literal["host", "disk"]
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A tier's capacity; each entry is charged whole units (a host slot, a file system
+    block), so the count matches the memory or disk the tier really uses."""
+
+    capacity_bytes: int
+    unit_bytes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0 or self.unit_bytes < 1:
+            raise ValueError(f"not a tier capacity: {self}")
+
+    def charge(self, nbytes: int) -> int:
+        return -(-nbytes // self.unit_bytes) * self.unit_bytes
+
+
+@dataclass(frozen=True)
+class Move:
+    """Move `key`'s bytes from `source` to `target` (None: drop them)."""
+
+    key: StoreKey
+    source: Tier
+    target: Tier | None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a new block goes (None: nowhere, the store is full of pinned blocks or the
+    block is larger than any tier) and the moves to make first, in order."""
+
+    tier: Tier | None
+    moves: list[Move] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Hit:
+    key: StoreKey
+    tier: Tier
+
+
+@dataclass
+class _Tier:
+    spec: TierSpec
+    entries: OrderedDict[StoreKey, int] = field(default_factory=OrderedDict)  # LRU first
+    used: int = 0
+
+    def add(self, key: StoreKey, charged: int) -> None:
+        self.entries[key] = charged
+        self.used += charged
+
+    def pop(self, key: StoreKey) -> None:
+        self.used -= self.entries.pop(key)
+
+
+class StoreIndex:
+    """The store's entries in a host tier and an optional disk tier (None: off)."""
+
+    def __init__(self, host: TierSpec, disk: TierSpec | None = None) -> None:
+        self._tiers: dict[Tier, _Tier] = {"host": _Tier(host)}
+        if disk is not None:
+            self._tiers["disk"] = _Tier(disk)
+        self._nbytes: dict[StoreKey, int] = {}  # each entry's payload size
+        self._pins: dict[StoreKey, int] = {}
+
+    # ------------------------------------------------------------ reading
+
+    def tier_of(self, key: StoreKey) -> Tier | None:
+        for name, tier in self._tiers.items():
+            if key in tier.entries:
+                return name
+        return None
+
+    def used_bytes(self, tier: Tier) -> int:
+        return self._tiers[tier].used if tier in self._tiers else 0
+
+    def count(self, tier: Tier) -> int:
+        return len(self._tiers[tier].entries) if tier in self._tiers else 0
+
+    def keys(self, tier: Tier) -> list[StoreKey]:
+        """The tier's keys, least recently used first."""
+        return list(self._tiers[tier].entries) if tier in self._tiers else []
+
+    def nbytes(self, key: StoreKey) -> int:
+        return self._nbytes[key]
+
+    def lookup(self, namespace: bytes, block_keys: Sequence[int]) -> list[Hit]:
+        """The longest run of `block_keys` (a prompt's chained keys, in order) held, from
+        the first: a block after a missing one is useless, its prefix must be computed
+        anyway. Each hit becomes the most recently used of its tier."""
+        hits: list[Hit] = []
+        for block in block_keys:
+            key = (namespace, block)
+            tier = self.tier_of(key)
+            if tier is None:
+                break
+            self._tiers[tier].entries.move_to_end(key)
+            hits.append(Hit(key, tier))
+        return hits
+
+    # ------------------------------------------------------------ pins
+
+    def pin(self, hits: Sequence[Hit]) -> None:
+        """Keep these blocks where they are until unpinned (a reader is copying them)."""
+        for hit in hits:
+            self._pins[hit.key] = self._pins.get(hit.key, 0) + 1
+
+    def unpin(self, hits: Sequence[Hit]) -> None:
+        for hit in hits:
+            left = self._pins.get(hit.key, 0) - 1
+            if left < 0:
+                raise ValueError(f"block {hit.key[1]:016x} unpinned more often than pinned")
+            if left:
+                self._pins[hit.key] = left
+            else:
+                del self._pins[hit.key]
+
+    def pinned(self, key: StoreKey) -> bool:
+        return key in self._pins
+
+    # ------------------------------------------------------------ writing
+
+    def insert(self, key: StoreKey, nbytes: int) -> Placement:
+        """Place a new block of `nbytes` in the host tier (or, where the host cannot
+        take it, the disk tier), pushing out least recently used blocks. A block already
+        held only becomes the most recently used."""
+        held = self.tier_of(key)
+        if held is not None:
+            self._tiers[held].entries.move_to_end(key)
+            return Placement(held)
+        for name in self._tiers:
+            moves = self._make_room(name, self._tiers[name].spec.charge(nbytes))
+            if moves is not None:
+                self._place(name, key, nbytes)
+                return Placement(name, moves)
+        return Placement(None)
+
+    def place_found(self, key: StoreKey, nbytes: int, tier: Tier) -> Placement:
+        """Record a block found in `tier` (the disk tier's files at start) as its most
+        recently used; the moves push out what no longer fits (a smaller capacity)."""
+        moves = self._make_room(tier, self._tiers[tier].spec.charge(nbytes))
+        if moves is None:
+            return Placement(None)
+        self._place(tier, key, nbytes)
+        return Placement(tier, moves)
+
+    def remove(self, key: StoreKey) -> Tier | None:
+        """Forget a block (its bytes were refused: corrupt, or gone), pinned or not."""
+        tier = self.tier_of(key)
+        if tier is not None:
+            self._tiers[tier].pop(key)
+            del self._nbytes[key]
+        return tier
+
+    def clear(self) -> list[StoreKey]:
+        """Forget every unpinned block; returns them."""
+        gone = [k for t in self._tiers.values() for k in t.entries if k not in self._pins]
+        for key in gone:
+            self.remove(key)
+        return gone
+
+    def _place(self, tier: Tier, key: StoreKey, nbytes: int) -> None:
+        self._tiers[tier].add(key, self._tiers[tier].spec.charge(nbytes))
+        self._nbytes[key] = nbytes
+
+    def _make_room(self, name: Tier, charge: int) -> list[Move] | None:
+        """The moves that leave `charge` bytes free in tier `name`, made in the index; None
+        (and nothing changed) where the unpinned blocks cannot free enough."""
+        tier = self._tiers[name]
+        need = tier.used + charge - tier.spec.capacity_bytes
+        if need <= 0:
+            return []
+        victims, freed = [], 0
+        for key, charged in tier.entries.items():  # least recently used first
+            if freed >= need:
+                break
+            if key not in self._pins:
+                victims.append(key)
+                freed += charged
+        if freed < need:
+            return None
+        moves: list[Move] = []
+        for key in victims:
+            moves += self._push_out(name, key)
+        return moves
+
+    def _push_out(self, name: Tier, key: StoreKey) -> list[Move]:
+        """Demote `key` from the host tier to the disk tier (making room there first), or
+        drop it where there is no disk tier or no room."""
+        nbytes = self._nbytes[key]
+        self._tiers[name].pop(key)
+        if name == "host" and "disk" in self._tiers:
+            room = self._make_room("disk", self._tiers["disk"].spec.charge(nbytes))
+            if room is not None:
+                self._tiers["disk"].add(key, self._tiers["disk"].spec.charge(nbytes))
+                return [*room, Move(key, "host", "disk")]
+        del self._nbytes[key]
+        return [Move(key, name, None)]
