@@ -1,0 +1,169 @@
+"""The box's KV store: the index's decisions carried out on the host arena and the disk
+directory, with counters of what it served.
+
+One process owns a store (the supervisor, when the workers use it): it decides where each
+block goes and moves bytes between tiers. Blocks enter by `put` (a worker's pool evicted
+them, or a request finished, per kv_store.write_policy); a worker with a prefix miss asks
+`lookup` for the rest of its prompt's keys, reads each hit (`read`: the host tier's bytes
+in place, the disk tier's from its file) into its own pool, then `release`s them. Where
+a read is refused (a corrupt disk file) the prefix ends there and the worker computes
+the rest. At start the disk tier's files are read back into the index, so a restart
+finds what the last run stored there; the host tier starts empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance.kv_store.disk_tier import DiskTier
+from appliance.kv_store.host_tier import HostTier
+from appliance.kv_store.tier_index import Hit, Move, StoreIndex, StoreKey, Tier, TierSpec
+
+DISK_UNIT = 4096  # a file takes whole file system blocks
+
+
+@dataclass
+class StoreCounters:
+    """What the store did since it opened, per tier."""
+
+    hits: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    misses: int = 0  # lookups whose prefix stopped short of the keys asked for
+    bytes_read: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    bytes_written: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    dropped: int = 0  # blocks pushed out of the store altogether
+
+
+class BlockStore:
+    """A host tier (shared memory) and an optional disk tier of KV blocks."""
+
+    def __init__(self, host: HostTier, disk: DiskTier | None, disk_bytes: int = 0) -> None:
+        self.host = host
+        self.disk = disk
+        arena = host.arena
+        self.index = StoreIndex(
+            TierSpec(arena.slots * arena.slot_bytes, unit_bytes=arena.slot_bytes),
+            None if disk is None else TierSpec(disk_bytes, unit_bytes=DISK_UNIT),
+        )
+        self.counters = StoreCounters()
+        if disk is not None:
+            self._rebuild(disk)
+
+    @classmethod
+    def open(
+        cls,
+        host_path: Path,
+        host_bytes: int,
+        block_bytes: int,
+        disk_dir: Path | None = None,
+        disk_bytes: int = 0,
+    ) -> BlockStore:
+        """A store with a new arena at `host_path` holding `host_bytes` of blocks of
+        `block_bytes` and, where `disk_dir` is given, the disk tier found there."""
+        host = HostTier.create(host_path, host_bytes, block_bytes)
+        return cls(host, None if disk_dir is None else DiskTier(disk_dir), disk_bytes)
+
+    # ------------------------------------------------------------ writing
+
+    def put(self, key: StoreKey, data: bytes | memoryview) -> Tier | None:
+        """Store a block (a no-op for one held already); returns its tier, None where it
+        could not be stored (everything pinned, or the disk refused the write)."""
+        nbytes = memoryview(data).nbytes
+        if self.index.tier_of(key) is not None:
+            return self.index.insert(key, nbytes).tier  # refreshed, not rewritten
+        placement = self.index.insert(key, nbytes)
+        for move in placement.moves:
+            self._carry_out(move)
+        if placement.tier is None:
+            return None
+        if not self._write(placement.tier, key, data):
+            self.index.remove(key)
+            return None
+        return placement.tier
+
+    def clear(self) -> int:
+        """Drop every block not being read (both tiers); returns how many."""
+        gone = self.index.clear()
+        for key in gone:
+            self._free_bytes(key)
+        return len(gone)
+
+    # ------------------------------------------------------------ reading
+
+    def lookup(self, namespace: bytes, block_keys: Sequence[int]) -> list[Hit]:
+        """The held prefix of `block_keys`, pinned until `release`d."""
+        hits = self.index.lookup(namespace, block_keys)
+        if len(hits) < len(block_keys):
+            self.counters.misses += 1
+        self.index.pin(hits)
+        return hits
+
+    def read(self, hit: Hit) -> memoryview | bytes | None:
+        """A pinned hit's bytes (the host tier's in place); None where they were refused
+        (a corrupt or vanished disk file, now forgotten): the prefix ends before it."""
+        data: memoryview | bytes | None
+        if hit.tier == "host":
+            data = self.host.read(hit.key)
+        else:
+            data = None if self.disk is None else self.disk.read(hit.key)
+        if data is None:
+            self.index.remove(hit.key)
+            if hit.tier == "host" and self.host.slot_of(hit.key) is not None:
+                self.host.free(hit.key)
+            return None
+        self.counters.hits[hit.tier] += 1
+        self.counters.bytes_read[hit.tier] += memoryview(data).nbytes
+        return data
+
+    def release(self, hits: Sequence[Hit]) -> None:
+        self.index.unpin(hits)
+
+    def close(self, unlink: bool = True) -> None:
+        """Unmap the arena (and remove its file: the host tier does not outlive its owner)."""
+        self.host.arena.close()
+        if unlink:
+            self.host.arena.unlink()
+
+    # ------------------------------------------------------------ moving bytes
+
+    def _carry_out(self, move: Move) -> None:
+        if move.target == "disk":
+            assert self.disk is not None and move.source == "host"
+            view = self.host.read(move.key)
+            stored = view is not None and self._write("disk", move.key, view)
+            if view is not None:
+                view.release()
+            self.host.free(move.key)
+            if not stored:
+                self.index.remove(move.key)
+                self.counters.dropped += 1
+            return
+        self._free_bytes(move.key, move.source)
+        self.counters.dropped += 1
+
+    def _free_bytes(self, key: StoreKey, tier: Tier | None = None) -> None:
+        if self.host.slot_of(key) is not None and tier in (None, "host"):
+            self.host.free(key)
+        elif self.disk is not None and tier in (None, "disk"):
+            self.disk.delete(key)
+
+    def _write(self, tier: Tier, key: StoreKey, data: bytes | memoryview) -> bool:
+        if tier == "host":
+            self.host.write(key, data)
+            ok = True
+        else:
+            ok = self.disk is not None and self.disk.write(key, data)
+        if ok:
+            self.counters.bytes_written[tier] += memoryview(data).nbytes
+        return ok
+
+    def _rebuild(self, disk: DiskTier) -> None:
+        """The disk tier's files into the index, oldest first: the newest are kept where
+        the capacity is now smaller than what is there."""
+        for found in disk.scan():
+            placement = self.index.place_found(found.key, found.nbytes, "disk")
+            for move in placement.moves:
+                self._carry_out(move)
+            if placement.tier is None:
+                disk.delete(found.key)

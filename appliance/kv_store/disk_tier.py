@@ -1,0 +1,163 @@
+"""The disk tier's bytes: one file per KV block under a directory, surviving restarts.
+
+A file is `<directory>/<namespace digest hex>/<block key hex>.kv`: a header (magic,
+version, namespace digest, block key, payload length, BLAKE2b checksum of the payload)
+and the block's bytes. Written to a temporary name and renamed, so a reader sees a whole
+file or none; not fsynced (a block is a cache entry: one torn by a power cut fails its
+checksum and is computed again). A file whose header or checksum does not match what was
+asked for is refused: counted, deleted, and the caller recomputes. A failed write (a full
+disk) is counted and the block is not stored; serving goes on. Files and folders are the
+service user's only (they hold what prompts said).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.kv_store.namespace import DIGEST_BYTES
+from appliance.kv_store.tier_index import StoreKey
+
+_MAGIC = b"APKVDISK"
+_VERSION = 1
+_CHECKSUM_BYTES = 32
+# magic, version, namespace digest, block key, payload length, payload checksum
+_HEADER = struct.Struct(f"<8sI{DIGEST_BYTES}sQQ{_CHECKSUM_BYTES}s")
+_SUFFIX = ".kv"
+
+
+@dataclass(frozen=True)
+class Found:
+    """A block file found at start: its key, payload size and last write time."""
+
+    key: StoreKey
+    nbytes: int
+    mtime_ns: int
+
+
+@dataclass
+class DiskCounters:
+    refused: int = 0  # files whose header or checksum did not match: deleted, recomputed
+    write_errors: int = 0  # writes that failed (a full disk): the block was not stored
+
+
+def _checksum(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=_CHECKSUM_BYTES).digest()
+
+
+class DiskTier:
+    """Block files under `directory` (made, 0700, where missing)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.counters = DiskCounters()
+
+    def path_of(self, key: StoreKey) -> Path:
+        namespace, block = key
+        return self.directory / namespace.hex() / f"{block:016x}{_SUFFIX}"
+
+    def write(self, key: StoreKey, data: bytes | memoryview) -> bool:
+        """Store a block's bytes atomically; False (counted) where the write failed."""
+        payload = memoryview(data).cast("B")
+        path = self.path_of(key)
+        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        header = _HEADER.pack(_MAGIC, _VERSION, key[0], key[1], len(payload), _checksum(payload))
+        try:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _write_all(fd, header)
+                _write_all(fd, payload)
+            finally:
+                os.close(fd)
+            os.replace(temp, path)
+        except OSError:
+            # ENOSPC, EDQUOT, EIO: the tier takes no more, the request is served anyway.
+            self.counters.write_errors += 1
+            with contextlib.suppress(OSError):
+                temp.unlink(missing_ok=True)
+            return False
+        return True
+
+    def read(self, key: StoreKey) -> bytes | None:
+        """The block's bytes, or None: no such file, or one refused (deleted, counted)."""
+        path = self.path_of(key)
+        try:
+            raw = path.read_bytes()
+        except OSError:  # gone (cleared, dropped), or its folder is not one
+            return None
+        if len(raw) < _HEADER.size:
+            return self._refuse(path)
+        magic, version, namespace, block, nbytes, checksum = _HEADER.unpack_from(raw)
+        payload = memoryview(raw)[_HEADER.size :]
+        if (
+            (magic, version) != (_MAGIC, _VERSION)
+            or (namespace, block) != key
+            or len(payload) != nbytes
+            or _checksum(payload) != checksum
+        ):
+            return self._refuse(path)
+        return bytes(payload)
+
+    def delete(self, key: StoreKey) -> None:
+        self.path_of(key).unlink(missing_ok=True)
+
+    def scan(self) -> list[Found]:
+        """Every block file's header, oldest write first (the LRU order to rebuild the
+        index in). Headers that do not parse or do not match their file's name are
+        refused; leftover temporary files of a write cut short are deleted."""
+        found = []
+        for folder in sorted(p for p in self.directory.iterdir() if p.is_dir()):
+            for path in sorted(folder.iterdir()):
+                if path.name.endswith(".tmp"):
+                    path.unlink(missing_ok=True)
+                    continue
+                entry = self._header_of(path)
+                if entry is None:
+                    self._refuse(path)
+                else:
+                    found.append(entry)
+        return sorted(found, key=lambda f: f.mtime_ns)
+
+    def clear(self) -> int:
+        """Delete every block file; returns how many."""
+        gone = 0
+        for folder in [p for p in self.directory.iterdir() if p.is_dir()]:
+            for path in folder.iterdir():
+                path.unlink(missing_ok=True)
+                gone += path.suffix == _SUFFIX
+            folder.rmdir()
+        return gone
+
+    def _header_of(self, path: Path) -> Found | None:
+        try:
+            with path.open("rb") as f:
+                head = f.read(_HEADER.size)
+                stat = os.fstat(f.fileno())
+        except OSError:
+            return None
+        if len(head) < _HEADER.size or path.suffix != _SUFFIX:
+            return None
+        magic, version, namespace, block, nbytes, _ = _HEADER.unpack(head)
+        key = (namespace, block)
+        if (magic, version) != (_MAGIC, _VERSION) or self.path_of(key) != path:
+            return None
+        if stat.st_size != _HEADER.size + nbytes:  # truncated
+            return None
+        return Found(key, nbytes, stat.st_mtime_ns)
+
+    def _refuse(self, path: Path) -> None:
+        self.counters.refused += 1
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

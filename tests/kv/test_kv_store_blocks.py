@@ -1,0 +1,189 @@
+"""The KV store with its bytes: blocks put, pushed from shared memory to disk, looked up by
+a prompt's chained keys and read back; the disk tier found again after a restart; a
+corrupt file refused; another model's blocks never read."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance.kv.prefix_cache import prefix_keys
+from appliance.kv_store.block_store import BlockStore
+from appliance.kv_store.namespace import StoreNamespace
+from appliance.kv_store.tier_index import Hit
+
+BLOCK = 4096  # one block's K/V bytes in these tests
+SMOL = StoreNamespace("smollm2-135m", "q8_0:abc", "bfloat16", 16).digest()
+QWEN = StoreNamespace("qwen3-0.6b", "bf16:def", "bfloat16", 16).digest()
+KEYS = prefix_keys(list(range(16 * 8)), 16)  # a prompt of eight full blocks
+
+OpenStore = Callable[..., BlockStore]
+
+
+def kv_bytes(namespace: bytes, key: int) -> bytes:
+    return hashlib.shake_256(namespace + key.to_bytes(8, "little")).digest(BLOCK)
+
+
+@pytest.fixture
+def open_store() -> Iterator[OpenStore]:
+    """Opens stores on fresh arenas under /dev/shm; closes them after the test."""
+    opened: list[BlockStore] = []
+
+    def make(host_blocks: int, disk_dir: Path | None = None, disk_blocks: int = 0) -> BlockStore:
+        path = Path("/dev/shm") / f"appliance-kv-test-{uuid.uuid4().hex}"
+        store = BlockStore.open(path, host_blocks * BLOCK, BLOCK, disk_dir, disk_blocks * BLOCK)
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+def put_prompt(store: BlockStore, namespace: bytes = SMOL, keys: list[int] = KEYS) -> None:
+    for key in keys:
+        store.put((namespace, key), kv_bytes(namespace, key))
+
+
+def read_all(store: BlockStore, hits: list[Hit]) -> list[bytes | None]:
+    out = []
+    for hit in hits:
+        data = store.read(hit)
+        out.append(None if data is None else bytes(data))
+        if isinstance(data, memoryview):
+            data.release()
+    return out
+
+
+def test_the_host_tier_alone_keeps_the_newest_blocks(open_store: OpenStore) -> None:
+    store = open_store(host_blocks=5)
+    put_prompt(store)
+    assert store.index.keys("host") == [(SMOL, k) for k in KEYS[3:]]
+    assert store.counters.dropped == 3 and store.host.free_slots == 0
+    # The prompt's first blocks are gone, so nothing of it is a usable prefix.
+    assert store.lookup(SMOL, KEYS) == []
+    hits = store.lookup(SMOL, KEYS[3:])
+    assert read_all(store, hits) == [kv_bytes(SMOL, k) for k in KEYS[3:]]
+    store.release(hits)
+    assert store.counters.hits == {"host": 5, "disk": 0}
+    assert store.counters.bytes_read["host"] == 5 * BLOCK
+
+
+def test_blocks_pushed_out_of_memory_are_read_back_from_disk(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    store = open_store(host_blocks=3, disk_dir=tmp_path, disk_blocks=100)
+    put_prompt(store)
+    hits = store.lookup(SMOL, KEYS)
+    assert [h.tier for h in hits] == ["disk"] * 5 + ["host"] * 3
+    assert read_all(store, hits) == [kv_bytes(SMOL, k) for k in KEYS]
+    store.release(hits)
+    assert store.counters.hits == {"host": 3, "disk": 5}
+    assert store.counters.bytes_written == {"host": 8 * BLOCK, "disk": 5 * BLOCK}
+    assert store.counters.dropped == 0
+
+
+def test_a_restart_finds_the_disk_tier(open_store: OpenStore, tmp_path: Path) -> None:
+    first = open_store(host_blocks=3, disk_dir=tmp_path, disk_blocks=100)
+    put_prompt(first)
+    first.close()
+    again = open_store(host_blocks=3, disk_dir=tmp_path, disk_blocks=100)  # a new process
+    # The host tier died with its owner: the prompt's first five blocks, on disk, remain.
+    hits = again.lookup(SMOL, KEYS)
+    assert [h.tier for h in hits] == ["disk"] * 5
+    assert read_all(again, hits) == [kv_bytes(SMOL, k) for k in KEYS[:5]]
+    again.release(hits)
+
+
+def test_a_restart_with_a_smaller_disk_keeps_the_newest(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    first = open_store(host_blocks=1, disk_dir=tmp_path, disk_blocks=100)
+    put_prompt(first)
+    first.close()
+    again = open_store(host_blocks=1, disk_dir=tmp_path, disk_blocks=4)
+    assert len(again.index.keys("disk")) == 4
+    assert len(list(tmp_path.glob("*/*.kv"))) == 4  # the others' files deleted
+
+
+def test_a_corrupted_disk_block_is_refused_and_the_prefix_ends_there(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    store = open_store(host_blocks=2, disk_dir=tmp_path, disk_blocks=100)
+    put_prompt(store)
+    path = store.disk.path_of((SMOL, KEYS[2])) if store.disk else None
+    assert path is not None
+    raw = bytearray(path.read_bytes())
+    raw[200] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    hits = store.lookup(SMOL, KEYS)
+    assert len(hits) == 8
+    data = read_all(store, hits)
+    store.release(hits)
+    assert data[:2] == [kv_bytes(SMOL, k) for k in KEYS[:2]] and data[2] is None
+    assert store.disk is not None and store.disk.counters.refused == 1
+    # Forgotten: the next lookup's prefix stops before it, and the worker computes it.
+    again = store.lookup(SMOL, KEYS)
+    assert len(again) == 2
+    store.release(again)
+    store.put((SMOL, KEYS[2]), kv_bytes(SMOL, KEYS[2]))  # recomputed and stored again
+    again = store.lookup(SMOL, KEYS)
+    assert len(again) == 8
+    store.release(again)
+
+
+def test_another_models_store_on_the_same_folder_is_never_read(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    smol = open_store(host_blocks=1, disk_dir=tmp_path, disk_blocks=100)
+    put_prompt(smol)
+    smol.close()
+    shared = open_store(host_blocks=1, disk_dir=tmp_path, disk_blocks=100)
+    assert shared.lookup(QWEN, KEYS) == []  # the same tokens under another model: no hit
+    put_prompt(shared, QWEN)
+    hits = shared.lookup(QWEN, KEYS)
+    assert read_all(shared, hits) == [kv_bytes(QWEN, k) for k in KEYS]
+    shared.release(hits)
+    hits = shared.lookup(SMOL, KEYS)
+    assert read_all(shared, hits) == [kv_bytes(SMOL, k) for k in KEYS[:7]]
+    shared.release(hits)
+
+
+def test_a_block_being_read_is_never_pushed_out(open_store: OpenStore) -> None:
+    store = open_store(host_blocks=2)
+    put_prompt(store, keys=KEYS[:2])
+    reading = store.lookup(SMOL, KEYS[:1])
+    view = store.read(reading[0])
+    assert isinstance(view, memoryview)
+    put_prompt(store, keys=KEYS[2:])  # six more blocks through one free slot
+    assert bytes(view) == kv_bytes(SMOL, KEYS[0])  # still this block's bytes
+    assert store.index.tier_of((SMOL, KEYS[0])) == "host"
+    view.release()
+    store.release(reading)
+    store.put((SMOL, 99), kv_bytes(SMOL, 99))
+    assert store.index.tier_of((SMOL, KEYS[0])) is None  # now it may go
+
+
+def test_a_disk_that_takes_no_writes_drops_blocks_and_serving_goes_on(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    store = open_store(host_blocks=2, disk_dir=tmp_path, disk_blocks=100)
+    (tmp_path / SMOL.hex()).write_bytes(b"")  # the namespace's folder cannot be made
+    put_prompt(store)
+    assert store.disk is not None and store.disk.counters.write_errors == 6
+    assert store.counters.dropped == 6 and store.index.count("disk") == 0
+    hits = store.lookup(SMOL, KEYS[6:])
+    assert read_all(store, hits) == [kv_bytes(SMOL, k) for k in KEYS[6:]]
+    store.release(hits)
+
+
+def test_clear_empties_both_tiers(open_store: OpenStore, tmp_path: Path) -> None:
+    store = open_store(host_blocks=3, disk_dir=tmp_path, disk_blocks=100)
+    put_prompt(store)
+    assert store.clear() == 8
+    assert store.lookup(SMOL, KEYS) == []
+    assert store.host.free_slots == 3 and list(tmp_path.glob("*/*.kv")) == []
