@@ -92,7 +92,8 @@ class DiskTier:
         except OSError:  # gone (cleared, dropped), or its folder is not one
             return None
         if len(raw) < _HEADER.size:
-            return self._refuse(path)
+            self._refuse(path)
+            return None
         magic, version, namespace, block, nbytes, checksum = _HEADER.unpack_from(raw)
         payload = memoryview(raw)[_HEADER.size :]
         if (
@@ -101,7 +102,8 @@ class DiskTier:
             or len(payload) != nbytes
             or _checksum(payload) != checksum
         ):
-            return self._refuse(path)
+            self._refuse(path)
+            return None
         return bytes(payload)
 
     def delete(self, key: StoreKey) -> None:
@@ -154,7 +156,6 @@ class DiskTier:
     def _refuse(self, path: Path) -> None:
         self.counters.refused += 1
         path.unlink(missing_ok=True)
-        return None
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
