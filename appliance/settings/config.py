@@ -38,6 +38,7 @@ from appliance.settings.cluster import ClusterSettings
 
 # Re-exported: `from appliance.settings.config import BatchSettings, KVSettings` stays the import.
 from appliance.settings.engine import BatchSettings, KVSettings, SpeculativeSettings
+from appliance.settings.kv_store import KVStoreSettings
 from appliance.settings.planner import PlannerSettings
 
 
@@ -220,10 +221,29 @@ class Settings(BaseSettings):
     )
     prefill_gemm: Literal["auto", "float32", "bfloat16", "int16"] = Field(
         "auto",
-        description="Quantized path: the type a step of 128+ rows (prefill) multiplies in: "
-        "bfloat16 (2^-9; auto with AVX512-BF16 at cpu level avx512), int16 activations "
-        "(auto at other avx2/avx512 levels; Q4_0/Q4_1/Q8_0) or float32.",
+        description="Quantized path: the type a prompt's GEMM (see prefill_gemm_rows) "
+        "multiplies in: bfloat16 (2^-9; auto with AVX512-BF16 at cpu level avx512), int16 "
+        "activations (auto at other avx2/avx512 levels; Q4_0/Q4_1/Q8_0) or float32.",
     )
+    prefill_gemm_rows: Literal["auto"] | int = Field(
+        "auto",
+        description="Quantized path: from how many prompt rows in a step the products "
+        "dequantize the weights for a GEMM (prefill_gemm) instead of the integer kernel. "
+        "auto takes the crossover measured for this CPU's kernel level and GEMM type "
+        "(a table, not a timing at start). Decode-only steps stay on the integer kernel "
+        "whatever the batch.",
+    )
+
+    @field_validator("prefill_gemm_rows", mode="before")
+    @classmethod
+    def _row_count_or_auto(cls, value: Any) -> Any:
+        """One clear error for what is neither auto nor a whole count of 1 or more."""
+        if value == "auto":
+            return value
+        text = str(value).strip()
+        if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
+            raise ValueError(f"must be auto or a row count of 1 or more, not {value!r}")
+        return int(text)
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Accelerator kind; auto takes CUDA when present."
     )
@@ -293,6 +313,7 @@ class Settings(BaseSettings):
     )
     server: ServerSettings = Field(default_factory=ServerSettings)
     kv: KVSettings = Field(default_factory=KVSettings)
+    kv_store: KVStoreSettings = Field(default_factory=KVStoreSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
     speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
     planner: PlannerSettings = Field(default_factory=PlannerSettings)
