@@ -16,7 +16,7 @@ from appliance.model.causal_lm import CausalLM
 from appliance.model.decode_step import CompiledDecode, compiled_problem
 from appliance.model.loader import ModelFiles, Selected, load_model_files
 from appliance.model.packed_linear import pack_linears, packs_linears
-from appliance.model.quant import attach_quant, quantizable, quantize_weights, use_gemm_dtype
+from appliance.model.quant import attach_quant, quantizable, quantize_weights, use_prefill_gemm
 from appliance.model.registry import model_class
 from appliance.model.tensor_parallel import (
     WHOLE_MODEL,
@@ -172,7 +172,10 @@ def load_shard(
         files, dtype, device, max_len, quantized, shard, all_reduce, settings.quantize, degrees
     )
     if quantized:
-        use_gemm_dtype(model, cpu_kernels.prefill_gemm_dtype(settings.prefill_gemm))
+        gemm = cpu_kernels.prefill_gemm_dtype(settings.prefill_gemm)
+        use_prefill_gemm(
+            model, gemm, cpu_kernels.prefill_gemm_rows(settings.prefill_gemm_rows, gemm)
+        )
     kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, dtype, device)
     if kv_dtype != dtype:
         model.decode_step = None  # the compiled step reads and writes K/V in one dtype

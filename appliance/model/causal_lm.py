@@ -17,6 +17,7 @@ from appliance.model.layers.norms import OffsetRMSNorm, RMSNorm
 from appliance.model.layers.paged_attention import AttentionBatch
 from appliance.model.layers.rotary import RotaryEmbedding
 from appliance.model.model_config import ModelConfig
+from appliance.model.quant import PrefillGemm
 from appliance.model.tensor_parallel import (
     WHOLE_MODEL,
     AllReduce,
@@ -70,6 +71,8 @@ class CausalLM(nn.Module):
         self.local_rope: RotaryEmbedding | None = None
         # Decode-only steps in one compiled call, where the model allows (build_model).
         self.decode_step: CompiledDecode | None = None
+        # When quantized products run as a GEMM (quant.use_prefill_gemm); told each step's rows.
+        self.prefill_gemm: PrefillGemm | None = None
         self.requires_grad_(False)
 
     @torch.inference_mode()
@@ -86,6 +89,8 @@ class CausalLM(nn.Module):
         if self.rope is None:
             raise RuntimeError("the model has no weights yet: load_weights builds its RoPE")
         rope = self.rope.at(positions)
+        if self.prefill_gemm is not None:  # the prompt rows come first, decode rows after
+            self.prefill_gemm.step_rows = batch.decode_start
         if self.decode_step is not None and self.decode_step.takes(batch):
             return self.decode_step(residual, rope, batch, kv_cache)
         local = rope if self.local_rope is None else self.local_rope.at(positions)

@@ -131,6 +131,29 @@ def _matrices(
     return out
 
 
+@dataclass
+class PrefillGemm:
+    """When a model's quantized products leave the integer kernel for a GEMM, and its type.
+
+    A product runs as a GEMM (in `dtype`) when it has `rows` rows or more and so does the
+    running step's prompt chunks (`step_rows`, which CausalLM.forward sets each step: the
+    rows before the batch's decode rows). A decode-only step (no prompt rows) therefore
+    stays on the integer kernel whatever its batch; in a mixed step whose prompt rows
+    reach `rows` its decode rows ride in the GEMM. `step_rows` None (a projection called
+    outside a model's step) leaves it to the product's rows. Mutable: one per model,
+    shared by its projections, written once per step by the one forward running."""
+
+    dtype: torch.dtype = torch.float32
+    rows: int = cpu_kernels.GEMM_ROWS
+    step_rows: int | None = None
+
+    def gemm_rows(self) -> int | None:
+        """The rows from which a product of this step runs as a GEMM; None: none does."""
+        if self.step_rows is not None and self.step_rows < self.rows:
+            return None
+        return self.rows
+
+
 class QuantLinear(nn.Module):
     """A projection whose output columns come from one or more block-quantized weights (a
     fused projection whose parts the file stores in different formats keeps them apart).
@@ -160,20 +183,28 @@ class QuantLinear(nn.Module):
         # 8-bit form changed SmolLM2's answers (benchmarks/quant_accuracy.py) for 10-15%
         # less kernel time.
         self.precise = True
-        # The type a prefill chunk's GEMM multiplies in (use_gemm_dtype(): the setting).
-        self.gemm_dtype = torch.float32
+        # When and in what type a prompt's products run as a GEMM: one object shared by the
+        # model's projections (use_prefill_gemm(): the settings), told each step's prompt
+        # rows by CausalLM.forward.
+        self.prefill = PrefillGemm()
+
+    @property
+    def gemm_dtype(self) -> torch.dtype:
+        """The type this projection's prefill GEMMs multiply in."""
+        return self.prefill.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in] -> [rows, out] in x's dtype (float32 or bfloat16 CPU rows; float64
         when `partial`)."""
+        dtype, rows = self.prefill.dtype, self.prefill.gemm_rows()
         if len(self._matrices) == 1:
-            return self._matrices[0](x, None, self.precise, self.gemm_dtype)
+            return self._matrices[0](x, None, self.precise, dtype, rows)
         out_dtype = torch.float64 if self.partial else x.dtype
         out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
         start = 0
         for matrix in self._matrices:
             stop = start + matrix.out_features
-            matrix(x, out[:, start:stop], self.precise, self.gemm_dtype)
+            matrix(x, out[:, start:stop], self.precise, dtype, rows)
             start = stop
         return out
 
@@ -181,11 +212,16 @@ class QuantLinear(nn.Module):
         return sum(p.blocks.numel() for p in self.parts)
 
 
-def use_gemm_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    """Make every quantized projection of `model` run its prefill GEMMs in `dtype`."""
+def use_prefill_gemm(model: CausalLM, dtype: torch.dtype, rows: int) -> PrefillGemm:
+    """Make every quantized projection of `model` run a step's products as a GEMM in
+    `dtype` once its prompt chunks bring `rows` rows (loading.prefill_gemm_rows()), through
+    one PrefillGemm the model tells each step's prompt rows; returns it."""
+    prefill = PrefillGemm(dtype, rows)
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            module.gemm_dtype = dtype
+            module.prefill = prefill
+    model.prefill_gemm = prefill
+    return prefill
 
 
 class QuantEmbedding(nn.Module):

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
-from appliance.model.cpu_kernels.loading import compiled
-from appliance.model.quant import QuantLinear, QuantWeight, quantize
-from appliance.settings.config import load_settings
+from appliance.model.cpu_kernels import loading
+from appliance.model.cpu_kernels.loading import GEMM_ROWS_BY_LEVEL, compiled
+from appliance.model.quant import PrefillGemm, QuantLinear, QuantWeight, quantize
+from appliance.settings.config import SettingsError, load_settings
 
 ROWS = cpu_kernels.GEMM_ROWS + 3
 LEVELS = cpu_kernels.cpu_levels()
@@ -100,10 +102,135 @@ def test_the_setting_names_the_gemm_type_and_auto_follows_the_cpu(at_level) -> N
 
 
 def test_a_loaded_model_multiplies_its_prefills_as_the_setting_says() -> None:
-    for choice, dtype in [("int16", torch.int16), ("auto", cpu_kernels.prefill_gemm_dtype())]:
+    cases: list[tuple[str, torch.dtype, int | str]] = [
+        ("int16", torch.int16, 24),
+        ("auto", cpu_kernels.prefill_gemm_dtype(), "auto"),
+    ]
+    for choice, dtype, rows in cases:
         settings = load_settings(
-            device="cpu", weights="quantized", prefill_gemm=choice, kv={"num_blocks": 16}
+            device="cpu",
+            weights="quantized",
+            prefill_gemm=choice,
+            prefill_gemm_rows=rows,
+            kv={"num_blocks": 16},
         )
         model = LLMEngine.from_settings(settings).model
         linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
         assert linears and {m.gemm_dtype for m in linears} == {dtype}, choice
+        # One PrefillGemm for the model and every projection: the step's rows reach all.
+        assert model.prefill_gemm is not None
+        assert all(m.prefill is model.prefill_gemm for m in linears)
+        assert model.prefill_gemm.rows == cpu_kernels.prefill_gemm_rows(rows, dtype)
+
+
+# ---------------------------------------------------------------- where the switch is
+
+
+def test_a_product_switches_at_the_rows_it_is_given() -> None:
+    weight = q4_0(40, 256, seed=7)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(8))
+    kernel = matrix(weight)(x, gemm_rows=None)
+    gemm = matrix(weight)(x, gemm_rows=1)
+    assert not torch.equal(kernel, gemm)  # the activations' rounding tells them apart
+    assert torch.equal(matrix(weight)(x, gemm_rows=40), gemm)
+    assert torch.equal(matrix(weight)(x, gemm_rows=41), kernel)
+    assert torch.equal(matrix(weight)(x), kernel)  # the default: GEMM_ROWS
+    assert torch.equal(matrix(weight)(x[:31], gemm_rows=32), kernel[:31])
+
+
+def test_the_row_count_is_a_setting_or_the_table_for_this_cpu(at_level) -> None:
+    assert cpu_kernels.prefill_gemm_rows(24) == 24
+    with pytest.raises(ValueError, match="at least 1"):
+        cpu_kernels.prefill_gemm_rows(0)
+    with pytest.raises(ValueError, match="'fast' is not auto"):
+        cpu_kernels.prefill_gemm_rows("fast")
+    for level in LEVELS:
+        at_level(level)
+        for dtype in (torch.float32, torch.bfloat16, torch.int16):
+            want = GEMM_ROWS_BY_LEVEL[(level, dtype)]  # every level and type has its row
+            assert cpu_kernels.prefill_gemm_rows("auto", dtype) == want
+        auto = cpu_kernels.prefill_gemm_dtype()
+        assert cpu_kernels.prefill_gemm_rows() == GEMM_ROWS_BY_LEVEL[(level, auto)]
+    for bad in (0, "many"):
+        with pytest.raises(SettingsError, match=r"prefill_gemm_rows .* row count of 1 or more"):
+            load_settings(prefill_gemm_rows=bad)
+    assert load_settings(prefill_gemm_rows="40").prefill_gemm_rows == 40  # as a flag gives it
+
+
+def linear(weight: QuantWeight, rows: int) -> QuantLinear:
+    projection = QuantLinear([weight], None)
+    projection.prefill = PrefillGemm(torch.float32, rows)
+    return projection
+
+
+def test_a_projection_switches_on_its_steps_prompt_rows_only() -> None:
+    """A decode-only step of more rows than the switch stays on the integer kernel, and
+    each of its rows is what that row alone gives; prompt rows from the count on switch
+    the step (its decode rows ride along), fewer do not."""
+    weight = q4_0(48, 256, seed=9)
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(10))
+    kernel = matrix(weight)(x, gemm_rows=None)
+    gemm = matrix(weight)(x, gemm_rows=1)
+    projection = linear(weight, rows=8)
+    projection.prefill.step_rows = 0  # decode-only: 20 sequences
+    assert torch.equal(projection(x), kernel)
+    for row in (0, 7, 19):
+        assert torch.equal(projection(x[row : row + 1])[0], kernel[row])
+    projection.prefill.step_rows = 5  # 5 prompt rows beside 15 decodes: below the count
+    assert torch.equal(projection(x), kernel)
+    projection.prefill.step_rows = 12  # 12 prompt rows and 8 decodes
+    assert torch.equal(projection(x), gemm)
+    projection.prefill.step_rows = None  # outside a model's step: its own rows decide
+    assert torch.equal(projection(x), gemm)
+    assert torch.equal(projection(x[:7]), kernel[:7])
+
+
+def test_a_models_decode_steps_stay_on_the_integer_kernel_whatever_the_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the model's layers (the compiled decode step off, as under tensor parallelism),
+    with the switch at 4 rows: the prompts' step dequantizes the weights for GEMMs; the
+    decode-only steps of 6 sequences never do, and answer as each sequence alone does."""
+    settings = load_settings(
+        device="cpu",
+        weights="quantized",
+        prefill_gemm="float32",
+        prefill_gemm_rows=4,
+        kv={"num_blocks": 64, "prefix_caching": False},
+    )
+    engine = LLMEngine.from_settings(settings)
+    engine.model.decode_step = None
+    built = compiled()
+    assert built is not None
+    dequantized: list[int] = []  # steps' weight dequantizations (all rows of a weight)
+
+    class Spy:
+        """The built kernels, with each dequantization of a whole weight counted."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(built, name)
+
+        def quant_rows(self, *args: int) -> None:
+            count, total = args[3], args[4]
+            if count == total:  # every row of a weight: a GEMM's, not an embedding lookup
+                dequantized.append(count)
+            self.__getattr__("quant_rows")(*args)  # type: ignore[operator]
+
+    monkeypatch.setattr(loading, "_cpu_kernels", Spy())
+    prompts = [[(17 * i + 5 * j) % 900 + 10 for j in range(8)] for i in range(6)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    together: dict[int, list[int]] = {i: [] for i in ids}
+    for output in engine.step():  # six prompts of 8 tokens: 48 prompt rows
+        together[output.seq_id] += output.token_ids
+    assert dequantized, "the prompts' step ran no GEMM"
+    while engine.has_unfinished():
+        dequantized.clear()
+        for output in engine.step():
+            together[output.seq_id] += output.token_ids
+        assert not dequantized, "a decode-only step of 6 rows ran a GEMM"
+    monkeypatch.setattr(loading, "_cpu_kernels", built)
+    # Each prompt alone (its prefill on the GEMM too: 8 rows) decodes the same tokens.
+    for prompt, seq_id in zip(prompts, ids, strict=True):
+        [alone] = engine.generate([prompt], params)
+        assert alone.token_ids == together[seq_id]

@@ -54,6 +54,7 @@ def other_value(flag: Flag, default: Any, folder: Path) -> list[str]:
         ("cluster", "head"): "127.0.0.1:7402",
         ("cluster", "secret_file"): str(secret),
         ("chat_template",): "{{ messages[0].content }}",
+        ("prefill_gemm_rows",): "32",  # auto or a row count
         ("server", "allowed_origins"): "https://chat.example.com",
     }
     if isinstance(default, bool):

@@ -38,6 +38,7 @@ from appliance.model.cpu_kernels.loading import (
     cpu_levels,
     level,
     prefill_gemm_dtype,
+    prefill_gemm_rows,
     select,
 )
 from appliance.model.cpu_kernels.norm_silu import add_rms_norm, norm_takes, silu_mul, silu_takes
@@ -68,6 +69,7 @@ __all__ = [
     "norm_takes",
     "paged_decode",
     "prefill_gemm_dtype",
+    "prefill_gemm_rows",
     "quant_matmul",
     "quant_rows",
     "quant_takes",

@@ -132,7 +132,7 @@ def level() -> str | None:
 
 
 def prefill_gemm_dtype(choice: str = "auto") -> torch.dtype:
-    """The type a product of GEMM_ROWS rows or more (a prefill chunk) multiplies in (the
+    """The type a prompt's product run as a GEMM (prefill_gemm_rows()) multiplies in (the
     `prefill_gemm` setting; torch.int16: the integer GEMM, csrc/quant_gemm.c). 'auto'
     takes the fastest this CPU runs natively: bfloat16 where the avx512 kernels serve and
     the CPU has AVX512-BF16 (torch's bfloat16 GEMM ran 4.5x its float32 one on a Zen 4),
@@ -150,6 +150,50 @@ def prefill_gemm_dtype(choice: str = "auto") -> torch.dtype:
     if threads() < torch.get_num_threads():
         return torch.float32  # the int16 GEMM on one thread would lose to torch's on all
     return torch.int16
+
+
+# From how many prompt rows a quantized product runs as a GEMM (quant_products.GEMM_ROWS),
+# per kernel level and GEMM type: the fewest rows from which the GEMM, dequantizing
+# included, was faster than the integer kernel (benchmarks/gemm_rows_bench.py: one thread,
+# SmolLM2-135M's gate/up shape in Q4_0, and whole prefills of the embedded model; medians).
+# A table, not a timing at start: a worker's numbers must not depend on how busy the box
+# was when it started. Measured on an Intel Xeon with AMX and AVX512-BF16 (2 cores, under
+# load; each level by capping cpu_isa there): at avx512 the bfloat16 GEMM was even at 40
+# rows and 1.2x ahead at 48 (whole prefills: 0.9x at 32, 1.2x at 48), int16 even at 32,
+# float32 ahead from 48 (a Zen 4's float32: about 64). At avx2 int16 was even at 16, 1.3x
+# ahead at 24; float32 even at 40. bfloat16 at avx2 (only when asked: auto takes int16
+# there) ran on this CPU's AMX; an AVX2-only CPU emulates it, and would switch later. The
+# generic level's integer kernel is plain C: the GEMM was even at 1-4 rows, 1.8x ahead at 6.
+GEMM_ROWS_BY_LEVEL: dict[tuple[str, torch.dtype], int] = {
+    ("avx512", torch.bfloat16): 48,
+    ("avx512", torch.int16): 32,
+    ("avx512", torch.float32): 48,
+    ("avx2", torch.bfloat16): 40,
+    ("avx2", torch.int16): 24,
+    ("avx2", torch.float32): 40,
+    ("generic", torch.float32): 6,
+    ("generic", torch.bfloat16): 6,
+    ("generic", torch.int16): 6,  # the generic level's int16 choice runs float32's GEMM
+}
+DEFAULT_GEMM_ROWS = 128  # a level or type the table lacks: the count used before it
+
+
+def prefill_gemm_rows(choice: int | str = "auto", dtype: torch.dtype | None = None) -> int:
+    """From how many prompt rows a step's quantized products run as a GEMM (the
+    `prefill_gemm_rows` setting): a count as given, or 'auto': GEMM_ROWS_BY_LEVEL's entry
+    for the level serving now and `dtype`, the GEMM's type (default: prefill_gemm_dtype()'s
+    auto choice)."""
+    if isinstance(choice, int) and not isinstance(choice, bool):
+        if choice < 1:
+            raise ValueError(f"prefill_gemm_rows {choice} must be at least 1")
+        return choice
+    if choice != "auto":
+        raise ValueError(f"prefill_gemm_rows {choice!r} is not auto or a row count")
+    serving = level()
+    gemm = prefill_gemm_dtype() if dtype is None else dtype
+    if serving is None:
+        return DEFAULT_GEMM_ROWS  # no kernels: no quantized products to switch
+    return GEMM_ROWS_BY_LEVEL.get((serving, gemm), DEFAULT_GEMM_ROWS)
 
 
 def available() -> bool:

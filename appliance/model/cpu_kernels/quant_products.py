@@ -26,19 +26,30 @@ def quant_takes(x: torch.Tensor) -> bool:
 
 
 GEMM_ROWS = 128
-"""From this many float32 activation rows (a prefill chunk) a product dequantizes the
-weight and runs torch's GEMM: the integer kernel's work grows with the rows, a float GEMM
-blocked for the caches overtakes it, dequantizing included, at about 64 rows (1.5x at 512
-on a Zen 4). Below it, and for every decode step, the integer kernel reads the blocks in
-place, and a row's result does not depend on what it is batched with. The GEMM runs in
-float32 or, where `gemm_dtype` says so (prefill_gemm_dtype()), in bfloat16: weight and
-activations rounded to bfloat16 and so is each product, about 2^-9 of it (float32's
-GEMM: 2^-24), for 2.4x the prefill speed on CPUs with AVX512-BF16. torch.int16 is the
-integer GEMM (csrc/quant_gemm.c) instead, for Q4_0, Q4_1 and Q8_0 weights: activations
-quantized per 32 values to int16 times the weights' small integers, exact int32 sums per
-block, about 1e-4 of sum |w| |x| relative error (1e-5 measured), for 1.45-1.7x the speed
-of float32's GEMM, dequantizing included, on AVX2 CPUs, where that GEMM is at the FMA peak
-(a Zen 4 held to AVX2, 512 rows, SmolLM2's shapes: 1.3-1.45x the whole prefill)."""
+"""The default row count from which a product of float32 activation rows dequantizes the
+weight and runs a GEMM instead of the integer kernel (QuantMatrix's `gemm_rows`; a model's
+own count is the `prefill_gemm_rows` setting, loading.prefill_gemm_rows()). The integer
+kernel's work grows with the rows; a GEMM blocked for the caches overtakes it, dequantizing
+included, somewhere between 16 and 128 rows, where depends on the CPU and the GEMM's type
+(about 64 rows at float32 on a Zen 4; far lower in bfloat16 on a Xeon with AMX): see
+loading.GEMM_ROWS_BY_LEVEL and benchmarks/gemm_rows_bench.py. Below it the integer kernel
+reads the blocks in place, and a row's result does not depend on what it is batched with.
+
+A model switches on the rows of its step's prompt chunks only (quant.PrefillGemm): a
+decode-only step stays on the integer kernel whatever its batch, as the compiled decode
+step does, so a decoding sequence's numbers do not depend on how many others decode
+beside it; in a mixed step whose prompt rows reach the count, its decode rows ride in the
+same GEMM (as they did at 128).
+
+The GEMM runs in float32 or, where `gemm_dtype` says so (prefill_gemm_dtype()), in
+bfloat16: weight and activations rounded to bfloat16 and so is each product, about 2^-9
+of it (float32's GEMM: 2^-24), for 2.4x the prefill speed on CPUs with AVX512-BF16.
+torch.int16 is the integer GEMM (csrc/quant_gemm.c) instead, for Q4_0, Q4_1 and Q8_0
+weights: activations quantized per 32 values to int16 times the weights' small integers,
+exact int32 sums per block, about 1e-4 of sum |w| |x| relative error (1e-5 measured), for
+1.45-1.7x the speed of float32's GEMM, dequantizing included, on AVX2 CPUs, where that
+GEMM is at the FMA peak (a Zen 4 held to AVX2, 512 rows, SmolLM2's shapes: 1.3-1.45x the
+whole prefill)."""
 
 GEMM_FORMATS = frozenset({2, 3, 8})
 """The GGML formats (Q4_0, Q4_1, Q8_0: one scale per 32 values) the int16 GEMM takes."""
@@ -94,15 +105,17 @@ class QuantMatrix:
         out: torch.Tensor | None = None,
         precise: bool = True,
         gemm_dtype: torch.dtype = torch.float32,
+        gemm_rows: int | None = GEMM_ROWS,
     ) -> torch.Tensor:
         """x [rows, in] @ W.T (+ bias) -> [rows, out_features] in x's dtype (float64 when
         `partial`). `out` may be a column slice of a wider tensor (rows apart by its
         stride). `precise` carries the activations as two int8 parts (about 16 bits; see
         csrc/quant_matmul.c), else one (llama.cpp's 8); `gemm_dtype` is the type a product
-        of GEMM_ROWS rows or more multiplies in (GEMM_ROWS' docstring): float32, bfloat16,
-        or int16 (the integer GEMM; float32 for a weight it does not take: another format,
-        a span or a partial product, or at the generic level). The kernel checks the
-        format, sizes, span and strides."""
+        of `gemm_rows` float32 rows or more multiplies in (GEMM_ROWS' docstring; None:
+        never, the integer kernel for any rows): float32, bfloat16, or int16 (the integer
+        GEMM; float32 for a weight it does not take: another format, a span or a partial
+        product, or at the generic level). The kernel checks the format, sizes, span and
+        strides."""
         if not quant_takes(x):
             raise ValueError("x must be [rows, in] float32 or bfloat16 on the CPU, rows contiguous")
         if x.shape[1] != self.in_features:
@@ -113,7 +126,7 @@ class QuantMatrix:
             out.shape != (rows, n) or out.dtype != out_dtype or out.stride(1) != 1
         ):
             raise ValueError(f"out must be [{rows}, {n}] {out_dtype}, rows contiguous")
-        if rows >= GEMM_ROWS and x.dtype == torch.float32:
+        if gemm_rows is not None and rows >= gemm_rows and x.dtype == torch.float32:
             if gemm_dtype == torch.int16 and self._int16_takes():
                 return self._by_int16(x, out)
             return self._by_gemm(x, out, torch.float32 if gemm_dtype == torch.int16 else gemm_dtype)
