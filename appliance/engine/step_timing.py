@@ -30,7 +30,10 @@ class StepTiming:
 
     tokens: query tokens (every prompt chunk's, one per decode); seqs: sequences in the
     step; attended: query-key pairs of the prompt chunks (see profile.attended); context:
-    keys the decodes read (each decoding sequence's length, its new token included)."""
+    keys the decodes read (each decoding sequence's length, its new token included);
+    prompt_tokens: the prompt chunks' share of `tokens`; gemm_rows: the worker's
+    prefill_gemm_rows, from how many prompt tokens its quantized products run as a GEMM
+    (None: they never switch: dense weights, a GPU, or not told)."""
 
     kind: StepKind
     tokens: int
@@ -38,30 +41,45 @@ class StepTiming:
     attended: int
     context: int
     seconds: float
+    prompt_tokens: int = 0
+    gemm_rows: int | None = None
+
+    @property
+    def gemm(self) -> bool:
+        """Whether the step ran its products as GEMMs (StepCost's second regime)."""
+        return self.gemm_rows is not None and self.prompt_tokens >= self.gemm_rows
 
     def features(self) -> dict[str, float]:
-        """As fitting.fit_step_cost reads a sample."""
+        """As fitting.fit_step_cost reads a sample (the regime features included)."""
         return {
             "tokens": self.tokens,
             "seqs": self.seqs,
             "attended": self.attended,
             "context": self.context,
+            "prompt_tokens": self.prompt_tokens,
+            "row_tokens": 0 if self.gemm else self.tokens,
+            "gemm_tokens": self.tokens if self.gemm else 0,
+            "gemm": 1 if self.gemm else 0,
             "seconds": self.seconds,
         }
 
 
 def step_timing(
-    prefills: Iterable[_Chunk], decodes: Iterable[_Chunk], seconds: float
+    prefills: Iterable[_Chunk],
+    decodes: Iterable[_Chunk],
+    seconds: float,
+    gemm_rows: int | None = None,
 ) -> StepTiming:
     """The timing of a step of these prompt chunks and decodes (before the step's tokens
-    are counted as computed: a chunk's `start` is where it begins)."""
+    are counted as computed: a chunk's `start` is where it begins), on a worker whose
+    products switch to a GEMM from `gemm_rows` prompt tokens."""
     tokens = seqs = pairs = 0
     for chunk in prefills:
         n, start = chunk.num_tokens, chunk.start
         tokens += n
         seqs += 1
         pairs += n * start + n * (n + 1) // 2  # profile.attended, inlined: no import
-    prompt_seqs = seqs
+    prompt_seqs, prompt_tokens = seqs, tokens
     context = 0
     for chunk in decodes:
         tokens += chunk.num_tokens
@@ -71,7 +89,7 @@ def step_timing(
     kind: StepKind = (
         "mixed" if prompt_seqs and decode_seqs else "decode" if decode_seqs else "prefill"
     )
-    return StepTiming(kind, tokens, seqs, pairs, context, seconds)
+    return StepTiming(kind, tokens, seqs, pairs, context, seconds, prompt_tokens, gemm_rows)
 
 
 class _Step(Protocol):
@@ -94,9 +112,12 @@ class StepClock:
     for the device only where it reads sampled tokens back, so a step that samples none
     is not timed, and neither is the next (its time includes the other's device work)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gemm_rows: int | None = None) -> None:
         self.last: StepTiming | None = None
         self._synced = True  # the last step waited for its device work
+        # The model's prefill_gemm_rows (quant.PrefillGemm.rows), which the worker sets
+        # once loaded: each timing carries it, so a fit can tell the two kernel regimes.
+        self.gemm_rows = gemm_rows
 
     def run(self, run: Callable[[S], dict[int, int]], out: S, cuda: bool) -> dict[int, int]:
         """`run(out)` (the model runner's step), timed; its sampled tokens."""
@@ -105,7 +126,9 @@ class StepClock:
         seconds = time.perf_counter() - began
         synced = bool(sampled) or not cuda
         timed = synced and self._synced
-        self.last = step_timing(out.prefills, out.decodes, seconds) if timed else None
+        self.last = (
+            step_timing(out.prefills, out.decodes, seconds, self.gemm_rows) if timed else None
+        )
         self._synced = synced
         return sampled
 

@@ -1,6 +1,6 @@
 """Fitting a step cost model (planner/profile.py's StepCost) to timed steps.
 
-Pure Python: a few dozen samples and at most five features, so the normal equations are
+Pure Python: a few dozen samples and at most seven features, so the normal equations are
 solved by hand. Each sample is weighted by its own time (relative error), so the
 millisecond decode steps count as much as the second-long prompts; coefficients are kept
 non-negative by dropping a feature whose fitted cost comes out below zero.
@@ -13,25 +13,59 @@ from types import MappingProxyType
 
 from appliance.planner.profile import StepCost
 
-FEATURES = ("tokens", "seqs", "attended", "context")
+FEATURES = ("tokens", "seqs", "attended", "context", "row_tokens", "gemm_tokens", "gemm")
 FIELDS = MappingProxyType(
     {
         "tokens": "per_token_s",
         "seqs": "per_seq_s",
         "attended": "per_attended_s",
         "context": "per_context_s",
+        # The two kernel regimes (StepCost.gemm_rows): a step's tokens counted in one of
+        # the first two, and the second regime's fixed cost (1 for its steps, else 0).
+        "row_tokens": "per_token_s",
+        "gemm_tokens": "per_gemm_token_s",
+        "gemm": "gemm_base_s",
     }
 )
+REGIME_FEATURES = ("row_tokens", "gemm_tokens", "gemm")
+
+Sample = Mapping[str, float | int | str]
+
+
+def in_regimes(features: Sequence[str]) -> tuple[str, ...]:
+    """`features` with tokens split by kernel regime (REGIME_FEATURES in its place)."""
+    if "tokens" not in features:
+        return tuple(features)
+    at = list(features).index("tokens")
+    return (*features[:at], *REGIME_FEATURES, *features[at + 1 :])
+
+
+def regime_sample(sample: Sample, gemm_rows: int) -> dict[str, float | int | str]:
+    """A sample with its tokens split by regime: it ran its products as GEMMs when its
+    prompt tokens ("prompt_tokens", else all its tokens) reached `gemm_rows`."""
+    tokens = float(sample["tokens"])
+    gemm = float(sample.get("prompt_tokens", tokens)) >= gemm_rows
+    return {
+        **sample,
+        "row_tokens": 0.0 if gemm else tokens,
+        "gemm_tokens": tokens if gemm else 0.0,
+        "gemm": 1.0 if gemm else 0.0,
+    }
 
 
 def fit_step_cost(
-    samples: Sequence[Mapping[str, float | int | str]], features: Sequence[str]
+    samples: Sequence[Sample], features: Sequence[str], gemm_rows: int | None = None
 ) -> StepCost:
     """The StepCost (base plus the named features) closest to the samples' seconds in
-    relative error, every coefficient >= 0."""
+    relative error, every coefficient >= 0. With `gemm_rows` the samples carry the regime
+    features (regime_sample) and the cost its two lines."""
     unknown = set(features) - set(FEATURES)
     if unknown:
         raise ValueError(f"unknown step features {sorted(unknown)}; use {FEATURES}")
+    if (gemm_rows is not None) != bool(set(REGIME_FEATURES) & set(features)):
+        raise ValueError("the regime features go with a gemm_rows, and it with them")
+    if "tokens" in features and "row_tokens" in features:
+        raise ValueError("tokens and row_tokens are the same coefficient: fit one of them")
     if not samples:
         raise ValueError("no timed steps to fit")
     kept = list(features)
@@ -41,22 +75,26 @@ def fit_step_cost(
         if coefficients[0] >= 0 and not negative:
             break
         if not negative:  # only the base came out negative: pin it at zero
-            return _without_base(samples, kept)
+            return _without_base(samples, kept, gemm_rows)
         kept.remove(min(negative, key=lambda name: coefficients[1 + kept.index(name)]))
     values = dict(zip(kept, coefficients[1:], strict=True))
-    return StepCost(base_s=coefficients[0], **{FIELDS[name]: values[name] for name in kept})
+    return StepCost(
+        base_s=coefficients[0],
+        gemm_rows=gemm_rows,
+        **{FIELDS[name]: values[name] for name in kept},
+    )
 
 
-def _without_base(samples: Sequence[Mapping[str, float | int | str]], kept: list[str]) -> StepCost:
+def _without_base(samples: Sequence[Sample], kept: list[str], gemm_rows: int | None) -> StepCost:
     rows = [[float(s[name]) for name in kept] for s in samples]
     solution = _solve_weighted(rows, [float(s["seconds"]) for s in samples])
     values = {name: max(0.0, v) for name, v in zip(kept, solution, strict=True)}
-    return StepCost(base_s=0.0, **{FIELDS[name]: values[name] for name in kept})
+    return StepCost(
+        base_s=0.0, gemm_rows=gemm_rows, **{FIELDS[name]: values[name] for name in kept}
+    )
 
 
-def _least_squares(
-    samples: Sequence[Mapping[str, float | int | str]], features: list[str]
-) -> list[float]:
+def _least_squares(samples: Sequence[Sample], features: list[str]) -> list[float]:
     rows = [[1.0, *(float(s[name]) for name in features)] for s in samples]
     return _solve_weighted(rows, [float(s["seconds"]) for s in samples])
 

@@ -9,7 +9,12 @@ profiler._worker_cost uses per kind) is fitted to them on demand, as traffic com
 
 A kind is fitted once its window holds `MIN_SAMPLES` steps and each of its features takes
 at least two values, the largest at least `MIN_SPREAD` times the smallest (with less, a
-coefficient cannot be told from the base). Until then it takes the base profile's cost
+coefficient cannot be told from the base). Where a CPU worker's quantized products switch
+from the integer kernel to a GEMM at its prefill_gemm_rows (each step says the count and
+its prompt tokens), and the window holds steps on both sides (`MIN_REGIME` each, of two
+or more sizes), a kind's tokens get a line per side (StepCost.gemm_rows): the GEMM's
+dequantizing is a cost per step, and the integer kernel's per token is several times the
+GEMM's, a cliff one line cannot follow. Until then it takes the base profile's cost
 for that kind, else, for prefill and decode, the mixed fit (one model over every step of
 the size, as the profiler's mixed is); a size with none of those has no cost (None).
 
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from appliance.engine.step_timing import StepTiming
 from appliance.planner.analytic_specs import Efficiency
-from appliance.planner.fitting import fit_step_cost
+from appliance.planner.fitting import fit_step_cost, in_regimes
 from appliance.planner.profile import (
     HandoffCost,
     HostCost,
@@ -60,6 +65,7 @@ WINDOW = 2000  # steps kept per worker size and kind: the newest, so the fit fol
 MIN_SAMPLES = 30  # steps of a kind before it is fitted
 MIN_SPREAD = 1.5  # each feature's largest value over its smallest, at least
 OUTLIER = 0.5  # a step this far (relative) off the first fit is left out of the second
+MIN_REGIME = 5  # steps on each side of the kernel switch before each gets a line of its own
 KINDS = ("prefill", "decode", "mixed")
 FEATURES = MappingProxyType(
     {  # as profiler._worker_cost fits them: a decode step's tokens are its sequences
@@ -139,12 +145,16 @@ class OnlineProfile:
     def _fit(self, steps: list[StepTiming], features: tuple[str, ...]) -> StepCost | None:
         if len(steps) < self.min_samples or not all(_spread(steps, f) for f in features):
             return None
+        gemm_rows = _regimes(steps) if "tokens" in features else None
+        if gemm_rows is not None:  # both sides of the kernel switch seen: two lines
+            steps = [s for s in steps if s.gemm_rows == gemm_rows]
+            features = in_regimes(features)
         samples = [s.features() for s in steps]
-        cost = fit_step_cost(samples, features)
+        cost = fit_step_cost(samples, features, gemm_rows)
         # Once more without the steps the first fit is far off (a pause, a noisy neighbour).
         kept = [s for s in samples if abs(_predict(cost, s) / s["seconds"] - 1) <= OUTLIER]
         if len(kept) < len(samples) and len(kept) >= max(self.min_samples, len(samples) // 2):
-            cost = fit_step_cost(kept, features)
+            cost = fit_step_cost(kept, features, gemm_rows)
         return cost
 
     def worker_cost(
@@ -225,9 +235,28 @@ def _spread(steps: list[StepTiming], feature: str) -> bool:
     return len(values) >= 2 and max(values) >= MIN_SPREAD * min(values)
 
 
+def _regimes(steps: list[StepTiming]) -> int | None:
+    """The newest step's gemm_rows where the steps run under it show both kernel regimes,
+    each with at least MIN_REGIME steps of two or more token counts (a line of its own can
+    be fitted); else None: one line over all (the switch unseen, or a worker without one)."""
+    gemm_rows = steps[-1].gemm_rows
+    if gemm_rows is None:
+        return None
+    under = [s for s in steps if s.gemm_rows == gemm_rows]
+    for gemm in (False, True):
+        side = [s.tokens for s in under if s.gemm == gemm]
+        if len(side) < MIN_REGIME or len(set(side)) < 2:
+            return None
+    return gemm_rows
+
+
 def _predict(cost: StepCost, sample: Mapping[str, float]) -> float:
     return cost.seconds(
-        int(sample["tokens"]), int(sample["seqs"]), int(sample["attended"]), int(sample["context"])
+        int(sample["tokens"]),
+        int(sample["seqs"]),
+        int(sample["attended"]),
+        int(sample["context"]),
+        int(sample["prompt_tokens"]),
     )
 
 

@@ -32,19 +32,36 @@ class StepCost(_Frozen):
     tokens: query tokens the step runs (every prefill chunk's tokens, one per decode);
     seqs: sequences in the step; attended: query-key pairs of the prefill chunks (a chunk
     of n tokens starting at position s attends n*s + n*(n+1)/2); context: keys the decodes
-    read (the sum of each decoding sequence's length)."""
+    read (the sum of each decoding sequence's length).
+
+    Where the worker's quantized products switch kernels (`gemm_rows`: from that many
+    prompt tokens in a step they run as a GEMM, cpu_kernels' prefill_gemm_rows) the tokens
+    cost two lines: below it `per_token` a token, from it `gemm_base` (dequantizing the
+    weights, once a step) plus `per_gemm_token` a token. None: one line (a profile of an
+    older appliance, a GPU's, or steps of one regime only)."""
 
     base_s: float = Field(ge=0)
     per_token_s: float = Field(0.0, ge=0)
     per_seq_s: float = Field(0.0, ge=0)
     per_attended_s: float = Field(0.0, ge=0)
     per_context_s: float = Field(0.0, ge=0)
+    gemm_rows: int | None = Field(None, ge=1)
+    per_gemm_token_s: float = Field(0.0, ge=0)
+    gemm_base_s: float = Field(0.0, ge=0)
 
-    def seconds(self, tokens: int, seqs: int, attended: int, context: int) -> float:
-        """The step's predicted time."""
+    def seconds(
+        self, tokens: int, seqs: int, attended: int, context: int, prompt_tokens: int | None = None
+    ) -> float:
+        """The step's predicted time; `prompt_tokens`: of `tokens`, those of prompt chunks
+        (what decides the regime; None: all of them)."""
+        prompt = tokens if prompt_tokens is None else prompt_tokens
+        if self.gemm_rows is not None and prompt >= self.gemm_rows:
+            token_cost = self.gemm_base_s + self.per_gemm_token_s * tokens
+        else:
+            token_cost = self.per_token_s * tokens
         return (
             self.base_s
-            + self.per_token_s * tokens
+            + token_cost
             + self.per_seq_s * seqs
             + self.per_attended_s * attended
             + self.per_context_s * context

@@ -19,12 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.planner.fitting import fit_step_cost
+from appliance.planner.fitting import fit_step_cost, in_regimes, regime_sample
 from appliance.planner.profile import (
     HandoffCost,
     HostCost,
     Profile,
     ProfileKey,
+    StepCost,
     WorkerCost,
     worker_unit,
 )
@@ -112,13 +113,28 @@ def _worker_cost(measured: dict[str, Any]) -> WorkerCost:
     samples = measured["samples"]
     by_kind = {kind: [s for s in samples if s["kind"] == kind] for kind in ("prefill", "decode")}
     return WorkerCost(
-        prefill=fit_step_cost(by_kind["prefill"], ("tokens", "seqs", "attended")),
+        prefill=_fit_regimes(by_kind["prefill"], ("tokens", "seqs", "attended")),
         # A decode step's tokens are its sequences: one feature, not two.
         decode=fit_step_cost(by_kind["decode"], ("seqs", "context")),
-        mixed=fit_step_cost(samples, ("tokens", "seqs", "attended", "context")),
+        mixed=_fit_regimes(samples, ("tokens", "seqs", "attended", "context")),
         kv_blocks=measured["kv_blocks"],
         contention=max(1.0, measured["contention"]),
     )
+
+
+def _fit_regimes(samples: list[dict[str, Any]], features: tuple[str, ...]) -> StepCost:
+    """fit_step_cost, with a line per side of the quantized kernels' switch to a GEMM
+    (StepCost.gemm_rows) where the samples say where it is and show two prompt sizes on
+    each side; else one line."""
+    gemm_rows = samples[0].get("gemm_rows") if samples else None
+    if gemm_rows is not None:
+        regimed = [regime_sample(s, gemm_rows) for s in samples]
+        for gemm in (0.0, 1.0):
+            if len({s["tokens"] for s in regimed if s["gemm"] == gemm}) < 2:
+                break
+        else:
+            return fit_step_cost(regimed, in_regimes(features), gemm_rows)
+    return fit_step_cost(samples, features)
 
 
 def _measure_in_child(

@@ -210,7 +210,8 @@ class Worker:
         seqs = len(self.lazy) + len(chunks)
         kind = "mixed" if prefills and decodes else "prefill" if prefills else "decode"
         cost: StepCost = getattr(self.cost, kind)
-        seconds = cost.seconds(tokens, seqs, pairs, context)
+        # The prompt chunks' tokens decide the kernel regime (StepCost.gemm_rows).
+        seconds = cost.seconds(tokens, seqs, pairs, context, sum(prefills))
         return Step(len(self.lazy), chunks, kind, seconds, tuple(prefills), preempted)
 
     # ------------------------------------------------------------ ending a step

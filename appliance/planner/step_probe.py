@@ -40,12 +40,15 @@ class StepShape:
         return "prefill" if self.chunks else "decode"
 
     def features(self) -> dict[str, int]:
-        """The StepCost features of this step (see planner/profile.py)."""
+        """The StepCost features of this step (see planner/profile.py), and the prompt
+        chunks' share of its tokens (what decides the kernel regime)."""
+        prompt = sum(n for _, n in self.chunks)
         return {
-            "tokens": sum(n for _, n in self.chunks) + len(self.decodes),
+            "tokens": prompt + len(self.decodes),
             "seqs": len(self.chunks) + len(self.decodes),
             "attended": sum(attended(start, n) for start, n in self.chunks),
             "context": sum(self.decodes),
+            "prompt_tokens": prompt,
         }
 
     def blocks(self, block_size: int) -> int:
@@ -64,9 +67,11 @@ class Sample:
     attended: int
     context: int
     seconds: float
+    prompt_tokens: int = 0
+    gemm_rows: int | None = None  # the engine's prefill_gemm_rows (None: no switch)
 
     def as_dict(self) -> dict[str, float | int | str]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 def default_shapes(max_tokens: int, chunk_size: int, block_size: int) -> list[StepShape]:
@@ -74,7 +79,9 @@ def default_shapes(max_tokens: int, chunk_size: int, block_size: int) -> list[St
     decode batches of growing size and context, and chunks beside decodes; each within a
     pool of `max_tokens` tokens (in blocks of `block_size`) and chunks of at most
     `chunk_size`."""
-    sizes = [n for n in (16, 64, 128, 256, 512, 1024) if n <= chunk_size]
+    # Short prompts too: both sides of the quantized kernels' switch to a GEMM (16 to 64
+    # prompt tokens by the auto table) need two sizes each for a line of their own.
+    sizes = [n for n in (4, 8, 16, 32, 48, 64, 128, 256, 512, 1024) if n <= chunk_size]
     shapes = [StepShape(chunks=((0, n),)) for n in sizes]
     shapes += [StepShape(chunks=((s, sizes[-1]),)) for s in (sizes[-1], 3 * sizes[-1])]
     shapes += [StepShape(chunks=((0, 64),) * 4)]  # several short prompts in one step
@@ -103,7 +110,13 @@ class StepProbe:
             runs = [self._run_once(out) for _ in range(self.repeats + 1)][1:]
         finally:
             self._free(out)
-        return Sample(shape.kind, **shape.features(), seconds=statistics.median(runs))
+        gemm = self.engine.model.prefill_gemm
+        return Sample(
+            shape.kind,
+            **shape.features(),
+            seconds=statistics.median(runs),
+            gemm_rows=gemm.rows if gemm is not None else None,
+        )
 
     def _run_once(self, out: SchedulerOutput) -> float:
         self._sync()

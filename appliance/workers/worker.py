@@ -128,6 +128,8 @@ def load_and_serve(
     engine = LLMEngine.from_settings(
         settings, shared_kv=role == "prefill", group=group, decodes=role != "prefill"
     )
+    gemm = engine.model.prefill_gemm  # its steps' timings say where the kernels switch
+    engine.clock.gemm_rows = gemm.rows if gemm is not None else None
     state = WorkerState(worker_id, engine, outbox, group, cluster=settings.cluster)
     try:
         shard_pids = group.pids if group is not None else []

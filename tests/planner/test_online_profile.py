@@ -263,7 +263,7 @@ def test_step_timing_reads_the_chunks_before_they_count_as_computed() -> None:
             self.start, self.num_tokens = start, num_tokens
 
     timing = step_timing([Chunk(100, 50)], [Chunk(9, 1), Chunk(99, 1)], 0.5)
-    assert timing == StepTiming("mixed", 52, 3, attended(100, 50), 110, 0.5)
+    assert timing == StepTiming("mixed", 52, 3, attended(100, 50), 110, 0.5, prompt_tokens=50)
 
 
 def _same(sampled: dict[int, int], step: object) -> dict[int, int]:

@@ -139,7 +139,13 @@ def test_the_step_shapes_fit_the_pool_and_the_chunk_size() -> None:
     assert all(s.blocks(16) * 16 <= 4096 for s in shapes)
     assert all(n <= 256 for s in shapes for _, n in s.chunks)
     step = StepShape(chunks=((32, 16),), decodes=(100, 50))
-    assert step.features() == {"tokens": 18, "seqs": 3, "attended": 16 * 32 + 136, "context": 150}
+    assert step.features() == {
+        "tokens": 18,
+        "seqs": 3,
+        "attended": 16 * 32 + 136,
+        "context": 150,
+        "prompt_tokens": 16,
+    }
 
 
 def test_a_cpu_box_is_timed_whole_halved_and_quartered() -> None:
