@@ -33,6 +33,7 @@ class StoreCounters:
     bytes_read: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
     bytes_written: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
     dropped: int = 0  # blocks pushed out of the store altogether
+    promoted: int = 0  # disk blocks brought into the host tier for a reader
 
 
 class BlockStore:
@@ -82,6 +83,19 @@ class BlockStore:
             return None
         return placement.tier
 
+    def put_run(
+        self, namespace: bytes, block_keys: Sequence[int], blocks: Sequence[bytes | memoryview]
+    ) -> list[Tier | None]:
+        """Store a sequence's consecutive blocks, last first, so its head ends the most
+        recently used: where the store is short of room the tail goes, never the head
+        without which the tail is no hit. Returns where each block is once the run is
+        in (None: not stored, or pushed out by the run's head), in sequence order."""
+        if len(block_keys) != len(blocks):
+            raise ValueError(f"{len(block_keys)} block keys for {len(blocks)} blocks")
+        for key, data in zip(block_keys[::-1], blocks[::-1], strict=True):
+            self.put((namespace, key), data)
+        return [self.index.tier_of((namespace, key)) for key in block_keys]
+
     def clear(self) -> int:
         """Drop every block not being read (both tiers); returns how many."""
         gone = self.index.clear()
@@ -116,11 +130,45 @@ class BlockStore:
         self.counters.bytes_read[hit.tier] += memoryview(data).nbytes
         return data
 
+    def promote(self, hit: Hit) -> Hit | None:
+        """Bring a disk hit into the host tier, so a worker reads it from shared memory;
+        the same hit where the host tier has no room (it stays on disk), None where its
+        file was refused (the prefix ends before it)."""
+        if hit.tier != "disk" or self.disk is None:
+            return hit
+        data = self.disk.read(hit.key)
+        if data is None:
+            self.index.remove(hit.key)
+            return None
+        placement = self.index.promote(hit.key)
+        for move in placement.moves:
+            self._carry_out(move)
+        if placement.tier != "host":
+            return hit
+        self._write("host", hit.key, data)
+        self.disk.delete(hit.key)
+        self.counters.promoted += 1
+        return Hit(hit.key, "host")
+
+    def flush(self) -> int:
+        """Push every unpinned host block to the disk tier (least recently used first, so
+        the newest stay where the disk is full), before the host tier goes; returns how
+        many reached the disk."""
+        kept = 0
+        for key in self.index.keys("host"):
+            for move in self.index.demote(key):
+                self._carry_out(move)
+            kept += self.index.tier_of(key) == "disk"
+        return kept
+
     def release(self, hits: Sequence[Hit]) -> None:
         self.index.unpin(hits)
 
-    def close(self, unlink: bool = True) -> None:
-        """Unmap the arena (and remove its file: the host tier does not outlive its owner)."""
+    def close(self, unlink: bool = True, flush: bool = False) -> None:
+        """Unmap the arena (and remove its file: the host tier does not outlive its owner);
+        with `flush`, its blocks go to the disk tier first, so a restart finds them."""
+        if flush and self.disk is not None:
+            self.flush()
         self.host.arena.close()
         if unlink:
             self.host.arena.unlink()

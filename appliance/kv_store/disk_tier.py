@@ -13,9 +13,12 @@ service user's only (they hold what prompts said).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,7 @@ _CHECKSUM_BYTES = 32
 # magic, version, namespace digest, block key, payload length, payload checksum
 _HEADER = struct.Struct(f"<8sI{DIGEST_BYTES}sQQ{_CHECKSUM_BYTES}s")
 _SUFFIX = ".kv"
+_FULL = {errno.ENOSPC, errno.EDQUOT}  # the disk (or the user's quota) is full
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Found:
 class DiskCounters:
     refused: int = 0  # files whose header or checksum did not match: deleted, recomputed
     write_errors: int = 0  # writes that failed (a full disk): the block was not stored
+    writes_skipped: int = 0  # writes not tried while the disk was last found full
 
 
 def _checksum(data: bytes | memoryview) -> bytes:
@@ -50,19 +55,38 @@ def _checksum(data: bytes | memoryview) -> bytes:
 
 
 class DiskTier:
-    """Block files under `directory` (made, 0700, where missing)."""
+    """Block files under `directory` (made, 0700, where missing). After a write finds
+    the disk full, writes are not tried for `retry_s` seconds (or until a block is
+    deleted here): the tier stops taking blocks, the requests go on."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        retry_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.directory = directory
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.counters = DiskCounters()
+        self._retry_s = retry_s
+        self._clock = clock
+        self._full_until = float("-inf")
+
+    @property
+    def full(self) -> bool:
+        """Whether writes are paused after the disk was found full."""
+        return self._clock() < self._full_until
 
     def path_of(self, key: StoreKey) -> Path:
         namespace, block = key
         return self.directory / namespace.hex() / f"{block:016x}{_SUFFIX}"
 
     def write(self, key: StoreKey, data: bytes | memoryview) -> bool:
-        """Store a block's bytes atomically; False (counted) where the write failed."""
+        """Store a block's bytes atomically; False (counted) where the write failed or
+        was not tried (the disk was found full a moment ago)."""
+        if self.full:
+            self.counters.writes_skipped += 1
+            return False
         payload = memoryview(data).cast("B")
         path = self.path_of(key)
         temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -76,9 +100,11 @@ class DiskTier:
             finally:
                 os.close(fd)
             os.replace(temp, path)
-        except OSError:
+        except OSError as exc:
             # ENOSPC, EDQUOT, EIO: the tier takes no more, the request is served anyway.
             self.counters.write_errors += 1
+            if exc.errno in _FULL:
+                self._full_until = self._clock() + self._retry_s
             with contextlib.suppress(OSError):
                 temp.unlink(missing_ok=True)
             return False
@@ -107,7 +133,9 @@ class DiskTier:
         return bytes(payload)
 
     def delete(self, key: StoreKey) -> None:
-        self.path_of(key).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path_of(key).unlink()
+            self._full_until = float("-inf")  # room was made: writing may work again
 
     def scan(self) -> list[Found]:
         """Every block file's header, oldest write first (the LRU order to rebuild the

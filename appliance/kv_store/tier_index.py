@@ -107,15 +107,18 @@ class StoreIndex:
     def lookup(self, namespace: bytes, block_keys: Sequence[int]) -> list[Hit]:
         """The longest run of `block_keys` (a prompt's chained keys, in order) held, from
         the first: a block after a missing one is useless, its prefix must be computed
-        anyway. Each hit becomes the most recently used of its tier."""
+        anyway. The hits become the most recently used of their tiers, the first block
+        most of all: a prompt's tail is pushed out before its head, since without its
+        head the tail is never a hit again (vLLM frees a sequence's blocks tail first)."""
         hits: list[Hit] = []
         for block in block_keys:
             key = (namespace, block)
             tier = self.tier_of(key)
             if tier is None:
                 break
-            self._tiers[tier].entries.move_to_end(key)
             hits.append(Hit(key, tier))
+        for hit in reversed(hits):
+            self._tiers[hit.tier].entries.move_to_end(hit.key)
         return hits
 
     # ------------------------------------------------------------ pins
@@ -163,6 +166,30 @@ class StoreIndex:
             return Placement(None)
         self._place(tier, key, nbytes)
         return Placement(tier, moves)
+
+    def promote(self, key: StoreKey) -> Placement:
+        """Move a disk block into the host tier (a reader wants it in shared memory),
+        pushing out least recently used host blocks; it stays on disk where the host
+        tier cannot make room. Pinned or not: a pin follows the block."""
+        if "disk" not in self._tiers or key not in self._tiers["disk"].entries:
+            return Placement(self.tier_of(key))
+        nbytes = self._nbytes[key]
+        disk = self._tiers["disk"]
+        charged = disk.entries[key]
+        disk.pop(key)  # out first, so the room made in host never pushes it out of disk
+        moves = self._make_room("host", self._tiers["host"].spec.charge(nbytes))
+        if moves is None:
+            disk.add(key, charged)
+            return Placement("disk")
+        self._tiers["host"].add(key, self._tiers["host"].spec.charge(nbytes))
+        return Placement("host", moves)
+
+    def demote(self, key: StoreKey) -> list[Move]:
+        """Push an unpinned host block out now (to disk, or dropped where there is no
+        room): the host tier is about to go (a shutdown keeps what the disk can hold)."""
+        if key not in self._tiers["host"].entries or key in self._pins:
+            return []
+        return self._push_out("host", key)
 
     def remove(self, key: StoreKey) -> Tier | None:
         """Forget a block (its bytes were refused: corrupt, or gone), pinned or not."""

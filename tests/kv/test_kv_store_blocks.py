@@ -187,3 +187,63 @@ def test_clear_empties_both_tiers(open_store: OpenStore, tmp_path: Path) -> None
     assert store.clear() == 8
     assert store.lookup(SMOL, KEYS) == []
     assert store.host.free_slots == 3 and list(tmp_path.glob("*/*.kv")) == []
+
+
+def test_a_disk_hit_promoted_is_read_from_shared_memory(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    store = open_store(host_blocks=4, disk_dir=tmp_path, disk_blocks=100)
+    put_prompt(store)  # 0-3 on disk, 4-7 in host
+    hits = store.lookup(SMOL, KEYS[:2])
+    promoted = [store.promote(hit) for hit in hits]
+    assert [h.tier for h in promoted if h is not None] == ["host", "host"]
+    assert read_all(store, [h for h in promoted if h is not None]) == [
+        kv_bytes(SMOL, k) for k in KEYS[:2]
+    ]
+    store.release(hits)
+    assert store.counters.promoted == 2
+    # Their files are gone; the two oldest host blocks took their place on disk.
+    assert not store.disk or not store.disk.path_of((SMOL, KEYS[0])).exists()
+    assert store.index.keys("disk") == [(SMOL, k) for k in [*KEYS[2:4], *KEYS[4:6]]]
+    hits = store.lookup(SMOL, KEYS)
+    assert read_all(store, hits) == [kv_bytes(SMOL, k) for k in KEYS]
+    store.release(hits)
+
+
+def test_a_corrupt_file_is_not_promoted(open_store: OpenStore, tmp_path: Path) -> None:
+    store = open_store(host_blocks=1, disk_dir=tmp_path, disk_blocks=100)
+    put_prompt(store, keys=KEYS[:2])
+    assert store.disk is not None
+    store.disk.path_of((SMOL, KEYS[0])).write_bytes(b"not a block")
+    hits = store.lookup(SMOL, KEYS[:2])
+    assert store.promote(hits[0]) is None
+    store.release(hits)
+    assert store.lookup(SMOL, KEYS[:2]) == []  # forgotten: computed again
+
+
+def test_a_flushed_shutdown_keeps_the_host_tier_for_the_restart(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    first = open_store(host_blocks=3, disk_dir=tmp_path, disk_blocks=6)
+    put_prompt(first)  # 0-4 on disk, 5-7 in host; the disk holds six
+    first.close(flush=True)
+    again = open_store(host_blocks=3, disk_dir=tmp_path, disk_blocks=6)
+    # The newest six survive: the oldest were pushed off a full disk by the flush.
+    assert again.index.keys("disk") == [(SMOL, k) for k in KEYS[2:]]
+    assert again.lookup(SMOL, KEYS) == []  # the prompt's first blocks are gone...
+    hits = again.lookup(SMOL, KEYS[2:])  # ...its later ones are there, in order
+    assert read_all(again, hits) == [kv_bytes(SMOL, k) for k in KEYS[2:]]
+    again.release(hits)
+
+
+def test_a_run_put_tail_first_keeps_its_head_when_short_of_room(
+    open_store: OpenStore,
+) -> None:
+    store = open_store(host_blocks=5)
+    tiers = store.put_run(SMOL, KEYS, [kv_bytes(SMOL, k) for k in KEYS])
+    assert tiers == ["host"] * 5 + [None] * 3  # stored, then pushed out by the head
+    hits = store.lookup(SMOL, KEYS)
+    assert read_all(store, hits) == [kv_bytes(SMOL, k) for k in KEYS[:5]]
+    store.release(hits)
+    with pytest.raises(ValueError, match="block keys for"):
+        store.put_run(SMOL, KEYS, [])

@@ -3,11 +3,15 @@ not match is refused and deleted, another namespace's file is never returned."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
 from pathlib import Path
 
+import pytest
+
+from appliance.kv_store import disk_tier
 from appliance.kv_store.disk_tier import DiskTier
 from appliance.kv_store.namespace import StoreNamespace
 
@@ -99,3 +103,31 @@ def test_clear_deletes_every_block(tmp_path: Path) -> None:
     disk.write((QWEN, 1), block(1))
     assert disk.clear() == 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_pauses_writes_until_room_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [100.0]
+    disk = DiskTier(tmp_path, retry_s=30.0, clock=lambda: now[0])
+    assert disk.write((SMOL, 1), block(1))
+
+    def no_space(fd: int, data: bytes | memoryview) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_tier, "_write_all", no_space)
+    assert not disk.write((SMOL, 2), block(2))
+    assert disk.full and disk.counters.write_errors == 1
+    assert list(disk.path_of((SMOL, 2)).parent.glob(".*.tmp")) == []  # no temporary left
+    monkeypatch.undo()
+    # Paused: not even tried, though the disk would take it now.
+    assert not disk.write((SMOL, 3), block(3))
+    assert disk.counters.writes_skipped == 1 and disk.read((SMOL, 3)) is None
+    now[0] += 31
+    assert disk.write((SMOL, 3), block(3)) and not disk.full
+    monkeypatch.setattr(disk_tier, "_write_all", no_space)
+    assert not disk.write((SMOL, 4), block(4)) and disk.full
+    monkeypatch.undo()
+    disk.delete((SMOL, 1))  # room made: writes are tried again at once
+    assert not disk.full and disk.write((SMOL, 4), block(4))
+    assert disk.read((SMOL, 4)) == block(4)

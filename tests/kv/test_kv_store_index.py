@@ -163,3 +163,50 @@ def test_clear_forgets_all_but_pinned_blocks() -> None:
     index.pin(index.lookup(A, [2]))
     assert index.clear() == [key(1)]
     assert index.keys("disk") == [] and index.keys("host") == [key(2)]
+
+
+def test_a_disk_block_promoted_to_host_pushes_the_oldest_host_block_down() -> None:
+    index = StoreIndex(TierSpec(200), TierSpec(200))
+    for block in (1, 2, 3):
+        index.insert(key(block), 100)  # 1 on disk
+    reading = index.lookup(A, [1])
+    index.pin(reading)
+    placed = index.promote(key(1))
+    # Room made in host by demoting 2; 1 left the disk first, so it is never pushed out.
+    assert placed == Placement("host", [Move(key(2), "host", "disk")])
+    assert index.keys("host") == [key(3), key(1)] and index.keys("disk") == [key(2)]
+    assert index.pinned(key(1))  # the pin follows the block
+    assert index.promote(key(1)) == Placement("host")  # already there
+
+
+def test_a_promotion_without_room_leaves_the_block_on_disk() -> None:
+    index = StoreIndex(TierSpec(100), TierSpec(300))
+    index.insert(key(1), 100)
+    index.insert(key(2), 100)  # 1 on disk
+    index.pin(index.lookup(A, [2]))  # the host tier's only block is being read
+    assert index.promote(key(1)) == Placement("disk")
+    assert index.keys("disk") == [key(1)] and index.used_bytes("disk") == 100
+
+
+def test_demote_pushes_unpinned_host_blocks_to_disk() -> None:
+    index = StoreIndex(TierSpec(300), TierSpec(100))
+    for block in (1, 2):
+        index.insert(key(block), 100)
+    index.pin(index.lookup(A, [2]))
+    assert index.demote(key(2)) == []  # being read: stays
+    assert index.demote(key(1)) == [Move(key(1), "host", "disk")]
+    index.insert(key(3), 100)
+    # The disk is full of 1: demoting 3 pushes 1 out first.
+    assert index.demote(key(3)) == [Move(key(1), "disk", None), Move(key(3), "host", "disk")]
+
+
+def test_a_looked_up_prompt_loses_its_tail_before_its_head() -> None:
+    keys = prefix_keys(list(range(16)), 4)
+    index = StoreIndex(TierSpec(400))
+    for block in keys:
+        index.insert((A, block), 100)
+    index.lookup(A, keys)
+    placed = index.insert(key(1), 100)
+    # The last block goes: the first three are still a prefix of the prompt.
+    assert placed.moves == [Move((A, keys[3]), "host", None)]
+    assert len(index.lookup(A, keys)) == 3
