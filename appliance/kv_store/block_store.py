@@ -13,15 +13,19 @@ finds what the last run stored there; the host tier starts empty.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.kv_store.disk_tier import DiskTier
+from appliance.kv_store.host_arena import arena_path, remove_stale_arenas
 from appliance.kv_store.host_tier import HostTier
 from appliance.kv_store.tier_index import Hit, Move, StoreIndex, StoreKey, Tier, TierSpec
+from appliance.settings.kv_store import KVStoreSettings
 
 DISK_UNIT = 4096  # a file takes whole file system blocks
+MIB = 1 << 20
 
 
 @dataclass
@@ -64,6 +68,23 @@ class BlockStore:
         `block_bytes` and, where `disk_dir` is given, the disk tier found there."""
         host = HostTier.create(host_path, host_bytes, block_bytes)
         return cls(host, None if disk_dir is None else DiskTier(disk_dir), disk_bytes)
+
+    @classmethod
+    def from_settings(cls, settings: KVStoreSettings, block_bytes: int) -> BlockStore | None:
+        """The store the kv_store settings describe for blocks of `block_bytes` (None when
+        kv_store.enabled is off): an arena named for this process under shm_dir (the
+        arenas of owners no longer running are removed first: a crash leaves its file)
+        and the disk tier at disk_path, if set."""
+        if not settings.enabled:
+            return None
+        remove_stale_arenas(settings.shm_dir)
+        return cls.open(
+            arena_path(settings.shm_dir, os.getpid()),
+            settings.host_memory_mb * MIB,
+            block_bytes,
+            settings.disk_path,
+            settings.disk_mb * MIB,
+        )
 
     # ------------------------------------------------------------ writing
 

@@ -31,6 +31,36 @@ _VERSION = 1
 _ALIGN = 64  # payloads start on a cache line
 
 
+_PREFIX = "appliance-kv-"  # arena files: appliance-kv-<owner pid>
+
+
+def arena_path(shm_dir: Path, owner_pid: int) -> Path:
+    """The arena file of the store owned by process `owner_pid`."""
+    return shm_dir / f"{_PREFIX}{owner_pid}"
+
+
+def remove_stale_arenas(shm_dir: Path) -> list[Path]:
+    """Remove the arena files whose owner process is gone (killed before it could remove
+    its own: tmpfs pages stay taken until the file goes); returns them."""
+    removed = []
+    for path in shm_dir.glob(f"{_PREFIX}*"):
+        pid = path.name.removeprefix(_PREFIX)
+        if pid.isdigit() and not _running(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: not ours to judge
+    return True
+
+
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 

@@ -5,6 +5,8 @@ corrupt file refused; another model's blocks never read."""
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,8 +15,10 @@ import pytest
 
 from appliance.kv.prefix_cache import prefix_keys
 from appliance.kv_store.block_store import BlockStore
+from appliance.kv_store.host_arena import arena_path
 from appliance.kv_store.namespace import StoreNamespace
 from appliance.kv_store.tier_index import Hit
+from appliance.settings.kv_store import KVStoreSettings
 
 BLOCK = 4096  # one block's K/V bytes in these tests
 SMOL = StoreNamespace("smollm2-135m", "q8_0:abc", "bfloat16", 16).digest()
@@ -247,3 +251,36 @@ def test_a_run_put_tail_first_keeps_its_head_when_short_of_room(
     store.release(hits)
     with pytest.raises(ValueError, match="block keys for"):
         store.put_run(SMOL, KEYS, [])
+
+
+def test_the_settings_open_the_store_and_a_dead_owners_arena_is_removed(
+    tmp_path: Path,
+) -> None:
+    assert BlockStore.from_settings(KVStoreSettings(), BLOCK) is None  # off by default
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    stale = arena_path(shm, dead_pid())
+    stale.write_bytes(b"left by a crash")
+    unrelated = shm / "appliance-kv-notapid"
+    unrelated.write_bytes(b"")
+    settings = KVStoreSettings(
+        enabled=True, host_memory_mb=1, shm_dir=shm, disk_path=tmp_path / "disk", disk_mb=1
+    )
+    store = BlockStore.from_settings(settings, BLOCK)
+    assert store is not None
+    try:
+        assert not stale.exists() and unrelated.exists()
+        assert store.host.arena.path == arena_path(shm, os.getpid())
+        assert store.host.free_slots == (1 << 20) // BLOCK
+        put_prompt(store)
+        assert store.index.count("host") == 8 and (tmp_path / "disk").is_dir()
+    finally:
+        store.close()
+    assert not arena_path(shm, os.getpid()).exists()
+
+
+def dead_pid() -> int:
+    """The id of a child that has exited and been reaped (so no process has it now)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
