@@ -14,6 +14,7 @@ finds what the last run stored there; the host tier starts empty.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ class BlockStore:
             None if disk is None else TierSpec(disk_bytes, unit_bytes=DISK_UNIT),
         )
         self.counters = StoreCounters()
+        self._reading: dict[str, Counter[StoreKey]] = {}  # reader -> pins it holds
         if disk is not None:
             self._rebuild(disk)
 
@@ -126,12 +128,14 @@ class BlockStore:
 
     # ------------------------------------------------------------ reading
 
-    def lookup(self, namespace: bytes, block_keys: Sequence[int]) -> list[Hit]:
-        """The held prefix of `block_keys`, pinned until `release`d."""
+    def lookup(self, namespace: bytes, block_keys: Sequence[int], reader: str = "") -> list[Hit]:
+        """The held prefix of `block_keys`, pinned for `reader` (a worker's name) until
+        `release`d, or until `release_reader` when that worker dies mid-copy."""
         hits = self.index.lookup(namespace, block_keys)
         if len(hits) < len(block_keys):
             self.counters.misses += 1
         self.index.pin(hits)
+        self._reading.setdefault(reader, Counter()).update(hit.key for hit in hits)
         return hits
 
     def read(self, hit: Hit) -> memoryview | bytes | None:
@@ -182,8 +186,24 @@ class BlockStore:
             kept += self.index.tier_of(key) == "disk"
         return kept
 
-    def release(self, hits: Sequence[Hit]) -> None:
+    def release(self, hits: Sequence[Hit], reader: str = "") -> None:
+        """`reader` has copied these hits: they may be pushed out again."""
+        held = self._reading.get(reader, Counter())
+        for hit in hits:
+            if held[hit.key] < 1:
+                raise ValueError(
+                    f"{reader or 'a reader'} releases block {hit.key[1]:016x} it does not hold"
+                )
+            held[hit.key] -= 1
         self.index.unpin(hits)
+
+    def release_reader(self, reader: str) -> int:
+        """Let go of everything `reader` holds (it died while copying: the bytes it was
+        reading are the store's, untouched); returns how many pins it held."""
+        held = self._reading.pop(reader, Counter())
+        hits = [Hit(key, "host") for key, n in held.items() for _ in range(n)]
+        self.index.unpin(hits)  # pins are by key: the tier named here is not read
+        return len(hits)
 
     def close(self, unlink: bool = True, flush: bool = False) -> None:
         """Unmap the arena (and remove its file: the host tier does not outlive its owner);

@@ -284,3 +284,23 @@ def dead_pid() -> int:
     child = subprocess.Popen(["true"])
     child.wait()
     return child.pid
+
+
+def test_a_reader_that_dies_mid_copy_leaves_the_store_intact(open_store: OpenStore) -> None:
+    store = open_store(host_blocks=4)
+    put_prompt(store, keys=KEYS[:4])
+    dying = store.lookup(SMOL, KEYS[:2], reader="prefill-0")
+    living = store.lookup(SMOL, KEYS[:1], reader="prefill-1")
+    view = store.read(dying[0])  # the worker dies here, its copy half done
+    assert isinstance(view, memoryview)
+    view.release()
+    assert store.release_reader("prefill-0") == 2
+    assert store.index.pinned((SMOL, KEYS[0]))  # still held by the living reader
+    assert not store.index.pinned((SMOL, KEYS[1]))
+    hits = store.lookup(SMOL, KEYS[:4])  # the bytes are the store's, unchanged
+    assert read_all(store, hits) == [kv_bytes(SMOL, k) for k in KEYS[:4]]
+    store.release(hits)
+    with pytest.raises(ValueError, match="does not hold"):
+        store.release(dying, reader="prefill-0")  # released already, with its reader
+    store.release(living, reader="prefill-1")
+    assert not store.index.pinned((SMOL, KEYS[0]))
