@@ -92,8 +92,14 @@ class BlockStore:
 
     def put(self, key: StoreKey, data: bytes | memoryview) -> Tier | None:
         """Store a block (a no-op for one held already); returns its tier, None where it
-        could not be stored (everything pinned, or the disk refused the write)."""
+        could not be stored (everything pinned, or the disk refused the write).
+        ValueError for a block larger than the arena's slots (another model's blocks)."""
         nbytes = memoryview(data).nbytes
+        if nbytes > self.host.arena.slot_bytes:
+            raise ValueError(
+                f"a block of {nbytes} bytes is larger than this store's slots "
+                f"({self.host.arena.slot_bytes} bytes)"
+            )
         if self.index.tier_of(key) is not None:
             return self.index.insert(key, nbytes).tier  # refreshed, not rewritten
         placement = self.index.insert(key, nbytes)

@@ -251,6 +251,9 @@ def test_a_run_put_tail_first_keeps_its_head_when_short_of_room(
     store.release(hits)
     with pytest.raises(ValueError, match="block keys for"):
         store.put_run(SMOL, KEYS, [])
+    with pytest.raises(ValueError, match="larger than this store's slots"):
+        store.put((SMOL, 1), bytes(BLOCK + 1))
+    assert store.index.tier_of((SMOL, 1)) is None
 
 
 def test_the_settings_open_the_store_and_a_dead_owners_arena_is_removed(
