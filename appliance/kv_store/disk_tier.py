@@ -16,6 +16,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import struct
 import time
 from collections.abc import Callable
@@ -32,6 +33,9 @@ _CHECKSUM_BYTES = 32
 _HEADER = struct.Struct(f"<8sI{DIGEST_BYTES}sQQ{_CHECKSUM_BYTES}s")
 _SUFFIX = ".kv"
 _FULL = {errno.ENOSPC, errno.EDQUOT}  # the disk (or the user's quota) is full
+_FOLDER = re.compile(f"[0-9a-f]{{{2 * DIGEST_BYTES}}}")  # a namespace digest
+_BLOCK = re.compile(r"[0-9a-f]{16}\.kv")  # a block key
+_TEMP = re.compile(r"\.[0-9a-f]{16}\.kv\.[0-9]+\.tmp")  # a write not yet renamed
 
 
 @dataclass(frozen=True)
@@ -139,30 +143,40 @@ class DiskTier:
 
     def scan(self) -> list[Found]:
         """Every block file's header, oldest write first (the LRU order to rebuild the
-        index in). Headers that do not parse or do not match their file's name are
-        refused; leftover temporary files of a write cut short are deleted."""
+        index in). Block files whose header does not parse or does not match their name
+        are refused; leftover temporaries of a write cut short are deleted. Only the
+        tier's own names are touched: a directory shared with other files loses none."""
         found = []
-        for folder in sorted(p for p in self.directory.iterdir() if p.is_dir()):
+        for folder in self._folders():
             for path in sorted(folder.iterdir()):
-                if path.name.endswith(".tmp"):
+                if _TEMP.fullmatch(path.name):
                     path.unlink(missing_ok=True)
-                    continue
-                entry = self._header_of(path)
-                if entry is None:
-                    self._refuse(path)
-                else:
-                    found.append(entry)
+                elif _BLOCK.fullmatch(path.name):
+                    entry = self._header_of(path)
+                    if entry is None:
+                        self._refuse(path)
+                    else:
+                        found.append(entry)
         return sorted(found, key=lambda f: f.mtime_ns)
 
     def clear(self) -> int:
-        """Delete every block file; returns how many."""
+        """Delete every block file (and temporary, and the namespaces' folders left
+        empty); returns how many blocks."""
         gone = 0
-        for folder in [p for p in self.directory.iterdir() if p.is_dir()]:
+        for folder in self._folders():
             for path in folder.iterdir():
-                path.unlink(missing_ok=True)
-                gone += path.suffix == _SUFFIX
-            folder.rmdir()
+                if _BLOCK.fullmatch(path.name) or _TEMP.fullmatch(path.name):
+                    path.unlink(missing_ok=True)
+                    gone += path.suffix == _SUFFIX
+            with contextlib.suppress(OSError):  # not empty: files not ours stay
+                folder.rmdir()
         return gone
+
+    def _folders(self) -> list[Path]:
+        """The namespaces' folders (named by a digest), not whatever else is there."""
+        return sorted(
+            p for p in self.directory.iterdir() if p.is_dir() and _FOLDER.fullmatch(p.name)
+        )
 
     def _header_of(self, path: Path) -> Found | None:
         try:

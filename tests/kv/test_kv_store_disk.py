@@ -74,8 +74,13 @@ def test_scan_finds_the_blocks_and_refuses_strays(tmp_path: Path) -> None:
     # 1 was written last.
     for seconds, key in enumerate([(SMOL, 2), (QWEN, 3), (SMOL, 1)]):
         os.utime(disk.path_of(key), ns=((1_700_000_000 + seconds) * 10**9,) * 2)
-    leftover = disk.path_of((SMOL, 9)).with_name(".x.tmp")  # a write cut short
+    leftover = disk.path_of((SMOL, 9)).with_name(f".{9:016x}.kv.4242.tmp")  # a write cut short
     leftover.write_bytes(b"partial")
+    # Files that are not the tier's own are left alone, wherever they are.
+    foreign = [disk.path_of((SMOL, 2)).with_name("notes.txt"), tmp_path / "other" / "x.kv"]
+    foreign[1].parent.mkdir()
+    for path in foreign:
+        path.write_bytes(b"someone else's")
     bad = disk.path_of((SMOL, 4))
     bad.write_bytes(disk.path_of((SMOL, 2)).read_bytes())  # header says block 2
     short = disk.path_of((QWEN, 6))
@@ -87,6 +92,11 @@ def test_scan_finds_the_blocks_and_refuses_strays(tmp_path: Path) -> None:
         ((SMOL, 1), 100),
     ]
     assert not leftover.exists() and not bad.exists() and not short.exists()
+    assert all(path.exists() for path in foreign)
+    assert DiskTier(tmp_path).clear() == 3
+    assert all(path.exists() for path in foreign)
+    # QWEN's emptied folder is gone; SMOL's stays for the file that is not ours.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["other", SMOL.hex()])
 
 
 def test_a_failed_write_is_counted_and_stores_nothing(tmp_path: Path) -> None:
