@@ -76,14 +76,15 @@ class Agent:
         head = self._head
         assert head is not None, "join() first"
         while True:
-            if head.poll(WATCH_S):
-                try:
-                    message = head.recv()
-                except (EOFError, OSError) as error:  # WireError too: a frame we do not take
-                    log.info("the link to the head ended (%s): stopping", error or "closed")
-                    return
-                self._handle(message)
-            self._report_exits()
+            try:
+                if head.poll(WATCH_S):
+                    self._handle(head.recv())
+                self._report_exits()
+            # WireError too (a frame we do not take); a send fails as well once the head
+            # has dropped the link (a Pong to a Ping it sent before: this box froze).
+            except (EOFError, OSError) as error:
+                log.info("the link to the head ended (%s): stopping", error or "closed")
+                return
 
     def stop(self) -> None:
         for process in self.workers.values():

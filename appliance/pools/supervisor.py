@@ -217,9 +217,18 @@ class Supervisor:
     def max_retries(self) -> int:
         return self.settings.recovery.max_request_retries
 
-    def _act(self, request: Request, action: Action, reason: str) -> None:
+    def _act(self, request: Request, action: Action, reason: str, fault: bool = True) -> None:
         match action:
             case Action.REROUTE:  # KV parked in a prefill pool is still there
+                if fault:  # a recovery (not a retired worker's handoffs): its event
+                    self.note(
+                        "worker",
+                        f"request {request.request_id}: {reason}; its handoff goes to "
+                        "another decode worker",
+                        fault="rerun",
+                        cause=reason,
+                        requests=[request.request_id],
+                    )
                 self.handoffs.take_back(request)
             case Action.RERUN:
                 self.flow.rerun(request, reason)
@@ -341,7 +350,7 @@ class Supervisor:
         await self.processes.retire(worker_id, timeout)
         self.router.forget(worker_id)
         for request in self.handoffs.sent_to(worker_id):
-            self._act(request, Action.REROUTE, f"worker {worker_id} retired")
+            self._act(request, Action.REROUTE, f"worker {worker_id} retired", fault=False)
 
 
 def tuning_mode(supervisor: Supervisor) -> str:

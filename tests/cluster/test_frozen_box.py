@@ -1,0 +1,248 @@
+"""A frozen box, on loopback: a head (`appliance serve`, prefill on device 0, decode on
+device 1) and box b's agent (`appliance agent`, decode), under 12 streams that box b
+decodes (the head's device 1 prefills while they start, then decodes again beside b, in
+place). The box is stopped with SIGSTOP (its agent and its worker, as a hung machine
+whose kernel still answers TCP): the head's heartbeat finds it within
+heartbeat_timeout_s + a beat and marks it lost once (one log line, one `box_lost` event),
+and the requests it held run again on the head's decode worker, each with the single
+engine's greedy answer; running again, its agent finds its link ended and exits. Then
+only box b's worker is frozen while its agent answers: the stalled worker's kill could
+not be delivered, so the watchdog marks its box lost, once, instead of asking for a kill
+every 200 ms. Runs in file order (each test joins box b)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import Certs
+from server_process import API_KEY, ServerProcess, cluster_head, wait_until
+from worker_faults import state
+
+from appliance.bench.compare import free_port
+from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.sequence import SamplingParams
+from appliance.kv.remote import nixl_available
+
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
+PROMPTS = [
+    "The lighthouse keeper wrote in his log that the ship",
+    "Three things every garden needs are",
+    "The river ran past the old mill and",
+    "In the winter market the baker sold",
+    "A letter arrived from the island, and it said",
+    "The mountain village had one bridge, which",
+]
+STREAMS = 12
+MAX_TOKENS = 96
+CHECKED_TOKENS = 24  # the expected answers' length: a longer answer starts with it
+BOX_ADDRESS = "127.0.0.3"
+BEAT_S, SILENCE_S = 1.0, 5.0  # the heartbeat settings' defaults
+STALL_S = 15.0  # recovery.stall_timeout_s, as the hidden probe had it
+FOUND_BOUND_S = SILENCE_S + BEAT_S + 3.0  # the stated time, and room for a loaded machine
+
+
+class Boxes:
+    """The head and box b's agents."""
+
+    def __init__(
+        self, head: ServerProcess, address: str, certs: Certs, secret: str, folder: Path
+    ) -> None:
+        self.head, self.address, self.certs, self.secret = head, address, certs, secret
+        self.folder = folder  # each agent's output, to read after a failure
+        self.agent: subprocess.Popen | None = None
+        self.joins = 0
+
+    def join_b(self) -> None:
+        command = [sys.executable, "-m", "appliance.cli", "agent", "--head", self.address]
+        command += ["--box", "b", "--pool", "decode", "--cpu-devices", "1"]
+        command += ["--address", BOX_ADDRESS, "--secret-file", self.secret]
+        command += self.certs.flags("b")
+        self.joins += 1
+        with (self.folder / f"agent-{self.joins}.log").open("wb") as log:
+            self.agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        wait_until(lambda: any(w["ready"] for w in self.on_b()), 180, "box b's worker")
+
+    def workers(self) -> list[dict]:
+        health = httpx.get(self.head.url + "/health", timeout=10).json()
+        return [w for pool in health["pools"].values() for w in pool]
+
+    def on_b(self) -> list[dict]:
+        return [w for w in self.workers() if w["device"].startswith("b/") and w["alive"]]
+
+    def complete(self, prompt: str) -> str:
+        reply = httpx.post(
+            self.head.url + "/v1/completions",
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=600,
+        )
+        reply.raise_for_status()
+        return reply.json()["choices"][0]["text"]
+
+    def decoders(self) -> int:
+        return sum(w["alive"] and w["role"] == "decode" for w in self.workers())
+
+    def move(self, device: int, to: str) -> None:
+        """Move a head device to `to` through the admin API; back once it is done."""
+        assert self.head.admin_token_file is not None
+        token = self.head.admin_token_file.read_text().strip()
+        reply = httpx.post(
+            self.head.url + "/admin/pools",
+            json={"device": device, "to": to},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=30,
+        )
+        assert reply.status_code == 202, reply.text
+        move_id = reply.json()["move"]["move_id"]
+        wait_until(lambda: self.move_done(move_id), 180, f"move {move_id} done")
+
+    def move_done(self, move_id: int) -> bool:
+        [move] = [m for m in state(self.head).moves if m.move_id == move_id]
+        assert move.phase != "failed", move
+        return move.phase == "done"
+
+    def streams_on_b(self, pool: ThreadPoolExecutor) -> list[tuple[str, Future[str]]]:
+        """STREAMS requests, box b decoding some of them when this returns, and the
+        head's device 1 decoding again beside it (what b holds has somewhere to go)."""
+        self.move(1, "prefill")  # only box b decodes while they start
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(STREAMS)]
+        futures = [(p, pool.submit(self.complete, p)) for p in prompts]
+        wait_until(lambda: any(w["running"] for w in self.on_b()), 180, "box b decoding")
+        self.move(1, "decode")  # in place, at once
+        assert self.decoders() == 2
+        return futures
+
+    def output(self) -> str:
+        return "".join(self.head.output)
+
+    def events(self, kind: str) -> list[dict]:
+        """The head's `appliance.events` JSON lines of `kind`."""
+        marker = "appliance.events: "
+        lines = [line.split(marker, 1)[1] for line in self.head.output if marker in line]
+        return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def boxes(tmp_path_factory: pytest.TempPathFactory, certs: Certs) -> Iterator[Boxes]:
+    assert nixl_available(), "NIXL is missing: ./install.sh --dev installs it"
+    folder = tmp_path_factory.mktemp("frozen")
+    address = f"127.0.0.2:{free_port()}"
+    more = {
+        "APPLIANCE_CLUSTER__INTERFACE": "lo",
+        "APPLIANCE_RECOVERY__STALL_TIMEOUT_S": str(STALL_S),
+        **certs.env("head"),
+    }
+    head, secret = cluster_head(folder, address, **more)
+    head.start()
+    running = Boxes(head, address, certs, str(secret), folder)
+    yield running
+    if running.agent is not None and running.agent.poll() is None:
+        running.agent.kill()
+        running.agent.wait(30)
+    head.stop()
+    (folder / "head.log").write_text(running.output())  # to read after a failure
+
+
+@pytest.fixture(scope="module")
+def expected(engine: LLMEngine) -> dict[str, str]:
+    params = SamplingParams(max_tokens=CHECKED_TOKENS, temperature=0, ignore_eos=True)
+    done = engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], params)
+    return {p: c.text for p, c in zip(PROMPTS, done, strict=True)}
+
+
+def freeze(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        # A frozen worker whose agent saw its link dropped is killed by that agent.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def test_a_frozen_box_is_found_by_its_heartbeat_and_lost_once(
+    boxes: Boxes, expected: dict[str, str]
+) -> None:
+    boxes.join_b()
+    [worker] = boxes.on_b()
+    agent = boxes.agent
+    assert agent is not None
+    frozen = [agent.pid, worker["pid"]]
+    with ThreadPoolExecutor(STREAMS) as pool:
+        futures = boxes.streams_on_b(pool)
+        stopped_at = time.time()
+        freeze(frozen, signal.SIGSTOP)
+        try:
+            wait_until(lambda: boxes.events("box_lost"), FOUND_BOUND_S + 30, "box b lost")
+            texts = [(p, f.result(timeout=600)) for p, f in futures]  # b still frozen
+        finally:
+            freeze(frozen, signal.SIGCONT)
+        assert agent.wait(60) == 0  # running again, it finds its link ended and stops
+    [lost] = boxes.events("box_lost")
+    found_in = lost["time"] - stopped_at
+    print(f"\nbox b found frozen in {found_in:.1f} s: {lost}")
+    assert lost["box"] == "b" and lost["cause"].startswith("no answer to heartbeats")
+    assert found_in <= FOUND_BOUND_S, found_in
+    for prompt, text in texts:  # none lost, each the engine's own answer
+        assert text.startswith(expected[prompt]), (prompt, text)
+    output = boxes.output()
+    assert output.count("appliance.supervisor: lost box 'b'") == 1, output[-4000:]
+    assert "stalled" not in output  # the heartbeat found it long before the stall limit
+    [exited] = [e for e in boxes.events("worker_exit") if e["box"] == "b"]
+    assert exited["cause"] == "its box was lost" and exited["requests"], exited
+    reruns = {r for e in boxes.events("rerun") for r in e["requests"]}
+    assert set(exited["requests"]) <= reruns
+
+
+def test_a_stalled_worker_on_a_box_is_escalated_once(
+    boxes: Boxes, expected: dict[str, str]
+) -> None:
+    """Its agent answers the heartbeat; its worker is frozen: a kill would be a message
+    to that agent, so the watchdog marks the box lost instead, once (the hidden probe saw
+    `worker 1 stalled: killing it` 30 times in 6 s)."""
+    boxes.join_b()  # as systemd starts its agent again
+    [worker] = boxes.on_b()
+    agent = boxes.agent
+    assert agent is not None
+    with ThreadPoolExecutor(STREAMS) as pool:
+        futures = boxes.streams_on_b(pool)
+        stopped_at = time.monotonic()
+        freeze([worker["pid"]], signal.SIGSTOP)
+        try:
+            wait_until(lambda: len(boxes.events("box_lost")) == 2, STALL_S + 60, "box b lost")
+            lost_in = time.monotonic() - stopped_at
+            texts = [(p, f.result(timeout=600)) for p, f in futures]  # the worker frozen
+            time.sleep(2.0)  # ten more looks of the watchdog at least
+        finally:
+            freeze([worker["pid"]], signal.SIGCONT)
+        assert agent.wait(60) == 0  # its link was dropped: it stops
+    print(f"\nbox b lost {lost_in:.1f} s after its worker froze")
+    # The stall runs from its last report, a moment before it froze; the heartbeat
+    # (its agent answered) never fired.
+    assert STALL_S - 3 <= lost_in <= STALL_S + 10, lost_in
+    for prompt, text in texts:
+        assert text.startswith(expected[prompt]), (prompt, text)
+    lost = boxes.events("box_lost")[-1]
+    assert lost["cause"].startswith(f"its worker {worker['worker_id']} stalled"), lost
+    output = boxes.output()
+    stalled = f"worker {worker['worker_id']} on box 'b' stalled: marking the box lost"
+    assert output.count(f"appliance.supervisor: {stalled}") == 1, output[-4000:]
+    assert "killing it" not in output
+    [stall] = boxes.events("stall")
+    assert stall["worker"] == worker["worker_id"] and stall["requests"]
+    assert output.count("appliance.supervisor: lost box 'b'") == 2  # once per test
