@@ -13,6 +13,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
+from textual.widget import Widget
 from textual.widgets import Footer
 
 from appliance.admin.schema import DeviceInfo, Event, Move, Snapshot, Tuning
@@ -28,6 +29,7 @@ from tui.components.confirm_move import (
     role_choices,
 )
 from tui.components.event_log import EventLog
+from tui.components.fault_panel import FaultPanel
 from tui.components.help_screen import HelpScreen
 from tui.components.latency_panel import LatencyPanel
 from tui.components.planner_panel import NO_PLANNER, PlannerPanel, plan_to_apply
@@ -123,6 +125,7 @@ class ConsoleApp(App[None]):
         self._latency = LatencyPanel(id="latency")
         self._requests = RequestsTable(id="requests")
         self._events = EventLog(id="events")
+        self._faults = FaultPanel(id="faults")  # hidden until a fault
         self._planner = PlannerPanel(id="planner")
         yield self._status
         yield self._pools
@@ -131,6 +134,7 @@ class ConsoleApp(App[None]):
             yield self._requests
         with Horizontal(id="bottom"):
             yield self._events
+            yield self._faults
             yield self._planner
         yield Footer()
 
@@ -157,6 +161,7 @@ class ConsoleApp(App[None]):
         self._latency.show(snapshot)
         self._requests.show(snapshot)
         self._events.show(snapshot)
+        self._faults.show(snapshot)
         self._planner.show(snapshot)
         self._show_status()
 
@@ -172,7 +177,8 @@ class ConsoleApp(App[None]):
             self._events.resync()
         self._connected = message.connected
         self._detail = message.detail
-        panels = (self._pools, self._latency, self._requests, self._events, self._planner)
+        panels: tuple[Widget, ...] = (self._pools, self._latency, self._requests)
+        panels += (self._events, self._faults, self._planner)
         for panel in panels:
             panel.set_class(not message.connected, "-stale")
         self._show_status()

@@ -211,6 +211,18 @@ class Snapshot(BaseModel):
     requests_in_flight: int
     moves: list[Move] = Field(description="The running move and the last few finished.")
     events: list[Event] = Field(description="The most recent events, oldest first.")
+    # --- faults (issue 40): each fault and recovery as a structured event
+    faults: dict[str, int] = Field(
+        default_factory=dict,
+        description="Fault and recovery events since the start, by kind (worker_exit, "
+        "stall, kill, restart, box_lost, box_joined, rerun, request_failed).",
+    )
+    fault_events: list[Event] = Field(
+        default_factory=list,
+        description="The most recent fault and recovery events (with the worker, box, cause "
+        "and request ids each touched), oldest first.",
+    )
+    # --- end faults
     planner: PlannerView | None = Field(
         None, description="The rebalancer's view; None when the appliance has none."
     )

@@ -42,6 +42,11 @@ class PoolState(Protocol):
         ...
 
     @property
+    def fault_counts(self) -> Mapping[str, int]:
+        """Fault and recovery events since the start, by kind (core/events.py)."""
+        ...
+
+    @property
     def requests(self) -> Mapping[int, Request]:
         """Every request in flight by id, oldest first."""
         ...

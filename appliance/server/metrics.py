@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from appliance.admin.latency_window import Finished, LatencyWindow
 from appliance.api import Chunk
+from appliance.core.events import FAULT_KINDS
 from appliance.core.request_table import Timing
 from appliance.pools.pool_state import PoolState
 
@@ -92,6 +93,7 @@ class Metrics:
             ("status",),
         )
         registry.register(PoolCollector(pools))
+        registry.register(FaultCollector(pools))
         registry.register(SpeculationCollector(pools))
         if planner_counts is not None:
             registry.register(PlannerCollector(planner_counts))
@@ -135,6 +137,33 @@ class PlannerCollector(Collector):
         for action in ("move", "hold"):
             family.add_metric([action], self.counts.get(action, 0))
         yield family
+
+
+# --- faults (issue 40): fault and recovery events by kind
+
+
+class FaultCollector(Collector):
+    """Fault and recovery events since the start by kind (core/events.py's FaultKind),
+    read from the supervisor's event log when Prometheus scrapes; every kind is shown,
+    0 until it happens, so a rate() over it needs no absent series."""
+
+    def __init__(self, pools: PoolState) -> None:
+        self.pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "appliance_fault_events",
+            "Faults and recoveries (worker exits, stalls, kills, restarts, boxes lost and "
+            "joined, requests run again or failed by a fault), by kind.",
+            labels=["kind"],
+        )
+        counts = self.pools.fault_counts
+        for kind in FAULT_KINDS:
+            family.add_metric([kind], counts.get(kind, 0))
+        yield family
+
+
+# --- end faults
 
 
 class PoolCollector(Collector):

@@ -21,6 +21,7 @@ from appliance.pools.pool_state import WorkerView
 
 MAX_REQUEST_ROWS = 50
 EVENTS_SHOWN = 20
+FAULT_EVENTS_SHOWN = 20  # fault events, kept apart: a busy log of moves would push them out
 RATE_INTERVAL_S = 1.0  # tokens/s is measured over at least this long
 RowState = Literal["queued", "prefill", "handoff", "decode"]
 # A request's phase as the admin API names it.
@@ -70,6 +71,8 @@ class SnapshotBuilder:
             requests_in_flight=len(requests),
             moves=list(appliance.pools.moves),
             events=list(state.events)[-EVENTS_SHOWN:],
+            faults=dict(state.fault_counts),
+            fault_events=[e for e in state.events if e.fault is not None][-FAULT_EVENTS_SHOWN:],
             planner=appliance.autopilot.view(),
         )
 
