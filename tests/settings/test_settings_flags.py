@@ -55,6 +55,7 @@ def other_value(flag: Flag, default: Any, folder: Path) -> list[str]:
         ("cluster", "secret_file"): str(secret),
         ("chat_template",): "{{ messages[0].content }}",
         ("prefill_gemm_rows",): "32",  # auto or a row count
+        ("cluster", "heartbeat_timeout_s"): "9.5",  # at least twice the beat's interval
         ("server", "allowed_origins"): "https://chat.example.com",
     }
     if isinstance(default, bool):
