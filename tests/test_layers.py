@@ -57,6 +57,10 @@ TORCH_FREE = (
     "appliance.chat.chat_output",
     "appliance.chat.tool_calls",
     "appliance.kv_store.tier_index",
+    # speculative decoding's decisions, asked by the scheduler at every step
+    "appliance.engine.speculative.adaptive",
+    "appliance.engine.speculative.eligibility",
+    "appliance.engine.speculative.proposer",
 )
 
 
