@@ -1,0 +1,72 @@
+"""The chaos soak's short version (issue 40): benchmarks/chaos_soak.py as the lead runs it
+for an hour, here for about two minutes (at least 1.5, and until 24 faults have been
+applied), a fault every couple of seconds of traffic (`--faults-per-check 6`: the
+invariants are read after each burst of six, since each recovery waits out model loads).
+A head and box b's agent on loopback, mixed temperature-0 traffic, faults drawn with a fixed seed:
+no request lost, answered wrongly or hung, no 5xx but 503 with Retry-After, every KV
+block free, no orphan, the supervisor's fds and RSS flat after every burst and at the end.
+
+The soak runs as its own process (it makes itself a child subreaper to catch orphans,
+which pytest's process should not become)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests_root import ROOT
+
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
+MINUTES = 1.5  # at least; and on until FAULTS are applied
+FAULTS = 24  # "a few dozen"
+SEED = 40
+FAULTS_PER_CHECK = 6  # each recovery waits out model loads: a check per fault is the long run's
+RUN_BOUND_S = 900  # the soak's own two minutes, the start, the last recovery; load slows it
+
+
+def test_the_short_chaos_soak_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "chaos_soak.py")]
+    command += ["--minutes", str(MINUTES), "--faults", str(FAULTS), "--seed", str(SEED)]
+    command += ["--faults-per-check", str(FAULTS_PER_CHECK), "--stop-max", "10"]
+    command += ["--out", str(out), "--folder", str(tmp_path / "logs")]
+    output, returncode = soak(command)
+    assert out.exists(), output
+    report = json.loads(out.read_text())
+    requests, faults = report["requests"], report["faults"]
+    must_be_zero = {k: requests.get(k, 0) for k in ("lost", "wrong", "hang", "bad_status")}
+    assert must_be_zero == dict.fromkeys(must_be_zero, 0), output
+    assert report["violations"] == [], output
+    assert returncode == 0, output
+    # It did soak: traffic answered, faults of several kinds, each checked and survived.
+    assert requests["completed"] >= 50, output
+    assert sum(faults.values()) >= FAULTS, output
+    assert len(faults) >= 5, output
+    # The appliance saw them too: its structured fault events (logger appliance.events),
+    # a worker's exit for each worker killed, a box lost when its agent was killed or cut off.
+    events = report["events"]
+    killed = faults.get("kill_worker", 0) + faults.get("kill_box_worker", 0)
+    assert events.get("worker_exit", 0) >= killed, output
+    if faults.get("kill_agent", 0) + faults.get("cut_link", 0):
+        assert events.get("box_lost", 0) > 0, output
+    start, end = report["start"], report["end"]
+    assert end["blocks_in_use"] == 0 and end["orphans"] == 0
+    assert end["processes"] == start["processes"]
+
+
+def soak(command: list[str]) -> tuple[str, int]:
+    """Run the soak; past RUN_BOUND_S it is interrupted (SIGINT: it stops its cluster, where
+    a SIGKILL would leave the server and the agent running)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = process.communicate(timeout=RUN_BOUND_S)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+        output += f"\n(interrupted after {RUN_BOUND_S} s)"
+    return output, process.returncode
