@@ -1,6 +1,7 @@
 """Speculative decoding where users meet it: the per-request fields (llama.cpp's
 speculative.n_max / speculative.n_min, sent by the openai client in extra_body), the
-per-worker counts on /metrics and the admin snapshot, and answers served over HTTP by the
+per-worker counts on /metrics and the admin snapshot (and both across the box link's
+wire), and answers served over HTTP by the
 shared servers of both layouts (conftest.py builds their n-gram drafter, opt-in): greedy
 with speculation equals greedy without, token for token, in the split layout (decoding
 after a handoff) and colocated, with prefix caching on, on grounded prompts where drafts
@@ -19,6 +20,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import API_KEY, ServerProcess
 
+from appliance.cluster.wire import FROM_WORKER, TO_WORKER, Codec
+from appliance.engine.sequence import SamplingParams
 from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.model.loader import model_name
 from appliance.pools.worker_handle import WorkerView
@@ -27,6 +30,7 @@ from appliance.server.errors import APIError
 from appliance.server.metrics import SpeculationCollector
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest
 from appliance.server.snapshot import speculation_figures
+from appliance.workers.messages import Submit, TokenBatch
 
 MODEL = model_name(None)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -135,6 +139,23 @@ def test_the_admin_snapshot_gives_the_figures_once_drafts_were_verified() -> Non
         "spec_mean_accepted_length": 3.0,
     }
     assert speculation_figures(view(1, AcceptanceCounts())) == {}  # the console shows none
+
+
+def test_the_counts_and_a_requests_range_cross_the_box_link() -> None:
+    """A worker on another box reports its totals, and gets a request's range, through
+    the cluster link's codec as a local one does through its queue."""
+    counts = AcceptanceCounts()
+    counts.record(4, 3)
+    report = TokenBatch(1, speculation=counts)
+    assert wire_trip(report, FROM_WORKER).speculation == counts
+    params = SamplingParams(speculative_n_max=3, speculative_n_min=1)
+    submit = wire_trip(Submit(1, [5, 6], params, False), TO_WORKER)
+    assert submit.params == params
+
+
+def wire_trip(message: Any, accepts: tuple[type, ...]) -> Any:
+    nonce = bytes(16)
+    return Codec(nonce).decode(Codec(nonce).encode(message), accepts)
 
 
 # ---------------------------------------------------------------- served
