@@ -496,7 +496,9 @@ def test_a_box_added_later_joins(head: Head, certs: Certs, tmp_path: Path) -> No
     assert got.box == "d"
 
 
-BEAT_S, SILENCE_S = 0.2, 1.0  # a silent box is found within 1.2 s
+# A silent box is found within 2.25 s; an answering one is never lost, even when this
+# process is starved of the CPU for a second now and then (a loaded machine).
+BEAT_S, SILENCE_S = 0.25, 2.0
 
 
 def joined_box(head: Head, certs: Certs) -> Link:
@@ -519,18 +521,20 @@ def test_a_box_answering_heartbeats_stays_and_a_silent_one_is_lost_once(
     with listening(certs, tmp_path, **beats) as head:
         link = joined_box(head, certs)
         answered = 0
-        until = time.monotonic() + 5 * SILENCE_S
+        until = time.monotonic() + 3 * SILENCE_S
         while time.monotonic() < until:  # answering: never lost
             if link.poll(0.1):
                 ping = link.recv()
                 assert isinstance(ping, c.Ping)
                 link.send(c.Pong(ping.seq))
                 answered += 1
-        assert answered >= 5 * SILENCE_S / BEAT_S - 3 and head.lost == []
+        # a beat every 0.25 s for 6 s: 24, fewer on a loaded machine
+        assert answered >= 10 and head.lost == [], (answered, head.causes)
         silent_since = time.monotonic()
         wait_until(lambda: head.lost == ["b"], 10, "box b lost", every_s=0.02)
         found_in = time.monotonic() - silent_since
-        assert SILENCE_S - BEAT_S <= found_in <= SILENCE_S + BEAT_S + 0.5, found_in
+        # within the timeout and a beat (and room for a loaded machine's scheduling)
+        assert SILENCE_S - BEAT_S <= found_in <= SILENCE_S + BEAT_S + 1.5, found_in
         assert head.causes[0].startswith("no answer to heartbeats for")
         time.sleep(3 * SILENCE_S)
         assert head.lost == ["b"]  # once
