@@ -76,6 +76,7 @@ RSS_GROWTH_MB = 96.0  # and resident memory (MB): allocator pools and caches set
 READY_BOUND_S = 240.0  # for every worker to be ready again after a fault (a model load)
 IDLE_BOUND_S = 60.0  # for every KV block to be free once no request is in flight
 PR_SET_CHILD_SUBREAPER = 36
+BACK_OFF_S = 1.0  # a client answered 503 + Retry-After waits this long (not the header's)
 MUST_BE_ZERO = ("lost", "wrong", "hang", "bad_status")
 VERDICTS = ("completed", "failed_cleanly", "cancelled", *MUST_BE_ZERO)
 FAULT_KINDS = (
@@ -283,12 +284,16 @@ class Traffic:
     async def _loop(self) -> None:
         while True:
             await self.running.wait()
-            await self.one(self.rng.choice(self.specs))
+            if await self.one(self.rng.choice(self.specs)) == "failed_cleanly":
+                await asyncio.sleep(BACK_OFF_S)  # told to come back later: not at once
 
-    async def one(self, spec: Spec) -> None:
+    async def one(self, spec: Spec) -> str:
+        """Send `spec`, record its outcome; its verdict."""
         self.in_flight += 1
         try:
-            self.outcomes.append(await self.client.send(spec))
+            outcome = await self.client.send(spec)
+            self.outcomes.append(outcome)
+            return outcome.verdict
         finally:
             self.in_flight -= 1
 

