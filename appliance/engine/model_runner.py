@@ -274,11 +274,13 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 requests.append((chunk.seq.seq_id, chunk.seq.params))
         decode_start = len(ids) - len(out.decodes)
+        prompt_rows = sum(c.num_tokens for c in out.prefills)  # the rows before the verifies'
         groups = self._decode_groups(out.decodes)
+        batch = AttentionBatch(self._tensor(slots), segments, decode_start, groups, prompt_rows)
         return StepInputs(
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
-            attention=AttentionBatch(self._tensor(slots), segments, decode_start, groups),
+            attention=batch,
             sample_rows=self._tensor(sample_rows),
             sample_requests=requests,
         )

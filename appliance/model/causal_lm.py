@@ -90,7 +90,8 @@ class CausalLM(nn.Module):
             raise RuntimeError("the model has no weights yet: load_weights builds its RoPE")
         rope = self.rope.at(positions)
         if self.prefill_gemm is not None:  # the prompt rows come first, decode rows after
-            self.prefill_gemm.step_rows = batch.decode_start
+            prompt_rows = batch.prompt_rows
+            self.prefill_gemm.step_rows = batch.decode_start if prompt_rows is None else prompt_rows
         if self.decode_step is not None and self.decode_step.takes(batch):
             return self.decode_step(residual, rope, batch, kv_cache)
         local = rope if self.local_rope is None else self.local_rope.at(positions)

@@ -185,24 +185,12 @@ def test_a_projection_switches_on_its_steps_prompt_rows_only() -> None:
     assert torch.equal(projection(x[:7]), kernel[:7])
 
 
-def test_a_models_decode_steps_stay_on_the_integer_kernel_whatever_the_batch(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """On the model's layers (the compiled decode step off, as under tensor parallelism),
-    with the switch at 4 rows: the prompts' step dequantizes the weights for GEMMs; the
-    decode-only steps of 6 sequences never do, and answer as each sequence alone does."""
-    settings = load_settings(
-        device="cpu",
-        weights="quantized",
-        prefill_gemm="float32",
-        prefill_gemm_rows=4,
-        kv={"num_blocks": 64, "prefix_caching": False},
-    )
-    engine = LLMEngine.from_settings(settings)
-    engine.model.decode_step = None
+def count_dequantizations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that each dequantization of a whole weight (a GEMM's, not an embedding
+    lookup's rows) appends to, while `monkeypatch` holds the kernels' spy."""
     built = compiled()
     assert built is not None
-    dequantized: list[int] = []  # steps' weight dequantizations (all rows of a weight)
+    dequantized: list[int] = []
 
     class Spy:
         """The built kernels, with each dequantization of a whole weight counted."""
@@ -212,11 +200,38 @@ def test_a_models_decode_steps_stay_on_the_integer_kernel_whatever_the_batch(
 
         def quant_rows(self, *args: int) -> None:
             count, total = args[3], args[4]
-            if count == total:  # every row of a weight: a GEMM's, not an embedding lookup
+            if count == total:
                 dequantized.append(count)
             self.__getattr__("quant_rows")(*args)  # type: ignore[operator]
 
     monkeypatch.setattr(loading, "_cpu_kernels", Spy())
+    return dequantized
+
+
+def switched_engine(**speculative: object) -> LLMEngine:
+    """The embedded model's quantized layers (the compiled decode step off, as under
+    tensor parallelism) with the GEMM switch at 4 prompt rows."""
+    settings = load_settings(
+        device="cpu",
+        weights="quantized",
+        prefill_gemm="float32",
+        prefill_gemm_rows=4,
+        kv={"num_blocks": 64, "prefix_caching": False},
+        speculative=speculative or {"method": "off"},
+    )
+    engine = LLMEngine.from_settings(settings)
+    engine.model.decode_step = None
+    return engine
+
+
+def test_a_models_decode_steps_stay_on_the_integer_kernel_whatever_the_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the model's layers (the compiled decode step off, as under tensor parallelism),
+    with the switch at 4 rows: the prompts' step dequantizes the weights for GEMMs; the
+    decode-only steps of 6 sequences never do, and answer as each sequence alone does."""
+    engine = switched_engine()
+    dequantized = count_dequantizations(monkeypatch)
     prompts = [[(17 * i + 5 * j) % 900 + 10 for j in range(8)] for i in range(6)]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
@@ -229,8 +244,37 @@ def test_a_models_decode_steps_stay_on_the_integer_kernel_whatever_the_batch(
         for output in engine.step():
             together[output.seq_id] += output.token_ids
         assert not dequantized, "a decode-only step of 6 rows ran a GEMM"
-    monkeypatch.setattr(loading, "_cpu_kernels", built)
+    monkeypatch.undo()
     # Each prompt alone (its prefill on the GEMM too: 8 rows) decodes the same tokens.
     for prompt, seq_id in zip(prompts, ids, strict=True):
         [alone] = engine.generate([prompt], params)
         assert alone.token_ids == together[seq_id]
+
+
+def test_verify_steps_stay_on_the_integer_kernel_as_plain_decoding_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A verify chunk (one token and its drafts: 5 rows) attends as a segment but decodes:
+    with the switch at 4 rows its products stay on the integer kernel, so speculation's
+    greedy answer is plain decoding's token for token."""
+    text = "The river wound past farms and mills to the old stone bridge by the town."
+    engine = switched_engine(method="ngram", num_speculative_tokens=4, adaptive=False)
+    prompt = engine.tokenizer.encode(text + "\n" + text + "\n" + text[:30])
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    dequantized = count_dequantizations(monkeypatch)
+    seq_id = engine.add_request(prompt, params)
+    tokens: list[int] = []
+    for output in engine.step():  # the prompt: a GEMM
+        tokens += output.token_ids
+    assert dequantized, "the prompt's step ran no GEMM"
+    while engine.has_unfinished():
+        dequantized.clear()
+        for output in engine.step():
+            assert output.seq_id == seq_id
+            tokens += output.token_ids
+        assert not dequantized, "a verify or decode step ran a GEMM"
+    assert engine.scheduler.acceptance.drafted > 0, "no drafts were verified"
+    monkeypatch.undo()
+    engine.scheduler.drafter = None
+    [plain] = engine.generate([prompt], params)
+    assert plain.token_ids == tokens

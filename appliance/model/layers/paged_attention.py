@@ -71,6 +71,10 @@ class AttentionBatch:
     prefills: list[PrefillSegment]
     decode_start: int  # rows from here on are decode tokens
     decode_groups: list[DecodeGroup]
+    # Rows of prompt chunks at the head of the batch (None: all before decode_start). A
+    # speculative verify chunk attends as a segment but decodes: its rows follow the
+    # prompts' and must stay on the decode kernel's numbers (quant.PrefillGemm).
+    prompt_rows: int | None = None
 
 
 def write_kv(
