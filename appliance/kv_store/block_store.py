@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.kv_store.disk_tier import DiskTier
+from appliance.kv_store.disk_tier import HEADER_BYTES, DiskTier
 from appliance.kv_store.host_arena import arena_path, remove_stale_arenas
 from appliance.kv_store.host_tier import HostTier
 from appliance.kv_store.tier_index import Hit, Move, StoreIndex, StoreKey, Tier, TierSpec
@@ -50,7 +50,7 @@ class BlockStore:
         arena = host.arena
         self.index = StoreIndex(
             TierSpec(arena.slots * arena.slot_bytes, unit_bytes=arena.slot_bytes),
-            None if disk is None else TierSpec(disk_bytes, unit_bytes=DISK_UNIT),
+            None if disk is None else TierSpec(disk_bytes, DISK_UNIT, HEADER_BYTES),
         )
         self.counters = StoreCounters()
         self._reading: dict[str, Counter[StoreKey]] = {}  # reader -> pins it holds
@@ -195,12 +195,14 @@ class BlockStore:
     def release(self, hits: Sequence[Hit], reader: str = "") -> None:
         """`reader` has copied these hits: they may be pushed out again."""
         held = self._reading.get(reader, Counter())
-        for hit in hits:
-            if held[hit.key] < 1:
+        wanted = Counter(hit.key for hit in hits)
+        # Checked whole before any count moves: a bad release leaves every pin as it was.
+        for key, n in wanted.items():
+            if held[key] < n:
                 raise ValueError(
-                    f"{reader or 'a reader'} releases block {hit.key[1]:016x} it does not hold"
+                    f"{reader or 'a reader'} releases block {key[1]:016x} it does not hold"
                 )
-            held[hit.key] -= 1
+        held.subtract(wanted)
         self.index.unpin(hits)
 
     def release_reader(self, reader: str) -> int:
@@ -216,9 +218,11 @@ class BlockStore:
         with `flush`, its blocks go to the disk tier first, so a restart finds them."""
         if flush and self.disk is not None:
             self.flush()
-        self.host.arena.close()
-        if unlink:
-            self.host.arena.unlink()
+        try:  # the file first: a reader's live view makes the unmap fail (BufferError)
+            if unlink:
+                self.host.arena.unlink()
+        finally:
+            self.host.arena.close()
 
     # ------------------------------------------------------------ moving bytes
 

@@ -31,6 +31,7 @@ _VERSION = 1
 _CHECKSUM_BYTES = 32
 # magic, version, namespace digest, block key, payload length, payload checksum
 _HEADER = struct.Struct(f"<8sI{DIGEST_BYTES}sQQ{_CHECKSUM_BYTES}s")
+HEADER_BYTES = _HEADER.size  # a block file's bytes beside the block's own
 _SUFFIX = ".kv"
 _FULL = {errno.ENOSPC, errno.EDQUOT}  # the disk (or the user's quota) is full
 _FOLDER = re.compile(f"[0-9a-f]{{{2 * DIGEST_BYTES}}}")  # a namespace digest

@@ -45,7 +45,9 @@ def remove_stale_arenas(shm_dir: Path) -> list[Path]:
     removed = []
     for path in shm_dir.glob(f"{_PREFIX}*"):
         pid = path.name.removeprefix(_PREFIX)
-        if pid.isdigit() and not _running(int(pid)):
+        # Our own pid on a file we did not make: a container restarted with the same pid
+        # over a kept shm_dir, whose earlier owner is gone.
+        if pid.isdigit() and (int(pid) == os.getpid() or not _running(int(pid))):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

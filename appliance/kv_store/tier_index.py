@@ -26,13 +26,14 @@ class TierSpec:
 
     capacity_bytes: int
     unit_bytes: int = 1
+    overhead_bytes: int = 0  # stored beside each entry's bytes (a disk file's header)
 
     def __post_init__(self) -> None:
-        if self.capacity_bytes < 0 or self.unit_bytes < 1:
+        if self.capacity_bytes < 0 or self.unit_bytes < 1 or self.overhead_bytes < 0:
             raise ValueError(f"not a tier capacity: {self}")
 
     def charge(self, nbytes: int) -> int:
-        return -(-nbytes // self.unit_bytes) * self.unit_bytes
+        return -(-(nbytes + self.overhead_bytes) // self.unit_bytes) * self.unit_bytes
 
 
 @dataclass(frozen=True)

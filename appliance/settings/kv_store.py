@@ -64,7 +64,9 @@ class KVStoreSettings(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _disk_tier(self) -> KVStoreSettings:
+    def _folders(self) -> KVStoreSettings:
+        if not self.shm_dir.is_absolute():
+            raise ValueError(f"kv_store.shm_dir must be absolute, not {self.shm_dir}")
         if self.disk_path is not None:
             if not self.disk_path.is_absolute():
                 raise ValueError(f"kv_store.disk_path must be absolute, not {self.disk_path}")

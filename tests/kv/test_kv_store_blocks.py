@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 from appliance.kv.prefix_cache import prefix_keys
-from appliance.kv_store.block_store import BlockStore
+from appliance.kv_store.block_store import DISK_UNIT, BlockStore
 from appliance.kv_store.host_arena import arena_path
 from appliance.kv_store.namespace import StoreNamespace
 from appliance.kv_store.tier_index import Hit
 from appliance.settings.kv_store import KVStoreSettings
 
 BLOCK = 4096  # one block's K/V bytes in these tests
+DISK_FILE = 2 * DISK_UNIT  # what one takes on disk: its bytes, its file's header, rounded up
 SMOL = StoreNamespace("smollm2-135m", "q8_0:abc", "bfloat16", 16).digest()
 QWEN = StoreNamespace("qwen3-0.6b", "bf16:def", "bfloat16", 16).digest()
 KEYS = prefix_keys(list(range(16 * 8)), 16)  # a prompt of eight full blocks
@@ -39,7 +40,8 @@ def open_store() -> Iterator[OpenStore]:
 
     def make(host_blocks: int, disk_dir: Path | None = None, disk_blocks: int = 0) -> BlockStore:
         path = Path("/dev/shm") / f"appliance-kv-test-{uuid.uuid4().hex}"
-        store = BlockStore.open(path, host_blocks * BLOCK, BLOCK, disk_dir, disk_blocks * BLOCK)
+        disk_bytes = disk_blocks * DISK_FILE
+        store = BlockStore.open(path, host_blocks * BLOCK, BLOCK, disk_dir, disk_bytes)
         opened.append(store)
         return store
 
@@ -111,6 +113,7 @@ def test_a_restart_with_a_smaller_disk_keeps_the_newest(
     first.close()
     again = open_store(host_blocks=1, disk_dir=tmp_path, disk_blocks=4)
     assert len(again.index.keys("disk")) == 4
+    assert again.index.used_bytes("disk") == 4 * DISK_FILE  # each file as the disk holds it
     assert len(list(tmp_path.glob("*/*.kv"))) == 4  # the others' files deleted
 
 
@@ -307,3 +310,40 @@ def test_a_reader_that_dies_mid_copy_leaves_the_store_intact(open_store: OpenSto
         store.release(dying, reader="prefill-0")  # released already, with its reader
     store.release(living, reader="prefill-1")
     assert not store.index.pinned((SMOL, KEYS[0]))
+
+
+def test_a_bad_release_leaves_every_pin_as_it_was(open_store: OpenStore) -> None:
+    store = open_store(host_blocks=4)
+    put_prompt(store, keys=KEYS[:2])
+    held = store.lookup(SMOL, KEYS[:2], reader="prefill-0")
+    with pytest.raises(ValueError, match="does not hold"):
+        store.release(held + held, reader="prefill-0")  # the second copy is not held
+    assert store.index.pinned((SMOL, KEYS[0])) and store.index.pinned((SMOL, KEYS[1]))
+    store.release(held, reader="prefill-0")  # the good release still works whole
+    assert not store.index.pinned((SMOL, KEYS[0])) and not store.index.pinned((SMOL, KEYS[1]))
+
+
+def test_closing_while_a_block_is_read_still_removes_the_arena(open_store: OpenStore) -> None:
+    store = open_store(host_blocks=2)
+    put_prompt(store, keys=KEYS[:1])
+    [hit] = store.lookup(SMOL, KEYS[:1])
+    view = store.read(hit)
+    assert isinstance(view, memoryview)
+    with pytest.raises(BufferError):  # the unmap refuses while a view lives...
+        store.close()
+    assert not store.host.arena.path.exists()  # ...but the file went first
+    view.release()
+    store.host.arena.close()
+
+
+def test_an_arena_named_for_our_own_pid_is_a_stale_one(tmp_path: Path) -> None:
+    """A container restarted with the same pid over a kept shm_dir: the file is not ours."""
+    stale = arena_path(tmp_path, os.getpid())
+    stale.write_bytes(b"left by the earlier container")
+    settings = KVStoreSettings(enabled=True, host_memory_mb=1, shm_dir=tmp_path)
+    store = BlockStore.from_settings(settings, BLOCK)
+    assert store is not None
+    try:
+        assert store.host.arena.path == stale and store.host.free_slots == (1 << 20) // BLOCK
+    finally:
+        store.close()

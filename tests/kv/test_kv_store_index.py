@@ -40,6 +40,9 @@ def test_capacity_is_counted_in_bytes_and_whole_units() -> None:
     assert placed.moves == [Move(key(1), "host", None)]
     assert index.used_bytes("host") == 768 and index.count("host") == 2
     assert index.nbytes(key(2)) == 300
+    # A disk file's header is charged with it: 4096 bytes and 76 of header take two units.
+    assert TierSpec(0, unit_bytes=4096, overhead_bytes=76).charge(4096) == 8192
+    assert TierSpec(0, unit_bytes=4096, overhead_bytes=76).charge(4000) == 4096
     # Larger than the whole tier and no disk: nowhere, nothing pushed out.
     assert index.insert(key(9), 2000).tier is None
     assert index.count("host") == 2

@@ -44,6 +44,7 @@ def test_variables_and_toml_reach_the_section(
         ("HOST_MEMORY_MB", "0", "kv_store.host_memory_mb"),
         ("DISK_MB", "-5", "kv_store.disk_mb"),
         ("DISK_PATH", "relative/kv", "must be absolute"),
+        ("SHM_DIR", "shm", "kv_store.shm_dir must be absolute"),
     ],
 )
 def test_a_bad_value_names_the_setting(
