@@ -85,7 +85,9 @@ def planned_settings(settings: Settings) -> Settings:
 def planned_choice(settings: Settings, profile: Profile) -> tuple[Choice, bool]:
     """The planner's best layout for the settings on `profile`, and whether it was
     remembered (plan_memo.py) rather than ranked now."""
-    code = code_digest((Path(__file__).parent, Path(__file__).parent.parent / "core"))
+    # What ranks the layouts: the planner, the decisions it shares, the bench's workloads.
+    package = Path(__file__).parent.parent
+    code = code_digest((package / "planner", package / "core", package / "bench"))
     key = memo_key(
         profile.model_dump_json(),
         settings.planner.model_dump(),

@@ -70,10 +70,13 @@ def test_an_unreadable_choice_is_planned_again(
     assert memo.get("k") is None
 
 
-def test_a_folder_that_cannot_be_written_only_costs_a_plan(tmp_path: Path) -> None:
+def test_a_folder_that_cannot_be_written_only_costs_a_plan(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     (tmp_path / "plans").write_text("a file where the folder would be")
     memo = PlanMemo(tmp_path / "plans")
     memo.put("k", Choice("colocated x2", {"mode": "colocated"}))  # warns, does not raise
+    assert "could not keep the planned layout" in caplog.text
     assert memo.get("k") is None
 
 
