@@ -8,7 +8,7 @@ non-negative by dropping a feature whose fitted cost comes out below zero.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 from appliance.planner.profile import StepCost
@@ -51,6 +51,16 @@ def regime_sample(sample: Sample, gemm_rows: int) -> dict[str, float | int | str
         "gemm_tokens": tokens if gemm else 0.0,
         "gemm": 1.0 if gemm else 0.0,
     }
+
+
+def both_regimes(points: Iterable[tuple[bool, float]], min_steps: int = 1) -> bool:
+    """Whether steps (each: ran as a GEMM, its tokens) show both sides of the kernel
+    switch well enough to fit a line to each: on each side at least `min_steps` steps of
+    two or more token counts (a line through one point is any line)."""
+    sides: dict[bool, list[float]] = {False: [], True: []}
+    for gemm, tokens in points:
+        sides[gemm].append(tokens)
+    return all(len(side) >= min_steps and len(set(side)) >= 2 for side in sides.values())
 
 
 def fit_step_cost(

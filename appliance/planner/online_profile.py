@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from appliance.engine.step_timing import StepTiming
 from appliance.planner.analytic_specs import Efficiency
-from appliance.planner.fitting import fit_step_cost, in_regimes
+from appliance.planner.fitting import both_regimes, fit_step_cost, in_regimes
 from appliance.planner.profile import (
     HandoffCost,
     HostCost,
@@ -242,12 +242,8 @@ def _regimes(steps: list[StepTiming]) -> int | None:
     gemm_rows = steps[-1].gemm_rows
     if gemm_rows is None:
         return None
-    under = [s for s in steps if s.gemm_rows == gemm_rows]
-    for gemm in (False, True):
-        side = [s.tokens for s in under if s.gemm == gemm]
-        if len(side) < MIN_REGIME or len(set(side)) < 2:
-            return None
-    return gemm_rows
+    under = [(s.gemm, s.tokens) for s in steps if s.gemm_rows == gemm_rows]
+    return gemm_rows if both_regimes(under, MIN_REGIME) else None
 
 
 def _predict(cost: StepCost, sample: Mapping[str, float]) -> float:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.planner.fitting import fit_step_cost, in_regimes, regime_sample
+from appliance.planner.fitting import both_regimes, fit_step_cost, in_regimes, regime_sample
 from appliance.planner.profile import (
     HandoffCost,
     HostCost,
@@ -129,10 +129,8 @@ def _fit_regimes(samples: list[dict[str, Any]], features: tuple[str, ...]) -> St
     gemm_rows = samples[0].get("gemm_rows") if samples else None
     if gemm_rows is not None:
         regimed = [regime_sample(s, gemm_rows) for s in samples]
-        for gemm in (0.0, 1.0):
-            if len({s["tokens"] for s in regimed if s["gemm"] == gemm}) < 2:
-                break
-        else:
+        # Each sample is a size's mean over repeats: two sizes a side are enough.
+        if both_regimes((s["gemm"] == 1.0, float(s["tokens"])) for s in regimed):
             return fit_step_cost(regimed, in_regimes(features), gemm_rows)
     return fit_step_cost(samples, features)
 

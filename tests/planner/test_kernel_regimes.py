@@ -15,7 +15,7 @@ import pytest
 from hand_profiles import hand_profile
 
 from appliance.engine.step_timing import StepClock, StepTiming, step_timing
-from appliance.planner.fitting import fit_step_cost, in_regimes, regime_sample
+from appliance.planner.fitting import both_regimes, fit_step_cost, in_regimes, regime_sample
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.online_profile import OnlineProfile
 from appliance.planner.profile import StepCost, WorkerCost, attended, load_profile
@@ -192,3 +192,13 @@ def test_a_profile_written_before_the_switch_still_loads(tmp_path: Path) -> None
     assert loaded.workers["1x1"].prefill.seconds(100, 1, 0, 0) == pytest.approx(0.01 + 0.8 + 2e-3)
     again = load_profile(with_switch.save(tmp_path))
     assert again.workers["1x1"].prefill == TRUE_PREFILL
+
+
+def test_both_regimes_need_two_sizes_and_enough_steps_on_each_side() -> None:
+    row_side = [(False, 10.0), (False, 20.0)]
+    gemm_side = [(True, 64.0), (True, 96.0)]
+    assert both_regimes(row_side + gemm_side)
+    assert not both_regimes([*row_side, (True, 64.0), (True, 64.0)])  # one size: any line
+    assert not both_regimes(row_side)  # the switch never reached
+    assert not both_regimes(row_side + gemm_side, min_steps=3)
+    assert both_regimes(row_side * 2 + gemm_side * 2, min_steps=3)
