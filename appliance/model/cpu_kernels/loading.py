@@ -12,6 +12,8 @@ to see the replacement.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -164,17 +166,19 @@ def prefill_gemm_dtype(choice: str = "auto") -> torch.dtype:
 # ahead at 24; float32 even at 40. bfloat16 at avx2 (only when asked: auto takes int16
 # there) ran on this CPU's AMX; an AVX2-only CPU emulates it, and would switch later. The
 # generic level's integer kernel is plain C: the GEMM was even at 1-4 rows, 1.8x ahead at 6.
-GEMM_ROWS_BY_LEVEL: dict[tuple[str, torch.dtype], int] = {
-    ("avx512", torch.bfloat16): 48,
-    ("avx512", torch.int16): 32,
-    ("avx512", torch.float32): 48,
-    ("avx2", torch.bfloat16): 40,
-    ("avx2", torch.int16): 24,
-    ("avx2", torch.float32): 40,
-    ("generic", torch.float32): 6,
-    ("generic", torch.bfloat16): 6,
-    ("generic", torch.int16): 6,  # the generic level's int16 choice runs float32's GEMM
-}
+GEMM_ROWS_BY_LEVEL: Mapping[tuple[str, torch.dtype], int] = MappingProxyType(
+    {
+        ("avx512", torch.bfloat16): 48,
+        ("avx512", torch.int16): 32,
+        ("avx512", torch.float32): 48,
+        ("avx2", torch.bfloat16): 40,
+        ("avx2", torch.int16): 24,
+        ("avx2", torch.float32): 40,
+        ("generic", torch.float32): 6,
+        ("generic", torch.bfloat16): 6,
+        ("generic", torch.int16): 6,  # the generic level's int16 choice runs float32's GEMM
+    }
+)
 DEFAULT_GEMM_ROWS = 128  # a level or type the table lacks: the count used before it
 
 
