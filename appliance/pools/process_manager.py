@@ -310,10 +310,13 @@ class ProcessManager:
         await asyncio.sleep(delay)
         device = dead.device_index
         taken = any(w.device_index == device and w.alive for w in self.workers.values())
-        if dead.worker_id not in self.workers or taken:  # a pool move took the device over
+        # A pool move that took the device over forgets the dead handle; a retry after a
+        # failed start finds it forgotten by the start before (and must still run).
+        forgotten = failed_starts == 0 and dead.worker_id not in self.workers
+        if forgotten or taken:
             self._restarting.pop(device, None)
             return
-        del self.workers[dead.worker_id]
+        self.workers.pop(dead.worker_id, None)
         try:
             worker = await self.add_worker(
                 dead.role, dead.devices, self.settings.recovery.start_timeout_s

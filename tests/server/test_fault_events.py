@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_process import ServerProcess, admin_split_server, wait_until
 from worker_faults import settled_requests, state, stop_holding_requests
 
+from appliance.admin.schema import WorkerInfo
 from appliance.model.loader import model_name
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
@@ -31,7 +32,9 @@ BOUND_S = 300.0
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Its own server: the test kills a worker and counts fault events from the start."""
-    process = admin_split_server(tmp_path_factory.mktemp("fault-events"), 2)
+    folder = tmp_path_factory.mktemp("fault-events")
+    # Three crashes of device 1 in these tests: none may mark it failed.
+    process = admin_split_server(folder, 2, APPLIANCE_RECOVERY__MAX_CRASHES="5")
     process.start()
     yield process
     process.stop()
@@ -116,3 +119,39 @@ def test_a_killed_worker_leaves_its_events_in_the_log_the_admin_api_and_metrics(
     counted = fault_metrics(fault_server)
     assert counted["worker_exit"] == 1 and counted["restart"] == 1
     assert counted["rerun"] == len(reruns) and counted["box_lost"] == 0
+
+
+def test_a_worker_killed_while_its_restart_loads_is_restarted_again(
+    fault_server: ServerProcess,
+) -> None:
+    """The chaos soak's finding: the restart after a failed start found the dead worker's
+    handle already forgotten (by that start), took it for a pool move's doing and gave
+    up, leaving the device without a worker for good."""
+    first = state(fault_server).devices[1].worker
+    assert first is not None and first.phase == "ready"
+    os.kill(first.pid, signal.SIGKILL)
+
+    def loading() -> WorkerInfo | None:
+        worker = state(fault_server).devices[1].worker
+        loads = worker is not None and worker.phase == "starting" and worker.pid != first.pid
+        return worker if loads else None
+
+    second = wait_until(loading, 60, "device 1's restart loading", every_s=0.05)
+    os.kill(second.pid, signal.SIGKILL)
+
+    def back() -> bool:  # between two starts the device shows no worker
+        worker = state(fault_server).devices[1].worker
+        return worker is not None and worker.phase == "ready"
+
+    wait_until(back, 180, "device 1 back")
+    third = state(fault_server).devices[1].worker
+    assert third is not None and third.pid not in (first.pid, second.pid)
+    exits = [e for e in json_events(fault_server) if e["kind"] == "worker_exit"]
+    assert [e["worker"] for e in exits[-2:]] == [first.worker_id, second.worker_id]
+    assert json_events(fault_server)[-1]["kind"] == "restart"
+
+    async def one() -> int:
+        async with httpx.AsyncClient(base_url=fault_server.url, timeout=BOUND_S) as client:
+            return await stream(client, 99)
+
+    assert asyncio.run(one()) == MAX_TOKENS
