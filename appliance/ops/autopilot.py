@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Mapping
@@ -333,7 +335,9 @@ def record_of(
     decision: Decision, verdict: Verdict, window: TrafficWindow, now: float
 ) -> dict[str, Any]:
     """A decision with its inputs, as `planner.decisions_log` keeps it: the window (its
-    traffic mix and measured attainment), every layout simulated on it, this window's
+    traffic mix, measured attainment, requests ended and running and their latencies'
+    p90), the fraction within the rules' headroom of the SLO, the box's slowdown over
+    the simulator, every layout simulated on it, this window's
     and the remembered measurements on similar traffic, the layouts barred as targets
     and why, the rule that decided and its reason."""
     mix = mix_of(window)
@@ -354,7 +358,10 @@ def record_of(
             "rate": mix.rate,
             "mean_prompt_tokens": mix.prompt,
             "mean_output_tokens": mix.output,
-        },
+        }
+        | _latencies(window),
+        "headroom": verdict.headroom,
+        "slowdown": dataclasses.asdict(verdict.slowdown) | {"applied": verdict.calibrated},
         "predicted_current": verdict.predicted_current,
         "predicted_recommended": verdict.predicted_recommended,
         "predicted_via": verdict.predicted_via,
@@ -363,6 +370,28 @@ def record_of(
         "remembered": _measurements(verdict.remembered, now),
         "barred": {roles_key(r): why for r, why in verdict.barred.items()},
     }
+
+
+def _latencies(window: TrafficWindow) -> dict[str, Any]:
+    """How many of the window's requests ended and are running, and the p90 of their
+    measured TTFT and time per token (running ones as they stand; None: none)."""
+    latencies = window.latencies
+    ttfts = sorted(m.ttft for m in latencies if m.ok and m.first_token)
+    tpots = sorted(m.tpot for m in latencies if m.ok and m.tpot is not None)
+    running = sum(m.running for m in latencies)
+    return {
+        "ended": len(latencies) - running,
+        "running": running,
+        "ttft_p90": _p90(ttfts),
+        "tpot_p90": _p90(tpots),
+    }
+
+
+def _p90(values: list[float]) -> float | None:
+    """The 90th percentile of sorted `values` (nearest rank); None when empty."""
+    if not values:
+        return None
+    return values[min(len(values) - 1, math.ceil(0.9 * len(values)) - 1)]
 
 
 def _measurements(found: Mapping[Roles, Measurement], now: float) -> dict[str, Any]:

@@ -41,6 +41,13 @@ What the box measured counts beside what the simulator predicts (docs/autopilot.
   rolled back from is held off `rules.hold_off_s` while the traffic stays similar.
 - Dwell: within `rules.dwell_s` of a move, the layout it left is no target, unless the
   move back is a rollback.
+- The edge of the SLO (planner/headroom.py): where the window carries its requests'
+  measured latencies, a window at target holds only if the target's share of them keep
+  within `rules.headroom` of each limit; one without that headroom compares layouts on
+  the SLO scaled by it. Simulated requests are judged as this box serves them: the SLO
+  divided by the box's slowdown over the simulator on this window's requests (unless
+  that would leave no layout one move away serving anything: then the profile does not
+  describe the box's speed, and its own ranking stands).
 Every verdict carries its inputs (each layout's simulated goodput, this window's and the
 remembered measurements, the layouts barred as targets and why) and the rule that
 decided.
@@ -53,7 +60,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from appliance.core.goodput import SLO
+from appliance.core.goodput import SLO, RequestResult
+from appliance.planner.headroom import (
+    Latency,
+    Slowdown,
+    calibrated,
+    headroom_attainment,
+    slowdown,
+)
 from appliance.planner.layout import layout_of_roles, roles_problem
 from appliance.planner.profile import Profile
 from appliance.planner.rebalance_paths import (
@@ -65,6 +79,7 @@ from appliance.planner.rebalance_paths import (
     best_one,
     best_two,
     move_between,
+    moved,
     moves_from,
     nearest,
     path_between,
@@ -114,6 +129,9 @@ class RebalanceRules:
     similar_factor: float = 1.5  # traffic mixes within this factor are similar
     attainment_noise: float = 0.1  # measured attainments closer than this are equal
     blind_fraction: float = 0.05  # simulated goodput at most this x the rate is ~0
+    # At target only with headroom: this fraction of the window's requests within this
+    # fraction of each limit (planner/headroom.py); else layouts are compared on it.
+    headroom: float = 0.8
 
     def __post_init__(self) -> None:
         checks = [
@@ -147,6 +165,7 @@ class RebalanceRules:
                 0 <= self.blind_fraction <= 1,
                 f"blind_fraction must be in [0, 1], got {self.blind_fraction}",
             ),
+            (0 < self.headroom <= 1, f"headroom must be in (0, 1], got {self.headroom}"),
         ]
         _check(checks)
 
@@ -158,10 +177,17 @@ class TrafficWindow:
     duration_s: float  # > 0
     requests: tuple[SimRequest, ...]  # arrivals relative to the window's start
     attainment: float | None  # measured fraction of finished requests within the SLO
+    # Each request's measured latencies, in the order of `requests` (or none: a window
+    # without them is judged on attainment alone, and the simulator is not calibrated).
+    latencies: tuple[Latency, ...] = ()
 
     def __post_init__(self) -> None:
         late = [r.arrival_s for r in self.requests if r.arrival_s > self.duration_s]
         checks = [
+            (
+                not self.latencies or len(self.latencies) == len(self.requests),
+                f"{len(self.latencies)} latencies for {len(self.requests)} requests",
+            ),
             (
                 math.isfinite(self.duration_s) and self.duration_s > 0,
                 f"duration_s must be a finite number > 0, got {self.duration_s}",
@@ -280,6 +306,12 @@ class Verdict:
     measured: Measurement | None = None
     remembered: Mapping[Roles, Measurement] = field(default_factory=dict)
     barred: Mapping[Roles, str] = field(default_factory=dict)
+    # The box's measured latencies over the simulator's on this window (the simulated
+    # requests judged by the SLO divided by it where `calibrated`), and the fraction of the window's
+    # requests within `rules.headroom` of each limit (None: not measured).
+    slowdown: Slowdown = field(default_factory=Slowdown)
+    calibrated: bool = False  # whether the simulated requests were judged by it
+    headroom: float | None = None
 
 
 def predicted_goodput(
@@ -291,8 +323,21 @@ def predicted_goodput(
     device_size: int = 1,
 ) -> float:
     """Requests per second of the window that the roles would serve within the SLO."""
-    layout = layout_of_roles(roles, device_size)
-    results = simulate(profile, layout, window.requests, policy)
+    return _goodput(simulated_results(profile, roles, window, policy, device_size), window, slo)
+
+
+def simulated_results(
+    profile: Profile,
+    roles: Sequence[str | None],
+    window: TrafficWindow,
+    policy: Policy,
+    device_size: int = 1,
+) -> list[RequestResult]:
+    """The window's requests as the roles would serve them, in the window's order."""
+    return simulate(profile, layout_of_roles(roles, device_size), window.requests, policy)
+
+
+def _goodput(results: Sequence[RequestResult], window: TrafficWindow, slo: SLO) -> float:
     good = sum(1 for result in results if slo.met_by(result))  # met_by needs ok
     return good / window.duration_s
 
@@ -340,15 +385,31 @@ def decide(
     two-move path (`memory.target`), the second is made at once if the target still
     wins (see `_second_step`); else the look decides afresh. `in_place`: the moves that
     would keep their device's worker, preferred between equally good paths. The verdict
-    carries its inputs and the rule that decided."""
+    carries its inputs and the rule that decided.
+
+    Where the window carries its requests' measured latencies, simulated requests are
+    judged as this box serves them (the SLO divided by its slowdown over the simulator
+    on this window, planner/headroom.py), and a window at target without headroom does
+    not hold: its layouts are compared on the SLO scaled by `rules.headroom`."""
     current: Roles = tuple(roles)
     problem = roles_problem(current)
     if problem is not None:
         raise ValueError(f"the current roles {current} cannot serve: {problem}")
-    score = _Scorer(window, profile, policy, slo, device_size)
+    done = {current: simulated_results(profile, current, window, policy, device_size)}
+    slow = slowdown(window.latencies, done[current], rules.min_requests)
+    room = headroom_attainment(window.latencies, slo, rules.headroom)
+    factor = rules.headroom if _tight(window, room, rules) else 1.0
+    applied = max(slow.ttft, slow.tpot) > 1.0 and _quiet(window, rules, room) is None
+    if applied:  # a look that holds at once scores the current layout alone
+        _simulate_neighbours(done, current, profile, window, policy, device_size)
+        applied = not _blinds(window, done, calibrated(slo, slow, factor), rules)
+    judged_by = calibrated(slo, slow if applied else Slowdown(), factor)
+    score = _Scorer(window, profile, policy, judged_by, device_size, done)
     measured = measurement_of(window, now)
     _remember(memory, current, window, measured, rules, now)
-    look = _Look(window, current, score(current), score, rules, memory, now, in_place, measured)
+    look = _Look(
+        window, current, score(current), score, rules, memory, now, in_place, measured, room
+    )
     verdict = _decide(look)
     return replace(
         verdict,
@@ -356,7 +417,54 @@ def decide(
         measured=measured,
         remembered=look.similar,
         barred={**look.worse, **look.hard},
+        slowdown=slow,
+        calibrated=applied,
+        headroom=room,
     )
+
+
+def _simulate_neighbours(
+    done: dict[Roles, list[RequestResult]],
+    current: Roles,
+    profile: Profile,
+    window: TrafficWindow,
+    policy: Policy,
+    size: int,
+) -> None:
+    """Add every layout one move from `current` to `done`, simulated (the look scores
+    them anyway unless it holds at once)."""
+    for move in moves_from(current):
+        roles = moved(current, move)
+        if roles not in done:
+            done[roles] = simulated_results(profile, roles, window, policy, size)
+
+
+def _blinds(
+    window: TrafficWindow,
+    done: dict[Roles, list[RequestResult]],
+    judged_by: SLO,
+    rules: RebalanceRules,
+) -> bool:
+    """Whether judging by `judged_by` would leave the current layout and every layout
+    one move away serving ~0 (`rules.blind_fraction` of the window's rate). A slowdown
+    that large says the profile does not describe this box's speed at all (another box's,
+    a hand-made one): the simulator's ranking on its own terms is then all it offers, and
+    the rules that weigh measurements judge the rest, as before the slowdown was
+    measured."""
+    rate = len(window.requests) / window.duration_s
+    return all(
+        _goodput(results, window, judged_by) <= rules.blind_fraction * rate
+        for results in done.values()
+    )
+
+
+def _tight(window: TrafficWindow, room: float | None, rules: RebalanceRules) -> bool:
+    """At target, but without headroom: the window's attainment meets the target while
+    fewer than the target's fraction of its requests keep within `rules.headroom` of
+    each limit. The box copes at the edge, where a little more traffic tips every running
+    request over at once; it is not a reason to hold."""
+    at_target = window.attainment is not None and window.attainment >= rules.target_attainment
+    return at_target and room is not None and room < rules.target_attainment
 
 
 def current_goodput(window: TrafficWindow, simulated: float) -> float:
@@ -368,22 +476,33 @@ def current_goodput(window: TrafficWindow, simulated: float) -> float:
 
 
 class _Scorer:
-    """Predicted goodput of a set of roles on the window, each simulated once; `known`
-    holds every layout simulated so far."""
+    """Predicted goodput of a set of roles on the window (judged by `slo`), each
+    simulated once (`done`: layouts simulated already); `known` holds every layout
+    scored so far."""
 
     def __init__(
-        self, window: TrafficWindow, profile: Profile, policy: Policy, slo: SLO, size: int
+        self,
+        window: TrafficWindow,
+        profile: Profile,
+        policy: Policy,
+        slo: SLO,
+        size: int,
+        done: Mapping[Roles, list[RequestResult]],
     ) -> None:
         self.window, self.profile, self.policy, self.slo, self.size = (
             window, profile, policy, slo, size,
         )  # fmt: skip
+        self.done = dict(done)
         self.known: dict[Roles, float] = {}
 
     def __call__(self, roles: Roles) -> float:
         if roles not in self.known:
-            self.known[roles] = predicted_goodput(
-                self.profile, roles, self.window, self.policy, self.slo, self.size
-            )
+            results = self.done.pop(roles, None)
+            if results is None:
+                results = simulated_results(
+                    self.profile, roles, self.window, self.policy, self.size
+                )
+            self.known[roles] = _goodput(results, self.window, self.slo)
         return self.known[roles]
 
 
@@ -422,6 +541,7 @@ class _Look:
     now: float
     in_place: frozenset[Move]
     measured: Measurement | None  # this window's
+    headroom: float | None  # the fraction of its requests within rules.headroom of the SLO
     similar: dict[Roles, Measurement] = field(init=False)
     worse: dict[Roles, str] = field(init=False)  # measured worse: no target on a prediction
     hard: dict[Roles, str] = field(init=False)  # held off, dwelling: no target but a rollback
@@ -576,7 +696,7 @@ def _fresh(look: _Look) -> Verdict:
     its gain is judged against `current_goodput`."""
     current, memory, rules, simulated = look.current, look.memory, look.rules, look.simulated
     here = look.here
-    held = _quiet(look.window, rules)
+    held = _quiet(look.window, rules, look.headroom)
     if held is not None:
         why, rule = held
         return _hold(memory, Verdict(current, current, None, here, here, why, rule=rule))
@@ -585,14 +705,19 @@ def _fresh(look: _Look) -> Verdict:
     if by_measurement is not None:
         return by_measurement
     if best is None:
-        nothing = f"no move is simulated to beat {simulated:.2f} req/s{_barred_note(look)}"
+        nothing = (
+            f"no move is simulated to beat {simulated:.2f} req/s{_tight_note(look)}"
+            f"{_barred_note(look)}"
+        )
         return _hold(memory, Verdict(current, current, None, here, here, nothing, rule="no-better"))
     proposal = _proposal(current, here, best)
     worth = _worth(here, best.goodput, rules)
     if worth is not None:
-        reason = worth + _barred_note(look)
+        reason = worth + _tight_note(look) + _barred_note(look)
         return _hold(memory, replace(proposal, reason=reason, rule="margin"))
-    return _confirm(look, proposal, best, _move_reason(proposal, best), "move")
+    verdict = _confirm(look, proposal, best, _move_reason(proposal, best), "move")
+    note = _tight_note(look)  # why a window at target may move (or confirm, or cool down)
+    return replace(verdict, reason=verdict.reason + note) if note else verdict
 
 
 def _by_measurement(look: _Look) -> Verdict | None:
@@ -674,15 +799,21 @@ def _proposal(current: Roles, here: float, best: Path) -> Verdict:
     )
 
 
-def _quiet(window: TrafficWindow, rules: RebalanceRules) -> tuple[str, str] | None:
-    """Why the window gives no cause to move, before any prediction, and the rule."""
+def _quiet(
+    window: TrafficWindow, rules: RebalanceRules, headroom: float | None
+) -> tuple[str, str] | None:
+    """Why the window gives no cause to move, before any prediction, and the rule. At
+    target holds only with headroom (`_tight`): `headroom` is the fraction of the
+    window's requests within `rules.headroom` of each limit (None: not measured)."""
     count = len(window.requests)
     if count < rules.min_requests:
         return f"{count} requests in the window < {rules.min_requests}", "few-requests"
     if window.attainment is None:
         return "no request finished in the window", "none-finished"
-    if window.attainment >= rules.target_attainment:
+    if window.attainment >= rules.target_attainment and not _tight(window, headroom, rules):
         reason = f"attainment {window.attainment:.2f} >= target {rules.target_attainment:.2f}"
+        if headroom is not None:
+            reason += f", {headroom:.2f} within {rules.headroom:.0%} of the SLO"
         return reason, "at-target"
     return None
 
@@ -737,6 +868,18 @@ def _steps(current: Roles, moves: tuple[Move, ...]) -> str:
         steps.append(f"device {device} from {roles[device]} to {to}")
         roles[device] = to
     return f"move {', then '.join(steps)}"
+
+
+def _tight_note(look: _Look) -> str:
+    """'; at target without headroom: 0.62 of requests within 80% of the SLO, layouts
+    compared on it' when the look compared layouts on the scaled SLO; '' otherwise."""
+    window, rules = look.window, look.rules
+    if look.headroom is None or not _tight(window, look.headroom, rules):
+        return ""
+    return (
+        f"; at target without headroom: {look.headroom:.2f} of requests within "
+        f"{rules.headroom:.0%} of the SLO, layouts compared on it"
+    )
 
 
 def _barred_note(look: _Look) -> str:

@@ -5,7 +5,9 @@ Pure: the supervisor records each request when its consumer is done with it; `wi
 turns the last seconds of it into the simulator's requests (appliance/planner/rebalance.py),
 with the requests still running: when the traffic shifts toward long answers, the first
 ones finish only many seconds later, and a window of finished requests alone would show
-the old traffic meanwhile.
+the old traffic meanwhile. Each request comes with its measured latencies (as it ended,
+or as it stands), by which the rebalancer sees how close to the SLO the box runs and how
+much slower than simulated (appliance/planner/headroom.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 from appliance.core.goodput import SLO, RequestResult
 from appliance.core.request_table import Phase, Request
+from appliance.planner.headroom import Latency
 from appliance.planner.rebalance import TrafficWindow
 from appliance.planner.simulator import SimRequest
 
@@ -29,6 +32,19 @@ class Served:
     arrival: float
     cached_tokens: int
     result: RequestResult
+    running: bool = False  # still running: its result as it stands (`so_far`)
+    first_token: bool = True  # it has its first token (a running one may not)
+
+    def latency(self) -> Latency:
+        """Its measured latencies, as the rebalancer's window carries them."""
+        result = self.result
+        return Latency(
+            ttft=max(0.0, result.ttft),
+            tpot=result.tpot if result.ok else None,
+            running=self.running,
+            ok=result.ok,
+            first_token=self.first_token,
+        )
 
 
 def served(request: Request) -> Served | None:
@@ -63,7 +79,9 @@ def so_far(request: Request, now: float) -> Served | None:
         ttft=(now if first is None else first) - arrival,
         latency=now - arrival,
     )
-    return Served(arrival, request.cached_tokens, result)
+    return Served(
+        arrival, request.cached_tokens, result, running=True, first_token=first is not None
+    )
 
 
 class TrafficLog:
@@ -87,7 +105,8 @@ class TrafficLog:
         """The requests that arrived in (now - seconds, now], ended or `running`, as the
         simulator's requests (arrivals from the window's start; a running one with the
         output it has so far, a lower bound). Attainment is over those that ran to an end
-        or failed, and the running ones that have missed the SLO already. A request with
+        or failed, and the running ones that have missed the SLO already; each request's
+        latencies (ended, or so far), in the same order. A request with
         cached prompt tokens shares that prefix with the others that had one (the log does
         not know which prefix it was)."""
         self._forget_before(now - max(seconds, self.kept_s))
@@ -99,7 +118,8 @@ class TrafficLog:
         judged = [slo.met_by(s.result) for s in ended]
         judged += [False for g in going if not slo.met_by(g.result)]
         attainment = sum(judged) / len(judged) if judged else None
-        return TrafficWindow(duration_s=seconds, requests=requests, attainment=attainment)
+        latencies = tuple(s.latency() for s in both)
+        return TrafficWindow(seconds, requests, attainment, latencies)
 
     def _forget_before(self, oldest: float) -> None:
         # Requests are recorded as they end, so arrivals are not in order: scan them all.
