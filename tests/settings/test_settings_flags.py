@@ -56,6 +56,7 @@ def other_value(flag: Flag, default: Any, folder: Path) -> list[str]:
         ("chat_template",): "{{ messages[0].content }}",
         ("prefill_gemm_rows",): "32",  # auto or a row count
         ("cluster", "heartbeat_timeout_s"): "9.5",  # at least twice the beat's interval
+        ("kv_store", "shm_dir"): str(folder),  # an absolute folder
         ("server", "allowed_origins"): "https://chat.example.com",
     }
     if isinstance(default, bool):
