@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import io
 import json
 import os
 import random
@@ -825,10 +826,12 @@ class Report:
     agent_exits: list[int] = field(default_factory=list)
     fault_log: list[Fault] = field(default_factory=list)
     bad_requests: list[Outcome] = field(default_factory=list)
+    interrupted: bool = False  # stopped by SIGINT before its bars were passed
 
     @property
     def failed(self) -> bool:
-        return any(self.requests.get(k) for k in MUST_BE_ZERO) or bool(self.violations)
+        bad = any(self.requests.get(k) for k in MUST_BE_ZERO) or bool(self.violations)
+        return bad or self.interrupted
 
 
 async def soak(cluster: Cluster, options: Options) -> Report:
@@ -843,23 +846,12 @@ async def soak(cluster: Cluster, options: Options) -> Report:
         traffic, report = Traffic(client, specs, rng), Report(asdict(options), 0.0, start=start)
         chaos, checker = Chaos(cluster, traffic, rng, options), Checker(cluster, start)
         traffic.start(options.clients)
-        end_at = time.monotonic() + options.minutes * 60
-        round_ = 0
-        while time.monotonic() < end_at or chaos.applied() < options.faults:
-            round_ += 1
-            traffic.running.set()
-            for _ in range(options.faults_per_check):
-                await asyncio.sleep(rng.uniform(0.5, 3.0))  # traffic before the fault
-                fault = await chaos.inject(round_)
-                print(f"[{fault.at:7.1f} s] round {round_}: {fault.kind}: {fault.detail}")
-            await asyncio.sleep(rng.uniform(1.0, 4.0))  # traffic after it
-            await traffic.pause()
-            await checker.after_faults(f"round {round_}")
-            if not checker.recovered:  # every later round would wait for it again
-                print(f"round {round_}: the workers did not all come back: the soak stops")
-                break
+        try:
+            await rounds(chaos, checker, options, rng)
+        except asyncio.CancelledError:  # Ctrl-C: report what was seen so far
+            report.interrupted = True
         await traffic.stop()
-        if checker.recovered:
+        if checker.recovered and not report.interrupted:
             report.end = await checker.after_faults("end")
         else:
             report.end = await asyncio.to_thread(figures, cluster)
@@ -872,6 +864,25 @@ async def soak(cluster: Cluster, options: Options) -> Report:
     report.fault_log = chaos.faults
     report.bad_requests = [o for o in traffic.outcomes if o.verdict in MUST_BE_ZERO]
     return report
+
+
+async def rounds(chaos: Chaos, checker: Checker, options: Options, rng: random.Random) -> None:
+    """Faults with traffic running, then a check with none, until both bars are passed."""
+    end_at = time.monotonic() + options.minutes * 60
+    round_ = 0
+    while time.monotonic() < end_at or chaos.applied() < options.faults:
+        round_ += 1
+        chaos.traffic.running.set()
+        for _ in range(options.faults_per_check):
+            await asyncio.sleep(rng.uniform(0.5, 3.0))  # traffic before the fault
+            fault = await chaos.inject(round_)
+            print(f"[{fault.at:7.1f} s] round {round_}: {fault.kind}: {fault.detail}")
+        await asyncio.sleep(rng.uniform(1.0, 4.0))  # traffic after it
+        await chaos.traffic.pause()
+        await checker.after_faults(f"round {round_}")
+        if not checker.recovered:  # every later round would wait for it again
+            print(f"round {round_}: the workers did not all come back: the soak stops")
+            return
 
 
 def fault_events(log: Path) -> Counter[str]:
@@ -898,6 +909,7 @@ def table(report: Report) -> str:
         ("hangs (must be 0)", r["hang"]),
         ("other statuses (must be 0)", r["bad_status"]),
         ("invariant violations (must be 0)", len(report.violations)),
+        ("interrupted before its bars", "yes" if report.interrupted else "no"),
     ]
     rows += [(f"fault: {k}", n) for k, n in sorted(report.faults.items())]
     rows += [(f"fault not applied: {k}", n) for k, n in sorted(report.faults_not_applied.items())]
@@ -966,6 +978,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = folder or Path(tempfile.mkdtemp(prefix="chaos-soak-"))
     folder.mkdir(parents=True, exist_ok=True)
     subreaper()
+    if isinstance(sys.stdout, io.TextIOWrapper):  # progress lines as they come, in a log too
+        sys.stdout.reconfigure(line_buffering=True)
     cluster = Cluster(folder, options.stall_timeout_s)
     cluster.start()
     try:

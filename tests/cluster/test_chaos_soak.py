@@ -38,6 +38,7 @@ def test_the_short_chaos_soak_loses_nothing(tmp_path: Path) -> None:
     output, returncode = soak(command)
     assert out.exists(), output
     report = json.loads(out.read_text())
+    assert not report["interrupted"], output  # it passed its bars within RUN_BOUND_S
     requests, faults = report["requests"], report["faults"]
     must_be_zero = {k: requests.get(k, 0) for k in ("lost", "wrong", "hang", "bad_status")}
     assert must_be_zero == dict.fromkeys(must_be_zero, 0), output
