@@ -19,6 +19,7 @@ from test_traffic_log import ended, running
 
 from appliance.core.goodput import SLO, RequestResult
 from appliance.core.request_table import Phase
+from appliance.ops.autopilot import _decision, record_of
 from appliance.planner.headroom import (
     Latency,
     Slowdown,
@@ -66,7 +67,8 @@ def test_headroom_counts_ended_requests_and_running_ones_past_the_scaled_limits(
     assert headroom_attainment(latencies, slo, 0.8) == pytest.approx(1 / 5)
     assert headroom_attainment(latencies, slo, 1.0) == pytest.approx(3 / 4)
     assert headroom_attainment([], slo, 0.8) is None
-    assert scaled(slo, 0.8) == SLO(ttft=0.8, tpot=pytest.approx(0.08))
+    tight = scaled(slo, 0.8)
+    assert (tight.ttft, tight.tpot, tight.latency) == (0.8, pytest.approx(0.08), None)
     with pytest.raises(ValueError, match="tpot must be None or a finite number >= 0"):
         Latency(0.1, -1.0)
 
@@ -81,7 +83,7 @@ def test_the_slowdown_is_measured_over_simulated_and_never_below_one() -> None:
     waiting = [Latency(0.4, None, running=True, first_token=False)] * 8
     assert slowdown(waiting, simulated, min_requests=1) == Slowdown(1.0, 1.0, 0, 0)
     judged_by = calibrated(SLO(ttft=1.0, tpot=0.1, latency=4.0), Slowdown(2.0, 4.0), 0.8)
-    assert judged_by == SLO(ttft=0.4, tpot=pytest.approx(0.02), latency=0.8)
+    assert (judged_by.ttft, judged_by.tpot, judged_by.latency) == (0.4, pytest.approx(0.02), 0.8)
     with pytest.raises(ValueError, match="latencies for"):
         slowdown(twice[:3], simulated, min_requests=1)
 
@@ -304,3 +306,20 @@ def test_windows_without_latencies_are_judged_as_before() -> None:
     with pytest.raises(ValueError, match="3 latencies for"):
         results = simulate(PROFILE, layout_of_roles(STARVED), EDGE, POLICY)
         TrafficWindow(20.0, EDGE, 0.95, latencies_of(results)[:3])
+
+
+def test_the_decisions_log_keeps_the_new_inputs() -> None:
+    window = measured_window(STARVED, EDGE)
+    verdict = look(window, RebalanceMemory(), 100.0)
+    record = record_of(
+        _decision(verdict, window, False, verdict.reason, 100.0), verdict, window, 100.0
+    )
+    assert (record["window"]["ended"], record["window"]["running"]) == (len(EDGE), 0)
+    assert SLO_.ttft is not None
+    assert record["window"]["ttft_p90"] > SLO_.ttft * RULES.headroom  # why no headroom
+    assert record["headroom"] == verdict.headroom
+    assert record["slowdown"] == {
+        "ttft": 1.0, "tpot": 1.0, "ttft_requests": len(EDGE), "tpot_requests": len(EDGE),
+        "applied": False,
+    }  # fmt: skip
+    assert json.loads(json.dumps(record)) == record
