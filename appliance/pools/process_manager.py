@@ -86,7 +86,8 @@ class ProcessManager:
         self.all_ready: asyncio.Future | None = None  # the first workers, all ready
         self.cluster: ClusterHead | None = None  # other boxes' agents, when they may join
         self._remote_readers: list[OutboxReader] = []  # one per worker on another box
-        self._stalls_acted: set[int] = set()  # workers whose current stall was acted on
+        # The last action taken about each worker's current stall (core/stall.py).
+        self._stall_actions: dict[int, StallAction] = {}
 
     @property
     def hooks(self) -> ProcessHooks:
@@ -224,26 +225,31 @@ class ProcessManager:
     def _check_stall(self, worker: WorkerHandle, now: float) -> None:
         stalled = self._stalled_for(worker, now)
         if stalled == 0.0:  # it reported a step (or has nothing to do): a new stall may come
-            self._stalls_acted.discard(worker.worker_id)
+            self._stall_actions.pop(worker.worker_id, None)
+        done = self._stall_actions.get(worker.worker_id, StallAction.NONE)
+        grace = self.settings.cluster.heartbeat_timeout_s
         timeout = self.settings.recovery.stall_timeout_s
-        acted = worker.worker_id in self._stalls_acted
-        action = stall_action(stalled, timeout, bool(worker.box), acted)
+        action = stall_action(stalled, timeout, bool(worker.box), done, grace)
         if action is StallAction.NONE:
             return
-        self._stalls_acted.add(worker.worker_id)
+        self._stall_actions[worker.worker_id] = action
         cause = f"no step reported for {stalled:.0f} s with work to do"
         fields = {"worker": worker.worker_id, "box": worker.box, "cause": cause}
-        requests = self.hooks.holding(worker.worker_id)
         if action is StallAction.KILL:
-            message = f"worker {worker.worker_id} stalled: killing it"
+            where = f" (asking box {worker.box!r} to)" if worker.box else ""
+            message = f"worker {worker.worker_id} stalled: killing it{where}"
+            requests = self.hooks.holding(worker.worker_id)
             self.hooks.note("worker", message, fault="stall", requests=requests, **fields)
-            worker.process.kill()
+            worker.process.kill()  # on another box: a message its agent carries out
             self.hooks.note("worker", f"killed worker {worker.worker_id}", fault="kill", **fields)
             return
-        # Its kill would be a message to an agent that may never read it (a frozen box):
+        # Its agent answers the heartbeat but the kill it was asked for has not happened:
         # the box is marked lost once, and its workers' requests go on elsewhere.
-        message = f"worker {worker.worker_id} on box {worker.box!r} stalled: marking the box lost"
-        self.hooks.note("worker", message, fault="stall", requests=requests, **fields)
+        message = (
+            f"worker {worker.worker_id} on box {worker.box!r} still stalled {grace:.0f} s "
+            "after its kill was asked for: marking the box lost"
+        )
+        self.hooks.note("worker", message)
         assert self.cluster is not None  # a worker on another box came through it
         self.cluster.lose(worker.box, f"its worker {worker.worker_id} stalled ({cause})")
 
@@ -256,7 +262,7 @@ class ProcessManager:
 
     def _on_exit(self, worker: WorkerHandle) -> None:
         worker.alive = False
-        self._stalls_acted.discard(worker.worker_id)
+        self._stall_actions.pop(worker.worker_id, None)
         code = worker.process.exitcode
         cause = "its box was lost" if worker.box and code == LOST else f"exit code {code}"
         self.hooks.note(
