@@ -25,7 +25,8 @@ after the same rounding the GPU path does (UPCAST).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
@@ -35,8 +36,6 @@ if TYPE_CHECKING:  # attention.py imports this module when it first runs on CUDA
     from appliance.model.layers.paged_attention import AttentionBatch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_KEY_TILE = 64  # BLOCK_N: keys per loop step; 64 x 128 bf16 = 16 KiB per K (and V) tile
-_PREFILL_ROWS = 64  # ROWS of a chunked-prefill program: 64 (token, head) pairs
 _MIN_DOT = 16  # tl.dot needs at least 16 rows on NVIDIA GPUs
 
 
@@ -210,7 +209,7 @@ def paged_attention(
     last `window` keys only (itself included), as a sliding-window model's do. `sinks`
     [heads]: each query head's sink logit, in its softmax's denominator (gpt-oss)."""
     tokens, heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads = k_cache.shape[2]
     if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q and caches must share one of {_DTYPES}: {q.dtype}, {k_cache.dtype}")
     if heads % kv_heads or k_cache.shape[3] != head_dim or k_cache.stride() != v_cache.stride():
@@ -225,15 +224,94 @@ def paged_attention(
         raise ValueError("q, out and the caches need a contiguous head dimension")
     if sinks is not None and sinks.shape != (heads,):
         raise ValueError(f"sinks of shape {tuple(sinks.shape)} for {heads} query heads")
-    seqs = block_tables.shape[0]
-    group = heads // kv_heads
-    if seqs == 0 or tokens == 0:
+    if block_tables.shape[0] == 0 or tokens == 0:
         return out
-    # Decode: one token's group of heads in a minimal tl.dot; prefill: 64 pairs a program.
-    rows = triton.next_power_of_2(max(_MIN_DOT, group if query_len == 1 else _PREFILL_ROWS))
-    grid = (seqs, kv_heads, triton.cdiv(query_len * group, rows))
-    interpreted = q.device.type == "cpu"  # a CPU tensor only runs under the interpreter
-    _paged_attention_kernel[grid](
+    launch = kernel_launch(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale,
+        out,
+        query_len=query_len,
+        query_starts=query_starts,
+        window=window,
+        sinks=sinks,
+        interpreted=q.device.type == "cpu",  # a CPU tensor only runs under the interpreter
+    )
+    _paged_attention_kernel[launch.grid](*launch.args, **launch.options)
+    return out
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A launch's tile sizes and compile options: ROWS (query rows a program), BLOCK_N
+    (keys a loop step), num_warps and num_stages (software pipelining of the K/V loads)."""
+
+    rows: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def tiles_for(dtype: torch.dtype, head_pad: int, group: int, prefill: bool) -> Tiles:
+    """The tiles for this dtype, padded head size, GQA group and phase: the largest that
+    ptxas fits in registers without spilling on sm_80, sm_86, sm_89 and sm_90a, and whose
+    shared memory fits sm_86/sm_89's 99 KiB a block (benchmarks/triton_compile_table.py
+    measures every variant; tests/model/layers/test_triton_compile.py holds them to it)."""
+    decode_rows = triton.next_power_of_2(max(_MIN_DOT, group))  # one token's group of heads
+    if dtype == torch.float32:
+        # IEEE float32 dots run on the FMA units, not the tensor cores, and hold far more
+        # in registers: 64 rows x 64 keys spilled 14-75 KB a thread. 8 warps over 32 rows
+        # (16 at head 256) and 32 keys spill nothing.
+        rows = (32 if head_pad <= 128 else 16) if prefill else decode_rows
+        return Tiles(rows, 32, num_warps=8, num_stages=2)
+    if not prefill:
+        return Tiles(decode_rows, 64, num_warps=4, num_stages=3)
+    # A 16-bit prefill: 64 (token, head) pairs a program on the tensor cores. Keys of 64
+    # at head 128 reached 255 registers and spilled on Ampere/Ada; at head 256 two
+    # pipelined stages of 64 keys took 104 KiB of shared memory, over sm_86/89's limit,
+    # and 4 warps spilled even with 32 keys: 8 warps share its accumulator.
+    if head_pad <= 128:
+        return Tiles(64, 64 if head_pad <= 64 else 32, num_warps=4, num_stages=3)
+    return Tiles(64, 32, num_warps=8, num_stages=2)
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One launch of the kernel: its grid, its arguments in the kernel's order, and its
+    constexprs and compile options (num_warps, num_stages) by name. paged_attention runs
+    it; tests/model/layers/test_triton_compile.py compiles the same specializations for
+    GPUs that are not here (benchmarks/triton_compile_table.py)."""
+
+    grid: tuple[int, int, int]
+    args: tuple[Any, ...]
+    options: dict[str, Any]
+
+
+def kernel_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    query_len: int,
+    query_starts: torch.Tensor | None,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    interpreted: bool,
+) -> KernelLaunch:
+    """The launch paged_attention makes for these (checked) arguments; `interpreted`:
+    under Triton's interpreter (CPU tensors), where 16-bit dots are widened (UPCAST)."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // k_cache.shape[2]
+    head_pad = triton.next_power_of_2(head_dim)
+    tiles = tiles_for(q.dtype, head_pad, group, prefill=query_len > 1)
+    args = (
         q,
         out,
         k_cache,
@@ -253,19 +331,24 @@ def paged_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
-        HEAD_PAD=triton.next_power_of_2(head_dim),
-        GROUP=group,
-        ROWS=rows,
-        BLOCK_N=_KEY_TILE,
-        VARLEN=query_starts is not None,
-        WINDOWED=window is not None,
-        SINKS=sinks is not None,
-        UPCAST=interpreted and q.dtype == torch.bfloat16,
-        PRECISION="ieee" if q.dtype == torch.float32 else None,
     )
-    return out
+    options = {
+        "BLOCK_SIZE": k_cache.shape[1],
+        "HEAD_DIM": head_dim,
+        "HEAD_PAD": head_pad,
+        "GROUP": group,
+        "ROWS": tiles.rows,
+        "BLOCK_N": tiles.block_n,
+        "VARLEN": query_starts is not None,
+        "WINDOWED": window is not None,
+        "SINKS": sinks is not None,
+        "UPCAST": interpreted and q.dtype == torch.bfloat16,
+        "PRECISION": "ieee" if q.dtype == torch.float32 else None,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
+    }
+    grid = (block_tables.shape[0], k_cache.shape[2], triton.cdiv(query_len * group, tiles.rows))
+    return KernelLaunch(grid, args, options)
 
 
 def attend(
