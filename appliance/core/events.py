@@ -34,6 +34,7 @@ FaultKind = Literal[
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 MAX_EVENTS = 200  # events kept for the admin API
+MAX_FAULT_EVENTS = 50  # fault events kept besides, so a busy log of moves cannot push them out
 
 log = logging.getLogger("appliance.supervisor")
 json_log = logging.getLogger("appliance.events")  # one JSON object per fault event
@@ -73,10 +74,12 @@ class Event(BaseModel):
 
 
 class EventLog:
-    """The last MAX_EVENTS events, numbered from 1, and every fault counted by kind."""
+    """The last MAX_EVENTS events, numbered from 1; the last MAX_FAULT_EVENTS fault
+    events apart from them; and every fault counted by kind."""
 
-    def __init__(self, kept: int = MAX_EVENTS) -> None:
+    def __init__(self, kept: int = MAX_EVENTS, faults_kept: int = MAX_FAULT_EVENTS) -> None:
         self.events: deque[Event] = deque(maxlen=kept)  # oldest first
+        self.faults: deque[Event] = deque(maxlen=faults_kept)  # oldest first
         self.fault_counts: Counter[str] = Counter()  # fault kind -> events since the start
         self._ids = itertools.count(1)
 
@@ -106,6 +109,7 @@ class EventLog:
         self.events.append(event)
         log.info("%s", message)
         if fault is not None:
+            self.faults.append(event)
             self.fault_counts[fault] += 1
             json_log.info("%s", event.json_line())
         return event

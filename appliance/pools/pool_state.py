@@ -42,6 +42,11 @@ class PoolState(Protocol):
         ...
 
     @property
+    def fault_events(self) -> Sequence[Event]:
+        """The latest fault events, oldest first, however many other events came since."""
+        ...
+
+    @property
     def fault_counts(self) -> Mapping[str, int]:
         """Fault and recovery events since the start, by kind (core/events.py)."""
         ...

@@ -301,6 +301,11 @@ class Supervisor:
         return self.log.note(kind, message, **fault)
 
     @property
+    def fault_events(self) -> list[Event]:
+        """The latest fault events, oldest first (kept apart from the other events)."""
+        return list(self.log.faults)
+
+    @property
     def fault_counts(self) -> dict[str, int]:
         """Fault events since the start, by kind (core/events.py's FaultKind)."""
         return dict(self.log.fault_counts)

@@ -72,7 +72,7 @@ class SnapshotBuilder:
             moves=list(appliance.pools.moves),
             events=list(state.events)[-EVENTS_SHOWN:],
             faults=dict(state.fault_counts),
-            fault_events=[e for e in state.events if e.fault is not None][-FAULT_EVENTS_SHOWN:],
+            fault_events=list(state.fault_events)[-FAULT_EVENTS_SHOWN:],
             planner=appliance.autopilot.view(),
         )
 

@@ -62,3 +62,15 @@ def test_the_ring_keeps_the_last_events_and_the_counts_keep_them_all() -> None:
     assert [e.seq for e in log.events] == [9, 10, 11, 12, 13]
     assert log.fault_counts == {"rerun": 12, "box_lost": 1}
     assert set(log.fault_counts) <= set(FAULT_KINDS)
+
+
+def test_fault_events_outlive_a_busy_log_of_other_events() -> None:
+    log = EventLog(kept=10, faults_kept=3)
+    log.note("worker", "worker 2 exited", fault="worker_exit", worker=2)
+    for n in range(50):  # an autopilot and an operator busy for a while
+        log.note("tuning", f"max_num_seqs={n}")
+    assert all(e.fault is None for e in log.events)  # the fault left the common ring...
+    assert [e.message for e in log.faults] == ["worker 2 exited"]  # ...not its own
+    for n in range(4):
+        log.note("worker", f"request {n} runs again", fault="rerun", requests=[n])
+    assert [e.requests for e in log.faults] == [[1], [2], [3]]  # its own keeps the last
