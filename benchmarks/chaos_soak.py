@@ -434,6 +434,7 @@ class Cluster:
                 env={**os.environ, **self.head_env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C reaches the soak, which stops them in turn
             )
         self.ensure_agent()
 
@@ -450,11 +451,12 @@ class Cluster:
                 env={**os.environ, **self.engine_env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C reaches the soak, which stops them in turn
             )
         return True
 
     def stop(self) -> None:
-        for process in (self.agent, self.head):
+        for process in (self.head, self.agent):  # the head first: its log ends with no box lost
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGINT)
                 try:
