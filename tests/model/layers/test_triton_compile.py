@@ -1,0 +1,101 @@
+"""The Triton paged-attention kernel compiled for GPUs that CI does not have: sm_90a
+(H100/H200), sm_80 (A100), sm_86 and sm_89 (RTX 30xx/40xx, A10, L4), on the CPU with
+Triton's bundled ptxas, no GPU or driver. Each variant is a specialization the default
+configurations launch (triton_attention.kernel_launch on tensors of the family's shape:
+the same constexprs, warps and stages as on the GPU), compiled by
+benchmarks/triton_compile_table.py's own functions, so its table and these tests count
+the same thing. A test fails on a compile error, on ptxas spilling more than
+SPILL_BUDGET bytes a thread, or on more shared memory than the architecture gives a block
+(the launch would fail there with OutOfResources).
+
+The quick lane compiles a subset for sm_90a (about 10 s on a quiet machine); the full
+matrix, every variant for every architecture (a few minutes), is the slow lane (`process`).
+Under Triton 3.6, the GPU image's version:
+`PYTHONPATH=~/.cache/appliance-triton36 .venv/bin/python -m pytest <this file>` after
+`benchmarks/triton_compile_table.py --triton36` made that overlay (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from appliance.model.layers.triton_attention import Tiles
+
+ROOT = Path(__file__).resolve().parents[3]
+# Spill bytes a thread allowed: none. Every variant compiles without spills on all four
+# architectures under Triton 3.6's and 3.9's ptxas (the table in docs/gpu.md); the
+# defects this guards against spilled 8 B to 75 KB (float32 prefill, head 256, head 128
+# on Ampere at the 255-register ceiling). A spill of a few words costs little, but any
+# spill says the tiles sit at the register limit, where the next change spills more.
+SPILL_BUDGET = 0
+# Shared memory a block may take (the opt-in maximum, CUDA programming guide, compute
+# capabilities table): 227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86 and sm_89.
+SHARED_LIMIT = {"sm_90a": 232448, "sm_80": 166912, "sm_86": 101376, "sm_89": 101376}
+
+
+def bench_module() -> ModuleType:
+    path = ROOT / "benchmarks/triton_compile_table.py"
+    spec = importlib.util.spec_from_file_location("triton_compile_table", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = bench_module()
+
+
+def check(result: Any) -> None:
+    """Fail with the figures of a compiled variant (the bench's Compiled) if it spills
+    or takes more shared memory than its architecture has."""
+    figures = (
+        f"{result.variant.name} on {result.arch}: {result.registers} registers, "
+        f"{result.spill_stores} B spill stores, {result.shared} B shared"
+    )
+    assert result.spill_stores <= SPILL_BUDGET, figures
+    assert result.spill_loads <= SPILL_BUDGET, figures
+    assert result.shared <= SHARED_LIMIT[result.arch], figures
+    assert 0 < result.registers <= 255, figures
+
+
+@pytest.mark.parametrize("name", BENCH.QUICK)
+def test_quick_subset_compiles_for_hopper_without_spills(name: str) -> None:
+    check(BENCH.compile_variant(BENCH.variant(name), "sm_90a"))
+
+
+def test_the_check_fails_on_the_old_float32_prefill_tiles() -> None:
+    # The tiles float32 prefill had before (64 rows, 64 keys, 4 warps, 3 stages): ptxas
+    # spilled ~29 KB a thread at head 128 on sm_90a. The same check must refuse them.
+    old = Tiles(rows=64, block_n=64, num_warps=4, num_stages=3)
+    result = BENCH.compile_variant(BENCH.variant("llama3-8b fp32 prefill"), "sm_90a", old)
+    assert result.spill_stores > 1000
+    with pytest.raises(AssertionError, match="spill stores"):
+        check(result)
+
+
+def test_variants_cover_every_launch_rule() -> None:
+    # Every (dtype, phase) the tile rule tells apart, every padded head size a family
+    # has, windows and sinks: the matrix below compiles each.
+    variants = BENCH.VARIANTS
+    assert {(v.dtype, v.prefill) for v in variants} == {
+        (dtype, prefill)
+        for dtype in ("bfloat16", "float16", "float32")
+        for prefill in (False, True)
+    }
+    assert {v.head_dim for v in variants} >= {64, 96, 128, 256}
+    assert any(v.window and v.sinks for v in variants)
+    assert set(BENCH.QUICK) <= {v.name for v in variants}
+
+
+@pytest.mark.process  # the slow lane: ~120 compiles
+@pytest.mark.parametrize("arch", sorted(SHARED_LIMIT))
+@pytest.mark.parametrize("name", [v.name for v in BENCH.VARIANTS])
+def test_every_variant_compiles_for_every_arch_without_spills(name: str, arch: str) -> None:
+    check(BENCH.compile_variant(BENCH.variant(name), arch))
