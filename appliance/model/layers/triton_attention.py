@@ -256,8 +256,8 @@ class Tiles:
 
 
 def tiles_for(dtype: torch.dtype, head_pad: int, group: int, prefill: bool) -> Tiles:
-    """The tiles for this dtype, padded head size, GQA group and phase: the largest that
-    ptxas fits in registers without spilling on sm_80, sm_86, sm_89 and sm_90a, and whose
+    """The tiles for this dtype, padded head size, GQA group and phase: tiles that ptxas
+    fits in registers without spilling on sm_80, sm_86, sm_89 and sm_90a, and whose
     shared memory fits sm_86/sm_89's 99 KiB a block (benchmarks/triton_compile_table.py
     measures every variant; tests/model/layers/test_triton_compile.py holds them to it)."""
     decode_rows = triton.next_power_of_2(max(_MIN_DOT, group))  # one token's group of heads
@@ -270,9 +270,9 @@ def tiles_for(dtype: torch.dtype, head_pad: int, group: int, prefill: bool) -> T
     if not prefill:
         return Tiles(decode_rows, 64, num_warps=4, num_stages=3)
     # A 16-bit prefill: 64 (token, head) pairs a program on the tensor cores. Keys of 64
-    # at head 128 reached 255 registers and spilled on Ampere/Ada; at head 256 two
-    # pipelined stages of 64 keys took 104 KiB of shared memory, over sm_86/89's limit,
-    # and 4 warps spilled even with 32 keys: 8 warps share its accumulator.
+    # at head 128 reached 255 registers and spilled on Ampere/Ada; at head 256 three
+    # pipelined stages of 64 keys took 104 KiB of shared memory on Ampere/Ada, over
+    # sm_86/89's limit, and 4 warps spilled even with 32 keys: 8 share its accumulator.
     if head_pad <= 128:
         return Tiles(64, 64 if head_pad <= 64 else 32, num_warps=4, num_stages=3)
     return Tiles(64, 32, num_warps=8, num_stages=2)
