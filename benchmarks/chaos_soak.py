@@ -709,6 +709,7 @@ class Figures:
     orphans: int
     fds: int
     rss_mb: float
+    health: str  # /health's status: ok, or degraded while a worker is listed not alive
 
 
 def orphans(cluster: Cluster) -> list[psutil.Process]:
@@ -728,13 +729,14 @@ def orphans(cluster: Cluster) -> list[psutil.Process]:
 
 
 def figures(cluster: Cluster) -> Figures:
-    head = cluster.head_process()
+    head, health = cluster.head_process(), cluster.health()
     return Figures(
-        blocks_in_use=blocks_in_use(cluster.health()),
+        blocks_in_use=blocks_in_use(health),
         processes=len(cluster.tree()),
         orphans=len(orphans(cluster)),
         fds=head.num_fds(),
         rss_mb=round(head.memory_info().rss / 2**20, 1),
+        health=str(health.get("status")),
     )
 
 
@@ -918,7 +920,7 @@ def table(report: Report) -> str:
     if report.events is not None:
         rows += [(f"appliance.events: {k}", n) for k, n in sorted(report.events.items())]
     if start and end:
-        for name in ("blocks_in_use", "processes", "orphans", "fds", "rss_mb"):
+        for name in ("blocks_in_use", "processes", "orphans", "fds", "rss_mb", "health"):
             rows.append((f"{name} start -> end", f"{getattr(start, name)} -> {getattr(end, name)}"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{'':{width}}  value", f"{'-' * width}  -----"]
