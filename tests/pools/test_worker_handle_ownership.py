@@ -57,6 +57,7 @@ OWNERS = {field: {PROCESS_MANAGER, WORKER_HANDLE} for field in IDENTITY} | {
 NOT_HANDLES = {
     ("appliance/planner/sim_run.py", "worker"): "the simulator's SimWorker",
     ("appliance/server/serve.py", "self.state"): "the server's ServerState",
+    ("appliance/kv_store/disk_tier.py", "self.counters"): "the disk tier's DiskCounters",
 }
 
 
