@@ -14,6 +14,7 @@ from types import FrameType
 import uvicorn
 
 from appliance.api import Appliance
+from appliance.kv.remote import require_nixl
 from appliance.server.app import build_app
 from appliance.server.state import ServerState
 from appliance.settings.config import ServerSettings, Settings, is_loopback
@@ -86,11 +87,14 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # What cannot serve fails before the layout is planned (seconds) and the model loads.
+    check_https(settings.server)
+    if settings.cluster.listen:
+        require_nixl()  # the supervisor's Boxes checks again, for any other way in
     if settings.planner.layout == "auto":
         from appliance.planner.auto_layout import planned_settings
 
         settings = planned_settings(settings)
-    check_https(settings.server)  # a bad certificate fails before the model loads
     appliance = Appliance(settings)
     appliance.prepare()  # a bad model file fails here, before anything listens
     if not is_loopback(settings.host):
