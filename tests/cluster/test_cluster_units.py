@@ -98,6 +98,7 @@ def test_a_head_may_leave_decoding_to_other_boxes() -> None:
 HIDE_NIXL = "import sys\nfor m in ('nixl', 'nixl_cu12', 'nixl_cu13'): sys.modules[m] = None\n"
 
 
+@pytest.mark.process  # the slow lane: runs the command in a process of its own
 @pytest.mark.parametrize(
     "command",
     [

@@ -130,6 +130,7 @@ def test_the_setting_parses_and_refuses_negatives() -> None:
         load_settings(batch={"prefill_wait_steps": -1})
 
 
+@pytest.mark.process  # the slow lane: the whole embedded model
 def test_a_real_engine_holds_a_prompt_while_another_decodes() -> None:
     """The setting reaches a loaded model's scheduler: the second prompt makes its first
     token only after its wait, and both requests finish whole."""

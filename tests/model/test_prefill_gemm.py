@@ -101,6 +101,7 @@ def test_the_setting_names_the_gemm_type_and_auto_follows_the_cpu(at_level) -> N
         assert cpu_kernels.prefill_gemm_dtype("auto") == (torch.bfloat16 if bf16 else torch.int16)
 
 
+@pytest.mark.process  # the slow lane: the whole embedded model
 def test_a_loaded_model_multiplies_its_prefills_as_the_setting_says() -> None:
     cases: list[tuple[str, torch.dtype, int | str]] = [
         ("int16", torch.int16, 24),
@@ -224,6 +225,7 @@ def switched_engine(**speculative: object) -> LLMEngine:
     return engine
 
 
+@pytest.mark.process  # the slow lane: the whole embedded model
 def test_a_models_decode_steps_stay_on_the_integer_kernel_whatever_the_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -251,6 +253,7 @@ def test_a_models_decode_steps_stay_on_the_integer_kernel_whatever_the_batch(
         assert alone.token_ids == together[seq_id]
 
 
+@pytest.mark.process  # the slow lane: the whole embedded model
 def test_verify_steps_stay_on_the_integer_kernel_as_plain_decoding_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

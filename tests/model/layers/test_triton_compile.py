@@ -70,6 +70,7 @@ def test_quick_subset_compiles_for_hopper_without_spills(name: str) -> None:
     check(BENCH.compile_variant(BENCH.variant(name), "sm_90a"))
 
 
+@pytest.mark.process  # the slow lane: one compile that spills, ~5 s of ptxas
 def test_the_check_fails_on_the_old_float32_prefill_tiles() -> None:
     # The tiles float32 prefill had before (64 rows, 64 keys, 4 warps, 3 stages): ptxas
     # spilled ~29 KB a thread at head 128 on sm_90a. The same check must refuse them.
