@@ -237,14 +237,13 @@ class LockstepSum:
 
 
 def sharded_prefill_logits(
-    model: Path, whole: LLMEngine, prompts: list[list[int]], size: int
+    model: Path, whole: LLMEngine, prompts: list[list[int]], size: int, **more: Any
 ) -> list[torch.Tensor]:
     """All-position logits of one batched prefill of `prompts`, computed by `size`
     tensor-parallel shards of `model` (float32, CPU) in lockstep threads; `whole` (our
-    engine of the same model) lays out the step."""
-    settings = load_settings(
-        model=model, dtype="float32", device="cpu", kv={"num_blocks": 64}, prefill_tp=size
-    )
+    engine of the same model) lays out the step; `more`: settings beside those."""
+    fields = {"dtype": "float32", "device": "cpu", "kv": {"num_blocks": 64}, "prefill_tp": size}
+    settings = load_settings(model=model, **(fields | more))
     hidden, first = sharded_prefill(settings, whole, prompts, size)
     logits = first.model.logits(hidden[0])
     return list(logits.split([len(p) for p in prompts]))

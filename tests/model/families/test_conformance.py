@@ -94,6 +94,12 @@ process = pytest.mark.process
 ModelsOf = Callable[..., torch.nn.Module]
 FolderOf = Callable[[str, str], Path]
 
+# Every product of a quantized model in its blocks (the integer kernel), however many prompt
+# rows a step has: what the quantized-vs-dequantized comparisons here measure. From
+# prefill_gemm_rows' auto count (48 rows on AVX512-BF16) a step's products run as a GEMM in
+# bfloat16, whose own error test_prefill_gemm.py bounds.
+IN_BLOCKS = {"prefill_gemm_rows": 1 << 20}
+
 
 @pytest.fixture(scope="module")
 def models() -> ModelsOf:
@@ -558,7 +564,7 @@ def test_a_quantized_gguf_stays_close_to_it_dequantized(
     model = CASES[name].toy(hidden=256) if name == "phi4mini" else models(name, toy=True)
     path = CASES[name].gguf(model, tmp_path / "q8.gguf", True)
     cache = tmp_path / "cache"
-    quantized = our_engine(path, cache_dir=cache, weights="quantized")
+    quantized = our_engine(path, cache_dir=cache, weights="quantized", **IN_BLOCKS)
     dense = our_engine(path, cache_dir=cache, weights="dense")
     if compiled:
         assert quantized.model.decode_step is not None or not cpu_kernels.available()
@@ -571,7 +577,7 @@ def test_a_quantized_gguf_stays_close_to_it_dequantized(
         assert (ours - theirs).abs().max().item() < tolerance * theirs.abs().max().item()
     if not compiled:
         return
-    layers = our_engine(path, cache_dir=cache, weights="quantized")
+    layers = our_engine(path, cache_dir=cache, weights="quantized", **IN_BLOCKS)
     layers.model.decode_step = None
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     got = [c.token_ids for c in quantized.generate(prompts, params)]
@@ -1055,7 +1061,7 @@ def test_quantized_moe_gguf_keeps_experts_in_blocks(tmp_path: Path, models: Mode
     layers run), close to the same file dequantized, greedy tokens equal; and two
     shards of the quantized model answer as one."""
     path = CASES["mixtral"].gguf(models("mixtral", toy=True), tmp_path / "q8.gguf", True)
-    quant = our_engine(path, cache_dir=tmp_path / "cache", weights="quantized")
+    quant = our_engine(path, cache_dir=tmp_path / "cache", weights="quantized", **IN_BLOCKS)
     dense = our_engine(path, cache_dir=tmp_path / "cache", weights="dense")
     expert = quant.model.layers[1].mlp.experts[5]
     assert isinstance(expert.gate_up_proj, QuantLinear) and isinstance(
@@ -1071,9 +1077,12 @@ def test_quantized_moe_gguf_keeps_experts_in_blocks(tmp_path: Path, models: Mode
     got = [c.token_ids for c in quant.generate(prompts, params)]
     assert got == [c.token_ids for c in dense.generate(prompts, params)]
     # One process of an appliance with groups of two sums as a shard does (spans).
-    whole = our_engine(path, cache_dir=tmp_path / "cache", weights="quantized", prefill_tp=2)
+    whole = our_engine(
+        path, cache_dir=tmp_path / "cache", weights="quantized", prefill_tp=2, **IN_BLOCKS
+    )
     expected = our_prefill_logits(whole, prompts)
-    for ours, theirs in zip(sharded_prefill_logits(path, whole, prompts, 2), expected, strict=True):
+    shards = sharded_prefill_logits(path, whole, prompts, 2, **IN_BLOCKS)
+    for ours, theirs in zip(shards, expected, strict=True):
         assert (ours - theirs).abs().max().item() < 1e-5
 
 
@@ -1154,7 +1163,7 @@ def test_the_quantized_path_keeps_the_expert_biases(folders: FolderOf) -> None:
     of a position's largest logit here; where it flips a token's top-2 experts, by ~20%)."""
     folder = folders("gpt_oss", "sharded")
     engine = our_engine(folder)
-    quantized = our_engine(folder, weights="quantized", quantize="q8_0")
+    quantized = our_engine(folder, weights="quantized", quantize="q8_0", **IN_BLOCKS)
     assert quantized.model.decode_step is None
     layer = quantized.model.layers[0]
     linears = (layer.mlp.experts[0].gate_up_proj, layer.mlp.experts[0].down_proj)
