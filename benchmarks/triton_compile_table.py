@@ -48,6 +48,15 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 from appliance.model.layers import triton_attention  # noqa: E402
 
 ARCHES = {"sm_90a": 90, "sm_80": 80, "sm_86": 86, "sm_89": 89}  # 90 compiles as sm_90a
+# Spill bytes a thread allowed: none. Every variant compiles without spills on all four
+# architectures under Triton 3.6's and 3.9's ptxas (the table in docs/gpu.md); the
+# defects this guards against spilled 8 B to 75 KB (float32 prefill, head 256, head 128
+# on Ampere at the 255-register ceiling). A spill of a few words costs little, but any
+# spill says the tiles sit at the register limit, where the next change spills more.
+SPILL_BUDGET = 0
+# Shared memory a block may take (the opt-in maximum, CUDA programming guide, compute
+# capabilities table): 227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86 and sm_89.
+SHARED_LIMIT = {"sm_90a": 232448, "sm_80": 166912, "sm_86": 101376, "sm_89": 101376}
 BLOCK_SIZE = 16  # the default [kv] block_size
 TRITON36 = "3.6.0"  # the GPU image's Triton
 TRITON36_DIR = Path.home() / ".cache" / "appliance-triton36"
@@ -300,7 +309,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compiled {name} for {arch} in {results[-1].seconds:.1f} s", file=sys.stderr)
     print(f"Triton {triton.__version__}, block size {BLOCK_SIZE}\n")
     print(markdown(results))
-    return 0
+    over = [r for r in results if problem(r)]
+    for result in over:
+        print(f"FAILS: {result.name} on {result.arch}: {problem(result)}", file=sys.stderr)
+    return 1 if over else 0
+
+
+def problem(result: Compiled) -> str | None:
+    """What is wrong with a compiled variant (a spill, or more shared memory than its
+    architecture gives a block); None when nothing is."""
+    if max(result.spill_stores, result.spill_loads) > SPILL_BUDGET:
+        return f"spills {result.spill_stores}/{result.spill_loads} B a thread"
+    if result.shared > SHARED_LIMIT[result.arch]:
+        return f"{result.shared} B shared, over {SHARED_LIMIT[result.arch]}"
+    return None
 
 
 if __name__ == "__main__":
