@@ -82,6 +82,7 @@ class Boxes:
             box=hello.box,
             cause="its agent joined" if not known else "its agent joined again",
         )
+        self.processes.forget_exited(indices)
         busy = {i for w in self.processes.workers.values() if w.alive for i in w.devices}
         for index in indices:
             if index not in busy:

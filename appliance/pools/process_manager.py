@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch.multiprocessing as mp
@@ -305,6 +306,14 @@ class ProcessManager:
             return
         self._restarting[device] = worker.role
         self.track(asyncio.create_task(self._restart(worker, delay, failed_starts)))
+
+    def forget_exited(self, devices: Iterable[int]) -> None:
+        """Drop the exited workers of these devices (a lost box's, as it rejoins: workers
+        start there again, and a handle left behind would keep /health `degraded`)."""
+        wanted = set(devices)
+        for worker in list(self.workers.values()):
+            if not worker.alive and wanted.intersection(worker.devices):
+                del self.workers[worker.worker_id]
 
     def track(self, task: asyncio.Task) -> None:
         """A task starting workers (a restart, a box's join): stop() cancels it."""

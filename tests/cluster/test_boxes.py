@@ -232,6 +232,9 @@ def test_box_b_rejoins_and_takes_work(cluster: Cluster, expected: dict[str, str]
     assert cluster.complete(PROMPTS[0]) == expected[PROMPTS[0]]
     [remote] = cluster.on_box("b")
     assert remote["tokens_out"] > 0
+    # The worker lost with the box gave way to its successor: every pool whole again.
+    assert all(w["alive"] for w in cluster.workers()), cluster.workers()
+    assert cluster.health()["status"] == "ok"
 
 
 def test_a_box_that_joins_again_replaces_its_stale_link(cluster: Cluster) -> None:
