@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from chi_square import chi_square_p_value
+from copying_prompt import copying_prompt
 from family_configs import tiny_config
 from random_models import our_engine, random_model, save_folder
 from reference import our_prefill_logits
@@ -29,17 +30,13 @@ from appliance.settings.engine import SpeculativeSettings
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): a whole model
 
-TEXT = (
-    "The river wound through the valley, past farms and mills, until it reached the old "
-    "stone bridge where the children of the town gathered every summer evening to fish."
-)
 GREEDY = SamplingParams(max_tokens=40)
 
 
 def prompts_of(engine: LLMEngine) -> list[list[int]]:
     """An input-copying prompt (drafts get accepted), a chat question, code."""
     tokenizer = engine.tokenizer
-    copying = tokenizer.encode(TEXT + "\n" + TEXT + "\n" + TEXT[:60])
+    copying = copying_prompt(tokenizer)
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}]
     )
@@ -108,7 +105,7 @@ def test_copying_prompt_is_where_drafts_are_kept(
     spec = drafting(make_engine, NgramProposer(1, 4), 4)
     [copied] = spec.generate(prompts_of(spec)[:1], GREEDY)
     assert copied.token_ids == plain[0].token_ids
-    assert spec.scheduler.acceptance.rate > 0.5  # it copies TEXT: most drafts hold
+    assert spec.scheduler.acceptance.rate > 0.5  # it copies PASSAGE: most drafts hold
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["always-right", "always-wrong"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from copying_prompt import copying_prompt
 from runtime_runs import cpu_topology, wait_all_free
 
 from appliance.api import Appliance
@@ -19,17 +20,13 @@ from appliance.settings.config import load_settings
 
 pytestmark = pytest.mark.process  # worker processes and a whole model
 
-PASSAGE = (
-    "The river wound through the valley, past farms and mills, until it reached the old "
-    "stone bridge where the children of the town gathered every summer evening to fish."
-)
 GREEDY = SamplingParams(max_tokens=32)
 
 
 def prompts_of(engine: LLMEngine) -> list[list[int]]:
     """A prompt that continues by copying (drafts are kept) and a chat question."""
     tokenizer = engine.tokenizer
-    copying = tokenizer.encode(PASSAGE + "\n" + PASSAGE + "\n" + PASSAGE[:60])
+    copying = copying_prompt(tokenizer)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "Name a planet."}])
     return [copying, chat]
 
