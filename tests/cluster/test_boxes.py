@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import Certs
-from server_process import API_KEY, ServerProcess, cluster_head, wait_until
+from server_process import API_KEY, ServerProcess, cluster_head, greedy_text, wait_until
 
 from appliance.bench.compare import free_port
 from appliance.engine.llm_engine import LLMEngine
@@ -84,23 +84,9 @@ class Cluster:
         headers = {"Authorization": f"Bearer {token}"}
         return httpx.post(self.head.url + path, json=body, headers=headers, timeout=30)
 
-    def complete(self, prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
-        """A greedy completion's token ids (the server's logprobs-free form: its text,
-        re-encoded by the test against the engine's own text)."""
-        reply = httpx.post(
-            self.head.url + "/v1/completions",
-            json={
-                "model": "SmolLM2-135M-Instruct",
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-            headers={"Authorization": f"Bearer {API_KEY}"},
-            timeout=300,
-        )
-        reply.raise_for_status()
-        return reply.json()["choices"][0]["text"]
+    def complete(self, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+        """A greedy completion's text (compared with the engine's own)."""
+        return greedy_text(self.head.url, prompt, max_tokens, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import Certs
-from server_process import API_KEY, ServerProcess, cluster_head, wait_until
+from server_process import ServerProcess, cluster_head, greedy_text, wait_until
 from worker_faults import state
 
 from appliance.bench.compare import free_port
@@ -82,20 +82,7 @@ class Boxes:
         return [w for w in self.workers() if w["device"].startswith("b/") and w["alive"]]
 
     def complete(self, prompt: str) -> str:
-        reply = httpx.post(
-            self.head.url + "/v1/completions",
-            json={
-                "model": "SmolLM2-135M-Instruct",
-                "prompt": prompt,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-            headers={"Authorization": f"Bearer {API_KEY}"},
-            timeout=600,
-        )
-        reply.raise_for_status()
-        return reply.json()["choices"][0]["text"]
+        return greedy_text(self.head.url, prompt, MAX_TOKENS, timeout=600)
 
     def decoders(self) -> int:
         return sum(w["alive"] and w["role"] == "decode" for w in self.workers())

@@ -113,6 +113,24 @@ class ServerProcess:
             return self.process.wait()
 
 
+def greedy_text(url: str, prompt: str, max_tokens: int, timeout: float) -> str:
+    """The text of a greedy completion (EOS ignored) of `prompt` from the server at `url`."""
+    reply = httpx.post(
+        url + "/v1/completions",
+        json={
+            "model": "SmolLM2-135M-Instruct",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=timeout,
+    )
+    reply.raise_for_status()
+    return str(reply.json()["choices"][0]["text"])
+
+
 def admin_split_server(folder: Path, devices: int, **more: str) -> ServerProcess:
     """A split server for the tests that kill its workers, not yet started: `devices` CPU
     devices sharing the cores, prefill on device 0 and decode on the others, a 64 MB KV
