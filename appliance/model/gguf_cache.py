@@ -72,7 +72,7 @@ def _write_entry(path: Path, entry: Path) -> None:
     try:
         convert_gguf_tokenizer(path, staging)
         (staging / "model_config.json").write_text(json.dumps(config.to_dict()))
-        (staging / "complete").write_text(str(path))
+        (staging / "complete").write_text(str(path.resolve()))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -85,6 +85,24 @@ def _write_entry(path: Path, entry: Path) -> None:
         if not (entry / "complete").is_file():
             raise
     _remove_stale_entries(entry)
+    _remove_orphaned_entries(entry.parent)
+
+
+def _remove_orphaned_entries(cache_dir: Path) -> None:
+    """Delete the entries whose GGUF file is gone: each venv, clone or temporary folder
+    a model was served from keys its own entry (hundreds of MB of cached weights), and
+    nothing else would ever remove the entry of a folder since deleted. Swept only when
+    a new entry is written, so a start that finds its entry pays nothing."""
+    for other in cache_dir.iterdir():
+        marker = other / "complete"
+        if ".tmp" in other.name or not marker.is_file():
+            continue
+        try:
+            source = Path(marker.read_text())
+        except OSError:  # removed by another process meanwhile
+            continue
+        if source.is_absolute() and not source.exists():
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _remove_stale_entries(entry: Path) -> None:

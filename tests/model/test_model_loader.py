@@ -455,3 +455,25 @@ def test_same_named_files_in_different_folders_do_not_share_a_cache_entry(tmp_pa
     files = load_model_files(two, cache)
     assert_same_weights(files.dense_weights(torch.float32), read_directly(two))
     assert (cache_entry(one, cache) / "complete").is_file()
+
+
+def test_entries_of_deleted_ggufs_are_removed_when_a_new_entry_is_written(tmp_path):
+    """Each venv or clone a model is served from keys its own entry (hundreds of MB): the
+    entry of a folder since deleted is removed by the next file's first start; the entry
+    of a file still there stays."""
+    cache = tmp_path / "cache"
+    for clone in ("clone-a", "clone-b", "clone-c"):
+        (tmp_path / clone).mkdir()
+    gone = write_gguf(tmp_path / "clone-a" / "m.gguf")
+    kept = write_gguf(tmp_path / "clone-b" / "m.gguf")
+    load_model_files(gone, cache).dense_weights(torch.float32)
+    load_model_files(kept, cache)
+    gone_entry, kept_entry = cache_entry(gone, cache), cache_entry(kept, cache)
+    gone.unlink()
+    assert gone_entry.exists()  # nothing sweeps while no entry is written
+
+    newcomer = write_gguf(tmp_path / "clone-c" / "m.gguf")
+    load_model_files(newcomer, cache)
+    assert not gone_entry.exists()
+    assert (kept_entry / "complete").is_file()
+    assert (cache_entry(newcomer, cache) / "complete").is_file()
