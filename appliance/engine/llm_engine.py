@@ -6,6 +6,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -115,6 +116,7 @@ class LLMEngine:
         self._copies: PendingCopies[Sequence] = PendingCopies()
         self._copy_streams = CopyStreams()
         self._landed: list[int] = []  # their ids once in the batch, until pop_landed
+        self.model_source: Path | None = None  # the weights' file or folder (the KV store's key)
         self._aborted: set[int] = set()  # of those in flight: freed once they land
         self._copy_failed: list[int] = []  # reads from another box that failed, to report
         self._garbage: set[int] = set()  # their requests: blocks freed once reads settle
@@ -153,6 +155,7 @@ class LLMEngine:
         engine = cls(
             parts.model, tokenizer, parts.kv, limits, settings.kv.prefix_caching, group, drafter
         )
+        engine.model_source = parts.files.source
         if decodes and settings.batch.cuda_graphs:
             engine.runner.use_decode_graphs(settings.batch.max_num_seqs, parts.max_len)
         return engine

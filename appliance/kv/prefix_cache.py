@@ -19,11 +19,14 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from appliance.kv.block_allocator import BlockAllocator, OutOfBlocks
 
 BlockKey = int  # unsigned 64-bit
+
+Found = TypeVar("Found")  # what names a stored block's bytes (the store's hit)
 
 _FIRST = b"\x00"  # tags a block with no prefix, so no chained block can hash like it
 _CHAINED = b"\x01"
@@ -61,6 +64,12 @@ class PrefixCache:
         self._refs: dict[int, int] = {}  # cached block -> sequences using it
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached, unused, LRU first
         self.hit_tokens = 0  # prompt tokens served from the cache, since start
+        self.stored_tokens = 0  # prompt tokens loaded from the box's KV store, since start
+        # The box's KV store (kv_store.write_policy): told of a cached block about to be
+        # reused for another (evict) or left unused by its last sequence (finish), while
+        # its bytes are still in the pool. (block, key) -> None.
+        self.on_evict: Callable[[int, BlockKey], None] | None = None
+        self.on_idle: Callable[[int, BlockKey], None] | None = None
 
     # ------------------------------------------------------------ the allocator's interface
 
@@ -88,6 +97,8 @@ class PrefixCache:
         blocks = self.allocator.allocate(fresh)
         while len(blocks) < n:
             block, _ = self._idle.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block, self._content[block][0])
             self._forget(block)
             blocks.append(block)
         return blocks
@@ -102,6 +113,8 @@ class PrefixCache:
             elif refs == 1:
                 self._refs[block] = 0
                 self._idle[block] = None
+                if self.on_idle is not None:
+                    self.on_idle(block, self._content[block][0])
             else:
                 assert refs > 1, f"block {block} freed more often than it was used"
                 self._refs[block] = refs - 1
@@ -145,6 +158,44 @@ class PrefixCache:
         self._content[block] = (key, tuple(tokens))
         self._refs[block] = 1
         return key
+
+    def load_prefix(
+        self,
+        token_ids: Sequence[int],
+        max_blocks: int,
+        found: Sequence[Found],
+        load: Callable[[int, Found], bool],
+    ) -> int:
+        """Cache the blocks of `token_ids`' prefix (at most `max_blocks`) that the box's
+        store holds and this pool does not: `found[i]` names block i's stored bytes (the
+        store's held prefix of the prompt), `load(block, found[i])` copies them into pool
+        block `block` (False: they could not be read; the prefix ends there). The loaded
+        blocks stay cached and unused, for the sequence's own `match`; only free room is
+        taken (cached blocks nobody uses are evicted for it, as for any sequence).
+        Returns how many were loaded."""
+        if not self.enabled:
+            return 0
+        size = self.block_size
+        held, keys = self.match(token_ids, max_blocks)  # in use meanwhile: not evicted
+        self.hit_tokens -= len(held) * size  # a look, not a sequence's hit
+        start = len(held)
+        blocks = self.allocate(min(max(min(len(found), max_blocks) - start, 0), self.num_free))
+        previous = keys[-1] if keys else None
+        loaded = 0
+        for i, block in enumerate(blocks):
+            if not load(block, found[start + i]):
+                break
+            tokens = token_ids[(start + i) * size : (start + i + 1) * size]
+            previous = self.register(block, previous, tokens)
+            loaded += 1
+        self.free(held + blocks)  # registered ones stay cached; the rest go back
+        self.stored_tokens += loaded * size
+        return loaded
+
+    def cached_blocks(self) -> list[tuple[int, BlockKey]]:
+        """Every cached block nobody uses, least recently used first, with its key (what
+        the pool would evict next: the store takes them when the worker stops)."""
+        return [(block, self._content[block][0]) for block in self._idle]
 
     def _use(self, block: int) -> None:
         if self._refs[block] == 0:

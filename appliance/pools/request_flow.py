@@ -27,6 +27,7 @@ from appliance.planner.online_profile import OnlineProfile, worker_size
 from appliance.planner.traffic_log import TrafficLog
 from appliance.pools.drains import Drains
 from appliance.pools.handoffs import Handoffs
+from appliance.pools.kv_store_owner import StoreOwner
 from appliance.pools.worker_handle import WorkerHandle, WorkerPool
 from appliance.settings.config import Settings
 from appliance.workers.messages import Abort, Output, Release, Submit, TokenBatch
@@ -86,6 +87,7 @@ class RequestFlow:
         self.handoffs = Handoffs(settings.kv.block_size, table, router, pool, self)
         self._streams: dict[int, asyncio.Queue[Chunk | Exception]] = {}  # request id -> chunks
         self.online = OnlineProfile()  # every worker size's recent steps, timed
+        self.store: StoreOwner | None = None  # the box's KV store (the supervisor's)
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
         """Stream one request's chunks; leaving the loop early cancels it on both sides."""
@@ -125,6 +127,10 @@ class RequestFlow:
         prefill_only = worker.role == "prefill"  # a colocated worker decodes it too
         wire_id = self.table.submit(request.request_id, worker.worker_id, prefill_only)
         worker.sent_prompt(len(token_ids), time.monotonic())
+        store = self.store
+        hits = None if store is None else store.hits_for(worker.worker_id, wire_id, token_ids)
+        if hits is not None:  # on the same queue just before the Submit: loaded at its start
+            self.pool.send(worker.worker_id, hits)
         self.pool.send(
             worker.worker_id, Submit(wire_id, token_ids, request.attempt_params, prefill_only)
         )

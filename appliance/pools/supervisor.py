@@ -34,6 +34,7 @@ from appliance.planner.profile import Profile
 from appliance.planner.traffic_log import TrafficLog
 from appliance.pools.boxes import Boxes
 from appliance.pools.drains import Drains, Progress
+from appliance.pools.kv_store_owner import StoreOwner
 from appliance.pools.process_manager import ProcessManager
 from appliance.pools.request_flow import Chunk, RequestFailed, RequestFlow
 from appliance.pools.wiring import Wiring
@@ -50,6 +51,9 @@ from appliance.workers.messages import (
     PeerDropped,
     PoolShared,
     Ready,
+    StorePut,
+    StoreReady,
+    StoreRelease,
     TokenBatch,
     Tune,
 )
@@ -92,6 +96,8 @@ class Supervisor:
             traffic=self.traffic,
         )
         self.handoffs = self.flow.handoffs  # what workers answer and lost workers leave
+        # The box's KV store (kv_store.enabled): opened when the first worker loads.
+        self.kv_store = self.flow.store = StoreOwner(settings.kv_store, settings.kv.block_size)
         self._capacity = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -111,6 +117,8 @@ class Supervisor:
         """Stop every worker; requests still in flight end with an error."""
         await self.processes.stop(timeout)
         self.flow.fail_all("the appliance is shutting down")
+        await asyncio.sleep(0)  # the blocks the workers sent as they stopped, into the store
+        self.kv_store.close()
 
     def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
         """Stream one request's chunks; leaving the loop early cancels it on both sides."""
@@ -138,6 +146,12 @@ class Supervisor:
             case Failed():
                 if (request := self.table.by_wire(message.request_id)) is not None:
                     self.flow.fail(request, message.error)
+            case StoreReady():
+                self.kv_store.on_ready(message)
+            case StorePut():
+                self.kv_store.on_put(message)
+            case StoreRelease():
+                self.kv_store.on_release(message)
             case LeaseExpired():
                 if (request := self.table.on_lease_expired(message)) is not None:
                     reason = "its parked KV expired before a decode worker took it"
@@ -193,6 +207,7 @@ class Supervisor:
         """A worker died: decode workers drop its pool, its requests go on elsewhere."""
         self.wiring.forget(worker.worker_id)
         self.router.forget(worker.worker_id)
+        self.kv_store.forget_worker(worker.worker_id)
         reason = f"worker {worker.worker_id} exited"
         held = self.table.held_by(worker.worker_id)
         for step in after_worker_lost(held, worker.worker_id, self.max_retries):

@@ -13,6 +13,7 @@ from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.engine.step_timing import StepTiming
+from appliance.kv_store.namespace import StoreNamespace
 
 if TYPE_CHECKING:  # a pool on another box: its module loads torch, the messages need not
     from appliance.kv.remote import RemotePool
@@ -183,7 +184,75 @@ class Failed:
     error: str
 
 
+# ---------------------------------------------------------------- the box's KV store (issue 41)
+
+
+@dataclass
+class StoreHits:
+    """Supervisor -> worker, just before the Submit of `request_id`: the first blocks of
+    its prompt that the box's KV store holds in shared memory (the arena file `arena`):
+    block i of the prompt, keyed `block_keys[i]` in `namespace`, is in slot `slots[i]`.
+    Pinned for this worker until it answers StoreRelease."""
+
+    request_id: int
+    arena: str
+    namespace: bytes
+    block_keys: list[int]
+    slots: list[int]
+
+
+@dataclass
+class StoreReady:
+    """Worker -> supervisor, after Ready: the store namespace of the blocks this worker
+    computes (everything besides the tokens that changes their bytes; cache_salt empty)
+    and a block's size in bytes."""
+
+    worker_id: int
+    namespace: StoreNamespace
+    block_bytes: int
+
+
+@dataclass
+class StorePut:
+    """Worker -> supervisor: blocks for the store (evicted from the worker's pool, or
+    left by a finished request, per kv_store.write_policy), as (block key, bytes)."""
+
+    worker_id: int
+    namespace: bytes
+    blocks: list[tuple[int, bytes]]
+
+
+@dataclass
+class StoreRelease:
+    """Worker -> supervisor: it has copied the StoreHits of these requests."""
+
+    worker_id: int
+    request_ids: list[int]
+
+
 # What a worker's inbox carries, and what comes back on its outbox: a handler matches on
 # these unions, so a message type added here and not handled is a type error there.
-ToWorker = Submit | Handoff | SharePool | PeerPool | DropPeer | Tune | Release | Abort | Shutdown
-FromWorker = Ready | PoolShared | PeerDropped | TokenBatch | HandoffResult | LeaseExpired | Failed
+ToWorker = (
+    Submit
+    | Handoff
+    | SharePool
+    | PeerPool
+    | DropPeer
+    | Tune
+    | Release
+    | Abort
+    | Shutdown
+    | StoreHits
+)
+FromWorker = (
+    Ready
+    | PoolShared
+    | PeerDropped
+    | TokenBatch
+    | HandoffResult
+    | LeaseExpired
+    | Failed
+    | StoreReady
+    | StorePut
+    | StoreRelease
+)

@@ -43,6 +43,7 @@ from appliance.workers.messages import (
     Release,
     SharePool,
     Shutdown,
+    StoreHits,
     Submit,
     TokenBatch,
     ToWorker,
@@ -50,6 +51,7 @@ from appliance.workers.messages import (
 )
 from appliance.workers.outboxes import Outbox
 from appliance.workers.shard_group import TensorGroup, open_pools, pickle_pool
+from appliance.workers.store_client import StoreClient
 
 IDLE_WAIT_S = 0.05  # how long an idle worker blocks on its inbox before looking again
 COPY_POLL_S = 0.0005  # how often one with only handed-off copies in flight looks at them
@@ -78,6 +80,7 @@ class WorkerState:
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     transfer: KVTransfer | None = None  # the KV transfer agent, once another box needs it
     registered: list[RemotePool] = field(default_factory=list)  # this pool, as it shares it
+    store: StoreClient | None = None  # the box's KV store (kv_store.enabled)
 
 
 def run_worker(
@@ -134,6 +137,8 @@ def load_and_serve(
     try:
         shard_pids = group.pids if group is not None else []
         outbox.put(Ready(worker_id, engine.kv.num_blocks, shard_pids))
+        if settings.kv_store.enabled and settings.kv.prefix_caching and group is None:
+            state.store = StoreClient.start(worker_id, engine, settings, outbox)
         serve(state, inbox)
     finally:  # a traceback would keep the engine (and the shards' pools it opened) alive
         del state, engine
@@ -145,6 +150,8 @@ def serve(state: WorkerState, inbox: Queue[ToWorker]) -> None:
     while True:
         handled = drain(state, inbox, inbox_wait(engine))
         if handled is None:
+            if state.store is not None:
+                state.store.stop(outbox)
             return
         landed = send_landed(state)
         if engine.scheduler.has_unfinished():
@@ -264,6 +271,9 @@ def handle(state: WorkerState, message: ToWorker) -> None:
             if engine_id is not None:
                 engine.abort(engine_id)
                 forget_engine_id(state, engine_id)
+        case StoreHits():
+            if state.store is not None:
+                state.store.hold(message)
         case Shutdown():  # drain() stops at it before handing it here
             raise AssertionError("Shutdown is drain()'s to handle")
 
@@ -299,6 +309,8 @@ def open_peer(state: WorkerState, message: PeerPool) -> list[KVShard] | RemoteSo
 
 
 def submit(state: WorkerState, message: Submit) -> None:
+    if state.store is not None:  # the prompt's stored prefix into the pool first
+        state.store.load(message.request_id, message.token_ids, message.params)
     try:
         engine_id = state.engine.add_request(
             message.token_ids, message.params, prefill_only=message.prefill_only
@@ -337,6 +349,8 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
     """One message per step: the tokens made, the requests it started, this worker's load
     (after the answers to handoffs that landed, which the step may have admitted)."""
     send_landed(state)
+    if state.store is not None:
+        state.store.send(state.outbox)
     batch = TokenBatch(
         state.worker_id,
         num_free_blocks=state.engine.num_free_blocks,

@@ -1,0 +1,170 @@
+"""A worker's side of the box's KV store (issue 41): its blocks go in, a prompt's stored
+prefix comes out into its pool.
+
+The supervisor owns the store (appliance/pools/kv_store_owner.py). Writing: the worker's
+prefix cache tells of a cached block about to be reused (write_policy evict) or left
+unused by its last request (finish); its bytes are copied out of the pool at once (they
+are about to be overwritten) and sent with the next report (StorePut). Reading: before a
+prompt's Submit the supervisor sends StoreHits, the arena slots holding the prompt's
+first blocks, pinned for this worker; at the Submit the worker copies those its own
+pool lacks straight from shared memory into free blocks, caches them as if computed,
+and answers StoreRelease, so the prefill computes only the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance.engine.llm_engine import LLMEngine
+from appliance.engine.sequence import SamplingParams
+from appliance.kv_store.host_arena import HostArena
+from appliance.kv_store.namespace import StoreNamespace
+from appliance.kv_store.pool_blocks import block_bytes, load_block
+from appliance.settings.config import Settings
+from appliance.workers.messages import StoreHits, StorePut, StoreReady, StoreRelease
+from appliance.workers.outboxes import Outbox
+
+HEAD_BYTES = 1 << 20  # how much of a weights file its identity digests
+
+
+@dataclass
+class StoreClient:
+    """What one worker sends to and reads from the box's store."""
+
+    worker_id: int
+    engine: LLMEngine
+    namespace: StoreNamespace
+    evict_policy: bool = True  # False: blocks go in when their last request lets go
+    digest: bytes = b""
+    puts: list[tuple[int, bytes]] = field(default_factory=list)  # waiting for the report
+    released: list[int] = field(default_factory=list)  # requests whose hits were copied
+    pending: dict[int, StoreHits] = field(default_factory=dict)  # request id -> its hits
+    in_store: set[int] = field(default_factory=set)  # keys of pool blocks the store has
+    arena: HostArena | None = None
+    loaded_blocks: int = 0  # since start
+
+    def __post_init__(self) -> None:
+        self.digest = self.namespace.digest()
+        cache = self.engine.scheduler.blocks
+        if self.evict_policy:
+            cache.on_evict = self._on_evict
+        else:
+            cache.on_idle = self._on_idle
+            cache.on_evict = lambda _block, key: self.in_store.discard(key)
+
+    @classmethod
+    def start(
+        cls, worker_id: int, engine: LLMEngine, settings: Settings, outbox: Outbox
+    ) -> StoreClient:
+        """This worker's client, announced to the supervisor (StoreReady)."""
+        namespace = worker_namespace(engine, settings)
+        client = cls(worker_id, engine, namespace, settings.kv_store.write_policy == "evict")
+        size = block_bytes(engine.kv.tensor, 0).numel()
+        outbox.put(StoreReady(worker_id, namespace, size))
+        return client
+
+    # ------------------------------------------------------------ writing
+
+    def _on_evict(self, block: int, key: int) -> None:
+        if key not in self.in_store:  # (a block loaded from the store is there already)
+            self._copy_out(block, key)
+        self.in_store.discard(key)
+
+    def _on_idle(self, block: int, key: int) -> None:
+        if key not in self.in_store:
+            self._copy_out(block, key)
+            self.in_store.add(key)
+
+    def _copy_out(self, block: int, key: int) -> None:
+        data = block_bytes(self.engine.kv.tensor, block)  # [block's bytes] on its device
+        self.puts.append((key, data.cpu().numpy().tobytes()))
+
+    def stop(self, outbox: Outbox) -> None:
+        """The worker stops: its pool goes, so under write_policy evict every cached
+        block is evicted now (a planned restart keeps them in the store)."""
+        if self.evict_policy:
+            for block, key in self.engine.scheduler.blocks.cached_blocks():
+                self._on_evict(block, key)
+        self.send(outbox)
+
+    def send(self, outbox: Outbox) -> None:
+        """What waits for the supervisor: blocks to store, hits copied."""
+        if self.puts:
+            outbox.put(StorePut(self.worker_id, self.digest, self.puts))
+            self.puts = []
+        if self.released:
+            outbox.put(StoreRelease(self.worker_id, self.released))
+            self.released = []
+
+    # ------------------------------------------------------------ reading
+
+    def hold(self, hits: StoreHits) -> None:
+        """The store's hits for a prompt whose Submit comes next."""
+        self.pending[hits.request_id] = hits
+
+    def load(self, request_id: int, token_ids: list[int], params: SamplingParams) -> int:
+        """Copy the stored blocks of this prompt's prefix that the pool lacks into it (the
+        sequence then matches them as cached); returns how many."""
+        hits = self.pending.pop(request_id, None)
+        if hits is None:
+            return 0
+        self.released.append(request_id)
+        if params.prompt_logprobs is not None:
+            return 0  # every prompt position is computed for its logits
+        if self.arena is None or str(self.arena.path) != hits.arena:
+            self.arena = HostArena.attach(Path(hits.arena))
+        found = list(zip(hits.block_keys, hits.slots, strict=True))
+        size = self.engine.kv.block_size
+        loaded = self.engine.scheduler.blocks.load_prefix(
+            token_ids, (len(token_ids) - 1) // size, found, self._loader(hits.namespace)
+        )
+        self.loaded_blocks += loaded
+        return loaded
+
+    def _loader(self, namespace: bytes) -> Callable[[int, tuple[int, int]], bool]:
+        arena = self.arena
+        assert arena is not None
+
+        def load(block: int, hit: tuple[int, int]) -> bool:
+            key, slot = hit
+            view = arena.read(slot, (namespace, key))
+            if view is None:  # the slot no longer holds it: the prefix ends here
+                return False
+            try:
+                load_block(self.engine.kv.tensor, block, view)
+            finally:
+                view.release()
+            self.in_store.add(key)
+            return True
+
+        return load
+
+
+def worker_namespace(engine: LLMEngine, settings: Settings) -> StoreNamespace:
+    """Everything besides the tokens that changes this worker's blocks' bytes."""
+    gemm = engine.model.prefill_gemm  # the quantized path's prompt GEMM changes numbers
+    kernel = "" if gemm is None else f"{gemm.dtype}/{gemm.rows}"
+    dtype = str(engine.kv.tensor.dtype).removeprefix("torch.")
+    activations = str(engine.model.dtype).removeprefix("torch.")
+    model = f"{settings.model or 'embedded'}@{settings.revision or ''}/{activations}"
+    weights = f"{weights_identity(engine.model_source)}/{settings.weights}/{settings.quantize}"
+    # One shard: a tensor-parallel worker's other shards' pools are in other processes,
+    # which the store does not reach yet (worker.py starts no client for them).
+    return StoreNamespace(model, weights, dtype, engine.kv.block_size, prefill_kernel=kernel)
+
+
+def weights_identity(source: Path | None) -> str:
+    """The weights' files by size and a digest of each one's head (a GGUF's header and
+    first tensors; a safetensors file's header): another file reads as another model."""
+    if source is None:
+        return "unknown"
+    files = [source] if source.is_file() else sorted(source.glob("*.safetensors"))
+    digest = hashlib.blake2b(digest_size=16)
+    for path in files:
+        digest.update(f"{path.name}:{path.stat().st_size}:".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(HEAD_BYTES))
+    return digest.hexdigest()
