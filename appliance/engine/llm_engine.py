@@ -17,6 +17,7 @@ from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import Scheduler, SchedulerLimits
 from appliance.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from appliance.engine.shard_loading import load_shard
+from appliance.engine.speculative.draft_loading import engine_drafter
 from appliance.engine.speculative.proposer import Drafter
 from appliance.engine.step_timing import StepClock
 from appliance.engine.stop_strings import StopStringMatcher
@@ -151,7 +152,8 @@ class LLMEngine:
             max_model_len=parts.max_len,
             prefill_wait_steps=settings.batch.prefill_wait_steps,
         )
-        drafter = Drafter.from_settings(settings.speculative)
+        # A draft model (method draft) loads here and takes its KV out of the target's pool.
+        parts, drafter = engine_drafter(settings, parts, decodes, group is not None)
         engine = cls(
             parts.model, tokenizer, parts.kv, limits, settings.kv.prefix_caching, group, drafter
         )

@@ -192,7 +192,7 @@ class Scheduler:
         )
         if k <= 0:
             return []
-        drafts = self.drafter.proposer.propose(seq.token_ids, k)[:k]
+        drafts = self.drafter.propose(seq.seq_id, seq.token_ids, k)[:k]
         return drafts if len(drafts) >= min(k, length.k_min) else []
 
     def _admits_waiting(self) -> bool:
@@ -270,6 +270,8 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.block_table = []
         seq.block_keys = []
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)  # a draft model's KV of seq goes with its own
 
     def update_from_output(
         self,

@@ -4,9 +4,10 @@ re-exports them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class KVSettings(BaseModel):
@@ -96,15 +97,27 @@ class SpeculativeSettings(BaseModel):
     one forward pass verifies them, and the answer is the one plain decoding gives
     (greedy: token for token; sampling: the same distribution)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_by_name=True)  # draft_model's alias
 
-    method: Literal["off", "ngram"] = Field(
+    method: Literal["off", "ngram", "draft"] = Field(
         "off",
         description="off: plain decoding. ngram: prompt lookup, no extra model: the "
         "longest recent suffix found earlier in the prompt or output proposes what "
         "followed it (pays where answers copy their input: summaries, quotes, code edits). "
+        "draft: a smaller model of the same tokenizer (draft_model), run by each decoding "
+        "worker beside the target, proposes its greedy continuation. "
         "Requests with penalties, logit_bias, min_tokens still pending, structured "
         "outputs or logprobs decode plainly.",
+    )
+    draft_model: Path | None = Field(
+        default=None,
+        validation_alias=AliasChoices("draft_model", "model"),
+        description="method draft: the draft model, as --model takes one (GGUF file, "
+        "Hugging Face folder, or org/name[:quant] in the local Hugging Face cache); vLLM's "
+        "speculative_config.model, which is accepted as speculative.model too. Its "
+        "tokenizer must be the target's (a worker refuses to start otherwise). It runs on "
+        "the target's device, in the target's dtype; its KV pool is carved out of the "
+        "worker's KV budget (docs/speculative.md).",
     )
     num_speculative_tokens: int = Field(
         4,
@@ -160,8 +173,31 @@ class SpeculativeSettings(BaseModel):
         5, ge=1, description="ngram: the longest suffix tried (the longest match wins)."
     )
 
+    @field_validator("draft_model", mode="before")
+    @classmethod
+    def _draft_by_name(cls, value: object) -> object:
+        # As --model: a hub name becomes its local path here, once; workers get a path.
+        if value is None or str(value) == "":
+            return None
+        from appliance.settings.config import is_model_name  # config imports this module
+
+        if isinstance(value, str) and is_model_name(value):
+            from appliance.model.hub import resolve_model
+
+            return resolve_model(value, None).path
+        return value
+
+    @field_validator("draft_model")
+    @classmethod
+    def _draft_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.exists():
+            raise ValueError(f"speculative.draft_model: no such file or folder: {value}")
+        return value
+
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeSettings:
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("speculative.method=draft needs speculative.draft_model")
         if self.num_speculative_tokens_min > self.num_speculative_tokens:
             raise ValueError(
                 f"speculative.num_speculative_tokens_min ({self.num_speculative_tokens_min}) "

@@ -1,11 +1,11 @@
-"""The one interface every draft source implements (n-gram lookup now; a draft model,
-EAGLE heads or MTP layers later). Torch-free: the scheduler asks it at schedule time."""
+"""The one interface every draft source implements (n-gram lookup, a draft model; EAGLE
+heads or MTP layers later). Torch-free: the scheduler asks it at schedule time."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.speculative.adaptive import AdaptivePolicy, DraftLength
@@ -14,17 +14,31 @@ from appliance.settings.engine import SpeculativeSettings
 
 
 class Proposer(Protocol):
-    """Guesses how a sequence continues.
+    """Guesses how a sequence continues, from its tokens alone (n-gram lookup).
 
-    A draft model would keep its own KV per sequence (in the same pool accounting) and
-    run one small step per draft token here, returning its distributions q for
-    verify.rejection_sample. EAGLE heads and MTP layers draft from the target's hidden
+    A proposer that keeps state per sequence (a draft model's KV) implements
+    SequenceProposer as well. EAGLE heads and MTP layers draft from the target's hidden
     states: the model runner would keep the last verified rows' hidden states for them,
     and propose after the verify step instead of at schedule time."""
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that may follow `token_ids` (prompt + output so far); fewer or
         none where it has no guess."""
+        ...
+
+
+@runtime_checkable
+class SequenceProposer(Protocol):
+    """A proposer with state per sequence (draft_model.DraftModelProposer keeps the
+    draft's KV of each): asked by sequence id, and told when a sequence's target blocks
+    are released (finished, preempted, aborted), so its own go with them."""
+
+    def propose_for(self, seq_id: int, token_ids: Sequence[int], k: int) -> list[int]:
+        """As Proposer.propose, for sequence `seq_id`."""
+        ...
+
+    def forget(self, seq_id: int) -> None:
+        """Drop whatever is kept for `seq_id` (a later propose_for starts it afresh)."""
         ...
 
 
@@ -53,14 +67,24 @@ class Drafter:
             )
 
     @classmethod
-    def from_settings(cls, settings: SpeculativeSettings) -> Drafter | None:
-        """The drafter `speculative.*` asks for; None when speculation is off."""
+    def from_settings(
+        cls, settings: SpeculativeSettings, draft: Proposer | None = None
+    ) -> Drafter | None:
+        """The drafter `speculative.*` asks for; None when speculation is off. `draft`:
+        the loaded draft model's proposer, which method "draft" needs (the engine loads
+        it: draft_loading.load_draft)."""
         if settings.method == "off":
             return None
-        lookup = NgramProposer(settings.prompt_lookup_min, settings.prompt_lookup_max)
+        proposer: Proposer
+        if settings.method == "draft":
+            if draft is None:
+                raise ValueError("speculative.method=draft: no draft model was loaded")
+            proposer = draft
+        else:
+            proposer = NgramProposer(settings.prompt_lookup_min, settings.prompt_lookup_max)
         policy = AdaptivePolicy(settings.verify_token_cost) if settings.adaptive else None
         return cls(
-            lookup,
+            proposer,
             settings.num_speculative_tokens,
             settings.num_speculative_tokens_min,
             policy,
@@ -80,6 +104,17 @@ class Drafter:
         top = top if n_max is None else min(n_max, top)
         bottom = self.num_speculative_tokens_min if n_min is None else max(n_min, 1)
         return DraftLength(min(bottom, top), top, self.policy)
+
+    def propose(self, seq_id: int, token_ids: Sequence[int], k: int) -> list[int]:
+        """The proposer's guesses for sequence `seq_id` (by id where it keeps state)."""
+        if isinstance(self.proposer, SequenceProposer):
+            return self.proposer.propose_for(seq_id, token_ids, k)
+        return self.proposer.propose(token_ids, k)
+
+    def forget(self, seq_id: int) -> None:
+        """A sequence's target blocks were released: a stateful proposer frees its own."""
+        if isinstance(self.proposer, SequenceProposer):
+            self.proposer.forget(seq_id)
 
     def batch_drafts(self, running: int) -> bool:
         """Whether a step with `running` sequences may carry drafts at all."""

@@ -1,0 +1,150 @@
+"""Loading a draft model beside a worker's target: the files, a check that both share one
+vocabulary, the model on the target's device, and its KV pool carved out of the
+target's (draft_kv.py says how much)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as RawTokenizer
+
+from appliance.engine.shard_loading import (
+    ShardParts,
+    build_model,
+    resolve_device,
+    resolve_dtype,
+    use_quant,
+)
+from appliance.engine.speculative.draft_kv import split_pool
+from appliance.engine.speculative.draft_model import DraftModelProposer
+from appliance.engine.speculative.proposer import Drafter
+from appliance.kv.cache import KVCache, KVLayout, resolve_kv_dtype
+from appliance.model import cpu_kernels
+from appliance.model.causal_lm import CausalLM
+from appliance.model.loader import ModelFiles, load_model_files
+from appliance.model.quant import use_prefill_gemm
+from appliance.settings.config import Settings
+
+
+def engine_drafter(
+    settings: Settings, parts: ShardParts, decodes: bool, tensor_parallel: bool
+) -> tuple[ShardParts, Drafter | None]:
+    """The drafter speculative.* asks for, and the target's parts to build the engine
+    from: for method "draft" on a decoding worker the draft model is loaded and the
+    target's pool shrunk to make room for the draft's. A prefill worker never drafts
+    (its sequences park after their first token): it loads no draft."""
+    spec = settings.speculative
+    if spec.method != "draft":
+        return parts, Drafter.from_settings(spec)
+    if not decodes:
+        return parts, None
+    if tensor_parallel:
+        raise ValueError(
+            "speculative.method=draft runs on one-device decoding workers for now; "
+            "set decode_tp (and colocated tp) to 1, or use method ngram"
+        )
+    assert spec.draft_model is not None  # the settings' validator says so
+    parts, draft = load_draft(settings, spec.draft_model, parts)
+    return parts, Drafter.from_settings(spec, draft)
+
+
+def load_draft(
+    settings: Settings, path: Path, parts: ShardParts
+) -> tuple[ShardParts, DraftModelProposer]:
+    """The draft model at `path` on the target's device, its proposer, and the target's
+    parts with the pool it now shares (split_pool)."""
+    files = load_model_files(path, settings.cache_dir)
+    check_vocabulary(files, parts.files)
+    model = build_draft(settings, files, parts.model.device, parts.max_len)
+    target = parts.kv
+    kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, model.dtype, model.device)
+    if kv_dtype != model.dtype:
+        model.decode_step = None  # the compiled step reads and writes K/V in one dtype
+    cfg = files.config
+    layout = KVLayout(cfg.num_layers, target.block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+    if settings.kv.num_blocks:
+        blocks = target.num_blocks  # an exact count is the target's: the draft's adds
+    else:
+        taken = weight_bytes(model) if _sized_by_gpu_share(settings, model) else 0
+        blocks = split_pool(
+            target.num_blocks, target.layout.bytes_per_block(), layout.bytes_per_block(), taken
+        )
+        parts = replace(parts, kv=_smaller_pool(target, blocks))
+    kv = KVCache(layout, blocks, model.device)
+    return parts, DraftModelProposer(model, kv, settings.batch.chunk_size)
+
+
+def check_vocabulary(draft: ModelFiles, target: ModelFiles) -> None:
+    """Raise ValueError naming both models unless the draft's tokenizer maps every token
+    to the target's id and its logits cover the same vocabulary: a draft token is
+    verified as the target's token of that id."""
+    ours = _vocabulary(draft.tokenizer_dir)
+    theirs = _vocabulary(target.tokenizer_dir)
+    problem = ""
+    if draft.config.vocab_size != target.config.vocab_size:
+        problem = (
+            f"its vocabulary has {draft.config.vocab_size} tokens, the target's "
+            f"{target.config.vocab_size}"
+        )
+    elif ours != theirs:
+        differ = sorted(set(ours.items()) ^ set(theirs.items()))
+        token = differ[0][0]
+        problem = (
+            f"its tokenizer differs from the target's ({len(ours)} and {len(theirs)} "
+            f"tokens; {token!r} is id {ours.get(token)} in the draft, {theirs.get(token)} "
+            "in the target)"
+        )
+    if problem:
+        raise ValueError(
+            f"speculative.draft_model {draft.source} cannot draft for {target.source}: "
+            f"{problem}. A draft model must share the target's tokenizer."
+        )
+
+
+def _vocabulary(folder: Path) -> dict[str, int]:
+    """Every token of the tokenizer.json in `folder`, added tokens included, to its id."""
+    return RawTokenizer.from_file(str(folder / "tokenizer.json")).get_vocab(with_added_tokens=True)
+
+
+def build_draft(
+    settings: Settings, files: ModelFiles, device: torch.device, max_len: int
+) -> CausalLM:
+    """The draft on `device` as load_shard builds a target (block-format weights where
+    weights allows them, never forced: weights=quantized is the target's demand), up to
+    the target's context or the draft's own if shorter (longer sequences get no drafts)."""
+    weights = "dense" if settings.weights == "dense" else "auto"
+    quantized = use_quant(settings.model_copy(update={"weights": weights}), files, device)
+    dtype = (
+        torch.float32
+        if quantized and settings.dtype == "auto"
+        else resolve_dtype(settings.dtype, resolve_device(str(device)))
+    )
+    positions = min(max_len, files.config.max_position_embeddings)
+    model = build_model(files, dtype, device, positions, quantized, quantize_to=settings.quantize)
+    if quantized:
+        gemm = cpu_kernels.prefill_gemm_dtype(settings.prefill_gemm)
+        use_prefill_gemm(
+            model, gemm, cpu_kernels.prefill_gemm_rows(settings.prefill_gemm_rows, gemm)
+        )
+    return model
+
+
+def weight_bytes(model: CausalLM) -> int:
+    """Bytes of the model's parameters and buffers."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _sized_by_gpu_share(settings: Settings, model: CausalLM) -> bool:
+    """Whether the target's pool was sized from the GPU's memory share (measured before
+    the draft's weights were loaded), rather than from kv.memory_mb."""
+    return model.device.type == "cuda" and not settings.kv.memory_mb_given
+
+
+def _smaller_pool(pool: KVCache, blocks: int) -> KVCache:
+    """`pool` remade with `blocks` blocks (shared memory if it was)."""
+    layout, device, shared = pool.layout, pool.tensor.device, pool.tensor.is_shared()
+    pool.tensor = torch.empty(0)  # its memory goes before the smaller pool is made
+    return KVCache(layout, blocks, device, shared=shared)
