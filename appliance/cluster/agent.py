@@ -32,6 +32,7 @@ log = logging.getLogger("appliance.agent")
 REFUSED_EXIT = 78  # EX_CONFIG: joining again would be refused again (the unit does not retry)
 JOIN_TIMEOUT_S = 60.0
 WATCH_S = 0.2  # how often the agent looks for exited workers
+SPAWN_FAILED = 1  # the exit code reported for a worker whose process could not start
 
 
 class BoxRefused(Exception):
@@ -81,7 +82,8 @@ class Agent:
                     self._handle(head.recv())
                 self._report_exits()
             # WireError too (a frame we do not take); a send fails as well once the head
-            # has dropped the link (a Pong to a Ping it sent before: this box froze).
+            # has dropped the link (a Pong to a Ping it sent before: this box froze). A
+            # worker that cannot start is _spawn's to report, not taken for the link's end.
             except (EOFError, OSError) as error:
                 log.info("the link to the head ended (%s): stopping", error or "closed")
                 return
@@ -122,7 +124,13 @@ class Agent:
             message.devices,
         )
         process = self._ctx.Process(target=run_remote_worker, args=args, daemon=True)
-        process.start()
+        try:
+            process.start()
+        except OSError as error:  # no fork, no memory, no fds: the worker exits, not the box
+            log.error("could not start worker %d (%s): %s", message.worker_id, message.role, error)
+            assert self._head is not None
+            self._head.send(WorkerExited(message.worker_id, SPAWN_FAILED))
+            return
         self.workers[message.worker_id] = process
         log.info("started worker %d (%s) as pid %s", message.worker_id, message.role, process.pid)
 
