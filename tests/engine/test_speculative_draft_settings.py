@@ -15,7 +15,7 @@ from appliance.settings.engine import SpeculativeSettings
 
 
 def test_method_draft_needs_a_draft_model_that_exists(tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match="method=draft needs speculative.draft_model"):
+    with pytest.raises(ValidationError, match=r"method=draft needs speculative\.draft_model"):
         SpeculativeSettings(method="draft")
     with pytest.raises(ValidationError, match="draft_model: no such file or folder"):
         SpeculativeSettings(method="draft", draft_model=tmp_path / "missing.gguf")
@@ -35,7 +35,7 @@ def test_the_pools_split_the_targets_bytes_in_proportion_to_their_blocks() -> No
     assert 800 * (400 + 100) <= 1000 * 400
     # Weights loaded after a GPU share was measured come out of it first.
     assert split_pool(1000, 400, 100, taken_bytes=50_000) == 700
-    with pytest.raises(ValueError, match="raise kv.memory_mb"):
+    with pytest.raises(ValueError, match=r"raise kv\.memory_mb"):
         split_pool(1, 400, 100)
 
 
