@@ -36,7 +36,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from appliance.model.layers import triton_attention  # noqa: E402
+from appliance.model.layers.triton_splits import H100_SMS, decode_splits  # noqa: E402
 
 ARCHES = {"sm_90a": 90, "sm_80": 80, "sm_86": 86, "sm_89": 89}  # 90 compiles as sm_90a
 # Spill bytes a thread allowed: none. Every variant compiles without spills on all four
@@ -74,6 +75,10 @@ class Variant:
     prefill: bool  # a chunk of query tokens (else one decode token per sequence)
     window: int | None = None
     sinks: bool = False
+    # The decode side's other launches: a verify step (5 query tokens a sequence, varlen,
+    # on the decode tiles), a decode split over the context (batch 1 at 8k keys: the
+    # rule's 16 parts on an H100), or that split's reduce kernel.
+    launch: str = "plain"  # "plain", "verify", "split", "reduce"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -98,6 +103,23 @@ def _both(
     ]
 
 
+def _decode_side(
+    name: str,
+    dtype: str,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    window: int | None = None,
+    sinks: bool = False,
+) -> list[Variant]:
+    """The verify, split-decode and reduce variants of one shape."""
+    shape = (dtype, heads, kv_heads, head_dim, False, window, sinks)
+    return [
+        Variant(f"{name} {launch}", *shape, launch=launch)
+        for launch in ("verify", "split", "reduce")
+    ]
+
+
 # bfloat16 is what dtype=auto picks on every architecture here (all have bf16); float16
 # and float32 launch only when asked for (dtype=float16/float32: gpu_check's appliance
 # section runs float32). Shapes that launch the same specialization appear once: Llama 3
@@ -118,6 +140,13 @@ VARIANTS: tuple[Variant, ...] = tuple(
     + _both("smollm2-135m fp32", "float32", 9, 3, 64)
     + _both("llama3-8b fp32", "float32", 32, 8, 128)
     + _both("gemma3-4b local fp32", "float32", 8, 4, 256, window=1024)
+    + _decode_side("smollm2-135m bf16", "bfloat16", 9, 3, 64)
+    + _decode_side("llama3-8b bf16", "bfloat16", 32, 8, 128)
+    + _decode_side("qwen2.5-7b bf16", "bfloat16", 28, 4, 128)
+    + _decode_side("gemma3-4b local bf16", "bfloat16", 8, 4, 256, window=1024)
+    + _decode_side("gpt-oss-20b sliding bf16", "bfloat16", 64, 8, 64, window=128, sinks=True)
+    + _decode_side("llama3-8b fp16", "float16", 32, 8, 128)
+    + _decode_side("llama3-8b fp32", "float32", 32, 8, 128)
 )
 # The CI test's quick subset, on sm_90a: the default model, the common 8B shape, the
 # largest head (256), sinks with a window, and float32's widest tiles.
@@ -128,6 +157,9 @@ QUICK = (
     "gemma3-4b local bf16 prefill",
     "gpt-oss-20b sliding bf16 prefill",
     "llama3-8b fp32 prefill",
+    "llama3-8b bf16 verify",
+    "llama3-8b bf16 split",
+    "llama3-8b bf16 reduce",
 )
 
 
@@ -157,11 +189,15 @@ def variant(name: str) -> Variant:
 def launch_for(
     v: Variant, tiles: triton_attention.Tiles | None = None
 ) -> triton_attention.KernelLaunch:
-    """The launch paged_attention makes for this variant on a GPU, built from small CPU
-    tensors of the variant's shape (only their dtypes, strides and alignment count);
-    `tiles` replaces the launch's own (to measure others)."""
+    """The launch attend() makes for this variant on a GPU, built from small CPU tensors
+    of the variant's shape (only their dtypes, strides and alignment count); `tiles`
+    replaces the launch's own (to measure others)."""
     dtype = v.torch_dtype
-    seqs, tokens = (1, 77) if v.prefill else (5, 5)
+    # Prefill and verify: segment_runs' varlen metadata (int64 slices of one upload) for
+    # a step of three chunks; decode: a group's padded int64 tables and lengths. 37
+    # blocks: a stride no multiple of 16.
+    lengths = {"plain": [77] if v.prefill else [1] * 5, "verify": [5, 5, 5]}.get(v.launch, [1])
+    tokens = sum(lengths)
     # As the model makes them: q a view of the fused [tokens, heads + 2 * kv_heads,
     # head_dim] projection (rotate_and_store), out a fresh tensor.
     qkv = torch.zeros(tokens, v.heads + 2 * v.kv_heads, v.head_dim, dtype=dtype)
@@ -169,11 +205,18 @@ def launch_for(
     out = torch.empty(tokens, v.heads, v.head_dim, dtype=dtype)
     k_cache = torch.zeros(4, BLOCK_SIZE, v.kv_heads, v.head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    # Prefill: one segment's table [1, blocks] and an int32 length (attend()); decode: a
-    # group's padded int64 tables and lengths. 37 blocks: a stride no multiple of 16.
-    block_tables = torch.zeros(seqs, 37, dtype=torch.int64)
-    context_lens = torch.zeros(seqs, dtype=torch.int32 if v.prefill else torch.int64)
-    launch = triton_attention.kernel_launch(
+    query_starts = None
+    if v.prefill or v.launch == "verify":
+        run = _segment_run(lengths, verify=v.launch == "verify")
+        block_tables, context_lens, query_starts = (
+            run.block_tables,
+            run.context_lens,
+            run.query_starts,
+        )
+    else:
+        block_tables = torch.zeros(len(lengths), 37, dtype=torch.int64)
+        context_lens = torch.zeros(len(lengths), dtype=torch.int64)
+    launches = triton_attention.kernel_launches(
         q,
         k_cache,
         v_cache,
@@ -181,12 +224,15 @@ def launch_for(
         context_lens,
         v.head_dim**-0.5,
         out,
-        query_len=tokens if v.prefill else 1,
-        query_starts=None,
+        query_len=max(lengths),
+        query_starts=query_starts,
         window=v.window,
         sinks=torch.zeros(v.heads) if v.sinks else None,
         interpreted=False,
+        # 8 KV heads at 8k keys: the rule's parts on an H100 (one wave)
+        splits=decode_splits(v.kv_heads, 8192, H100_SMS) if v.launch in ("split", "reduce") else 1,
     )
+    launch = launches[-1] if v.launch == "reduce" else launches[0]
     if tiles is None:
         return launch
     options = launch.options | {
@@ -195,7 +241,22 @@ def launch_for(
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
     }
-    return triton_attention.KernelLaunch(launch.grid, launch.args, options)
+    return replace(launch, options=options)
+
+
+def _segment_run(lengths: list[int], verify: bool) -> triton_attention.SegmentRun:
+    """segment_runs' one run for chunks of these lengths (prompts, or verify chunks)."""
+    from appliance.model.layers.paged_attention import AttentionBatch, PrefillSegment
+
+    segments, row = [], 0
+    for length in lengths:
+        table = torch.arange(37, dtype=torch.int64)
+        segments.append(PrefillSegment(row, length, 100 + length, table))
+        row += length
+    slots = torch.zeros(row, dtype=torch.int64)
+    batch = AttentionBatch(slots, segments, row, [], 0 if verify else None)
+    (run,) = triton_attention.segment_runs(batch, torch.device("cpu"))
+    return run
 
 
 def compile_variant(v: Variant, arch: str, tiles: triton_attention.Tiles | None = None) -> Compiled:
@@ -208,7 +269,7 @@ def compile_variant(v: Variant, arch: str, tiles: triton_attention.Tiles | None 
     from triton.runtime.jit import create_function_from_signature
 
     launch = launch_for(v, tiles)
-    kernel = triton_attention._paged_attention_kernel
+    kernel = launch.kernel
     target = GPUTarget("cuda", ARCHES[arch], 32)
     backend = make_backend(target)
     # What JITFunction.run does before it compiles (triton 3.6 to 3.9): bind the

@@ -30,7 +30,7 @@ has none; the Triton kernel folds the sink into its online softmax's sum.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +75,9 @@ class AttentionBatch:
     # speculative verify chunk attends as a segment but decodes: its rows follow the
     # prompts' and must stay on the decode kernel's numbers (quant.PrefillGemm).
     prompt_rows: int | None = None
+    # The Triton path's launch metadata for the prefill segments (triton_attention's
+    # segment_runs), made on the device by the step's first layer and reused by the rest.
+    kernel_plan: object = field(default=None, compare=False, repr=False)
 
 
 def write_kv(

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from appliance.model.layers.triton_splits import H100_SMS, MAX_SPLITS, decode_splits
+
 if TYPE_CHECKING:  # attention.py imports this module when it first runs on CUDA
     from appliance.model.layers.paged_attention import AttentionBatch
 
@@ -49,6 +51,10 @@ def _paged_attention_kernel(
     context_lens_ptr,  # [seqs] int: tokens in the cache after this step
     query_starts_ptr,  # [seqs + 1] int: each sequence's first row; read only if VARLEN
     sinks_ptr,  # [heads] float32: each query head's sink logit; read only if SINKS
+    part_out_ptr,  # [tokens, heads, splits, HEAD_PAD] float32: written only if SPLIT
+    part_m_ptr,  # [tokens, heads, splits] float32 (a part's running max): only if SPLIT
+    part_l_ptr,  # [tokens, heads, splits] float32 (a part's sum): only if SPLIT
+    splits,  # parts each program's keys are split into (1 unless SPLIT)
     query_len,  # queries per sequence (uniform), or the longest (VARLEN)
     qk_scale,  # softmax scale * log2(e): the kernel exponentiates in base 2
     window,  # with WINDOWED: each query sees its last `window` keys only
@@ -69,6 +75,7 @@ def _paged_attention_kernel(
     VARLEN: tl.constexpr,  # query runs from query_starts, else query_len rows per sequence
     WINDOWED: tl.constexpr,  # a sliding window (`window`)
     SINKS: tl.constexpr,  # a sink logit per query head in each softmax's denominator
+    SPLIT: tl.constexpr,  # write a partial softmax per part (flash-decoding), no output
     UPCAST: tl.constexpr,  # widen 16-bit dot operands to float32 (the interpreter)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" keeps float32 exact (no
     # TF32); None, the backend's default, for 16-bit inputs
@@ -76,6 +83,10 @@ def _paged_attention_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
+    part = 0
+    if SPLIT:  # grid axis 2 runs tile-major over (tile, part)
+        part = tile % splits
+        tile = tile // splits
 
     if VARLEN:
         q_start = tl.load(query_starts_ptr + seq)
@@ -118,6 +129,12 @@ def _paged_attention_kernel(
     if WINDOWED:  # from the tile of the first key the program's first token sees
         first_pos = context_len - q_len + first_row // GROUP
         key_begin = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    if SPLIT:
+        # This part's share of the keys, in whole tiles: the parts of a short context
+        # past its end walk nothing and write an empty softmax (max -inf, sum 0).
+        span = tl.cdiv(tl.cdiv(key_end - key_begin, splits), BLOCK_N) * BLOCK_N
+        key_begin = key_begin + part * span
+        key_end = tl.minimum(key_end, key_begin + span)
     table = block_tables_ptr + seq * stride_bt
     for key_start in range(key_begin, key_end, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions in the sequence
@@ -149,9 +166,10 @@ def _paged_attention_kernel(
         # exp2(-inf) = 0, never NaN.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [ROWS]
         m_base = m_new
-        if WINDOWED:
-            # Not so in a window: a row may see nothing of the first tiles. Its max stays
-            # -inf; exponents against 0 then give 0 for what it has not seen, not NaN.
+        if WINDOWED or SPLIT:
+            # Not so in a window, nor in a part of the keys: a row may see nothing of the
+            # first tiles (or of its part). Its max stays -inf; exponents against 0 then
+            # give 0 for what it has not seen, not NaN.
             m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_base)  # rescales what was summed under the old max
         p = tl.math.exp2(s - m_base[:, None])  # [ROWS, BLOCK_N]
@@ -164,20 +182,76 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=PRECISION)
         m_i = m_new
 
+    if SPLIT:
+        # The part's softmax as it stands: _split_reduce_kernel rescales and sums the
+        # parts of each row (and adds the sink there).
+        heads_total = tl.num_programs(1) * GROUP
+        slot = ((q_start + token) * heads_total + head) * splits + part  # [ROWS]
+        tl.store(part_m_ptr + slot, m_i, mask=row_ok)
+        tl.store(part_l_ptr + slot, l_i, mask=row_ok)
+        tl.store(part_out_ptr + slot[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
+    else:
+        if SINKS:
+            # The sink (natural log, so times log2(e), as qk_scale is) joins the sum as one
+            # more key whose value is zero: the max moves to cover it, the sum gains its term.
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+            m_sink = tl.maximum(m_i, sink)  # [ROWS], finite: the sink is
+            rescale = tl.math.exp2(m_i - m_sink)
+            l_i = l_i * rescale + tl.math.exp2(sink - m_sink)
+            acc = acc * rescale[:, None]
+        out = acc / l_i[:, None]  # [ROWS, HEAD_PAD]
+        o_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(
+            out_ptr + o_offsets + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+
+
+@triton.jit
+def _split_reduce_kernel(
+    part_out_ptr,  # [tokens, heads, splits, HEAD_PAD] float32: each part's unnormalized output
+    part_m_ptr,  # [tokens, heads, splits] float32: each part's running max (base 2)
+    part_l_ptr,  # [tokens, heads, splits] float32: each part's sum of exponentials
+    sinks_ptr,  # [heads] float32: each query head's sink logit; read only if SINKS
+    out_ptr,  # [tokens, heads, head_dim]
+    heads,
+    splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,  # splits rounded up to a power of two
+    SINKS: tl.constexpr,
+):
+    """One (token, query head) a program: the parts' softmaxes folded into one, as the
+    online softmax folds tiles (each part rescaled from its max to the common one)."""
+    row = tl.program_id(0)  # token * heads + head
+    token = row // heads
+    head = row % heads
+    parts = tl.arange(0, SPLIT_PAD)
+    part_ok = parts < splits
+    slot = row * splits + parts  # [SPLIT_PAD]
+    m = tl.load(part_m_ptr + slot, mask=part_ok, other=float("-inf"))
+    sums = tl.load(part_l_ptr + slot, mask=part_ok, other=0.0)
+    # Finite: the part holding the row's own key saw at least that key.
+    m_all = tl.max(m, axis=0)
     if SINKS:
-        # The sink (natural log, so times log2(e), as qk_scale is) joins the sum as one
-        # more key whose value is zero: the max moves to cover it, the sum gains its term.
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
-        m_sink = tl.maximum(m_i, sink)  # [ROWS], finite: the sink is
-        rescale = tl.math.exp2(m_i - m_sink)
-        l_i = l_i * rescale + tl.math.exp2(sink - m_sink)
-        acc = acc * rescale[:, None]
-    out = acc / l_i[:, None]  # [ROWS, HEAD_PAD]
-    o_offsets = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    weight = tl.math.exp2(m - m_all)  # [SPLIT_PAD]; 0 for an empty part (max -inf)
+    total = tl.sum(sums * weight, axis=0)
+    if SINKS:
+        total += tl.math.exp2(sink - m_all)
+    dims = tl.arange(0, HEAD_PAD)
+    acc = tl.load(
+        part_out_ptr + slot[:, None] * HEAD_PAD + dims[None, :], mask=part_ok[:, None], other=0.0
+    )  # [SPLIT_PAD, HEAD_PAD]
+    out = tl.sum(acc * weight[:, None], axis=0) / total  # [HEAD_PAD]
     tl.store(
-        out_ptr + o_offsets + dims[None, :],
+        out_ptr + token * stride_ot + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
+        mask=dims < HEAD_DIM,
     )
 
 
@@ -194,6 +268,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    splits: int | None = None,
+    sm_count: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [tokens, heads, head_dim] over the paged caches [num_blocks,
     block_size, kv_heads, head_dim] -> like q (written into `out` when given, which may be
@@ -207,7 +283,13 @@ def paged_attention(
     query_len the longest run (it sizes the grid). Integer tensors may be int32 or int64;
     nothing here reads a device tensor back to the host. `window`: each query sees its
     last `window` keys only (itself included), as a sliding-window model's do. `sinks`
-    [heads]: each query head's sink logit, in its softmax's denominator (gpt-oss)."""
+    [heads]: each query head's sink logit, in its softmax's denominator (gpt-oss).
+
+    `splits`: parts each sequence's keys are split into (flash-decoding: a partial
+    softmax per part, then one reduce launch); None lets decode_splits choose from the
+    launch's programs, the table's width and `sm_count` (the device's SMs; an H100's
+    where there is no GPU). Only a launch on the decode tiles (a token's or a verify
+    chunk's few rows a sequence) splits; a prefill launch has programs enough."""
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -224,9 +306,18 @@ def paged_attention(
         raise ValueError("q, out and the caches need a contiguous head dimension")
     if sinks is not None and sinks.shape != (heads,):
         raise ValueError(f"sinks of shape {tuple(sinks.shape)} for {heads} query heads")
+    if splits is not None and not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be 1 to {MAX_SPLITS}, not {splits}")
     if block_tables.shape[0] == 0 or tokens == 0:
         return out
-    launch = kernel_launch(
+    if splits is None:
+        sms = sm_count or (
+            torch.cuda.get_device_properties(q.device).multi_processor_count
+            if q.device.type == "cuda"
+            else H100_SMS
+        )
+        splits = choose_splits(q, k_cache, block_tables, query_len, sms)
+    launches = kernel_launches(
         q,
         k_cache,
         v_cache,
@@ -239,8 +330,10 @@ def paged_attention(
         window=window,
         sinks=sinks,
         interpreted=q.device.type == "cpu",  # a CPU tensor only runs under the interpreter
+        splits=splits,
     )
-    _paged_attention_kernel[launch.grid](*launch.args, **launch.options)
+    for launch in launches:
+        launch.kernel[launch.grid](*launch.args, **launch.options)
     return out
 
 
@@ -260,7 +353,7 @@ def tiles_for(dtype: torch.dtype, head_pad: int, group: int, prefill: bool) -> T
     fits in registers without spilling on sm_80, sm_86, sm_89 and sm_90a, and whose
     shared memory fits sm_86/sm_89's 99 KiB a block (benchmarks/triton_compile_table.py
     measures every variant; tests/model/layers/test_triton_compile.py holds them to it)."""
-    decode_rows = triton.next_power_of_2(max(_MIN_DOT, group))  # one token's group of heads
+    decode_rows = _decode_rows(group)
     if dtype == torch.float32:
         # IEEE float32 dots run on the FMA units, not the tensor cores, and hold far more
         # in registers: 64 rows x 64 keys spilled 14-75 KB a thread. 8 warps over 32 rows
@@ -278,19 +371,51 @@ def tiles_for(dtype: torch.dtype, head_pad: int, group: int, prefill: bool) -> T
     return Tiles(64, 32, num_warps=8, num_stages=2)
 
 
+def _decode_rows(group: int) -> int:
+    """A decode program's rows: one token's group of query heads, padded to tl.dot's 16."""
+    return int(triton.next_power_of_2(max(_MIN_DOT, group)))
+
+
+def is_prefill(query_len: int, group: int) -> bool:
+    """Whether a launch of up to `query_len` tokens a sequence runs the prefill tiles:
+    when its rows a sequence (tokens x query heads of a KV head) overflow a decode
+    program's. A decode, and a speculative verify chunk of a few tokens at a small GQA
+    group, stay on the decode tiles (and may split over the context)."""
+    return query_len * group > _decode_rows(group)
+
+
+def choose_splits(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_len: int,
+    sm_count: int,
+) -> int:
+    """decode_splits for this launch: 1 on the prefill tiles; else from its programs
+    (sequences x KV heads x row tiles) and its longest possible context (the tables'
+    width in keys: known on the host, no read of the device's context lengths)."""
+    group = q.shape[1] // k_cache.shape[2]
+    if is_prefill(query_len, group):
+        return 1
+    rows = tiles_for(q.dtype, triton.next_power_of_2(q.shape[2]), group, False).rows
+    programs = block_tables.shape[0] * k_cache.shape[2] * triton.cdiv(query_len * group, rows)
+    return decode_splits(programs, block_tables.shape[1] * k_cache.shape[1], sm_count)
+
+
 @dataclass(frozen=True)
 class KernelLaunch:
-    """One launch of the kernel: its grid, its arguments in the kernel's order, and its
-    constexprs and compile options (num_warps, num_stages) by name. paged_attention runs
-    it; tests/model/layers/test_triton_compile.py compiles the same specializations for
-    GPUs that are not here (benchmarks/triton_compile_table.py)."""
+    """One launch of a kernel: the kernel, its grid, its arguments in the kernel's order,
+    and its constexprs and compile options (num_warps, num_stages) by name.
+    paged_attention runs it; tests/model/layers/test_triton_compile.py compiles the same
+    specializations for GPUs that are not here (benchmarks/triton_compile_table.py)."""
 
-    grid: tuple[int, int, int]
+    kernel: Any  # a triton.JITFunction
+    grid: tuple[int, ...]
     args: tuple[Any, ...]
     options: dict[str, Any]
 
 
-def kernel_launch(
+def kernel_launches(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -304,13 +429,27 @@ def kernel_launch(
     window: int | None,
     sinks: torch.Tensor | None,
     interpreted: bool,
-) -> KernelLaunch:
-    """The launch paged_attention makes for these (checked) arguments; `interpreted`:
-    under Triton's interpreter (CPU tensors), where 16-bit dots are widened (UPCAST)."""
-    heads, head_dim = q.shape[1], q.shape[2]
+    splits: int = 1,
+) -> tuple[KernelLaunch, ...]:
+    """The launches paged_attention makes for these (checked) arguments: the attention
+    kernel, and with `splits` > 1 the reduce after it (the parts' workspace allocated
+    here); `interpreted`: under Triton's interpreter (CPU tensors), where 16-bit dots are
+    widened (UPCAST)."""
+    tokens, heads, head_dim = q.shape
     group = heads // k_cache.shape[2]
     head_pad = triton.next_power_of_2(head_dim)
-    tiles = tiles_for(q.dtype, head_pad, group, prefill=query_len > 1)
+    tiles = tiles_for(q.dtype, head_pad, group, prefill=is_prefill(query_len, group))
+    sinks32 = sinks.float().contiguous() if sinks is not None else None
+    unread = context_lens  # stands in for a pointer the specialization never reads
+    split = splits > 1
+    if split:
+        part_out = torch.empty(
+            tokens, heads, splits, head_pad, dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty(2, tokens, heads, splits, dtype=torch.float32, device=q.device)
+        parts: tuple[Any, ...] = (part_out, part_ml[0], part_ml[1])
+    else:
+        parts = (unread, unread, unread)
     args = (
         q,
         out,
@@ -318,8 +457,10 @@ def kernel_launch(
         v_cache,
         block_tables,
         context_lens,
-        query_starts if query_starts is not None else context_lens,  # unread unless VARLEN
-        sinks.float().contiguous() if sinks is not None else context_lens,  # unread unless SINKS
+        query_starts if query_starts is not None else unread,  # read only if VARLEN
+        sinks32 if sinks32 is not None else unread,  # read only if SINKS
+        *parts,
+        splits,
         query_len,
         scale * math.log2(math.e),
         window or 0,
@@ -341,14 +482,112 @@ def kernel_launch(
         "BLOCK_N": tiles.block_n,
         "VARLEN": query_starts is not None,
         "WINDOWED": window is not None,
-        "SINKS": sinks is not None,
+        "SINKS": sinks is not None and not split,  # a split's sink is the reduce's
+        "SPLIT": split,
         "UPCAST": interpreted and q.dtype == torch.bfloat16,
         "PRECISION": "ieee" if q.dtype == torch.float32 else None,
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
     }
-    grid = (block_tables.shape[0], k_cache.shape[2], triton.cdiv(query_len * group, tiles.rows))
-    return KernelLaunch(grid, args, options)
+    row_tiles = triton.cdiv(query_len * group, tiles.rows)
+    grid = (block_tables.shape[0], k_cache.shape[2], row_tiles * splits)
+    attention = KernelLaunch(_paged_attention_kernel, grid, args, options)
+    if not split:
+        return (attention,)
+    reduce = KernelLaunch(
+        _split_reduce_kernel,
+        (tokens * heads,),
+        (
+            *parts,
+            sinks32 if sinks32 is not None else unread,
+            out,
+            heads,
+            splits,
+            out.stride(0),
+            out.stride(1),
+        ),
+        {
+            "HEAD_DIM": head_dim,
+            "HEAD_PAD": head_pad,
+            "SPLIT_PAD": triton.next_power_of_2(splits),
+            "SINKS": sinks is not None,
+            "num_warps": 4,
+            "num_stages": 1,
+        },
+    )
+    return (attention, reduce)
+
+
+@dataclass(frozen=True)
+class SegmentRun:
+    """Prefill segments attended in one varlen launch: consecutive rows of the step's
+    batch, one kind (prompt chunks, or verify chunks), their metadata on the device."""
+
+    start: int  # first row of the run in the step's batch
+    stop: int  # one past its last row
+    query_len: int  # the longest segment's tokens (sizes the grid)
+    query_starts: torch.Tensor  # [segs + 1] int64, rows relative to `start`
+    block_tables: torch.Tensor  # [segs, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [segs] int64
+
+
+def segment_runs(batch: AttentionBatch, device: torch.device) -> list[SegmentRun]:
+    """The step's prefill segments as varlen launches: the prompt chunks (rows before
+    batch.prompt_rows) in one, the speculative verify chunks after them in another,
+    each split further only where its rows are not consecutive. The metadata of every
+    run goes up in one host-to-device copy (pinned, not blocking) and the tables are
+    packed on the device (one cat, one scatter): a few launches a step, then one launch
+    a layer a run."""
+    segments = batch.prefills
+    if not segments:
+        return []
+    kinds = [batch.prompt_rows is None or seg.start < batch.prompt_rows for seg in segments]
+    groups: list[list[int]] = []  # indices into segments, each group one run
+    for i, seg in enumerate(segments):
+        prev = segments[i - 1] if i else None
+        joins = (
+            prev is not None and kinds[i] == kinds[i - 1] and prev.start + prev.length == seg.start
+        )
+        if joins:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    widths = [int(seg.block_table.shape[0]) for seg in segments]
+    width = max(widths)
+    values: list[int] = []
+    for group in groups:  # each run's query starts, relative to its first row
+        base = segments[group[0]].start
+        values.extend(segments[i].start - base for i in group)
+        end = segments[group[-1]]
+        values.append(end.start + end.length - base)
+    values.extend(seg.context_len for seg in segments)
+    # Where each table entry goes in the padded [segs, width] table, flattened.
+    values.extend(i * width + j for i, w in enumerate(widths) for j in range(w))
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()  # a copy from pageable memory would wait for the device
+    meta = host.to(device, non_blocking=True)
+    flat = torch.cat([seg.block_table for seg in segments]).to(torch.int64)  # [sum(widths)]
+    n = len(segments)
+    tables = torch.zeros(n * width, dtype=torch.int64, device=device)
+    tables = tables.index_copy_(0, meta[-len(flat) :], flat).view(n, width)
+    contexts = meta[len(values) - len(flat) - n : len(values) - len(flat)]
+    runs: list[SegmentRun] = []
+    offset = 0
+    for group in groups:
+        first, last = segments[group[0]], segments[group[-1]]
+        runs.append(
+            SegmentRun(
+                start=first.start,
+                stop=last.start + last.length,
+                query_len=max(segments[i].length for i in group),
+                query_starts=meta[offset : offset + len(group) + 1],
+                block_tables=tables[group[0] : group[-1] + 1],
+                context_lens=contexts[group[0] : group[-1] + 1],
+            )
+        )
+        offset += len(group) + 1
+    return runs
 
 
 def attend(
@@ -359,54 +598,52 @@ def attend(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    sm_count: int | None = None,
 ) -> torch.Tensor:
     """attention.paged_attention on the kernel: q [tokens, heads, head_dim] -> like q, the
-    step's K/V already in the caches. One launch per prefill segment and per decode group
-    (one group when the model runner makes one, as it may: the kernel takes any mix of
-    context lengths). `window`: each query sees its last `window` keys only; `sinks`
-    [heads]: each head's sink logit."""
+    step's K/V already in the caches. One varlen launch for the step's prompt chunks and
+    one for its verify chunks (segment_runs, made on the first layer and kept on the
+    batch for the others), one per decode group (one group when the model runner makes
+    one, as it may: the kernel takes any mix of context lengths); a launch on the decode
+    tiles may split over the context and add its reduce. `window`: each query sees its
+    last `window` keys only; `sinks` [heads]: each head's sink logit; `sm_count`: the
+    SMs splits are chosen for (None: the device's)."""
     out = torch.empty_like(q)
-    for seg in batch.prefills:
-        rows = slice(seg.start, seg.start + seg.length)
-        # A fill kernel, not a host-to-device copy: no sync with the device.
-        context_len = torch.full((1,), seg.context_len, dtype=torch.int32, device=q.device)
-        paged_attention(
-            q[rows],
-            k_cache,
-            v_cache,
-            seg.block_table[None],  # [1, blocks]
-            context_len,
-            scale,
-            query_len=seg.length,
-            out=out[rows],
-            window=window,
-            sinks=sinks,
-        )
+    if batch.prefills:
+        runs = batch.kernel_plan
+        if not isinstance(runs, list):
+            runs = batch.kernel_plan = segment_runs(batch, q.device)
+        for run in runs:
+            rows = slice(run.start, run.stop)
+            paged_attention(
+                q[rows],
+                k_cache,
+                v_cache,
+                run.block_tables,
+                run.context_lens,
+                scale,
+                query_len=run.query_len,
+                query_starts=run.query_starts,
+                out=out[rows],
+                window=window,
+                sinks=sinks,
+                sm_count=sm_count,
+            )
     decode_q, decode_out = q[batch.decode_start :], out[batch.decode_start :]
     for group in batch.decode_groups:
-        if group.rows is None:  # every decode row, in order: written in place
-            tables, lens = group.block_tables, group.context_lens
-            paged_attention(
-                decode_q,
-                k_cache,
-                v_cache,
-                tables,
-                lens,
-                scale,
-                out=decode_out,
-                window=window,
-                sinks=sinks,
-            )
-        else:
-            result = paged_attention(
-                decode_q.index_select(0, group.rows),
-                k_cache,
-                v_cache,
-                group.block_tables,
-                group.context_lens,
-                scale,
-                window=window,
-                sinks=sinks,
-            )
+        in_order = group.rows is None  # every decode row, in order: written in place
+        result = paged_attention(
+            decode_q if group.rows is None else decode_q.index_select(0, group.rows),
+            k_cache,
+            v_cache,
+            group.block_tables,
+            group.context_lens,
+            scale,
+            out=decode_out if in_order else None,
+            window=window,
+            sinks=sinks,
+            sm_count=sm_count,
+        )
+        if group.rows is not None:
             decode_out.index_copy_(0, group.rows, result)
     return out

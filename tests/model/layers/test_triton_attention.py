@@ -43,6 +43,7 @@ class Case:
     tolerance: float  # max |kernel - reference| / (1 + |reference|), elementwise
     sinks: bool = False  # a random sink logit per query head (gpt-oss)
     window: int | None = None  # each query sees its last `window` keys only
+    splits: int | None = None  # parts of the context (flash-decoding); None: the rule's
 
 
 # Decode: one query per sequence, contexts from 1 token to three key tiles, block edges on
@@ -51,6 +52,10 @@ DECODES = ((0, 1), (15, 1), (16, 1), (74, 1), (139, 1))
 # Chunked prefill, several sequences in one launch: no prefix, a prefix hit ending
 # mid-block, a block-aligned prefix, a chunk of several query tiles, and a decode.
 CHUNKS = ((0, 33), (37, 20), (64, 5), (3, 90), (130, 1))
+# Decodes whose contexts span several parts when split: odd lengths, the longest 299.
+LONG_DECODES = ((0, 1), (16, 1), (74, 1), (298, 1))
+# Verify chunks of 5 tokens (4 drafts and the real token) after contexts of odd lengths.
+VERIFIES = ((40, 5), (222, 5), (0, 5))
 # Tolerances, on the error over 1 + |reference|: float32 runs ieee dots and a float32
 # softmax (errors seen ~1e-7). 16-bit inputs round the probabilities to the input dtype
 # before the second product and the output at the end, as on the GPU: at most half an ulp
@@ -73,6 +78,70 @@ CASES = (
     Case("prefill_sinks_fp32", "float32", 6, 2, 64, 16, CHUNKS, True, 1e-5, sinks=True),
     Case("prefill_sinks_window_fp32", "float32", 8, 2, 64, 16, CHUNKS, True, 1e-5, True, 12),
     Case("decode_sinks_window_bf16", "bfloat16", 6, 2, 64, 16, DECODES, False, 1e-2, True, 9),
+    # Split over the context (a partial softmax per part, then the reduce): 2 to 8 parts
+    # of contexts of odd lengths up to 299 keys, so the longest has parts of 64 keys and
+    # the shorter ones empty parts (they walk nothing); the cases above run unsplit.
+    Case("decode_split2_gqa_bf16", "bfloat16", 6, 2, 64, 16, LONG_DECODES, False, 1e-2, splits=2),
+    Case(
+        "decode_split3_mha_odd_head_fp16",
+        "float16",
+        4,
+        4,
+        48,
+        8,
+        LONG_DECODES,
+        False,
+        1.3e-3,
+        splits=3,
+    ),
+    Case("decode_split5_gqa8_fp32", "float32", 16, 2, 64, 16, LONG_DECODES, False, 1e-5, splits=5),
+    Case(
+        "decode_split8_sinks_window_fp32",
+        "float32",
+        6,
+        2,
+        64,
+        16,
+        LONG_DECODES,
+        False,
+        1e-5,
+        True,
+        100,
+        splits=8,
+    ),
+    Case(
+        "decode_split4_sinks_window_bf16",
+        "bfloat16",
+        6,
+        2,
+        64,
+        16,
+        LONG_DECODES,
+        False,
+        1e-2,
+        True,
+        70,
+        splits=4,
+    ),
+    # Speculative verify chunks: a few query tokens a sequence, causal among themselves,
+    # on the decode tiles (5 tokens x GQA 3 = 15 rows of 16), split or not; one length
+    # for all, or varlen (drafts of different lengths).
+    Case("verify_uniform_bf16", "bfloat16", 6, 2, 64, 16, VERIFIES, False, 1e-2),
+    Case("verify_uniform_split4_fp16", "float16", 6, 2, 64, 16, VERIFIES, False, 1.3e-3, splits=4),
+    Case(
+        "verify_varlen_split3_sinks_window_fp32",
+        "float32",
+        6,
+        2,
+        64,
+        16,
+        ((250, 3), (16, 5), (0, 2), (131, 4)),
+        True,
+        1e-5,
+        True,
+        40,
+        splits=3,
+    ),
 )
 ATTEND_TOLERANCE = 1e-5  # attend() against the CPU path (SDPA, the C kernel), float32
 
@@ -150,7 +219,7 @@ def _run_case(case: Case) -> float:
     q = torch.randn(starts[-1], width, case.head_dim).to(dtype)[:, : case.heads]
     scale = case.head_dim**-0.5
     sinks = torch.randn(case.heads) * 2 if case.sinks else None
-    extra = {"sinks": sinks, "window": case.window}
+    extra = {"sinks": sinks, "window": case.window, "splits": case.splits}
     if case.varlen:
         # int32 metadata here, int64 below: the kernel takes either.
         out = triton_attention.paged_attention(
@@ -176,16 +245,17 @@ def _run_case(case: Case) -> float:
 
 
 def _run_attend(sinks: bool = False) -> float:
-    """triton_attention.attend over a whole step (two prefill segments, one a prefix hit,
-    and two decode groups, one out of row order) against attention.paged_attention's CPU
-    path: the max abs difference. With `sinks` (and a window): gpt-oss's attention, whose
-    CPU path is attend_with_sinks."""
+    """triton_attention.attend over a whole step (two prompt chunks, one a prefix hit, in
+    one varlen launch; a speculative verify chunk after them in another; two decode
+    groups, one out of row order) against attention.paged_attention's CPU path: the max
+    abs difference. With `sinks` (and a window): gpt-oss's attention, whose CPU path is
+    attend_with_sinks."""
     from appliance.model.layers import triton_attention
     from appliance.model.layers.paged_attention import AttentionBatch, DecodeGroup, PrefillSegment
     from appliance.model.layers.paged_attention import paged_attention as cpu_paged_attention
 
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    chunks = [(0, 21), (40, 30)]  # prefill: (cached, chunk)
+    chunks = [(0, 21), (40, 30), (61, 4)]  # prefill: (cached, chunk); the last a verify
     decodes = [35, 3, 80]  # decode contexts, the new token included
     contexts = [c + n for c, n in chunks] + decodes
     k_cache, v_cache, tables = _pool(contexts, block_size, kv_heads, head_dim, torch.float32)
@@ -217,7 +287,8 @@ def _run_attend(sinks: bool = False) -> float:
         )
 
     groups = [group([2, 0]), group([1])]
-    batch = AttentionBatch(torch.zeros(0, dtype=torch.int64), segments, row, groups)
+    prompt_rows = 21 + 30  # the verify chunk's rows follow the prompts'
+    batch = AttentionBatch(torch.zeros(0, dtype=torch.int64), segments, row, groups, prompt_rows)
     scale = head_dim**-0.5
     extra = {"window": 17, "sinks": torch.randn(heads)} if sinks else {}
     ours = triton_attention.attend(q, k_cache, v_cache, batch, scale, **extra)

@@ -8,7 +8,8 @@ the same thing. A test fails on a compile error, on ptxas spilling more than the
 benchmark's SPILL_BUDGET bytes a thread, or on more shared memory than the architecture
 gives a block (the launch would fail there with OutOfResources).
 
-The quick lane compiles the default configurations' launches (QUICK) for sm_90a (a few
+The quick lane compiles the default configurations' launches (QUICK: decode, prefill,
+a verify step, a decode split over the context and its reduce) for sm_90a (a few
 seconds on a quiet machine), the slow lane (`process`) the same for sm_80, sm_86 and
 sm_89; the full matrix, every variant for every architecture (a few minutes), is the
 benchmark's: `benchmarks/triton_compile_table.py` exits 1 on any cell that fails.
@@ -86,6 +87,30 @@ def test_variants_cover_every_launch_rule() -> None:
     assert {v.head_dim for v in variants} >= {64, 96, 128, 256}
     assert any(v.window and v.sinks for v in variants)
     assert set(BENCH.QUICK) <= {v.name for v in variants}
+    # The decode side's other launches (a verify step, a split decode and its reduce),
+    # in every dtype, and in the quick lane.
+    assert {(v.dtype, v.launch) for v in variants} >= {
+        (dtype, launch)
+        for dtype in ("bfloat16", "float16", "float32")
+        for launch in ("verify", "split", "reduce")
+    }
+    assert {BENCH.variant(name).launch for name in BENCH.QUICK} == {
+        "plain",
+        "verify",
+        "split",
+        "reduce",
+    }
+
+
+def test_a_split_launch_is_the_kernel_and_its_reduce() -> None:
+    # What the table compiles for a split decode is what attend() launches: the attention
+    # kernel writing parts, then the reduce over them.
+    split = BENCH.launch_for(BENCH.variant("llama3-8b bf16 split"))
+    reduce = BENCH.launch_for(BENCH.variant("llama3-8b bf16 reduce"))
+    assert split.options["SPLIT"] and split.grid == (1, 8, 16)
+    assert reduce.kernel is not split.kernel and reduce.grid == (32,)
+    verify = BENCH.launch_for(BENCH.variant("llama3-8b bf16 verify"))
+    assert verify.options["VARLEN"] and not verify.options["SPLIT"]
 
 
 @pytest.mark.process  # the slow lane: the default configurations' launches, every arch
