@@ -60,3 +60,21 @@ def test_the_fault_panel_appears_with_the_first_fault_and_lists_what_it_touched(
     assert lines[0].endswith("[requests 7, 9]")
     assert "worker 4 box b: its box was lost" in lines[1]
     assert lines[2].endswith("[requests 1, 2, 3, 4, 5, 6 +3]")
+
+
+def test_a_box_joining_alone_leaves_the_fault_panel_hidden() -> None:
+    """A join is not a fault: the first join of box b (its only event) shows no panel."""
+    joined = Event(seq=3, at=time.time(), kind="box", message="box 'b' joined",
+                   fault="box_joined", box="b", cause="its agent joined")  # fmt: skip
+    faults = {"box_joined": 1, "box_lost": 0, "worker_exit": 0}
+    snapshot = recorded().model_copy(update={"faults": faults, "fault_events": [joined]})
+
+    async def scenario() -> bool:
+        app = ConsoleApp(None, watch=False)
+        async with app.run_test(size=SIZE) as pilot:
+            app.post_message(ConnectionChanged(True, "connected"))
+            app.post_message(SnapshotArrived(snapshot))
+            await pilot.pause()
+            return app.query_one("#faults", FaultPanel).display
+
+    assert not asyncio.run(scenario())

@@ -1,5 +1,6 @@
 """FaultPanel: faults and recoveries by kind, and the latest of them with the worker, box
-and requests each touched. Hidden until the appliance reports its first fault."""
+and requests each touched. Hidden until the appliance reports its first fault (a box
+joining is an event of the panel's, but no fault: a first join alone leaves it hidden)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ LINES_SHOWN = 8
 """Fault events listed, newest last."""
 REQUESTS_SHOWN = 6
 """Request ids listed per event; more are counted."""
+NOT_FAULTS = frozenset({"box_joined"})
+"""Event kinds the panel lists that are no fault by themselves (a box joining)."""
 
 
 def counts_line(faults: dict[str, int]) -> str:
@@ -56,7 +59,7 @@ class FaultPanel(Vertical):
 
     def show(self, snapshot: Snapshot) -> None:
         """Show the snapshot's fault counts and latest fault events."""
-        self.display = any(snapshot.faults.values())
+        self.display = any(n for kind, n in snapshot.faults.items() if kind not in NOT_FAULTS)
         if not self.display:
             return
         self.query_one("#fault-counts", Static).update(counts_line(snapshot.faults))
