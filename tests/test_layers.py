@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("appliance/model", "appliance/topology"),  # model files, kernels, forward; devices
     ("appliance/settings",),  # the one settings model (reads a model's name through model/)
+    ("appliance/tracing",),  # OpenTelemetry spans, imported only where tracing is on
     ("appliance/kv",),  # block accounting, the KV tensor, handoff copies
     ("appliance/kv_store",),  # the box-wide KV store below the workers' pools
     ("appliance/engine",),  # scheduler, model runner, sampler of one worker

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Protocol
 
 from appliance.core.request_table import ParkedKV, Request, RequestTable
@@ -48,12 +49,16 @@ class Handoffs:
         router: Router,
         pool: WorkerPool,
         attempts: Attempts,
+        traces: Mapping[int, str] | None = None,
     ) -> None:
+        """`traces`: each traced request's span (a traceparent) by request id, which its
+        Handoff carries to the decode worker."""
         self.block_size = block_size
         self.table = table
         self.router = router
         self.pool = pool
         self.attempts = attempts
+        self.traces: Mapping[int, str] = traces if traces is not None else {}
         self._waiting: dict[int, ParkedKV] = {}  # wire id -> KV waiting for room, oldest first
 
     @property
@@ -96,6 +101,7 @@ class Handoffs:
                 request.attempt_params,
                 parked.source,
                 parked.blocks,
+                self.traces.get(request.request_id, ""),
             ),
         )
 

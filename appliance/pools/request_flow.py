@@ -30,6 +30,13 @@ from appliance.pools.handoffs import Handoffs
 from appliance.pools.kv_store_owner import StoreOwner
 from appliance.pools.worker_handle import WorkerHandle, WorkerPool
 from appliance.settings.config import Settings
+from appliance.tracing.spans import (
+    current_traceparent,
+    end_span,
+    fault_span,
+    start_span,
+    traceparent_of,
+)
 from appliance.workers.messages import Abort, Output, Release, Submit, TokenBatch
 
 # Prompts go to prefill workers (which hand their KV off) and colocated ones (which keep it).
@@ -84,7 +91,10 @@ class RequestFlow:
         self.traffic = traffic
         # The handoffs are the flow's: it hands them what its workers prefilled, and a
         # handoff that cannot go comes back to it (run again, or failed).
-        self.handoffs = Handoffs(settings.kv.block_size, table, router, pool, self)
+        self._traces: dict[int, str] = {}  # request id -> its span, where traced
+        self.handoffs = Handoffs(
+            settings.kv.block_size, table, router, pool, self, traces=self._traces
+        )
         self._streams: dict[int, asyncio.Queue[Chunk | Exception]] = {}  # request id -> chunks
         self.online = OnlineProfile()  # every worker size's recent steps, timed
         self.store: StoreOwner | None = None  # the box's KV store (the supervisor's)
@@ -96,16 +106,24 @@ class RequestFlow:
         stream = self._streams[request.request_id] = asyncio.Queue()
         limit = self.settings.server.request_timeout_s
         deadline = None if limit is None else arrival + limit
+        # A child of the HTTP request's span (None: tracing is off); the workers' spans
+        # hang under it.
+        span = start_span("supervisor", current_traceparent(), _request_attributes(request))
+        if span is not None:
+            self._traces[request.request_id] = traceparent_of(span)
+        error = None
         try:
             self.submit(request)
             while True:
                 item = await _next_item(stream, deadline, limit)
                 if isinstance(item, Exception):
+                    error = str(item)
                     raise item
                 yield item
                 if item.finished:
                     return
         finally:
+            end_span(span, error, {"appliance.retries": request.retries})
             self.forget(request)
 
     def put(self, request: Request, item: Chunk | Exception) -> None:
@@ -132,7 +150,14 @@ class RequestFlow:
         if hits is not None:  # on the same queue just before the Submit: loaded at its start
             self.pool.send(worker.worker_id, hits)
         self.pool.send(
-            worker.worker_id, Submit(wire_id, token_ids, request.attempt_params, prefill_only)
+            worker.worker_id,
+            Submit(
+                wire_id,
+                token_ids,
+                request.attempt_params,
+                prefill_only,
+                self._traces.get(request.request_id, ""),
+            ),
         )
 
     def awaiting_handoff(self) -> int:
@@ -152,6 +177,7 @@ class RequestFlow:
             cause=reason,
             requests=[request.request_id],
         )
+        fault_span(self._traces.get(request.request_id, ""), "rerun", reason)
         self.submit(request)
 
     def retry(self, request: Request, reason: str) -> None:
@@ -170,6 +196,7 @@ class RequestFlow:
             cause=message,
             requests=[request.request_id],
         )
+        fault_span(self._traces.get(request.request_id, ""), "request_failed", message)
         self.fail(request, message)
 
     def fail(self, request: Request, message: str) -> None:
@@ -246,6 +273,7 @@ class RequestFlow:
         self.traffic.record(request)
         self._unqueue(request)
         self._streams.pop(request.request_id, None)
+        self._traces.pop(request.request_id, None)
         wire_id = request.wire_id  # None: never sent to a worker
         if self.table.forget(request.request_id) and wire_id is not None:
             # The consumer left early: cancel it wherever it runs.
@@ -259,6 +287,15 @@ class RequestFlow:
             return
         if (worker := self.pool.workers.get(request.prefill_worker)) is not None:
             worker.unqueued(request.submitted_len)
+
+
+def _request_attributes(request: Request) -> dict[str, str | int]:
+    """The supervisor's span's attributes (OpenTelemetry's gen_ai names where they fit)."""
+    return {
+        "appliance.request_id": request.request_id,
+        "gen_ai.usage.input_tokens": len(request.prompt),
+        "gen_ai.request.max_tokens": request.params.max_tokens,
+    }
 
 
 async def _next_item(

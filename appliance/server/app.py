@@ -33,6 +33,8 @@ from appliance.server.snapshot import SnapshotBuilder
 from appliance.server.state import ServerState
 from appliance.settings.config import Settings, is_loopback
 from appliance.topology.nvml import import_nvml
+from appliance.tracing.exporting import start_exporting
+from appliance.tracing.http_spans import RequestSpans
 
 log = logging.getLogger("appliance.server")
 WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}  # and how to reach them
@@ -60,6 +62,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        exporting = start_exporting(appliance.settings.tracing, "server")  # None: off
         starting = asyncio.create_task(appliance.start())
         starting.add_done_callback(
             lambda task: _started(task, state, admin, notifier, on_start_failed)
@@ -77,6 +80,8 @@ def build_app(
                 await asyncio.gather(starting, return_exceptions=True)
             await appliance.stop()
             notifier.close()
+            if exporting is not None:
+                exporting.stop()
 
     app = Starlette(
         routes=[
@@ -92,7 +97,7 @@ def build_app(
             Route("/", _chat_page, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ],
-        middleware=[Middleware(OriginGuard, rules=OriginRules.for_settings(appliance.settings))],
+        middleware=_middleware(appliance.settings),
         exception_handlers={
             APIError: _counted(api_error),
             HTTPException: _counted(http_error),
@@ -105,6 +110,12 @@ def build_app(
     # The server calls it once bound, with the port it got (port 0 picks a free one).
     app.state.on_listening = lambda port: _listening(state, admin, port)
     return app
+
+
+def _middleware(settings: Settings) -> list[Middleware]:
+    """The origin guard; outside it, where tracing is on, each API request's root span."""
+    guard = [Middleware(OriginGuard, rules=OriginRules.for_settings(settings))]
+    return [Middleware(RequestSpans), *guard] if settings.tracing.enabled else guard
 
 
 async def _chat_page(request: Request) -> Response:

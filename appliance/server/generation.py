@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from appliance.api import Chunk, RequestFailed, SamplingParams
 from appliance.server.metrics import Metrics
+from appliance.tracing.spans import add_to, fail_current
 
 T = TypeVar("T")
 Chunks = AsyncGenerator[Chunk, None]
@@ -56,10 +57,12 @@ async def observed(generate: GenerateIds, choice: Choice, metrics: Metrics) -> C
                 metrics.generation_tokens.inc(len(chunk.token_ids))
                 if chunk.finished:
                     outcome = ""
+                    add_to("gen_ai.usage.output_tokens", num_tokens)  # the request's span
                     metrics.observe_finished(chunk, num_tokens, arrival, first, last)
                 yield chunk
-    except RequestFailed:
+    except RequestFailed as exc:
         outcome = "error"
+        fail_current(str(exc))
         raise
     finally:
         if outcome:

@@ -32,6 +32,7 @@ from appliance.server.protocol import (
 from appliance.server.responses import ChatShape, CompletionShape, Envelope, Shape
 from appliance.server.state import ServerState
 from appliance.server.tool_fields import ChatTurn
+from appliance.tracing.spans import annotate
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -244,6 +245,14 @@ async def _respond(
     ticket = state.admit(len(choices))
     envelope = Envelope(shape, state.appliance.model_name, prompt_logprobs=req.prompt_logprobs)
     prompt_tokens = sum(len(ids) for ids in prompts)
+    annotate(
+        {
+            "gen_ai.response.id": envelope.id,
+            "gen_ai.request.model": state.appliance.model_name,
+            "gen_ai.request.n": req.n,
+            "gen_ai.usage.input_tokens": prompt_tokens,
+        }
+    )
     if req.stream:
         return replies.streamed(state, choices, envelope, prompt_tokens, req.include_usage, ticket)
     try:

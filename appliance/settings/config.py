@@ -40,6 +40,7 @@ from appliance.settings.cluster import ClusterSettings
 from appliance.settings.engine import BatchSettings, KVSettings, SpeculativeSettings
 from appliance.settings.kv_store import KVStoreSettings
 from appliance.settings.planner import PlannerSettings
+from appliance.settings.tracing import TracingSettings
 
 
 class SettingsError(ValueError):
@@ -320,6 +321,7 @@ class Settings(BaseSettings):
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @field_validator("model", mode="before")
     @classmethod

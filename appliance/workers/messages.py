@@ -29,6 +29,7 @@ class Submit:
     token_ids: list[int]
     params: SamplingParams
     prefill_only: bool
+    trace: str = ""  # the supervisor's span as a W3C traceparent; "": not traced
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Handoff:
     params: SamplingParams
     source: int
     blocks: list[int]
+    trace: str = ""  # the supervisor's span as a W3C traceparent; "": not traced
 
 
 @dataclass

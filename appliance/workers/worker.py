@@ -27,6 +27,9 @@ from appliance.settings.cluster import ClusterSettings
 from appliance.settings.config import Settings
 from appliance.topology.cpu import pin_to_cores
 from appliance.topology.devices import Device
+from appliance.tracing.exporting import start_exporting
+from appliance.tracing.spans import Attributes
+from appliance.tracing.worker_spans import WorkerSpans
 from appliance.workers.lifetime import die_with_parent
 from appliance.workers.messages import (
     Abort,
@@ -80,6 +83,7 @@ class WorkerState:
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     transfer: KVTransfer | None = None  # the KV transfer agent, once another box needs it
     registered: list[RemotePool] = field(default_factory=list)  # this pool, as it shares it
+    spans: WorkerSpans | None = None  # its requests' spans, where tracing is on
     store: StoreClient | None = None  # the box's KV store (kv_store.enabled)
 
 
@@ -134,6 +138,9 @@ def load_and_serve(
     gemm = engine.model.prefill_gemm  # its steps' timings say where the kernels switch
     engine.clock.gemm_rows = gemm.rows if gemm is not None else None
     state = WorkerState(worker_id, engine, outbox, group, cluster=settings.cluster)
+    exporting = start_exporting(settings.tracing, f"worker {worker_id}")
+    if exporting is not None:
+        state.spans = WorkerSpans(worker_id)
     try:
         shard_pids = group.pids if group is not None else []
         outbox.put(Ready(worker_id, engine.kv.num_blocks, shard_pids))
@@ -141,6 +148,9 @@ def load_and_serve(
             state.store = StoreClient.start(worker_id, engine, settings, outbox)
         serve(state, inbox)
     finally:  # a traceback would keep the engine (and the shards' pools it opened) alive
+        if exporting is not None and state.spans is not None:
+            state.spans.close()
+            exporting.stop()  # what the batch holds goes out before the process ends
         del state, engine
 
 
@@ -163,6 +173,8 @@ def serve(state: WorkerState, inbox: Queue[ToWorker]) -> None:
             request_id = forget_engine_id(state, engine_id)
             if request_id is not None:
                 outbox.put(LeaseExpired(worker_id, request_id))
+                if state.spans is not None:
+                    state.spans.end(request_id, error="no decode worker pulled its KV in time")
 
 
 def inbox_wait(engine: LLMEngine) -> float:
@@ -183,11 +195,15 @@ def send_landed(state: WorkerState) -> int:
         request_id, moved = state.copying.pop(engine_id, (None, 0))
         if request_id is not None:  # else aborted meanwhile: nobody waits for the answer
             state.outbox.put(HandoffResult(state.worker_id, request_id, True, moved))
+            if state.spans is not None:
+                state.spans.landed(request_id, moved)
     failed = state.engine.pop_failed_copies()  # a read from another box: over
     for engine_id in failed:
         request_id = forget_engine_id(state, engine_id)
         if request_id is not None:  # else aborted meanwhile
             state.outbox.put(HandoffResult(state.worker_id, request_id, False))
+            if state.spans is not None:
+                state.spans.end(request_id, error="the KV read from the prefill's box failed")
     return len(landed) + len(failed)
 
 
@@ -271,6 +287,8 @@ def handle(state: WorkerState, message: ToWorker) -> None:
             if engine_id is not None:
                 engine.abort(engine_id)
                 forget_engine_id(state, engine_id)
+            if state.spans is not None:
+                state.spans.end(message.request_id, attributes={"appliance.aborted": True})
         case StoreHits():
             if state.store is not None:
                 state.store.hold(message)
@@ -320,6 +338,10 @@ def submit(state: WorkerState, message: Submit) -> None:
         return
     state.to_engine[message.request_id] = engine_id
     state.to_request[engine_id] = message.request_id
+    if state.spans is not None:
+        name = "prefill" if message.prefill_only else "generate"
+        prompt = {"gen_ai.usage.input_tokens": len(message.token_ids)}
+        state.spans.begin(message.request_id, name, message.trace, prompt)
 
 
 def take_handoff(state: WorkerState, message: Handoff) -> None:
@@ -340,6 +362,9 @@ def take_handoff(state: WorkerState, message: Handoff) -> None:
     engine_id, moved = pulled
     state.to_engine[message.request_id] = engine_id
     state.to_request[engine_id] = message.request_id
+    if state.spans is not None:  # until its blocks land (send_landed)
+        blocks = {"appliance.handoff.blocks": len(message.blocks)}
+        state.spans.begin(message.request_id, "handoff", message.trace, blocks)
     # Accepted once its blocks have landed (on the CPU, now): send_landed answers then.
     state.copying[engine_id] = (message.request_id, moved)
     send_landed(state)
@@ -367,6 +392,8 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
         if out.finished:
             state.to_request.pop(out.seq_id, None)
             state.to_engine.pop(request_id, None)
+        if state.spans is not None:
+            trace_output(state.spans, request_id, out)
         batch.outputs.append(
             Output(
                 request_id,
@@ -381,6 +408,18 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
             )
         )
     state.outbox.put(batch)
+
+
+def trace_output(spans: WorkerSpans, request_id: int, out: RequestOutput) -> None:
+    """Count a step's tokens on the request's span; its last (a prefill parked for a
+    handoff, a finished request) ends the span."""
+    spans.stepped(request_id, len(out.token_ids))
+    if out.finished or out.handoff_blocks is not None:
+        ends: Attributes = {
+            "gen_ai.response.finish_reasons": out.finish_reason or "",
+            "appliance.cached_tokens": out.cached_tokens,
+        }
+        spans.end(request_id, attributes=ends)
 
 
 def newly_started(state: WorkerState) -> list[int]:
