@@ -423,8 +423,8 @@ def every_message() -> list[object]:
         c.Refused("why"),
         c.Ping(5),
         c.Pong(5),
-        m.Submit(1, [1, 2], params, True),
-        m.Handoff(1, [1, 2, 3], 2, params, 0, [4, 5]),
+        m.Submit(1, [1, 2], params, True, TRACE),  # a traced request's context crosses too
+        m.Handoff(1, [1, 2, 3], 2, params, 0, [4, 5], TRACE),
         m.SharePool(3, remote=True),
         m.PeerPool(0, [pool]),
         m.DropPeer(0),
@@ -440,6 +440,9 @@ def every_message() -> list[object]:
         m.LeaseExpired(0, 1),
         m.Failed(3, 1, "bad"),
     ]
+
+
+TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"  # a W3C traceparent
 
 
 def test_every_message_crosses_as_itself() -> None:
