@@ -197,6 +197,20 @@ class PlannerView(BaseModel):
     decisions: list[Decision] = Field(description="The latest decisions, oldest first.")
 
 
+class KVStoreView(BaseModel):
+    """The box's KV store (issue 41): blocks by tier, what it served since it opened."""
+
+    hits: dict[str, int] = Field(description="Blocks workers copied from it, by tier.")
+    misses: int = Field(description="Lookups whose stored prefix ended short of the prompt.")
+    lookups: int
+    bytes_read: dict[str, int] = Field(description="Bytes of the blocks served, by tier.")
+    bytes_written: dict[str, int] = Field(description="Bytes put into each tier.")
+    blocks: dict[str, int] = Field(description="Blocks held now, by tier.")
+    used_bytes: dict[str, int]
+    capacity_bytes: dict[str, int]
+    refused: int = Field(description="Disk blocks that failed their checks: dropped.")
+
+
 class Snapshot(BaseModel):
     """Everything the console shows, as of `at`."""
 
@@ -226,3 +240,8 @@ class Snapshot(BaseModel):
     planner: PlannerView | None = Field(
         None, description="The rebalancer's view; None when the appliance has none."
     )
+    # --- kv store (issue 41)
+    kv_store: KVStoreView | None = Field(
+        None, description="The box's KV store; None while it is off or not open yet."
+    )
+    # --- end kv store

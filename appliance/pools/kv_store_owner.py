@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from appliance.kv.prefix_cache import prefix_keys
 from appliance.kv_store.block_store import BlockStore
-from appliance.kv_store.tier_index import Hit
+from appliance.kv_store.tier_index import Hit, Tier
 from appliance.settings.kv_store import KVStoreSettings
 from appliance.workers.messages import StoreHits, StorePut, StoreReady, StoreRelease
 
@@ -28,7 +28,7 @@ log = logging.getLogger("appliance.kv_store")
 class StoreFigures:
     """The store's figures for /metrics and the admin snapshot (counts since it opened)."""
 
-    hits: dict[str, int]  # blocks served, by the tier they were in when asked for
+    hits: dict[str, int]  # blocks workers copied from the store, by the tier they were in
     misses: int  # lookups whose prefix stopped short of the prompt's full blocks
     lookups: int
     bytes_read: dict[str, int]  # bytes of the blocks served, by tier
@@ -49,7 +49,8 @@ class StoreOwner:
         self.block_size = block_size
         self.store: BlockStore | None = None
         self._namespaces: dict[int, bytes] = {}  # worker -> its namespace's digest
-        self._pinned: dict[tuple[int, int], list[Hit]] = {}  # (worker, request) -> hits
+        # (worker, request) -> its hits, each with the tier it was found in and its size
+        self._pinned: dict[tuple[int, int], list[tuple[Hit, Tier, int]]] = {}
         self._served: dict[str, int] = {"host": 0, "disk": 0}
         self._served_bytes: dict[str, int] = {"host": 0, "disk": 0}
         self._lookups = 0
@@ -96,13 +97,13 @@ class StoreOwner:
             slot = None if held is None else store.host.slot_of(hit.key)
             if slot is None:
                 break
-            self._served[hit.tier] += 1
-            self._served_bytes[hit.tier] += store.index.nbytes(hit.key)
             slots.append(slot)
         store.release(hits[len(slots) :], reader)
         if not slots:
             return None
-        self._pinned[(worker_id, request_id)] = hits[: len(slots)]
+        self._pinned[(worker_id, request_id)] = [
+            (hit, hit.tier, store.index.nbytes(hit.key)) for hit in hits[: len(slots)]
+        ]
         arena = str(store.host.arena.path)
         return StoreHits(request_id, arena, namespace, keys[: len(slots)], slots)
 
@@ -122,9 +123,13 @@ class StoreOwner:
         """A worker copied these requests' hits: they may be pushed out again."""
         if self.store is None:
             return
-        for request_id in message.request_ids:
-            hits = self._pinned.pop((message.worker_id, request_id), [])
-            self.store.release(hits, str(message.worker_id))
+        for request_id, loaded in zip(message.request_ids, message.loaded, strict=True):
+            pinned = self._pinned.pop((message.worker_id, request_id), [])
+            # Served: the blocks the worker copied (those it held already are its own hits).
+            for _, tier, nbytes in pinned[:loaded]:
+                self._served[tier] += 1
+                self._served_bytes[tier] += nbytes
+            self.store.release([hit for hit, _, _ in pinned], str(message.worker_id))
 
     def forget_worker(self, worker_id: int) -> int:
         """A worker exited (maybe mid-copy): its pins go; the store's bytes are as they were.

@@ -11,6 +11,7 @@ from typing import Protocol
 from appliance.core.events import Event
 from appliance.core.request_table import Request
 from appliance.core.tuning import Tuning
+from appliance.pools.kv_store_owner import StoreFigures as StoreFigures  # what it shows
 from appliance.pools.worker_handle import WorkerView as WorkerView  # what a view shows
 from appliance.topology.devices import Topology
 
@@ -62,4 +63,9 @@ class PoolState(Protocol):
 
     def pending_handoffs(self) -> int:
         """Handoffs sent to a decode worker and not yet answered."""
+        ...
+
+    @property
+    def kv_store_figures(self) -> StoreFigures | None:
+        """The box's KV store: what it holds and served; None while it is off or not open."""
         ...

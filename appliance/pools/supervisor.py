@@ -34,7 +34,7 @@ from appliance.planner.profile import Profile
 from appliance.planner.traffic_log import TrafficLog
 from appliance.pools.boxes import Boxes
 from appliance.pools.drains import Drains, Progress
-from appliance.pools.kv_store_owner import StoreOwner
+from appliance.pools.kv_store_owner import StoreFigures, StoreOwner
 from appliance.pools.process_manager import ProcessManager
 from appliance.pools.request_flow import Chunk, RequestFailed, RequestFlow
 from appliance.pools.wiring import Wiring
@@ -319,6 +319,11 @@ class Supervisor:
     def fault_events(self) -> list[Event]:
         """The latest fault events, oldest first (kept apart from the other events)."""
         return list(self.log.faults)
+
+    @property
+    def kv_store_figures(self) -> StoreFigures | None:
+        """The box's KV store: what it holds and served; None while it is off or not open."""
+        return self.kv_store.figures()
 
     @property
     def fault_counts(self) -> dict[str, int]:

@@ -79,6 +79,11 @@ class Metrics:
             "appliance_prompt_tokens_cached",
             "Prompt tokens served from the prefix cache instead of being prefilled.",
         )
+        self.computed_prompt_tokens = counter(
+            "appliance_prompt_tokens_computed",
+            "Prompt tokens a worker computed: neither in its pool's prefix cache nor loaded "
+            "from the box's KV store.",
+        )
         self.generation_tokens = counter(
             "appliance_generation_tokens", "Tokens generated (prefill's first and decoded)."
         )
@@ -95,6 +100,7 @@ class Metrics:
         registry.register(PoolCollector(pools))
         registry.register(FaultCollector(pools))
         registry.register(SpeculationCollector(pools))
+        registry.register(KVStoreCollector(pools))
         if planner_counts is not None:
             registry.register(PlannerCollector(planner_counts))
 
@@ -102,6 +108,7 @@ class Metrics:
         self.ttft.observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_prompt_tokens.inc(cached)
+        self.computed_prompt_tokens.inc(prompt_tokens - cached)
 
     def observe_finished(
         self, chunk: Chunk, num_tokens: int, arrival: float, first: float, last: float
@@ -261,3 +268,45 @@ class SpeculationCollector(Collector):
             rate.add_metric(key, counts.rate)
             length.add_metric(key, counts.mean_emitted)
         yield from (drafts, draft_tokens, accepted, rate, length)
+
+
+# --- kv store (issue 41): the box's KV store, read from the supervisor's owner at each scrape
+
+
+class KVStoreCollector(Collector):
+    """The box's KV store: blocks served and bytes moved per tier, lookups that missed,
+    occupancy. Nothing while the store is off (or not open: no worker has loaded)."""
+
+    def __init__(self, pools: PoolState) -> None:
+        self.pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self.pools.kv_store_figures
+        if figures is None:
+            return
+        tier = ["tier"]
+        by_tier: list[tuple[str, str, Mapping[str, int], bool]] = [
+            ("hits", "Blocks workers copied from the store into their pools.", figures.hits, True),
+            ("read_bytes", "Bytes of the blocks served.", figures.bytes_read, True),
+            ("written_bytes", "Bytes put into each tier.", figures.bytes_written, True),
+            ("blocks", "Blocks held now.", figures.blocks, False),
+            ("used_bytes", "Bytes the blocks held take.", figures.used_bytes, False),
+            ("capacity_bytes", "Each tier's capacity.", figures.capacity_bytes, False),
+        ]
+        for name, doc, values, counts in by_tier:
+            kind = CounterMetricFamily if counts else GaugeMetricFamily
+            family = kind(f"appliance_kv_store_{name}", f"{doc} By tier (host, disk).", labels=tier)
+            for label, value in values.items():
+                family.add_metric([label], value)
+            yield family
+        single = [
+            ("lookups", "Prompts looked up in the store.", figures.lookups),
+            ("misses", "Lookups whose stored prefix ended short of the prompt.", figures.misses),
+            ("refused", "Disk blocks that failed their checks: recomputed.", figures.refused),
+            ("dropped", "Blocks pushed out of the store altogether.", figures.dropped),
+        ]
+        for name, doc, value in single:
+            yield CounterMetricFamily(f"appliance_kv_store_{name}", doc, value=value)
+
+
+# --- end kv store

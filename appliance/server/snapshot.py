@@ -10,6 +10,7 @@ from appliance.admin.device_stats import DeviceStats
 from appliance.admin.latency_window import LatencyWindow
 from appliance.admin.schema import (
     DeviceInfo,
+    KVStoreView,
     RequestRow,
     Snapshot,
     WorkerInfo,
@@ -17,7 +18,7 @@ from appliance.admin.schema import (
 )
 from appliance.api import Appliance
 from appliance.core.request_table import Phase, Request
-from appliance.pools.pool_state import WorkerView
+from appliance.pools.pool_state import StoreFigures, WorkerView
 
 MAX_REQUEST_ROWS = 50
 EVENTS_SHOWN = 20
@@ -74,6 +75,7 @@ class SnapshotBuilder:
             faults=dict(state.fault_counts),
             fault_events=list(state.fault_events)[-FAULT_EVENTS_SHOWN:],
             planner=appliance.autopilot.view(),
+            kv_store=_kv_store_view(state.kv_store_figures),
         )
 
     def _devices(self, views: list[WorkerView], now: float) -> list[DeviceInfo]:
@@ -151,3 +153,25 @@ def _row(request: Request, now: float) -> RequestRow:
         prefill_worker=request.prefill_worker,
         decode_worker=request.decode_worker,
     )
+
+
+# --- kv store (issue 41)
+
+
+def _kv_store_view(figures: StoreFigures | None) -> KVStoreView | None:
+    if figures is None:
+        return None
+    return KVStoreView(
+        hits=figures.hits,
+        misses=figures.misses,
+        lookups=figures.lookups,
+        bytes_read=figures.bytes_read,
+        bytes_written=figures.bytes_written,
+        blocks=figures.blocks,
+        used_bytes=figures.used_bytes,
+        capacity_bytes=figures.capacity_bytes,
+        refused=figures.refused,
+    )
+
+
+# --- end kv store

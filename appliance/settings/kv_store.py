@@ -3,9 +3,9 @@ KV store below the workers' pools (appliance/kv_store/, issue 41). Names follow 
 offloading connector and LMCache where they have one (LMCache: local_cpu,
 max_local_cpu_size, local_disk, max_local_disk_size).
 
-Not used yet: the workers do not read or write the store. These are the section's fields
-and their checks, so the store's parts are built and tested against the settings they
-will be started from.
+The supervisor opens the store when the first worker loads (appliance/pools/
+kv_store_owner.py); each worker of one device writes and reads it
+(appliance/workers/store_client.py). A tensor-parallel worker does not use it yet.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class KVStoreSettings(BaseModel):
     """The box-wide KV store: full KV blocks in host shared memory and on disk, shared by
-    every worker of the box and (its disk tier) kept across restarts. Not yet used by the
-    workers."""
+    every worker of the box and (its disk tier) kept across restarts."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -27,9 +26,9 @@ class KVStoreSettings(BaseModel):
         False,
         description="Keep full KV blocks below the workers' pools, keyed by their tokens and "
         "everything that changes their bytes (model, weights, KV dtype, block size, "
-        "tensor-parallel shard, prefill kernel, the request's cache_salt), so a prefix "
-        "computed by one worker, or before a restart (disk tier), is read, not computed. "
-        "Not used by the workers yet.",
+        "tensor-parallel shard, prefill kernel), so a prefix computed by one worker, or "
+        "before a restart (disk tier), is read, not computed. Needs kv.prefix_caching; "
+        "workers over several devices (tensor parallel) do not use it yet.",
     )
     host_memory_mb: int = Field(
         1024,

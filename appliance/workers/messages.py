@@ -226,10 +226,13 @@ class StorePut:
 
 @dataclass
 class StoreRelease:
-    """Worker -> supervisor: it has copied the StoreHits of these requests."""
+    """Worker -> supervisor: it has copied the StoreHits of these requests: the first
+    `loaded[i]` blocks of request `request_ids[i]`'s hits went into its pool (the others
+    it held already, or had no room for)."""
 
     worker_id: int
     request_ids: list[int]
+    loaded: list[int]
 
 
 # What a worker's inbox carries, and what comes back on its outbox: a handler matches on

@@ -40,7 +40,7 @@ class StoreClient:
     evict_policy: bool = True  # False: blocks go in when their last request lets go
     digest: bytes = b""
     puts: list[tuple[int, bytes]] = field(default_factory=list)  # waiting for the report
-    released: list[int] = field(default_factory=list)  # requests whose hits were copied
+    released: list[tuple[int, int]] = field(default_factory=list)  # (request, blocks loaded)
     pending: dict[int, StoreHits] = field(default_factory=dict)  # request id -> its hits
     in_store: set[int] = field(default_factory=set)  # keys of pool blocks the store has
     arena: HostArena | None = None
@@ -96,7 +96,8 @@ class StoreClient:
             outbox.put(StorePut(self.worker_id, self.digest, self.puts))
             self.puts = []
         if self.released:
-            outbox.put(StoreRelease(self.worker_id, self.released))
+            requests, loaded = zip(*self.released, strict=True)
+            outbox.put(StoreRelease(self.worker_id, list(requests), list(loaded)))
             self.released = []
 
     # ------------------------------------------------------------ reading
@@ -111,8 +112,8 @@ class StoreClient:
         hits = self.pending.pop(request_id, None)
         if hits is None:
             return 0
-        self.released.append(request_id)
         if params.prompt_logprobs is not None:
+            self.released.append((request_id, 0))
             return 0  # every prompt position is computed for its logits
         if self.arena is None or str(self.arena.path) != hits.arena:
             self.arena = HostArena.attach(Path(hits.arena))
@@ -122,6 +123,7 @@ class StoreClient:
             token_ids, (len(token_ids) - 1) // size, found, self._loader(hits.namespace)
         )
         self.loaded_blocks += loaded
+        self.released.append((request_id, loaded))
         return loaded
 
     def _loader(self, namespace: bytes) -> Callable[[int, tuple[int, int]], bool]:
