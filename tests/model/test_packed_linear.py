@@ -1,4 +1,8 @@
-"""oneDNN-packed projections on the CPU: the same numbers as F.linear, used where they run."""
+"""oneDNN-packed projections on the CPU: the same numbers as F.linear, used where they run.
+
+The packing is checked on a tiny tied llama GGUF (tests/helpers/tiny_gguf.py) read through
+the same loader as the embedded model; the bfloat16 answer check runs on the embedded
+model too, in the slow lane (it loads and runs the whole model)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_gguf import write_gguf
 
 from appliance.engine.shard_loading import build_model
 from appliance.model import packed_linear
@@ -43,11 +48,23 @@ def test_a_packed_linear_is_bit_identical_to_f_linear(rows: int, bias: bool) -> 
 
 
 @pytest.fixture(scope="module")
-def files() -> ModelFiles:
+def files(tmp_path_factory: pytest.TempPathFactory) -> ModelFiles:
+    """A tiny tied llama (2 layers, Q8_0 blocks) through the loader and its GGUF cache:
+    the packing's counts and head rules hold for any llama, so its checks need no more."""
+    folder = tmp_path_factory.mktemp("packed")
+    return load_model_files(write_gguf(folder / "tiny.gguf"), folder / "cache")
+
+
+@pytest.fixture(scope="module")
+def embedded() -> ModelFiles:
     return load_model_files(default_model_path(), load_settings().cache_dir)
 
 
-def test_the_bfloat16_model_is_packed_and_answers_as_before(files: ModelFiles) -> None:
+@pytest.mark.parametrize("model", ["files", pytest.param("embedded", marks=pytest.mark.process)])
+def test_the_bfloat16_model_is_packed_and_answers_as_before(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    files: ModelFiles = request.getfixturevalue(model)
     packed = build_model(files, torch.bfloat16, CPU, 256)
     with torch.device("meta"):
         plain = CausalLM(files.config, torch.bfloat16, CPU, 256)
@@ -57,7 +74,7 @@ def test_the_bfloat16_model_is_packed_and_answers_as_before(files: ModelFiles) -
     assert (linears == []) == packs
     assert isinstance(packed.lm_head, PackedLinear) == packs  # the tied head too
     assert plain.lm_head is None
-    ids = torch.tensor([1, 504, 3458, 282, 4649, 314])
+    ids = torch.tensor([1, 504, 3458, 282, 4649, 314]) % files.config.vocab_size
     assert torch.equal(prefill_logits(packed, ids), prefill_logits(plain, ids))
 
 
@@ -105,14 +122,15 @@ def test_packing_an_untied_head_packs_that_head(files: ModelFiles) -> None:
     with torch.device("meta"):
         model = CausalLM(files.config, torch.bfloat16, CPU, 64)
     model.load_weights(files.weights, "test")
-    model.lm_head = torch.nn.Linear(576, 10, bias=False, dtype=torch.bfloat16)
+    hidden_size = files.config.hidden_size
+    model.lm_head = torch.nn.Linear(hidden_size, 10, bias=False, dtype=torch.bfloat16)
     head = model.lm_head.weight
     if not PACKS:
         with pytest.raises(ValueError, match=r"packs no torch\.bfloat16"):
             pack_linears(model)
         return
     count = pack_linears(model)
-    hidden = torch.randn(3, 576).to(torch.bfloat16)
+    hidden = torch.randn(3, hidden_size).to(torch.bfloat16)
     assert count == 4 * files.config.num_layers + 1
     assert torch.equal(model.logits(hidden), F.linear(hidden, head).float())
 
