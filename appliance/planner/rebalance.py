@@ -38,7 +38,9 @@ What the box measured counts beside what the simulator predicts (docs/autopilot.
 - Rollback: once the layout a move led to has run a whole window of similar traffic, a
   measured attainment below the one that moved it (by more than the noise, and under
   the target) moves back at once (no cooldown, no confirming looks), once; the layout
-  rolled back from is held off `rules.hold_off_s` while the traffic stays similar.
+  rolled back from is held off `rules.hold_off_s` while the traffic stays similar. A
+  window heavier than the one that moved it (over `rules.judge_load_factor` x its
+  prompt or answer tokens per second) judges nothing: the move stands.
 - Dwell: within `rules.dwell_s` of a move, the layout it left is no target, unless the
   move back is a rollback.
 - The edge of the SLO (planner/headroom.py): where the window carries its requests'
@@ -128,6 +130,10 @@ class RebalanceRules:
     remember_s: float = 600.0  # a layout's measurement counts this long
     similar_factor: float = 1.5  # traffic mixes within this factor are similar
     attainment_noise: float = 0.1  # measured attainments closer than this are equal
+    # A rollback judges the target only on a window whose prompt and answer tokens per
+    # second are at most this x those of the window that moved it: worse service of
+    # heavier traffic says nothing against a layout.
+    judge_load_factor: float = 1.15
     blind_fraction: float = 0.05  # simulated goodput at most this x the rate is ~0
     # At target only with headroom: this fraction of the window's requests within this
     # fraction of each limit (planner/headroom.py); else layouts are compared on it.
@@ -160,6 +166,10 @@ class RebalanceRules:
             (
                 0 <= self.attainment_noise <= 1,
                 f"attainment_noise must be in [0, 1], got {self.attainment_noise}",
+            ),
+            (
+                self.judge_load_factor >= 1,
+                f"judge_load_factor must be >= 1, got {self.judge_load_factor}",
             ),
             (
                 0 <= self.blind_fraction <= 1,
@@ -220,6 +230,14 @@ class TrafficMix:
         are similar, 1.0 and 1.6 are not)."""
         pairs = ((self.rate, other.rate), (self.prompt, other.prompt))
         return all(_within(a, b, factor) for a, b in (*pairs, (self.output, other.output)))
+
+    def heavier(self, other: TrafficMix, factor: float) -> bool:
+        """Whether this traffic asks more than `factor` x `other`'s prompt tokens per
+        second or answer tokens per second (the prefill and the decode work)."""
+        prefill, decode = self.rate * self.prompt, self.rate * self.output
+        return prefill > factor * other.rate * other.prompt or (
+            decode > factor * other.rate * other.output
+        )
 
     def describe(self) -> str:
         return f"{self.rate:.2f} req/s, {self.prompt:.0f}/{self.output:.0f} tokens in/out"
@@ -658,6 +676,11 @@ def _judge(look: _Look) -> Verdict | None:
         return None  # not measured yet
     memory.judgement = None
     before = judgement.before
+    if measured.mix.heavier(before.mix, rules.judge_load_factor):
+        # Traffic grew since the move: the backlog and the load are the traffic's, not
+        # the layout's (found on a seeded mix, issue 35: a right move to colocated x2
+        # rolled back on a window with a third more requests than the one that moved it).
+        return None
     if (
         measured.attainment >= rules.target_attainment
         or not before.mix.similar(measured.mix, rules.similar_factor)

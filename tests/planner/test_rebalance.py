@@ -584,6 +584,36 @@ def test_a_move_that_measured_worse_is_rolled_back_once_and_held_off() -> None:
         assert again.simulated[TWO_PREFILL] > again.simulated[STARVED] * 2
 
 
+def test_a_move_judged_on_heavier_traffic_stands() -> None:
+    """Seeded mix 11 (issue 35): a right move to colocated x2 was rolled back on a window
+    with a third more requests than the one that moved it, the backlog of heavier
+    traffic read as the layout's fault. A window over `judge_load_factor` x the prompt
+    or answer tokens per second of the moving one judges nothing; the move stands."""
+    rules = RebalanceRules(confirm_windows=1)
+    memory = RebalanceMemory()
+    moving = TrafficWindow(20.0, long_prompts(1), 0.5)
+    moved = look(STARVED, moving, memory, 100.0, rules)
+    assert moved.move == (1, "prefill") and memory.judgement is not None
+    heavier = TrafficWindow(20.0, long_prompts(2, rate=6.0), 0.2)  # served worse, but busier
+    assert mix_of(heavier).heavier(mix_of(moving), rules.judge_load_factor)
+    assert mix_of(heavier).similar(mix_of(moving), rules.similar_factor)  # once judged on it
+    early = look(TWO_PREFILL, heavier, memory, 110.0, rules)  # not a whole window yet
+    assert early.move is None and memory.judgement is not None
+    kept = look(TWO_PREFILL, heavier, memory, 130.0, rules)
+    assert kept.rule != "rollback" and kept.move is None and memory.judgement is None
+    assert shape(TWO_PREFILL) not in memory.held_off
+
+
+def test_heavier_traffic_is_more_prompt_or_answer_tokens_per_second() -> None:
+    base = TrafficMix(1.0, 200.0, 100.0)
+    assert not TrafficMix(1.1, 200.0, 100.0).heavier(base, 1.15)
+    assert TrafficMix(1.2, 200.0, 100.0).heavier(base, 1.15)  # more requests
+    assert TrafficMix(1.0, 240.0, 100.0).heavier(base, 1.15)  # longer prompts: prefill
+    assert TrafficMix(1.0, 200.0, 120.0).heavier(base, 1.15)  # longer answers: decode
+    assert not TrafficMix(1.3, 150.0, 80.0).heavier(base, 1.15)  # more, but lighter ones
+    assert not base.heavier(TrafficMix(2.0, 200.0, 100.0), 1.15)
+
+
 def test_the_layout_a_move_left_is_no_target_within_the_dwell() -> None:
     prompts = chat_window(1, rate=8.0, output=1)  # colocated wins, two moves back
     rules = RebalanceRules(confirm_windows=1, cooldown_s=0.0)  # only the dwell holds
