@@ -3,25 +3,49 @@ models over the embedded tokenizer's vocabulary: greedy output with the draft eq
 plain decoding token for token; the target drafting for itself is accepted always and a
 random draft almost never, and after either every KV block, the target's and the
 draft's, is free; a handed-off sequence gets the draft's own prefill; the draft's pool
-comes out of the target's budget; a draft of another vocabulary is refused at start."""
+comes out of the target's budget (a prefill worker loads none); a draft of another
+vocabulary is refused at start; and the real SmolLM2 GGUF as the target (its own
+tokenizer) with a tiny random draft of its vocabulary answers as plain decoding.
+The k = 1..8 matrix: benchmarks/draft_model_bench.py --k-matrix (the slow lane)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 from copying_prompt import copying_prompt
 from family_configs import tiny_config
-from random_models import our_engine, random_model, save_folder
+from random_models import TOY_TOKENS, our_engine, random_model, save_folder, write_gguf
 
 from appliance.engine.llm_engine import Completion, LLMEngine
 from appliance.engine.sequence import SamplingParams
+from appliance.engine.speculative.draft_loading import build_draft, check_vocabulary
 from appliance.engine.speculative.draft_model import DraftModelProposer
+from appliance.engine.speculative.proposer import Drafter
+from appliance.kv.cache import KVCache, KVLayout
+from appliance.model.loader import load_model_files
+from appliance.model.quant import QuantLinear
+from appliance.settings.config import load_settings
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): whole models
 
 GREEDY = SamplingParams(max_tokens=24)
+# A llama GGUF of TINY's shape (its metadata keys without the "llama." prefix).
+TOY_GGUF: dict[str, int | float] = {
+    "block_count": 2,
+    "context_length": 512,
+    "embedding_length": 64,
+    "feed_forward_length": 128,
+    "attention.head_count": 4,
+    "attention.head_count_kv": 2,
+    "rope.freq_base": 10000.0,
+    "attention.layer_norm_rms_epsilon": 1e-6,
+}
 POOL = {"num_blocks": 256, "block_size": 4}  # small blocks: rollbacks cross block edges
 
 
@@ -37,7 +61,14 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         "other_vocab": tiny_config("LlamaConfig", 50000, num_hidden_layers=1),
     }
-    return {name: save_folder(random_model(cfg), root / name) for name, cfg in made.items()}
+    saved = {name: save_folder(random_model(cfg), root / name) for name, cfg in made.items()}
+    # The draft with two tokens' ids swapped in its tokenizer: same size, another map.
+    swapped = shutil.copytree(saved["draft"], root / "swapped")
+    tokenizer = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["t"], vocab["u"] = vocab["u"], vocab["t"]
+    (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return saved | {"swapped": swapped}
 
 
 def drafting(folders: dict[str, Path], draft: str, k: int, **fields: Any) -> LLMEngine:
@@ -184,3 +215,106 @@ def test_a_draft_of_another_vocabulary_is_refused_at_start(folders: dict[str, Pa
     message = str(refused.value)
     assert str(folders["other_vocab"]) in message and str(folders["target"]) in message
     assert "50000" in message and "49152" in message
+    with pytest.raises(ValueError, match="tokenizer differs") as refused:
+        drafting(folders, "swapped", 4)
+    assert "'t' is id 101 in the draft, 100 in the target" in str(refused.value)
+
+
+def test_a_prefill_worker_loads_no_draft(folders: dict[str, Path]) -> None:
+    """Its sequences park after their first token: a draft would only take memory."""
+    spec = {"method": "draft", "draft_model": folders["draft"]}
+    kv = {"memory_mb": 4, "block_size": 4}
+    settings = load_settings(
+        model=folders["target"], dtype="float32", device="cpu", kv=kv, speculative=spec
+    )
+    prefill = LLMEngine.from_settings(settings, shared_kv=True, decodes=False)
+    decode = LLMEngine.from_settings(settings)
+    assert prefill.scheduler.drafter is None
+    assert prefill.kv.num_blocks > decode.kv.num_blocks  # the whole budget is its own
+    assert draft_of(decode).kv.num_blocks == decode.kv.num_blocks
+
+
+def test_a_tiny_random_draft_for_the_real_smollm2(
+    engine: LLMEngine, make_engine: Callable[..., LLMEngine], folders: dict[str, Path]
+) -> None:
+    """The real target and tokenizer (the embedded GGUF, whose tokenizer is extracted
+    from the file) with a random draft over the same vocabulary: the vocabularies are
+    found one, and greedy output is plain decoding's."""
+    settings = load_settings(dtype="float32", device="cpu")
+    draft_files = load_model_files(folders["draft"], settings.cache_dir)
+    check_vocabulary(draft_files, load_model_files(None, settings.cache_dir))
+    model = build_draft(settings, draft_files, engine.model.device, 8192)
+    cfg = model.config
+    layout = KVLayout(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+    draft = DraftModelProposer(model, KVCache(layout, 256, model.device))
+    spec = make_engine(block_size=4)
+    spec.scheduler.drafter = Drafter(draft, 4)
+    prompts = prompts_of(engine)
+    expected = engine.generate(prompts, GREEDY)
+    got = spec.generate(prompts, GREEDY)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert spec.scheduler.acceptance.drafted > 0
+    assert spec.num_free_blocks == spec.kv.num_blocks
+    assert draft.kv.allocator.num_free == 256 and draft.num_tracked == 0
+
+
+def test_a_quantized_gguf_draft_for_a_float_gguf_target(tmp_path: Path) -> None:
+    """Any format we load: the target a float32 GGUF, the draft the same model's Q8_0
+    GGUF (its matrices multiplied in their blocks), both over the toy tokenizer the
+    GGUFs carry: the same answers, most drafts kept, every block free after."""
+    config = tiny_config("LlamaConfig", len(TOY_TOKENS), tie_word_embeddings=True)
+    model = random_model(config)
+    meta = {**TOY_GGUF, "vocab_size": len(TOY_TOKENS)}
+    target = write_gguf(model, tmp_path / "tiny-F32.gguf", gguf.MODEL_ARCH.LLAMA, meta)
+    draft = write_gguf(
+        model, tmp_path / "tiny-Q8_0.gguf", gguf.MODEL_ARCH.LLAMA, meta, quantize=True
+    )
+    kv = {"num_blocks": 128, "block_size": 4}
+    plain = our_engine(target, kv=kv)
+    spec_settings = {"method": "draft", "draft_model": draft, "adaptive": False}
+    spec = our_engine(target, kv=kv, speculative=spec_settings, weights="auto")
+    proposer = draft_of(spec)
+    # The draft multiplies its Q8_0 blocks in place (the target has none).
+    assert any(isinstance(m, QuantLinear) for m in proposer.model.modules())
+    assert not any(isinstance(m, QuantLinear) for m in spec.model.modules())
+    prompts = [plain.tokenizer.encode(text) for text in ("hello world, hello", "abc abc ab")]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    counts = spec.scheduler.acceptance
+    assert counts.drafted > 0 and counts.accepted / counts.drafted > 0.5
+    assert all_free(spec)
+
+
+def test_the_adaptive_rule_counts_the_drafts_own_step(folders: dict[str, Path]) -> None:
+    """A draft token costs a draft step besides its verify row (the draft's share of the
+    target's weight bytes): a draft as large as the target never pays, so its sequences
+    stop drafting after a few verify steps although every draft is kept."""
+
+    def adaptive(draft: str) -> LLMEngine:
+        spec = {"method": "draft", "draft_model": folders[draft]}  # adaptive by default
+        return our_engine(folders["target"], kv=POOL, speculative=spec)
+
+    def cost(engine: LLMEngine) -> float:
+        drafter = engine.scheduler.drafter
+        assert drafter is not None and drafter.policy is not None
+        return drafter.policy.verify_token_cost
+
+    size = {n: (folders[n] / "model.safetensors").stat().st_size for n in ("draft", "target")}
+    assert cost(adaptive("draft")) == pytest.approx(0.1 + size["draft"] / size["target"])
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    prompt = prompts_of(adaptive("draft"))[:1]
+    [plain] = our_engine(folders["target"], kv=POOL).generate(prompt, params)
+    drafted = {}
+    for name, spec in (("adaptive", adaptive("target")), ("fixed", drafting(folders, "target", 4))):
+        [done] = spec.generate(prompt, params)
+        assert done.token_ids == plain.token_ids
+        counts = spec.scheduler.acceptance
+        assert counts.accepted == counts.drafted > 0
+        drafted[name] = counts.drafted
+        assert all_free(spec)
+    assert cost(adaptive("target")) == 1.0
+    # Fixed: every step drafts 4 (50 drafts in 64 tokens). Adaptive: 4 verify steps of 4,
+    # a pause of 8 steps, probes from k = 1 up (1, 2, 4, 4), a pause of 16 (29 drafts).
+    assert drafted["adaptive"] < 0.7 * drafted["fixed"]

@@ -17,6 +17,7 @@ from appliance.engine.shard_loading import (
     resolve_dtype,
     use_quant,
 )
+from appliance.engine.speculative.adaptive import AdaptivePolicy
 from appliance.engine.speculative.draft_kv import split_pool
 from appliance.engine.speculative.draft_model import DraftModelProposer
 from appliance.engine.speculative.proposer import Drafter
@@ -46,16 +47,25 @@ def engine_drafter(
             "set decode_tp (and colocated tp) to 1, or use method ngram"
         )
     assert spec.draft_model is not None  # the settings' validator says so
-    parts, draft = load_draft(settings, spec.draft_model, parts)
-    return parts, Drafter.from_settings(spec, draft)
+    draft_files = load_model_files(spec.draft_model, settings.cache_dir)
+    parts, draft = load_draft(settings, draft_files, parts)
+    drafter = Drafter.from_settings(spec, draft)
+    if drafter is not None and drafter.policy is not None:
+        # A draft token costs a draft step besides its verify row: while decode is bound by
+        # the bytes of weights read, a step of the draft costs its files' share of the
+        # target's. The adaptive rule pauses a sequence whose acceptance does not pay both
+        # (a draft as large as the target never pays: it pauses at once).
+        share = file_bytes(draft_files) / max(1, file_bytes(parts.files))
+        cost = min(1.0, drafter.policy.verify_token_cost + share)
+        drafter = replace(drafter, policy=AdaptivePolicy(cost))
+    return parts, drafter
 
 
 def load_draft(
-    settings: Settings, path: Path, parts: ShardParts
+    settings: Settings, files: ModelFiles, parts: ShardParts
 ) -> tuple[ShardParts, DraftModelProposer]:
-    """The draft model at `path` on the target's device, its proposer, and the target's
+    """The draft model of `files` on the target's device, its proposer, and the target's
     parts with the pool it now shares (split_pool)."""
-    files = load_model_files(path, settings.cache_dir)
     check_vocabulary(files, parts.files)
     model = build_draft(settings, files, parts.model.device, parts.max_len)
     target = parts.kv
@@ -135,6 +145,13 @@ def weight_bytes(model: CausalLM) -> int:
     """Bytes of the model's parameters and buffers."""
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def file_bytes(files: ModelFiles) -> int:
+    """The size of a model's weight files: a GGUF, or a folder's safetensors."""
+    if files.source.is_file():
+        return files.source.stat().st_size
+    return sum(path.stat().st_size for path in files.source.glob("*.safetensors"))
 
 
 def _sized_by_gpu_share(settings: Settings, model: CausalLM) -> bool:
