@@ -1,0 +1,221 @@
+"""The box's KV store with real workers (issue 41): a prefix one prefill worker computed is
+served from the store to the other (only the new part is computed, the greedy output as
+when everything is computed); after `appliance serve` restarts, a repeated prompt is
+served from the disk tier, a corrupted block file is refused and its part recomputed; a
+worker whose KV dtype differs never reads the store. What each request computed is read
+as a user does: the usage's cached tokens, /metrics and the admin snapshot."""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from admin_calls import admin_headers, snapshot
+from server_process import ServerProcess
+
+from appliance.kv.prefix_cache import prefix_keys
+
+pytestmark = pytest.mark.process
+
+API_KEY = "kv-store-test-key"
+BLOCK = 16
+DOC_BLOCKS = 24  # the shared document: 384 tokens
+NAME = "SmolLM2-135M-Instruct"
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """`n` ordinary token ids (no special ones), the same for a seed in every run."""
+    rng = random.Random(seed)
+    return [rng.randrange(300, 40000) for _ in range(n)]
+
+
+DOC = tokens(1, DOC_BLOCKS * BLOCK)
+QUESTION_1 = tokens(2, 11)
+QUESTION_2 = tokens(3, 13)
+
+
+@dataclass
+class Answer:
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def computed(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+def complete(server: ServerProcess, prompt: list[int], **extra: object) -> Answer:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=600)
+    reply = client.completions.create(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, **extra},
+    )
+    usage = reply.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return Answer(
+        reply.choices[0].text, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
+    )
+
+
+def metric(server: ServerProcess, name: str, labels: str = "") -> float:
+    """A sample of /metrics (0 where absent)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    pattern = rf"^{re.escape(name)}{re.escape(labels)} (\S+)$"
+    found = re.search(pattern, text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """The store's shared-memory folder (its own, so a test sees only its arenas), disk
+    folder and the admin token's folder, for every server of this module."""
+    shm = Path("/dev/shm") / f"kvstore-test-{uuid.uuid4().hex}"
+    shm.mkdir()
+    base = tmp_path_factory.mktemp("kvstore")
+    yield {"shm": shm, "disk": base / "disk", "admin": base}
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def store_server(folders: dict[str, Path], disk: Path, **more: str) -> ServerProcess:
+    """A server with the store on (host tier and disk tier at `disk`; blocks enter as
+    their request finishes), float32 dense weights (the same numbers however a prompt is
+    chunked), small KV pools."""
+    token_file = folders["admin"] / "admin.token"
+    env = {
+        "APPLIANCE_API_KEY": API_KEY,
+        "APPLIANCE_DTYPE": "float32",
+        "APPLIANCE_WEIGHTS": "dense",
+        "APPLIANCE_CPU_SHARE_CORES": "true",
+        "APPLIANCE_KV__MEMORY_MB": "64",
+        "APPLIANCE_KV_STORE__ENABLED": "true",
+        "APPLIANCE_KV_STORE__HOST_MEMORY_MB": "64",
+        "APPLIANCE_KV_STORE__SHM_DIR": str(folders["shm"]),
+        "APPLIANCE_KV_STORE__DISK_PATH": str(disk),
+        "APPLIANCE_KV_STORE__WRITE_POLICY": "finish",
+        "APPLIANCE_ADMIN__TOKEN_FILE": str(token_file),
+        **more,
+    }
+    return ServerProcess(env, admin_token_file=token_file)
+
+
+def test_a_prefix_computed_on_one_prefill_worker_is_served_to_the_other(
+    folders: dict[str, Path],
+) -> None:
+    server = store_server(
+        folders,
+        folders["disk"] / "split",
+        APPLIANCE_CPU_DEVICES="3",
+        APPLIANCE_PREFILL_DEVICES="0,1",
+        APPLIANCE_DECODE_DEVICES="2",
+    )
+    server.start(timeout=600)
+    try:
+        # In turn: the second prompt goes to the prefill worker that never saw the first.
+        reply = httpx.patch(
+            server.url + "/admin/tuning",
+            json={"routing": "round_robin"},
+            headers=admin_headers(server),
+            timeout=10,
+        )
+        assert reply.status_code == 200, reply.text
+        first = complete(server, DOC + QUESTION_1)
+        assert first.cached_tokens == 0
+        second = complete(server, DOC + QUESTION_2)
+        # The document's blocks came from the store: only the question was computed.
+        assert second.cached_tokens == DOC_BLOCKS * BLOCK
+        assert second.computed == len(QUESTION_2)
+        assert metric(server, "appliance_kv_store_hits_total", '{tier="host"}') == DOC_BLOCKS
+        # Everything computed (prompt logprobs need every position: no cache, no store).
+        whole = complete(server, DOC + QUESTION_2, prompt_logprobs=0)
+        assert whole.cached_tokens == 0
+        assert second.text == whole.text
+        computed = metric(server, "appliance_prompt_tokens_computed_total")
+        assert computed == first.prompt_tokens + second.computed + whole.prompt_tokens
+        view = snapshot(server).kv_store
+        assert view is not None and view.hits["host"] == DOC_BLOCKS
+        assert view.blocks["host"] > 0
+    finally:
+        assert server.stop() == 0
+    assert list(folders["shm"].iterdir()) == []  # the arena went with its owner
+
+
+@pytest.fixture(scope="module")
+def stored(folders: dict[str, Path]) -> tuple[Path, dict[str, Answer]]:
+    """A colocated server that answered two long prompts, then stopped: their blocks
+    went to the disk tier as the store closed. The answers, by prompt."""
+    disk = folders["disk"] / "restart"
+    server = store_server(folders, disk, APPLIANCE_MODE="colocated", APPLIANCE_CPU_DEVICES="1")
+    server.start(timeout=600)
+    try:
+        answers = {
+            "doc": complete(server, DOC + QUESTION_1),
+            "other": complete(server, tokens(4, DOC_BLOCKS * BLOCK) + QUESTION_1),
+        }
+    finally:
+        assert server.stop() == 0
+    return disk, answers
+
+
+def test_after_a_restart_the_disk_tier_serves_and_a_corrupt_block_is_recomputed(
+    folders: dict[str, Path], stored: tuple[Path, dict[str, Answer]]
+) -> None:
+    disk, before = stored
+    folders_found = [p for p in disk.iterdir() if p.is_dir()]
+    assert len(folders_found) == 1  # one namespace: one model, one KV dtype
+    namespace_dir = folders_found[0]
+    other = tokens(4, DOC_BLOCKS * BLOCK) + QUESTION_1
+    for prompt in (DOC + QUESTION_1, other):  # every full block of both, kept on disk
+        for key in prefix_keys(prompt, BLOCK):
+            assert (namespace_dir / f"{key:016x}.kv").is_file()
+    broken = prefix_keys(other, BLOCK)[5]  # its sixth block: five are served, then computed
+    path = namespace_dir / f"{broken:016x}.kv"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # a flipped byte in the payload: the checksum no longer matches
+    path.write_bytes(bytes(data))
+
+    server = store_server(folders, disk, APPLIANCE_MODE="colocated", APPLIANCE_CPU_DEVICES="1")
+    server.start(timeout=600)
+    try:
+        doc = complete(server, DOC + QUESTION_1)
+        assert doc.cached_tokens == DOC_BLOCKS * BLOCK  # all from disk
+        assert doc.text == before["doc"].text
+        assert metric(server, "appliance_kv_store_hits_total", '{tier="disk"}') == DOC_BLOCKS
+        again = complete(server, other)
+        assert again.cached_tokens == 5 * BLOCK  # up to the corrupt block, the rest computed
+        assert again.text == before["other"].text
+        assert metric(server, "appliance_kv_store_refused_total") == 1
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_worker_with_another_kv_dtype_never_reads_the_store(
+    folders: dict[str, Path], stored: tuple[Path, dict[str, Answer]]
+) -> None:
+    disk, _ = stored
+    server = store_server(
+        folders,
+        disk,
+        APPLIANCE_MODE="colocated",
+        APPLIANCE_CPU_DEVICES="1",
+        APPLIANCE_KV_CACHE_DTYPE="bfloat16",
+    )
+    server.start(timeout=600)
+    try:
+        answer = complete(server, DOC + QUESTION_1)
+        assert answer.cached_tokens == 0
+        assert metric(server, "appliance_kv_store_hits_total", '{tier="disk"}') == 0
+        assert metric(server, "appliance_kv_store_lookups_total") == 1
+    finally:
+        assert server.stop() == 0
