@@ -10,6 +10,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from tests_root import ROOT
 
 PROCESS_MANAGER = "appliance/pools/process_manager.py"
@@ -168,8 +169,14 @@ def violations(found: list[Write]) -> list[str]:
     ]
 
 
-def test_only_the_owners_write_a_worker_handles_fields() -> None:
-    assert violations(scan()) == []
+@pytest.fixture(scope="module")
+def scanned() -> list[Write]:
+    """The writes in appliance/'s source, read once for the tests of this module."""
+    return scan()
+
+
+def test_only_the_owners_write_a_worker_handles_fields(scanned: list[Write]) -> None:
+    assert violations(scanned) == []
 
 
 def test_a_write_from_elsewhere_is_caught() -> None:
@@ -202,7 +209,7 @@ def test_a_write_from_elsewhere_is_caught() -> None:
     assert len(violations(in_manager)) == 1 and "worker.running" in violations(in_manager)[0]
 
 
-def test_each_exemption_still_names_a_write() -> None:
+def test_each_exemption_still_names_a_write(scanned: list[Write]) -> None:
     """An entry of NOT_HANDLES that matches nothing any more goes (it would hide one)."""
-    seen = {(write.module, write.target) for write in scan()}
+    seen = {(write.module, write.target) for write in scanned}
     assert set(NOT_HANDLES) <= seen
