@@ -38,7 +38,11 @@ class StepCost(_Frozen):
     prompt tokens in a step they run as a GEMM, cpu_kernels' prefill_gemm_rows) the tokens
     cost two lines: below it `per_token` a token, from it `gemm_base` (dequantizing the
     weights, once a step) plus `per_gemm_token` a token. None: one line (a profile of an
-    older appliance, a GPU's, or steps of one regime only)."""
+    older appliance, a GPU's, or steps of one regime only).
+
+    `per_draft_s`: what each draft row of a speculative verify step adds beside its
+    sequence's decode row, its keys apart (planner/speculation.py counts those in
+    context). None: a query token's, per_token_s (what an unmeasured profile assumes)."""
 
     base_s: float = Field(ge=0)
     per_token_s: float = Field(0.0, ge=0)
@@ -48,6 +52,12 @@ class StepCost(_Frozen):
     gemm_rows: int | None = Field(None, ge=1)
     per_gemm_token_s: float = Field(0.0, ge=0)
     gemm_base_s: float = Field(0.0, ge=0)
+    per_draft_s: float | None = Field(None, ge=0)
+
+    @property
+    def draft_s(self) -> float:
+        """Seconds a draft row adds to a decode step (per_draft_s, else per_token_s)."""
+        return self.per_token_s if self.per_draft_s is None else self.per_draft_s
 
     def seconds(
         self, tokens: int, seqs: int, attended: int, context: int, prompt_tokens: int | None = None

@@ -93,7 +93,7 @@ class Simulation:
             budget = max(budget, policy.max_num_seqs)
         limits = Limits(policy.max_num_seqs, budget, policy.chunk_size)
         pool = KVPool(cost.kv_blocks, self.profile.block_size, policy.prefix_caching)
-        return Worker(index, role, cost, pool, limits)
+        return Worker(index, role, cost, pool, limits, policy.speculation)
 
     # ------------------------------------------------------------ the loop
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from appliance.core.roles import Role
 from appliance.planner.profile import StepCost, WorkerCost, attended
 from appliance.planner.sim_pool import KVPool, SimSeq
+from appliance.planner.speculation import Speculation
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,17 @@ class Worker:
     """A prefill, decode or colocated worker's scheduler and KV pool."""
 
     def __init__(
-        self, index: int, role: Role, cost: WorkerCost, pool: KVPool, limits: Limits
+        self,
+        index: int,
+        role: Role,
+        cost: WorkerCost,
+        pool: KVPool,
+        limits: Limits,
+        speculation: Speculation | None = None,
     ) -> None:
+        """speculation: how its decode-only steps speculate (None: they do not)."""
         self.index = index
+        self.speculation = speculation
         self.role = role
         self.cost = cost
         self.pool = pool
@@ -210,8 +219,12 @@ class Worker:
         seqs = len(self.lazy) + len(chunks)
         kind = "mixed" if prefills and decodes else "prefill" if prefills else "decode"
         cost: StepCost = getattr(self.cost, kind)
-        # The prompt chunks' tokens decide the kernel regime (StepCost.gemm_rows).
-        seconds = cost.seconds(tokens, seqs, pairs, context, sum(prefills))
+        if kind == "decode" and self.speculation is not None:
+            # Per token each sequence makes: a verify step over its tokens, where it pays.
+            seconds = self.speculation.step_seconds(cost, seqs, context, tokens)
+        else:
+            # The prompt chunks' tokens decide the kernel regime (StepCost.gemm_rows).
+            seconds = cost.seconds(tokens, seqs, pairs, context, sum(prefills))
         return Step(len(self.lazy), chunks, kind, seconds, tuple(prefills), preempted)
 
     # ------------------------------------------------------------ ending a step

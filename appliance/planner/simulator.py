@@ -21,6 +21,8 @@ colocated ones decode what they prefilled, the prefill ones hand off. Timing:
   decode worker takes the blocks at once and runs the request from its first step after
   `handoff.seconds(bytes)`, bytes being the prompt's K/V less the blocks its own prefix
   cache holds; the prefill worker's blocks are held until then;
+- with `Policy.speculation`, a decode-only step runs as speculation.py has it: as long
+  as a verify step divided by the tokens each sequence makes (where that pays);
 - in a cross-box layout (`Layout.cross_box`) every handoff crosses the link between the
   boxes: `profile.network` instead of `profile.handoff`, queued behind the handoffs sent
   before it (one link, first in first out; sim_run.py), and the two boxes' workers do
@@ -49,6 +51,7 @@ from appliance.planner.layout import Layout
 from appliance.planner.profile import Profile
 from appliance.planner.sim_run import Simulation
 from appliance.planner.sim_worker import StepRecord
+from appliance.planner.speculation import Speculation
 
 if TYPE_CHECKING:
     from appliance.model.tokenizer import Tokenizer
@@ -102,6 +105,8 @@ class Policy:
     chunk_size: int = 512
     routing: str = "least_loaded"  # or "round_robin"
     prefix_caching: bool = True
+    # Speculative decoding at a measured acceptance (planner/speculation.py); None: off.
+    speculation: Speculation | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "prefill_token_budget", "chunk_size"):
