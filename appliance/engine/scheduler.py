@@ -139,6 +139,8 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
         drafting = self.drafter is not None and self.drafter.batch_drafts(len(self.running))
+        if self.drafter is not None and drafting:  # a draft model drafts for all at once
+            self.drafter.prefetch(self.running, self.limits.chunk_size, self.max_model_len)
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             if drafting and self._schedule_verify(seq, out, budget, index):

@@ -9,12 +9,16 @@ step, it keeps the longest prefix of those that the sequence still has (the acce
 drafts; never the rejected ones), frees the blocks past it, and computes the rest of
 the sequence in one chunk before drafting: a handed-off sequence's first proposal is
 the draft's own prefill of the prompt, later ones compute the tokens the last verify
-step added (the accepted drafts it had not fed itself and the target's own token)."""
+step added (the accepted drafts it had not fed itself and the target's own token).
+
+Sequences draft together (prefetch, before the scheduler asks for each): one forward
+pass over every sequence's catch-up chunk, then one pass per further draft position, a
+one-token row per sequence, instead of k passes per sequence."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Ids
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +57,8 @@ class DraftModelProposer:
         self.chunk_size = chunk_size
         self._runner = ModelRunner(model, kv, Sampler(model.device))  # builds its inputs
         self._seqs: dict[int, Sequence] = {}  # by target sequence id: what its KV holds
+        # This step's prefetched drafts: seq_id -> (its context's length, drafts).
+        self._ready: dict[int, tuple[int, list[int]]] = {}
         self.counts = DraftCounts()
 
     @property
@@ -74,28 +80,27 @@ class DraftModelProposer:
 
     def propose_for(self, seq_id: int, token_ids: Ids[int], k: int) -> list[int]:
         """Up to k greedy draft tokens after `token_ids`; fewer where the draft's pool or
-        context runs out (then what was drafted so far)."""
-        if k <= 0 or not token_ids or len(token_ids) + k - 1 > self.model.max_positions:
-            return []
-        seq, first = self._rolled_back(seq_id, token_ids)
-        drafts: list[int] = []
-        with torch.inference_mode():
-            while len(drafts) < k:
-                n = min(seq.num_uncomputed, self.chunk_size)
-                if not self._reserve(seq, n):
-                    break  # the draft's pool is full: propose what there is
-                self._count(seq.num_computed_tokens, n, len(token_ids), first)
-                token = self._step(seq, n)
-                seq.num_computed_tokens += n
-                if token is None:
-                    continue  # a long catch-up's first chunks
-                drafts.append(token)
-                if len(drafts) < k:
-                    seq.token_ids.append(token)  # fed back for the next draft
-        return drafts
+        context runs out (then what was drafted so far). Drafted already by this step's
+        prefetch where it was asked for there."""
+        ready = self._ready.pop(seq_id, None)
+        if ready is not None and ready[0] == len(token_ids):
+            return ready[1][:k]
+        return self._draft([_Drafting.start(seq_id, token_ids, k)]).get(seq_id, [])
+
+    def prefetch(self, wanted: list[tuple[int, Ids[int], int]]) -> None:
+        """Draft for several sequences at once, (seq_id, token_ids, k) each: one forward
+        pass per draft position for all of them, instead of one per sequence; their
+        propose_for this step returns the drafts made here. Forgets an earlier step's."""
+        self._ready = {}
+        if len(wanted) < 2:
+            return  # one sequence drafts when it is asked
+        starts = [_Drafting.start(seq_id, token_ids, k) for seq_id, token_ids, k in wanted]
+        made = self._draft(starts)
+        self._ready = {s.seq_id: (s.given, made.get(s.seq_id, [])) for s in starts}
 
     def forget(self, seq_id: int) -> None:
         """Free the draft's blocks of `seq_id`."""
+        self._ready.pop(seq_id, None)
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.kv.allocator.free(seq.block_table)
@@ -128,10 +133,56 @@ class DraftModelProposer:
         seq.block_table.extend(self.kv.allocator.allocate(extra))
         return True
 
-    def _count(self, start: int, n: int, given: int, first: bool) -> None:
-        """Count a pass over positions [start, start + n) of a sequence given with
-        `given` tokens (later positions are the draft's own, fed back)."""
+    def _draft(self, asked: list[_Drafting]) -> dict[int, list[int]]:
+        """Each asked sequence's drafts, by sequence id: its state rolled back, then
+        passes over all of them together (catch-up chunks, then one token each) until each
+        has its k drafts or the pool has no room for it."""
+        active = []
+        for one in asked:
+            if one.k <= 0 or one.given == 0:
+                continue
+            if one.given + one.k - 1 > self.model.max_positions:
+                continue  # past the draft's context: no drafts
+            one.seq, one.first = self._rolled_back(one.seq_id, one.token_ids)
+            active.append(one)
+        with torch.inference_mode():
+            while active:
+                active = self._pass(active)
+        return {one.seq_id: one.drafts for one in asked if one.drafts}
+
+    def _pass(self, active: list[_Drafting]) -> list[_Drafting]:
+        """One forward pass of the draft over the next chunk of each active sequence;
+        returns those that still want drafts."""
+        out = SchedulerOutput()
+        running = []
+        for one in active:
+            seq = one.seq
+            n = min(seq.num_uncomputed, self.chunk_size)
+            if not self._reserve(seq, n):
+                continue  # the draft's pool is full: it proposes what it has
+            self._count(seq.num_computed_tokens, n, one.given, one.first)
+            # One query token attends from the cache alone: the batched decode path.
+            (out.decodes if n == 1 else out.prefills).append(ScheduledChunk(seq, n))
+            running.append(one)
+        if not running:
+            return []
         self.counts.steps += 1
+        tokens = self._run(out)
+        by_seq = {one.seq.seq_id: one for one in running}
+        for chunk in out.chunks:
+            one = by_seq[chunk.seq.seq_id]
+            completes = chunk.completes
+            one.seq.num_computed_tokens += chunk.num_tokens
+            if not completes:
+                continue  # a long catch-up's first chunks
+            one.drafts.append(tokens.pop(0))
+            if len(one.drafts) < one.k:
+                one.seq.token_ids.append(one.drafts[-1])  # fed back for the next draft
+        return [one for one in running if len(one.drafts) < one.k]
+
+    def _count(self, start: int, n: int, given: int, first: bool) -> None:
+        """Count the tokens at positions [start, start + n) of a sequence given with
+        `given` tokens (later positions are the draft's own, fed back)."""
         if start >= given:
             self.counts.draft_tokens += n
         elif first:
@@ -139,20 +190,34 @@ class DraftModelProposer:
         else:
             self.counts.catch_up_tokens += n
 
-    def _step(self, seq: Sequence, n: int) -> int | None:
-        """One forward pass of the draft over seq's next n tokens; its argmax after them
-        where they are the last (None for an earlier chunk)."""
-        out = SchedulerOutput()
-        # One query token attends from the cache alone: the batched decode path.
-        (out.decodes if n == 1 else out.prefills).append(ScheduledChunk(seq, n))
+    def _run(self, out: SchedulerOutput) -> list[int]:
+        """The draft's forward pass over `out`: its argmax after each completing chunk,
+        in out.chunks' order."""
         inputs = self._runner.prepare(out)
         if self.model.device.type != "cpu":
             inputs = move_to(inputs, self.model.device)
-        hidden = forward(self.model, inputs, self.kv.tensor)  # [n, hidden]
+        hidden = forward(self.model, inputs, self.kv.tensor)  # [tokens, hidden]
         if not inputs.sample_requests:
-            return None
-        logits = self.model.logits(hidden[inputs.sample_rows])  # [1, vocab]
-        return int(logits[0].argmax())
+            return []
+        logits = self.model.logits(hidden[inputs.sample_rows])  # [completing, vocab]
+        return logits.argmax(-1).tolist()  # the pass's one read from the device
+
+
+@dataclass
+class _Drafting:
+    """One sequence's drafting in progress: what it was asked, its draft state."""
+
+    seq_id: int
+    token_ids: Ids[int]
+    k: int
+    given: int  # len(token_ids)
+    drafts: list[int] = field(default_factory=list)
+    seq: Sequence = field(init=False)  # set by _rolled_back
+    first: bool = False  # the draft met the sequence now: its catch-up is its prefill
+
+    @classmethod
+    def start(cls, seq_id: int, token_ids: Ids[int], k: int) -> _Drafting:
+        return cls(seq_id, token_ids, k, len(token_ids))
 
 
 def common_prefix(cached: list[int], tokens: list[int], limit: int) -> int:

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from appliance.engine.sequence import SamplingParams
+from appliance.engine.sequence import Sequence as Request
 from appliance.engine.speculative.adaptive import AdaptivePolicy, DraftLength
+from appliance.engine.speculative.eligibility import speculates
 from appliance.engine.speculative.ngram import NgramProposer
 from appliance.settings.engine import SpeculativeSettings
 
@@ -39,6 +41,17 @@ class SequenceProposer(Protocol):
 
     def forget(self, seq_id: int) -> None:
         """Drop whatever is kept for `seq_id` (a later propose_for starts it afresh)."""
+        ...
+
+
+@runtime_checkable
+class BatchProposer(Protocol):
+    """A proposer that drafts for many sequences at once more cheaply than one by one (a
+    draft model: one forward pass per draft position for all of them)."""
+
+    def prefetch(self, wanted: list[tuple[int, Sequence[int], int]]) -> None:
+        """Draft now for each (seq_id, token_ids, k): this step's propose_for of those
+        sequences returns what was drafted here."""
         ...
 
 
@@ -110,6 +123,28 @@ class Drafter:
         if isinstance(self.proposer, SequenceProposer):
             return self.proposer.propose_for(seq_id, token_ids, k)
         return self.proposer.propose(token_ids, k)
+
+    def prefetch(self, running: list[Request], chunk_size: int, max_model_len: int) -> None:
+        """Before a step asks for drafts sequence by sequence: a BatchProposer drafts for
+        every running sequence that will ask, at the k it will ask for (its draft length
+        unless paused, capped as the scheduler caps it, but for the step's spare budget:
+        the scheduler may take fewer)."""
+        if not isinstance(self.proposer, BatchProposer):
+            return
+        wanted: list[tuple[int, Sequence[int], int]] = []
+        for seq in running:
+            length = seq.draft_length
+            if length is None or length.paused_for > 0 or not speculates(seq):
+                continue
+            k = min(
+                length.k,
+                chunk_size - 1,
+                seq.params.max_tokens - len(seq.output_ids) - 1,
+                max_model_len - len(seq) - 1,
+            )
+            if k > 0:
+                wanted.append((seq.seq_id, seq.token_ids, k))
+        self.proposer.prefetch(wanted)
 
     def forget(self, seq_id: int) -> None:
         """A sequence's target blocks were released: a stateful proposer frees its own."""
