@@ -9,6 +9,7 @@ import json
 import math
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from appliance.core.goodput import SLO
@@ -24,6 +25,7 @@ from appliance.planner.profile import (
     profiles_folder,
 )
 from appliance.planner.simulator import Policy, SimRequest, requests_from_workload
+from appliance.planner.speculation import Speculation
 from appliance.settings.config import Settings, load_settings
 
 WORKLOADS = ("chat", "long-burst", "fixed", "shared-prefix", "sharegpt-like")
@@ -65,6 +67,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     cmd.add_argument("--out", type=Path, help="write plan.json, plan.md, goodput_vs_rate.png")
     cmd.add_argument("--json", action="store_true", help="print the plan as JSON")
+    cmd.add_argument(
+        "--spec-acceptance",
+        type=float,
+        metavar="A",
+        help="plan with speculative decoding at this per-draft acceptance (0-1; a worker's "
+        "/metrics appliance_spec_decode_acceptance_rate is near it), draft lengths and "
+        "cut-off from the speculative.* settings",
+    )
     _add_two_box_options(cmd)
 
 
@@ -110,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
     spec = PlanSpec(rate=args.rate, slo=slo, full_only=not args.all_layouts)
     settings = load_settings(getattr(args, "config", None))
     profile = _profile(args, settings)
-    policy = Policy.from_settings(settings)
+    policy = _policy(args, settings)
     requests = _requests(args, profile, settings, args.workload, args.rate)
     plan = make_plan(profile, requests, spec, args.workload, policy)
     _print(plan, args.json)
@@ -133,7 +143,7 @@ def _run_two_boxes(args: argparse.Namespace, slo: SLO) -> int:
         raise ValueError(f"--boxes 2 needs finite positive --rate or --rates, got {rates}")
     settings = load_settings(getattr(args, "config", None))
     profile = _profile(args, settings)
-    policy = Policy.from_settings(settings)
+    policy = _policy(args, settings)
     rows = []
     for workload in args.workloads or [args.workload]:
         requests = _requests(args, profile, settings, workload, rates[0])
@@ -143,6 +153,17 @@ def _run_two_boxes(args: argparse.Namespace, slo: SLO) -> int:
     print()
     print(two_boxes.table(rows))
     return 0
+
+
+def _policy(args: argparse.Namespace, settings: Settings) -> Policy:
+    """The settings' policy, speculating at --spec-acceptance where it is given."""
+    policy = Policy.from_settings(settings)
+    acceptance = getattr(args, "spec_acceptance", None)
+    if acceptance is None:
+        return policy
+    if settings.speculative.method == "off":
+        raise ValueError("--spec-acceptance plans a speculating server: set speculative.method")
+    return replace(policy, speculation=Speculation.from_settings(settings.speculative, acceptance))
 
 
 def _profile(args: argparse.Namespace, settings: Settings) -> Profile:

@@ -19,9 +19,13 @@ scheduler drafts beside prompt chunks too). Pure (no torch).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.planner.profile import StepCost
+
+if TYPE_CHECKING:
+    from appliance.settings.engine import SpeculativeSettings
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,19 @@ class Speculation:
         kept = counts.accepted / counts.verify_steps
         a = acceptance_for(kept, drafts)
         return cls(a, draft_tokens, draft_tokens_min, disable_by_batch_size)
+
+    @classmethod
+    def from_settings(cls, settings: SpeculativeSettings, acceptance: float) -> Speculation:
+        """A server's speculation (`speculative.*`: the draft length range and the
+        batch-size cut-off) at a per-draft acceptance measured or assumed."""
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"the speculative acceptance must be in [0, 1], got {acceptance}")
+        return cls(
+            acceptance,
+            settings.num_speculative_tokens,
+            settings.num_speculative_tokens_min,
+            settings.disable_by_batch_size,
+        )
 
     def step_seconds(self, cost: StepCost, seqs: int, context: int, tokens: int) -> float:
         """Seconds per token made by each of a decode-only step's `seqs` sequences

@@ -6,7 +6,9 @@ layouts gain (and past disable_by_batch_size nothing changes)."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from statistics import median
 
 import pytest
@@ -16,6 +18,7 @@ from appliance.core.goodput import SLO
 from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.plan import PlanSpec, make_plan
+from appliance.planner.plan_cli import main
 from appliance.planner.profile import Profile, StepCost, WorkerCost
 from appliance.planner.simulator import Policy, SimRequest, simulate
 from appliance.planner.speculation import (
@@ -24,6 +27,7 @@ from appliance.planner.speculation import (
     tokens_per_step,
     verify_seconds,
 )
+from appliance.settings.engine import SpeculativeSettings
 
 PREFILL = StepCost(base_s=0.010, per_token_s=0.0005, per_seq_s=0.0005, per_attended_s=1e-7)
 # Decode is memory-bound: a step's base (reading the weights) dominates its rows.
@@ -136,3 +140,41 @@ def test_the_plan_ranks_as_without_at_acceptance_zero_and_sees_the_gain_at_high(
     _, best_rate, best_attainment = fast[0]
     assert best_attainment >= 0.9 and best_rate > 0 and math.isfinite(best_rate)
     assert {label for label, _, _ in fast} == {label for label, _, _ in without}
+
+
+PLAN_ARGS = ["plan", "--workload", "sharegpt-like", "--rate", "2", "--num-requests", "30"]
+
+
+def planned_tpot(
+    args: list[str], path: Path, capsys: pytest.CaptureFixture[str]
+) -> dict[str, float]:
+    assert main([*PLAN_ARGS, "--goodput", "tpot:20", "--profile", str(path), "--json", *args]) == 0
+    layouts = json.loads(capsys.readouterr().out)["layouts"]
+    return {item["label"]: item["summary"]["tpot"]["median"] for item in layouts}
+
+
+def test_the_command_plans_with_speculation_at_the_acceptance_it_is_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = profile().save(tmp_path)
+    without = planned_tpot([], path, capsys)
+    monkeypatch.setenv("APPLIANCE_SPECULATIVE__METHOD", "ngram")
+    assert planned_tpot(["--spec-acceptance", "0"], path, capsys) == without
+    faster = planned_tpot(["--spec-acceptance", "0.8"], path, capsys)
+    assert faster.keys() == without.keys()
+    assert all(faster[label] < without[label] for label in without)
+    settings = SpeculativeSettings(method="ngram", num_speculative_tokens=6)
+    made = Speculation.from_settings(settings, 0.7)
+    assert (made.acceptance, made.draft_tokens) == (0.7, 6)
+    with pytest.raises(ValueError, match="acceptance must be in"):
+        Speculation.from_settings(settings, 1.2)
+
+
+def test_planning_with_speculation_on_a_server_without_it_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("APPLIANCE_SPECULATIVE__METHOD", "off")
+    path = profile().save(tmp_path)
+    args = [*PLAN_ARGS, "--goodput", "tpot:20", "--profile", str(path), "--spec-acceptance", "0.5"]
+    assert main(args) == 2
+    assert "set speculative.method" in capsys.readouterr().err
