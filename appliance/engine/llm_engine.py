@@ -109,6 +109,7 @@ class LLMEngine:
         sampler = Sampler(model.device)
         # Structured outputs' matchers live with the sampler that masks their rows.
         sampler.grammar = self.grammar = GrammarMasks(tokenizer, model.config.vocab_size)
+        self.scheduler.draft_check = self.grammar.valid_drafts  # drafts stop where it refuses
         self.runner = ModelRunner(model, kv, sampler, group)
         self._ids, self.clock = itertools.count(), StepClock()  # clock: the last step's timing
         self._seqs: dict[int, Sequence] = {}
@@ -332,7 +333,8 @@ class LLMEngine:
         if out.empty:
             return []
         # Grammar masks of the rows to sample are computed while the forward runs.
-        self.grammar.start([chunk.seq for chunk in out.chunks if chunk.completes])
+        # (Verify chunks' masks are computed as they are judged: Sampler.verify.)
+        self.grammar.start([c.seq for c in out.chunks if c.completes and not c.drafts])
         sampled = self.clock.run(self.runner.run, out, self.kv.tensor.is_cuda)
         updated = self.scheduler.update_from_output(
             out, sampled, time.monotonic(), self.runner.verified
@@ -348,8 +350,9 @@ class LLMEngine:
         logprobs = self.runner.logprobs
         return [self._output(seq, logprobs.get(seq.seq_id)) for seq in updated]
 
-    def _output(self, seq: Sequence, logprobs: TokenLogprobs | None = None) -> RequestOutput:
-        """What `seq` made this step; `logprobs`: its sampled token's, if it asked."""
+    def _output(self, seq: Sequence, logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+        """What `seq` made this step; `logprobs`: its made tokens', if it asked (a verify
+        step's run may be longer than what the stops let through)."""
         stream = self._streams[seq.seq_id]
         first, new_ids = stream.sent_tokens, seq.output_ids[stream.sent_tokens :]
         pieces = []
@@ -379,8 +382,8 @@ class LLMEngine:
             len(seq.output_ids),
             list(seq.block_table) if parked else None,
             seq.num_cached_tokens,
-            # A step samples one token a request: the one new id this output carries.
-            [logprobs] if logprobs is not None and new_ids else None,
+            # One per new id: a verify step's may be cut short by a stop inside its run.
+            logprobs[: len(new_ids)] if logprobs is not None and new_ids else None,
             self._prompt_logprobs(seq, stream) if first == 0 and new_ids else None,
         )
 

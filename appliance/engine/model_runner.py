@@ -124,7 +124,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # The last run's logprobs, of the sequences that asked for them; and of the prompt
         # tokens its chunks computed, {seq_id: [(position, logprobs)]}, where asked.
-        self.logprobs: dict[int, TokenLogprobs] = {}
+        self.logprobs: dict[int, list[TokenLogprobs]] = {}  # a token's, a verify run's each
         self.prompt_logprobs: dict[int, list[tuple[int, TokenLogprobs]]] = {}
         # The last run's verify chunks: {seq_id: accepted drafts + one token}.
         self.verified: dict[int, list[int]] = {}
@@ -183,7 +183,9 @@ class ModelRunner:
         # The step's one read from the device: the sampled ids (and logprobs), all rows.
         sampled = self.sampler.sample(logits, rows)
         self.logprobs = {
-            row.seq_id: lp for row, lp in zip(rows, sampled.logprobs, strict=True) if lp is not None
+            row.seq_id: [lp]
+            for row, lp in zip(rows, sampled.logprobs, strict=True)
+            if lp is not None
         }
         return {row.seq_id: tok for row, tok in zip(rows, sampled.token_ids, strict=True)}
 
@@ -201,7 +203,10 @@ class ModelRunner:
         for chunk, row in zip(completing, rows, strict=True):
             if chunk.drafts:
                 span = logits[start : start + chunk.num_tokens]
-                self.verified[row.seq_id] = self.sampler.verify(span, row, chunk.drafts)
+                judged = self.sampler.verify(span, row, chunk.drafts)
+                self.verified[row.seq_id] = judged.token_ids
+                if row.params.logprobs is not None:
+                    self.logprobs[row.seq_id] = [lp for lp in judged.logprobs if lp is not None]
                 start += chunk.num_tokens
             else:
                 plain.append(start)
@@ -210,11 +215,11 @@ class ModelRunner:
         if not plain:
             return {}
         sampled = self.sampler.sample(logits[self._tensor(plain).to(logits.device)], plain_rows)
-        self.logprobs = {
-            row.seq_id: lp
+        self.logprobs.update(
+            (row.seq_id, [lp])
             for row, lp in zip(plain_rows, sampled.logprobs, strict=True)
             if lp is not None
-        }
+        )
         return {row.seq_id: tok for row, tok in zip(plain_rows, sampled.token_ids, strict=True)}
 
     def _prompt_logprobs(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Sequence as Ids
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,6 +70,17 @@ class SampleRow:
         the processed logits, not of the model's)."""
         p = self.params
         return p.structured is not None or bool(p.logit_bias) or self.masks_end or self.penalized
+
+
+def verify_rows(row: SampleRow, drafts: Ids[int]) -> list[SampleRow]:
+    """The 1 + k rows a verify chunk's logits are judged as: row i is `row` with drafts
+    0..i-1 appended to its tokens, what plain decoding's processors would have read had it
+    emitted them (penalty counts, min_tokens' output count). A row no processor reads
+    needs no copies of its tokens."""
+    if not row.processed:
+        return [row] * (len(drafts) + 1)
+    base = tuple(row.token_ids)
+    return [replace(row, token_ids=base + tuple(drafts[:i])) for i in range(len(drafts) + 1)]
 
 
 @dataclass
@@ -145,24 +156,60 @@ class Sampler:
         # Greedy rows took a placeholder temperature of 1 above; their argmax wins here.
         return torch.where(temperature == 0, greedy, drawn), probs if keep_probs else None
 
-    def verify(self, logits: torch.Tensor, row: SampleRow, drafts: Ids[int]) -> list[int]:
+    def verify(self, logits: torch.Tensor, row: SampleRow, drafts: Ids[int]) -> Sampled:
         """A verify chunk's tokens: logits [1 + k, vocab] of its rows (after its last
         token, then after each of the k drafts) -> the accepted drafts and one token more
-        (verify.py). Greedy rows compare with the argmax; random rows rejection-sample with
-        the request's generator (its own when seeded). The row must not be `processed`:
-        eligibility.py keeps such sequences off speculation."""
-        if row.processed:
-            raise ValueError(f"request {row.seq_id} processes its logits: it cannot verify")
+        (verify.py), with each one's logprobs where the request asks.
+
+        Row i is judged as plain decoding would sample it had it emitted drafts 0..i-1:
+        processed (grammar, logit_bias, min_tokens, penalties) for the output so far plus
+        those drafts. Greedy rows compare with the processed argmax; random rows
+        rejection-sample the processed distributions with the request's generator (its
+        own when seeded). Logprobs are the target's at each emitted position, the
+        corrected token's too. Reads the device once, twice with logprobs."""
+        positions = verify_rows(row, drafts)  # [1 + k] rows: the output grows by a draft
+        processed = self._process_verify(logits, positions, drafts)
+        probs: torch.Tensor | None = None
         if row.params.greedy:
-            return accept_greedy(drafts, logits.argmax(dim=-1).tolist())
-        params = [row.params] * logits.shape[0]
-        temperature, top_k, top_p, min_p = self._settings(params, logits.device)
-        probs = batch_probabilities(
-            logits, temperature, top_k, top_p, min_p=min_p, cuts=_cuts(params, logits.shape[-1])
-        )  # [1 + k, vocab]
-        seeded = row.params.seed is not None
-        generator = self._generator(row.seq_id, row.params) if seeded else self._shared
-        return rejection_sample(probs, drafts, None, generator)
+            tokens = accept_greedy(drafts, processed.argmax(dim=-1).tolist())
+        else:
+            params = [row.params] * logits.shape[0]
+            temperature, top_k, top_p, min_p = self._settings(params, logits.device)
+            probs = batch_probabilities(
+                processed,
+                temperature,
+                top_k,
+                top_p,
+                min_p=min_p,
+                cuts=_cuts(params, logits.shape[-1]),
+            )  # [1 + k, vocab]
+            seeded = row.params.seed is not None
+            generator = self._generator(row.seq_id, row.params) if seeded else self._shared
+            tokens = rejection_sample(probs, drafts, None, generator)
+        if row.params.logprobs is None:
+            return Sampled(tokens, [None] * len(tokens))
+        n = len(tokens)  # emitted token j was made at row j
+        emitted = _upload(tokens, torch.int64, logits.device)
+        kept = None if probs is None else probs[:n]
+        table = logprob_table(logits[:n], processed[:n], kept, emitted, positions[:n])
+        return read_logprobs(table.tolist(), positions[:n])
+
+    def _process_verify(
+        self, logits: torch.Tensor, rows: list[SampleRow], drafts: Ids[int]
+    ) -> torch.Tensor:
+        """process_logits for a verify chunk's rows [1 + k, vocab] (verify_rows): the
+        grammar's mask at each row comes from the matcher advanced over the drafts before
+        it (and rolled back), the rest as in a plain step."""
+        if not any(r.processed for r in rows):
+            return logits
+        logits = logits.clone()  # [1 + k, vocab]: the raw ones stay for raw logprobs
+        if rows[0].params.structured is not None:
+            if self.grammar is None:
+                raise ValueError("a structured output needs the engine's grammar masks")
+            self.grammar.apply_drafts(logits, rows[0], drafts)
+        add_logit_bias(logits, rows)
+        mask_end_tokens(logits, rows)
+        return penalize(logits, rows)
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from appliance.engine.sequence import Sequence, SequenceStatus
 from appliance.engine.speculative.acceptance import AcceptanceCounts
-from appliance.engine.speculative.eligibility import speculates
+from appliance.engine.speculative.eligibility import DraftCheck, allowed_drafts, speculates
 from appliance.engine.speculative.proposer import Drafter
 from appliance.kv.block_allocator import BlockAllocator, blocks_for_tokens
 from appliance.kv.prefix_cache import PrefixCache
@@ -94,6 +94,7 @@ class Scheduler:
     ) -> None:
         self.allocator = allocator
         self.drafter = drafter  # None: no speculative decoding
+        self.draft_check: DraftCheck | None = None  # the grammar's (the engine sets it)
         self.acceptance = AcceptanceCounts()
         self.blocks = PrefixCache(allocator, block_size, prefix_caching)
         self.block_size = block_size
@@ -194,7 +195,8 @@ class Scheduler:
         )
         if k <= 0:
             return []
-        drafts = self.drafter.propose(seq.seq_id, seq.token_ids, k)[:k]
+        proposed = self.drafter.propose(seq.seq_id, seq.token_ids, k)[:k]
+        drafts = allowed_drafts(seq, proposed, self.draft_check)
         return drafts if len(drafts) >= min(k, length.k_min) else []
 
     def _admits_waiting(self) -> bool:

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from scheduler_steps import BLOCK, EOS, make, new_seq
 
 from appliance.engine.scheduler import Scheduler
-from appliance.engine.sequence import Sequence
-from appliance.engine.speculative.eligibility import speculates
+from appliance.engine.sequence import Sequence, StructuredOutput
+from appliance.engine.speculative.eligibility import allowed_drafts, speculates
 from appliance.engine.speculative.ngram import NgramProposer
 from appliance.engine.speculative.proposer import Drafter
 from appliance.engine.speculative.verify import accept_greedy
@@ -215,7 +215,7 @@ def test_drafts_never_preempt_another_sequence() -> None:
     assert [(c.seq, c.num_tokens) for c in out.decodes] == [(seqs[0], 1), (seqs[1], 1)]
 
 
-def test_sampling_features_that_change_logits_per_position_do_not_speculate() -> None:
+def test_every_sampling_feature_speculates_and_a_grammar_cuts_its_drafts() -> None:
     def ready(**params: object) -> Sequence:
         seq = new_seq(0, 3, **params)
         seq.token_ids.append(50)
@@ -224,12 +224,14 @@ def test_sampling_features_that_change_logits_per_position_do_not_speculate() ->
 
     assert speculates(ready())
     assert speculates(ready(temperature=0.8, top_p=0.9, top_k=5, seed=1))
-    assert not speculates(ready(presence_penalty=0.5))
-    assert not speculates(ready(repetition_penalty=1.2))
-    assert not speculates(ready(logit_bias=[(3, 1.0)]))
-    assert not speculates(ready(logprobs=0))
-    assert not speculates(ready(min_tokens=3))  # one output so far: end tokens masked
-    assert speculates(ready(min_tokens=1))
+    assert speculates(ready(presence_penalty=0.5, repetition_penalty=1.2))
+    assert speculates(ready(logit_bias=[(3, 1.0)], logprobs=0, min_tokens=3))
+    structured = ready(structured=StructuredOutput("json_object"))
+    assert speculates(structured)
+    # Its drafts end where its grammar refuses one; without a grammar check, none.
+    assert allowed_drafts(structured, [7, 8, 9], lambda seq, drafts: 2) == [7, 8]
+    assert allowed_drafts(structured, [7, 8, 9], None) == []
+    assert allowed_drafts(ready(), [7, 8, 9], None) == [7, 8, 9]
     prefill_only = ready()
     prefill_only.prefill_only = True
     assert not speculates(prefill_only)

@@ -2,9 +2,9 @@
 equals plain decoding token for token for k = 1..8; proposers that are always wrong and
 always right (the target drafting for itself) give the same output and leave every KV
 block free; stops, max_tokens and end tokens inside an accepted run end the answer where
-plain decoding does; sequences whose sampling features verification does not handle yet
-decode plainly; and on a tiny random model, rejection sampling's tokens follow the
-target's distribution (chi-square)."""
+plain decoding does (the sampling features with speculation: test_speculative_features*);
+and on a tiny random model, rejection sampling's tokens follow the target's distribution
+(chi-square)."""
 
 from __future__ import annotations
 
@@ -178,21 +178,6 @@ def test_a_stop_string_inside_an_accepted_run_cuts_where_plain_decoding_does(
     assert outputs[-1].finish_reason == expected.finish_reason == "stop"
     assert outputs[-1].num_output_tokens == len(expected.token_ids)
     assert all_free(spec)
-
-
-def test_penalized_requests_decode_plainly_with_the_right_answer(
-    engine: LLMEngine, make_engine: Callable[..., LLMEngine]
-) -> None:
-    prompt = prompts_of(engine)[0]
-    params = SamplingParams(max_tokens=24, repetition_penalty=1.3, presence_penalty=0.5)
-    [expected] = engine.generate([prompt], params)
-    spec = drafting(make_engine, NgramProposer(1, 4), 4)
-    [got] = spec.generate([prompt], params)
-    assert got.token_ids == expected.token_ids
-    assert spec.scheduler.acceptance.drafted == 0
-    # The same engine speculates for a plain request beside it.
-    spec.generate([prompt], GREEDY)
-    assert spec.scheduler.acceptance.drafted > 0
 
 
 def test_seeded_sampling_with_drafts_repeats(make_engine: Callable[..., LLMEngine]) -> None:

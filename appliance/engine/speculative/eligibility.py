@@ -1,26 +1,31 @@
-"""Which sequences may speculate this step. Torch-free (the scheduler asks it).
+"""Which sequences may speculate this step, and which of their drafts may be verified.
+Torch-free (the scheduler asks it).
 
-Verification compares drafts with the distribution the sampler would draw from; where
-sampling-time processing changes that distribution per position (penalties and
-logit_bias on the growing output, a grammar's state, min_tokens' end-token mask) or a
-request wants logprobs per token, the sequence decodes plainly for now: the same answer,
-one token a step."""
+Verification judges each drafted position as plain decoding would sample it (the sampler
+processes every verify row for the output so far plus the drafts before it: penalties,
+logit_bias, min_tokens' end-token mask, the grammar's state), and logprobs come from the
+target's rows: every sampling feature speculates. A structured request's drafts are cut
+at the first token its grammar refuses, so no such token is ever verified."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence as Ids
+
 from appliance.engine.sequence import Sequence
+
+# How many of a sequence's drafts its grammar allows in a row (GrammarMasks.valid_drafts).
+DraftCheck = Callable[[Sequence, Ids[int]], int]
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether `seq` may carry drafts: decoding here, one token uncomputed, and none of
-    the sampling features verification does not handle yet."""
-    p = seq.params
-    if seq.prefill_only or not seq.output_ids or seq.num_uncomputed != 1:
-        return False
-    if p.structured is not None or p.logit_bias or p.logprobs is not None:
-        return False
-    if p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1:
-        return False
-    # min_tokens masks end tokens until that many outputs (a re-run's earlier ones count).
-    outputs = len(seq.token_ids) - max(0, seq.num_prompt_tokens - p.emitted)
-    return outputs >= p.min_tokens
+    """Whether `seq` may carry drafts: decoding here, with one token uncomputed."""
+    return not seq.prefill_only and bool(seq.output_ids) and seq.num_uncomputed == 1
+
+
+def allowed_drafts(seq: Sequence, drafts: list[int], grammar: DraftCheck | None) -> list[int]:
+    """`drafts` up to the first token seq's grammar refuses (all of them where it has no
+    structured output); none for a structured sequence when no grammar check is given."""
+    if seq.params.structured is None or not drafts:
+        return drafts
+    return drafts[: grammar(seq, drafts)] if grammar is not None else []

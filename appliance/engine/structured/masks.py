@@ -80,6 +80,34 @@ class GrammarMasks:
             banned = self.banned(rows)
         logits.masked_fill_(banned.to(logits.device, non_blocking=True), float("-inf"))
 
+    def valid_drafts(self, row: GrammarRow, drafts: Sequence[int]) -> int:
+        """How many of a structured row's drafts (proposed to follow row.token_ids) its
+        grammar allows in a row: the scheduler truncates the draft there, so a draft the
+        grammar rejects is never verified. The matcher catches up with the row's tokens
+        (emitted ones only) and is not advanced by the drafts."""
+        self._wait()
+        matcher = self._matcher(row)
+        matcher.catch_up(row.token_ids)
+        return matcher.valid_drafts(drafts)
+
+    def apply_drafts(self, logits: torch.Tensor, row: GrammarRow, drafts: Sequence[int]) -> None:
+        """Mask a verify chunk's logits [1 + k, vocab] in place: row i by the grammar
+        state after the row's tokens and drafts 0..i-1 (RequestMatcher.fill_drafts),
+        exactly the mask plain decoding would use had it emitted those drafts."""
+        self._wait()
+        matcher = self._matcher(row)
+        matcher.catch_up(row.token_ids)
+        bitmask = np.empty((len(drafts) + 1, self.words), dtype=np.int32)  # [1 + k, words]
+        matcher.fill_drafts(bitmask.ctypes.data, self.words * 4, drafts)
+        banned = torch.from_numpy(bits(bitmask, self.vocab_size) == 0)  # [1 + k, vocab]
+        logits.masked_fill_(banned.to(logits.device, non_blocking=True), float("-inf"))
+
+    def _wait(self) -> None:
+        """Let the started mask finish (it may read other matchers) without taking it:
+        the step's plain rows still find it."""
+        if self._pending is not None:
+            self._pending[1].result()
+
     def forget(self, seq_id: int) -> None:
         """Drop a request's matcher: it finished, was aborted, or left for another worker."""
         self._settle()

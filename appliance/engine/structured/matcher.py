@@ -73,6 +73,35 @@ class RequestMatcher:
         packed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # as int32
         ctypes.memmove(address, (ctypes.c_int32 * len(packed))(*packed), nbytes)
 
+    def valid_drafts(self, drafts: Ids[int]) -> int:
+        """How many of `drafts` (proposed after the tokens caught up with) the grammar
+        allows in a row; 0 where only end tokens remain (a refused spec never drafts)."""
+        if self.refused is not None or self.matcher is None or not drafts:
+            return 0
+        return int(self.matcher.validate_tokens(list(drafts)))
+
+    def fill_drafts(self, address: int, nbytes: int, drafts: Ids[int]) -> None:
+        """Write 1 + len(drafts) bitmasks, nbytes each, one after another from `address`:
+        mask i is the one after the caught-up tokens and drafts 0..i-1. The matcher takes
+        the drafts only to compute them and is rolled back after: it advances by emitted
+        tokens alone (catch_up). Past a draft the grammar refuses the masks repeat the
+        last one: verification rejects that draft (its mask forbids it), so no later
+        position is ever emitted."""
+        valid = self.valid_drafts(drafts)
+        taken = 0
+        for i in range(len(drafts) + 1):
+            at = address + i * nbytes
+            if i > valid:
+                ctypes.memmove(at, address + valid * nbytes, nbytes)
+                continue
+            self.fill(at, nbytes)
+            if i < valid and self.matcher is not None:
+                if not self.matcher.consume_token(drafts[i]):  # validated: cannot fail
+                    raise RuntimeError(f"the grammar refused draft {drafts[i]} it validated")
+                taken += 1
+        if taken and self.matcher is not None and not self.matcher.rollback(taken):
+            raise RuntimeError(f"the grammar matcher could not roll back {taken} drafts")
+
     @property
     def complete(self) -> bool:
         """Nothing but an end token may follow (the mask then allows only those)."""
