@@ -10,7 +10,7 @@ memory per program, and ptxas's spill stores and loads (bytes per thread).
 
 A variant is what the launch depends on: dtype, head size (padded to a power of two),
 GQA group, decode or prefill, window, sinks; the block size is the default 16. Its
-launch comes from triton_attention.kernel_launch on small CPU tensors of the family's
+launch comes from triton_attention.kernel_launches on small CPU tensors of the family's
 shape, so the constexprs, num_warps and num_stages are those paged_attention passes, and
 Triton's own binder turns the arguments into the signature and the divisibility
 attributes a launch on the GPU gets (strides that are multiples of 16, aligned pointers).
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(results))
     over = [r for r in results if problem(r)]
     for result in over:
-        print(f"FAILS: {result.name} on {result.arch}: {problem(result)}", file=sys.stderr)
+        print(f"FAILS: {result.variant.name} on {result.arch}: {problem(result)}", file=sys.stderr)
     return 1 if over else 0
 
 

@@ -256,7 +256,9 @@ def _run_attend(sinks: bool = False) -> float:
 
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     chunks = [(0, 21), (40, 30), (61, 4)]  # prefill: (cached, chunk); the last a verify
-    decodes = [35, 3, 80]  # decode contexts, the new token included
+    # Decode contexts, the new token included: 600 widens the first group's tables to 608
+    # keys, so decode_splits gives it 2 parts (6 programs, 2 x 256 keys).
+    decodes = [35, 3, 600]
     contexts = [c + n for c, n in chunks] + decodes
     k_cache, v_cache, tables = _pool(contexts, block_size, kv_heads, head_dim, torch.float32)
     # Zeros, not NaN, past the contexts: the CPU path's SDPA multiplies masked slots by 0.
@@ -287,6 +289,9 @@ def _run_attend(sinks: bool = False) -> float:
         )
 
     groups = [group([2, 0]), group([1])]
+    # attend() splits the first group's keys (the rule's choice for an H100), not the second's.
+    assert triton_attention.choose_splits(q, k_cache, groups[0].block_tables, 1, 132) == 2
+    assert triton_attention.choose_splits(q, k_cache, groups[1].block_tables, 1, 132) == 1
     prompt_rows = 21 + 30  # the verify chunk's rows follow the prompts'
     batch = AttentionBatch(torch.zeros(0, dtype=torch.int64), segments, row, groups, prompt_rows)
     scale = head_dim**-0.5

@@ -1,7 +1,7 @@
 """The Triton paged-attention kernel compiled for GPUs that CI does not have: sm_90a
 (H100/H200), sm_80 (A100), sm_86 and sm_89 (RTX 30xx/40xx, A10, L4), on the CPU with
 Triton's bundled ptxas, no GPU or driver. Each variant is a specialization the default
-configurations launch (triton_attention.kernel_launch on tensors of the family's shape:
+configurations launch (triton_attention.kernel_launches on tensors of the family's shape:
 the same constexprs, warps and stages as on the GPU), compiled by
 benchmarks/triton_compile_table.py's own functions, so its table and these tests count
 the same thing. A test fails on a compile error, on ptxas spilling more than the
