@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import re
@@ -106,7 +107,8 @@ def ttft_ms(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, i
     first = None
     usage: dict = {}
     with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as reply:
-        reply.raise_for_status()
+        if reply.status_code != 200:
+            raise RuntimeError(f"{url}: {reply.status_code} {reply.read().decode()}")
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -209,9 +211,19 @@ def main() -> None:
         args.out.write_text(table)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (the figures mean nothing without it)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M)
+        if found:
+            return found.group(1).strip()
+    return platform.processor() or platform.machine()
+
+
 def render(rows: list[RunFigures], args: argparse.Namespace) -> str:
     lines = [
-        f"KV store bench on {platform.processor() or platform.machine()} "
+        f"KV store bench on {cpu_name()}, {os.cpu_count()} cores "
         f"(pool {args.pool_mb} MiB a worker; default layout)",
         "",
         "| run | workload | requests | TTFT p50 ms | TTFT p99 ms | prompt tokens | computed "

@@ -1,9 +1,10 @@
-"""The box's KV store with real workers (issue 41): a prefix one prefill worker computed is
-served from the store to the other (only the new part is computed, the greedy output as
-when everything is computed); after `appliance serve` restarts, a repeated prompt is
-served from the disk tier, a corrupted block file is refused and its part recomputed; a
-worker whose KV dtype differs never reads the store. What each request computed is read
-as a user does: the usage's cached tokens, /metrics and the admin snapshot."""
+"""The box's KV store with real workers (issue 41): a prefix one worker computed is served
+from the store to the other, in both layouts (only the new part is computed, the greedy
+output as when everything is computed); after `appliance serve` restarts, a repeated
+prompt is served from the disk tier, a corrupted block file is refused and its part
+recomputed; a worker whose KV dtype differs never reads the store. What each request
+computed is read as a user does: the usage's cached tokens, /metrics and the admin
+snapshot."""
 
 from __future__ import annotations
 
@@ -110,19 +111,25 @@ def store_server(folders: dict[str, Path], disk: Path, **more: str) -> ServerPro
     return ServerProcess(env, admin_token_file=token_file)
 
 
-def test_a_prefix_computed_on_one_prefill_worker_is_served_to_the_other(
-    folders: dict[str, Path],
+LAYOUTS = {
+    # Two prefill workers (the prefix goes from one to the other) and a decode worker.
+    "split": {
+        "APPLIANCE_CPU_DEVICES": "3",
+        "APPLIANCE_PREFILL_DEVICES": "0,1",
+        "APPLIANCE_DECODE_DEVICES": "2",
+    },
+    "colocated": {"APPLIANCE_CPU_DEVICES": "2", "APPLIANCE_MODE": "colocated"},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_prefix_computed_on_one_worker_is_served_to_the_other(
+    folders: dict[str, Path], layout: str
 ) -> None:
-    server = store_server(
-        folders,
-        folders["disk"] / "split",
-        APPLIANCE_CPU_DEVICES="3",
-        APPLIANCE_PREFILL_DEVICES="0,1",
-        APPLIANCE_DECODE_DEVICES="2",
-    )
+    server = store_server(folders, folders["disk"] / layout, **LAYOUTS[layout])
     server.start(timeout=600)
     try:
-        # In turn: the second prompt goes to the prefill worker that never saw the first.
+        # In turn: the second prompt goes to the worker that never saw the first.
         reply = httpx.patch(
             server.url + "/admin/tuning",
             json={"routing": "round_robin"},
