@@ -76,6 +76,13 @@ class RemoteProcess:
         self._exited.set()
 
 
+def workers_lost(processes: list[RemoteProcess]) -> None:
+    """Workers of a lost box: exited, as far as the head can tell."""
+    for process in processes:
+        if process.is_alive():
+            process.exited(LOST)
+
+
 class Sender:
     """Messages to one remote end, sent by a thread of their own: a box that stops reading
     (hung, cut off) fills its socket's buffer, and a send on the supervisor's loop would
@@ -319,12 +326,18 @@ class ClusterHead:
                     process.exited(message.exitcode)
         agent.drop("its link ended")
         with self._lock:
-            processes = list(agent.processes.values())
-        for process in processes:
-            if process.is_alive():
-                process.exited(LOST)
-        if not self._stopping.is_set():  # the supervisor logs it (one line, one event)
-            self._call(self._lost, agent.box, agent.lost_cause)
+            processes = [p for p in agent.processes.values() if p.is_alive()]
+        if self._stopping.is_set():
+            workers_lost(processes)
+            return
+        # On the supervisor's loop, the loss first (one line, one event naming the requests
+        # the box's workers held), then their exits: marked exited here, the watchdog could
+        # re-run those requests first and the event would name none.
+        self._call(self._lose_box, agent.box, agent.lost_cause, processes)
+
+    def _lose_box(self, box: str, cause: str, processes: list[RemoteProcess]) -> None:
+        self._lost(box, cause)
+        workers_lost(processes)
 
     def _beat(self) -> None:
         """Ping every agent each beat_s; drop the link of one silent for over silence_s."""

@@ -8,7 +8,10 @@ and the requests it held run again on the head's decode worker, each with the si
 engine's greedy answer; running again, its agent finds its link ended and exits. Then
 only box b's worker is frozen while its agent answers: the watchdog asks that agent for
 the kill once (not every 200 ms), the worker dies, its requests run again, and the box
-stays. Runs in file order (each test joins box b)."""
+stays. Runs in file order (each test joins box b). The heartbeat beats every 0.5 s and
+loses a box after 3 s of silence, the stall limit is 10 s (the defaults' 1 s and 5 s and
+the hidden probe's 15 s made this file 76 s of CI; limits of 6 and 8 s killed head workers
+the machine had starved of CPU for 9 s, at a load of 15-17 on 2 cores)."""
 
 from __future__ import annotations
 
@@ -48,8 +51,8 @@ STREAMS = 12
 MAX_TOKENS = 96
 CHECKED_TOKENS = 24  # the expected answers' length: a longer answer starts with it
 BOX_ADDRESS = "127.0.0.3"
-BEAT_S, SILENCE_S = 1.0, 5.0  # the heartbeat settings' defaults
-STALL_S = 15.0  # recovery.stall_timeout_s, as the hidden probe had it
+BEAT_S, SILENCE_S = 0.5, 3.0  # cluster.heartbeat_interval_s, heartbeat_timeout_s
+STALL_S = 10.0  # recovery.stall_timeout_s: past the heartbeat's, so it finds a frozen box first
 FOUND_BOUND_S = SILENCE_S + BEAT_S + 3.0  # the stated time, and room for a loaded machine
 
 
@@ -135,6 +138,8 @@ def boxes(tmp_path_factory: pytest.TempPathFactory, certs: Certs) -> Iterator[Bo
     more = {
         "APPLIANCE_CLUSTER__INTERFACE": "lo",
         "APPLIANCE_RECOVERY__STALL_TIMEOUT_S": str(STALL_S),
+        "APPLIANCE_CLUSTER__HEARTBEAT_INTERVAL_S": str(BEAT_S),
+        "APPLIANCE_CLUSTER__HEARTBEAT_TIMEOUT_S": str(SILENCE_S),
         **certs.env("head"),
     }
     head, secret = cluster_head(folder, address, **more)
@@ -192,6 +197,7 @@ def test_a_frozen_box_is_found_by_its_heartbeat_and_lost_once(
     assert "stalled" not in output  # the heartbeat found it long before the stall limit
     [exited] = [e for e in boxes.events("worker_exit") if e["box"] == "b"]
     assert exited["cause"] == "its box was lost" and exited["requests"], exited
+    assert set(lost["requests"]) == set(exited["requests"])  # the event names what it held
     reruns = {r for e in boxes.events("rerun") for r in e["requests"]}
     assert set(exited["requests"]) <= reruns
 
