@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from appliance.model.layers import triton_attention  # noqa: E402
+from appliance.model import quant  # noqa: E402
+from appliance.model.layers import triton_attention, triton_quant  # noqa: E402
 from appliance.model.layers.triton_splits import H100_SMS, decode_splits  # noqa: E402
 
 ARCHES = {"sm_90a": 90, "sm_80": 80, "sm_86": 86, "sm_89": 89}  # 90 compiles as sm_90a
@@ -78,7 +79,10 @@ class Variant:
     # The decode side's other launches: a verify step (5 query tokens a sequence, varlen,
     # on the decode tiles), a decode split over the context (batch 1 at 8k keys: the
     # rule's 16 parts on an H100), or that split's reduce kernel.
-    launch: str = "plain"  # "plain", "verify", "split", "reduce"
+    launch: str = "plain"  # "plain", "verify", "split", "reduce", "gemv"
+    # gemv: the quantized GEMV (triton_quant) over a [heads * head_dim]-square weight in
+    # this GGML format ("Q8_0", "Q4_0"), one token row of x in `dtype`.
+    quant: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -147,6 +151,13 @@ VARIANTS: tuple[Variant, ...] = tuple(
     + _decode_side("gpt-oss-20b sliding bf16", "bfloat16", 64, 8, 64, window=128, sinks=True)
     + _decode_side("llama3-8b fp16", "float16", 32, 8, 128)
     + _decode_side("llama3-8b fp32", "float32", 32, 8, 128)
+    + [
+        Variant(
+            f"llama3-8b {fmt} gemv {short}", dtype, 32, 32, 128, False, launch="gemv", quant=fmt
+        )
+        for fmt in ("Q8_0", "Q4_0")
+        for dtype, short in (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32"))
+    ]
 )
 # The CI test's quick subset, on sm_90a: the default model, the common 8B shape, the
 # largest head (256), sinks with a window, and float32's widest tiles.
@@ -160,6 +171,8 @@ QUICK = (
     "llama3-8b bf16 verify",
     "llama3-8b bf16 split",
     "llama3-8b bf16 reduce",
+    "llama3-8b Q8_0 gemv bf16",
+    "llama3-8b Q4_0 gemv bf16",
 )
 
 
@@ -188,11 +201,13 @@ def variant(name: str) -> Variant:
 
 def launch_for(
     v: Variant, tiles: triton_attention.Tiles | None = None
-) -> triton_attention.KernelLaunch:
-    """The launch attend() makes for this variant on a GPU, built from small CPU tensors
-    of the variant's shape (only their dtypes, strides and alignment count); `tiles`
-    replaces the launch's own (to measure others)."""
+) -> triton_attention.KernelLaunch | triton_quant.QuantLaunch:
+    """The launch attend() (or quant_gemv) makes for this variant on a GPU, built from
+    small CPU tensors of the variant's shape (only their dtypes, strides and alignment
+    count); `tiles` replaces the launch's own (to measure others)."""
     dtype = v.torch_dtype
+    if v.quant is not None:
+        return _gemv_launch(v)
     # Prefill and verify: segment_runs' varlen metadata (int64 slices of one upload) for
     # a step of three chunks; decode: a group's padded int64 tables and lengths. 37
     # blocks: a stride no multiple of 16.
@@ -242,6 +257,16 @@ def launch_for(
         "num_stages": tiles.num_stages,
     }
     return replace(launch, options=options)
+
+
+def _gemv_launch(v: Variant) -> triton_quant.QuantLaunch:
+    """quant_gemv's launch for one token row times a square weight of the model's width."""
+    width = v.heads * v.head_dim
+    fmt = quant.FORMATS[str(v.quant)]
+    blocks = torch.zeros(width, width // fmt.values * fmt.bytes, dtype=torch.uint8)
+    x = torch.zeros(1, width, dtype=v.torch_dtype)
+    out = torch.empty(1, width, dtype=v.torch_dtype)
+    return triton_quant.gemv_launch(x, blocks, fmt.ggml_id, width, out)
 
 
 def _segment_run(lengths: list[int], verify: bool) -> triton_attention.SegmentRun:
@@ -322,8 +347,8 @@ def markdown(results: list[Compiled]) -> str:
         first = next(iter(by_arch.values()))
         row = [
             v.name,
-            str(v.head_dim),
-            str(v.heads // v.kv_heads),
+            "-" if v.quant else str(v.head_dim),
+            "-" if v.quant else str(v.heads // v.kv_heads),
             f"{v.window or '-'}/{'yes' if v.sinks else '-'}",
             f"{first.num_warps}/{first.num_stages}",
         ]

@@ -9,7 +9,7 @@ benchmark's SPILL_BUDGET bytes a thread, or on more shared memory than the archi
 gives a block (the launch would fail there with OutOfResources).
 
 The quick lane compiles the default configurations' launches (QUICK: decode, prefill,
-a verify step, a decode split over the context and its reduce) for sm_90a (a few
+a verify step, a decode split over the context and its reduce, the Q8_0/Q4_0 GEMV) for sm_90a (a few
 seconds on a quiet machine), the slow lane (`process`) the same for sm_80, sm_86 and
 sm_89; the full matrix, every variant for every architecture (a few minutes), is the
 benchmark's: `benchmarks/triton_compile_table.py` exits 1 on any cell that fails.
@@ -99,6 +99,11 @@ def test_variants_cover_every_launch_rule() -> None:
         "verify",
         "split",
         "reduce",
+        "gemv",
+    }
+    # The quantized GEMV over both block formats it takes, in every dtype.
+    assert {(v.quant, v.dtype) for v in variants if v.launch == "gemv"} == {
+        (fmt, dtype) for fmt in ("Q8_0", "Q4_0") for dtype in ("bfloat16", "float16", "float32")
     }
 
 
