@@ -171,24 +171,32 @@ class PrefixCache:
         store's held prefix of the prompt), `load(block, found[i])` copies them into pool
         block `block` (False: they could not be read; the prefix ends there). The loaded
         blocks stay cached and unused, for the sequence's own `match`; only free room is
-        taken (cached blocks nobody uses are evicted for it, as for any sequence).
+        taken (cached blocks nobody uses are evicted for it, as for any sequence, but never
+        the prompt's own: a block after a gap the store fills is worth keeping).
         Returns how many were loaded."""
         if not self.enabled:
             return 0
         size = self.block_size
-        held, keys = self.match(token_ids, max_blocks)  # in use meanwhile: not evicted
-        self.hit_tokens -= len(held) * size  # a look, not a sequence's hit
-        start = len(held)
-        blocks = self.allocate(min(max(min(len(found), max_blocks) - start, 0), self.num_free))
-        previous = keys[-1] if keys else None
-        loaded = 0
-        for i, block in enumerate(blocks):
-            if not load(block, found[start + i]):
+        keys = prefix_keys(token_ids[: max_blocks * size], size)
+        here: list[int] = []  # the prompt's blocks this pool holds: in use meanwhile
+        missing: list[int] = []  # the prompt's blocks to load, up to the first gap
+        for i, key in enumerate(keys):
+            block = self._block_of.get(key)
+            if block is not None and self._content[block][1] == tuple(token_ids[i * size :][:size]):
+                self._use(block)
+                here.append(block)
+            elif i < len(found):
+                missing.append(i)
+            else:
                 break
-            tokens = token_ids[(start + i) * size : (start + i + 1) * size]
-            previous = self.register(block, previous, tokens)
+        blocks = self.allocate(min(len(missing), self.num_free))
+        loaded = 0
+        for i, block in zip(missing, blocks, strict=False):
+            if not load(block, found[i]):
+                break
+            self.register(block, keys[i - 1] if i else None, token_ids[i * size : (i + 1) * size])
             loaded += 1
-        self.free(held + blocks)  # registered ones stay cached; the rest go back
+        self.free(here + blocks)  # registered ones stay cached; the rest go back
         self.stored_tokens += loaded * size
         return loaded
 

@@ -74,6 +74,18 @@ def test_a_stored_prefix_is_loaded_after_the_pools_own_and_then_matched() -> Non
     assert cache.stored_tokens == 2 * SIZE
 
 
+def test_loading_never_evicts_the_prompts_own_blocks_after_the_gap() -> None:
+    cache = PrefixCache(BlockAllocator(6), SIZE)
+    prompt = list(range(13))  # three full blocks and the last token
+    compute(cache, prompt[:12])
+    compute(cache, list(range(100, 112)))  # another prompt's three: the pool is full
+    cache.allocate(2)  # the prompt's first two blocks evicted (into the store), now in use
+    assert len(cache.match(prompt, 3)[0]) == 0
+    loaded = cache.load_prefix(prompt, 3, ["s0", "s1"], lambda _block, _name: True)
+    assert loaded == 2  # room made from the other prompt's blocks, not the third of this one
+    assert len(cache.match(prompt, 3)[0]) == 3
+
+
 def test_a_refused_read_ends_the_loaded_prefix_and_frees_the_rest() -> None:
     cache = PrefixCache(BlockAllocator(8), SIZE)
     prompt = list(range(17))
