@@ -226,3 +226,30 @@ def test_a_worker_with_another_kv_dtype_never_reads_the_store(
         assert metric(server, "appliance_kv_store_lookups_total") == 1
     finally:
         assert server.stop() == 0
+
+
+def test_blocks_a_small_pool_evicts_are_read_back_from_the_store(
+    folders: dict[str, Path],
+) -> None:
+    """The default write policy: a block enters the store as the worker's pool evicts it.
+    The pool holds 11 blocks: a second prompt evicts most of the first's, whose repeat
+    then finds every block again (the evicted ones loaded from the store)."""
+    server = store_server(
+        folders,
+        folders["disk"] / "evict",
+        APPLIANCE_MODE="colocated",
+        APPLIANCE_CPU_DEVICES="1",
+        APPLIANCE_KV__MEMORY_MB="8",
+        APPLIANCE_KV_STORE__WRITE_POLICY="evict",
+    )
+    server.start(timeout=600)
+    try:
+        first = tokens(5, 8 * BLOCK + 5)
+        before = complete(server, first)
+        complete(server, tokens(6, 8 * BLOCK + 5))  # needs the room the first's blocks hold
+        again = complete(server, first)
+        assert again.cached_tokens == 8 * BLOCK
+        assert metric(server, "appliance_kv_store_hits_total", '{tier="host"}') >= 1
+        assert again.text == before.text
+    finally:
+        assert server.stop() == 0
