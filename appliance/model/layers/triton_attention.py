@@ -356,13 +356,15 @@ def tiles_for(dtype: torch.dtype, head_pad: int, group: int, prefill: bool) -> T
     decode_rows = _decode_rows(group)
     if dtype == torch.float32:
         # IEEE float32 dots run on the FMA units, not the tensor cores, and hold far more
-        # in registers: 64 rows x 64 keys spilled 14-75 KB a thread. On 8 warps, 32 rows
-        # x 32 keys spill nothing at head 64; the varlen prefill (one launch a step) at 32
-        # rows spilled 12 B a thread on sm_80 at heads 128 and 256, and 44-108 B in one
-        # stage: 16 rows there (x 16 keys at 256) spill nothing on all four.
+        # in registers: 64 rows x 64 keys spilled 14-75 KB a thread. The varlen prefill
+        # (one launch a step) spilled 4-20 B a thread at 32 rows (head 64, Triton 3.6;
+        # heads 128 and 256 on sm_80, 3.9) and at 8 warps of 16 x 16 at head 256 (3.6),
+        # where ptxas held 8 warps to 64-80 registers: 16 rows x 32 keys on 8 warps, and
+        # 16 x 16 on 4 at head 256 (108 registers), spill nothing on all four, both.
         if prefill:
-            rows, keys = (32, 32) if head_pad <= 64 else (16, 32 if head_pad <= 128 else 16)
-            return Tiles(rows, keys, num_warps=8, num_stages=2)
+            if head_pad <= 128:
+                return Tiles(16, 32, num_warps=8, num_stages=2)
+            return Tiles(16, 16, num_warps=4, num_stages=2)
         return Tiles(decode_rows, 32, num_warps=8, num_stages=2)
     if not prefill:
         return Tiles(decode_rows, 64, num_warps=4, num_stages=3)
