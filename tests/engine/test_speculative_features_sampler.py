@@ -228,3 +228,27 @@ def test_drafts_stop_at_the_first_token_the_grammar_refuses(tokenizer: Tokenizer
     # After those three drafts are emitted, the matcher catches up with them.
     emitted = Row(1, params, [*row.token_ids, *drafts[:3]], 3)
     assert allowed_plainly(masks, emitted) == got[3]
+
+
+def test_wrong_drafts_never_touch_the_matcher_of_the_emitted_tokens(
+    tokenizer: Tokenizer,
+) -> None:
+    """The real model's JSON answer, verified a token a step with a wrong first draft and
+    the right ones after it each time: at every step the request's matcher allows exactly
+    what a fresh one does after the emitted tokens. Rolled back instead of copied, the
+    matcher stopped at "age": 3 (llguidance: ParserTooComplex, kept after the rollback)
+    and the engine's answer ended there."""
+    masks = GrammarMasks(tokenizer, tokenizer.vocab_size, background=False)
+    params = SamplingParams(structured=StructuredOutput("json", json.dumps(SCHEMA)))
+    answer = [39428, 1245, 1799, 476, 4503, 81, 14210, 532, 590, 1002, 476, 473, 1799, 216]
+    answer += [35, 36, 109, 2]
+    assert tokenizer.decode(answer[:-1]) == '{"name": "Ada Lovelace", "age": 34}'
+    prompt = [1, 2, 3]
+    for p in range(1, len(answer)):
+        row = Row(1, params, prompt + answer[:p], len(prompt))
+        wrong = [(answer[p] + 1) % tokenizer.vocab_size, *answer[p + 1 : p + 6]]
+        allowed_rows(masks, row, wrong)
+        fresh = Row(1000 + p, params, row.token_ids, len(prompt))
+        assert allowed_plainly(masks, row) == allowed_plainly(masks, fresh)
+        assert answer[p] in allowed_plainly(masks, row)
+        masks.forget(fresh.seq_id)

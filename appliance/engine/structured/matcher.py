@@ -82,25 +82,25 @@ class RequestMatcher:
 
     def fill_drafts(self, address: int, nbytes: int, drafts: Ids[int]) -> None:
         """Write 1 + len(drafts) bitmasks, nbytes each, one after another from `address`:
-        mask i is the one after the caught-up tokens and drafts 0..i-1. The matcher takes
-        the drafts only to compute them and is rolled back after: it advances by emitted
-        tokens alone (catch_up). Past a draft the grammar refuses the masks repeat the
-        last one: verification rejects that draft (its mask forbids it), so no later
-        position is ever emitted."""
+        mask i is the one after the caught-up tokens and drafts 0..i-1. The drafts go to
+        a copy of the matcher (llguidance's deep_copy), never to this one: it advances by
+        emitted tokens alone (catch_up), and a state only a wrong draft leads to (where
+        llguidance may stop with an error that a rollback does not clear) stays in the
+        copy. Past a draft the grammar refuses the masks repeat the last one:
+        verification rejects that draft (its mask forbids it), so no later position is
+        ever emitted."""
+        self.fill(address, nbytes)
         valid = self.valid_drafts(drafts)
-        taken = 0
-        for i in range(len(drafts) + 1):
-            at = address + i * nbytes
-            if i > valid:
-                ctypes.memmove(at, address + valid * nbytes, nbytes)
-                continue
-            self.fill(at, nbytes)
-            if i < valid and self.matcher is not None:
-                if not self.matcher.consume_token(drafts[i]):  # validated: cannot fail
-                    raise RuntimeError(f"the grammar refused draft {drafts[i]} it validated")
-                taken += 1
-        if taken and self.matcher is not None and not self.matcher.rollback(taken):
-            raise RuntimeError(f"the grammar matcher could not roll back {taken} drafts")
+        filled = 0  # the last mask written
+        if valid and self.matcher is not None:
+            ahead = self.matcher.deep_copy()
+            for i in range(1, valid + 1):
+                if not ahead.consume_token(drafts[i - 1]):
+                    break  # validated, so not expected: the rows after it are never kept
+                ahead.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
+                filled = i
+        for i in range(filled + 1, len(drafts) + 1):
+            ctypes.memmove(address + i * nbytes, address + filled * nbytes, nbytes)
 
     @property
     def complete(self) -> bool:
