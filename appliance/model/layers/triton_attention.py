@@ -16,6 +16,12 @@ group) are padded to tl.dot's 16, masked. It walks the keys in tiles of BLOCK_N 
 last key its rows may see (causal within the chunk). With SINKS (gpt-oss), each query
 head's sink logit joins the softmax's sum at the end, as one more key with no value.
 
+With SPLIT (flash-decoding, for decode and verify launches that leave SMs idle: the
+split count is triton_splits.decode_splits'), grid axis 2 runs over (tile, part): each
+program walks one part of its keys and writes that part's softmax (running max, sum,
+unnormalized output, float32) to a workspace; _split_reduce_kernel then folds the
+parts of each (token, query head), and the sink, into the output.
+
 Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported) runs the same
 kernel on CPU tensors; the tests use it. It computes no bfloat16 tl.dot (numpy has no
 bfloat16; triton-lang/triton#11584), so there bfloat16 operands are widened to float32
