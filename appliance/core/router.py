@@ -69,10 +69,13 @@ class Router:
         # worker id -> keys of prompt blocks it prefilled lately (likely still cached there)
         self._prefixes: dict[int, OrderedDict[int, None]] = {}
 
-    def prefill(self, candidates: list[W], token_ids: list[int], tuning: Tuning) -> W:
-        """Pick the worker that prefills `token_ids`, and remember it got their prefix."""
+    def prefill(
+        self, candidates: list[W], token_ids: list[int], tuning: Tuning, salt: str = ""
+    ) -> W:
+        """Pick the worker that prefills `token_ids` (under cache_salt `salt`), and
+        remember it got their prefix."""
         # Only a prefix cache makes where a prefix went matter: otherwise skip the hashing.
-        keys = prefix_keys(token_ids, self.block_size) if self.prefix_caching else []
+        keys = prefix_keys(token_ids, self.block_size, salt) if self.prefix_caching else []
         if tuning.routing == "round_robin":
             worker = candidates[next(self._turns) % len(candidates)]
         else:

@@ -237,7 +237,8 @@ class Scheduler:
         block with its last token is always computed: its logits pick the next token."""
         if seq.block_table or seq.params.prompt_logprobs is not None:
             return  # (prompt logprobs need every prompt position's logits computed)
-        blocks, keys = self.blocks.match(seq.token_ids, (len(seq) - 1) // self.block_size)
+        size, salt = self.block_size, seq.params.cache_salt
+        blocks, keys = self.blocks.match(seq.token_ids, (len(seq) - 1) // size, salt)
         seq.block_table, seq.block_keys = blocks, keys
         seq.num_computed_tokens = len(blocks) * self.block_size
         if not seq.output_ids:  # its first schedule (a preempted one may match again)
@@ -249,7 +250,10 @@ class Scheduler:
         for i in range(len(seq.block_keys), seq.num_computed_tokens // size):
             previous = seq.block_keys[-1] if seq.block_keys else None
             tokens = seq.token_ids[i * size : (i + 1) * size]
-            seq.block_keys.append(self.blocks.register(seq.block_table[i], previous, tokens))
+            block = seq.block_table[i]
+            seq.block_keys.append(
+                self.blocks.register(block, previous, tokens, seq.params.cache_salt)
+            )
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make seq's block table cover num_tokens more tokens, if the pool allows."""
@@ -367,7 +371,8 @@ class Scheduler:
         if not room or len(seq) >= self.max_model_len:
             return False
         # Prompt blocks this pool has cached need no copy: only the rest are pulled.
-        cached, keys = self.blocks.match(seq.token_ids, seq.num_computed_tokens // self.block_size)
+        full, salt = seq.num_computed_tokens // self.block_size, seq.params.cache_salt
+        cached, keys = self.blocks.match(seq.token_ids, full, salt)
         needed = blocks_for_tokens(seq.num_computed_tokens + 1, self.block_size) - len(cached)
         if not self.blocks.can_allocate(needed):
             self.blocks.free(cached)

@@ -63,6 +63,9 @@ class SamplingParams:
     # length range within the server's (n_max 0: no speculation; None: the server's).
     speculative_n_max: int | None = None
     speculative_n_min: int | None = None
+    # vLLM's per-request cache_salt: requests with different salts share no prefix-cache
+    # block (it enters the first block's key); empty: none, the plain keys.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -30,14 +30,17 @@ Found = TypeVar("Found")  # what names a stored block's bytes (the store's hit)
 
 _FIRST = b"\x00"  # tags a block with no prefix, so no chained block can hash like it
 _CHAINED = b"\x01"
+_SALTED = b"\x02"  # a first block under a request's cache_salt: its own key space
 
 
-def block_key(previous: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
+def block_key(previous: BlockKey | None, tokens: Sequence[int], salt: str = "") -> BlockKey:
     """The key of a full block of `tokens` after the prefix keyed `previous` (None for a
     sequence's first block): the same in every process and run, on any machine, so keys
     computed by one process (the supervisor, another box) name the blocks of another's
-    cache."""
-    head = _FIRST if previous is None else _CHAINED + previous.to_bytes(8, "little")
+    cache. A first block's `salt` (vLLM's per-request cache_salt) enters its key, so every
+    chained key after it differs too: requests with different salts share no block; no
+    salt keys a block as before."""
+    head = _head(previous, salt)
     packed = array("q", tokens)  # 8 bytes a token: packing ints is far cheaper than str
     if sys.byteorder == "big":  # one byte order everywhere
         packed.byteswap()
@@ -46,11 +49,23 @@ def block_key(previous: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
     return int.from_bytes(digest.digest(), "little")
 
 
-def prefix_keys(token_ids: Sequence[int], block_size: int) -> list[BlockKey]:
-    """The keys of every full block of `token_ids`, in order."""
+def _head(previous: BlockKey | None, salt: str) -> bytes:
+    """What a block's hash starts with: its prefix's key, or (a first block) its salt."""
+    if previous is not None:
+        return _CHAINED + previous.to_bytes(8, "little")
+    if not salt:
+        return _FIRST
+    salted = salt.encode()  # its length first: no salt's bytes can run into the tokens
+    return _SALTED + len(salted).to_bytes(8, "little") + salted
+
+
+def prefix_keys(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[BlockKey]:
+    """The keys of every full block of `token_ids`, in order (under the request's
+    cache_salt `salt`; empty: none)."""
     keys: list[BlockKey] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        keys.append(block_key(keys[-1] if keys else None, token_ids[start : start + block_size]))
+        tokens = token_ids[start : start + block_size]
+        keys.append(block_key(keys[-1] if keys else None, tokens, salt))
     return keys
 
 
@@ -123,9 +138,12 @@ class PrefixCache:
 
     # ------------------------------------------------------------ the cache
 
-    def match(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[int]]:
+    def match(
+        self, token_ids: Sequence[int], max_blocks: int, salt: str = ""
+    ) -> tuple[list[int], list[int]]:
         """The cached blocks holding the longest prefix of `token_ids` (at most
-        `max_blocks` full blocks), each now used once more; and their keys."""
+        `max_blocks` full blocks) under cache_salt `salt`, each now used once more; and
+        their keys."""
         blocks: list[int] = []
         keys: list[BlockKey] = []
         if not self.enabled:
@@ -136,7 +154,7 @@ class PrefixCache:
             tokens = tuple(token_ids[i * size : (i + 1) * size])
             if len(tokens) < size:
                 break
-            key = block_key(previous, tokens)
+            key = block_key(previous, tokens, salt)
             block = self._block_of.get(key)
             if block is None or self._content[block][1] != tokens:  # a hash collision
                 break
@@ -147,11 +165,14 @@ class PrefixCache:
         self.hit_tokens += len(blocks) * size
         return blocks, keys
 
-    def register(self, block: int, previous: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
+    def register(
+        self, block: int, previous: BlockKey | None, tokens: Sequence[int], salt: str = ""
+    ) -> BlockKey:
         """Block `block` now holds the K/V of a full block of `tokens` after the prefix
-        keyed `previous`: cache it (unless the same content is cached already) and return
-        its key. The sequence that computed it keeps using it."""
-        key = block_key(previous, tokens)
+        keyed `previous` (a first block: under cache_salt `salt`): cache it (unless the
+        same content is cached already) and return its key. The sequence that computed it
+        keeps using it."""
+        key = block_key(previous, tokens, salt)
         if not self.enabled or key in self._block_of or block in self._content:
             return key
         self._block_of[key] = block
@@ -165,6 +186,7 @@ class PrefixCache:
         max_blocks: int,
         found: Sequence[Found],
         load: Callable[[int, Found], bool],
+        salt: str = "",
     ) -> int:
         """Cache the blocks of `token_ids`' prefix (at most `max_blocks`) that the box's
         store holds and this pool does not: `found[i]` names block i's stored bytes (the
@@ -173,11 +195,11 @@ class PrefixCache:
         blocks stay cached and unused, for the sequence's own `match`; only free room is
         taken (cached blocks nobody uses are evicted for it, as for any sequence, but never
         the prompt's own: a block after a gap the store fills is worth keeping).
-        Returns how many were loaded."""
+        `salt` is the request's cache_salt. Returns how many were loaded."""
         if not self.enabled:
             return 0
         size = self.block_size
-        keys = prefix_keys(token_ids[: max_blocks * size], size)
+        keys = prefix_keys(token_ids[: max_blocks * size], size, salt)
         here: list[int] = []  # the prompt's blocks this pool holds: in use meanwhile
         missing: list[int] = []  # the prompt's blocks to load, up to the first gap
         for i, key in enumerate(keys):
@@ -194,7 +216,8 @@ class PrefixCache:
         for i, block in zip(missing, blocks, strict=False):
             if not load(block, found[i]):
                 break
-            self.register(block, keys[i - 1] if i else None, token_ids[i * size : (i + 1) * size])
+            tokens = token_ids[i * size : (i + 1) * size]
+            self.register(block, keys[i - 1] if i else None, tokens, salt)
             loaded += 1
         self.free(here + blocks)  # registered ones stay cached; the rest go back
         self.stored_tokens += loaded * size

@@ -76,16 +76,19 @@ class StoreOwner:
             return
         self._namespaces[message.worker_id] = message.namespace.digest()
 
-    def hits_for(self, worker_id: int, request_id: int, token_ids: list[int]) -> StoreHits | None:
-        """The stored blocks of this prompt's prefix, pinned for `worker_id` and in shared
-        memory (disk hits are promoted first), or None where there are none. The block
-        with the prompt's last token is never asked for: the worker computes it."""
+    def hits_for(
+        self, worker_id: int, request_id: int, token_ids: list[int], salt: str = ""
+    ) -> StoreHits | None:
+        """The stored blocks of this prompt's prefix (under the request's cache_salt
+        `salt`), pinned for `worker_id` and in shared memory (disk hits are promoted
+        first), or None where there are none. The block with the prompt's last token is
+        never asked for: the worker computes it."""
         namespace = self._namespaces.get(worker_id)
         store = self.store
         if store is None or namespace is None:
             return None
         full = (len(token_ids) - 1) // self.block_size
-        keys = prefix_keys(token_ids[: full * self.block_size], self.block_size)
+        keys = prefix_keys(token_ids[: full * self.block_size], self.block_size, salt)
         if not keys:
             return None
         self._lookups += 1

@@ -101,6 +101,14 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+def cache_salt_of(value: str) -> str:
+    """vLLM's `cache_salt`: a non-empty string (400 naming the field otherwise); requests
+    with different salts share no prefix-cache block (appliance/kv/prefix_cache.py)."""
+    if not value:
+        raise APIError(400, "cache_salt must be a non-empty string if given", "cache_salt")
+    return _valid_unicode(value)  # (it is encoded into the first block's key)
+
+
 class Body(BaseModel):
     """Strict fields, unknown ones ignored (clients send extras), null taken as unset."""
 
@@ -161,6 +169,13 @@ class SamplingFields(Body, StructuredFields):
     speculative_n_min: int | None = Field(
         None, ge=0, le=MAX_SPECULATIVE_TOKENS, alias="speculative.n_min"
     )
+    # vLLM's: requests with different salts never share cached prefix blocks (tenants).
+    cache_salt: str = ""
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_is_given(cls, value: str) -> str:
+        return cache_salt_of(value)
 
     @field_validator("stop")
     @classmethod
@@ -250,6 +265,7 @@ class SamplingFields(Body, StructuredFields):
             prompt_logprobs=self.prompt_logprobs,
             speculative_n_max=self.speculative_n_max,
             speculative_n_min=self.speculative_n_min,
+            cache_salt=self.cache_salt,
         )
 
     def _repetition_penalty(self) -> float:

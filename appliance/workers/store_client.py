@@ -120,7 +120,11 @@ class StoreClient:
         found = list(zip(hits.block_keys, hits.slots, strict=True))
         size = self.engine.kv.block_size
         loaded = self.engine.scheduler.blocks.load_prefix(
-            token_ids, (len(token_ids) - 1) // size, found, self._loader(hits.namespace)
+            token_ids,
+            (len(token_ids) - 1) // size,
+            found,
+            self._loader(hits.namespace),
+            params.cache_salt,
         )
         self.loaded_blocks += loaded
         self.released.append((request_id, loaded))

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from appliance.api import SamplingParams
 from appliance.engine.sequence import MAX_TOP_LOGPROBS, StructuredOutput
 from appliance.engine.structured.compile import UnsupportedSpec, check
 from appliance.server.errors import APIError
-from appliance.server.protocol import Body
+from appliance.server.protocol import Body, cache_salt_of
 from appliance.server.tool_fields import (
     FUNCTION_NAME,
     MessageToolFields,
@@ -207,6 +207,12 @@ class ResponsesRequest(Body):
     stream: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
+    cache_salt: str = ""  # vLLM's: different salts share no cached prefix block
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_is_given(cls, value: str) -> str:
+        return cache_salt_of(value)
 
     def wants_logprobs(self) -> bool:
         return LOGPROBS in self.include
@@ -218,6 +224,7 @@ class ResponsesRequest(Body):
             top_p=self.top_p,
             logprobs=self.top_logprobs if self.wants_logprobs() else None,
             structured=self.text.format.structured(),
+            cache_salt=self.cache_salt,
         )
 
     def tool_fields(self) -> ToolFields:
