@@ -27,6 +27,7 @@ pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a 
 MINUTES = 0.75  # at least; and on until FAULTS are applied
 FAULTS = 12  # a deck of every kind and some
 GAP_MAX_S = 1.5  # the traffic before each fault: 0.5 s to this
+CLIENTS = 6  # request loops at once: the shorter traffic still serves the floor below
 SEED = 40
 FAULTS_PER_CHECK = 6  # each recovery waits out model loads: a check per fault is the long run's
 RUN_BOUND_S = 900  # the soak's own two minutes, the start, the last recovery; load slows it
@@ -37,7 +38,7 @@ def test_the_short_chaos_soak_loses_nothing(tmp_path: Path) -> None:
     command = [sys.executable, str(ROOT / "benchmarks" / "chaos_soak.py")]
     command += ["--minutes", str(MINUTES), "--faults", str(FAULTS), "--seed", str(SEED)]
     command += ["--faults-per-check", str(FAULTS_PER_CHECK), "--stop-max", "6"]
-    command += ["--gap-max", str(GAP_MAX_S)]
+    command += ["--gap-max", str(GAP_MAX_S), "--clients", str(CLIENTS)]
     command += ["--out", str(out), "--folder", str(tmp_path / "logs")]
     output, returncode = soak(command)
     assert out.exists(), output
