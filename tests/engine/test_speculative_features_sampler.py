@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
 from chi_square import chi_square_p_value
+from mask_rows import Row
 from tests_root import DATA
 
 from appliance.engine.sampler import Sampler, SampleRow
@@ -163,14 +164,6 @@ def test_rejection_sampling_with_penalties_keeps_the_penalized_distributions() -
 # ------------------------------------------------------------------ grammar
 
 SCHEMA = json.loads((DATA / "json_schemas.json").read_text())["flat_person"]
-
-
-@dataclass(frozen=True)
-class Row:
-    seq_id: int
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ carries its streamed tokens' count."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
 import pytest
 import torch
+from mask_rows import Row
 from tests_root import DATA
 
 from appliance.core.request_table import RequestTable
@@ -28,16 +28,6 @@ from appliance.settings.config import load_settings
 SCHEMAS: dict[str, dict[str, Any]] = json.loads((DATA / "json_schemas.json").read_text())
 PERSON = SCHEMAS["flat_person"]
 PROMPT = [1, 2, 3, 4]  # any ids: a matcher never reads the prompt
-
-
-@dataclass(frozen=True)
-class Row:
-    """A row to sample, as the masks read it."""
-
-    seq_id: int
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
 
 
 @pytest.fixture(scope="module")

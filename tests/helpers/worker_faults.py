@@ -4,6 +4,7 @@ while it holds requests (SIGSTOP), for the fault tests that kill it then."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -13,6 +14,7 @@ import httpx
 from server_process import ServerProcess
 
 from appliance.admin.schema import Snapshot, WorkerInfo
+from appliance.model.loader import model_name
 
 HOLD_BOUND_S = 60.0  # for the decode worker to be seen holding requests
 SETTLE_S = 0.5  # between two reads of a stopped worker's requests
@@ -64,3 +66,27 @@ async def settled_requests(server: ServerProcess, worker_id: int) -> set[int]:
         if again == held:
             return held
         held = again
+
+
+async def stream(client: httpx.AsyncClient, n: int, max_tokens: int) -> int:
+    """One greedy streamed completion of `max_tokens` (end of sequence ignored); the
+    completion tokens its usage reports."""
+    body = {"model": model_name(None), "prompt": f"Story {n}: once upon a time"}
+    body |= {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    body |= {"stream_options": {"include_usage": True}}
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as reply:
+        assert reply.status_code == 200
+        async for line in reply.aiter_lines():
+            data = line.removeprefix("data: ")
+            if line.startswith("data: ") and data != "[DONE]":
+                chunk = json.loads(data)
+                assert "error" not in chunk, chunk
+                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    return tokens
+
+
+def json_events(server: ServerProcess) -> list[dict]:
+    """The fault events the server logged, one JSON object per `appliance.events` line."""
+    marker = "appliance.events: "
+    return [json.loads(line.split(marker, 1)[1]) for line in server.output if marker in line]

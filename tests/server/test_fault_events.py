@@ -8,7 +8,6 @@ in the admin API (Snapshot.fault_events, Snapshot.faults) and as counts by kind 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from collections.abc import Iterator
@@ -17,10 +16,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import ServerProcess, admin_split_server, wait_until
-from worker_faults import settled_requests, state, stop_holding_requests
+from worker_faults import json_events, settled_requests, state, stop_holding_requests, stream
 
 from appliance.admin.schema import WorkerInfo
-from appliance.model.loader import model_name
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 
@@ -40,34 +38,6 @@ def fault_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     process.stop()
 
 
-async def stream(client: httpx.AsyncClient, n: int) -> int:
-    """One streamed completion; the completion tokens its usage reports."""
-    body = {
-        "model": model_name(None),
-        "prompt": f"Story {n}: once upon a time",
-        "max_tokens": MAX_TOKENS,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as reply:
-        assert reply.status_code == 200
-        async for line in reply.aiter_lines():
-            data = line.removeprefix("data: ")
-            if line.startswith("data: ") and data != "[DONE]":
-                chunk = json.loads(data)
-                assert "error" not in chunk, chunk
-                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-    return tokens
-
-
-def json_events(server: ServerProcess) -> list[dict]:
-    marker = "appliance.events: "
-    return [json.loads(line.split(marker, 1)[1]) for line in server.output if marker in line]
-
-
 def fault_metrics(server: ServerProcess) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     [family] = [
@@ -81,7 +51,7 @@ def test_a_killed_worker_leaves_its_events_in_the_log_the_admin_api_and_metrics(
 ) -> None:
     async def scenario() -> tuple[int, set[int], list[int]]:
         async with httpx.AsyncClient(base_url=fault_server.url, timeout=BOUND_S) as client:
-            traffic = asyncio.gather(*(stream(client, n) for n in range(STREAMS)))
+            traffic = asyncio.gather(*(stream(client, n, MAX_TOKENS) for n in range(STREAMS)))
             worker = await stop_holding_requests(fault_server, 1)  # SIGSTOPped, holding
             held = await settled_requests(fault_server, worker.worker_id)
             os.kill(worker.pid, signal.SIGKILL)
@@ -152,6 +122,6 @@ def test_a_worker_killed_while_its_restart_loads_is_restarted_again(
 
     async def one() -> int:
         async with httpx.AsyncClient(base_url=fault_server.url, timeout=BOUND_S) as client:
-            return await stream(client, 99)
+            return await stream(client, 99, MAX_TOKENS)
 
     assert asyncio.run(one()) == MAX_TOKENS

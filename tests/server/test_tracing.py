@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import json
 import os
 import signal
 import threading
@@ -27,7 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from server_process import ServerProcess, admin_split_server, wait_until
-from worker_faults import settled_requests, stop_holding_requests
+from worker_faults import json_events, settled_requests, stop_holding_requests, stream
 
 from appliance.model.loader import model_name
 
@@ -191,7 +190,7 @@ def test_a_killed_worker_shows_as_an_error_span_and_an_event(
 ) -> None:
     async def scenario() -> set[int]:
         async with httpx.AsyncClient(base_url=traced_server.url, timeout=BOUND_S) as client:
-            traffic = asyncio.gather(*(stream(client, n) for n in range(STREAMS)))
+            traffic = asyncio.gather(*(stream(client, n, STREAM_TOKENS) for n in range(STREAMS)))
             worker = await stop_holding_requests(traced_server, 1)  # SIGSTOPped, holding
             held = await settled_requests(traced_server, worker.worker_id)
             os.kill(worker.pid, signal.SIGKILL)
@@ -216,25 +215,3 @@ def test_a_killed_worker_shows_as_an_error_span_and_an_event(
         fault = faults[request_id]
         assert fault.attributes["appliance.fault.kind"] == "rerun"
         assert fault.error is not None and "exited" in fault.error, fault
-
-
-async def stream(client: httpx.AsyncClient, n: int) -> int:
-    """A streamed completion; the completion tokens its usage reports."""
-    body = {"model": model_name(None), "prompt": f"Story {n}: once upon a time"}
-    body |= {"max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
-    body |= {"stream_options": {"include_usage": True}}
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as reply:
-        assert reply.status_code == 200
-        async for line in reply.aiter_lines():
-            data = line.removeprefix("data: ")
-            if line.startswith("data: ") and data != "[DONE]":
-                chunk = json.loads(data)
-                assert "error" not in chunk, chunk
-                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-    return tokens
-
-
-def json_events(server: ServerProcess) -> list[dict]:
-    marker = "appliance.events: "
-    return [json.loads(line.split(marker, 1)[1]) for line in server.output if marker in line]
