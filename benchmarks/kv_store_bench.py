@@ -3,7 +3,7 @@ store off, host tier only, host + disk, on workloads whose working set is severa
 the workers' KV pools; and a warm restart (disk tier kept) against a cold one.
 
     .venv/bin/python benchmarks/kv_store_bench.py [--conversations 8 --turns 6]
-        [--documents 6 --questions 4] [--pool-mb 16] [--out FILE]
+        [--documents 6 --questions 4] [--pool-mb 64] [--out FILE]
 
 Workloads (token-id prompts, the same every run; one request at a time, so TTFT is the
 prefill, not queueing):
@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=6)
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--doc-tokens", type=int, default=1024)
-    parser.add_argument("--pool-mb", type=int, default=16)
+    parser.add_argument("--pool-mb", type=int, default=64)  # 16 holds 352 tokens here: a chat of 6 turns does not fit
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = parser.parse_args()
 
