@@ -174,7 +174,8 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=6)
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--doc-tokens", type=int, default=1024)
-    parser.add_argument("--pool-mb", type=int, default=64)  # 16 holds 352 tokens here: a chat of 6 turns does not fit
+    # 16 MiB holds 352 tokens of context here: a chat of 6 turns would not fit.
+    parser.add_argument("--pool-mb", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = parser.parse_args()
 
