@@ -245,6 +245,7 @@ class Settings(BaseSettings):
         if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
             raise ValueError(f"must be auto or a row count of 1 or more, not {value!r}")
         return int(text)
+
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Accelerator kind; auto takes CUDA when present."
     )
