@@ -1081,7 +1081,9 @@ def test_quantized_moe_gguf_keeps_experts_in_blocks(tmp_path: Path, models: Mode
         path, cache_dir=tmp_path / "cache", weights="quantized", prefill_tp=2, **IN_BLOCKS
     )
     expected = our_prefill_logits(whole, prompts)
-    shards = sharded_prefill_logits(path, whole, prompts, 2, **IN_BLOCKS)
+    shards = sharded_prefill_logits(
+        path, whole, prompts, 2, cache_dir=tmp_path / "cache", **IN_BLOCKS
+    )
     for ours, theirs in zip(shards, expected, strict=True):
         assert (ours - theirs).abs().max().item() < 1e-5
 
