@@ -187,10 +187,13 @@ class PrefixCache:
         found: Sequence[Found],
         load: Callable[[int, Found], bool],
         salt: str = "",
+        first: int = 0,
     ) -> int:
         """Cache the blocks of `token_ids`' prefix (at most `max_blocks`) that the box's
-        store holds and this pool does not: `found[i]` names block i's stored bytes (the
-        store's held prefix of the prompt), `load(block, found[i])` copies them into pool
+        store holds and this pool does not: `found[j]` names block first + j's stored bytes
+        (the store's run of the prompt; the blocks before `first` it lacks, as a shared
+        head that stays hot in the pools never reaches a store written on eviction: they
+        must be this pool's), `load(block, found[j])` copies them into pool
         block `block` (False: they could not be read; the prefix ends there). The loaded
         blocks stay cached and unused, for the sequence's own `match`; only free room is
         taken (cached blocks nobody uses are evicted for it, as for any sequence, but never
@@ -207,14 +210,14 @@ class PrefixCache:
             if block is not None and self._content[block][1] == tuple(token_ids[i * size :][:size]):
                 self._use(block)
                 here.append(block)
-            elif i < len(found):
+            elif first <= i < first + len(found):
                 missing.append(i)
             else:
                 break
         blocks = self.allocate(min(len(missing), self.num_free))
         loaded = 0
         for i, block in zip(missing, blocks, strict=False):
-            if not load(block, found[i]):
+            if not load(block, found[i - first]):
                 break
             tokens = token_ids[i * size : (i + 1) * size]
             self.register(block, keys[i - 1] if i else None, tokens, salt)

@@ -134,6 +134,10 @@ class BlockStore:
 
     # ------------------------------------------------------------ reading
 
+    def holds(self, namespace: bytes, block_key: int) -> bool:
+        """Whether either tier holds this block (nothing pinned, nothing counted)."""
+        return self.index.tier_of((namespace, block_key)) is not None
+
     def lookup(self, namespace: bytes, block_keys: Sequence[int], reader: str = "") -> list[Hit]:
         """The held prefix of `block_keys`, pinned for `reader` (a worker's name) until
         `release`d, or until `release_reader` when that worker dies mid-copy."""

@@ -93,7 +93,10 @@ class StoreOwner:
             return None
         self._lookups += 1
         reader = str(worker_id)
-        hits = store.lookup(namespace, keys, reader)
+        # A head the store lacks may be in the worker's pool (a shared system prompt stays
+        # hot there and is never evicted into the store): the run starts after it.
+        first = next((i for i, key in enumerate(keys) if store.holds(namespace, key)), 0)
+        hits = store.lookup(namespace, keys[first:], reader)
         slots: list[int] = []
         for hit in hits:
             held = store.promote(hit)  # a disk hit into a host slot; None: its file was bad
@@ -108,7 +111,8 @@ class StoreOwner:
             (hit, hit.tier, store.index.nbytes(hit.key)) for hit in hits[: len(slots)]
         ]
         arena = str(store.host.arena.path)
-        return StoreHits(request_id, arena, namespace, keys[: len(slots)], slots)
+        run = keys[first : first + len(slots)]
+        return StoreHits(request_id, arena, namespace, run, slots, first)
 
     def on_put(self, message: StorePut) -> None:
         """Blocks a worker sent: into the store (a block of the wrong size is refused)."""

@@ -194,13 +194,16 @@ class StoreHits:
     """Supervisor -> worker, just before the Submit of `request_id`: the first blocks of
     its prompt that the box's KV store holds in shared memory (the arena file `arena`):
     block i of the prompt, keyed `block_keys[i]` in `namespace`, is in slot `slots[i]`.
-    Pinned for this worker until it answers StoreRelease."""
+    Pinned for this worker until it answers StoreRelease. The run starts at the
+    prompt's block `first` (block first + j is `block_keys[j]`): the blocks before it the
+    store lacks, and the worker uses the run only where its own pool holds them."""
 
     request_id: int
     arena: str
     namespace: bytes
     block_keys: list[int]
     slots: list[int]
+    first: int = 0
 
 
 @dataclass

@@ -125,6 +125,7 @@ class StoreClient:
             found,
             self._loader(hits.namespace),
             params.cache_salt,
+            hits.first,
         )
         self.loaded_blocks += loaded
         self.released.append((request_id, loaded))

@@ -96,6 +96,21 @@ def test_a_refused_read_ends_the_loaded_prefix_and_frees_the_rest() -> None:
     assert len(cache.match(prompt, 4)[0]) == 1
 
 
+def test_a_stored_run_behind_the_pools_own_head_is_loaded_and_one_behind_a_gap_is_not() -> None:
+    """Multi-turn chat: the shared system prompt stays hot in the pool and never reaches a
+    store written on eviction, so the store's run of a history starts after it (`first`).
+    Loaded behind the pool's own head; useless where the pool lacks that head."""
+    cache = PrefixCache(BlockAllocator(8), SIZE)
+    prompt = list(range(17))  # four full blocks and the last token
+    compute(cache, prompt[:8])  # the pool holds blocks 0 and 1 (the shared head)
+    load = lambda _block, _name: True  # noqa: E731
+    assert cache.load_prefix(prompt, 4, ["s2", "s3"], load, first=2) == 2
+    assert len(cache.match(prompt, 4)[0]) == 4
+    other = PrefixCache(BlockAllocator(8), SIZE)  # a pool without the head
+    assert other.load_prefix(prompt, 4, ["s2", "s3"], load, first=2) == 0
+    assert other.num_cached == 0 and other.num_free == 8
+
+
 # ---------------------------------------------------------------- the supervisor's owner
 
 
@@ -117,6 +132,22 @@ def settings(tmp_path: Path) -> Iterator[KVStoreSettings]:
 
 def block_of(key: int) -> bytes:
     return hashlib.shake_256(key.to_bytes(8, "little")).digest(BLOCK)
+
+
+def test_the_owner_serves_a_stored_run_after_a_head_the_store_lacks(
+    settings: KVStoreSettings,
+) -> None:
+    owner = StoreOwner(settings, SIZE)
+    owner.on_ready(StoreReady(1, NAMESPACE, BLOCK))
+    assert owner.store is not None
+    prompt = list(range(5 * SIZE + 1))
+    keys = prefix_keys(prompt, SIZE)
+    digest = NAMESPACE.digest()
+    owner.on_put(StorePut(1, digest, [(k, block_of(k)) for k in keys[2:4]]))  # not 0, 1
+    hits = owner.hits_for(1, 7, prompt)
+    assert hits is not None and hits.first == 2 and hits.block_keys == keys[2:4]
+    owner.on_release(StoreRelease(1, [7], [2]))
+    assert not owner.store.index.pinned((digest, keys[2]))
 
 
 def test_the_owner_serves_a_prompts_stored_prefix_and_frees_every_pin(
