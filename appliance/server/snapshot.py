@@ -161,17 +161,7 @@ def _row(request: Request, now: float) -> RequestRow:
 def _kv_store_view(figures: StoreFigures | None) -> KVStoreView | None:
     if figures is None:
         return None
-    return KVStoreView(
-        hits=figures.hits,
-        misses=figures.misses,
-        lookups=figures.lookups,
-        bytes_read=figures.bytes_read,
-        bytes_written=figures.bytes_written,
-        blocks=figures.blocks,
-        used_bytes=figures.used_bytes,
-        capacity_bytes=figures.capacity_bytes,
-        refused=figures.refused,
-    )
+    return KVStoreView.model_validate(figures, from_attributes=True)  # its fields, by name
 
 
 # --- end kv store
