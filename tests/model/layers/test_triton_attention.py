@@ -27,6 +27,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+# Each test runs the Triton interpreter in a child process: the slow lane's kind of test.
+pytestmark = pytest.mark.process
+
 
 @dataclass(frozen=True)
 class Case:

@@ -35,6 +35,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# Each test runs the Triton interpreter in a child process: the slow lane's kind of test.
+pytestmark = pytest.mark.process
+
 # Ops that make or reshape a tensor's header or memory without running a kernel.
 NO_LAUNCH = {"empty", "empty_like", "empty_strided", "lift_fresh", "detach", "alias"}
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 1, 16, 16

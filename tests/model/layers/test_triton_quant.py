@@ -20,6 +20,9 @@ from functools import partial
 import pytest
 import torch
 
+# Each test runs the Triton interpreter in a child process: the slow lane's kind of test.
+pytestmark = pytest.mark.process
+
 FORMATS = {"Q8_0": 8, "Q4_0": 2}
 ROWS, IN_FEATURES, TOKENS = 70, 9 * 32, 3
 
