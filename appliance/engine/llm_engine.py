@@ -44,6 +44,8 @@ class ShardGroup(Protocol):
 
     def kv_shards(self) -> list[KVShard]: ...
 
+    def resize_kv(self, num_blocks: int) -> None: ...
+
 
 @dataclass
 class RequestOutput:
@@ -154,7 +156,8 @@ class LLMEngine:
             prefill_wait_steps=settings.batch.prefill_wait_steps,
         )
         # A draft model (method draft) loads here and takes its KV out of the target's pool.
-        parts, drafter = engine_drafter(settings, parts, decodes, group is not None)
+        resize = None if group is None else group.resize_kv  # every shard: the same blocks
+        parts, drafter = engine_drafter(settings, parts, decodes, resize)
         engine = cls(
             parts.model, tokenizer, parts.kv, limits, settings.kv.prefix_caching, group, drafter
         )

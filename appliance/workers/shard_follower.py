@@ -11,6 +11,7 @@ import multiprocessing
 import pickle
 import signal
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -18,10 +19,12 @@ import torch.distributed as dist
 
 from appliance.engine.model_runner import forward, move_to
 from appliance.engine.shard_loading import ShardParts, load_shard
+from appliance.engine.speculative.draft_loading import smaller_pool
 from appliance.model.tensor_parallel import Shard, shard_plan
 from appliance.workers.lifetime import die_with_parent
 from appliance.workers.shard_group import (
     FollowerSpec,
+    ResizeKV,
     RunStep,
     ShareKV,
     Stop,
@@ -53,6 +56,8 @@ def serve(spec: FollowerSpec) -> None:
         elif isinstance(command, ShareKV):
             pool = pickle_pool(head_start, parts.kv.tensor)
             dist.gather_object(pool, None, dst=0, group=commands)
+        elif isinstance(command, ResizeKV):
+            parts = replace(parts, kv=smaller_pool(parts.kv, command.num_blocks))
         elif isinstance(command, Stop):
             dist.destroy_process_group()
             return

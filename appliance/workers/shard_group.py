@@ -66,6 +66,14 @@ class ShareKV:
 
 
 @dataclass(frozen=True)
+class ResizeKV:
+    """Remake your KV pool with this many blocks (the leader's, after a draft model took
+    part of its budget: every shard's pool has the same blocks)."""
+
+    num_blocks: int
+
+
+@dataclass(frozen=True)
 class Stop:
     """Leave the process group and exit."""
 
@@ -208,6 +216,11 @@ class TensorGroup:
     def kv_shards(self) -> list[KVShard]:
         """The followers' pools, opened in this process (the handoff copies into them)."""
         return open_pools(self.share_pools())
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """Give every follower's pool `num_blocks` blocks (before any handoff: a pool
+        already opened elsewhere keeps the old memory)."""
+        self._send(ResizeKV(num_blocks))
 
     def close(self) -> None:
         """Stop the followers (killing any that linger) and leave the process group."""

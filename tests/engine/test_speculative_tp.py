@@ -1,13 +1,17 @@
 """Speculative decoding in a tensor-parallel decode pool: a TP=1 prefill worker hands off
-to a TP=2 decode group whose leader drafts by prompt lookup and verifies the drafts in
-steps its follower runs in lockstep; greedy answers equal one process's plain decoding,
-token for token, drafts were kept, and every KV block is free after. (No shared fixture
-serves a TP=2 pool: this module starts its own processes, as tests/model/
-test_tensor_parallel.py does.)"""
+to a TP=2 decode group whose leader drafts (by prompt lookup, or with a draft model it
+runs whole, unsharded) and verifies the drafts in steps its follower runs in lockstep;
+greedy answers equal one process's plain decoding, token for token, drafts were kept,
+and every KV block is free after. With a draft model the follower's pool shrinks to the
+leader's block count. (No shared fixture serves a TP=2 pool: this module starts its own
+processes, as tests/model/test_tensor_parallel.py does.)"""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 from copying_prompt import copying_prompt
@@ -16,7 +20,10 @@ from runtime_runs import cpu_topology, wait_all_free
 from appliance.api import Appliance
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
-from appliance.settings.config import load_settings
+from appliance.model.loader import default_model_path
+from appliance.model.tensor_parallel import kv_head_ranges
+from appliance.pools.worker_handle import WorkerView
+from appliance.settings.config import Settings, load_settings
 
 pytestmark = pytest.mark.process  # worker processes and a whole model
 
@@ -31,10 +38,9 @@ def prompts_of(engine: LLMEngine) -> list[list[int]]:
     return [copying, chat]
 
 
-def test_a_tp2_decode_pool_speculates_with_plain_decodings_answers(engine: LLMEngine) -> None:
-    prompts = prompts_of(engine)
-    expected = [c.token_ids for c in engine.generate(prompts, GREEDY)]
-    settings = load_settings(
+def tp2_settings(speculative: dict[str, Any], **fields: Any) -> Settings:
+    """A TP=1 prefill worker on core 2 (of the cores there are), a TP=2 decode group on 0, 1."""
+    return load_settings(
         dtype="float32",
         device="cpu",
         weights="dense",
@@ -43,10 +49,25 @@ def test_a_tp2_decode_pool_speculates_with_plain_decodings_answers(engine: LLMEn
         decode_tp=2,
         prefill_devices="2",
         decode_devices="0,1",
-        speculative={"method": "ngram", "num_speculative_tokens": 8},
+        speculative=speculative,
+        **fields,
     )
 
-    async def main() -> tuple[list[list[int]], dict, list]:
+
+@dataclass
+class Served:
+    """What a TP=2 decode pool answered, and its workers after."""
+
+    answers: list[list[int]]
+    counts: dict  # worker -> (free, total) blocks
+    views: list[WorkerView]
+    shared: dict[int, int]  # follower pid -> bytes of torch shared memory it maps
+
+
+def served(settings: Settings, prompts: list[list[int]]) -> Served:
+    """Each prompt's greedy answer from an appliance of `settings`, and its workers."""
+
+    async def main() -> Served:
         async with Appliance(settings, cpu_topology((0,), (1,), (0,))) as app:
 
             async def one(ids: list[int]) -> list[int]:
@@ -57,12 +78,67 @@ def test_a_tp2_decode_pool_speculates_with_plain_decodings_answers(engine: LLMEn
             got = list(await asyncio.gather(*(one(p) for p in prompts)))
             counts = await wait_all_free(app.supervisor)
             views = app.supervisor.views()
-        return got, counts, views
+            maps = {pid: shared_bytes(pid) for v in views for pid in v.shard_pids}
+        return Served(got, counts, views, maps)
 
-    got, counts, views = asyncio.run(main())
-    assert got == expected
-    assert all(free == total for free, total in counts.values()), counts
-    decode = [v for v in views if v.role == "decode"]
-    assert [len(v.devices) for v in decode] == [2]
-    assert decode[0].speculation.accepted > 0  # the copying prompt's drafts held
-    assert all(v.speculation.drafted == 0 for v in views if v.role == "prefill")
+    return asyncio.run(main())
+
+
+def shared_bytes(pid: int) -> int:
+    """Bytes of torch shared-memory storage `pid` maps (a follower: its KV pool)."""
+    total = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "/dev/shm/torch_" in line:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            total += end - start
+    return total
+
+
+def decode_view(views: list[WorkerView]) -> WorkerView:
+    [decode] = [v for v in views if v.role == "decode"]
+    assert len(decode.devices) == 2
+    return decode
+
+
+def test_a_tp2_decode_pool_speculates_with_plain_decodings_answers(engine: LLMEngine) -> None:
+    prompts = prompts_of(engine)
+    expected = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    settings = tp2_settings({"method": "ngram", "num_speculative_tokens": 8})
+    run = served(settings, prompts)
+    assert run.answers == expected
+    assert all(free == total for free, total in run.counts.values()), run.counts
+    assert decode_view(run.views).speculation.accepted > 0  # the copying prompt's drafts held
+    assert all(v.speculation.drafted == 0 for v in run.views if v.role == "prefill")
+
+
+def test_a_tp2_decode_pool_drafts_with_a_whole_draft_model(engine: LLMEngine) -> None:
+    """The draft: the embedded model itself, whole in the leader (its drafts are the
+    target's own greedy tokens but for the shards' float sums: nearly all kept). The
+    leader's pool and its follower's share the KV budget with the draft's pool: both
+    hold the leader's (smaller) block count, the prefill worker the whole budget's."""
+    prompts = prompts_of(engine)
+    expected = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    spec = {"method": "draft", "draft_model": default_model_path(), "adaptive": False}
+    settings = tp2_settings(spec, kv={"memory_mb": 32})
+    run = served(settings, prompts)
+    assert run.answers == expected
+    assert all(free == total for free, total in run.counts.values()), run.counts
+    decode = decode_view(run.views)
+    drafts = decode.speculation
+    assert drafts.drafted > 0 and drafts.accepted > 0.8 * drafts.drafted
+    [prefill] = [v for v in run.views if v.role == "prefill"]
+    assert prefill.speculation.drafted == 0
+    # Bytes of one KV head's block (float32). The prefill worker's pool: the budget in
+    # blocks of all heads. The leader's: its budget of blocks of its share of the heads,
+    # given up for as many blocks of its share and of the whole draft's heads.
+    cfg = engine.model.config
+    heads = [len(r) for r in kv_head_ranges(cfg.num_kv_heads, 2)]
+    head_block = cfg.num_layers * 2 * settings.kv.block_size * cfg.head_dim * 4
+    budget = settings.kv.memory_mb * 2**20
+    assert prefill.num_blocks == budget // (head_block * cfg.num_kv_heads)
+    leader = budget // (head_block * heads[0]) * head_block * heads[0]
+    assert decode.num_blocks == leader // (head_block * (heads[0] + cfg.num_kv_heads))
+    # The follower's pool was remade with the leader's block count (in whole pages).
+    [follower] = decode.shard_pids
+    pool = decode.num_blocks * head_block * heads[1]
+    assert pool <= run.shared[follower] < pool + 2 * 4096

@@ -1,9 +1,16 @@
 """Loading a draft model beside a worker's target: the files, a check that both share one
 vocabulary, the model on the target's device, and its KV pool carved out of the
-target's (draft_kv.py says how much)."""
+target's (draft_kv.py says how much).
+
+In a tensor-parallel worker the draft runs whole (unsharded) in the leader alone: only
+the leader schedules, and drafts are asked for at schedule time, so a copy on each
+follower would never run. The leader's target pool shrinks to make room for the draft's
+and the followers' pools shrink to the same block count (every shard's pool holds the
+same blocks: the leader's block tables index them all)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,25 +37,28 @@ from appliance.settings.config import Settings
 
 
 def engine_drafter(
-    settings: Settings, parts: ShardParts, decodes: bool, tensor_parallel: bool
+    settings: Settings,
+    parts: ShardParts,
+    decodes: bool,
+    resize_followers: Callable[[int], None] | None = None,
 ) -> tuple[ShardParts, Drafter | None]:
     """The drafter speculative.* asks for, and the target's parts to build the engine
     from: for method "draft" on a decoding worker the draft model is loaded and the
     target's pool shrunk to make room for the draft's. A prefill worker never drafts
-    (its sequences park after their first token): it loads no draft."""
+    (its sequences park after their first token): it loads no draft.
+
+    resize_followers: in a tensor-parallel leader, gives the followers' pools the
+    leader's new block count (ShardGroup.resize_kv)."""
     spec = settings.speculative
     if spec.method != "draft":
         return parts, Drafter.from_settings(spec)
     if not decodes:
         return parts, None
-    if tensor_parallel:
-        raise ValueError(
-            "speculative.method=draft runs on one-device decoding workers for now; "
-            "set decode_tp (and colocated tp) to 1, or use method ngram"
-        )
     assert spec.draft_model is not None  # the settings' validator says so
     draft_files = load_model_files(spec.draft_model, settings.cache_dir)
     parts, draft = load_draft(settings, draft_files, parts)
+    if resize_followers is not None:
+        resize_followers(parts.kv.num_blocks)
     drafter = Drafter.from_settings(spec, draft)
     if drafter is not None and drafter.policy is not None:
         # A draft token costs a draft step besides its verify row: while decode is bound by
@@ -81,7 +91,7 @@ def load_draft(
         blocks = split_pool(
             target.num_blocks, target.layout.bytes_per_block(), layout.bytes_per_block(), taken
         )
-        parts = replace(parts, kv=_smaller_pool(target, blocks))
+        parts = replace(parts, kv=smaller_pool(target, blocks))
     kv = KVCache(layout, blocks, model.device)
     return parts, DraftModelProposer(model, kv, settings.batch.chunk_size)
 
@@ -160,8 +170,11 @@ def _sized_by_gpu_share(settings: Settings, model: CausalLM) -> bool:
     return model.device.type == "cuda" and not settings.kv.memory_mb_given
 
 
-def _smaller_pool(pool: KVCache, blocks: int) -> KVCache:
-    """`pool` remade with `blocks` blocks (shared memory if it was)."""
+def smaller_pool(pool: KVCache, blocks: int) -> KVCache:
+    """`pool` remade with `blocks` blocks (shared memory if it was); `pool` itself if it
+    has that many already."""
+    if blocks == pool.num_blocks:
+        return pool
     layout, device, shared = pool.layout, pool.tensor.device, pool.tensor.is_shared()
     pool.tensor = torch.empty(0)  # its memory goes before the smaller pool is made
     return KVCache(layout, blocks, device, shared=shared)
