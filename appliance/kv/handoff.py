@@ -14,6 +14,7 @@ copy's own event says it has landed, and only then are the source blocks release
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -21,6 +22,8 @@ from typing import Generic, TypeVar
 import torch
 
 T = TypeVar("T")
+# Looked up, not imported: CPU processes never load triton.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -178,14 +181,29 @@ def _heads(shard: KVShard, first: int, last: int) -> torch.Tensor:
     return shard.tensor[..., first - shard.head_start : last - shard.head_start, :]
 
 
+def copy_kernel(src: torch.Tensor, dst: torch.Tensor) -> str:
+    """How copy_blocks moves blocks between these pools: "triton", one launch of
+    triton_kv_copy for all blocks, where dst's GPU reads src directly (the same GPU, or
+    peer access) and triton is installed; else "runs", a strided copy_ per run of
+    consecutive ids (the CPU, or GPUs that copy through the host)."""
+    if _TRITON_INSTALLED and dst.is_cuda and peer_access(src.device, dst.device):
+        return "triton"
+    return "runs"
+
+
 def copy_blocks(
-    src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]
+    src: torch.Tensor,
+    src_ids: list[int],
+    dst: torch.Tensor,
+    dst_ids: list[int],
+    kernel: str | None = None,
 ) -> int:
     """dst[:, :, dst_ids] = src[:, :, src_ids] for pools [layers, 2, blocks, ...] of one
     dtype, the bytes as stored (ValueError for pools of two dtypes); returns bytes.
 
-    Across GPUs this is one device-to-device copy (over NVLink where peer access exists),
-    on the current streams (start_copy makes its side streams current).
+    `kernel`: "triton" or "runs" (copy_kernel's choice for these pools where None). On
+    CUDA the copy is queued on the current streams (start_copy makes its side streams
+    current); across GPUs it goes device to device (NVLink) where peer access exists.
     """
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"copying {len(src_ids)} blocks into {len(dst_ids)}")
@@ -198,6 +216,12 @@ def copy_blocks(
             f"KV pools differ in dtype: {_name(src.dtype)} vs {_name(dst.dtype)}; give "
             "every worker the same kv_cache_dtype (and dtype)"
         )
+    if (kernel or copy_kernel(src, dst)) == "triton":
+        from appliance.model.layers import triton_kv_copy  # never imported on the CPU path
+
+        with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
+            triton_kv_copy.copy_blocks(src, src_ids, dst, dst_ids)
+        return len(src_ids) * src[:, :, :1].numel() * src.element_size()
     with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
         # One strided copy per run of consecutive ids on both sides: a single pass over
         # the bytes, where index_select + index_copy_ would make two and a temporary.
