@@ -314,8 +314,10 @@ class ModelRunner:
         width = max(len(c.seq.block_table) for c in decodes)
         tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in decodes]
         context = self._tensor([c.start + 1 for c in decodes])
-        keys = torch.arange(width * self.kv.block_size)
-        visible = (keys[None, :] < context[:, None])[:, None, None, :]  # [n, 1, 1, keys]
+        visible: torch.Tensor | None = None  # the Triton kernel reads context, no mask
+        if not runs_triton(self.device):
+            keys = torch.arange(width * self.kv.block_size)
+            visible = (keys[None, :] < context[:, None])[:, None, None, :]  # [n, 1, 1, keys]
         return DecodeGroup(rows, self._tensor(tables), visible, context)
 
     def _tensor(self, values: list) -> torch.Tensor:
@@ -409,7 +411,9 @@ class DecodeGraphs:
         context = self.context[:size]
         # Derived inside the step from the context lengths, so nothing this large is
         # copied per step, and a backend that reads it sees the right mask.
-        visible = (self.keys[None, :] < context[:, None])[:, None, None, :]
+        visible: torch.Tensor | None = None  # none captured: the Triton kernel reads no mask
+        if not runs_triton(self.model.device):
+            visible = (self.keys[None, :] < context[:, None])[:, None, None, :]
         group = DecodeGroup(None, self.tables[:size], visible, context)
         return StepInputs(
             input_ids=self.input_ids[:size],

@@ -58,8 +58,9 @@ class DecodeGroup:
 
     rows: torch.Tensor | None  # [n] int64 among the decode rows; None: all, in order
     block_tables: torch.Tensor  # [n, max_blocks] int64, padded with 0
-    visible: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True for key slots
-    # inside a sequence's context, False for the padding of its block table
+    visible: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool, True for key
+    # slots inside a sequence's context, False for the padding of its block table; None
+    # where the step runs on the Triton kernel, which reads context_lens (built if needed)
     context_lens: torch.Tensor  # [n] int64, tokens in each sequence's context
 
 
@@ -260,6 +261,9 @@ def sdpa_decode(
     # Every row sees the same keys: no mask among them.
     grouped = q.view(decodes, kv_heads, -1, head_dim)
     visible = group.visible
+    if visible is None:  # [decodes, 1, 1, ctx]: the slots inside each context
+        keys = torch.arange(tables.shape[1] * k_cache.shape[1], device=q.device)
+        visible = (keys[None, :] < group.context_lens.to(q.device)[:, None])[:, None, None, :]
     if window is not None:
         # The query sits at context_len - 1: it sees keys from context_len - window on.
         keys = torch.arange(visible.shape[-1], device=visible.device)
