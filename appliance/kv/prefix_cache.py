@@ -187,13 +187,15 @@ class PrefixCache:
         found: Sequence[Found],
         load: Callable[[int, Found], bool],
         salt: str = "",
-        first: int = 0,
+        positions: Sequence[int] | None = None,
     ) -> int:
         """Cache the blocks of `token_ids`' prefix (at most `max_blocks`) that the box's
-        store holds and this pool does not: `found[j]` names block first + j's stored bytes
-        (the store's run of the prompt; the blocks before `first` it lacks, as a shared
-        head that stays hot in the pools never reaches a store written on eviction: they
-        must be this pool's), `load(block, found[j])` copies them into pool
+        store holds and this pool does not: `found[j]` names the stored bytes of the
+        prompt's block `positions[j]` (None: block j). The store may hold blocks with gaps
+        between them (a shared head that stays hot in the pools never reaches a store
+        written on eviction; a history's middle may still be in this pool while its
+        latest answer, decoded on another worker, is stored): a gap must be this pool's,
+        else the prefix ends there. `load(block, found[j])` copies them into pool
         block `block` (False: they could not be read; the prefix ends there). The loaded
         blocks stay cached and unused, for the sequence's own `match`; only free room is
         taken (cached blocks nobody uses are evicted for it, as for any sequence, but never
@@ -202,6 +204,7 @@ class PrefixCache:
         if not self.enabled:
             return 0
         size = self.block_size
+        at = dict(zip(range(len(found)) if positions is None else positions, found, strict=True))
         keys = prefix_keys(token_ids[: max_blocks * size], size, salt)
         here: list[int] = []  # the prompt's blocks this pool holds: in use meanwhile
         missing: list[int] = []  # the prompt's blocks to load, up to the first gap
@@ -210,14 +213,14 @@ class PrefixCache:
             if block is not None and self._content[block][1] == tuple(token_ids[i * size :][:size]):
                 self._use(block)
                 here.append(block)
-            elif first <= i < first + len(found):
+            elif i in at:
                 missing.append(i)
             else:
                 break
         blocks = self.allocate(min(len(missing), self.num_free))
         loaded = 0
         for i, block in zip(missing, blocks, strict=False):
-            if not load(block, found[i - first]):
+            if not load(block, at[i]):
                 break
             tokens = token_ids[i * size : (i + 1) * size]
             self.register(block, keys[i - 1] if i else None, tokens, salt)

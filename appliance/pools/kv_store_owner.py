@@ -93,10 +93,7 @@ class StoreOwner:
             return None
         self._lookups += 1
         reader = str(worker_id)
-        # A head the store lacks may be in the worker's pool (a shared system prompt stays
-        # hot there and is never evicted into the store): the run starts after it.
-        first = next((i for i, key in enumerate(keys) if store.holds(namespace, key)), 0)
-        hits = store.lookup(namespace, keys[first:], reader)
+        positions, hits = self._held_runs(store, namespace, keys, reader)
         slots: list[int] = []
         for hit in hits:
             held = store.promote(hit)  # a disk hit into a host slot; None: its file was bad
@@ -111,8 +108,42 @@ class StoreOwner:
             (hit, hit.tier, store.index.nbytes(hit.key)) for hit in hits[: len(slots)]
         ]
         arena = str(store.host.arena.path)
-        run = keys[first : first + len(slots)]
-        return StoreHits(request_id, arena, namespace, run, slots, first)
+        run = [keys[i] for i in positions[: len(slots)]]
+        return StoreHits(request_id, arena, namespace, run, slots, positions[: len(slots)])
+
+    @staticmethod
+    def _held_runs(
+        store: BlockStore, namespace: bytes, keys: list[int], reader: str
+    ) -> tuple[list[int], list[Hit]]:
+        """Every run of `keys` the store holds, pinned for `reader`, and each hit's index
+        in `keys`. The gaps between runs may be in the worker's pool: a shared head stays
+        hot there and never reaches a store written on eviction, and a chat's history may
+        still be there while its last answer, decoded on a decode worker, is stored."""
+        positions: list[int] = []
+        hits: list[Hit] = []
+        i = 0
+        while i < len(keys):
+            if not store.holds(namespace, keys[i]):
+                i += 1
+                continue
+            run = store.lookup(namespace, keys[i:], reader)
+            if not run:  # (held but not served: its file was refused)
+                i += 1
+                continue
+            positions += range(i, i + len(run))
+            hits += run
+            i += len(run)
+        return positions, hits
+
+    def stored_keys(self, keys: list[int]) -> set[int]:
+        """Which of these block keys the store holds under some worker's namespace (any
+        worker of that namespace loads them): for the router, which does not count them
+        as one worker's prefix. Nothing is pinned or counted."""
+        store = self.store
+        if store is None:
+            return set()
+        namespaces = set(self._namespaces.values())
+        return {k for k in keys if any(store.holds(n, k) for n in namespaces)}
 
     def on_put(self, message: StorePut) -> None:
         """Blocks a worker sent: into the store (a block of the wrong size is refused)."""
@@ -137,6 +168,17 @@ class StoreOwner:
                 self._served[tier] += 1
                 self._served_bytes[tier] += nbytes
             self.store.release([hit for hit, _, _ in pinned], str(message.worker_id))
+
+    def clear(self) -> dict[str, int] | None:
+        """Drop every block no worker is reading, in both tiers (the disk tier's files
+        deleted): what each tier lost; None while the store is not open."""
+        store = self.store
+        if store is None:
+            return None
+        tiers = ["host"] + (["disk"] if store.disk is not None else [])
+        before = {t: store.index.count(t) for t in tiers}  # type: ignore[arg-type]
+        store.clear()
+        return {t: before[t] - store.index.count(t) for t in tiers}  # type: ignore[arg-type]
 
     def forget_worker(self, worker_id: int) -> int:
         """A worker exited (maybe mid-copy): its pins go; the store's bytes are as they were.

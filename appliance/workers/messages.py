@@ -191,19 +191,19 @@ class Failed:
 
 @dataclass
 class StoreHits:
-    """Supervisor -> worker, just before the Submit of `request_id`: the first blocks of
-    its prompt that the box's KV store holds in shared memory (the arena file `arena`):
-    block i of the prompt, keyed `block_keys[i]` in `namespace`, is in slot `slots[i]`.
-    Pinned for this worker until it answers StoreRelease. The run starts at the
-    prompt's block `first` (block first + j is `block_keys[j]`): the blocks before it the
-    store lacks, and the worker uses the run only where its own pool holds them."""
+    """Supervisor -> worker, just before the Submit of `request_id`: the blocks of its
+    prompt that the box's KV store holds in shared memory (the arena file `arena`): the
+    prompt's block `positions[j]`, keyed `block_keys[j]` in `namespace`, is in slot
+    `slots[j]`. Pinned for this worker until it answers StoreRelease. The positions may
+    have gaps (blocks the store lacks): the worker uses a block only where its own pool
+    holds every block before it that the store does not."""
 
     request_id: int
     arena: str
     namespace: bytes
     block_keys: list[int]
     slots: list[int]
-    first: int = 0
+    positions: list[int]
 
 
 @dataclass

@@ -14,12 +14,15 @@ and answers StoreRelease, so the prefill computes only the rest.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from appliance.core.roles import Role
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
+from appliance.kv.prefix_cache import prefix_keys
 from appliance.kv_store.host_arena import HostArena
 from appliance.kv_store.namespace import StoreNamespace
 from appliance.kv_store.pool_blocks import block_bytes, load_block
@@ -28,6 +31,7 @@ from appliance.workers.messages import StoreHits, StorePut, StoreReady, StoreRel
 from appliance.workers.outboxes import Outbox
 
 HEAD_BYTES = 1 << 20  # how much of a weights file its identity digests
+HANDED_KEPT = 65536  # handed-off prompt block keys a decode worker remembers
 
 
 @dataclass
@@ -45,23 +49,31 @@ class StoreClient:
     in_store: set[int] = field(default_factory=set)  # keys of pool blocks the store has
     arena: HostArena | None = None
     loaded_blocks: int = 0  # since start
+    decodes_handoffs: bool = False  # a decode worker: its prompts were prefilled elsewhere
+    # keys of prompt blocks handed off to this decode worker: the prefill side has them
+    handed: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         self.digest = self.namespace.digest()
         cache = self.engine.scheduler.blocks
         if self.evict_policy:
             cache.on_evict = self._on_evict
+            if self.decodes_handoffs:
+                # The blocks it decoded (a chat's answer) reach no prefill worker's pool:
+                # stored as their request lets go, the next turn finds them there.
+                cache.on_idle = self._on_idle_decoded
         else:
             cache.on_idle = self._on_idle
             cache.on_evict = lambda _block, key: self.in_store.discard(key)
 
     @classmethod
     def start(
-        cls, worker_id: int, engine: LLMEngine, settings: Settings, outbox: Outbox
+        cls, worker_id: int, engine: LLMEngine, settings: Settings, outbox: Outbox, role: Role
     ) -> StoreClient:
         """This worker's client, announced to the supervisor (StoreReady)."""
         namespace = worker_namespace(engine, settings)
-        client = cls(worker_id, engine, namespace, settings.kv_store.write_policy == "evict")
+        evict = settings.kv_store.write_policy == "evict"
+        client = cls(worker_id, engine, namespace, evict, decodes_handoffs=role == "decode")
         size = block_bytes(engine.kv.tensor, 0).numel()
         outbox.put(StoreReady(worker_id, namespace, size))
         return client
@@ -72,6 +84,21 @@ class StoreClient:
         if key not in self.in_store:  # (a block loaded from the store is there already)
             self._copy_out(block, key)
         self.in_store.discard(key)
+        self.handed.pop(key, None)
+
+    def _on_idle_decoded(self, block: int, key: int) -> None:
+        if key not in self.in_store and key not in self.handed:
+            self._copy_out(block, key)
+            self.in_store.add(key)
+
+    def handed_off(self, prompt: list[int], salt: str) -> None:
+        """A prefilled prompt came to this decode worker: its full blocks are the prefill
+        side's (in its pool, or stored on its eviction), not written again at finish."""
+        for key in prefix_keys(prompt, self.engine.kv.block_size, salt):
+            self.handed[key] = None
+            self.handed.move_to_end(key)
+        while len(self.handed) > HANDED_KEPT:
+            self.handed.popitem(last=False)
 
     def _on_idle(self, block: int, key: int) -> None:
         if key not in self.in_store:
@@ -125,7 +152,7 @@ class StoreClient:
             found,
             self._loader(hits.namespace),
             params.cache_salt,
-            hits.first,
+            hits.positions,
         )
         self.loaded_blocks += loaded
         self.released.append((request_id, loaded))

@@ -145,7 +145,7 @@ def load_and_serve(
         shard_pids = group.pids if group is not None else []
         outbox.put(Ready(worker_id, engine.kv.num_blocks, shard_pids))
         if settings.kv_store.enabled and settings.kv.prefix_caching and group is None:
-            state.store = StoreClient.start(worker_id, engine, settings, outbox)
+            state.store = StoreClient.start(worker_id, engine, settings, outbox, role)
         serve(state, inbox)
     finally:  # a traceback would keep the engine (and the shards' pools it opened) alive
         if exporting is not None and state.spans is not None:
@@ -360,6 +360,9 @@ def take_handoff(state: WorkerState, message: Handoff) -> None:
         state.outbox.put(HandoffResult(state.worker_id, message.request_id, False))
         return
     engine_id, moved = pulled
+    if state.store is not None:  # the prompt's blocks are the prefill side's to store
+        prompt = message.token_ids[: message.num_prompt_tokens]
+        state.store.handed_off(prompt, message.params.cache_salt)
     state.to_engine[message.request_id] = engine_id
     state.to_request[engine_id] = message.request_id
     if state.spans is not None:  # until its blocks land (send_landed)

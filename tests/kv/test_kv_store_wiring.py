@@ -98,17 +98,45 @@ def test_a_refused_read_ends_the_loaded_prefix_and_frees_the_rest() -> None:
 
 def test_a_stored_run_behind_the_pools_own_head_is_loaded_and_one_behind_a_gap_is_not() -> None:
     """Multi-turn chat: the shared system prompt stays hot in the pool and never reaches a
-    store written on eviction, so the store's run of a history starts after it (`first`).
+    store written on eviction, so the store's run of a history starts after it.
     Loaded behind the pool's own head; useless where the pool lacks that head."""
     cache = PrefixCache(BlockAllocator(8), SIZE)
     prompt = list(range(17))  # four full blocks and the last token
     compute(cache, prompt[:8])  # the pool holds blocks 0 and 1 (the shared head)
     load = lambda _block, _name: True  # noqa: E731
-    assert cache.load_prefix(prompt, 4, ["s2", "s3"], load, first=2) == 2
+    assert cache.load_prefix(prompt, 4, ["s2", "s3"], load, positions=[2, 3]) == 2
     assert len(cache.match(prompt, 4)[0]) == 4
     other = PrefixCache(BlockAllocator(8), SIZE)  # a pool without the head
-    assert other.load_prefix(prompt, 4, ["s2", "s3"], load, first=2) == 0
+    assert other.load_prefix(prompt, 4, ["s2", "s3"], load, positions=[2, 3]) == 0
     assert other.num_cached == 0 and other.num_free == 8
+
+
+def test_stored_blocks_fill_the_gaps_between_the_pools_own() -> None:
+    """Multi-turn chat in the split layout: the pool holds the head and the middle of a
+    history; the store holds what the pool evicted before it and the last answer, which a
+    decode worker stored. Every gap is filled; a stored block after a gap neither fills
+    is not."""
+    cache = PrefixCache(BlockAllocator(16), SIZE)
+    prompt = list(range(7 * SIZE + 1))  # seven full blocks and the last token
+    keys = prefix_keys(prompt, SIZE)
+    compute(cache, prompt[:SIZE])  # block 0 (the shared head) in the pool
+    middle = cache.allocate(1)  # block 3 (the history's later part) in the pool
+    cache.register(middle[0], keys[2], prompt[3 * SIZE : 4 * SIZE])
+    cache.free(middle)
+    copied: list[str] = []
+
+    def load(_block: int, name: str) -> bool:
+        copied.append(name)
+        return True
+
+    found, positions = ["s1", "s2", "s4", "s5", "s6"], [1, 2, 4, 5, 6]
+    assert cache.load_prefix(prompt, 7, found, load, positions=positions) == 5
+    assert copied == found
+    assert cache.match(prompt, 7)[1] == keys
+
+    lacking = PrefixCache(BlockAllocator(16), SIZE)
+    compute(lacking, prompt[:SIZE])  # block 0 only: block 3 is nobody's
+    assert lacking.load_prefix(prompt, 7, found, load, positions=positions) == 2
 
 
 # ---------------------------------------------------------------- the supervisor's owner
@@ -145,7 +173,7 @@ def test_the_owner_serves_a_stored_run_after_a_head_the_store_lacks(
     digest = NAMESPACE.digest()
     owner.on_put(StorePut(1, digest, [(k, block_of(k)) for k in keys[2:4]]))  # not 0, 1
     hits = owner.hits_for(1, 7, prompt)
-    assert hits is not None and hits.first == 2 and hits.block_keys == keys[2:4]
+    assert hits is not None and hits.positions == [2, 3] and hits.block_keys == keys[2:4]
     owner.on_release(StoreRelease(1, [7], [2]))
     assert not owner.store.index.pinned((digest, keys[2]))
 
@@ -211,3 +239,38 @@ def test_a_disabled_store_opens_nothing(settings: KVStoreSettings) -> None:
     owner.on_ready(StoreReady(1, NAMESPACE, BLOCK))
     assert owner.store is None and owner.hits_for(1, 1, list(range(20))) is None
     assert list(settings.shm_dir.iterdir()) == []
+
+
+def test_the_owner_serves_every_stored_run_of_a_prompt(settings: KVStoreSettings) -> None:
+    """The store holds blocks 1-2 (evicted) and 4-5 (a decode worker's answer), not 0 and
+    3 (in the pool): both runs come, with their positions."""
+    owner = StoreOwner(settings, SIZE)
+    owner.on_ready(StoreReady(1, NAMESPACE, BLOCK))
+    assert owner.store is not None
+    prompt = list(range(7 * SIZE + 1))
+    keys = prefix_keys(prompt, SIZE)
+    digest = NAMESPACE.digest()
+    stored = [keys[i] for i in (1, 2, 4, 5)]
+    owner.on_put(StorePut(1, digest, [(k, block_of(k)) for k in stored]))
+    hits = owner.hits_for(1, 3, prompt)
+    assert hits is not None and hits.positions == [1, 2, 4, 5] and hits.block_keys == stored
+    assert all(owner.store.index.pinned((digest, k)) for k in stored)
+    owner.on_release(StoreRelease(1, [3], [4]))
+    assert not any(owner.store.index.pinned((digest, k)) for k in stored)
+    figures = owner.figures()
+    assert figures is not None and figures.hits["host"] == 4
+    owner.close()
+
+
+def test_the_owner_tells_the_router_which_blocks_it_holds(settings: KVStoreSettings) -> None:
+    owner = StoreOwner(settings, SIZE)
+    assert owner.stored_keys([1, 2]) == set()  # not open yet
+    owner.on_ready(StoreReady(1, NAMESPACE, BLOCK))
+    keys = prefix_keys(list(range(4 * SIZE)), SIZE)
+    owner.on_put(StorePut(1, NAMESPACE.digest(), [(k, block_of(k)) for k in keys[1:3]]))
+    assert owner.stored_keys(keys) == set(keys[1:3])
+    assert (
+        owner.store is not None and owner.store.index.pinned((NAMESPACE.digest(), keys[1])) is False
+    )
+    assert owner.figures() is not None and owner.figures().lookups == 0  # type: ignore[union-attr]
+    owner.close()

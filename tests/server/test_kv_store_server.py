@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 import re
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -251,5 +253,109 @@ def test_blocks_a_small_pool_evicts_are_read_back_from_the_store(
         assert again.cached_tokens == 8 * BLOCK
         assert metric(server, "appliance_kv_store_hits_total", '{tier="host"}') >= 1
         assert again.text == before.text
+    finally:
+        assert server.stop() == 0
+
+
+def chat(server: ServerProcess, messages: list[dict[str, str]], **extra: object) -> Answer:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=600)
+    reply = client.chat.completions.create(
+        model=NAME,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=48,
+        temperature=0,
+        extra_body=extra,
+    )
+    usage = reply.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    text = reply.choices[0].message.content or ""
+    return Answer(text, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0)
+
+
+def test_a_chats_answer_decoded_on_the_decode_worker_is_served_to_the_next_turn(
+    folders: dict[str, Path],
+) -> None:
+    """The split layout under the default write policy (evict): the answer a decode
+    worker made reaches no prefill worker's pool, so the decode worker stores its decoded
+    blocks as the request lets go; the next turn, which re-sends that answer, loads them
+    instead of computing them, and answers as when everything is computed."""
+    server = store_server(
+        folders,
+        folders["disk"] / "chat",
+        APPLIANCE_CPU_DEVICES="2",
+        APPLIANCE_PREFILL_DEVICES="0",
+        APPLIANCE_DECODE_DEVICES="1",
+        APPLIANCE_KV_STORE__WRITE_POLICY="evict",
+    )
+    server.start(timeout=600)
+    try:
+        history = [
+            {"role": "system", "content": "You are a helpful assistant who tells stories."},
+            {"role": "user", "content": "Tell me a long story about a lighthouse keeper."},
+        ]
+        first = chat(server, history)
+        assert metric(server, "appliance_kv_store_hits_total", '{tier="host"}') == 0
+        history += [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "Give that story a title."},
+        ]
+        second = chat(server, history)
+        # The first turn's prompt from the prefill worker's pool, then at least two
+        # blocks of the answer (48 tokens: two full blocks past the prompt's last) from
+        # the store: not computed again.
+        served = metric(server, "appliance_kv_store_hits_total", '{tier="host"}')
+        assert served >= 2
+        prompt_blocks = first.prompt_tokens // BLOCK
+        assert second.cached_tokens == (prompt_blocks + served) * BLOCK
+        whole = chat(server, history, prompt_logprobs=0)  # every position computed
+        assert whole.cached_tokens == 0
+        assert second.text == whole.text
+    finally:
+        assert server.stop() == 0
+
+
+def kv_store_command(*args: str) -> subprocess.CompletedProcess[str]:
+    """`appliance kv-store ...` as an operator runs it."""
+    command = [sys.executable, "-m", "appliance.cli", "kv-store", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_the_kv_store_command_shows_and_clears_a_running_store(
+    folders: dict[str, Path],
+) -> None:
+    """A small host tier (11 blocks): a 24-block prompt's blocks fill it and the rest go
+    to disk. `appliance kv-store show` prints both tiers; `clear` empties both (the disk
+    tier's files deleted) through the admin API; the store then serves nothing."""
+    disk = folders["disk"] / "clear"
+    server = store_server(
+        folders,
+        disk,
+        APPLIANCE_MODE="colocated",
+        APPLIANCE_CPU_DEVICES="1",
+        APPLIANCE_KV_STORE__HOST_MEMORY_MB="8",
+    )
+    server.start(timeout=600)
+    try:
+        complete(server, DOC + QUESTION_1)
+        view = snapshot(server).kv_store
+        assert view is not None and view.blocks["host"] > 0 and view.blocks["disk"] > 0
+        token = str(server.admin_token_file)
+        shown = kv_store_command("show", "--url", server.url, "--token-file", token)
+        assert shown.returncode == 0, shown.stderr
+        rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines()[2:]}
+        assert int(rows["host"][1]) == view.blocks["host"]
+        assert int(rows["disk"][1]) == view.blocks["disk"]
+
+        cleared = kv_store_command("clear", "--url", server.url, "--token-file", token)
+        assert cleared.returncode == 0, cleared.stderr
+        assert f"{view.blocks['host']} host, {view.blocks['disk']} disk" in cleared.stdout
+        after = snapshot(server).kv_store
+        assert after is not None and after.blocks == {"host": 0, "disk": 0}
+        assert list(disk.glob("*/*.kv")) == []
+
+        forged = folders["admin"] / "forged.token"
+        forged.write_text("not-the-admin-token")
+        wrong = kv_store_command("clear", "--url", server.url, "--token-file", str(forged))
+        assert wrong.returncode == 1 and "401" in wrong.stderr
     finally:
         assert server.stop() == 0
