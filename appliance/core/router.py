@@ -6,7 +6,10 @@ Pure: it reads the load counters a WorkerHandle keeps through its own event meth
 the processes, so it is tested on plain data. What each worker prefilled lately is its own memory.
 - A prompt goes to the worker with the fewest queued prompt tokens or, among those within
   one step budget of it, the one that prefilled the longest prefix of the prompt lately
-  (its prefix cache likely still holds it). Round-robin when tuned so.
+  (its prefix cache likely still holds it). Round-robin when tuned so. The box's KV store
+  (issue 41) holds blocks any worker loads instead of computing: a block it holds counts
+  as held by every worker, so a prefix the store serves whole biases no worker (the least
+  loaded takes it) while one a worker's pool carries further than the store still wins.
 - A handoff goes, among the decode workers with room for it, to the one best linked to
   the prefill worker holding its KV (an NVLink partner before a PCIe peer), then to the
   one with the most free KV blocks, fewest running sequences breaking ties; with no room
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Protocol, TypeVar
 
 from appliance.core.tuning import Tuning
@@ -48,6 +51,8 @@ W = TypeVar("W", bound=WorkerLoad)  # the pools' handle type, handed back as it 
 PREFIX_KEYS_KEPT = 8192  # per prefill worker: block keys of prompts it prefilled lately
 
 LinkRank = Callable[[int, int], int]  # two device indices -> how fast they copy; higher wins
+# A prompt's block keys -> those the box's KV store holds (any worker can load them)
+StoredKeys = Callable[[list[int]], Collection[int]]
 
 
 def equal_links(a: int, b: int) -> int:
@@ -70,16 +75,24 @@ class Router:
         self._prefixes: dict[int, OrderedDict[int, None]] = {}
 
     def prefill(
-        self, candidates: list[W], token_ids: list[int], tuning: Tuning, salt: str = ""
+        self,
+        candidates: list[W],
+        token_ids: list[int],
+        tuning: Tuning,
+        salt: str = "",
+        stored: StoredKeys | None = None,
     ) -> W:
         """Pick the worker that prefills `token_ids` (under cache_salt `salt`), and
-        remember it got their prefix."""
+        remember it got their prefix. `stored` names the prompt's blocks the box's KV
+        store holds (None: no store)."""
         # Only a prefix cache makes where a prefix went matter: otherwise skip the hashing.
         keys = prefix_keys(token_ids, self.block_size, salt) if self.prefix_caching else []
         if tuning.routing == "round_robin":
             worker = candidates[next(self._turns) % len(candidates)]
         else:
-            worker = least_loaded(candidates, keys, tuning.prefill_token_budget, self._prefixes)
+            shared = stored(keys) if stored is not None and keys else frozenset()
+            budget = tuning.prefill_token_budget
+            worker = least_loaded(candidates, keys, budget, self._prefixes, shared)
         remember_prefix(self._prefixes.setdefault(worker.worker_id, OrderedDict()), keys)
         return worker
 
@@ -117,17 +130,19 @@ def least_loaded(
     keys: list[int],
     budget: int,
     prefixes: Mapping[int, Mapping[int, None]],
+    stored: Collection[int] = frozenset(),
 ) -> W:
     """The worker with the fewest queued prompt tokens, or, among those within `budget`
     tokens of it, the one holding the longest run of `keys` (prompt block keys);
-    `prefixes` maps a worker id to the block keys it prefilled lately."""
+    `prefixes` maps a worker id to the block keys it prefilled lately; a key in `stored`
+    (the box's KV store holds it) is held by every worker."""
     least = min(w.queued_tokens for w in candidates)
     near = [w for w in candidates if w.queued_tokens <= least + budget]
 
     def score(worker: W) -> tuple[int, int, int]:
         held = prefixes.get(worker.worker_id, {})
         matched = 0
-        while matched < len(keys) and keys[matched] in held:
+        while matched < len(keys) and (keys[matched] in held or keys[matched] in stored):
             matched += 1
         return (-matched, worker.queued_tokens, worker.running)
 

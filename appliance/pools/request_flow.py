@@ -141,11 +141,12 @@ class RequestFlow:
                 self.fail_by_fault(request, NO_ENTRY_WORKER)
             return
         token_ids, salt = request.tokens, request.attempt_params.cache_salt
-        worker = self.router.prefill(candidates, token_ids, self.tuning(), salt)
+        store = self.store
+        stored = None if store is None else store.stored_keys  # a prefix every worker loads
+        worker = self.router.prefill(candidates, token_ids, self.tuning(), salt, stored)
         prefill_only = worker.role == "prefill"  # a colocated worker decodes it too
         wire_id = self.table.submit(request.request_id, worker.worker_id, prefill_only)
         worker.sent_prompt(len(token_ids), time.monotonic())
-        store = self.store
         hits = None if store is None else store.hits_for(worker.worker_id, wire_id, token_ids, salt)
         if hits is not None:  # on the same queue just before the Submit: loaded at its start
             self.pool.send(worker.worker_id, hits)
