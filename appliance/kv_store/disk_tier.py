@@ -6,8 +6,9 @@ and the block's bytes. Written to a temporary name and renamed, so a reader sees
 file or none; not fsynced (a block is a cache entry: one torn by a power cut fails its
 checksum and is computed again). A file whose header or checksum does not match what was
 asked for is refused: counted, deleted, and the caller recomputes. A failed write (a full
-disk) is counted and the block is not stored; serving goes on. Files and folders are the
-service user's only (they hold what prompts said).
+disk) is counted and the block is not stored; serving goes on. A full disk is logged once
+when it is found and once when a write succeeds again (one warning per episode, not one per
+block). Files and folders are the service user's only (they hold what prompts said).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import re
 import struct
@@ -38,6 +40,8 @@ _FOLDER = re.compile(f"[0-9a-f]{{{2 * DIGEST_BYTES}}}")  # a namespace digest
 _BLOCK = re.compile(r"[0-9a-f]{16}\.kv")  # a block key
 _TEMP = re.compile(r"\.[0-9a-f]{16}\.kv\.[0-9]+\.tmp")  # a write not yet renamed
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Found:
@@ -53,6 +57,7 @@ class DiskCounters:
     refused: int = 0  # files whose header or checksum did not match: deleted, recomputed
     write_errors: int = 0  # writes that failed (a full disk): the block was not stored
     writes_skipped: int = 0  # writes not tried while the disk was last found full
+    full_episodes: int = 0  # times the disk was found full after writes had worked
 
 
 def _checksum(data: bytes | memoryview) -> bytes:
@@ -62,12 +67,15 @@ def _checksum(data: bytes | memoryview) -> bytes:
 class DiskTier:
     """Block files under `directory` (made, 0700, where missing). After a write finds
     the disk full, writes are not tried for `retry_s` seconds (or until a block is
-    deleted here): the tier stops taking blocks, the requests go on."""
+    deleted here): the tier stops taking blocks, the requests go on. The episode is
+    logged once when it starts and once when a write succeeds again."""
 
     def __init__(
         self,
         directory: Path,
-        retry_s: float = 30.0,
+        # A failed write on a full disk is cheap (an open and a short write): a few
+        # seconds between tries lets the tier take blocks again soon after room is made.
+        retry_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.directory = directory
@@ -76,6 +84,8 @@ class DiskTier:
         self._retry_s = retry_s
         self._clock = clock
         self._full_until = float("-inf")
+        self._lost_while_full = 0  # writes failed or skipped since the disk was found full
+        self._in_episode = False  # the disk was found full and no write has worked since
 
     @property
     def full(self) -> bool:
@@ -91,6 +101,7 @@ class DiskTier:
         was not tried (the disk was found full a moment ago)."""
         if self.full:
             self.counters.writes_skipped += 1
+            self._lost_while_full += 1
             return False
         payload = memoryview(data).cast("B")
         path = self.path_of(key)
@@ -109,11 +120,36 @@ class DiskTier:
             # ENOSPC, EDQUOT, EIO: the tier takes no more, the request is served anyway.
             self.counters.write_errors += 1
             if exc.errno in _FULL:
-                self._full_until = self._clock() + self._retry_s
+                self._found_full(exc)
             with contextlib.suppress(OSError):
                 temp.unlink(missing_ok=True)
             return False
+        if self._in_episode:
+            self._in_episode = False
+            log.info(
+                "KV store disk tier %s takes blocks again: room was made "
+                "(%d blocks were not stored while it was full)",
+                self.directory,
+                self._lost_while_full,
+            )
         return True
+
+    def _found_full(self, exc: OSError) -> None:
+        """A write found the disk full: writes pause; the first of an episode is logged."""
+        self._full_until = self._clock() + self._retry_s
+        self._lost_while_full += 1
+        if self._in_episode:  # still full at a retry: said already
+            return
+        self._in_episode = True
+        self._lost_while_full = 1
+        self.counters.full_episodes += 1
+        log.warning(
+            "KV store disk tier %s is full (%s): blocks are not stored there until room "
+            "is made (tried again every %.0f s); requests are served without it",
+            self.directory,
+            os.strerror(exc.errno or 0),
+            self._retry_s,
+        )
 
     def read(self, key: StoreKey) -> bytes | None:
         """The block's bytes, or None: no such file, or one refused (deleted, counted)."""
