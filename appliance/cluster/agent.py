@@ -114,7 +114,11 @@ class Agent:
         # The head's settings (transports, ports, timeout hold for the whole cluster), but
         # this box's interface for the KV transfer: the head's names an interface there.
         cluster = message.settings.cluster.model_copy(update={"interface": self._interface})
-        settings = message.settings.model_copy(update={"cluster": cluster})
+        # And no KV store: the head's is its own box's (a host tier in its shared memory,
+        # owned by its supervisor), which a worker here can neither map nor reach over the
+        # link (its messages are not box-link messages: the worker died at StoreReady).
+        kv_store = message.settings.kv_store.model_copy(update={"enabled": False})
+        settings = message.settings.model_copy(update={"cluster": cluster, "kv_store": kv_store})
         args = (
             self.settings.cluster,
             self.secret,
