@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance.bench.cli import add_parser as add_bench_parser
     from appliance.cluster.certs_cli import add_parser as add_certs_parser
     from appliance.model.hub_cli import add_parser as add_hub_parser
+    from appliance.ops.kv_store_cli import add_parser as add_kv_store_parser
     from appliance.planner.plan_cli import add_parser as add_plan_parser
     from appliance.planner.profile_cli import add_parser as add_profile_parser
 
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     add_hub_parser(commands)
     add_certs_parser(commands)
+    add_kv_store_parser(commands)
     return parser
 
 
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             from appliance.planner.plan_cli import run as run_plan
 
             return run_plan(args)
-        if hasattr(args, "run"):  # pull, models, certs
+        if hasattr(args, "run"):  # pull, models, certs, kv-store
             return int(args.run(args))
         commands = {"serve": serve, "console": console, "generate": generate, "agent": agent}
         return commands[args.command](args)

@@ -63,6 +63,7 @@ def admin_routes() -> list[Route]:
         Route("/admin/planner", planner, methods=["GET"]),
         Route("/admin/planner/apply", apply_plan, methods=["POST"]),
         Route("/admin/profile", profile, methods=["GET"]),
+        Route("/admin/kv_store/clear", clear_kv_store, methods=["POST"]),
     ]
 
 
@@ -148,3 +149,22 @@ async def tuning(request: Request) -> Response:
     except ValueError as exc:  # knobs that clash with the pools' layout
         raise APIError(422, str(exc), code="invalid_value") from None
     return JSONResponse({"tuning": tuning.model_dump(mode="json")})
+
+
+# --- kv store (issue 41)
+
+
+async def clear_kv_store(request: Request) -> Response:
+    """POST /admin/kv_store/clear: drop every block of the box's KV store that no worker
+    is reading (host and disk tiers); 200 with the blocks each tier lost, 409 while the
+    store is off or not open yet."""
+    admin = _admin(request)
+    if not admin.appliance.settings.kv_store.enabled:
+        raise APIError(409, "the KV store is off (kv_store.enabled)", code="kv_store_off")
+    cleared = admin.appliance.supervisor.kv_store.clear()
+    if cleared is None:
+        raise APIError(409, "the KV store opens when the first worker has loaded: not yet")
+    return JSONResponse({"cleared": cleared})
+
+
+# --- end kv store
