@@ -31,6 +31,7 @@ from tui.components.confirm_move import (
 from tui.components.event_log import EventLog
 from tui.components.fault_panel import FaultPanel
 from tui.components.help_screen import HelpScreen
+from tui.components.kv_store_panel import KVStorePanel
 from tui.components.latency_panel import LatencyPanel
 from tui.components.planner_panel import NO_PLANNER, PlannerPanel, plan_to_apply
 from tui.components.pools_view import PoolsView
@@ -126,6 +127,7 @@ class ConsoleApp(App[None]):
         self._requests = RequestsTable(id="requests")
         self._events = EventLog(id="events")
         self._faults = FaultPanel(id="faults")  # hidden until a fault
+        self._kv_store = KVStorePanel(id="kv-store")  # hidden while the store is off
         self._planner = PlannerPanel(id="planner")
         yield self._status
         yield self._pools
@@ -135,6 +137,7 @@ class ConsoleApp(App[None]):
         with Horizontal(id="bottom"):
             yield self._events
             yield self._faults
+            yield self._kv_store
             yield self._planner
         yield Footer()
 
@@ -162,6 +165,7 @@ class ConsoleApp(App[None]):
         self._requests.show(snapshot)
         self._events.show(snapshot)
         self._faults.show(snapshot)
+        self._kv_store.show(snapshot)
         self._planner.show(snapshot)
         self._show_status()
 
@@ -178,7 +182,7 @@ class ConsoleApp(App[None]):
         self._connected = message.connected
         self._detail = message.detail
         panels: tuple[Widget, ...] = (self._pools, self._latency, self._requests)
-        panels += (self._events, self._faults, self._planner)
+        panels += (self._events, self._faults, self._kv_store, self._planner)
         for panel in panels:
             panel.set_class(not message.connected, "-stale")
         self._show_status()
