@@ -24,6 +24,13 @@ class _Chunk(Protocol):
     def num_tokens(self) -> int: ...
 
 
+class _Verify(_Chunk, Protocol):
+    """A verify chunk: its sequence's one new token and its drafts."""
+
+    @property
+    def drafts(self) -> tuple[int, ...]: ...
+
+
 @dataclass(frozen=True)
 class StepTiming:
     """What one model step ran, and the seconds it took.
@@ -33,7 +40,12 @@ class StepTiming:
     keys the decodes read (each decoding sequence's length, its new token included);
     prompt_tokens: the prompt chunks' share of `tokens`; gemm_rows: the worker's
     prefill_gemm_rows, from how many prompt tokens its quantized products run as a GEMM
-    (None: they never switch: dense weights, a GPU, or not told)."""
+    (None: they never switch: dense weights, a GPU, or not told).
+
+    A speculative verify chunk counts as a decode (one sequence, its new token one of
+    `tokens`) plus `draft_rows`: its drafts' query rows, beside `tokens` (StepCost's
+    per_draft_s, what planner/speculation.py charges a draft); each draft row's keys
+    (its sequence's, and the drafts before it) are in `context`."""
 
     kind: StepKind
     tokens: int
@@ -43,6 +55,7 @@ class StepTiming:
     seconds: float
     prompt_tokens: int = 0
     gemm_rows: int | None = None
+    draft_rows: int = 0
 
     @property
     def gemm(self) -> bool:
@@ -60,6 +73,7 @@ class StepTiming:
             "row_tokens": 0 if self.gemm else self.tokens,
             "gemm_tokens": self.tokens if self.gemm else 0,
             "gemm": 1 if self.gemm else 0,
+            "draft_rows": self.draft_rows,
             "seconds": self.seconds,
         }
 
@@ -69,10 +83,11 @@ def step_timing(
     decodes: Iterable[_Chunk],
     seconds: float,
     gemm_rows: int | None = None,
+    verifies: Iterable[_Verify] = (),
 ) -> StepTiming:
-    """The timing of a step of these prompt chunks and decodes (before the step's tokens
-    are counted as computed: a chunk's `start` is where it begins), on a worker whose
-    products switch to a GEMM from `gemm_rows` prompt tokens."""
+    """The timing of a step of these prompt chunks, decodes and verify chunks (before the
+    step's tokens are counted as computed: a chunk's `start` is where it begins), on a
+    worker whose products switch to a GEMM from `gemm_rows` prompt tokens."""
     tokens = seqs = pairs = 0
     for chunk in prefills:
         n, start = chunk.num_tokens, chunk.start
@@ -85,11 +100,21 @@ def step_timing(
         tokens += chunk.num_tokens
         seqs += 1
         context += chunk.start + chunk.num_tokens
+    draft_rows = 0
+    for chunk in verifies:
+        k = len(chunk.drafts)
+        tokens += chunk.num_tokens - k
+        seqs += 1
+        draft_rows += k
+        # Row i (0: the new token) reads the keys up to and including its own.
+        context += chunk.num_tokens * chunk.start + chunk.num_tokens * (chunk.num_tokens + 1) // 2
     decode_seqs = seqs - prompt_seqs
     kind: StepKind = (
         "mixed" if prompt_seqs and decode_seqs else "decode" if decode_seqs else "prefill"
     )
-    return StepTiming(kind, tokens, seqs, pairs, context, seconds, prompt_tokens, gemm_rows)
+    return StepTiming(
+        kind, tokens, seqs, pairs, context, seconds, prompt_tokens, gemm_rows, draft_rows
+    )
 
 
 class _Step(Protocol):
@@ -100,6 +125,9 @@ class _Step(Protocol):
 
     @property
     def decodes(self) -> Sequence[_Chunk]: ...
+
+    @property
+    def verifies(self) -> Sequence[_Verify]: ...
 
 
 S = TypeVar("S", bound=_Step)
@@ -127,7 +155,9 @@ class StepClock:
         synced = bool(sampled) or not cuda
         timed = synced and self._synced
         self.last = (
-            step_timing(out.prefills, out.decodes, seconds, self.gemm_rows) if timed else None
+            step_timing(out.prefills, out.decodes, seconds, self.gemm_rows, out.verifies)
+            if timed
+            else None
         )
         self._synced = synced
         return sampled

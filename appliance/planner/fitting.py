@@ -1,6 +1,6 @@
 """Fitting a step cost model (planner/profile.py's StepCost) to timed steps.
 
-Pure Python: a few dozen samples and at most seven features, so the normal equations are
+Pure Python: a few dozen samples and at most eight features, so the normal equations are
 solved by hand. Each sample is weighted by its own time (relative error), so the
 millisecond decode steps count as much as the second-long prompts; coefficients are kept
 non-negative by dropping a feature whose fitted cost comes out below zero.
@@ -13,7 +13,16 @@ from types import MappingProxyType
 
 from appliance.planner.profile import StepCost
 
-FEATURES = ("tokens", "seqs", "attended", "context", "row_tokens", "gemm_tokens", "gemm")
+FEATURES = (
+    "tokens",
+    "seqs",
+    "attended",
+    "context",
+    "row_tokens",
+    "gemm_tokens",
+    "gemm",
+    "draft_rows",
+)
 FIELDS = MappingProxyType(
     {
         "tokens": "per_token_s",
@@ -25,6 +34,8 @@ FIELDS = MappingProxyType(
         "row_tokens": "per_token_s",
         "gemm_tokens": "per_gemm_token_s",
         "gemm": "gemm_base_s",
+        # A speculative verify step's draft rows, beside its decode rows (step_timing).
+        "draft_rows": "per_draft_s",
     }
 )
 REGIME_FEATURES = ("row_tokens", "gemm_tokens", "gemm")

@@ -18,6 +18,12 @@ GEMM's, a cliff one line cannot follow. Until then it takes the base profile's c
 for that kind, else, for prefill and decode, the mixed fit (one model over every step of
 the size, as the profiler's mixed is); a size with none of those has no cost (None).
 
+A worker that speculates runs verify steps: each sequence's decode row plus its drafts'
+rows (StepTiming.draft_rows). Where a kind's window holds steps with different numbers
+of draft rows (plain steps among them), the fit gives draft rows a cost of their own
+(StepCost.per_draft_s), which planner/speculation.py charges each draft it simulates;
+until then a draft row costs a query token's (StepCost.draft_s).
+
 Pure (no torch): the planner imports it, and so does the supervisor.
 """
 
@@ -149,6 +155,8 @@ class OnlineProfile:
         if gemm_rows is not None:  # both sides of the kernel switch seen: two lines
             steps = [s for s in steps if s.gemm_rows == gemm_rows]
             features = in_regimes(features)
+        if _spread(steps, "draft_rows"):  # verify steps among them: a draft row's own cost
+            features = (*features, "draft_rows")
         samples = [s.features() for s in steps]
         cost = fit_step_cost(samples, features, gemm_rows)
         # Once more without the steps the first fit is far off (a pause, a noisy neighbour).
@@ -247,13 +255,14 @@ def _regimes(steps: list[StepTiming]) -> int | None:
 
 
 def _predict(cost: StepCost, sample: Mapping[str, float]) -> float:
-    return cost.seconds(
+    plain = cost.seconds(
         int(sample["tokens"]),
         int(sample["seqs"]),
         int(sample["attended"]),
         int(sample["context"]),
         int(sample["prompt_tokens"]),
     )
+    return plain + cost.draft_s * sample["draft_rows"]
 
 
 @dataclass(frozen=True)

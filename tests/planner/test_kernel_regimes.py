@@ -153,7 +153,7 @@ def test_a_timing_carries_the_prompt_tokens_and_the_switch() -> None:
     assert not step_timing(prompts[:1], decodes, 0.5, gemm_rows=GEMM_ROWS).gemm  # 30 < 48
     assert not step_timing(prompts, decodes, 0.5).gemm  # no switch told: one regime
     clock = StepClock(gemm_rows=GEMM_ROWS)
-    out = SimpleNamespace(prefills=prompts, decodes=decodes)
+    out = SimpleNamespace(prefills=prompts, decodes=decodes, verifies=[])
     clock.run(lambda _: {}, out, cuda=False)
     popped = clock.pop()
     assert popped is not None and popped.gemm_rows == GEMM_ROWS and popped.prompt_tokens == 50

@@ -275,7 +275,7 @@ def test_on_cuda_only_steps_that_waited_for_the_device_are_timed() -> None:
         def __init__(self, start: int, num_tokens: int) -> None:
             self.start, self.num_tokens = start, num_tokens
 
-    step = SimpleNamespace(prefills=[Chunk(0, 8)], decodes=[])
+    step = SimpleNamespace(prefills=[Chunk(0, 8)], decodes=[], verifies=[])
     cuda, cpu = StepClock(), StepClock()
     timed = []
     # A prompt chunk that samples nothing (no read back), the next chunk, two decodes.
