@@ -1,12 +1,13 @@
 """The chaos soak's cluster (benchmarks/chaos_soak.py): the head, box b's agent (brought
-back whenever it exits), the TCP relay between them that can cut the link, and reading
-/health."""
+back whenever it exits), the TCP relay between them that can cut the link, the head's KV
+store disk tier on a tmpfs of its own (chaos_disk.py), and reading /health and /metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,12 +20,18 @@ from typing import Any
 
 import httpx
 import psutil
+from chaos_disk import FullDisk
 
 from appliance.bench.compare import free_port
 from appliance.cluster.certs import make_certs
 
 API_KEY = "chaos-soak-key"
 HEAD_HOST, BOX_HOST = "127.0.0.2", "127.0.0.3"
+# The KV store's tiers, small so blocks keep moving: a host tier of 2 blocks (a float32
+# block of SmolLM2-135M is 720 KiB), a disk tier of about 8 on a 16 MiB tmpfs, so the
+# traffic writes the disk tier all the time and a full filesystem is met at once.
+STORE_HOST_MB, STORE_DISK_MB, DISK_FS_MB = 2, 6, 16
+DISK_WRITTEN = re.compile(r'^appliance_kv_store_written_bytes(?:_total)?\{tier="disk"\} (\S+)$')
 
 
 # ----------------------------------------------------------------------- the link relay
@@ -102,6 +109,10 @@ class Cluster:
         listen = (HEAD_HOST, free_port())
         self.relay = Relay(listen)
         self.token_file = folder / "admin.token"
+        # Everything the head writes while it runs is under `folder` (its log, the admin
+        # token) but the disk tier, which is on its own filesystem; the cache_dir holds
+        # the model's converted weights, written at the start, not while serving.
+        self.disk = FullDisk(folder / "kv-disk", DISK_FS_MB)
         self.url = f"http://127.0.0.1:{self.port}"
         self.engine_env = {
             "APPLIANCE_DTYPE": "float32",
@@ -119,6 +130,13 @@ class Cluster:
             "APPLIANCE_PREFILL_DEVICES": "0",
             "APPLIANCE_DECODE_DEVICES": "1",
             "APPLIANCE_KV__MEMORY_MB": "256",
+            # The box's KV store, its blocks put when each request finishes (the pools
+            # are too large to evict under this traffic) and pushed on to the disk tier.
+            "APPLIANCE_KV_STORE__ENABLED": "true",
+            "APPLIANCE_KV_STORE__WRITE_POLICY": "finish",
+            "APPLIANCE_KV_STORE__HOST_MEMORY_MB": str(STORE_HOST_MB),
+            "APPLIANCE_KV_STORE__DISK_PATH": str(self.disk.path),
+            "APPLIANCE_KV_STORE__DISK_MB": str(STORE_DISK_MB),
             "APPLIANCE_ADMIN__TOKEN_FILE": str(self.token_file),
             # Faults come far more often here than max_crashes' default allows before a
             # device is marked failed for good; the soak asks that every fault is survived.
@@ -145,6 +163,9 @@ class Cluster:
     # -- processes
 
     def start(self) -> None:
+        """The disk tier's tmpfs (where it can be mounted), the head, the agent."""
+        if not self.disk.mount():
+            print(f"the full-disk fault is {self.disk.why_not}")
         with (self.folder / "head.log").open("ab") as log:
             self.head = subprocess.Popen(
                 [sys.executable, "-m", "appliance.cli", "serve"],
@@ -182,6 +203,7 @@ class Cluster:
                     process.kill()
                     process.wait(30)
         self.relay.close()
+        self.disk.unmount()
 
     def head_process(self) -> psutil.Process:
         assert self.head is not None
@@ -224,6 +246,17 @@ class Cluster:
         reply = httpx.get(self.url + "/admin/state", headers=self._admin_headers(), timeout=10)
         reply.raise_for_status()
         return reply.json()
+
+    def disk_written(self) -> float | None:
+        """Bytes the KV store wrote to its disk tier since it opened (/metrics); None
+        before a worker opened it."""
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        reply = httpx.get(self.url + "/metrics", headers=headers, timeout=10)
+        reply.raise_for_status()
+        for line in reply.text.splitlines():
+            if found := DISK_WRITTEN.match(line):
+                return float(found.group(1))
+        return None
 
     def admin_post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
         return httpx.post(self.url + path, json=body, headers=self._admin_headers(), timeout=30)

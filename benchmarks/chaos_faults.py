@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import httpx
 import psutil
 from chaos_cluster import Cluster
-from chaos_traffic import Traffic
+from chaos_disk import FULL_WARNING, TAKES_AGAIN, count_lines
+from chaos_traffic import MODEL, Traffic, long_text
 
 FAULT_KINDS = (
     "kill_worker",
@@ -27,7 +28,10 @@ FAULT_KINDS = (
     "autopilot",
     "cut_link",
     "disconnect",
+    "disk_full",
 )
+DISK_HOLD_MAX_S = 8.0  # the longest a full disk is left full (and never past --stop-max)
+DISK_BACK_BOUND_S = 60.0  # for the disk tier to take blocks again once room is made
 BOX_FAULTS = ("kill_box_worker", "kill_agent", "stop_box", "cut_link")
 
 
@@ -60,6 +64,7 @@ class Chaos:
         self.cluster, self.traffic, self.rng = cluster, traffic, rng
         self.stop_max_s, self.kinds = stop_max_s, kinds
         self.faults: list[Fault] = []
+        self.violations: list[str] = []  # what a fault's own checks found wrong
         self.deck: list[str] = []  # the kinds still to draw in this turn of the deck
         self.started = time.monotonic()
 
@@ -78,6 +83,7 @@ class Chaos:
             "autopilot": self._autopilot,
             "cut_link": self._cut_link,
             "disconnect": self._disconnect,
+            "disk_full": self._disk_full,
         }
         try:
             await actions[kind](fault)
@@ -186,3 +192,71 @@ class Chaos:
         count = self.rng.randint(2, 4)
         self.traffic.disconnecting(count)
         fault.detail = f"{count} streams dropped by their clients after 2 chunks"
+
+    async def _disk_full(self, fault: Fault) -> None:
+        """Fill the disk tier's filesystem to ENOSPC for a drawn time with the traffic
+        running (and a request of new blocks, so the tier meets it), then free it. Checked:
+        the head warned once, and the tier took blocks again after (its disk bytes written
+        grow on /metrics); the traffic's own answers are checked as always."""
+        disk, log = self.cluster.disk, self.cluster.folder / "head.log"
+        if not disk.mounted:
+            fault.applied, fault.detail = False, f"disk_full {disk.why_not}"
+            return
+        seconds = round(self.rng.uniform(1.0, min(DISK_HOLD_MAX_S, self.stop_max_s)), 1)
+        log_at = log.stat().st_size
+        filled = disk.fill()
+        try:
+            await self._new_blocks()
+            until = time.monotonic() + seconds
+            while time.monotonic() < until:  # a room freed (a temporary removed) is refilled
+                await asyncio.sleep(0.25)
+                disk.top_up()
+        finally:
+            disk.free()
+        written = await asyncio.to_thread(self.cluster.disk_written) or 0.0
+        freed = time.monotonic()
+
+        async def taken_again() -> bool:
+            await self._new_blocks()
+            return (await asyncio.to_thread(self.cluster.disk_written) or 0.0) > written
+
+        back = await poll_async(taken_again, DISK_BACK_BOUND_S)
+        warned = count_lines(log, FULL_WARNING, log_at)
+        again = count_lines(log, TAKES_AGAIN, log_at)
+        fault.detail = (
+            f"{disk.path} filled ({filled >> 10} KiB) for {seconds} s, then freed: "
+            f"{warned} full-disk warning(s), "
+            + (
+                f"blocks taken again after {time.monotonic() - freed:.1f} s"
+                if back
+                else "no blocks taken again"
+            )
+        )
+        label = f"disk_full at {fault.at} s"
+        if warned != 1:
+            self.violations.append(f"{label}: {warned} full-disk warnings in the head's log, not 1")
+        if not back or again != 1:
+            self.violations.append(
+                f"{label}: the disk tier did not take blocks again within "
+                f"{DISK_BACK_BOUND_S:.0f} s of room made ({again} 'takes blocks again' lines)"
+            )
+
+    async def _new_blocks(self) -> None:
+        """A prompt no one sent before (about eight full KV blocks), answered at once: its
+        blocks go to the store when it finishes and push older ones to the disk tier."""
+        prompt = f"Note {self.rng.getrandbits(64):x}: " + long_text(self.rng, 100)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        with contextlib.suppress(httpx.HTTPError):  # a 503 while a worker is back: not ours
+            await self.traffic.client.http.post("/v1/completions", json=body, timeout=60)
+
+
+async def poll_async(check: Callable[[], Awaitable[bool]], bound_s: float) -> bool:
+    """`await check()` every half second until it is true or `bound_s` has passed."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if await check():
+                return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.5)

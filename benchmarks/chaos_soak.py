@@ -19,9 +19,11 @@ Faults, one drawn at a time by `--seed` from a shuffled deck of the kinds (each 
 tried once in each turn of the deck, so a short run tries them all): SIGKILL or
 SIGSTOP/SIGCONT of a head worker, of box b's worker, of the agent (SIGSTOP: the whole box,
 agent and worker); an in-place move of device 1 (POST /admin/pools); an autopilot move
-(POST /admin/planner/apply); a cut link; clients that disconnect mid-stream. A full disk
-for the cache directory is not injected: it needs a filesystem of its own (a mount, which
-needs root).
+(POST /admin/planner/apply); a cut link; clients that disconnect mid-stream; a full disk
+under the KV store's disk tier (chaos_disk.py: the head runs with the store on, its disk
+tier on a small tmpfs the soak mounts, fills to ENOSPC for a drawn time and frees; checked:
+one warning from the head, the tier taking blocks again after). Mounting needs root:
+without it the full disk is drawn but logged as not applied, with the reason.
 
 The soak runs for at least `--minutes`, until every kind has been tried and at least
 `--faults` faults have been applied (a fault whose target is not there, or a move the
@@ -118,7 +120,7 @@ async def soak(cluster: Cluster, options: Options) -> Report:
     report.requests = {"sent": len(traffic.outcomes)} | {v: verdicts[v] for v in VERDICTS}
     report.faults = dict(Counter(f.kind for f in chaos.faults if f.applied))
     report.faults_not_applied = dict(Counter(f.kind for f in chaos.faults if not f.applied))
-    report.violations = checker.violations
+    report.violations = checker.violations + chaos.violations
     report.fault_log = chaos.faults
     report.bad_requests = [o for o in traffic.outcomes if o.verdict in MUST_BE_ZERO]
     return report
@@ -203,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(sys.stdout, io.TextIOWrapper):  # progress lines as they come, in a log too
         sys.stdout.reconfigure(line_buffering=True)
     cluster = Cluster(folder, options.stall_timeout_s)
-    cluster.start()
     try:
+        cluster.start()  # inside: a start cut short still stops what it began (and unmounts)
         started = time.monotonic()
         if not asyncio.run(poll(cluster.ready, READY_BOUND_S)):
             raise SystemExit(f"the cluster was not ready within {READY_BOUND_S:.0f} s: {folder}")
