@@ -29,6 +29,7 @@ class SimSeq:
     times: list[float]  # when each streamed token reaches the client
     prefix_id: int | None = None
     prefix_blocks: int = 0  # full blocks of the shared prefix (0: nothing shared)
+    stored_blocks: int = 0  # prompt blocks the box's KV store serves (planner/prefix_hits.py)
     made: int = 0  # tokens sampled so far
     computed: int = 0  # tokens whose K/V the worker holds
     own: int = 0  # blocks it holds outside the cache

@@ -145,6 +145,7 @@ class Simulation:
             request.prefix_id,
             request.prefix_tokens // size if shared else 0,
         )
+        seq.stored_blocks = request.stored_tokens // size  # the box's KV store (prefix_hits)
         worker = self.router.pick(seq, size)
         seq.prefill_only = worker.role == "prefill"  # it parks after its first token
         worker.waiting.append(seq)

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from appliance.core.roles import Role
+from appliance.planner.prefix_hits import start_from_store
 from appliance.planner.profile import StepCost, WorkerCost, attended
 from appliance.planner.sim_pool import KVPool, SimSeq
 from appliance.planner.speculation import Speculation
@@ -184,6 +185,7 @@ class Worker:
             if not seq.blocks:  # start on the cached blocks of its prefix
                 seq.computed = pool.match(seq, (seq.length - 1) // pool.block_size)
                 seq.computed *= pool.block_size
+                seq.computed = start_from_store(seq, pool.block_size)  # or the box's store
             want = min(seq.length - seq.computed, budget, limits.chunk_size)
             if not pool.reserve(seq, want):
                 pool.release(seq)  # it waits with nothing held

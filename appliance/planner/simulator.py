@@ -76,6 +76,7 @@ class SimRequest:
     output_tokens: int  # generated exactly this many (the bench sends ignore_eos)
     prefix_id: int | None = None  # requests with the same id share their first prefix_tokens
     prefix_tokens: int = 0
+    stored_tokens: int = 0  # served by the box's KV store (planner/prefix_hits.py)
 
     def __post_init__(self) -> None:
         checks = [
@@ -89,6 +90,11 @@ class SimRequest:
                 0 <= self.prefix_tokens <= self.prompt_tokens,
                 f"prefix_tokens must be in [0, prompt_tokens={self.prompt_tokens}], "
                 f"got {self.prefix_tokens}",
+            ),
+            (
+                0 <= self.stored_tokens < self.prompt_tokens,
+                f"stored_tokens must be in [0, prompt_tokens={self.prompt_tokens}), "
+                f"got {self.stored_tokens}",
             ),
         ]
         for ok, message in checks:
