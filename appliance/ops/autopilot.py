@@ -27,6 +27,7 @@ from appliance.core.roles import Role
 from appliance.model.loader import default_model_path
 from appliance.ops.pool_moves import MoveError, PoolMover, device_roles
 from appliance.planner.auto_layout import analytic_base, box_kind, known_profile
+from appliance.planner.measured_acceptance import MovingAcceptance
 from appliance.planner.profile import Profile, ProfileError, model_id
 from appliance.planner.rebalance import (
     Measurement,
@@ -61,6 +62,9 @@ class Autopilot:
         self.slo = SLO(ttft=self.planner.slo_ttft_ms / 1000, tpot=self.planner.slo_tpot_ms / 1000)
         self.rules = rules_of(settings)
         self.memory = RebalanceMemory()
+        # The workers' speculative acceptance over the window it looks at: the simulator
+        # speculates at it (planner/measured_acceptance.py).
+        self.acceptance = MovingAcceptance(self.planner.window_s)
         self.profile: Profile | None = None
         self.profile_name: str | None = None
         self.status = "starting"
@@ -117,6 +121,7 @@ class Autopilot:
         """One look at the traffic: decide, record, and move if autopilot is on."""
         if not self.supervisor.ready:
             return None
+        self.observe_acceptance(now)
         # The profile on disk (if any) refined by the steps the workers ran lately.
         profile = online_profile(self.supervisor, self.profile)
         if profile is None:
@@ -152,26 +157,36 @@ class Autopilot:
         now: float,
         in_place: frozenset[tuple[int, str]],
     ) -> Verdict:
-        tuning = self.supervisor.tuning  # the live knobs, which the workers schedule with
-        policy = Policy(
-            max_num_seqs=tuning.decode_max_seqs,
-            prefill_token_budget=tuning.prefill_token_budget,
-            chunk_size=tuning.chunk_size,
-            routing=tuning.routing,
-            prefix_caching=self.settings.kv.prefix_caching,
-        )
         size = device_size(self.supervisor)
         return decide(
             window,
             profile,
             roles,
-            policy,
+            self.policy(),
             self.slo,
             self.rules,
             self.memory,
             now,
             size,
             in_place,
+        )
+
+    def observe_acceptance(self, now: float) -> None:
+        """Note every worker's speculative totals as of its last report."""
+        totals = {w.worker_id: w.speculation for w in self.supervisor.workers.values()}
+        self.acceptance.observe(now, totals)
+
+    def policy(self) -> Policy:
+        """What the simulator schedules with: the live knobs the workers schedule with,
+        and speculation at the acceptance measured over the window (None: plain)."""
+        tuning = self.supervisor.tuning
+        return Policy(
+            max_num_seqs=tuning.decode_max_seqs,
+            prefill_token_budget=tuning.prefill_token_budget,
+            chunk_size=tuning.chunk_size,
+            routing=tuning.routing,
+            prefix_caching=self.settings.kv.prefix_caching,
+            speculation=self.acceptance.speculation(self.settings.speculative),
         )
 
     def _act(self, verdict: Verdict) -> tuple[bool, str]:

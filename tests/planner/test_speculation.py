@@ -2,7 +2,8 @@
 tokens per step at an acceptance and the acceptance measured counts imply, a decode
 step's time with the verify rows' cost, and the simulator and the plan with it: at
 acceptance 0 everything is as without speculation, at high acceptance decode-bound
-layouts gain (and past disable_by_batch_size nothing changes)."""
+layouts gain (and past disable_by_batch_size nothing changes), at a given acceptance
+and at one the workers measured (planner/measured_acceptance.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hand_profiles import hand_profile
 from appliance.core.goodput import SLO
 from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.planner.layout import Layout, Pool
+from appliance.planner.measured_acceptance import MovingAcceptance
 from appliance.planner.plan import PlanSpec, make_plan
 from appliance.planner.plan_cli import main
 from appliance.planner.profile import Profile, StepCost, WorkerCost
@@ -140,6 +142,38 @@ def test_the_plan_ranks_as_without_at_acceptance_zero_and_sees_the_gain_at_high(
     _, best_rate, best_attainment = fast[0]
     assert best_attainment >= 0.9 and best_rate > 0 and math.isfinite(best_rate)
     assert {label for label, _, _ in fast} == {label for label, _, _ in without}
+
+
+def measured(drafted: int, accepted: int) -> Policy:
+    """The policy the autopilot simulates with after its decode worker reported these
+    totals over 100 verify steps (planner/measured_acceptance.py)."""
+    moving = MovingAcceptance(window_s=60.0)
+    moving.observe(0.0, {1: AcceptanceCounts(0, 0, 0)})
+    moving.observe(30.0, {1: AcceptanceCounts(100, drafted, accepted)})
+    return Policy(speculation=moving.speculation(SpeculativeSettings(method="ngram")))
+
+
+def test_a_measured_acceptance_ranks_the_layouts() -> None:
+    """Prompts of 600 tokens with short answers between chat turns of long answers. At a
+    measured acceptance of 0 (every draft rejected) the plan is the one without. Where 3
+    of 4 drafts are kept, the layout whose decode steps are decode-only (1P+1D: they
+    speculate) meets the 20 ms TPOT at the highest rate, well above colocated x2 (its
+    steps carry prompt chunks beside the decodes, modelled plain)."""
+    requests = [
+        SimRequest(
+            arrival_s=i * 0.25,
+            prompt_tokens=600 if i % 2 else 40,
+            output_tokens=20 if i % 2 else 150,
+        )
+        for i in range(30)
+    ]
+    without = plan_of(Policy(), requests)
+    assert plan_of(measured(400, 0), requests) == without
+    ranked = plan_of(measured(400, 300), requests)
+    assert [label for label, _, _ in ranked] == ["1P+1D", "colocated x2"]
+    (_, decode_bound_rate, attainment), (_, colocated_rate, _) = ranked
+    assert attainment >= 0.9 and decode_bound_rate > 2 * colocated_rate
+    assert all(rate == 0.0 for _, rate, _ in without)  # plain decode misses the TPOT
 
 
 PLAN_ARGS = ["plan", "--workload", "sharegpt-like", "--rate", "2", "--num-requests", "30"]
