@@ -2,6 +2,13 @@
 handoffs landing; the supervisor's part (routing, handing off, waiting for room) between
 them. Events at the same time run in the order they were scheduled: deterministic.
 
+With `Policy.admission` a prompt is held (core/admission.py's `decide`, as the
+supervisor's flow holds it) while the worker that would decode it is predicted to step
+over the TPOT limit with it; held prompts are admitted oldest first at step ends. `moves`
+change a worker's role at a given time, in place as ops/pool_moves.py does: what it runs
+goes on there (a former prefill worker still hands off what it prefilled; with no decode
+worker left those handoffs go to a colocated one).
+
 A cross-box layout's handoffs cross the one link between its boxes (`Profile.network`)
 one after another: each holds the link for its bytes' time, in the order sent (FIFO),
 and lands the link's base latency after its last byte; in-box handoffs do not queue."""
@@ -11,13 +18,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from appliance.core.admission import DecodeLoad
+from appliance.core.admission_queue import AdmissionQueue
 from appliance.core.goodput import RequestResult
 from appliance.core.roles import Role
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.planner.layout import Layout
-from appliance.planner.profile import HandoffCost, Profile
+from appliance.planner.profile import HandoffCost, Profile, StepCost
 from appliance.planner.sim_box import Contention, PromptRouter, pick_decode
 from appliance.planner.sim_pool import KVPool, SimSeq
 from appliance.planner.sim_worker import Limits, Step, StepRecord, Worker
@@ -25,7 +35,16 @@ from appliance.planner.sim_worker import Limits, Step, StepRecord, Worker
 if TYPE_CHECKING:
     from appliance.planner.simulator import Policy, SimRequest
 
-ARRIVE, MODEL_DONE, STEP_END, LAND, KICK = range(5)
+ARRIVE, MODEL_DONE, STEP_END, LAND, KICK, MOVE = range(6)
+
+
+@dataclass(frozen=True)
+class Move:
+    """At `at_s`, worker `worker` (device order: Simulation._workers) takes `role`."""
+
+    at_s: float
+    worker: int
+    role: Role
 
 
 class Simulation:
@@ -39,6 +58,7 @@ class Simulation:
         policy: Policy,
         concurrency: int | None = None,
         trace: list[StepRecord] | None = None,
+        moves: Sequence[Move] = (),
     ) -> None:
         self.profile = profile
         self.requests = requests
@@ -72,6 +92,14 @@ class Simulation:
         self.times: list[list[float]] = [[] for _ in requests]
         self.errors: dict[int, str] = {}
         self.next_request = len(requests)  # closed loop: the next one a user sends
+        self.moves = list(moves)
+        for move in self.moves:
+            if not 0 <= move.worker < len(self.workers):
+                raise ValueError(
+                    f"move of worker {move.worker}: the layout has {len(self.workers)}"
+                )
+        self.admission = AdmissionQueue(policy.admission)  # held prompts: request indices
+        self.held: dict[int, SimSeq] = {}  # request index -> its sequence, while held
 
     def _workers(self, layout: Layout) -> list[Worker]:
         """Every worker, in device order: prefill (colocated in colocated mode), decode,
@@ -107,6 +135,8 @@ class Simulation:
             for index in range(self.next_request):
                 self.arrival[index] = 0.0
                 self._push(0.0, ARRIVE, index, None)
+        for number, move in enumerate(self.moves):
+            self._push(move.at_s, MOVE, number, None)
         heap = self.heap
         while heap:
             now, _, kind, a, b = heapq.heappop(heap)
@@ -118,6 +148,8 @@ class Simulation:
                 self._arrive(a, now)
             elif kind == LAND:
                 self._land(self.workers[a], b, now)
+            elif kind == MOVE:
+                self._move(self.moves[a], now)
             else:
                 self.workers[a].kick_pending = False
                 self._start(self.workers[a], now)
@@ -146,10 +178,79 @@ class Simulation:
             request.prefix_tokens // size if shared else 0,
         )
         seq.stored_blocks = request.stored_tokens // size  # the box's KV store (prefix_hits)
-        worker = self.router.pick(seq, size)
+        if not self._admits(index, seq, now):
+            self.held[index] = seq
+            return
+        self._route(seq, now)
+
+    def _route(self, seq: SimSeq, now: float) -> None:
+        worker = self.router.pick(seq, self.profile.block_size)
         seq.prefill_only = worker.role == "prefill"  # it parks after its first token
         worker.waiting.append(seq)
         worker.queued_tokens += seq.prompt
+        self._kick(worker, now)
+
+    def _admits(self, index: int, seq: SimSeq, now: float) -> bool:
+        """The supervisor's admission queue decides (core/admission_queue.py), over each
+        entry worker's decoding and its decode step cost."""
+        if self.policy.admission is None:
+            return True
+        loads = [self._decode_load(w) for w in self.entry]
+        decode = self._decode_cost()
+        models = [w.cost.decode if w.role == "colocated" else decode for w in self.entry]
+        waited = now - self.arrival[index]
+        return self.admission.admits(index, seq.prompt, waited, loads, models)
+
+    def _admit_held(self, now: float) -> None:
+        """Held prompts join, oldest first, until one is still held."""
+        while (index := self.admission.head()) is not None:
+            seq = self.held[index]
+            if not self._admits(index, seq, now):
+                return
+            del self.held[index]
+            self._route(seq, now)
+
+    def _decode_cost(self) -> StepCost | None:
+        decoders = self._decoders()
+        return decoders[0].cost.decode if decoders else None
+
+    def _decode_load(self, entry: Worker) -> DecodeLoad:
+        """What the worker that decodes entry's next prompt decodes, or will: entry itself
+        when colocated; else the least loaded decode worker, with the prompts the prefill
+        pool holds for the decode pool spread over it."""
+        if entry.role == "colocated":
+            return _load(entry)
+        decoders = self._decoders()
+        if not decoders:
+            return DecodeLoad(0, 0)
+        least = min((_load(w) for w in decoders), key=lambda load: load.seqs)
+        coming = [_load(w) for w in self.entry if w.role == "prefill"]
+        coming.append(DecodeLoad(len(self.handoffs), sum(s.length for _, s in self.handoffs)))
+        seqs = sum(c.seqs for c in coming) // len(decoders)
+        context = sum(c.context for c in coming) // len(decoders)
+        return DecodeLoad(least.seqs + seqs, least.context + context)
+
+    def _decoders(self) -> list[Worker]:
+        """The workers handoffs go to: the decode pool; with none left (moved away while
+        a former prefill worker still hands off), the colocated workers."""
+        return self.decoders or [w for w in self.workers if w.role == "colocated"]
+
+    def _move(self, move: Move, now: float) -> None:
+        """The worker takes its new role in place; prompts route by the new roles."""
+        worker = self.workers[move.worker]
+        worker.role = move.role
+        self.entry = [w for w in self.workers if w.role != "decode"]
+        self.decoders = [w for w in self.workers if w.role == "decode"]
+        policy = self.policy
+        self.router = PromptRouter(
+            self.entry,
+            policy.prefill_token_budget,
+            policy.routing == "round_robin",
+            policy.prefix_caching,
+        )
+        if self.handoffs:
+            self._retry_handoffs(now)
+        self._admit_held(now)
         self._kick(worker, now)
 
     def _rejection(self, request: SimRequest) -> str | None:
@@ -253,6 +354,8 @@ class Simulation:
             self._hand_off(worker, seq, now)
         if out.freed and worker.role == "decode" and self.handoffs:
             self._retry_handoffs(now)
+        if self.held:
+            self._admit_held(now)
         self._kick(worker, now)
 
     def _record(self, worker: Worker, step: Step, now: float) -> StepRecord:
@@ -266,7 +369,7 @@ class Simulation:
 
     def _hand_off(self, source: Worker, seq: SimSeq, now: float) -> None:
         """Send a parked prompt to the decode worker with most room, or keep it waiting."""
-        decode = pick_decode(self.decoders, seq)
+        decode = pick_decode(self._decoders(), seq)
         if decode is None:
             self.handoffs.append((source, seq))
             return
@@ -306,7 +409,7 @@ class Simulation:
         """Waiting handoffs try again, oldest first (a later, smaller one may fit)."""
         waiting, self.handoffs = self.handoffs, []
         for index, (source, seq) in enumerate(waiting):
-            if not any(self._has_slot(w) for w in self.decoders):
+            if not any(self._has_slot(w) for w in self._decoders()):
                 self.handoffs.extend(waiting[index:])
                 return
             self._hand_off(source, seq, now)
@@ -314,6 +417,14 @@ class Simulation:
     @staticmethod
     def _has_slot(worker: Worker) -> bool:
         return worker.running + len(worker.landed) + worker.in_flight < worker.limits.max_num_seqs
+
+
+def _load(worker: Worker) -> DecodeLoad:
+    """The sequences a worker runs, holds waiting or is being handed, and their lengths
+    (a prompt not started counts its prompt)."""
+    pending = [*worker.waiting, *worker.landed]
+    context = worker.context + sum(s.length for s in worker.tail) + sum(s.length for s in pending)
+    return DecodeLoad(worker.running + len(pending) + worker.in_flight, context)
 
 
 def _network(profile: Profile, layout: Layout) -> HandoffCost | None:

@@ -46,10 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from appliance.core.admission import AdmissionLimits, admission_limits
 from appliance.core.goodput import RequestResult
 from appliance.planner.layout import Layout
 from appliance.planner.profile import Profile
-from appliance.planner.sim_run import Simulation
+from appliance.planner.sim_run import Move, Simulation
 from appliance.planner.sim_worker import StepRecord
 from appliance.planner.speculation import Speculation
 
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from appliance.settings.config import Settings
 
 __all__ = [
+    "Move",
     "Policy",
     "SimRequest",
     "StepRecord",
@@ -113,6 +115,9 @@ class Policy:
     prefix_caching: bool = True
     # Speculative decoding at a measured acceptance (planner/speculation.py); None: off.
     speculation: Speculation | None = None
+    # SLO admission (core/admission.py): prompts held while their decode step would miss
+    # the TPOT limit; None: every prompt joins at once (no SLO configured, or fcfs).
+    admission: AdmissionLimits | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "prefill_token_budget", "chunk_size"):
@@ -138,6 +143,7 @@ class Policy:
             chunk_size=tuning.chunk_size,
             routing=tuning.routing,
             prefix_caching=settings.kv.prefix_caching,
+            admission=admission_limits(settings.planner),
         )
 
 
@@ -149,6 +155,7 @@ def simulate(
     *,
     concurrency: int | None = None,
     trace: list[StepRecord] | None = None,
+    moves: Sequence[Move] = (),
 ) -> list[RequestResult]:
     """Per request (in the order given): start = arrival, ttft, latency, the gaps between
     its tokens (itl), output_tokens, prompt_tokens, ok (False with an error for a request
@@ -156,8 +163,9 @@ def simulate(
 
     concurrency: a closed loop of that many users instead of the arrival times (each
     sends its next request when its last one ends; `start` says when). trace: if given,
-    every step is appended to it. ValueError for a cross-box layout on a profile
-    without a network link."""
+    every step is appended to it. moves: devices that change role while it runs (as
+    ops/pool_moves.py moves them in place: what a worker runs goes on there). ValueError
+    for a cross-box layout on a profile without a network link."""
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     if layout.colocated_workers and policy.max_num_seqs > policy.prefill_token_budget:
@@ -165,7 +173,7 @@ def simulate(
             f"with colocated workers max_num_seqs ({policy.max_num_seqs}) must not exceed "
             f"prefill_token_budget ({policy.prefill_token_budget})"
         )
-    return Simulation(profile, layout, requests, policy, concurrency, trace).run()
+    return Simulation(profile, layout, requests, policy, concurrency, trace, moves).run()
 
 
 def requests_from_workload(

@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from appliance.core.admission import DecodeLoad, StepModel, admission_limits, lightest
+from appliance.core.admission_queue import AdmissionQueue, ModelCache, load_of
 from appliance.core.events import EventLog
 from appliance.core.recovery import Action, retry_action
 from appliance.core.request_table import Phase, Request, RequestTable
@@ -23,6 +25,7 @@ from appliance.core.router import Router
 from appliance.core.tuning import Tuning
 from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams
+from appliance.planner.decode_fit import recent_decode_cost
 from appliance.planner.online_profile import OnlineProfile, worker_size
 from appliance.planner.traffic_log import TrafficLog
 from appliance.pools.drains import Drains
@@ -97,6 +100,9 @@ class RequestFlow:
         )
         self._streams: dict[int, asyncio.Queue[Chunk | Exception]] = {}  # request id -> chunks
         self.online = OnlineProfile()  # every worker size's recent steps, timed
+        # Prompts held while their decode step would miss the SLO (planner.scheduling_policy)
+        self.admission = AdmissionQueue(admission_limits(settings.planner))
+        self._models = ModelCache(self._decode_model)  # refitted once a second at most
         self.store: StoreOwner | None = None  # the box's KV store (the supervisor's)
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
@@ -140,6 +146,8 @@ class RequestFlow:
             if not self._entry_coming():
                 self.fail_by_fault(request, NO_ENTRY_WORKER)
             return
+        if not self._admits(request, candidates):
+            return  # held: admit_held sends it once a step makes room, or its wait is up
         token_ids, salt = request.tokens, request.attempt_params.cache_salt
         store = self.store
         stored = None if store is None else store.stored_keys  # a prefix every worker loads
@@ -249,6 +257,53 @@ class RequestFlow:
             self.handoffs.hand_off(prefilled.kv)
         if worker.role == "decode":
             self.handoffs.retry_waiting()
+        self.admit_held()
+
+    def admit_held(self) -> None:
+        """Send the held prompts a step made room for (or whose wait is up), oldest first."""
+        while (request_id := self.admission.head()) is not None:
+            request = self.table.requests.get(request_id)
+            if request is None or request.phase is not Phase.WAITING:
+                self.admission.forget(request_id)  # it left, or went by another path
+                continue
+            self.submit(request)
+            if request.phase is Phase.WAITING:
+                return  # still held (or no worker takes prompts yet)
+
+    def _admits(self, request: Request, candidates: list[WorkerHandle]) -> bool:
+        """SLO admission (core/admission_queue.py) over what each candidate decodes: a
+        colocated worker its own requests, a prefill worker the decode pool's lightest
+        worker's, with the prompts the prefill pool holds for it spread over the pool."""
+        if self.admission.limits is None:
+            return True
+        now = time.monotonic()
+        loads, models = [], []
+        for worker in candidates:
+            decoder, load = self._decode_load(worker)
+            loads.append(load)
+            models.append(self._models.get(worker_size(decoder), now))
+        waited = now - (request.timing.arrival or now)
+        return self.admission.admits(request.request_id, len(request.tokens), waited, loads, models)
+
+    def _decode_load(self, entry: WorkerHandle) -> tuple[WorkerHandle, DecodeLoad]:
+        """The worker that decodes what `entry` prefills, and its load."""
+        if entry.role != "prefill":
+            return entry, load_of(self.table.held_by(entry.worker_id))
+        decoders = [w for w in self.pool.workers.values() if w.role == "decode" and w.alive]
+        if not decoders:
+            return entry, DecodeLoad(0, 0)
+        loads = [load_of(self.table.held_by(w.worker_id)) for w in decoders]
+        index = lightest(loads)
+        coming = load_of(r for r in self.table.requests.values() if _for_decode_pool(r))
+        count = len(decoders)
+        own = loads[index]
+        return decoders[index], DecodeLoad(
+            own.seqs + coming.seqs // count, own.context + coming.context // count
+        )
+
+    def _decode_model(self, unit: str) -> StepModel | None:
+        """Worker size `unit`'s decode step cost, fitted to its newest decode steps."""
+        return recent_decode_cost(self.online, unit)
 
     def _on_output(
         self, worker: WorkerHandle, out: Output, step_started_at: float
@@ -272,6 +327,7 @@ class RequestFlow:
         if request.request_id not in self.table.requests:
             return
         self.traffic.record(request)
+        self.admission.forget(request.request_id)
         self._unqueue(request)
         self._streams.pop(request.request_id, None)
         self._traces.pop(request.request_id, None)
@@ -288,6 +344,12 @@ class RequestFlow:
             return
         if (worker := self.pool.workers.get(request.prefill_worker)) is not None:
             worker.unqueued(request.submitted_len)
+
+
+def _for_decode_pool(request: Request) -> bool:
+    """Prefilled (or prefilling) for the decode pool, and no decode worker has it yet."""
+    before = (Phase.QUEUED, Phase.PREFILLING, Phase.PARKED)
+    return request.prefill_only and request.phase in before
 
 
 def _request_attributes(request: Request) -> dict[str, str | int]:

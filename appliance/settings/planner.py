@@ -44,6 +44,16 @@ class PlannerSettings(BaseModel):
     slo_tpot_ms: float = Field(
         100.0, gt=0, description="Time per output token a request must meet to count as good."
     )
+    scheduling_policy: Literal["slo", "fcfs"] = Field(
+        "slo",
+        description="slo (the default): where an SLO is configured (slo_ttft_ms or "
+        "slo_tpot_ms set), a new prompt waits in the supervisor's queue while the worker "
+        "that would decode it is predicted (its fitted step cost) to step slower than 80% "
+        "of slo_tpot_ms with it, so a backlog drains instead of making every stream miss; "
+        "none waits longer than 3/4 of slo_ttft_ms, and every request runs. Without a "
+        "configured SLO it acts as fcfs. fcfs: every prompt goes to a worker at once, in "
+        "arrival order.",
+    )
     num_requests: int = Field(
         1000, ge=10, le=100_000, description="Requests simulated per layout when planning."
     )
