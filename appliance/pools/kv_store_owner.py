@@ -93,7 +93,10 @@ class StoreOwner:
             return None
         self._lookups += 1
         reader = str(worker_id)
+        misses = store.counters.misses
         positions, hits = self._held_runs(store, namespace, keys, reader)
+        # One miss per prompt whose blocks the store does not all hold (not one per run).
+        store.counters.misses = misses + (len(hits) < len(keys))
         slots: list[int] = []
         for hit in hits:
             held = store.promote(hit)  # a disk hit into a host slot; None: its file was bad

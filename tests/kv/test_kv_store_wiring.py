@@ -254,6 +254,7 @@ def test_the_owner_serves_every_stored_run_of_a_prompt(settings: KVStoreSettings
     owner.on_put(StorePut(1, digest, [(k, block_of(k)) for k in stored]))
     hits = owner.hits_for(1, 3, prompt)
     assert hits is not None and hits.positions == [1, 2, 4, 5] and hits.block_keys == stored
+    assert owner.store.counters.misses == 1  # one prompt short of its blocks: one miss
     assert all(owner.store.index.pinned((digest, k)) for k in stored)
     owner.on_release(StoreRelease(1, [3], [4]))
     assert not any(owner.store.index.pinned((digest, k)) for k in stored)
