@@ -20,6 +20,7 @@ from torch import nn
 
 from appliance.model import cpu_kernels
 from appliance.model.cpu_kernels import QuantMatrix
+from appliance.model.layers.paged_attention import runs_triton
 
 if TYPE_CHECKING:
     from appliance.model.causal_lm import CausalLM
@@ -195,7 +196,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, in] -> [rows, out] in x's dtype (float32 or bfloat16 CPU rows; float64
-        when `partial`)."""
+        when `partial`). On CUDA (with triton) the Triton kernels multiply instead."""
+        if runs_triton(x.device):
+            return self._by_triton(x)
         dtype, rows = self.prefill.dtype, self.prefill.gemm_rows()
         if len(self._matrices) == 1:
             return self._matrices[0](x, None, self.precise, dtype, rows)
@@ -207,6 +210,27 @@ class QuantLinear(nn.Module):
             matrix(x, out[:, start:stop], self.precise, dtype, rows)
             start = stop
         return out
+
+    def _by_triton(self, x: torch.Tensor) -> torch.Tensor:
+        """The GPU's product: each part by triton_quant (its GEMV for decode's rows, the
+        GEMM for prefill's) into its columns, in x's dtype with float32 sums, the bias
+        added after; a row-parallel shard's partial sums widened to float64 as its
+        all-reduce takes them (but summed whole, not `span` at a time)."""
+        from appliance.model.layers import triton_quant  # on first CUDA use, never on CPU
+
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        start = 0
+        for part in self.parts:  # [rows, part.rows] column slices of out
+            stop = start + part.rows
+            columns = out[:, start:stop]
+            triton_quant.quant_matmul(
+                x, part.blocks, part.format.ggml_id, self.in_features, columns
+            )
+            start = stop
+        if self.bias is not None:
+            out += self.bias.to(out.device, out.dtype)
+        return out.double() if self.partial else out
 
     def weight_bytes(self) -> int:
         return sum(p.blocks.numel() for p in self.parts)
