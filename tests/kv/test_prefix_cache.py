@@ -67,6 +67,7 @@ def keys_in_a_new_process(hash_seed: str) -> list[int]:
     return json.loads(done.stdout)
 
 
+@pytest.mark.process  # child pythons, one per hash seed
 def test_block_keys_are_the_same_in_every_process_and_run() -> None:
     here = prefix_keys(PROMPT, 16)
     assert len(here) == 4 and len(set(here)) == 4

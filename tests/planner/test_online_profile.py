@@ -185,6 +185,7 @@ def test_a_base_profile_is_refined_by_the_units_that_fit() -> None:
     assert set(joined.workers) == {"1x1", "2x1", "4x1"}
 
 
+@pytest.mark.process  # a child python, whose modules start empty
 def test_the_online_profile_imports_no_torch() -> None:
     code = "import sys, appliance.planner.online_profile; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

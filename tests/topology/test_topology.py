@@ -331,6 +331,7 @@ def test_more_cpu_devices_than_cores_is_an_error() -> None:
         cpu_devices(0, cores=[0, 1])
 
 
+@pytest.mark.process  # a child python that imports torch
 def test_pin_to_cores_pins_every_thread_and_torch() -> None:
     # A subprocess, so this test process keeps its affinity and torch thread count.
     script = """
