@@ -14,6 +14,7 @@ from nvml_boxes import H100_NVSWITCH, MIB, MIXED, PCIE_4GPU, TWO_GPU_NO_P2P, cpu
 
 from appliance.model.loader import default_model_path
 from appliance.ops.autopilot import Autopilot
+from appliance.planner import auto_layout
 from appliance.planner.analytic_box import box_profile, gpu_preset
 from appliance.planner.auto_layout import (
     analytic_base,
@@ -22,7 +23,9 @@ from appliance.planner.auto_layout import (
     known_profile,
     ruled_settings,
 )
+from appliance.planner.layout import Layout
 from appliance.planner.profile import (
+    Profile,
     ProfileKey,
     StepCost,
     WorkerCost,
@@ -31,7 +34,7 @@ from appliance.planner.profile import (
     profiles_folder,
     worker_unit,
 )
-from appliance.settings.config import load_settings
+from appliance.settings.config import Settings, load_settings
 
 
 @dataclass(frozen=True)
@@ -114,17 +117,27 @@ def test_without_a_preset_or_a_dense_shape_there_is_no_analytic_profile(
 
 
 def test_a_gpu_box_without_a_profile_runs_the_planners_best_on_its_cards(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The embedded model on a recorded HGX H100: the layout `serve` starts is the one the
-    planner ranks first on the analytic profile, not the fixed split."""
+    planner ranks first on the analytic profile, not the fixed split. The ranking (about a
+    second of simulation) runs once: recorded as ruled_settings asks for it, not run again."""
     settings = load_settings(device="cuda", planner={"num_requests": 40})
     topology = gpus(H100_NVSWITCH)
     profile, _ = analytic_base(settings, topology)
     assert profile is not None
-    planned = best_layout(settings, profile)
+    ranked: list[tuple[Settings, Profile, Layout]] = []
+
+    def recorded(asked: Settings, on: Profile) -> Layout:
+        layout = best_layout(asked, on)
+        ranked.append((asked, on, layout))
+        return layout
+
+    monkeypatch.setattr(auto_layout, "best_layout", recorded)
     with caplog.at_level(logging.INFO, logger="appliance.planner"):
         ruled = ruled_settings(settings, topology)
+    [(asked, on, planned)] = ranked
+    assert asked is settings and on == profile  # the planner's first for these, on this box
     assert ruled.mode == planned.settings()["mode"]
     for name, value in planned.settings().items():
         assert getattr(ruled, name) == value
