@@ -123,7 +123,7 @@ def _save(tmp_path: Path) -> Path:
     return hand_profile({"1x1": FLAT, "2x1": FLAT}, atoms=2).save(tmp_path)
 
 
-PLAN_ARGS = ["plan", "--workload", "sharegpt-like", "--rate", "2", "--num-requests", "40"]
+PLAN_ARGS = ["plan", "--workload", "sharegpt-like", "--rate", "2", "--num-requests", "20"]
 
 
 def test_the_command_prints_json_the_user_can_parse(
@@ -135,7 +135,7 @@ def test_the_command_prints_json_the_user_can_parse(
     )
     assert code == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["rate"] == 2 and plan["num_requests"] == 40
+    assert plan["rate"] == 2 and plan["num_requests"] == 20
     assert plan["skipped_partial_layouts"] == 1  # colocated x1 leaves a core idle
     ranked = plan["layouts"]
     assert [item["rank"] for item in ranked] == [1, 2, 3]
