@@ -176,7 +176,7 @@ def test_a_measured_acceptance_ranks_the_layouts() -> None:
     assert all(rate == 0.0 for _, rate, _ in without)  # plain decode misses the TPOT
 
 
-PLAN_ARGS = ["plan", "--workload", "sharegpt-like", "--rate", "2", "--num-requests", "30"]
+PLAN_ARGS = ["plan", "--workload", "sharegpt-like", "--rate", "2", "--num-requests", "15"]
 
 
 def planned_tpot(
