@@ -9,7 +9,10 @@ Workloads (token-id prompts, the same every run; one request at a time, so TTFT 
 prefill, not queueing):
 - multi-turn chat: `conversations` chats of `turns` turns, interleaved round robin; each
   turn re-sends the whole history (a system prompt, every earlier turn and answer) plus a
-  new user message, as a chat client does;
+  new user message, as a chat client does. The answer re-sent is the model's own
+  (`--answers model`, default: each turn generates `message` tokens and its text, encoded
+  again, joins the history, so the blocks the decode worker computed can be reused) or
+  random tokens no worker ever computed (`--answers random`, the first tables' workload);
 - shared documents: `documents` documents of `doc_tokens` tokens, each asked `questions`
   questions, the questions of all documents interleaved.
 With the workers' pools pinned small (kv.memory_mb = --pool-mb), the working set is 3-5x
@@ -19,7 +22,8 @@ Configurations: store off; host tier only; host + disk. Then the restart: the ho
 server answers the document workload, stops (its host tier goes to disk), a new one
 starts on the same disk folder and answers it again (warm), against a server on a fresh
 folder (cold). Reported per run: TTFT p50/p99, prompt tokens computed, the share of
-prompt tokens not computed, and blocks served per tier (from /metrics). Name the CPU
+prompt tokens not computed, blocks served per tier, and the store's traffic: blocks
+loaded into the pools and written into the store per request (from /metrics). Name the CPU
 with the figures; smoke-run with tiny counts only on a busy machine (its figures mean
 nothing then).
 """
@@ -38,7 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -64,22 +68,36 @@ class RunFigures:
     reused_share: float  # prompt tokens not computed, of all
     hits_host: int
     hits_disk: int
+    loaded_per_request: float  # blocks workers copied from the store, per request
+    written_per_request: float  # blocks put into the store's host tier, per request
 
 
 def words(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(300, 40000) for _ in range(n)]
 
 
-def chat_prompts(conversations: int, turns: int, system: int, message: int) -> Iterator[list[int]]:
-    """Each chat's turns, interleaved: turn t of every chat, then turn t+1."""
-    rng = random.Random(1)
-    prefix = words(rng, system)
-    histories = [list(prefix) for _ in range(conversations)]
-    for _ in range(turns):
-        for history in histories:
-            history += words(rng, message)  # the user's message
-            yield list(history)
-            history += words(rng, message)  # the answer, as the client re-sends it
+@dataclass
+class Chats:
+    """The multi-turn chat workload: each chat's history grows by a user message and the
+    answer to it, turn by turn, the turns of all chats interleaved."""
+
+    conversations: int
+    turns: int
+    system: int
+    message: int
+    answers: str  # "model": the model's own answer re-sent; "random": random tokens
+
+    def prompts(self, answer: Callable[[list[int]], list[int]]) -> Iterator[list[int]]:
+        """Turn t of every chat, then turn t+1; `answer(prompt)` answers each (its ids)."""
+        rng = random.Random(1)
+        prefix = words(rng, self.system)
+        histories = [list(prefix) for _ in range(self.conversations)]
+        for _ in range(self.turns):
+            for history in histories:
+                history += words(rng, self.message)  # the user's message
+                yield list(history)
+                reply = words(rng, self.message) if self.answers == "random" else None
+                history += reply if reply is not None else answer(history)
 
 
 def document_prompts(documents: int, questions: int, doc_tokens: int) -> Iterator[list[int]]:
@@ -92,12 +110,22 @@ def document_prompts(documents: int, questions: int, doc_tokens: int) -> Iterato
             yield doc + ask
 
 
-def ttft_ms(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, int, int]:
-    """One streamed completion: its TTFT in ms, prompt tokens and cached tokens."""
+@dataclass
+class Reply:
+    """One streamed completion as the bench reads it."""
+
+    ttft_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    text: str
+
+
+def complete(client: httpx.Client, url: str, prompt: list[int], max_tokens: int = 4) -> Reply:
+    """One streamed completion: its TTFT, prompt and cached tokens, and its text."""
     body = {
         "model": MODEL,
         "prompt": prompt,
-        "max_tokens": 4,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -106,6 +134,7 @@ def ttft_ms(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, i
     start = time.perf_counter()
     first = None
     usage: dict = {}
+    text: list[str] = []
     with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as reply:
         if reply.status_code != 200:
             raise RuntimeError(f"{url}: {reply.status_code} {reply.read().decode()}")
@@ -115,40 +144,71 @@ def ttft_ms(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, i
             chunk = json.loads(line[6:])
             if first is None and chunk.get("choices"):
                 first = time.perf_counter()
+            text += [c.get("text", "") for c in chunk.get("choices") or []]
             usage = chunk.get("usage") or usage
     assert first is not None, "no token came back"
     details = usage.get("prompt_tokens_details") or {}
-    return (first - start) * 1000, usage["prompt_tokens"], details.get("cached_tokens", 0)
+    cached = details.get("cached_tokens", 0)
+    return Reply((first - start) * 1000, usage["prompt_tokens"], cached, "".join(text))
 
 
-def store_hits(url: str) -> dict[str, int]:
+def store_counters(url: str) -> dict[str, float]:
+    """The store's counters by name and tier ('hits/host', 'written_bytes/host', ...)."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    found = re.findall(r'^appliance_kv_store_hits_total\{tier="(\w+)"\} (\S+)$', text, re.M)
-    return {tier: int(float(value)) for tier, value in found}
+    pattern = r'^appliance_kv_store_(hits|read_bytes|written_bytes)_total\{tier="(\w+)"\} (\S+)$'
+    return {f"{n}/{t}": float(v) for n, t, v in re.findall(pattern, text, re.M)}
 
 
-def drive(label: str, workload: str, url: str, prompts: list[list[int]]) -> RunFigures:
-    before = store_hits(url)
-    times, prompt_tokens, cached = [], 0, 0
+Answer = Callable[[list[int]], list[int]]  # a prompt -> the ids of the model's answer
+Workload = Callable[[Answer], Iterator[list[int]]]  # its prompts, given a way to answer
+
+
+@dataclass
+class Answering:
+    """How the chat's answers are made: `tokens` generated, their text encoded again (as a
+    chat client re-sends the text it was given)."""
+
+    tokens: int
+    encode: Callable[[str], list[int]]
+
+
+def drive(
+    label: str, workload: str, url: str, prompts: Workload, answering: Answering
+) -> RunFigures:
+    """Send `prompts(answer)` one at a time and time each; `answer(prompt)` (the chat's
+    model answers) generates an answer, untimed, and returns its ids."""
+    before = store_counters(url)
+    replies: list[Reply] = []
     with httpx.Client() as client:
-        for prompt in prompts:
-            ms, tokens, hit = ttft_ms(client, url, prompt)
-            times.append(ms)
-            prompt_tokens += tokens
-            cached += hit
-    after = store_hits(url)
-    times.sort()
+
+        def answer(prompt: list[int]) -> list[int]:
+            text = complete(client, url, prompt, answering.tokens).text
+            return answering.encode(text)
+
+        for prompt in prompts(answer):
+            replies.append(complete(client, url, prompt))
+    after = store_counters(url)
+    moved = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    times = sorted(r.ttft_ms for r in replies)
+    prompt_tokens = sum(r.prompt_tokens for r in replies)
+    cached = sum(r.cached_tokens for r in replies)
+    hits = moved.get("hits/host", 0.0) + moved.get("hits/disk", 0.0)
+    served = moved.get("read_bytes/host", 0.0) + moved.get("read_bytes/disk", 0.0)
+    block = served / hits if hits else 0.0  # one block's bytes
+    written = moved.get("written_bytes/host", 0.0) / block if block else 0.0
     return RunFigures(
         label,
         workload,
-        len(prompts),
+        len(replies),
         statistics.median(times),
         times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
         prompt_tokens,
         prompt_tokens - cached,
         cached / prompt_tokens if prompt_tokens else 0.0,
-        after.get("host", 0) - before.get("host", 0),
-        after.get("disk", 0) - before.get("disk", 0),
+        int(moved.get("hits/host", 0)),
+        int(moved.get("hits/disk", 0)),
+        hits / len(replies),
+        written / len(replies),
     )
 
 
@@ -176,32 +236,52 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=1024)
     # 16 MiB holds 352 tokens of context here: a chat of 6 turns would not fit.
     parser.add_argument("--pool-mb", type=int, default=64)
+    parser.add_argument(
+        "--answers",
+        choices=["model", "random"],
+        default="model",
+        help="the chat's answers: the model's own (re-sent as a client does) or random tokens",
+    )
+    parser.add_argument(
+        "--only", choices=["chat", "documents"], help="run one workload (no restart runs)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = parser.parse_args()
 
-    chats = list(
-        chat_prompts(args.conversations, args.turns, args.system_tokens, args.message_tokens)
-    )
-    docs = list(document_prompts(args.documents, args.questions, args.doc_tokens))
+    chats = Chats(
+        args.conversations, args.turns, args.system_tokens, args.message_tokens, args.answers
+    ).prompts
+    doc_list = list(document_prompts(args.documents, args.questions, args.doc_tokens))
+
+    def docs(_answer: Answer) -> Iterator[list[int]]:
+        return iter(doc_list)
+
+    answering = Answering(args.message_tokens, tokenizer_encode())
     work = Path(tempfile.mkdtemp(prefix="kv-store-bench-"))
     shm = Path("/dev/shm") / f"kv-store-bench-{uuid.uuid4().hex}"
     shm.mkdir()
     logs = work / "logs"
     rows: list[RunFigures] = []
     try:
-        configs = [("store off", "off", None), ("host", "host", None)]
+        configs: list[tuple[str, str, Path | None]] = [
+            ("store off", "off", None),
+            ("host", "host", None),
+        ]
         configs.append(("host+disk", "disk", work / "disk"))
         for label, store, disk in configs:
             with running(target(label, args.pool_mb, store, shm, disk), logs) as url:
-                rows.append(drive(label, "multi-turn chat", url, chats))
-                rows.append(drive(label, "shared documents", url, docs))
-        # Restart: the host+disk server above stopped, its host tier flushed to disk.
-        warm = target("warm restart", args.pool_mb, "disk", shm, work / "disk")
-        with running(warm, logs) as url:
-            rows.append(drive("warm restart", "shared documents", url, docs))
-        cold = target("cold restart", args.pool_mb, "disk", shm, work / "cold-disk")
-        with running(cold, logs) as url:
-            rows.append(drive("cold restart", "shared documents", url, docs))
+                if args.only != "documents":
+                    rows.append(drive(label, "multi-turn chat", url, chats, answering))
+                if args.only != "chat":
+                    rows.append(drive(label, "shared documents", url, docs, answering))
+        if args.only != "chat":  # the restart runs answer the documents
+            # The host+disk server above stopped, its host tier flushed to disk.
+            warm = target("warm restart", args.pool_mb, "disk", shm, work / "disk")
+            with running(warm, logs) as url:
+                rows.append(drive("warm restart", "shared documents", url, docs, answering))
+            cold = target("cold restart", args.pool_mb, "disk", shm, work / "cold-disk")
+            with running(cold, logs) as url:
+                rows.append(drive("cold restart", "shared documents", url, docs, answering))
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work / "disk", ignore_errors=True)
@@ -210,6 +290,13 @@ def main() -> None:
     print(table)
     if args.out is not None:
         args.out.write_text(table)
+
+
+def tokenizer_encode() -> Callable[[str], list[int]]:
+    """The served model's tokenizer (the embedded one unless settings say otherwise)."""
+    from appliance.bench.cli import _tokenizer
+
+    return _tokenizer().encode
 
 
 def cpu_name() -> str:
@@ -225,17 +312,18 @@ def cpu_name() -> str:
 def render(rows: list[RunFigures], args: argparse.Namespace) -> str:
     lines = [
         f"KV store bench on {cpu_name()}, {os.cpu_count()} cores "
-        f"(pool {args.pool_mb} MiB a worker; default layout)",
+        f"(pool {args.pool_mb} MiB a worker; default layout; chat answers: {args.answers})",
         "",
         "| run | workload | requests | TTFT p50 ms | TTFT p99 ms | prompt tokens | computed "
-        "| reused | host hits | disk hits |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| reused | host hits | disk hits | loaded/request | written/request |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.label} | {r.workload} | {r.requests} | {r.ttft_p50_ms:.0f} | "
             f"{r.ttft_p99_ms:.0f} | {r.prompt_tokens} | {r.computed_tokens} | "
-            f"{r.reused_share:.0%} | {r.hits_host} | {r.hits_disk} |"
+            f"{r.reused_share:.0%} | {r.hits_host} | {r.hits_disk} | "
+            f"{r.loaded_per_request:.1f} | {r.written_per_request:.1f} |"
         )
     lines += ["", "```json", json.dumps([asdict(r) for r in rows], indent=1), "```"]
     return "\n".join(lines) + "\n"
