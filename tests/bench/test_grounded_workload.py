@@ -5,17 +5,20 @@ the workload with `appliance bench` to the suite's server."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from server_process import API_KEY, ServerProcess
 
+from appliance.bench import workloads
 from appliance.bench.workloads import (
     GROUNDED_TASKS,
     Passage,
@@ -35,6 +38,18 @@ TASK_OPENINGS = {
     "edit": "Proofread the passage below",
     "code-edit": "Here is a Python function",
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def passages_read_once() -> Iterator[None]:
+    """The workload reads the repository's passages (every module of appliance/ parsed)
+    each time it starts; these tests start it seven times on the same tree, so each
+    root's passages are read once here. What they are is unchanged: the workload's own
+    readers, remembered by root."""
+    with pytest.MonkeyPatch.context() as patch:
+        for reader in (workloads.prose_passages, workloads.code_passages):
+            patch.setattr(workloads, reader.__name__, functools.cache(reader))
+        yield
 
 
 @pytest.fixture(scope="module")
