@@ -43,7 +43,7 @@ TASK_OPENINGS = {
 @pytest.fixture(scope="module", autouse=True)
 def passages_read_once() -> Iterator[None]:
     """The workload reads the repository's passages (every module of appliance/ parsed)
-    each time it starts; these tests start it seven times on the same tree, so each
+    each time it starts; these tests start it six times on the repository, so each
     root's passages are read once here. What they are is unchanged: the workload's own
     readers, remembered by root."""
     with pytest.MonkeyPatch.context() as patch:
