@@ -156,8 +156,7 @@ class LLMEngine:
             prefill_wait_steps=settings.batch.prefill_wait_steps,
         )
         # A draft model (method draft) loads here and takes its KV out of the target's pool.
-        resize = None if group is None else group.resize_kv  # every shard: the same blocks
-        parts, drafter = engine_drafter(settings, parts, decodes, resize)
+        parts, drafter = engine_drafter(settings, parts, decodes, group)
         engine = cls(
             parts.model, tokenizer, parts.kv, limits, settings.kv.prefix_caching, group, drafter
         )

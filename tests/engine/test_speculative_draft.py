@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,12 @@ from random_models import TOY_TOKENS, our_engine, random_model, save_folder, wri
 
 from appliance.engine.llm_engine import Completion, LLMEngine
 from appliance.engine.sequence import SamplingParams
-from appliance.engine.speculative.draft_loading import build_draft, check_vocabulary
+from appliance.engine.shard_loading import load_shard
+from appliance.engine.speculative.draft_loading import (
+    build_draft,
+    check_vocabulary,
+    engine_drafter,
+)
 from appliance.engine.speculative.draft_model import DraftModelProposer
 from appliance.engine.speculative.proposer import Drafter
 from appliance.kv.cache import KVCache, KVLayout
@@ -320,3 +326,40 @@ def test_the_adaptive_rule_counts_the_drafts_own_step(folders: dict[str, Path]) 
     # Fixed: every step drafts 4 (50 drafts in 64 tokens). Adaptive: 4 verify steps of 4,
     # a pause of 8 steps, probes from k = 1 up (1, 2, 4, 4), a pause of 16 (29 drafts).
     assert drafted["adaptive"] < 0.7 * drafted["fixed"]
+
+
+@dataclass
+class Followers:
+    """A tensor-parallel leader's followers as engine_drafter sees them: how many shards,
+    and the block counts their pools were told to take (the real command's effect on a
+    follower's pool: test_speculative_tp.py)."""
+
+    size: int
+    resized: list[int] = field(default_factory=list)
+
+    def resize_kv(self, num_blocks: int) -> None:
+        self.resized.append(num_blocks)
+
+
+def test_a_tensor_parallel_leader_resizes_its_followers_and_weighs_a_shards_step(
+    folders: dict[str, Path],
+) -> None:
+    """The leader's target pool shrinks for the draft's; its followers are told the new
+    count. A shard reads half the target's weights a step while the whole draft runs in
+    the leader: a draft token costs twice the share it costs beside one whole target."""
+    spec = {"method": "draft", "draft_model": folders["draft"]}
+    settings = load_settings(
+        model=folders["target"], dtype="float32", device="cpu", kv=POOL, speculative=spec
+    )
+    size = {n: (folders[n] / "model.safetensors").stat().st_size for n in ("draft", "target")}
+    group = Followers(2)
+    parts, drafter = engine_drafter(settings, load_shard(settings), True, group)
+    assert group.resized == [parts.kv.num_blocks]
+    assert drafter is not None and drafter.policy is not None
+    share = size["draft"] / size["target"]  # ~0.5: the vocabulary's rows dominate both
+    sharded = drafter.policy.verify_token_cost
+    assert sharded == pytest.approx(min(1.0, 0.1 + 2 * share))  # a cost past 1 never pays
+    _, alone = engine_drafter(settings, load_shard(settings), True)
+    assert alone is not None and alone.policy is not None
+    assert alone.policy.verify_token_cost == pytest.approx(0.1 + share)
+    assert alone.policy.verify_token_cost < sharded

@@ -10,9 +10,9 @@ same blocks: the leader's block tables index them all)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tokenizers import Tokenizer as RawTokenizer
@@ -36,19 +36,24 @@ from appliance.model.quant import use_prefill_gemm
 from appliance.settings.config import Settings
 
 
+class Followers(Protocol):
+    """A tensor-parallel leader's other shards (llm_engine.ShardGroup), as seen here."""
+
+    size: int  # the shards, the leader's included
+
+    def resize_kv(self, num_blocks: int) -> None: ...
+
+
 def engine_drafter(
-    settings: Settings,
-    parts: ShardParts,
-    decodes: bool,
-    resize_followers: Callable[[int], None] | None = None,
+    settings: Settings, parts: ShardParts, decodes: bool, group: Followers | None = None
 ) -> tuple[ShardParts, Drafter | None]:
     """The drafter speculative.* asks for, and the target's parts to build the engine
     from: for method "draft" on a decoding worker the draft model is loaded and the
     target's pool shrunk to make room for the draft's. A prefill worker never drafts
     (its sequences park after their first token): it loads no draft.
 
-    resize_followers: in a tensor-parallel leader, gives the followers' pools the
-    leader's new block count (ShardGroup.resize_kv)."""
+    group: a tensor-parallel leader's followers; their pools get the leader's new block
+    count, and the draft's cost is weighed against a shard's part of the target."""
     spec = settings.speculative
     if spec.method != "draft":
         return parts, Drafter.from_settings(spec)
@@ -57,15 +62,18 @@ def engine_drafter(
     assert spec.draft_model is not None  # the settings' validator says so
     draft_files = load_model_files(spec.draft_model, settings.cache_dir)
     parts, draft = load_draft(settings, draft_files, parts)
-    if resize_followers is not None:
-        resize_followers(parts.kv.num_blocks)
+    shards = 1
+    if group is not None:
+        group.resize_kv(parts.kv.num_blocks)
+        shards = group.size
     drafter = Drafter.from_settings(spec, draft)
     if drafter is not None and drafter.policy is not None:
         # A draft token costs a draft step besides its verify row: while decode is bound by
-        # the bytes of weights read, a step of the draft costs its files' share of the
-        # target's. The adaptive rule pauses a sequence whose acceptance does not pay both
-        # (a draft as large as the target never pays: it pauses at once).
-        share = file_bytes(draft_files) / max(1, file_bytes(parts.files))
+        # the bytes of weights read, a step of the draft costs its files' share of what a
+        # target step reads (a shard's part: the shards read theirs at once, the whole
+        # draft runs in the leader alone). The adaptive rule pauses a sequence whose
+        # acceptance does not pay both (a draft as large as the target never pays).
+        share = shards * file_bytes(draft_files) / max(1, file_bytes(parts.files))
         cost = min(1.0, drafter.policy.verify_token_cost + share)
         drafter = replace(drafter, policy=AdaptivePolicy(cost))
     return parts, drafter
