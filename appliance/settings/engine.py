@@ -105,9 +105,9 @@ class SpeculativeSettings(BaseModel):
         "longest recent suffix found earlier in the prompt or output proposes what "
         "followed it (pays where answers copy their input: summaries, quotes, code edits). "
         "draft: a smaller model of the same tokenizer (draft_model), run by each decoding "
-        "worker beside the target, proposes its greedy continuation. "
-        "Requests with penalties, logit_bias, min_tokens still pending, structured "
-        "outputs or logprobs decode plainly.",
+        "worker beside the target (a tensor-parallel worker's leader alone, unsharded), "
+        "proposes its greedy continuation. Every sampling feature speculates (penalties, "
+        "logit_bias, min_tokens, structured outputs, logprobs).",
     )
     draft_model: Path | None = Field(
         default=None,
