@@ -21,9 +21,9 @@ def test_a_remote_workers_reader_ends_with_its_pipe() -> None:
     reader.add(7, theirs)
     reader.start()
     Outbox(ours).put(Ready(7, 10))
-    wait_until(lambda: got, 10, "the message")
+    wait_until(lambda: got, 10, "the message", every_s=0.01)  # threads here: look often
     assert got == [Ready(7, 10)] and reader.running
     ours.close()  # the worker is gone
-    wait_until(lambda: not reader.running, 10, "the reader to end")
+    wait_until(lambda: not reader.running, 10, "the reader to end", every_s=0.01)
     assert main.running  # the main reader waits for workers still to come
     main.stop()
