@@ -4,7 +4,8 @@ runs whole, unsharded) and verifies the drafts in steps its follower runs in loc
 greedy answers equal one process's plain decoding, token for token, drafts were kept,
 and every KV block is free after. With a draft model the follower's pool shrinks to the
 leader's block count. (No shared fixture serves a TP=2 pool: this module starts its own
-processes, as tests/model/test_tensor_parallel.py does.)"""
+processes, as tests/model/test_tensor_parallel.py does.) A colocated TP=2 worker of the
+GGUF's quantized weights drafts with the embedded model too."""
 
 from __future__ import annotations
 
@@ -64,11 +65,16 @@ class Served:
     shared: dict[int, int]  # follower pid -> bytes of torch shared memory it maps
 
 
-def served(settings: Settings, prompts: list[list[int]]) -> Served:
-    """Each prompt's greedy answer from an appliance of `settings`, and its workers."""
+def served(
+    settings: Settings,
+    prompts: list[list[int]],
+    cores: tuple[tuple[int, ...], ...] = ((0,), (1,), (0,)),
+) -> Served:
+    """Each prompt's greedy answer from an appliance of `settings` on CPU devices of
+    `cores`, and its workers."""
 
     async def main() -> Served:
-        async with Appliance(settings, cpu_topology((0,), (1,), (0,))) as app:
+        async with Appliance(settings, cpu_topology(*cores)) as app:
 
             async def one(ids: list[int]) -> list[int]:
                 return [
@@ -94,10 +100,37 @@ def shared_bytes(pid: int) -> int:
     return total
 
 
-def decode_view(views: list[WorkerView]) -> WorkerView:
-    [decode] = [v for v in views if v.role == "decode"]
+def decode_view(views: list[WorkerView], role: str = "decode") -> WorkerView:
+    [decode] = [v for v in views if v.role == role]
     assert len(decode.devices) == 2
     return decode
+
+
+def head_block_bytes(engine: LLMEngine, settings: Settings) -> int:
+    """Bytes of one KV head's part of a block (float32 KV)."""
+    cfg = engine.model.config
+    return cfg.num_layers * 2 * settings.kv.block_size * cfg.head_dim * 4
+
+
+def leader_blocks(engine: LLMEngine, settings: Settings) -> int:
+    """A TP=2 leader's blocks beside a draft of the target's shape: its budget of blocks
+    of its share of the heads, given up for as many of its share and of the whole
+    draft's heads (draft_kv.split_pool)."""
+    heads = len(kv_head_ranges(engine.model.config.num_kv_heads, 2)[0])
+    block = head_block_bytes(engine, settings)
+    budget = settings.kv.memory_mb * 2**20
+    leader = budget // (block * heads) * block * heads
+    return leader // (block * (heads + engine.model.config.num_kv_heads))
+
+
+def check_follower_pool(
+    engine: LLMEngine, settings: Settings, run: Served, view: WorkerView
+) -> None:
+    """The follower's pool was remade with the leader's block count (in whole pages)."""
+    [follower] = view.shard_pids
+    heads = len(kv_head_ranges(engine.model.config.num_kv_heads, 2)[1])
+    pool = view.num_blocks * head_block_bytes(engine, settings) * heads
+    assert pool <= run.shared[follower] < pool + 2 * 4096
 
 
 def test_a_tp2_decode_pool_speculates_with_plain_decodings_answers(engine: LLMEngine) -> None:
@@ -128,17 +161,40 @@ def test_a_tp2_decode_pool_drafts_with_a_whole_draft_model(engine: LLMEngine) ->
     assert drafts.drafted > 0 and drafts.accepted > 0.8 * drafts.drafted
     [prefill] = [v for v in run.views if v.role == "prefill"]
     assert prefill.speculation.drafted == 0
-    # Bytes of one KV head's block (float32). The prefill worker's pool: the budget in
-    # blocks of all heads. The leader's: its budget of blocks of its share of the heads,
-    # given up for as many blocks of its share and of the whole draft's heads.
-    cfg = engine.model.config
-    heads = [len(r) for r in kv_head_ranges(cfg.num_kv_heads, 2)]
-    head_block = cfg.num_layers * 2 * settings.kv.block_size * cfg.head_dim * 4
+    # The prefill worker's pool: the budget in blocks of all heads; the leader's and its
+    # follower's: the split with the draft's.
+    heads = engine.model.config.num_kv_heads
     budget = settings.kv.memory_mb * 2**20
-    assert prefill.num_blocks == budget // (head_block * cfg.num_kv_heads)
-    leader = budget // (head_block * heads[0]) * head_block * heads[0]
-    assert decode.num_blocks == leader // (head_block * (heads[0] + cfg.num_kv_heads))
-    # The follower's pool was remade with the leader's block count (in whole pages).
-    [follower] = decode.shard_pids
-    pool = decode.num_blocks * head_block * heads[1]
-    assert pool <= run.shared[follower] < pool + 2 * 4096
+    assert prefill.num_blocks == budget // (head_block_bytes(engine, settings) * heads)
+    assert decode.num_blocks == leader_blocks(engine, settings)
+    check_follower_pool(engine, settings, run, decode)
+
+
+def test_a_colocated_tp2_worker_of_quantized_weights_drafts_with_its_own_model(
+    engine: LLMEngine,
+) -> None:
+    """The other layout and the GGUF's block-format weights (the target's shards and the
+    draft multiply them in their blocks): a colocated TP=2 worker drafting with the
+    embedded model answers as one quantized process decoding plainly."""
+    fields: dict[str, Any] = {
+        "dtype": "float32",
+        "device": "cpu",
+        "weights": "quantized",
+        "prefill_gemm": "float32",
+        "kv": {"memory_mb": 32},
+    }
+    prompts = prompts_of(engine)
+    # One process set up for groups of 2 (row_parallel_spans: its quantized products sum
+    # the spans a split falls on, as the shards' do), as test_tensor_parallel's.
+    one = LLMEngine.from_settings(load_settings(prefill_tp=2, **fields))
+    expected = [c.token_ids for c in one.generate(prompts, GREEDY)]
+    spec = {"method": "draft", "draft_model": default_model_path(), "adaptive": False}
+    settings = load_settings(mode="colocated", prefill_tp=2, speculative=spec, **fields)
+    run = served(settings, prompts, cores=((0,), (1,)))
+    assert run.answers == expected
+    assert all(free == total for free, total in run.counts.values()), run.counts
+    worker = decode_view(run.views, "colocated")
+    drafts = worker.speculation
+    assert drafts.drafted > 0 and drafts.accepted > 0.8 * drafts.drafted
+    assert worker.num_blocks == leader_blocks(engine, settings)
+    check_follower_pool(engine, settings, run, worker)
