@@ -209,7 +209,7 @@ def test_the_auto_layout_is_ranked_once_per_question_then_remembered(
 
     monkeypatch.setattr(auto_layout, "best_layout", counted)
     monkeypatch.setattr(auto_layout, "PlanMemo", lambda _folder: PlanMemo(tmp_path))
-    planner = {"layout": "auto", "profile": profile_file, "rate": 3, "num_requests": 30}
+    planner = {"layout": "auto", "profile": profile_file, "rate": 3, "num_requests": 15}
     settings = load_settings(planner={**planner, "slo_ttft_ms": 2000, "slo_tpot_ms": 200})
     first, second = planned_settings(settings), planned_settings(settings)
     assert ranked == [3]
