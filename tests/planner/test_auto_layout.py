@@ -42,7 +42,7 @@ PLAN_ENV = {
     "APPLIANCE_PLANNER__RATE": "3",
     "APPLIANCE_PLANNER__SLO_TTFT_MS": "2000",
     "APPLIANCE_PLANNER__SLO_TPOT_MS": "200",
-    "APPLIANCE_PLANNER__NUM_REQUESTS": "200",
+    "APPLIANCE_PLANNER__NUM_REQUESTS": "100",
 }
 
 
@@ -81,7 +81,7 @@ def profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_planner_picks_two_colocated_workers_on_a_prompt_bound_box(profile_file: Path) -> None:
     planner = PlannerSettings(
-        workload="chat", rate=3, slo_ttft_ms=2000, slo_tpot_ms=200, num_requests=200
+        workload="chat", rate=3, slo_ttft_ms=2000, slo_tpot_ms=200, num_requests=100
     )
     settings = load_settings(planner=planner)
     layout = best_layout(settings, prompt_bound_profile())
