@@ -301,16 +301,20 @@ def forbid_weights(*args, **kwargs):
     raise AssertionError("weights were read although only the config was asked for")
 
 
-def test_a_waiting_worker_maps_the_cache_another_wrote(tmp_path):
+def test_a_waiting_worker_maps_the_cache_another_wrote(tmp_path, monkeypatch):
     """One process writes a dtype's cache at a time; one that waited for it maps it."""
     path = write_gguf(tmp_path / "m.gguf")
     files = load_model_files(path, tmp_path / "cache")
     target = files.cache_entry / "weights-float32.safetensors"
     result: list[Mapping[str, torch.Tensor]] = []
-    with gguf_cache.exclusive(target.with_name(target.name + ".lock")):
+    asked = threading.Event()  # the waiter has come to the lock (not a fixed wait for it)
+    lock = gguf_cache.exclusive
+    monkeypatch.setattr(gguf_cache, "exclusive", lambda at: asked.set() or lock(at))
+    with lock(target.with_name(target.name + ".lock")):
         waiter = threading.Thread(target=lambda: result.append(files.dense_weights(torch.float32)))
         waiter.start()
-        waiter.join(0.5)
+        assert asked.wait(30)
+        waiter.join(0.2)
         assert waiter.is_alive() and not target.exists()  # waiting for the lock
         other = load_model_files(path, tmp_path / "cache").weights
         layout = {n: gguf_cache.cached_layout(other.shape(n), torch.float32) for n in other}
