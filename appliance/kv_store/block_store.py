@@ -39,6 +39,8 @@ class StoreCounters:
     bytes_written: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
     dropped: int = 0  # blocks pushed out of the store altogether
     promoted: int = 0  # disk blocks brought into the host tier for a reader
+    in_place: int = 0  # blocks a writer put straight into a reserved host slot
+    in_place_bytes: int = 0  # (those bytes reached the arena with no copy by the owner)
 
 
 class BlockStore:
@@ -124,6 +126,52 @@ class BlockStore:
         for key, data in zip(block_keys[::-1], blocks[::-1], strict=True):
             self.put((namespace, key), data)
         return [self.index.tier_of((namespace, key)) for key in block_keys]
+
+    def reserve(self, n: int) -> list[int]:
+        """Up to `n` free host slots for a writer in another process to fill in place
+        (room made by pushing out least recently used blocks; fewer where the rest are
+        pinned). Each is `commit`ted once written, or `unreserve`d."""
+        slots: list[int] = []
+        slot_bytes = self.host.arena.slot_bytes
+        for _ in range(n):
+            moves = self.index.reserve(slot_bytes)
+            if moves is None:
+                break
+            for move in moves:
+                self._carry_out(move)
+            slots.append(self.host.reserve())
+        return slots
+
+    def commit(self, slot: int, key: StoreKey) -> Tier | None:
+        """A reserved slot its writer filled with block `key` and sealed: the block is in
+        the host tier (its most recently used). A block held already keeps its place and
+        the slot comes back free, as does a slot whose header does not name the block
+        (None: not stored). ValueError for a slot not reserved."""
+        if not self.host.is_reserved(slot):
+            raise ValueError(f"slot {slot} is not reserved")
+        slot_bytes = self.host.arena.slot_bytes
+        held = self.index.tier_of(key)
+        if held is not None:
+            self.index.insert_reserved(key, slot_bytes, slot_bytes)  # refreshed
+            self.host.unreserve(slot)
+            return held
+        try:
+            nbytes = self.host.commit(slot, key)
+        except ValueError:
+            self.unreserve([slot])
+            return None
+        self.index.insert_reserved(key, nbytes, slot_bytes)
+        self.counters.bytes_written["host"] += nbytes
+        self.counters.in_place += 1
+        self.counters.in_place_bytes += nbytes
+        return "host"
+
+    def unreserve(self, slots: Sequence[int]) -> None:
+        """Reserved slots come back unused, or written and never committed (their writer
+        died mid-write): emptied and free again."""
+        for slot in slots:
+            self.host.unreserve(slot)
+            self.index.unreserve(self.host.arena.slot_bytes)
 
     def clear(self) -> int:
         """Drop every block not being read (both tiers); returns how many."""

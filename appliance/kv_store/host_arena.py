@@ -111,10 +111,31 @@ class HostArena:
         nbytes = len(memoryview(data).cast("B"))
         if nbytes > self.slot_bytes:
             raise ValueError(f"a block of {nbytes} bytes is larger than a slot ({self.slot_bytes})")
-        header, payload = self._offsets(slot)
-        self._map[header : header + _SLOT_HEADER.size] = bytes(_SLOT_HEADER.size)  # empty
+        self.empty(slot)
+        _, payload = self._offsets(slot)
         self._map[payload : payload + nbytes] = memoryview(data).cast("B")
+        self.seal(slot, key, nbytes)
+
+    def payload(self, slot: int, nbytes: int) -> memoryview:
+        """The first `nbytes` of `slot`'s payload, writable in place (a worker fills a
+        slot the owner reserved for it without a copy through the owner); `empty` the
+        slot first and `seal` it after, then release the view."""
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"a block of {nbytes} bytes is larger than a slot ({self.slot_bytes})")
+        _, payload = self._offsets(slot)
+        return memoryview(self._map)[payload : payload + nbytes]
+
+    def seal(self, slot: int, key: StoreKey, nbytes: int) -> None:
+        """Name the block whose `nbytes` are in `slot`'s payload (written last: a reader
+        never finds the name over half-written bytes)."""
+        header, _ = self._offsets(slot)
         self._map[header : header + _SLOT_HEADER.size] = _SLOT_HEADER.pack(*key, nbytes)
+
+    def holder(self, slot: int) -> tuple[StoreKey, int] | None:
+        """The block `slot`'s header names and its size, None when the slot is empty."""
+        header, _ = self._offsets(slot)
+        digest, block, nbytes = _SLOT_HEADER.unpack_from(self._map, header)
+        return None if nbytes == 0 else ((digest, block), nbytes)
 
     def read(self, slot: int, key: StoreKey) -> memoryview | None:
         """The payload of `slot` without a copy, or None when the slot does not hold

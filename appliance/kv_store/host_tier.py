@@ -2,7 +2,10 @@
 
 The index (tier_index.py) decides which blocks are in the host tier; this hands each one
 a free slot of the arena and takes it back when the block leaves. Readers in other
-processes are told (key, slot) and read the arena themselves.
+processes are told (key, slot) and read the arena themselves. A writer in another process
+(a worker storing the blocks its pool evicts) is handed free slots ahead of need
+(`reserve`): it fills one in place and says which block it holds, and the owner `commit`s
+it, or takes it back unused (`unreserve`: the writer died, or the block was stored).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class HostTier:
         self.arena = arena
         self._free = list(range(arena.slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._slot_of: dict[StoreKey, int] = {}
+        self._reserved: set[int] = set()  # handed to a writer, not yet committed
 
     @classmethod
     def create(cls, path: Path, capacity_bytes: int, slot_bytes: int) -> HostTier:
@@ -35,6 +39,13 @@ class HostTier:
     @property
     def free_slots(self) -> int:
         return len(self._free)
+
+    @property
+    def reserved_slots(self) -> int:
+        return len(self._reserved)
+
+    def is_reserved(self, slot: int) -> bool:
+        return slot in self._reserved
 
     def slot_of(self, key: StoreKey) -> int | None:
         return self._slot_of.get(key)
@@ -61,5 +72,35 @@ class HostTier:
     def free(self, key: StoreKey) -> None:
         """The block left the host tier: empty its slot and hand it out again."""
         slot = self._slot_of.pop(key)
+        self.arena.empty(slot)
+        self._free.append(slot)
+
+    def reserve(self) -> int:
+        """A free slot handed to a writer in another process (the index made room)."""
+        if not self._free:
+            raise RuntimeError("no free host slot: the index and the arena disagree")
+        slot = self._free.pop()
+        self.arena.empty(slot)
+        self._reserved.add(slot)
+        return slot
+
+    def commit(self, slot: int, key: StoreKey) -> int:
+        """The reserved `slot` holds block `key` (its writer sealed it): the block is in
+        the tier now; returns its size. ValueError, and the slot still reserved, where
+        the slot was not reserved or its header does not name the block whole."""
+        if slot not in self._reserved:
+            raise ValueError(f"slot {slot} is not reserved")
+        if key in self._slot_of:
+            raise ValueError(f"block {key[1]:016x} is in the host tier already")
+        held = self.arena.holder(slot)
+        if held is None or held[0] != key:
+            raise ValueError(f"slot {slot} does not hold block {key[1]:016x}")
+        self._reserved.remove(slot)
+        self._slot_of[key] = slot
+        return held[1]
+
+    def unreserve(self, slot: int) -> None:
+        """A reserved slot comes back unused (or written but never committed): emptied."""
+        self._reserved.remove(slot)
         self.arena.empty(slot)
         self._free.append(slot)

@@ -37,3 +37,17 @@ def load_block(pool: torch.Tensor, block: int, data: memoryview | bytes | bytear
         warnings.filterwarnings("ignore", message=".*not writable.*")
         flat = torch.frombuffer(data, dtype=pool.dtype)
     pool[:, :, block].copy_(flat.view(layers, two, block_size, heads, head_dim))
+
+
+def store_block(pool: torch.Tensor, block: int, out: memoryview) -> None:
+    """Copy block `block` of `pool` into `out` (a reserved arena slot's payload, mapped
+    writable: one copy, the block's strided rows gathered straight into shared memory; a
+    non-CPU pool's bytes come down synchronously). ValueError when `out` is not one block
+    of this pool."""
+    layers, two, _, block_size, heads, head_dim = pool.shape
+    expected = layers * two * block_size * heads * head_dim * pool.element_size()
+    if out.nbytes != expected:
+        raise ValueError(f"a slot of {out.nbytes} bytes does not fit a pool block of {expected}")
+    # [layers, 2, block_size, kv_heads, head_dim] over the slot's bytes
+    slot = torch.frombuffer(out, dtype=pool.dtype).view(layers, two, block_size, heads, head_dim)
+    slot.copy_(pool[:, :, block])

@@ -65,6 +65,7 @@ class _Tier:
     spec: TierSpec
     entries: OrderedDict[StoreKey, int] = field(default_factory=OrderedDict)  # LRU first
     used: int = 0
+    reserved: int = 0  # room held for blocks a writer is filling in (host slots handed out)
 
     def add(self, key: StoreKey, charged: int) -> None:
         self.entries[key] = charged
@@ -159,6 +160,42 @@ class StoreIndex:
                 return Placement(name, moves)
         return Placement(None)
 
+    def reserve(self, nbytes: int) -> list[Move] | None:
+        """Hold room in the host tier for a block of up to `nbytes` that a writer fills
+        in later (a host slot handed out ahead of need), pushing out least recently used
+        blocks; None (nothing changed) where the unpinned blocks cannot make the room."""
+        host = self._tiers["host"]
+        charge = host.spec.charge(nbytes)
+        moves = self._make_room("host", charge)
+        if moves is not None:
+            host.reserved += charge
+        return moves
+
+    def unreserve(self, nbytes: int) -> None:
+        """Room held by `reserve(nbytes)` comes back unused."""
+        host = self._tiers["host"]
+        charge = host.spec.charge(nbytes)
+        if charge > host.reserved:
+            raise ValueError(f"{charge} bytes unreserved, {host.reserved} reserved")
+        host.reserved -= charge
+
+    def insert_reserved(self, key: StoreKey, nbytes: int, reserved: int) -> Placement:
+        """A block of `nbytes` written into room held by `reserve(reserved)`: it takes
+        that room as the host tier's most recently used (nothing pushed out). A block
+        held already is only refreshed, and the room given back (Placement of its tier)."""
+        self.unreserve(reserved)
+        held = self.tier_of(key)
+        if held is not None:
+            self._tiers[held].entries.move_to_end(key)
+            return Placement(held)
+        if self._tiers["host"].spec.charge(nbytes) > self._tiers["host"].spec.charge(reserved):
+            raise ValueError(f"a block of {nbytes} bytes in room held for {reserved}")
+        self._place("host", key, nbytes)
+        return Placement("host")
+
+    def reserved_bytes(self) -> int:
+        return self._tiers["host"].reserved
+
     def place_found(self, key: StoreKey, nbytes: int, tier: Tier) -> Placement:
         """Record a block found in `tier` (the disk tier's files at start) as its most
         recently used; the moves push out what no longer fits (a smaller capacity)."""
@@ -215,7 +252,7 @@ class StoreIndex:
         """The moves that leave `charge` bytes free in tier `name`, made in the index; None
         (and nothing changed) where the unpinned blocks cannot free enough."""
         tier = self._tiers[name]
-        need = tier.used + charge - tier.spec.capacity_bytes
+        need = tier.used + tier.reserved + charge - tier.spec.capacity_bytes
         if need <= 0:
             return []
         victims, freed = [], 0

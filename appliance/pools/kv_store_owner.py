@@ -5,23 +5,43 @@ The store opens when the first worker says StoreReady (a block's size is the mod
 once a worker loaded it; None while kv_store.enabled is off, and no worker says it then).
 Before a prompt goes to a worker, `hits_for` looks its full blocks up under that worker's
 namespace, brings disk hits into shared memory, pins them for the worker and names their
-slots (StoreHits); the worker copies them into its pool and answers StoreRelease. Blocks
-the workers send (StorePut) go in. A worker that exits lets go of its pins; at shutdown
-the host tier goes to disk (a restart finds it there) and the arena file is removed.
+slots (StoreHits); the worker copies them into its pool and answers StoreRelease.
+
+Writes: each worker holds a few free arena slots reserved for it ahead of need
+(StoreSlots); it copies a block its pool evicts straight into one, seals it and says so
+(StoreWritten), and the owner commits it into the index and tops the worker's slots up.
+The owner still decides the tier (room for a reserved slot is made when it is handed
+out; a block held already is not committed, its slot freed) and moves blocks to disk from
+the arena. Only where a worker has no reserved slot left do a block's bytes travel on its
+pipe (StorePut). A worker that exits lets go of its pins and its reserved slots (written
+or not: a block never committed is not the store's); at shutdown the host tier goes to
+disk (a restart finds it there) and the arena file is removed.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.kv.prefix_cache import prefix_keys
 from appliance.kv_store.block_store import BlockStore
 from appliance.kv_store.tier_index import Hit, Tier
 from appliance.settings.kv_store import KVStoreSettings
-from appliance.workers.messages import StoreHits, StorePut, StoreReady, StoreRelease
+from appliance.workers.messages import (
+    StoreHits,
+    StorePut,
+    StoreReady,
+    StoreRelease,
+    StoreSlots,
+    StoreWritten,
+    ToWorker,
+)
 
 log = logging.getLogger("appliance.kv_store")
+
+RESERVED_SLOTS = 32  # free arena slots a worker holds ahead of need: a load's evictions
+RESERVED_SHARE = 8  # ... but no worker holds more than 1/8 of a small arena
 
 
 @dataclass(frozen=True)
@@ -39,15 +59,27 @@ class StoreFigures:
     dropped: int
     refused: int  # disk blocks whose file failed its checks: dropped, recomputed
     put_blocks: int  # blocks the workers sent
+    put_in_place: int  # of those, written by the worker straight into a reserved slot
+    put_in_place_bytes: int  # their bytes (none of them crossed a pipe)
+    put_piped_bytes: int  # bytes of the blocks sent on a worker's pipe (no slot left)
+    reserved_slots: int  # arena slots handed to workers, not yet committed
 
 
 class StoreOwner:
     """The box's store, opened at the first worker's StoreReady."""
 
-    def __init__(self, settings: KVStoreSettings, block_size: int) -> None:
+    def __init__(
+        self,
+        settings: KVStoreSettings,
+        block_size: int,
+        send: Callable[[int | None, ToWorker], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.block_size = block_size
+        self.send = send  # to a worker's inbox (None: no slots handed out, bytes piped)
         self.store: BlockStore | None = None
+        self._reserved: dict[int, set[int]] = {}  # worker -> arena slots handed to it
+        self._put_piped_bytes = 0
         self._namespaces: dict[int, bytes] = {}  # worker -> its namespace's digest
         # (worker, request) -> its hits, each with the tier it was found in and its size
         self._pinned: dict[tuple[int, int], list[tuple[Hit, Tier, int]]] = {}
@@ -75,6 +107,20 @@ class StoreOwner:
             log.warning("worker %d's blocks do not fit the store's slots", message.worker_id)
             return
         self._namespaces[message.worker_id] = message.namespace.digest()
+        self._top_up(message.worker_id)
+
+    def _top_up(self, worker_id: int) -> None:
+        """Hand the worker free arena slots until it holds its share (none while the
+        store is full of pinned blocks: it pipes its blocks meanwhile)."""
+        store = self.store
+        if store is None or self.send is None or worker_id not in self._namespaces:
+            return
+        held = self._reserved.setdefault(worker_id, set())
+        share = min(RESERVED_SLOTS, store.host.arena.slots // RESERVED_SHARE)
+        slots = store.reserve(share - len(held))
+        if slots:
+            held.update(slots)
+            self.send(worker_id, StoreSlots(str(store.host.arena.path), slots))
 
     def hits_for(
         self, worker_id: int, request_id: int, token_ids: list[int], salt: str = ""
@@ -153,12 +199,28 @@ class StoreOwner:
         if self.store is None:
             return
         for key, data in message.blocks:
+            self._put_piped_bytes += len(data)
             try:
                 self.store.put((message.namespace, key), data)
             except ValueError as exc:
                 log.warning("worker %d: %s", message.worker_id, exc)
                 return
             self._put_blocks += 1
+
+    def on_written(self, message: StoreWritten) -> None:
+        """Blocks a worker wrote into its reserved slots: into the index (a slot not
+        reserved for it is ignored: it was taken back when the worker was forgotten)."""
+        store = self.store
+        held = self._reserved.get(message.worker_id)
+        if store is None or held is None:
+            return
+        for key, slot in message.blocks:
+            if slot not in held:
+                continue
+            held.remove(slot)
+            store.commit(slot, (message.namespace, key))
+            self._put_blocks += 1
+        self._top_up(message.worker_id)
 
     def on_release(self, message: StoreRelease) -> None:
         """A worker copied these requests' hits: they may be pushed out again."""
@@ -184,9 +246,13 @@ class StoreOwner:
         return {t: before[t] - store.index.count(t) for t in tiers}  # type: ignore[arg-type]
 
     def forget_worker(self, worker_id: int) -> int:
-        """A worker exited (maybe mid-copy): its pins go; the store's bytes are as they were.
-        Returns how many pins it held."""
+        """A worker exited (maybe mid-copy, maybe mid-write): its pins go, and its reserved
+        slots come back free (one it wrote but never said so holds no block of the
+        store's); the store's bytes are as they were. Returns how many pins it held."""
         self._namespaces.pop(worker_id, None)
+        slots = self._reserved.pop(worker_id, set())
+        if self.store is not None:
+            self.store.unreserve(sorted(slots))
         for key in [k for k in self._pinned if k[0] == worker_id]:
             del self._pinned[key]
         return 0 if self.store is None else self.store.release_reader(str(worker_id))
@@ -221,4 +287,8 @@ class StoreOwner:
             dropped=counters.dropped,
             refused=0 if store.disk is None else store.disk.counters.refused,
             put_blocks=self._put_blocks,
+            put_in_place=counters.in_place,
+            put_in_place_bytes=counters.in_place_bytes,
+            put_piped_bytes=self._put_piped_bytes,
+            reserved_slots=store.host.reserved_slots,
         )

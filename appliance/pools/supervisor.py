@@ -54,6 +54,7 @@ from appliance.workers.messages import (
     StorePut,
     StoreReady,
     StoreRelease,
+    StoreWritten,
     TokenBatch,
     Tune,
 )
@@ -97,7 +98,9 @@ class Supervisor:
         )
         self.handoffs = self.flow.handoffs  # what workers answer and lost workers leave
         # The box's KV store (kv_store.enabled): opened when the first worker loads.
-        self.kv_store = self.flow.store = StoreOwner(settings.kv_store, settings.kv.block_size)
+        self.kv_store = self.flow.store = StoreOwner(
+            settings.kv_store, settings.kv.block_size, send=self.processes.send
+        )
         self._capacity = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -150,6 +153,8 @@ class Supervisor:
                 self.kv_store.on_ready(message)
             case StorePut():
                 self.kv_store.on_put(message)
+            case StoreWritten():
+                self.kv_store.on_written(message)
             case StoreRelease():
                 self.kv_store.on_release(message)
             case LeaseExpired():

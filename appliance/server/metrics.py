@@ -304,9 +304,25 @@ class KVStoreCollector(Collector):
             ("misses", "Lookups whose stored prefix ended short of the prompt.", figures.misses),
             ("refused", "Disk blocks that failed their checks: recomputed.", figures.refused),
             ("dropped", "Blocks pushed out of the store altogether.", figures.dropped),
+            ("put_blocks", "Blocks the workers stored.", figures.put_blocks),
+            (
+                "put_in_place_bytes",
+                "Bytes of the blocks workers wrote straight into reserved arena slots.",
+                figures.put_in_place_bytes,
+            ),
+            (
+                "put_piped_bytes",
+                "Bytes of the blocks workers sent through their pipe (no reserved slot left).",
+                figures.put_piped_bytes,
+            ),
         ]
         for name, doc, value in single:
             yield CounterMetricFamily(f"appliance_kv_store_{name}", doc, value=value)
+        yield GaugeMetricFamily(
+            "appliance_kv_store_reserved_slots",
+            "Arena slots handed to workers for their next blocks, not yet filled.",
+            value=figures.reserved_slots,
+        )
 
 
 # --- end kv store

@@ -228,6 +228,26 @@ class StorePut:
 
 
 @dataclass
+class StoreSlots:
+    """Supervisor -> worker: free slots of the store's arena (the file `arena`) reserved
+    for this worker, to copy the blocks its pool evicts straight into (then StoreWritten),
+    instead of sending their bytes (StorePut). Topped up as the worker uses them."""
+
+    arena: str
+    slots: list[int]
+
+
+@dataclass
+class StoreWritten:
+    """Worker -> supervisor: it filled these reserved slots with blocks for the store and
+    sealed them, as (block key, slot) in `namespace`: the supervisor commits them."""
+
+    worker_id: int
+    namespace: bytes
+    blocks: list[tuple[int, int]]
+
+
+@dataclass
 class StoreRelease:
     """Worker -> supervisor: it has copied the StoreHits of these requests: the first
     `loaded[i]` blocks of request `request_ids[i]`'s hits went into its pool (the others
@@ -251,6 +271,7 @@ ToWorker = (
     | Abort
     | Shutdown
     | StoreHits
+    | StoreSlots
 )
 FromWorker = (
     Ready
@@ -262,5 +283,6 @@ FromWorker = (
     | Failed
     | StoreReady
     | StorePut
+    | StoreWritten
     | StoreRelease
 )

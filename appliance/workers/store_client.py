@@ -4,7 +4,12 @@ prefix comes out into its pool.
 The supervisor owns the store (appliance/pools/kv_store_owner.py). Writing: the worker's
 prefix cache tells of a cached block about to be reused (write_policy evict) or left
 unused by its last request (finish); its bytes are copied out of the pool at once (they
-are about to be overwritten) and sent with the next report (StorePut). Reading: before a
+are about to be overwritten), straight into an arena slot the supervisor reserved for
+this worker (StoreSlots), and the next report says which block each slot holds
+(StoreWritten); only with no reserved slot left do the bytes travel in the report
+(StorePut). Under evict, an idle worker also writes the cached blocks its pool would
+evict next (`clean_ahead`), so the prompt that needs their room finds them stored and
+copies nothing out before its prefill. Reading: before a
 prompt's Submit the supervisor sends StoreHits, the arena slots holding the prompt's
 first blocks, pinned for this worker; at the Submit the worker copies those its own
 pool lacks straight from shared memory into free blocks, caches them as if computed,
@@ -25,13 +30,21 @@ from appliance.engine.sequence import SamplingParams
 from appliance.kv.prefix_cache import prefix_keys
 from appliance.kv_store.host_arena import HostArena
 from appliance.kv_store.namespace import StoreNamespace
-from appliance.kv_store.pool_blocks import block_bytes, load_block
+from appliance.kv_store.pool_blocks import block_bytes, load_block, store_block
 from appliance.settings.config import Settings
-from appliance.workers.messages import StoreHits, StorePut, StoreReady, StoreRelease
+from appliance.workers.messages import (
+    StoreHits,
+    StorePut,
+    StoreReady,
+    StoreRelease,
+    StoreSlots,
+    StoreWritten,
+)
 from appliance.workers.outboxes import Outbox
 
 HEAD_BYTES = 1 << 20  # how much of a weights file its identity digests
 HANDED_KEPT = 65536  # handed-off prompt block keys a decode worker remembers
+CLEAN_AHEAD = 32  # cached blocks next in line for eviction an idle worker keeps stored
 
 
 @dataclass
@@ -48,6 +61,11 @@ class StoreClient:
     pending: dict[int, StoreHits] = field(default_factory=dict)  # request id -> its hits
     in_store: set[int] = field(default_factory=set)  # keys of pool blocks the store has
     arena: HostArena | None = None
+    block_nbytes: int = 0  # one block's bytes, as stored
+    slots: list[int] = field(default_factory=list)  # arena slots reserved for our blocks
+    written: list[tuple[int, int]] = field(default_factory=list)  # (key, slot) to commit
+    piped_blocks: int = 0  # blocks sent as bytes (no reserved slot left), since start
+    may_clean: bool = True  # False: the blocks next in line are stored (clean_ahead)
     loaded_blocks: int = 0  # since start
     decodes_handoffs: bool = False  # a decode worker: its prompts were prefilled elsewhere
     # keys of prompt blocks handed off to this decode worker: the prefill side has them
@@ -55,6 +73,7 @@ class StoreClient:
 
     def __post_init__(self) -> None:
         self.digest = self.namespace.digest()
+        self.block_nbytes = block_bytes(self.engine.kv.tensor, 0).numel()
         cache = self.engine.scheduler.blocks
         if self.evict_policy:
             cache.on_evict = self._on_evict
@@ -62,6 +81,8 @@ class StoreClient:
                 # The blocks it decoded (a chat's answer) reach no prefill worker's pool:
                 # stored as their request lets go, the next turn finds them there.
                 cache.on_idle = self._on_idle_decoded
+            else:
+                cache.on_idle = self._on_idle_unstored
         else:
             cache.on_idle = self._on_idle
             cache.on_evict = lambda _block, key: self.in_store.discard(key)
@@ -74,9 +95,14 @@ class StoreClient:
         namespace = worker_namespace(engine, settings)
         evict = settings.kv_store.write_policy == "evict"
         client = cls(worker_id, engine, namespace, evict, decodes_handoffs=role == "decode")
-        size = block_bytes(engine.kv.tensor, 0).numel()
-        outbox.put(StoreReady(worker_id, namespace, size))
+        outbox.put(StoreReady(worker_id, namespace, client.block_nbytes))
         return client
+
+    def take_slots(self, message: StoreSlots) -> None:
+        """Arena slots the supervisor reserved for this worker's blocks."""
+        self._attach(message.arena)
+        self.slots += message.slots
+        self.may_clean = True
 
     # ------------------------------------------------------------ writing
 
@@ -90,6 +116,30 @@ class StoreClient:
         if key not in self.in_store and key not in self.handed:
             self._copy_out(block, key)
             self.in_store.add(key)
+        self.may_clean = True
+
+    def _on_idle_unstored(self, _block: int, _key: int) -> None:
+        self.may_clean = True  # a block joined the pool's cached ones: clean_ahead looks
+
+    def clean_ahead(self, outbox: Outbox, depth: int = CLEAN_AHEAD) -> int:
+        """The worker is idle: write the `depth` cached blocks its pool evicts next (the
+        least recently used) into reserved slots now, so a prompt that needs their room
+        later evicts them with no copy before its prefill. Only into reserved slots (never
+        piped); returns how many were written, and sends them."""
+        if not self.evict_policy or not self.may_clean or not self.slots:
+            return 0
+        written = 0
+        for block, key in self.engine.scheduler.blocks.cached_blocks()[:depth]:
+            if not self.slots:
+                break  # the rest when the supervisor has topped the slots up
+            if key not in self.in_store:
+                self._copy_out(block, key)
+                self.in_store.add(key)
+                written += 1
+        else:
+            self.may_clean = False  # every block next in line is stored
+        self.send(outbox)
+        return written
 
     def handed_off(self, prompt: list[int], salt: str) -> None:
         """A prefilled prompt came to this decode worker: its full blocks are the prefill
@@ -106,8 +156,21 @@ class StoreClient:
             self.in_store.add(key)
 
     def _copy_out(self, block: int, key: int) -> None:
+        """Block `block`'s bytes into a reserved arena slot (sealed: named once whole),
+        else into the next report."""
+        if self.slots and self.arena is not None:
+            slot = self.slots.pop()
+            view = self.arena.payload(slot, self.block_nbytes)
+            try:
+                store_block(self.engine.kv.tensor, block, view)
+            finally:
+                view.release()
+            self.arena.seal(slot, (self.digest, key), self.block_nbytes)
+            self.written.append((key, slot))
+            return
         data = block_bytes(self.engine.kv.tensor, block)  # [block's bytes] on its device
         self.puts.append((key, data.cpu().numpy().tobytes()))
+        self.piped_blocks += 1
 
     def stop(self, outbox: Outbox) -> None:
         """The worker stops: its pool goes, so under write_policy evict every cached
@@ -119,6 +182,9 @@ class StoreClient:
 
     def send(self, outbox: Outbox) -> None:
         """What waits for the supervisor: blocks to store, hits copied."""
+        if self.written:
+            outbox.put(StoreWritten(self.worker_id, self.digest, self.written))
+            self.written = []
         if self.puts:
             outbox.put(StorePut(self.worker_id, self.digest, self.puts))
             self.puts = []
@@ -142,8 +208,7 @@ class StoreClient:
         if params.prompt_logprobs is not None:
             self.released.append((request_id, 0))
             return 0  # every prompt position is computed for its logits
-        if self.arena is None or str(self.arena.path) != hits.arena:
-            self.arena = HostArena.attach(Path(hits.arena))
+        self._attach(hits.arena)
         found = list(zip(hits.block_keys, hits.slots, strict=True))
         size = self.engine.kv.block_size
         loaded = self.engine.scheduler.blocks.load_prefix(
@@ -157,6 +222,10 @@ class StoreClient:
         self.loaded_blocks += loaded
         self.released.append((request_id, loaded))
         return loaded
+
+    def _attach(self, path: str) -> None:
+        if self.arena is None or str(self.arena.path) != path:
+            self.arena = HostArena.attach(Path(path))
 
     def _loader(self, namespace: bytes) -> Callable[[int, tuple[int, int]], bool]:
         arena = self.arena

@@ -47,6 +47,7 @@ from appliance.workers.messages import (
     SharePool,
     Shutdown,
     StoreHits,
+    StoreSlots,
     Submit,
     TokenBatch,
     ToWorker,
@@ -169,6 +170,8 @@ def serve(state: WorkerState, inbox: Queue[ToWorker]) -> None:
             report(state, engine.step(), started_at)
         elif handled or landed:
             report(state, [], 0.0)  # block counts changed (release, abort): say so
+        elif state.store is not None:  # idle: store what the pool evicts next, off any path
+            state.store.clean_ahead(outbox)
         for engine_id in engine.expire_leases(LEASE_S):
             request_id = forget_engine_id(state, engine_id)
             if request_id is not None:
@@ -292,6 +295,9 @@ def handle(state: WorkerState, message: ToWorker) -> None:
         case StoreHits():
             if state.store is not None:
                 state.store.hold(message)
+        case StoreSlots():
+            if state.store is not None:
+                state.store.take_slots(message)
         case Shutdown():  # drain() stops at it before handing it here
             raise AssertionError("Shutdown is drain()'s to handle")
 
