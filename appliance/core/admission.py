@@ -110,10 +110,13 @@ def decide(
     model: StepModel | None,
     limits: AdmissionLimits,
     waited_s: float,
+    pace: float = 1.0,
 ) -> Admission:
     """Whether a prompt of `prompt_tokens` tokens that has waited `waited_s` joins the
     worker decoding `load` now: admitted while the decode step with it is predicted within
-    headroom * tpot_s, held otherwise (see the module's docstring for when it always joins)."""
+    headroom * tpot_s, held otherwise (see the module's docstring for when it always joins).
+    `pace`: the worker's step period over its model time (what its streams wait between
+    tokens beside the model step: the worker's own work, a busy box), at least 1."""
     if waited_s >= limits.max_wait_s:
         return Admission(True, f"waited {waited_s:.1f} s, the most a prompt is held")
     if model is None:
@@ -121,11 +124,12 @@ def decide(
     if load.seqs == 0:
         return Admission(True, "the worker decodes nothing")
     bound = limits.headroom * limits.tpot_s
-    alone = decode_seconds(model, DecodeLoad(1, prompt_tokens))
+    pace = max(1.0, pace)
+    alone = pace * decode_seconds(model, DecodeLoad(1, prompt_tokens))
     if alone > bound:
         return Admission(True, f"a step of one sequence ({alone * 1e3:.0f} ms) misses it already")
     joined = DecodeLoad(load.seqs + 1, load.context + prompt_tokens)
-    predicted = decode_seconds(model, joined)
+    predicted = pace * decode_seconds(model, joined)
     if predicted <= bound:
         return Admission(
             True, f"{joined.seqs} sequences: {predicted * 1e3:.0f} ms a step", predicted

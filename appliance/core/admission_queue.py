@@ -1,5 +1,7 @@
 """The supervisor's side of SLO admission (core/admission.py): the prompts it holds, in
-arrival order, and what each entry worker decodes, read off the request table.
+arrival order, and which entry workers may take a prompt now (the router picks among
+them: its prefix affinity never sends a prompt to a worker over the limit while another
+has room).
 
 A prompt is judged only at the head of the queue: one that arrives while others are held
 waits behind them (first come, first served among the held), so each is admitted at the
@@ -9,6 +11,8 @@ Pure: plain data in, plain data out; the flow (pools/request_flow.py) does the s
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -22,6 +26,7 @@ from appliance.core.admission import (
 )
 
 MODEL_REFRESH_S = 1.0  # a worker size's step-cost fit is read again at most this often
+PACE_KEPT = 64  # step periods kept per worker (a few seconds of a busy worker's steps)
 
 
 class Decoding(Protocol):
@@ -66,27 +71,68 @@ class AdmissionQueue:
         waited_s: float,
         loads: Sequence[DecodeLoad],
         models: Sequence[StepModel | None],
-    ) -> bool:
-        """Whether the prompt goes to a worker now, judged against the entry worker whose
-        decoding is lightest (`loads`, `models`: per entry worker). A prompt not admitted
-        is held (behind those held before it) until a later call admits it."""
+        paces: Sequence[float] | None = None,
+    ) -> list[int]:
+        """The entry workers (indices into `loads`, `models`, `paces`: per entry worker;
+        paces None: 1, see StepPace) that may take the prompt now: those whose decode step
+        with it stays within the limits, every one where no limits are set or its wait is
+        up; the router picks among them. None may: the prompt is held (behind those held
+        before it) until a later call admits it."""
+        every = list(range(len(loads)))
         if self.limits is None:
-            return True
+            return every
         head = self.head()
         if head is not None and head != request_id:
             self._held.setdefault(request_id, None)  # behind the ones held before it
-            return False
-        index = lightest(loads)
-        self.last = decide(loads[index], prompt_tokens, models[index], self.limits, waited_s)
-        if self.last.admit:
+            return []
+        verdicts = [
+            decide(load, prompt_tokens, model, self.limits, waited_s, pace)
+            for load, model, pace in zip(loads, models, paces or [1.0] * len(loads), strict=True)
+        ]
+        allowed = [i for i in every if verdicts[i].admit]
+        self.last = verdicts[allowed[0] if allowed else lightest(loads)]
+        if allowed:
             self._held.pop(request_id, None)
-            return True
-        self._held.setdefault(request_id, None)
-        return False
+        else:
+            self._held.setdefault(request_id, None)
+        return allowed
 
     def forget(self, request_id: int) -> None:
         """It left (cancelled, failed, ended): it is held no more."""
         self._held.pop(request_id, None)
+
+
+class StepPace:
+    """Each worker's step period over its model time: what its streams wait per token
+    against what the step-cost model (fitted to model time) predicts. Measured between a
+    step and the next where the first left sequences running (the worker stepped again at
+    once; an idle gap is no period); the median of the last `kept`, at least 1."""
+
+    def __init__(self, kept: int = PACE_KEPT) -> None:
+        self.kept = kept
+        self._last: dict[int, tuple[float, float, int]] = {}  # worker -> start, seconds, running
+        self._ratios: dict[int, deque[float]] = {}
+
+    def record(self, worker_id: int, started_at: float, seconds: float, running: int) -> None:
+        """A step of the worker began at `started_at` (monotonic) and its model ran
+        `seconds`; `running`: sequences it still ran after it."""
+        last = self._last.get(worker_id)
+        if last is not None and last[2] > 0 and last[1] > 0 and started_at > last[0]:
+            ratios = self._ratios.setdefault(worker_id, deque(maxlen=self.kept))
+            ratios.append((started_at - last[0]) / last[1])
+        self._last[worker_id] = (started_at, seconds, running)
+
+    def of(self, worker_id: int) -> float:
+        """The worker's pace (1.0 before any period was measured)."""
+        ratios = self._ratios.get(worker_id)
+        if not ratios:
+            return 1.0
+        return max(1.0, statistics.median(ratios))
+
+    def forget(self, worker_id: int) -> None:
+        """The worker is gone (a restarted one paces anew)."""
+        self._last.pop(worker_id, None)
+        self._ratios.pop(worker_id, None)
 
 
 class ModelCache:

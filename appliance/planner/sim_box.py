@@ -92,9 +92,10 @@ class PromptRouter:
         self.blocks_sent = [0] * len(workers)  # prompt blocks routed to each, ever
         self.prefix_at: list[dict[int, int]] = [{} for _ in workers]  # id -> blocks_sent then
 
-    def pick(self, seq: SimSeq, block_size: int) -> Worker:
-        """The worker that prefills seq; it remembers seq's prefix went there."""
-        workers = self.workers
+    def pick(self, seq: SimSeq, block_size: int, among: list[Worker] | None = None) -> Worker:
+        """The worker that prefills seq (of `among`, default all); it remembers seq's
+        prefix went there."""
+        workers = self.workers if among is None else among
         if self.round_robin:
             worker = workers[self.turns % len(workers)]
             self.turns += 1
@@ -104,7 +105,7 @@ class PromptRouter:
             least = min(w.queued_tokens for w in workers)
             near = [w for w in workers if w.queued_tokens <= least + self.budget]
             worker = min(near, key=lambda w: (-self._held(w, seq), w.queued_tokens, w.running))
-        self._remember(workers.index(worker), seq, block_size)
+        self._remember(self.workers.index(worker), seq, block_size)
         return worker
 
     def _held(self, worker: Worker, seq: SimSeq) -> int:

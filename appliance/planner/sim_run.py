@@ -178,37 +178,41 @@ class Simulation:
             request.prefix_tokens // size if shared else 0,
         )
         seq.stored_blocks = request.stored_tokens // size  # the box's KV store (prefix_hits)
-        if not self._admits(index, seq, now):
+        among = self._admitting(index, seq, now)
+        if not among:
             self.held[index] = seq
             return
-        self._route(seq, now)
+        self._route(seq, now, among)
 
-    def _route(self, seq: SimSeq, now: float) -> None:
-        worker = self.router.pick(seq, self.profile.block_size)
+    def _route(self, seq: SimSeq, now: float, among: list[Worker]) -> None:
+        worker = self.router.pick(seq, self.profile.block_size, among)
         seq.prefill_only = worker.role == "prefill"  # it parks after its first token
         worker.waiting.append(seq)
         worker.queued_tokens += seq.prompt
         self._kick(worker, now)
 
-    def _admits(self, index: int, seq: SimSeq, now: float) -> bool:
-        """The supervisor's admission queue decides (core/admission_queue.py), over each
-        entry worker's decoding and its decode step cost."""
+    def _admitting(self, index: int, seq: SimSeq, now: float) -> list[Worker]:
+        """The entry workers that may take the prompt now (none: held): the supervisor's
+        admission queue decides (core/admission_queue.py), over each one's decoding and
+        its decode step cost; the router picks among them."""
         if self.policy.admission is None:
-            return True
+            return self.entry
         loads = [self._decode_load(w) for w in self.entry]
         decode = self._decode_cost()
         models = [w.cost.decode if w.role == "colocated" else decode for w in self.entry]
         waited = now - self.arrival[index]
-        return self.admission.admits(index, seq.prompt, waited, loads, models)
+        allowed = self.admission.admits(index, seq.prompt, waited, loads, models)
+        return [self.entry[i] for i in allowed]
 
     def _admit_held(self, now: float) -> None:
         """Held prompts join, oldest first, until one is still held."""
         while (index := self.admission.head()) is not None:
             seq = self.held[index]
-            if not self._admits(index, seq, now):
+            among = self._admitting(index, seq, now)
+            if not among:
                 return
             del self.held[index]
-            self._route(seq, now)
+            self._route(seq, now, among)
 
     def _decode_cost(self) -> StepCost | None:
         decoders = self._decoders()

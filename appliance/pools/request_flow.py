@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from appliance.core.admission import DecodeLoad, StepModel, admission_limits, lightest
-from appliance.core.admission_queue import AdmissionQueue, ModelCache, load_of
+from appliance.core.admission_queue import AdmissionQueue, ModelCache, StepPace, load_of
 from appliance.core.events import EventLog
 from appliance.core.recovery import Action, retry_action
 from appliance.core.request_table import Phase, Request, RequestTable
@@ -103,6 +103,7 @@ class RequestFlow:
         # Prompts held while their decode step would miss the SLO (planner.scheduling_policy)
         self.admission = AdmissionQueue(admission_limits(settings.planner))
         self._models = ModelCache(self._decode_model)  # refitted once a second at most
+        self.pace = StepPace()  # each worker's step period over its model time
         self.store: StoreOwner | None = None  # the box's KV store (the supervisor's)
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
@@ -146,7 +147,12 @@ class RequestFlow:
             if not self._entry_coming():
                 self.fail_by_fault(request, NO_ENTRY_WORKER)
             return
-        if not self._admits(request, candidates):
+        holding = self.admission.head() is not None
+        candidates = self._admitting(request, candidates)
+        if not candidates:
+            if not holding and self.admission.last is not None:  # the first one held
+                reason = self.admission.last.reason
+                self.log.note("admission", f"SLO admission holds prompts: {reason}")
             return  # held: admit_held sends it once a step makes room, or its wait is up
         token_ids, salt = request.tokens, request.attempt_params.cache_salt
         store = self.store
@@ -248,6 +254,10 @@ class RequestFlow:
         worker's step may have freed room for the handoffs waiting."""
         self.table.on_started(batch.started, batch.step_started_at)
         self.online.record(worker_size(worker), batch.timing)
+        if batch.timing is not None:
+            self.pace.record(
+                worker.worker_id, batch.step_started_at, batch.timing.seconds, batch.num_running
+            )
         parked = []
         for out in batch.outputs:
             request = self._on_output(worker, out, batch.step_started_at)
@@ -261,6 +271,8 @@ class RequestFlow:
 
     def admit_held(self) -> None:
         """Send the held prompts a step made room for (or whose wait is up), oldest first."""
+        if self.admission.head() is None:
+            return
         while (request_id := self.admission.head()) is not None:
             request = self.table.requests.get(request_id)
             if request is None or request.phase is not Phase.WAITING:
@@ -269,21 +281,26 @@ class RequestFlow:
             self.submit(request)
             if request.phase is Phase.WAITING:
                 return  # still held (or no worker takes prompts yet)
+        self.log.note("admission", "SLO admission: every held prompt was sent")
 
-    def _admits(self, request: Request, candidates: list[WorkerHandle]) -> bool:
-        """SLO admission (core/admission_queue.py) over what each candidate decodes: a
-        colocated worker its own requests, a prefill worker the decode pool's lightest
-        worker's, with the prompts the prefill pool holds for it spread over the pool."""
+    def _admitting(self, request: Request, candidates: list[WorkerHandle]) -> list[WorkerHandle]:
+        """The candidates SLO admission (core/admission_queue.py) lets take the prompt now
+        (none: it is held), by what each decodes: a colocated worker its own requests, a
+        prefill worker the decode pool's lightest worker's, with the prompts the prefill
+        pool holds for it spread over the pool."""
         if self.admission.limits is None:
-            return True
+            return candidates
         now = time.monotonic()
-        loads, models = [], []
+        loads, models, paces = [], [], []
         for worker in candidates:
             decoder, load = self._decode_load(worker)
             loads.append(load)
             models.append(self._models.get(worker_size(decoder), now))
+            paces.append(self.pace.of(decoder.worker_id))
         waited = now - (request.timing.arrival or now)
-        return self.admission.admits(request.request_id, len(request.tokens), waited, loads, models)
+        tokens = len(request.tokens)
+        allowed = self.admission.admits(request.request_id, tokens, waited, loads, models, paces)
+        return [candidates[i] for i in allowed]
 
     def _decode_load(self, entry: WorkerHandle) -> tuple[WorkerHandle, DecodeLoad]:
         """The worker that decodes what `entry` prefills, and its load."""

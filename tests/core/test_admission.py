@@ -124,3 +124,12 @@ def test_the_model_cache_fetches_a_size_at_most_once_a_refresh() -> None:
     cache.get("2x1", 10.5)
     cache.get("1x1", 11.0)
     assert fetched == ["1x1", "2x1", "1x1"]
+
+
+def test_the_queue_names_the_workers_with_room_for_the_router_to_pick_among() -> None:
+    queue = AdmissionQueue(LIMITS)
+    loads = [DecodeLoad(12, 3600), DecodeLoad(2, 600), DecodeLoad(8, 2400)]
+    assert queue.admits(1, 300, 0.0, loads, [COST] * 3) == [1]
+    # A worker stepping twice as slow as its model predicts has less room.
+    assert queue.admits(2, 300, 0.0, [DecodeLoad(5, 1500)], [COST], paces=[2.0]) == []
+    assert queue.admits(2, 300, 6.0, [DecodeLoad(5, 1500)], [COST], paces=[2.0]) == [0]

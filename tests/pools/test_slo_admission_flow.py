@@ -8,9 +8,11 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
+import pytest
 from table_messages import tokens
 
-from appliance.core.admission_queue import ModelCache
+from appliance.core.admission_queue import ModelCache, StepPace
+from appliance.core.events import EventLog
 from appliance.core.request_table import Phase, RequestTable
 from appliance.core.roles import Role
 from appliance.core.router import Router
@@ -30,12 +32,15 @@ SLO_SET = {"slo_ttft_ms": 8000, "slo_tpot_ms": 60}  # a prompt is held at most 6
 
 
 class Pool:
-    """The flow's view of the pools: one colocated worker, every message recorded."""
+    """The flow's view of the pools: colocated workers, every message recorded."""
 
-    def __init__(self, role: Role = "colocated") -> None:
+    def __init__(self, count: int = 1) -> None:
         unused = cast(Any, None)
-        worker = WorkerHandle(0, role, 0, "cpu:0", (0,), unused, unused, ready=True)
-        self.workers = {0: worker}
+        role: Role = "colocated"
+        self.workers = {
+            i: WorkerHandle(i, role, i, f"cpu:{i}", (i,), unused, unused, ready=True)
+            for i in range(count)
+        }
         self.sent: list[tuple[int | None, ToWorker]] = []
 
     def send(self, worker_id: int | None, message: ToWorker, /) -> None:
@@ -44,17 +49,19 @@ class Pool:
     def may_come_back(self, role: Role, /) -> bool:
         return False
 
-    def submitted(self) -> list[int]:
-        return [m.request_id for _, m in self.sent if isinstance(m, Submit)]
+    def submitted(self, worker_id: int | None = None) -> list[int]:
+        return [
+            m.request_id for to, m in self.sent if isinstance(m, Submit) and worker_id in (None, to)
+        ]
 
 
-def flow_with(settings: Settings) -> tuple[RequestFlow, RequestTable, Pool]:
-    table, pool = RequestTable(), Pool()
+def flow_with(settings: Settings, workers: int = 1) -> tuple[RequestFlow, RequestTable, Pool]:
+    table, pool = RequestTable(), Pool(workers)
     unused = cast(Any, None)
     router = Router(settings.kv.block_size, settings.kv.prefix_caching)
     tuning = initial_tuning(settings.batch)
     flow = RequestFlow(
-        settings, table, router, cast(Any, pool), lambda: tuning, unused, unused, unused
+        settings, table, router, cast(Any, pool), lambda: tuning, EventLog(), unused, unused
     )
     flow._models = ModelCache(lambda unit: COST)  # this worker size's fitted decode cost
     return flow, table, pool
@@ -81,6 +88,31 @@ def test_prompts_past_the_tpot_headroom_wait_and_go_oldest_first_as_room_comes()
     assert len(pool.submitted()) == 9
     assert flow.admission.held == ids[9:]
     assert table.requests[ids[8]].phase is Phase.QUEUED
+    notes = [e.message for e in flow.log.events if e.kind == "admission"]
+    assert len(notes) == 1 and "9 sequences would take 50 ms a step, over 48 ms" in notes[0]
+
+
+def test_a_worker_stepping_slower_than_its_model_holds_sooner() -> None:
+    flow, table, pool = flow_with(Settings(planner=SLO_SET))
+    # Its steps come every 2 model steps' time (the worker's own work between them).
+    for step in range(10):
+        flow.pace.record(0, 100.0 + 0.04 * step, 0.02, running=4)
+    assert flow.pace.of(0) == pytest.approx(2.0)
+    for _ in range(6):
+        arrive(flow, table)
+    assert len(pool.submitted()) == 3  # 4 sequences: 2 x 21.2 ms, over 48 ms
+
+
+def test_the_pace_counts_only_back_to_back_steps() -> None:
+    pace = StepPace()
+    pace.record(0, 10.0, 0.02, running=0)  # it went idle after this step
+    pace.record(0, 15.0, 0.02, running=2)  # an idle gap: no period
+    assert pace.of(0) == 1.0
+    pace.record(0, 15.03, 0.02, running=2)
+    pace.record(0, 15.06, 0.02, running=2)
+    assert pace.of(0) == pytest.approx(1.5)
+    pace.forget(0)
+    assert pace.of(0) == 1.0
 
 
 def test_a_held_prompt_goes_once_its_wait_is_up_and_a_late_one_waits_behind_it() -> None:
@@ -110,3 +142,22 @@ def test_a_held_prompt_whose_consumer_leaves_is_held_no_more() -> None:
     table.fail(ids[8])
     flow.admit_held()
     assert flow.admission.held == []
+
+
+def test_a_prompt_goes_to_a_worker_with_room_though_another_holds_its_prefix() -> None:
+    """The router prefers the worker that prefilled a prompt's prefix lately (within a
+    step budget of queued prompt tokens, here 8192: every prompt would go to the first
+    worker); admission keeps it from sending one there while that worker is over the
+    limit and another is not."""
+    batch = {"max_num_batched_tokens": 8192}
+    fcfs = {**SLO_SET, "scheduling_policy": "fcfs"}
+    flow, table, pool = flow_with(Settings(planner=fcfs, batch=batch), workers=2)
+    for _ in range(16):
+        arrive(flow, table)
+    assert len(pool.submitted(0)) == 16  # first come, first served: all on one worker
+    flow, table, pool = flow_with(Settings(planner=SLO_SET, batch=batch), workers=2)
+    for _ in range(16):
+        arrive(flow, table)
+    assert len(pool.submitted(0)) == 8 and len(pool.submitted(1)) == 8
+    held = arrive(flow, table)  # both over: held
+    assert flow.admission.held == [held]
