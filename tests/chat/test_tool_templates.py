@@ -16,13 +16,12 @@ import pytest
 from chat_template_cases import (  # noqa: F401 (frozen_date: the autouse clock fixture)
     FIXTURES,
     TEMPLATES,
+    family_tokenizer,
     frozen_date,
     hf_tokenizer,
-    tiny_raw_tokenizer,
 )
 
 from appliance.chat import tool_prompt
-from appliance.model.tokenizer import Tokenizer
 from appliance.server.errors import APIError
 from appliance.server.protocol import ChatCompletionRequest
 from appliance.server.tool_fields import ChatTurn
@@ -129,12 +128,6 @@ CONVERSATIONS: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {
 }
 
 
-def our_tokenizer(name: str) -> Tokenizer:
-    template = (FIXTURES / f"{name}.jinja").read_text(encoding="utf-8")
-    specials = TEMPLATES[name]
-    return Tokenizer(tiny_raw_tokenizer(sorted(set(specials.values()))), specials, template)
-
-
 def transformers_render(
     name: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, **kwargs: Any
 ) -> str:
@@ -150,7 +143,7 @@ def transformers_render(
 def our_render(name: str, body: dict[str, Any]) -> str:
     """The prompt the server renders for a chat request body."""
     req = ChatCompletionRequest.model_validate({"model": "m", **body})
-    tokenizer = our_tokenizer(name)
+    tokenizer = family_tokenizer(name)
     turn = ChatTurn.of(tokenizer, [m.for_template() for m in req.messages], req)
     messages = turn.plan.messages(turn.messages)
     return tokenizer.render_chat(messages, turn.plan.prompt_tools(), turn.template_kwargs)

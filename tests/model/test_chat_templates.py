@@ -16,6 +16,7 @@ from chat_template_cases import (  # noqa: F401 (frozen_date: the autouse clock 
     FIXTURES,
     GPT_OSS,
     TEMPLATES,
+    family_tokenizer,
     frozen_date,
     hf_tokenizer,
     tiny_raw_tokenizer,
@@ -84,21 +85,17 @@ def our_render(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> str | No
 @pytest.mark.parametrize("name", list(TEMPLATES))
 def test_template_renders_as_transformers(name: str, chat: str) -> None:
     template = (FIXTURES / f"{name}.jinja").read_text(encoding="utf-8")
-    specials = TEMPLATES[name]
-    ours = Tokenizer(tiny_raw_tokenizer(sorted(set(specials.values()))), specials, template)
     messages = CHATS[chat]
-    expected = hf_render(hf_tokenizer(template, specials), messages)
-    assert our_render(ours, messages) == expected
+    expected = hf_render(hf_tokenizer(template, TEMPLATES[name]), messages)
+    assert our_render(family_tokenizer(name), messages) == expected
 
 
 def test_every_family_renders_a_system_turn_and_several_turns() -> None:
     """The families whose template takes a system turn do render one (only the original
     Mistral-7B-Instruct template refuses it, as the model's authors wrote it)."""
     refused = []
-    for name, specials in TEMPLATES.items():
-        template = (FIXTURES / f"{name}.jinja").read_text(encoding="utf-8")
-        ours = Tokenizer(tiny_raw_tokenizer(sorted(set(specials.values()))), specials, template)
-        rendered = our_render(ours, CHATS["system+multi-turn"])
+    for name in TEMPLATES:
+        rendered = our_render(family_tokenizer(name), CHATS["system+multi-turn"])
         if rendered is None:
             refused.append(name)
         else:
@@ -107,15 +104,12 @@ def test_every_family_renders_a_system_turn_and_several_turns() -> None:
 
 
 def test_generation_prompt_is_added() -> None:
-    specials = TEMPLATES["qwen3-0.6b"]
-    template = (FIXTURES / "qwen3-0.6b.jinja").read_text(encoding="utf-8")
-    ours = Tokenizer(tiny_raw_tokenizer(sorted(set(specials.values()))), specials, template)
+    ours = family_tokenizer("qwen3-0.6b")
     assert ours.render_chat(CHATS["user only"]).endswith("<|im_start|>assistant\n")
 
 
 def gpt_oss() -> Tokenizer:
-    template = (FIXTURES / "gpt-oss-20b.jinja").read_text(encoding="utf-8")
-    return Tokenizer(tiny_raw_tokenizer(sorted(set(GPT_OSS.values()))), GPT_OSS, template)
+    return family_tokenizer("gpt-oss-20b")
 
 
 def test_gpt_oss_renders_the_harmony_format() -> None:
