@@ -1,5 +1,6 @@
-"""The Triton paged-attention kernel compiled for GPUs that are not here: every
-specialization the default configurations launch, for sm_90a (Hopper), sm_80 (A100),
+"""The Triton kernels (paged attention, the quantized GEMV and GEMM, the handoff's KV
+block copy) compiled for GPUs that are not here: every specialization the default
+configurations launch, for sm_90a (Hopper), sm_80 (A100),
 sm_86 (RTX 30xx, A10) and sm_89 (RTX 40xx, L4), on the CPU, no GPU or CUDA driver
 needed. Prints a markdown table, variants x architectures: registers per thread, shared
 memory per program, and ptxas's spill stores and loads (bytes per thread).
@@ -46,7 +47,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from appliance.model import quant  # noqa: E402
-from appliance.model.layers import triton_attention, triton_quant  # noqa: E402
+from appliance.model.layers import triton_attention, triton_kv_copy, triton_quant  # noqa: E402
 from appliance.model.layers.triton_splits import H100_SMS, decode_splits  # noqa: E402
 
 ARCHES = {"sm_90a": 90, "sm_80": 80, "sm_86": 86, "sm_89": 89}  # 90 compiles as sm_90a
@@ -79,9 +80,11 @@ class Variant:
     # The decode side's other launches: a verify step (5 query tokens a sequence, varlen,
     # on the decode tiles), a decode split over the context (batch 1 at 8k keys: the
     # rule's 16 parts on an H100), or that split's reduce kernel.
-    launch: str = "plain"  # "plain", "verify", "split", "reduce", "gemv"
-    # gemv: the quantized GEMV (triton_quant) over a [heads * head_dim]-square weight in
-    # this GGML format ("Q8_0", "Q4_0"), one token row of x in `dtype`.
+    launch: str = "plain"  # "plain", "verify", "split", "reduce", "gemv", "gemm", "kv_copy"
+    # gemv / gemm: the quantized GEMV (one token row) or prefill GEMM (128 rows) of
+    # triton_quant over a [heads * head_dim]-square weight in this GGML format ("Q8_0",
+    # "Q4_0", "Q4_1", "Q4_K", "Q6_K"; the GEMM the first three), x in `dtype`.
+    # kv_copy: the handoff's block copy (triton_kv_copy) of pools of this shape.
     quant: str | None = None
 
     @property
@@ -124,6 +127,19 @@ def _decode_side(
     ]
 
 
+def _quantized(launch: str, formats: tuple[str, ...]) -> list[Variant]:
+    """The quantized product `launch` ("gemv" or "gemm") at Llama 3 8B's width (4096)
+    for each format, in every dtype."""
+    dtypes = (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32"))
+    return [
+        Variant(
+            f"llama3-8b {fmt} {launch} {short}", dtype, 32, 32, 128, False, launch=launch, quant=fmt
+        )
+        for fmt in formats
+        for dtype, short in dtypes
+    ]
+
+
 # bfloat16 is what dtype=auto picks on every architecture here (all have bf16); float16
 # and float32 launch only when asked for (dtype=float16/float32: gpu_check's appliance
 # section runs float32). Shapes that launch the same specialization appear once: Llama 3
@@ -151,12 +167,14 @@ VARIANTS: tuple[Variant, ...] = tuple(
     + _decode_side("gpt-oss-20b sliding bf16", "bfloat16", 64, 8, 64, window=128, sinks=True)
     + _decode_side("llama3-8b fp16", "float16", 32, 8, 128)
     + _decode_side("llama3-8b fp32", "float32", 32, 8, 128)
+    + _quantized("gemv", ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"))
+    + _quantized("gemm", ("Q8_0", "Q4_0", "Q4_1"))
     + [
-        Variant(
-            f"llama3-8b {fmt} gemv {short}", dtype, 32, 32, 128, False, launch="gemv", quant=fmt
-        )
-        for fmt in ("Q8_0", "Q4_0")
-        for dtype, short in (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32"))
+        # The handoff's copy moves bytes as integers of the dtype's width: bf16 and fp16
+        # compile the same kernel, float32 another; head 64 (the default model's) and 128.
+        Variant("smollm2-135m kv_copy bf16", "bfloat16", 9, 3, 64, False, launch="kv_copy"),
+        Variant("llama3-8b kv_copy bf16", "bfloat16", 32, 8, 128, False, launch="kv_copy"),
+        Variant("llama3-8b kv_copy fp32", "float32", 32, 8, 128, False, launch="kv_copy"),
     ]
 )
 # The CI test's quick subset, on sm_90a: the default model, the common 8B shape, the
@@ -173,6 +191,11 @@ QUICK = (
     "llama3-8b bf16 reduce",
     "llama3-8b Q8_0 gemv bf16",
     "llama3-8b Q4_0 gemv bf16",
+    "llama3-8b Q4_1 gemv bf16",
+    "llama3-8b Q4_K gemv bf16",
+    "llama3-8b Q6_K gemv bf16",
+    "llama3-8b Q4_0 gemm bf16",
+    "llama3-8b kv_copy bf16",
 )
 
 
@@ -201,13 +224,15 @@ def variant(name: str) -> Variant:
 
 def launch_for(
     v: Variant, tiles: triton_attention.Tiles | None = None
-) -> triton_attention.KernelLaunch | triton_quant.QuantLaunch:
-    """The launch attend() (or quant_gemv) makes for this variant on a GPU, built from
-    small CPU tensors of the variant's shape (only their dtypes, strides and alignment
-    count); `tiles` replaces the launch's own (to measure others)."""
+) -> triton_attention.KernelLaunch | triton_quant.QuantLaunch | triton_kv_copy.CopyLaunch:
+    """The launch attend() (quant_gemv, quant_gemm, the KV copy) makes for this variant
+    on a GPU, built from small CPU tensors of the variant's shape (only their dtypes,
+    strides and alignment count); `tiles` replaces the launch's own (to measure others)."""
     dtype = v.torch_dtype
     if v.quant is not None:
-        return _gemv_launch(v)
+        return _quant_launch(v)
+    if v.launch == "kv_copy":
+        return _kv_copy_launch(v)
     # Prefill and verify: segment_runs' varlen metadata (int64 slices of one upload) for
     # a step of three chunks; decode: a group's padded int64 tables and lengths. 37
     # blocks: a stride no multiple of 16.
@@ -259,14 +284,26 @@ def launch_for(
     return replace(launch, options=options)
 
 
-def _gemv_launch(v: Variant) -> triton_quant.QuantLaunch:
-    """quant_gemv's launch for one token row times a square weight of the model's width."""
+def _quant_launch(v: Variant) -> triton_quant.QuantLaunch:
+    """quant_gemv's launch for one token row (quant_gemm's for 128 rows) times a square
+    weight of the model's width."""
     width = v.heads * v.head_dim
     fmt = quant.FORMATS[str(v.quant)]
+    tokens = 128 if v.launch == "gemm" else 1
     blocks = torch.zeros(width, width // fmt.values * fmt.bytes, dtype=torch.uint8)
-    x = torch.zeros(1, width, dtype=v.torch_dtype)
-    out = torch.empty(1, width, dtype=v.torch_dtype)
-    return triton_quant.gemv_launch(x, blocks, fmt.ggml_id, width, out)
+    x = torch.zeros(tokens, width, dtype=v.torch_dtype)
+    out = torch.empty(tokens, width, dtype=v.torch_dtype)
+    make = triton_quant.gemm_launch if v.launch == "gemm" else triton_quant.gemv_launch
+    return make(x, blocks, fmt.ggml_id, width, out)
+
+
+def _kv_copy_launch(v: Variant) -> triton_kv_copy.CopyLaunch:
+    """The handoff copy's launch for 256 blocks (a 4k-token prompt) between two pools of
+    the model's KV shape (32 layers); ids as the kernel gets them, int64 on the device."""
+    shape = (32, 2, 300, BLOCK_SIZE, v.kv_heads, v.head_dim)
+    src = torch.zeros(shape, dtype=v.torch_dtype)
+    ids = torch.arange(256, dtype=torch.int64)
+    return triton_kv_copy.copy_launch(src, ids, torch.zeros_like(src), ids)
 
 
 def _segment_run(lengths: list[int], verify: bool) -> triton_attention.SegmentRun:

@@ -1,6 +1,7 @@
 """Section 3, triton_kernel: the Triton paged-attention kernel against float64 attention
 on random data in shuffled, NaN-padded pools (decode and varlen/chunked prefill, several
-head shapes and dtypes), then a decode and a chunked-prefill launch timed. On cuda:0, or
+head shapes and dtypes), then a decode and a chunked-prefill launch timed; and the other
+Triton kernels (triton_extras: the KV handoff copy, the quantized GEMV and GEMM). On cuda:0, or
 under Triton's interpreter on the CPU in the dry run."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from .common import Result, verdict
 from .measure import best_seconds
 from .scale import KernelCase, Scale
+from .triton_extras import extra_cases
 
 
 def section_triton_kernel(scale: Scale) -> Result:
@@ -32,6 +34,8 @@ def section_triton_kernel(scale: Scale) -> Result:
         f"{name}: error {row['error']:.2e} <= {row['tolerance']:.2e}": row["ok"]
         for name, row in cases.items()
     }
+    extras = extra_cases(scale)  # the KV copy and the quantized products
+    checks.update({f"{name}: as its reference": row["ok"] for name, row in extras.items()})
     timing = kernel_timing(triton_attention, scale)
     worst = max(cases.values(), key=lambda r: r["error"] / r["tolerance"])
     return verdict(
@@ -40,6 +44,7 @@ def section_triton_kernel(scale: Scale) -> Result:
         f"{worst['error'] / worst['tolerance']:.2f}" + (" (interpreter)" if interpreted else ""),
         interpreted=interpreted,
         cases=cases,
+        extras=extras,
         timing=timing,
     )
 

@@ -1,15 +1,17 @@
-"""The Triton paged-attention kernel compiled for GPUs that CI does not have: sm_90a
-(H100/H200), sm_80 (A100), sm_86 and sm_89 (RTX 30xx/40xx, A10, L4), on the CPU with
-Triton's bundled ptxas, no GPU or driver. Each variant is a specialization the default
-configurations launch (triton_attention.kernel_launches on tensors of the family's shape:
-the same constexprs, warps and stages as on the GPU), compiled by
+"""The Triton kernels (paged attention, quantized products, the KV copy) compiled for
+GPUs that CI does not have: sm_90a (H100/H200), sm_80 (A100), sm_86 and sm_89 (RTX
+30xx/40xx, A10, L4), on the CPU with Triton's bundled ptxas, no GPU or driver. Each
+variant is a specialization the default configurations launch (triton_attention's
+kernel_launches, triton_quant's and triton_kv_copy's launches, on tensors of the family's
+shape: the same constexprs, warps and stages as on the GPU), compiled by
 benchmarks/triton_compile_table.py's own functions, so its table and these tests count
 the same thing. A test fails on a compile error, on ptxas spilling more than the
 benchmark's SPILL_BUDGET bytes a thread, or on more shared memory than the architecture
 gives a block (the launch would fail there with OutOfResources).
 
 The quick lane compiles the default configurations' launches (QUICK: decode, prefill,
-a verify step, a decode split over the context and its reduce, the Q8_0/Q4_0 GEMV) for sm_90a (a few
+a verify step, a decode split over the context and its reduce, the quantized GEMV of each
+format and a GEMM, the handoff's KV block copy) for sm_90a (a few
 seconds on a quiet machine), the slow lane (`process`) the same for sm_80, sm_86 and
 sm_89; the full matrix, every variant for every architecture (a few minutes), is the
 benchmark's: `benchmarks/triton_compile_table.py` exits 1 on any cell that fails.
@@ -100,11 +102,22 @@ def test_variants_cover_every_launch_rule() -> None:
         "split",
         "reduce",
         "gemv",
+        "gemm",
+        "kv_copy",
     }
-    # The quantized GEMV over both block formats it takes, in every dtype.
+    # The quantized GEMV over every block format it takes, the GEMM over its three, in
+    # every dtype; the GEMV of each format in the quick lane.
+    dtypes = ("bfloat16", "float16", "float32")
+    gemv_formats = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
     assert {(v.quant, v.dtype) for v in variants if v.launch == "gemv"} == {
-        (fmt, dtype) for fmt in ("Q8_0", "Q4_0") for dtype in ("bfloat16", "float16", "float32")
+        (fmt, dtype) for fmt in gemv_formats for dtype in dtypes
     }
+    assert {(v.quant, v.dtype) for v in variants if v.launch == "gemm"} == {
+        (fmt, dtype) for fmt in ("Q8_0", "Q4_0", "Q4_1") for dtype in dtypes
+    }
+    assert {BENCH.variant(n).quant for n in BENCH.QUICK if "gemv" in n} == set(gemv_formats)
+    # The handoff's copy in both element widths it compiles for (2 and 4 bytes).
+    assert {v.dtype for v in variants if v.launch == "kv_copy"} >= {"bfloat16", "float32"}
 
 
 def test_a_split_launch_is_the_kernel_and_its_reduce() -> None:
