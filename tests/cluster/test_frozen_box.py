@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from conftest import Certs
 from server_process import ServerProcess, cluster_head, greedy_text, wait_until
@@ -68,6 +69,11 @@ class Boxes:
         self.joins = 0
 
     def join_b(self) -> None:
+        self.start_agent()
+        wait_until(lambda: any(w["ready"] for w in self.on_b()), 180, "box b's worker")
+
+    def start_agent(self) -> subprocess.Popen:
+        """Box b's agent, started (it joins, and the head starts its worker)."""
         command = [sys.executable, "-m", "appliance.cli", "agent", "--head", self.address]
         command += ["--box", "b", "--pool", "decode", "--cpu-devices", "1"]
         command += ["--address", BOX_ADDRESS, "--secret-file", self.secret]
@@ -75,7 +81,7 @@ class Boxes:
         self.joins += 1
         with (self.folder / f"agent-{self.joins}.log").open("wb") as log:
             self.agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        wait_until(lambda: any(w["ready"] for w in self.on_b()), 180, "box b's worker")
+        return self.agent
 
     def workers(self) -> list[dict]:
         health = httpx.get(self.head.url + "/health", timeout=10).json()
@@ -244,3 +250,40 @@ def test_a_stalled_worker_on_a_box_is_killed_by_its_agent_once(
     assert exited["worker"] == worker["worker_id"] and exited["box"] == "b", exited
     reruns = {r for e in boxes.events("rerun") for r in e["requests"]}
     assert set(stall["requests"]) <= reruns
+
+
+def loading_worker(agent: subprocess.Popen) -> int | None:
+    """The pid of a worker process the agent has started (multiprocessing's spawn), if any."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(agent.pid).children():
+            if any("spawn_main" in part for part in child.cmdline()):
+                return child.pid
+    return None
+
+
+def test_a_box_worker_that_dies_loading_after_its_box_joined_is_started_again(
+    boxes: Boxes,
+) -> None:
+    """Box b joins again (as after a freeze, its agent started anew) and the worker the
+    head starts there dies while it loads: the head starts another after the restart
+    policy's back-off, the box still joined. Before, the join's start was tried once:
+    the box stayed joined with no worker until its agent joined again (a frozen box was
+    seen, once, under load, to come back without its worker). Seen failing before the fix:
+    no worker on b within the bound, the head's log saying only that it did not start."""
+    old = boxes.agent
+    if old is not None and old.poll() is None:
+        old.kill()  # its worker dies with it (PDEATHSIG); the head loses the box
+        old.wait(30)
+    wait_until(lambda: not boxes.on_b(), 60, "box b's worker gone with its agent")
+    lost_before = len(boxes.events("box_lost"))
+    agent = boxes.start_agent()
+    pid = wait_until(lambda: loading_worker(agent), 120, "box b's worker started", 0.05)
+    os.kill(pid, signal.SIGKILL)  # long before it is ready: a load takes seconds
+    ready = wait_until(
+        lambda: [w for w in boxes.on_b() if w["ready"]], 180, "box b's worker started again"
+    )
+    assert ready[0]["pid"] != pid
+    assert agent.poll() is None  # the same agent, the box still joined
+    assert len(boxes.events("box_lost")) == lost_before
+    output = boxes.output()
+    assert "a worker for device 2 did not start" in output, output[-4000:]
