@@ -28,6 +28,7 @@ from appliance.core.roles import Role
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.prefix_cache import prefix_keys
+from appliance.kv_store.cuda_copies import CudaBlockCopies
 from appliance.kv_store.host_arena import HostArena
 from appliance.kv_store.namespace import StoreNamespace
 from appliance.kv_store.pool_blocks import block_bytes, load_block, store_block
@@ -66,6 +67,7 @@ class StoreClient:
     written: list[tuple[int, int]] = field(default_factory=list)  # (key, slot) to commit
     piped_blocks: int = 0  # blocks sent as bytes (no reserved slot left), since start
     may_clean: bool = True  # False: the blocks next in line are stored (clean_ahead)
+    cuda: CudaBlockCopies | None = None  # a GPU pool's pinned staging and side stream
     loaded_blocks: int = 0  # since start
     decodes_handoffs: bool = False  # a decode worker: its prompts were prefilled elsewhere
     # keys of prompt blocks handed off to this decode worker: the prefill side has them
@@ -74,6 +76,7 @@ class StoreClient:
     def __post_init__(self) -> None:
         self.digest = self.namespace.digest()
         self.block_nbytes = block_bytes(self.engine.kv.tensor, 0).numel()
+        self.cuda = CudaBlockCopies.for_pool(self.engine.kv.tensor)
         cache = self.engine.scheduler.blocks
         if self.evict_policy:
             cache.on_evict = self._on_evict
@@ -162,7 +165,10 @@ class StoreClient:
             slot = self.slots.pop()
             view = self.arena.payload(slot, self.block_nbytes)
             try:
-                store_block(self.engine.kv.tensor, block, view)
+                if self.cuda is not None:
+                    self.cuda.store(block, view)
+                else:
+                    store_block(self.engine.kv.tensor, block, view)
             finally:
                 view.release()
             self.arena.seal(slot, (self.digest, key), self.block_nbytes)
@@ -219,6 +225,8 @@ class StoreClient:
             params.cache_salt,
             hits.positions,
         )
+        if self.cuda is not None:
+            self.cuda.fence()  # the prefill's kernels wait for the loads on the GPU
         self.loaded_blocks += loaded
         self.released.append((request_id, loaded))
         return loaded
@@ -237,7 +245,10 @@ class StoreClient:
             if view is None:  # the slot no longer holds it: the prefix ends here
                 return False
             try:
-                load_block(self.engine.kv.tensor, block, view)
+                if self.cuda is not None:
+                    self.cuda.load(block, view)  # the bytes read now, the copy up in flight
+                else:
+                    load_block(self.engine.kv.tensor, block, view)
             finally:
                 view.release()
             self.in_store.add(key)

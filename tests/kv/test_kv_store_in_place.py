@@ -256,6 +256,7 @@ def test_a_worker_writes_evicted_blocks_in_place_and_an_idle_one_ahead_of_need(
     # [layers, 2, blocks, block_size, kv_heads, head_dim]: a block is 512 bytes
     pool = torch.zeros(2, 2, 8, SIZE, 1, 8)
     client, cache = worker_client(pool)
+    assert client.cuda is None  # a CPU pool copies directly (no staging, no side stream)
     outbox = Sent()
     sent: list[tuple[int | None, ToWorker]] = []
     owner = StoreOwner(settings, SIZE, send=lambda w, m: sent.append((w, m)))
