@@ -304,7 +304,7 @@ class KVStoreCollector(Collector):
             ("misses", "Lookups whose stored prefix ended short of the prompt.", figures.misses),
             ("refused", "Disk blocks that failed their checks: recomputed.", figures.refused),
             ("dropped", "Blocks pushed out of the store altogether.", figures.dropped),
-            ("put_blocks", "Blocks the workers stored.", figures.put_blocks),
+            ("put_blocks", "Blocks the workers sent (one held already too).", figures.put_blocks),
             (
                 "put_in_place_bytes",
                 "Bytes of the blocks workers wrote straight into reserved arena slots.",

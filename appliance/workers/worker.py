@@ -170,8 +170,8 @@ def serve(state: WorkerState, inbox: Queue[ToWorker]) -> None:
             report(state, engine.step(), started_at)
         elif handled or landed:
             report(state, [], 0.0)  # block counts changed (release, abort): say so
-        elif state.store is not None:  # idle: store what the pool evicts next, off any path
-            state.store.clean_ahead(outbox)
+        if state.store is not None and not engine.scheduler.has_unfinished():
+            state.store.clean_ahead(outbox)  # idle, tokens out: store what evicts next
         for engine_id in engine.expire_leases(LEASE_S):
             request_id = forget_engine_id(state, engine_id)
             if request_id is not None:

@@ -8,13 +8,16 @@ snapshot."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,9 +236,13 @@ def test_a_worker_with_another_kv_dtype_never_reads_the_store(
 def test_blocks_a_small_pool_evicts_are_read_back_from_the_store(
     folders: dict[str, Path],
 ) -> None:
-    """The default write policy: a block enters the store as the worker's pool evicts it.
-    The pool holds 11 blocks: a second prompt evicts most of the first's, whose repeat
-    then finds every block again (the evicted ones loaded from the store)."""
+    """The default write policy: a block enters the store as the worker's pool evicts it
+    (or, idle, as it is next in line), written by the worker straight into arena slots
+    reserved for it: no block's bytes cross its pipe. The pool holds 11 blocks: a second
+    prompt evicts most of the first's, whose repeat then finds every block again (the
+    evicted ones loaded from the store). The worker killed: its reserved slots come back
+    (its successor holds one share, not two), and its successor's cold pool loads the
+    prompt from the store, answering as before."""
     server = store_server(
         folders,
         folders["disk"] / "evict",
@@ -253,8 +260,37 @@ def test_blocks_a_small_pool_evicts_are_read_back_from_the_store(
         assert again.cached_tokens == 8 * BLOCK
         assert metric(server, "appliance_kv_store_hits_total", '{tier="host"}') >= 1
         assert again.text == before.text
+        assert metric(server, "appliance_kv_store_put_piped_bytes_total") == 0
+        in_place = metric(server, "appliance_kv_store_put_in_place_bytes_total")
+        assert in_place >= 8 * F32_BLOCK_BYTES and in_place % F32_BLOCK_BYTES == 0
+        share = metric(server, "appliance_kv_store_reserved_slots")
+        assert share >= 1
+
+        worker = snapshot(server).devices[0].worker
+        assert worker is not None and worker.pid is not None
+        os.kill(worker.pid, signal.SIGKILL)
+        wait_for(lambda: successor_ready(server, worker.pid), "the worker came back")
+        wait_for(lambda: metric(server, "appliance_kv_store_reserved_slots") == share, "slots")
+        third = complete(server, first)
+        assert third.cached_tokens == 8 * BLOCK  # a cold pool: every block from the store
+        assert third.text == before.text
     finally:
         assert server.stop() == 0
+
+
+F32_BLOCK_BYTES = 30 * 2 * BLOCK * 3 * 64 * 4  # SmolLM2-135M: layers, K and V, heads, dims
+
+
+def successor_ready(server: ServerProcess, old_pid: int) -> bool:
+    worker = snapshot(server).devices[0].worker
+    return worker is not None and worker.pid != old_pid and worker.phase == "ready"
+
+
+def wait_for(check: Callable[[], bool], what: str, bound_s: float = 300.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {bound_s:.0f} s: {what}"
+        time.sleep(0.2)
 
 
 def chat(server: ServerProcess, messages: list[dict[str, str]], **extra: object) -> Answer:
@@ -310,6 +346,9 @@ def test_a_chats_answer_decoded_on_the_decode_worker_is_served_to_the_next_turn(
         whole = chat(server, history, prompt_logprobs=0)  # every position computed
         assert whole.cached_tokens == 0
         assert second.text == whole.text
+        # Both workers wrote their blocks in place: none crossed a pipe.
+        assert metric(server, "appliance_kv_store_put_in_place_bytes_total") > 0
+        assert metric(server, "appliance_kv_store_put_piped_bytes_total") == 0
     finally:
         assert server.stop() == 0
 
