@@ -42,6 +42,8 @@ class DecodeLoad:
 
     seqs: int
     context: int  # the sum of their lengths: keys a decode step reads
+    # Tokens each has left to make at most (its max_tokens less what it made), where known.
+    remaining: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.seqs < 0 or self.context < 0:
@@ -78,6 +80,9 @@ class Admission:
     admit: bool
     reason: str
     predicted_s: float | None = None
+    # Held, and no room is expected on this worker within its wait: holding it gains
+    # nothing here (the queue admits it where no worker expects room in time).
+    futile: bool = False
 
 
 def admission_limits(planner: PlannerSettings) -> AdmissionLimits | None:
@@ -134,9 +139,34 @@ def decide(
         return Admission(
             True, f"{joined.seqs} sequences: {predicted * 1e3:.0f} ms a step", predicted
         )
-    return Admission(
-        False,
+    over = (
         f"{joined.seqs} sequences would take {predicted * 1e3:.0f} ms a step, over "
-        f"{bound * 1e3:.0f} ms ({limits.headroom:.0%} of the TPOT limit)",
-        predicted,
+        f"{bound * 1e3:.0f} ms ({limits.headroom:.0%} of the TPOT limit)"
     )
+    room_in = _room_in(load, prompt_tokens, model, bound, pace)
+    if room_in is not None and room_in > limits.max_wait_s - waited_s:
+        # Held here, it would join as full a batch at the end of its wait.
+        return Admission(False, f"{over}; no room within its wait", predicted, futile=True)
+    return Admission(False, over, predicted)
+
+
+def _room_in(
+    load: DecodeLoad, prompt_tokens: int, model: StepModel, bound: float, pace: float
+) -> float | None:
+    """Seconds until enough of `load`'s sequences have finished for a step with the new
+    one to be within `bound`, if they all run to their remaining tokens at today's step
+    time (an upper bound: a stop token ends one sooner); None where their remaining tokens
+    are not known."""
+    if len(load.remaining) != load.seqs:
+        return None
+    mean = load.context / load.seqs
+    step = pace * decode_seconds(model, load)
+    finishing = sorted(load.remaining)
+    for done in range(1, load.seqs + 1):
+        left = load.seqs - done + 1
+        if (
+            pace * decode_seconds(model, DecodeLoad(left, round(mean * (left - 1)) + prompt_tokens))
+            <= bound
+        ):
+            return finishing[done - 1] * step
+    return finishing[-1] * step

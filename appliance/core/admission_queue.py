@@ -29,6 +29,11 @@ MODEL_REFRESH_S = 1.0  # a worker size's step-cost fit is read again at most thi
 PACE_KEPT = 64  # step periods kept per worker (a few seconds of a busy worker's steps)
 
 
+class Params(Protocol):
+    @property
+    def max_tokens(self) -> int: ...
+
+
 class Decoding(Protocol):
     """What the queue reads of a request in flight (core/request_table.py's Request)."""
 
@@ -36,15 +41,21 @@ class Decoding(Protocol):
     def prompt(self) -> list[int]: ...
     @property
     def output_ids(self) -> list[int]: ...
+    @property
+    def params(self) -> Params: ...
 
 
 def load_of(requests: Iterable[Decoding]) -> DecodeLoad:
-    """The decode load of these requests: one sequence each, of its prompt and output."""
+    """The decode load of these requests: one sequence each, of its prompt and output,
+    with the tokens it has left to make at most."""
     seqs = context = 0
+    remaining = []
     for request in requests:
         seqs += 1
-        context += len(request.prompt) + len(request.output_ids)
-    return DecodeLoad(seqs, context)
+        made = len(request.output_ids)
+        context += len(request.prompt) + made
+        remaining.append(max(0, request.params.max_tokens - made))
+    return DecodeLoad(seqs, context, tuple(remaining))
 
 
 class AdmissionQueue:
@@ -75,9 +86,10 @@ class AdmissionQueue:
     ) -> list[int]:
         """The entry workers (indices into `loads`, `models`, `paces`: per entry worker;
         paces None: 1, see StepPace) that may take the prompt now: those whose decode step
-        with it stays within the limits, every one where no limits are set or its wait is
-        up; the router picks among them. None may: the prompt is held (behind those held
-        before it) until a later call admits it."""
+        with it stays within the limits; every one where no limits are set, its wait is
+        up, or no worker expects room before it is (Admission.futile); the router picks
+        among them. None may: the prompt is held (behind those held before it) until a
+        later call admits it."""
         every = list(range(len(loads)))
         if self.limits is None:
             return every
@@ -91,6 +103,8 @@ class AdmissionQueue:
         ]
         allowed = [i for i in every if verdicts[i].admit]
         self.last = verdicts[allowed[0] if allowed else lightest(loads)]
+        if not allowed and all(v.futile for v in verdicts):
+            allowed = every  # no worker expects room within its wait: holding gains nothing
         if allowed:
             self._held.pop(request_id, None)
         else:

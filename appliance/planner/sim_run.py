@@ -424,11 +424,16 @@ class Simulation:
 
 
 def _load(worker: Worker) -> DecodeLoad:
-    """The sequences a worker runs, holds waiting or is being handed, and their lengths
-    (a prompt not started counts its prompt)."""
+    """The sequences a worker runs, holds waiting or is being handed, their lengths (a
+    prompt not started counts its prompt) and the tokens each has left to make."""
     pending = [*worker.waiting, *worker.landed]
     context = worker.context + sum(s.length for s in worker.tail) + sum(s.length for s in pending)
-    return DecodeLoad(worker.running + len(pending) + worker.in_flight, context)
+    # A lazy sequence's progress is its worker's steps since it turned lazy.
+    lazy = [s.output - (s.c0 + worker.step - s.k0 + 1 - s.prompt) for s in worker.lazy]
+    others = [s.output - s.made for s in (*worker.tail, *pending)]
+    seqs = worker.running + len(pending) + worker.in_flight
+    remaining = tuple(lazy + others) if worker.in_flight == 0 else ()
+    return DecodeLoad(seqs, context, remaining)
 
 
 def _network(profile: Profile, layout: Layout) -> HandoffCost | None:

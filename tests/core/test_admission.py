@@ -73,13 +73,34 @@ def test_the_lightest_worker_is_judged() -> None:
 
 
 @dataclass
+class Params:
+    max_tokens: int = 64
+
+
+@dataclass
 class Req:
     prompt: list[int]
     output_ids: list[int] = field(default_factory=list)
+    params: Params = field(default_factory=Params)
 
 
-def test_the_load_of_requests_counts_their_prompts_and_outputs() -> None:
-    assert load_of([Req([1] * 100, [2] * 20), Req([1] * 50)]) == DecodeLoad(2, 170)
+def test_the_load_of_requests_counts_their_prompts_outputs_and_tokens_left() -> None:
+    load = load_of([Req([1] * 100, [2] * 20), Req([1] * 50)])
+    assert load == DecodeLoad(2, 170, (44, 64))
+
+
+def test_a_prompt_is_not_held_where_no_room_comes_within_its_wait() -> None:
+    # 12 sequences of 300 keys step in 64.8 ms; 5 must end before a 13th fits 48 ms. The
+    # 5th to end has 200 tokens left: 13 s away, past the 4 s a prompt may wait.
+    far = DecodeLoad(12, 3600, (200,) * 12)
+    verdict = decide(far, 300, COST, LIMITS, waited_s=0.0)
+    assert not verdict.admit and verdict.futile
+    assert "no room within its wait" in verdict.reason
+    near = DecodeLoad(12, 3600, (5, 5, 5, 5, 5, *(200,) * 7))  # 5 end within 0.4 s
+    assert not decide(near, 300, COST, LIMITS, waited_s=0.0).futile
+    queue = AdmissionQueue(LIMITS)
+    assert queue.admits(1, 300, 0.0, [far, far], [COST, COST]) == [0, 1]  # holding is futile
+    assert queue.admits(2, 300, 0.0, [far, near], [COST, COST]) == []  # room comes: held
 
 
 def test_the_queue_admits_in_arrival_order_and_each_within_its_wait_bound() -> None:
