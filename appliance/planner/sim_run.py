@@ -232,6 +232,7 @@ class Simulation:
         coming.append(DecodeLoad(len(self.handoffs), sum(s.length for _, s in self.handoffs)))
         seqs = sum(c.seqs for c in coming) // len(decoders)
         context = sum(c.context for c in coming) // len(decoders)
+        # Tokens left unknown, as the flow has it for a prefill worker.
         return DecodeLoad(least.seqs + seqs, least.context + context)
 
     def _decoders(self) -> list[Worker]:

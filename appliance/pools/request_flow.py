@@ -314,6 +314,8 @@ class RequestFlow:
         coming = load_of(r for r in self.table.requests.values() if _for_decode_pool(r))
         count = len(decoders)
         own = loads[index]
+        # Tokens left unknown (DecodeLoad.remaining empty): a prefill worker's prompt is
+        # held up to its wait's end, whatever room the decode pool expects.
         return decoders[index], DecodeLoad(
             own.seqs + coming.seqs // count, own.context + coming.context // count
         )
