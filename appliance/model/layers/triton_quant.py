@@ -26,8 +26,9 @@ and walks the input a step at a time: 32-value formats BLOCKS blocks a step (sca
 [ROWS, BLOCKS], quants as [ROWS, BLOCKS, 32]), K-quants one super-block a step (scales
 as [ROWS, SUBS], quants as [ROWS, SUBS, SUBLEN]), float32 sums. GEMM grid: (row tiles of
 x, row tiles of the weight): [BM, BN] of the output, the weight dequantized [BN, BK] a
-step (BK a multiple of 32), the dot in x's dtype with float32 sums (IEEE for float32;
-under the interpreter 16-bit operands are widened after the same rounding, UPCAST).
+step (BK a multiple of 32; for the K-quants a part of one super-block), the dot in x's
+dtype with float32 sums (IEEE for float32; under the interpreter 16-bit operands are
+widened after the same rounding, UPCAST).
 Under Triton's interpreter (TRITON_INTERPRET=1) the same kernels run on CPU tensors; the
 tests compare them with the dequantizer and the CPU kernels.
 """
@@ -59,7 +60,7 @@ _FORMATS = {
     12: _Format(3, 144, 256),  # Q4_K
     14: _Format(4, 210, 256),  # Q6_K
 }
-_GEMM_FORMATS = (8, 2, 3)  # the 32-value formats; the K-quants' prefill runs the GEMV
+_GEMM_FORMATS = (8, 2, 3, 12, 14)  # every format the GEMV takes
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Token rows from which a product runs as the GEMM: below, the GEMV reads the weight once
 # per row (from L2 after the first), where the GEMM's row tile of 16 would idle. A guess,
@@ -134,6 +135,48 @@ def _quant_gemv_kernel(
 
 
 @triton.jit
+def _kquant_weights(block, r_ok, s, t, FORMAT: tl.constexpr):
+    """Some of a K-quant super-block's weights, float32 [R, S, SUBLEN]: `block` the rows'
+    super-blocks' first bytes [R, 1], `r_ok` their mask [R], s the scales' sub-blocks
+    [S] (Q4_K: values 32s.., Q6_K: values 16s..), t a value's place in one [SUBLEN]."""
+    ok2 = r_ok[:, None] & (s[None, :] >= 0)  # [R, S]
+    ok3 = ok2[:, :, None]
+    if FORMAT == 3:  # Q4_K: sub-block s is values 32s..32s+31
+        d = _half(block, r_ok[:, None])  # [R, 1]
+        dmin = _half(block + 2, r_ok[:, None])
+        scales = block + 4
+        a = tl.load(scales + s[None, :], mask=ok2, other=0).to(tl.int32)  # q[s]
+        b = tl.load(scales + 4 + s[None, :], mask=ok2, other=0).to(tl.int32)  # q[s + 4]
+        c = tl.load(scales + (s % 4)[None, :], mask=ok2, other=0).to(tl.int32)  # q[s - 4]
+        low = s[None, :] < 4
+        sc = tl.where(low, a & 63, (b & 15) | ((c >> 6) << 4)).to(tl.float32)
+        mn = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4)).to(tl.float32)
+        byte = tl.load(
+            block[:, :, None] + 16 + (s // 2 * 32)[None, :, None] + t[None, None, :],
+            mask=ok3,
+            other=0,
+        )
+        nibble = tl.where((s % 2 == 0)[None, :, None], byte & 15, byte >> 4).to(tl.float32)
+        w = (d * sc)[:, :, None] * nibble - (dmin * mn)[:, :, None]  # [R, S, SUBLEN]
+    else:  # Q6_K: scale s covers values 16s..16s+15, of half h, group g, at place
+        h = s // 8
+        g = s % 8 // 2
+        place = (s % 2 * 16)[:, None] + t[None, :]  # [S, SUBLEN]
+        low_at = (h * 64 + g % 2 * 32)[:, None] + place
+        ql = tl.load(block[:, :, None] + low_at[None, :, :], mask=ok3, other=0).to(tl.int32)
+        nibble = tl.where((g < 2)[None, :, None], ql & 15, ql >> 4)
+        high_at = 128 + (h * 32)[:, None] + place
+        qh = tl.load(block[:, :, None] + high_at[None, :, :], mask=ok3, other=0).to(tl.int32)
+        high = (qh >> (2 * g)[None, :, None]) & 3
+        q = (nibble | (high << 4)) - 32
+        sc = tl.load(block + 192 + s[None, :], mask=ok2, other=0)
+        sc = sc.to(tl.int8, bitcast=True).to(tl.float32)  # [R, S]
+        d = _half(block + 208, r_ok[:, None])  # [R, 1]
+        w = (d * sc)[:, :, None] * q.to(tl.float32)
+    return w
+
+
+@triton.jit
 def _kquant_gemv_kernel(
     x_ptr,  # [tokens, in_features] float
     w_ptr,  # [rows, row_bytes] uint8: each row's super-blocks
@@ -155,46 +198,13 @@ def _kquant_gemv_kernel(
     r_ok = r < rows
     s = tl.arange(0, SUBS)  # [SUBS]: a scale's sub-block
     t = tl.arange(0, SUBLEN)  # [SUBLEN]: a value's place in it
-    ok2 = r_ok[:, None] & (s[None, :] < SUBS)  # [ROWS, SUBS]
-    ok3 = ok2[:, :, None]
     acc = tl.zeros([ROWS], dtype=tl.float32)
     w_rows = w_ptr + r.to(tl.int64)[:, None] * stride_wr  # [ROWS, 1]
     for sb in range(0, in_features // 256):
         block = w_rows + sb * BLOCK_BYTES  # [ROWS, 1]
         xs = tl.load(x_ptr + token * stride_xt + sb * 256 + s[:, None] * SUBLEN + t[None, :])
         xs = xs.to(tl.float32)  # [SUBS, SUBLEN]
-        if FORMAT == 3:  # Q4_K: sub-block s is values 32s..32s+31
-            d = _half(block, r_ok[:, None])  # [ROWS, 1]
-            dmin = _half(block + 2, r_ok[:, None])
-            scales = block + 4
-            a = tl.load(scales + s[None, :], mask=ok2, other=0).to(tl.int32)  # q[s]
-            b = tl.load(scales + 4 + s[None, :], mask=ok2, other=0).to(tl.int32)  # q[s + 4]
-            c = tl.load(scales + (s % 4)[None, :], mask=ok2, other=0).to(tl.int32)  # q[s - 4]
-            low = s[None, :] < 4
-            sc = tl.where(low, a & 63, (b & 15) | ((c >> 6) << 4)).to(tl.float32)
-            mn = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4)).to(tl.float32)
-            byte = tl.load(
-                block[:, :, None] + 16 + (s // 2 * 32)[None, :, None] + t[None, None, :],
-                mask=ok3,
-                other=0,
-            )
-            nibble = tl.where((s % 2 == 0)[None, :, None], byte & 15, byte >> 4).to(tl.float32)
-            w = (d * sc)[:, :, None] * nibble - (dmin * mn)[:, :, None]  # [ROWS, SUBS, SUBLEN]
-        else:  # Q6_K: scale s covers values 16s..16s+15, of half h, group g, at l
-            h = s // 8
-            g = s % 8 // 2
-            place = (s % 2 * 16)[:, None] + t[None, :]  # [SUBS, SUBLEN]
-            low_at = (h * 64 + g % 2 * 32)[:, None] + place
-            ql = tl.load(block[:, :, None] + low_at[None, :, :], mask=ok3, other=0).to(tl.int32)
-            nibble = tl.where((g < 2)[None, :, None], ql & 15, ql >> 4)
-            high_at = 128 + (h * 32)[:, None] + place
-            qh = tl.load(block[:, :, None] + high_at[None, :, :], mask=ok3, other=0).to(tl.int32)
-            high = (qh >> (2 * g)[None, :, None]) & 3
-            q = (nibble | (high << 4)) - 32
-            sc = tl.load(block + 192 + s[None, :], mask=ok2, other=0)
-            sc = sc.to(tl.int8, bitcast=True).to(tl.float32)  # [ROWS, SUBS]
-            d = _half(block + 208, r_ok[:, None])  # [ROWS, 1]
-            w = (d * sc)[:, :, None] * q.to(tl.float32)
+        w = _kquant_weights(block, r_ok, s, t, FORMAT)  # [ROWS, SUBS, SUBLEN]
         acc += tl.sum(tl.sum(w * xs[None, :, :], axis=2), axis=1)
     tl.store(out_ptr + token * stride_ot + r, acc.to(out_ptr.dtype.element_ty), mask=r_ok)
 
@@ -210,8 +220,9 @@ def _quant_gemm_kernel(
     stride_xt,
     stride_wr,
     stride_ot,
-    FORMAT: tl.constexpr,  # 0: Q8_0, 1: Q4_0, 2: Q4_1
+    FORMAT: tl.constexpr,  # 0: Q8_0, 1: Q4_0, 2: Q4_1, 3: Q4_K, 4: Q6_K
     BLOCK_BYTES: tl.constexpr,
+    SUBLEN: tl.constexpr,  # values a scale: 32 (and the 32-value formats), 16 (Q6_K)
     BM: tl.constexpr,  # token rows a program
     BN: tl.constexpr,  # weight rows (output columns) a program
     BK: tl.constexpr,  # input values a step, a multiple of 32
@@ -228,10 +239,15 @@ def _quant_gemm_kernel(
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xt  # [BM, 1]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for first in range(0, in_features, BK):
-        b = first // 32 + kb  # [BK / 32]
-        b_ok = b < in_features // 32
-        ok = n_ok[:, None] & b_ok[None, :]  # [BN, BK / 32]
-        w = _block32_weights(w_rows + b[None, :] * BLOCK_BYTES, ok, j[None, None, :], FORMAT)
+        if FORMAT < 3:
+            b = first // 32 + kb  # [BK / 32]
+            b_ok = b < in_features // 32
+            ok = n_ok[:, None] & b_ok[None, :]  # [BN, BK / 32]
+            w = _block32_weights(w_rows + b[None, :] * BLOCK_BYTES, ok, j[None, None, :], FORMAT)
+        else:  # BK values of one super-block (BK divides 256 and in_features is whole ones)
+            block = w_rows + first // 256 * BLOCK_BYTES  # [BN, 1]
+            s = first % 256 // SUBLEN + tl.arange(0, BK // SUBLEN)  # [BK / SUBLEN]
+            w = _kquant_weights(block, n_ok, s, tl.arange(0, SUBLEN), FORMAT)
         w = tl.reshape(w, [BN, BK]).to(x_ptr.dtype.element_ty)  # value first + i at i
         x_ok = m_ok[:, None] & (first + k < in_features)[None, :]
         xs = tl.load(x_rows + first + k[None, :], mask=x_ok, other=0.0)  # [BM, BK]
@@ -310,6 +326,7 @@ def gemm_launch(
     options = {
         "FORMAT": fmt.kind,
         "BLOCK_BYTES": fmt.block_bytes,
+        "SUBLEN": 16 if fmt.kind == 4 else 32,
         "BM": bm,
         "BN": bn,
         "BK": bk,
@@ -380,11 +397,11 @@ def quant_gemm(
     in_features: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """quant_gemv's product for prefill's many rows (Q8_0, Q4_0, Q4_1): each weight tile
+    """quant_gemv's product for prefill's many rows (every format it takes): each weight tile
     dequantized once for BM rows and multiplied on the tensor cores in x's dtype (the
     weight rounded to it, as the dense path's would be)."""
     if format_id not in _GEMM_FORMATS:
-        raise ValueError(f"quant_gemm takes Q8_0, Q4_0 or Q4_1 blocks, not GGML type {format_id}")
+        raise ValueError(f"quant_gemm takes no blocks of GGML type {format_id}")
     return _run(gemm_launch, x, blocks, format_id, in_features, out)
 
 
@@ -396,7 +413,7 @@ def quant_matmul(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The product a quantized linear layer runs on the GPU: the GEMM from GEMM_TOKENS
-    rows on (its formats), the GEMV below (and for the K-quants)."""
+    rows on, the GEMV below."""
     if x.shape[0] >= GEMM_TOKENS and format_id in _GEMM_FORMATS:
         return quant_gemm(x, blocks, format_id, in_features, out)
     return quant_gemv(x, blocks, format_id, in_features, out)

@@ -105,15 +105,15 @@ def test_variants_cover_every_launch_rule() -> None:
         "gemm",
         "kv_copy",
     }
-    # The quantized GEMV over every block format it takes, the GEMM over its three, in
-    # every dtype; the GEMV of each format in the quick lane.
+    # The quantized GEMV and GEMM over every block format they take, in every dtype;
+    # the GEMV of each format in the quick lane.
     dtypes = ("bfloat16", "float16", "float32")
     gemv_formats = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
     assert {(v.quant, v.dtype) for v in variants if v.launch == "gemv"} == {
         (fmt, dtype) for fmt in gemv_formats for dtype in dtypes
     }
     assert {(v.quant, v.dtype) for v in variants if v.launch == "gemm"} == {
-        (fmt, dtype) for fmt in ("Q8_0", "Q4_0", "Q4_1") for dtype in dtypes
+        (fmt, dtype) for fmt in gemv_formats for dtype in dtypes
     }
     assert {BENCH.variant(n).quant for n in BENCH.QUICK if "gemv" in n} == set(gemv_formats)
     # The handoff's copy in both element widths it compiles for (2 and 4 bytes).

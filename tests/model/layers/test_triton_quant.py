@@ -1,12 +1,13 @@
-"""The Triton GEMV (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) and the prefill GEMM (Q8_0, Q4_0,
-Q4_1) over GGUF blocks (appliance/model/layers/triton_quant.py) under Triton's
-interpreter, against quant.py's dequantizer and the CPU kernels' product.
+"""The Triton GEMV and the prefill GEMM over GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K;
+appliance/model/layers/triton_quant.py) under Triton's interpreter, against quant.py's
+dequantizer and the CPU kernels' product.
 
 Q8_0 and Q4_0 weights come from quant.quantize (llama.cpp's rounding) of random floats;
 the other formats are random bytes with float16 scales of a sane size (every quant bit
 pattern, the K-quants' packed scales too). Row counts leave a partial row tile (70), block
 counts a partial step (9 blocks: steps of 8 in the GEMV, of 2 in the 16-bit GEMM), and
-20 GEMM rows a partial row tile. The child process runs the interpreter (TRITON_INTERPRET
+20 GEMM rows a partial row tile; the K-quants' GEMM steps through a super-block 64 (32
+in float32) values at a time. The child process runs the interpreter (TRITON_INTERPRET
 must be set before triton is imported; see test_triton_attention.py) and reports JSON.
 """
 
@@ -26,9 +27,9 @@ import torch
 # Each test runs the Triton interpreter in a child process: the slow lane's kind of test.
 pytestmark = pytest.mark.process
 
-# GGML type ids of the formats the kernels take; the GEMM takes the 32-value ones.
+# GGML type ids of the formats the kernels (the GEMV and the GEMM) take.
 FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
-GEMM_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+GEMM_FORMATS = tuple(FORMATS)
 ROWS, TOKENS, GEMM_TOKENS = 70, 3, 20
 # Input widths: 9 blocks of 32 (a partial GEMV step of 8 blocks, a partial GEMM step of
 # 64 values), or two 256-value super-blocks.
@@ -218,9 +219,9 @@ def test_other_formats_are_refused() -> None:
         triton_quant.quant_gemv(
             torch.zeros(1, 256), torch.zeros(1, 176, dtype=torch.uint8), 13, 256
         )
-    with pytest.raises(ValueError, match="GGML type 12"):  # the K-quants' prefill: the GEMV
+    with pytest.raises(ValueError, match="GGML type 13"):
         triton_quant.quant_gemm(
-            torch.zeros(1, 256), torch.zeros(1, 144, dtype=torch.uint8), 12, 256
+            torch.zeros(1, 256), torch.zeros(1, 176, dtype=torch.uint8), 13, 256
         )
     with pytest.raises(ValueError, match="do not hold"):
         triton_quant.quant_gemv(torch.zeros(1, 64), torch.zeros(1, 34, dtype=torch.uint8), 8, 64)
