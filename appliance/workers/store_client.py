@@ -135,7 +135,7 @@ class StoreClient:
         for block, key in self.engine.scheduler.blocks.cached_blocks()[:depth]:
             if not self.slots:
                 break  # the rest when the supervisor has topped the slots up
-            if key not in self.in_store:
+            if key not in self.in_store and key not in self.handed:  # (handed: prefill's)
                 self._copy_out(block, key)
                 self.in_store.add(key)
                 written += 1

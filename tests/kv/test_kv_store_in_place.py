@@ -230,13 +230,13 @@ class Sent:
         self.messages.append(message)
 
 
-def worker_client(pool: torch.Tensor) -> tuple[StoreClient, PrefixCache]:
+def worker_client(pool: torch.Tensor, decodes: bool = False) -> tuple[StoreClient, PrefixCache]:
     """A worker's store client over a real prefix cache and pool (the engine's parts it
-    uses; no model)."""
+    uses; no model); `decodes`: a decode worker's."""
     cache = PrefixCache(BlockAllocator(pool.shape[2]), SIZE)
     kv = SimpleNamespace(tensor=pool, block_size=SIZE)
     engine = SimpleNamespace(scheduler=SimpleNamespace(blocks=cache), kv=kv)
-    return StoreClient(1, cast(LLMEngine, engine), NAMESPACE), cache
+    return StoreClient(1, cast(LLMEngine, engine), NAMESPACE, decodes_handoffs=decodes), cache
 
 
 def compute(cache: PrefixCache, pool: torch.Tensor, tokens: list[int]) -> list[int]:
@@ -305,4 +305,21 @@ def test_a_worker_writes_evicted_blocks_in_place_and_an_idle_one_ahead_of_need(
     cache.allocate(8)  # seven free, then the one cached
     client.send(cast(Outbox, outbox))
     assert [type(m) for m in outbox.messages] == [StorePut] and client.piped_blocks == 1
+    owner.close()
+
+
+def test_a_decode_worker_writes_ahead_none_of_the_prompt_blocks_handed_to_it(
+    settings: KVStoreSettings,
+) -> None:
+    pool = torch.zeros(2, 2, 8, SIZE, 1, 8)
+    client, cache = worker_client(pool, decodes=True)
+    sent: list[tuple[int | None, ToWorker]] = []
+    owner = StoreOwner(settings, SIZE, send=lambda w, m: sent.append((w, m)))
+    owner.on_ready(StoreReady(1, NAMESPACE, client.block_nbytes))
+    client.take_slots(cast(StoreSlots, sent[-1][1]))
+    prompt = list(range(3 * SIZE))
+    client.handed_off(prompt, "")  # prefilled elsewhere: the prefill side stores them
+    compute(cache, pool, prompt)
+    outbox = Sent()
+    assert client.clean_ahead(cast(Outbox, outbox)) == 0 and outbox.messages == []
     owner.close()
