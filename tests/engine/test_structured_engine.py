@@ -6,7 +6,9 @@ carries its streamed tokens' count."""
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -18,9 +20,11 @@ from tests_root import DATA
 from appliance.core.request_table import RequestTable
 from appliance.engine.sampler import Sampler, SampleRow
 from appliance.engine.sequence import SamplingParams, StructuredOutput
+from appliance.engine.structured import masks as masks_module
 from appliance.engine.structured.compile import UnsupportedSpec, check
 from appliance.engine.structured.masks import GrammarMasks, apply_grammar, unpack
 from appliance.engine.structured.matcher import RequestMatcher
+from appliance.engine.structured.vocabulary import grammar_vocabulary
 from appliance.model.loader import prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.settings.config import load_settings
@@ -33,6 +37,16 @@ PROMPT = [1, 2, 3, 4]  # any ids: a matcher never reads the prompt
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return prepare_tokenizer(None, load_settings().cache_dir)[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vocabulary_built_once() -> Iterator[None]:
+    """Each GrammarMasks builds llguidance's view of the tokenizer at its first matcher
+    (~0.3 s for 49,152 tokens); this module's half dozen share the one they would each
+    build alike, as a worker's requests do."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(masks_module, "grammar_vocabulary", functools.cache(grammar_vocabulary))
+        yield
 
 
 @pytest.fixture(scope="module")
