@@ -23,7 +23,10 @@ server answers the document workload, stops (its host tier goes to disk), a new 
 starts on the same disk folder and answers it again (warm), against a server on a fresh
 folder (cold). Reported per run: TTFT p50/p99, prompt tokens computed, the share of
 prompt tokens not computed, blocks served per tier, and the store's traffic: blocks
-loaded into the pools and written into the store per request (from /metrics). Name the CPU
+loaded into the pools and written into the store per request, and the bytes of a put that
+crossed a worker's pipe (before reserved arena slots every put sent its whole block
+there; now only a worker out of slots does) and the share of puts written in place
+(from /metrics). Name the CPU
 with the figures; smoke-run with tiny counts only on a busy machine (its figures mean
 nothing then).
 """
@@ -70,6 +73,8 @@ class RunFigures:
     hits_disk: int
     loaded_per_request: float  # blocks workers copied from the store, per request
     written_per_request: float  # blocks put into the store's host tier, per request
+    piped_bytes_per_put: float  # bytes a stored block sent through a worker's pipe
+    in_place_share: float  # of the bytes stored, those written straight into the arena
 
 
 def words(rng: random.Random, n: int) -> list[int]:
@@ -156,7 +161,9 @@ def store_counters(url: str) -> dict[str, float]:
     """The store's counters by name and tier ('hits/host', 'written_bytes/host', ...)."""
     text = httpx.get(url + "/metrics", timeout=10).text
     pattern = r'^appliance_kv_store_(hits|read_bytes|written_bytes)_total\{tier="(\w+)"\} (\S+)$'
-    return {f"{n}/{t}": float(v) for n, t, v in re.findall(pattern, text, re.M)}
+    found = {f"{n}/{t}": float(v) for n, t, v in re.findall(pattern, text, re.M)}
+    puts = r"^appliance_kv_store_(put_blocks|put_in_place_bytes|put_piped_bytes)_total (\S+)$"
+    return found | {n: float(v) for n, v in re.findall(puts, text, re.M)}
 
 
 Answer = Callable[[list[int]], list[int]]  # a prompt -> the ids of the model's answer
@@ -196,6 +203,9 @@ def drive(
     served = moved.get("read_bytes/host", 0.0) + moved.get("read_bytes/disk", 0.0)
     block = served / hits if hits else 0.0  # one block's bytes
     written = moved.get("written_bytes/host", 0.0) / block if block else 0.0
+    puts = moved.get("put_blocks", 0.0)
+    piped = moved.get("put_piped_bytes", 0.0)
+    in_place = moved.get("put_in_place_bytes", 0.0)
     return RunFigures(
         label,
         workload,
@@ -209,6 +219,8 @@ def drive(
         int(moved.get("hits/disk", 0)),
         hits / len(replies),
         written / len(replies),
+        piped / puts if puts else 0.0,
+        in_place / (in_place + piped) if in_place + piped else 0.0,
     )
 
 
@@ -315,15 +327,17 @@ def render(rows: list[RunFigures], args: argparse.Namespace) -> str:
         f"(pool {args.pool_mb} MiB a worker; default layout; chat answers: {args.answers})",
         "",
         "| run | workload | requests | TTFT p50 ms | TTFT p99 ms | prompt tokens | computed "
-        "| reused | host hits | disk hits | loaded/request | written/request |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| reused | host hits | disk hits | loaded/request | written/request "
+        "| piped KiB/put | in place |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.label} | {r.workload} | {r.requests} | {r.ttft_p50_ms:.0f} | "
             f"{r.ttft_p99_ms:.0f} | {r.prompt_tokens} | {r.computed_tokens} | "
             f"{r.reused_share:.0%} | {r.hits_host} | {r.hits_disk} | "
-            f"{r.loaded_per_request:.1f} | {r.written_per_request:.1f} |"
+            f"{r.loaded_per_request:.1f} | {r.written_per_request:.1f} | "
+            f"{r.piped_bytes_per_put / 1024:.1f} | {r.in_place_share:.0%} |"
         )
     lines += ["", "```json", json.dumps([asdict(r) for r in rows], indent=1), "```"]
     return "\n".join(lines) + "\n"
