@@ -10,7 +10,7 @@ Face folder) can be quantized at load to Q8_0 or Q4_0 (`quantize`).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -235,6 +235,14 @@ class QuantLinear(nn.Module):
     def weight_bytes(self) -> int:
         return sum(p.blocks.numel() for p in self.parts)
 
+    def place(self, move: Callable[[QuantWeight], QuantWeight]) -> None:
+        """Take the parts `move` gives (on a GPU, where the Triton kernels read them), the
+        bias beside them."""
+        self.parts = [move(p) for p in self.parts]
+        if self.bias is not None:
+            self.bias = self.bias.to(self.parts[0].blocks.device)
+        self._matrices = _matrices(self.parts, self.bias, self.span, self.partial)
+
 
 def use_prefill_gemm(model: CausalLM, dtype: torch.dtype, rows: int) -> PrefillGemm:
     """Make every quantized projection of `model` run a step's products as a GEMM in
@@ -249,7 +257,9 @@ def use_prefill_gemm(model: CausalLM, dtype: torch.dtype, rows: int) -> PrefillG
 
 
 class QuantEmbedding(nn.Module):
-    """Token embeddings looked up from a block-quantized table, a row dequantized per token."""
+    """Token embeddings looked up from a block-quantized table, a row dequantized per token
+    (by the CPU kernels, or on CUDA by triton_quant.quant_rows: the table stays in blocks
+    on the GPU too)."""
 
     def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
         super().__init__()
@@ -259,7 +269,35 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[tokens] int64 -> [tokens, hidden]."""
         w = self.weight_q
+        if runs_triton(ids.device):
+            from appliance.model.layers import triton_quant  # on first CUDA use, never on CPU
+
+            return triton_quant.quant_rows(
+                w.blocks, w.format.ggml_id, w.in_features, ids, self.dtype
+            )
         return cpu_kernels.quant_rows(w.blocks, w.format.ggml_id, w.in_features, ids, self.dtype)
+
+
+def place_quant(model: nn.Module, device: torch.device) -> None:
+    """Move `model`'s block-quantized weights (its QuantLinears' and QuantEmbedding's) to
+    `device`, where a GPU's Triton kernels read them in their blocks; a table two modules
+    share (a tied head's) moves once. The CPU's stay where they are."""
+    if device.type == "cpu":
+        return
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (blocks, on device)
+
+    def move(weight: QuantWeight) -> QuantWeight:
+        # the source is kept in `moved` so its id is not reused by another while this runs
+        key = id(weight.blocks)
+        if key not in moved:
+            moved[key] = (weight.blocks, weight.blocks.to(device))
+        return QuantWeight(weight.format, moved[key][1], weight.in_features, True)
+
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.place(move)
+        elif isinstance(module, QuantEmbedding):
+            module.weight_q = move(module.weight_q)
 
 
 def quantize(weight: torch.Tensor, format_name: str) -> QuantWeight:

@@ -262,6 +262,45 @@ def _quant_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _quant_rows_kernel(
+    ids_ptr,  # [count] int64: the rows to look up (token ids)
+    w_ptr,  # [rows, row_bytes] uint8: each row's blocks
+    out_ptr,  # [count, in_features] float
+    count,
+    in_features,
+    stride_wr,
+    stride_or,
+    FORMAT: tl.constexpr,  # 0-4 as the GEMM's
+    BLOCK_BYTES: tl.constexpr,
+    ROWS: tl.constexpr,  # looked-up rows a program
+    BLOCKS: tl.constexpr,  # 32-value blocks a program (the 32-value formats)
+    SUBS: tl.constexpr,  # scales a super-block (the K-quants)
+    SUBLEN: tl.constexpr,  # values a scale
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    r_ok = r < count
+    ids = tl.load(ids_ptr + r, mask=r_ok, other=0)
+    w_rows = w_ptr + ids.to(tl.int64)[:, None] * stride_wr  # [ROWS, 1]
+    out_rows = out_ptr + r.to(tl.int64)[:, None, None] * stride_or  # [ROWS, 1, 1]
+    if FORMAT < 3:
+        b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS]
+        ok = r_ok[:, None] & (b < in_features // 32)[None, :]  # [ROWS, BLOCKS]
+        j = tl.arange(0, 32)[None, None, :]
+        w = _block32_weights(w_rows + b[None, :] * BLOCK_BYTES, ok, j, FORMAT)
+        at = out_rows + b[None, :, None] * 32 + j  # [ROWS, BLOCKS, 32]
+        w = tl.where(w == 0.0, 0.0, w)  # d * 0 with d < 0 is -0.0; the dequantizer's is +0.0
+        tl.store(at, w.to(out_ptr.dtype.element_ty), mask=ok[:, :, None])
+    else:  # one super-block of each row a program
+        sb = tl.program_id(1)
+        s = tl.arange(0, SUBS)
+        t = tl.arange(0, SUBLEN)
+        w = _kquant_weights(w_rows + sb * BLOCK_BYTES, r_ok, s, t, FORMAT)  # [ROWS, SUBS, SUBLEN]
+        at = out_rows + sb * 256 + s[None, :, None] * SUBLEN + t[None, None, :]
+        w = tl.where(w == 0.0, 0.0, w)  # as above
+        tl.store(at, w.to(out_ptr.dtype.element_ty), mask=r_ok[:, None, None])
+
+
 @dataclass(frozen=True)
 class QuantLaunch:
     """One launch of a quantized product: grid, arguments in the kernel's order,
@@ -417,3 +456,57 @@ def quant_matmul(
     if x.shape[0] >= GEMM_TOKENS and format_id in _GEMM_FORMATS:
         return quant_gemm(x, blocks, format_id, in_features, out)
     return quant_gemv(x, blocks, format_id, in_features, out)
+
+
+def rows_launch(
+    blocks: torch.Tensor, format_id: int, in_features: int, ids: torch.Tensor, out: torch.Tensor
+) -> QuantLaunch:
+    """The launch quant_rows makes for these (checked) arguments."""
+    fmt = _FORMATS[format_id]
+    count = ids.shape[0]
+    # 4 rows a program (a prompt's tokens; decode looks up one a sequence), 8 blocks or one
+    # super-block of each: [4, 256] values, as the GEMV's tiles. Untimed: no GPU yet.
+    tile_rows, tile_blocks = 4, 8
+    subs, sublen = (16, 16) if fmt.kind == 4 else (8, 32)
+    steps = triton.cdiv(in_features // 32, tile_blocks) if fmt.values == 32 else in_features // 256
+    args = (ids, blocks, out, count, in_features, blocks.stride(0), out.stride(0))
+    options = {
+        "FORMAT": fmt.kind,
+        "BLOCK_BYTES": fmt.block_bytes,
+        "ROWS": tile_rows,
+        "BLOCKS": tile_blocks,
+        "SUBS": subs,
+        "SUBLEN": sublen,
+        "num_warps": 4,
+        "num_stages": 1,
+    }
+    return QuantLaunch(_quant_rows_kernel, (triton.cdiv(count, tile_rows), steps), args, options)
+
+
+def quant_rows(
+    blocks: torch.Tensor,
+    format_id: int,
+    in_features: int,
+    ids: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows `ids` of a block-quantized weight (an embedding table's tokens), dequantized on
+    the weight's device: [len(ids), in_features] in `dtype`, each value the CPU
+    dequantizer's float32 rounded once to `dtype`. Only the looked-up rows are read: the
+    table stays in its blocks."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"quant_rows writes {_DTYPES}, not {dtype}")
+    ids = ids.to(device=blocks.device, dtype=torch.int64).contiguous().view(-1)
+    x = torch.empty(0, in_features, dtype=dtype, device=blocks.device)  # checks the weight
+    _checked(x, blocks, format_id, in_features)
+    # The interpreter (CPU tensors) rounds float32 to bfloat16 toward zero (numpy has no
+    # bfloat16); a GPU rounds to nearest even, as the dequantizer does: there the kernel
+    # writes float32 and torch rounds it.
+    interpreted = blocks.device.type == "cpu" and dtype == torch.bfloat16
+    written = torch.float32 if interpreted else dtype
+    out = torch.empty(ids.shape[0], in_features, dtype=written, device=blocks.device)
+    if ids.shape[0] == 0:
+        return out.to(dtype)
+    launch = rows_launch(blocks, format_id, in_features, ids, out)
+    launch.kernel[launch.grid](*launch.args, **launch.options)
+    return out.to(dtype)
