@@ -3,6 +3,8 @@ their block formats, the model built on the device, and its KV pool sized."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -14,9 +16,17 @@ from appliance.kv.cache import KVCache, KVLayout, resolve_kv_dtype
 from appliance.model import cpu_kernels
 from appliance.model.causal_lm import CausalLM
 from appliance.model.decode_step import CompiledDecode, compiled_problem
+from appliance.model.formats.gguf_index import tensor_index
 from appliance.model.loader import ModelFiles, Selected, load_model_files
 from appliance.model.packed_linear import pack_linears, packs_linears
-from appliance.model.quant import attach_quant, quantizable, quantize_weights, use_prefill_gemm
+from appliance.model.quant import (
+    FORMATS,
+    attach_quant,
+    place_quant,
+    quantizable,
+    quantize_weights,
+    use_prefill_gemm,
+)
 from appliance.model.registry import model_class
 from appliance.model.tensor_parallel import (
     WHOLE_MODEL,
@@ -29,6 +39,8 @@ from appliance.model.tensor_parallel import (
     shard_state,
 )
 from appliance.settings.config import Settings
+
+log = logging.getLogger(__name__)
 
 _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,29 +77,109 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 
 
+# The block formats the GPU's Triton kernels multiply in place (model/layers/triton_quant.py,
+# whose tests hold the two sets alike): named here so the decision imports no triton.
+GPU_BLOCK_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"})
+
+
+@dataclass(frozen=True)
+class QuantFacts:
+    """What decides whether a shard's weights stay in their block formats, as plain data."""
+
+    device: str  # torch.device.type: "cpu", "cuda", ...
+    formats: frozenset[str]  # block formats of the file's weights (quant.FORMATS names)
+    quantize: str = "none"  # the `quantize` setting: float weights made "q8_0"/"q4_0" blocks
+    dtype: str = "auto"  # the `dtype` setting
+    cpu_kernels: bool = True  # the CPU kernels are built
+    triton: bool = True  # triton is installed (the GPU's kernels)
+
+
+def kept_formats(facts: QuantFacts) -> frozenset[str]:
+    """The block formats this device multiplies in place: every one on the CPU, the Triton
+    kernels' on CUDA (a Q5_K weight there is dequantized as it loads, as every weight was
+    before), none elsewhere."""
+    made = {facts.quantize.upper()} if facts.quantize != "none" else set()
+    formats = facts.formats | made
+    if facts.device == "cpu":
+        return formats
+    if facts.device == "cuda":
+        return formats & GPU_BLOCK_FORMATS
+    return frozenset()
+
+
+def quant_problem(facts: QuantFacts) -> str:
+    """Why weights cannot stay in their block formats here, or "" when they can.
+
+    Tensor-parallel shards need no rule of their own: shard_quant cuts a weight's rows and
+    whole blocks of its columns before the device matters, and a row-parallel shard's
+    Triton product is widened to float64 for its group's all-reduce as the CPU's is."""
+    if facts.device == "cpu":
+        if not facts.cpu_kernels:
+            return "the CPU kernels are not built (install a C compiler, re-run ./install.sh)"
+        if facts.dtype == "float16":
+            return "the kernels take float32 or bfloat16 activations, not float16"
+    elif facts.device == "cuda":
+        if not facts.triton:
+            return "triton is not installed: its kernels multiply block weights on CUDA"
+    else:
+        return f"no kernels multiply block-quantized weights on {facts.device}"
+    if not kept_formats(facts):
+        if facts.formats:
+            return (
+                f"the file's block formats ({', '.join(sorted(facts.formats))}) are none the "
+                f"{facts.device} kernels take ({', '.join(sorted(GPU_BLOCK_FORMATS))})"
+            )
+        return "the model has no weights in block formats (set quantize to make some)"
+    return ""
+
+
+def block_formats(files: ModelFiles) -> frozenset[str]:
+    """The block formats (quant.FORMATS names) of the file's weights the quantized path
+    would take, read from the GGUF's index alone."""
+    if not files.source.is_file():
+        return frozenset()
+    names = {name for name in files.quant_names() if quantizable(name)}
+    if not names:
+        return frozenset()
+    by_id = {fmt.ggml_id: fmt.name for fmt in FORMATS.values()}
+    entries = tensor_index(files.source)
+    return frozenset(by_id[e.type_id] for e in entries if e.type_id in by_id and e.dims[1:])
+
+
 def use_quant(settings: Settings, files: ModelFiles, device: torch.device) -> bool:
     """Whether to multiply weights in their block formats (model/quant.py): on the CPU with
-    the kernels built, where the file has such weights or `quantize` asks for them.
-    'auto' takes that path wherever it applies (it reads 4-7x fewer bytes a step than
-    dense float32 and keeps each worker's memory near the file's size); 'dense'
-    dequantizes everything, as before."""
+    the kernels built, or on CUDA with triton (for the formats its kernels take), where
+    the file has such weights or `quantize` asks for them. 'auto' takes that path
+    wherever it applies (it reads 4-7x fewer bytes a step than dense float32 or bfloat16
+    and keeps each worker's memory near the file's size); 'dense' dequantizes everything,
+    as before. Why it does not apply, or which formats stay dense, is logged."""
     if settings.weights == "dense":
         return False
-    has_blocks = settings.quantize != "none" or any(
-        quantizable(name) for name in files.quant_names()
+    facts = QuantFacts(
+        device.type,
+        block_formats(files),
+        settings.quantize,
+        settings.dtype,
+        cpu_kernels.available(),
+        importlib.util.find_spec("triton") is not None,
     )
-    problem = ""
-    if device.type != "cpu":
-        problem = "block-quantized weights are multiplied by the CPU kernels only"
-    elif not cpu_kernels.available():
-        problem = "the CPU kernels are not built (install a C compiler, re-run ./install.sh)"
-    elif settings.dtype == "float16":
-        problem = "the kernels take float32 or bfloat16 activations, not float16"
-    elif not has_blocks:
-        problem = f"{files.source} has no weights in block formats (set quantize to make some)"
+    problem = quant_problem(facts)
     if problem and settings.weights == "quantized":
         raise ValueError(f"weights=quantized: {problem}")
-    return not problem
+    if problem:
+        if facts.formats:  # a file with blocks loads dense: worth saying why
+            log.warning("%s loads dense: %s", files.source.name, problem)
+        return False
+    dense = facts.formats - kept_formats(facts)
+    if dense:
+        log.warning(
+            "%s: %s weights load dense on %s (its kernels take %s)",
+            files.source.name,
+            ", ".join(sorted(dense)),
+            device.type,
+            ", ".join(sorted(GPU_BLOCK_FORMATS)),
+        )
+    return True
 
 
 def build_model(
@@ -116,10 +208,16 @@ def build_model(
         if quantize_to != "none":
             floats = Selected(dense, [name for name in dense if name not in quant])
             quant = quantize_weights(floats, quant, quantize_to.upper())
+        if device.type != "cpu":  # the rest load dense (use_quant logged which)
+            kept = kept_formats(
+                QuantFacts(device.type, frozenset(w.format.name for w in quant.values()))
+            )
+            quant = {name: w for name, w in quant.items() if w.format.name in kept}
         quant = shard_quant(quant, files.config, shard)
         spans = row_parallel_spans(files.config, tp_degrees)
         biases = {name: dense[name] for name in dense if name.endswith(".bias")}
         served = attach_quant(model, quant, shard_state(biases, files.config, shard), spans)
+        place_quant(model, device)
         dense = Selected(dense, [name for name in dense if name not in served])
     model.load_weights(dense, str(files.source))
     if quantized and not compiled_problem(model):
@@ -155,11 +253,12 @@ def load_shard(
     cpu_kernels.select(settings.cpu_isa)
     files = load_model_files(settings.model, settings.cache_dir)
     quantized = use_quant(settings, files, device)
-    # The quantized kernels take float32 activations (and bfloat16, converted as read):
-    # 'auto' keeps float32 there, its accuracy at no cost in bytes read.
+    # The CPU's quantized kernels take float32 activations (and bfloat16, converted as
+    # read): 'auto' keeps float32 there, its accuracy at no cost in bytes read.
+    # A GPU's Triton products sum in float32 whatever x's dtype: 'auto' takes bfloat16 there.
     dtype = (
         torch.float32
-        if quantized and settings.dtype == "auto"
+        if quantized and settings.dtype == "auto" and device.type == "cpu"
         else resolve_dtype(settings.dtype, device)
     )
     cfg = files.config

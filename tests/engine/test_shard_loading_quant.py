@@ -1,0 +1,77 @@
+"""Where a shard's weights stay in their GGUF block formats (shard_loading.quant_problem
+and kept_formats), decided on plain data: the device's kind, the file's formats, the
+settings. No GPU needed: CUDA's answer is a rule on the formats its Triton kernels take."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.engine.shard_loading import (
+    GPU_BLOCK_FORMATS,
+    QuantFacts,
+    kept_formats,
+    quant_problem,
+)
+
+ALL = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})
+
+
+@pytest.mark.parametrize("formats", [{"Q4_1"}, {"Q4_K", "Q6_K"}, {"Q8_0"}, {"Q4_0"}])
+def test_cuda_keeps_the_formats_its_triton_kernels_take(formats: set[str]) -> None:
+    facts = QuantFacts("cuda", frozenset(formats))
+    assert quant_problem(facts) == ""
+    assert kept_formats(facts) == formats
+
+
+def test_cuda_loads_a_q5_k_weight_dense_and_keeps_the_rest_in_blocks() -> None:
+    # A Q4_K_M file: Q4_K and Q6_K mostly, some Q5_K. The Q5_K ones are dequantized.
+    facts = QuantFacts("cuda", frozenset({"Q4_K", "Q5_K", "Q6_K"}))
+    assert quant_problem(facts) == ""
+    assert kept_formats(facts) == {"Q4_K", "Q6_K"}
+
+
+def test_cuda_with_only_formats_it_cannot_take_loads_dense_and_says_which() -> None:
+    problem = quant_problem(QuantFacts("cuda", frozenset({"Q5_K"})))
+    assert "Q5_K" in problem and "cuda" in problem
+
+
+def test_the_cpu_keeps_every_block_format() -> None:
+    facts = QuantFacts("cpu", ALL)
+    assert quant_problem(facts) == ""
+    assert kept_formats(facts) == ALL
+
+
+def test_float_weights_quantized_at_load_count_as_blocks_on_both() -> None:
+    for device in ("cpu", "cuda"):
+        facts = QuantFacts(device, frozenset(), quantize="q4_0")
+        assert quant_problem(facts) == ""
+        assert kept_formats(facts) == {"Q4_0"}
+    assert "no weights in block formats" in quant_problem(QuantFacts("cuda", frozenset()))
+
+
+@pytest.mark.parametrize(
+    ("facts", "reason"),
+    [
+        (QuantFacts("cpu", ALL, cpu_kernels=False), "CPU kernels are not built"),
+        (QuantFacts("cpu", ALL, dtype="float16"), "not float16"),
+        (QuantFacts("cuda", ALL, triton=False), "triton is not installed"),
+        (QuantFacts("mps", ALL), "on mps"),
+    ],
+)
+def test_each_reason_the_path_cannot_run_is_named(facts: QuantFacts, reason: str) -> None:
+    assert reason in quant_problem(facts)
+    if facts.device == "mps":
+        assert kept_formats(facts) == frozenset()
+
+
+def test_cuda_float16_is_fine_the_triton_kernels_take_it() -> None:
+    # The CPU kernels refuse float16 activations; the Triton ones take all three dtypes.
+    assert quant_problem(QuantFacts("cuda", ALL, dtype="float16")) == ""
+
+
+def test_the_gpu_formats_are_the_triton_kernels() -> None:
+    triton_quant = pytest.importorskip("appliance.model.layers.triton_quant")
+    from appliance.model.quant import FORMATS
+
+    by_id = {fmt.ggml_id: name for name, fmt in FORMATS.items()}
+    assert {by_id[i] for i in triton_quant._FORMATS} == GPU_BLOCK_FORMATS
