@@ -7,6 +7,7 @@ tests, is `pytest -m "not process"`."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,12 @@ from appliance.kv.cache import KVCache, KVLayout
 from appliance.model import cpu_kernels
 from appliance.model.loader import default_model_path
 from appliance.settings.config import load_settings
+
+# The ~200k objects the imports above made (torch's and ours) live as long as the run. Frozen
+# (after one collection, so no garbage is kept), every full collection skips them: Python's
+# own during the run and the five pytest makes at its end, each scanning the whole heap.
+gc.collect()
+gc.freeze()
 
 # Fixtures that start an `appliance serve` or other boxes, or load the embedded model or
 # transformers' reference: a test using one is in the slow lane.
