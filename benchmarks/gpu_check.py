@@ -24,6 +24,8 @@ report the moment it ends, so a run cut short still leaves every finished sectio
 8. bandwidth       an 8B-shaped random-weight model: decode ms/step and GB/s against the
                    HBM limit at batch 1/8/32/64 x context 512/2k/8k (eager, and with CUDA
                    graphs as batch.cuda_graphs turns them on), 8k and 32k chunked prefills
+9. quant_decode    a 4-bit GGUF's decode on the GPU (Q4_0 blocks kept, the Triton kernels):
+                   ms/step and GB/s at batch 1/8 against the dense bfloat16 model
 
 Here, on the CPU (device cpu, Triton's interpreter, small shapes, about two minutes):
     .venv/bin/python benchmarks/gpu_check.py --dry-run

@@ -28,6 +28,7 @@ SECTIONS = (
     "handoff",
     "throughput",
     "bandwidth",
+    "quant_decode",
 )
 
 

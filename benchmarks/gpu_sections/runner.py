@@ -32,6 +32,7 @@ from .cuda_tests import section_cuda_tests
 from .environment import section_environment
 from .handoff import section_handoff
 from .paged_bf16 import section_paged_bf16
+from .quant_decode import section_quant_decode
 from .scale import DRY, GPU, Scale
 from .throughput import section_throughput
 from .triton_kernel import section_triton_kernel
@@ -59,6 +60,7 @@ SECTIONS = (
     Section("handoff", section_handoff, 60, 60),
     Section("throughput", section_throughput, 120, 90),
     Section("bandwidth", section_bandwidth, 150, 60),
+    Section("quant_decode", section_quant_decode, 150, 120),
 )
 BY_NAME = {section.name: section for section in SECTIONS}
 
