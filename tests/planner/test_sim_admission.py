@@ -83,7 +83,9 @@ def test_a_burst_above_capacity_completes_and_no_prompt_waits_past_its_bound(
     requests = chat(4.0, 30, seed=1)
     policy = Policy(admission=LIMITS)
     results = simulate(box, layout_of_roles(COLOCATED), requests, policy)
-    assert all(r.ok and r.output_tokens == q.output_tokens for r, q in zip(results, requests, strict=True))
+    assert all(
+        r.ok and r.output_tokens == q.output_tokens for r, q in zip(results, requests, strict=True)
+    )
     fcfs = simulate(box, layout_of_roles(COLOCATED), requests, Policy())
     # A held prompt's first token: its wait (at most 6 s and a step), then its prefill in
     # a batch that every admitted prompt has joined; first come, first served shows the
