@@ -35,7 +35,8 @@ def settings_for(scale: Scale, dtype: str, **overrides: Any) -> Settings:
     """The appliance's settings for an in-process engine of this scale (its device)."""
     from appliance.settings.config import load_settings
 
-    # Dense weights: what a GPU runs (a CPU would multiply the GGUF's blocks in place).
+    # Dense weights: the sections using these check the dense bfloat16 path (a safetensors
+    # model's on a GPU); a GGUF's blocks kept on the GPU are quant_decode's to check.
     return load_settings(
         model=scale.model, dtype=dtype, device=scale.device.type, weights="dense", **overrides
     )
