@@ -9,7 +9,6 @@ restarted until the box joins again: then each of its devices gets a worker agai
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 
 from appliance.cluster.channel import Link, read_secret
@@ -75,7 +74,6 @@ class Boxes:
         if not indices:
             topology = self.processes.topology = topology.with_box(hello.box, hello.devices)
             indices = [d.index for d in topology.devices if d.box == hello.box]
-        self.processes.failed_devices.difference_update(indices)
         self._note(
             "box",
             f"box {hello.box!r} joined with {len(hello.devices)} device(s) for {hello.pool}",
@@ -116,40 +114,10 @@ class Boxes:
         )
 
     def _start(self, role: Role, index: int) -> None:
-        timeout = self.settings.recovery.start_timeout_s
-        self.processes.track(asyncio.create_task(self._add(role, index, timeout)))
-
-    async def _add(self, role: Role, index: int, timeout: float) -> None:
-        """Start a worker on a box's device. A start that fails while the box stays joined
-        (the worker died loading, or was not ready in time) is tried again after the
-        restart policy's back-off, as a crashed worker's restart is: given up once, the
-        box would stay joined with no worker until its agent joined again."""
-        while True:
-            try:
-                await self.processes.add_worker(role, (index,), timeout)
-                return
-            except RuntimeError as error:
-                self._note("worker", f"a worker for device {index} did not start: {error}")
-            if not self._wants_worker(index):
-                return
-            delay = self.processes.restart_policy.on_crash(index, time.monotonic())
-            if delay is None:
-                self.processes.failed_devices.add(index)
-                self._note("worker", f"device {index} failed to start too often: no more tries")
-                return
-            await asyncio.sleep(delay)
-            if not self._wants_worker(index):
-                return
-
-    def _wants_worker(self, index: int) -> bool:
-        """Whether box device `index` still needs a worker started from here: its box is
-        joined (else its next join starts one) and no live worker has it (a join while
-        this one waited started one)."""
-        box = self.processes.topology.devices[index].box
-        if self.head is None or not self.head.has_box(box):
-            return False
-        workers = self.processes.workers.values()
-        return not any(w.alive and index in w.devices for w in workers)
+        """Start a worker on a box's device; a start that fails while the box stays joined
+        is tried again as a crashed worker's restart is (given up once, the box would stay
+        joined with no worker until its agent joined again)."""
+        self.processes.track(asyncio.create_task(self.processes.start_retrying(role, index)))
 
 
 def transfer_interface(cluster: ClusterSettings) -> str:

@@ -74,7 +74,10 @@ class ProcessManager:
         self.failed_devices: set[int] = set()  # crashed too often: no more restarts
         recovery = settings.recovery
         self.restart_policy = RestartPolicy(recovery.max_crashes, recovery.crash_window_s)
-        self._restarting: dict[int, str] = {}  # device -> role of the worker coming back
+        # Starts pending per role (a crashed worker's restart, a joined box's device being
+        # started or tried again): requests wait for them, not fail. A count, as two may
+        # overlap on one device (a box rejoining while its crashed worker's restart waits).
+        self._restarting: Counter[str] = Counter()
         # Roles a pool move is bringing to a device: requests wait for them, not fail.
         self.arriving: Counter[str] = Counter()
         self._ids = itertools.count()
@@ -204,7 +207,7 @@ class ProcessManager:
         """A worker of `role` is starting, restarting after a crash, or on its way by a
         pool move."""
         starting = any(w.role == role and w.routable_soon for w in self.workers.values())
-        return starting or role in self._restarting.values() or self.arriving[role] > 0
+        return starting or self._restarting[role] > 0 or self.arriving[role] > 0
 
     # ------------------------------------------------------------ watching
 
@@ -289,28 +292,47 @@ class ProcessManager:
     # ------------------------------------------------------------ restarts
 
     def _restart_later(self, worker: WorkerHandle, failed_starts: int = 0) -> None:
-        device = worker.device_index
-        box = self.topology.devices[device].box
-        if box and (self.cluster is None or not self.cluster.has_box(box)):
-            # Its workers start again when the box rejoins (Supervisor._box_joined).
-            self.hooks.note("worker", f"box {box!r} is gone: {worker.device} waits for it")
+        if not self._box_joined(worker.device_index):
+            # Its workers start again when the box rejoins (Boxes.joined).
+            self.hooks.note("worker", f"box {worker.box!r} is gone: {worker.device} waits for it")
             self.hooks.on_gone(worker.role)
             return
-        delay = self.restart_policy.on_crash(device, time.monotonic())
+        delay = self._next_start_in(worker.devices, worker.device, failed_starts)
+        if delay is None:
+            self.hooks.on_gone(worker.role)
+            return
+        self._restarting[worker.role] += 1
+        self.track(asyncio.create_task(self._restart(worker, worker.role, delay, failed_starts)))
+
+    def _next_start_in(
+        self, devices: tuple[int, ...], name: str, failed_starts: int
+    ) -> float | None:
+        """Count a crash (or a failed start) of the worker on `devices`: seconds until it
+        is started again (the restart policy's back-off), or None once it failed too often
+        (then the devices are marked failed, a group as one)."""
+        delay = self.restart_policy.on_crash(devices[0], time.monotonic())
         if failed_starts >= self.settings.recovery.max_crashes:  # however slowly it fails
             delay = None
         if delay is None:
-            self.failed_devices.update(worker.devices)  # a group fails as one
-            self.hooks.note("worker", f"{worker.device} crashed too often: no more restarts")
-            self.hooks.on_gone(worker.role)
-            return
-        self._restarting[device] = worker.role
-        self.track(asyncio.create_task(self._restart(worker, delay, failed_starts)))
+            self.failed_devices.update(devices)
+            self.hooks.note("worker", f"{name} crashed too often: no more restarts")
+        return delay
+
+    def _box_joined(self, index: int) -> bool:
+        """Whether device `index` is on this box or on one whose agent is joined."""
+        box = self.topology.devices[index].box
+        return not box or (self.cluster is not None and self.cluster.has_box(box))
+
+    def _taken(self, index: int) -> bool:
+        """Whether a live worker has device `index`."""
+        return any(w.alive and index in w.devices for w in self.workers.values())
 
     def forget_exited(self, devices: Iterable[int]) -> None:
-        """Drop the exited workers of these devices (a lost box's, as it rejoins: workers
-        start there again, and a handle left behind would keep /health `degraded`)."""
+        """Drop the exited workers of these devices and their failed mark (a lost box's,
+        as it rejoins: workers start there again, and a handle left behind would keep
+        /health `degraded`)."""
         wanted = set(devices)
+        self.failed_devices.difference_update(wanted)
         for worker in list(self.workers.values()):
             if not worker.alive and wanted.intersection(worker.devices):
                 del self.workers[worker.worker_id]
@@ -320,8 +342,11 @@ class ProcessManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _restart(self, dead: WorkerHandle, delay: float, failed_starts: int) -> None:
-        """Start a worker of the dead one's role on its device, after `delay`."""
+    async def _restart(
+        self, dead: WorkerHandle, role: Role, delay: float, failed_starts: int
+    ) -> None:
+        """Start a worker of the dead one's role on its device, after `delay`; `role` was
+        counted in `_restarting`, and is taken off here."""
         await asyncio.sleep(delay)
         device = dead.device_index
         taken = any(w.device_index == device and w.alive for w in self.workers.values())
@@ -329,19 +354,19 @@ class ProcessManager:
         # failed start finds it forgotten by the start before (and must still run).
         forgotten = failed_starts == 0 and dead.worker_id not in self.workers
         if forgotten or taken:
-            self._restarting.pop(device, None)
+            self._restarting[role] -= 1
             return
         self.workers.pop(dead.worker_id, None)
         try:
             worker = await self.add_worker(
-                dead.role, dead.devices, self.settings.recovery.start_timeout_s
+                role, dead.devices, self.settings.recovery.start_timeout_s
             )
         except Exception as exc:  # it died loading, or could not even be spawned
-            self._restarting.pop(device, None)
+            self._restarting[role] -= 1  # first: the retry's back-off decides who waits
             self.hooks.note("worker", f"restarting {dead.device} failed: {exc}")
             self._restart_later(dead, failed_starts + 1)
             return
-        self._restarting.pop(device, None)
+        self._restarting[role] -= 1
         worker.restarts = dead.restarts + 1
         self.hooks.note(
             "worker",
@@ -375,6 +400,46 @@ class ProcessManager:
             raise
         self.hooks.note("worker", f"worker {worker.worker_id} ({role}) serves on {worker.device}")
         return worker
+
+    async def start_retrying(self, role: Role, index: int) -> None:
+        """Start a worker of `role` on device `index` while the pools serve (a joined box's
+        device). A start that fails (the worker died loading, or was not ready in time) is
+        tried again after the restart policy's back-off, as a crashed worker's restart is,
+        until the device fails too often; meanwhile a worker of `role` counts as coming
+        (may_come_back), so requests wait for it rather than fail. The tries stop where
+        the device's box is gone (its next join starts one) or a live worker has the
+        device (a join while this one waited started one); then those waiting are told."""
+        timeout = self.settings.recovery.start_timeout_s
+        # Counted before the first try: a failed start tells those waiting (on_gone) while
+        # a retry may still come.
+        self._restarting[role] += 1
+        gave_up = False
+        try:
+            for failed_starts in itertools.count(1):
+                try:
+                    await self.add_worker(role, index, timeout)
+                    return
+                except RuntimeError as error:
+                    self.hooks.note("worker", f"a worker for device {index} did not start: {error}")
+                if not self._wants_start(index):
+                    break
+                name = self.topology.devices[index].name
+                delay = self._next_start_in((index,), name, failed_starts)
+                if delay is None:
+                    break
+                await asyncio.sleep(delay)
+                if not self._wants_start(index):
+                    break
+            gave_up = True
+        finally:
+            self._restarting[role] -= 1
+        if gave_up:
+            self.hooks.on_gone(role)
+
+    def _wants_start(self, index: int) -> bool:
+        """Whether device `index` still needs a worker started: its box is joined and no
+        live worker has it."""
+        return self._box_joined(index) and not self._taken(index)
 
     async def retire(self, worker_id: int, timeout: float = 10.0) -> None:
         """Stop a worker and forget it. A prefill worker stops only after the decode
