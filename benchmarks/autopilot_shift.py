@@ -124,21 +124,34 @@ def layout_env(roles: tuple[str, str]) -> dict[str, str]:
     return env | {"APPLIANCE_MODE": "disaggregated"} | named
 
 
+def slo_env(slo: SLO) -> dict[str, str]:
+    """The run's SLO as the appliance's settings. Every server gets it, static layouts
+    included: with an SLO set the shipped scheduling policy holds prompts that would push
+    decoding past it (planner.scheduling_policy), so every layout is scored as the user
+    who sets that SLO would run it."""
+    assert slo.ttft is not None and slo.tpot is not None  # main checked
+    return {
+        "APPLIANCE_PLANNER__SLO_TTFT_MS": str(slo.ttft * 1000),
+        "APPLIANCE_PLANNER__SLO_TPOT_MS": str(slo.tpot * 1000),
+    }
+
+
 def autopilot_env(
     start: tuple[str, str], profile: Path, token: Path, slo: SLO, decisions: Path
 ) -> dict[str, str]:
     """The autopilot's settings: it judges attainment by the SLO the run is scored by, and
     logs every decision to `decisions`; its rules (interval, window, margin, cooldown,
     dwell...) are the shipped defaults."""
-    assert slo.ttft is not None and slo.tpot is not None  # main checked
-    return layout_env(start) | {
-        "APPLIANCE_PLANNER__PROFILE": str(profile),
-        "APPLIANCE_PLANNER__SLO_TTFT_MS": str(slo.ttft * 1000),
-        "APPLIANCE_PLANNER__SLO_TPOT_MS": str(slo.tpot * 1000),
-        "APPLIANCE_PLANNER__AUTO_REBALANCE": "true",
-        "APPLIANCE_PLANNER__DECISIONS_LOG": str(decisions),
-        "APPLIANCE_ADMIN__TOKEN_FILE": str(token),
-    }
+    return (
+        layout_env(start)
+        | slo_env(slo)
+        | {
+            "APPLIANCE_PLANNER__PROFILE": str(profile),
+            "APPLIANCE_PLANNER__AUTO_REBALANCE": "true",
+            "APPLIANCE_PLANNER__DECISIONS_LOG": str(decisions),
+            "APPLIANCE_ADMIN__TOKEN_FILE": str(token),
+        }
+    )
 
 
 def read_decisions(path: Path | None, started_wall: float) -> list[dict[str, Any]]:
@@ -383,7 +396,7 @@ def main() -> None:
     shift, specs = make_shift(phases, tokenizer, 0, 2, *lengths)
     scratch = Path(tempfile.mkdtemp(prefix="autopilot-token-"))
     token, decisions = scratch / "admin.token", scratch / "decisions.jsonl"
-    with_token = {"APPLIANCE_ADMIN__TOKEN_FILE": str(token)}
+    with_token = {"APPLIANCE_ADMIN__TOKEN_FILE": str(token)} | slo_env(slo)
     targets = [
         Target(label, SERVE, layout_env(roles) | with_token, port_flag=None)
         for label, roles in STATIC.items()
