@@ -195,7 +195,10 @@ class StoreOwner:
         return {k for k in keys if any(store.holds(n, k) for n in namespaces)}
 
     def on_put(self, message: StorePut) -> None:
-        """Blocks a worker sent: into the store (a block of the wrong size is refused)."""
+        """Blocks a worker sent: into the store (a block of the wrong size is refused).
+        It piped them for want of a reserved slot, so its slots are topped up here: it
+        sends no StoreWritten (the other top-up) until it holds one, and room may have
+        come since it ran out."""
         if self.store is None:
             return
         for key, data in message.blocks:
@@ -204,8 +207,9 @@ class StoreOwner:
                 self.store.put((message.namespace, key), data)
             except ValueError as exc:
                 log.warning("worker %d: %s", message.worker_id, exc)
-                return
+                break
             self._put_blocks += 1
+        self._top_up(message.worker_id)
 
     def on_written(self, message: StoreWritten) -> None:
         """Blocks a worker wrote into its reserved slots: into the index (a slot not
@@ -233,6 +237,10 @@ class StoreOwner:
                 self._served[tier] += 1
                 self._served_bytes[tier] += nbytes
             self.store.release([hit for hit, _, _ in pinned], str(message.worker_id))
+        # Unpinned blocks may be pushed out now: a worker that found the store full of
+        # pinned blocks holds fewer slots than its share (maybe none, piping meanwhile).
+        for worker_id in list(self._namespaces):
+            self._top_up(worker_id)
 
     def clear(self) -> dict[str, int] | None:
         """Drop every block no worker is reading, in both tiers (the disk tier's files

@@ -36,6 +36,7 @@ from appliance.workers.messages import (
     FromWorker,
     StorePut,
     StoreReady,
+    StoreRelease,
     StoreSlots,
     StoreWritten,
     ToWorker,
@@ -214,6 +215,55 @@ def test_the_owner_commits_tops_up_and_counts_what_no_longer_crosses_the_pipe(
     owner.on_put(StorePut(1, NS, [(99, kv_bytes(99))]))  # a worker out of slots
     figures = owner.figures()
     assert figures is not None and figures.put_piped_bytes == BLOCK
+    owner.close()
+
+
+BIG = 64 * 1024  # a block of 64 KiB: a 1 MiB arena holds 16, a worker's share is 2
+
+
+def starved(settings: KVStoreSettings) -> tuple[StoreOwner, list[tuple[int | None, ToWorker]]]:
+    """Worker 2 holds its 2 slots and the store's other 14 as pinned hits of request 7
+    when worker 1 loads: worker 1 gets no slot (it pipes its blocks meanwhile)."""
+    sent: list[tuple[int | None, ToWorker]] = []
+    owner = StoreOwner(settings, SIZE, send=lambda w, m: sent.append((w, m)))
+    owner.on_ready(StoreReady(2, NAMESPACE, BIG))
+    store = owner.store
+    assert store is not None and store.host.arena.slots == 16
+    assert [(w, len(cast(StoreSlots, m).slots)) for w, m in sent] == [(2, 2)]
+    prompt = list(range(14 * SIZE + 1))
+    keys = prefix_keys(prompt[:-1], SIZE)
+    owner.on_put(StorePut(2, NS, [(k, kv_bytes(k, BIG)) for k in keys]))
+    hits = owner.hits_for(2, 7, prompt)
+    assert hits is not None and len(hits.slots) == 14
+    assert sent[1:] == []  # worker 2 holds its share: nothing more for it
+    owner.on_ready(StoreReady(1, NAMESPACE, BIG))
+    assert sent[1:] == []  # nothing free, nothing to push out
+    return owner, sent
+
+
+def test_a_worker_that_got_no_slot_gets_some_once_the_pins_go(
+    settings: KVStoreSettings,
+) -> None:
+    """A worker with no reserved slot sends only StorePut, so no StoreWritten ever tops it
+    up: the release of the pins that filled the store must."""
+    owner, sent = starved(settings)
+    owner.on_release(StoreRelease(2, [7], [14]))
+    assert [(w, len(cast(StoreSlots, m).slots)) for w, m in sent[1:]] == [(1, 2)]
+    owner.close()
+
+
+def test_a_worker_piping_for_want_of_a_slot_is_topped_up_by_its_put(
+    settings: KVStoreSettings,
+) -> None:
+    """Room came while worker 1 had no slot (worker 2 exited: its pins and slots went):
+    the block worker 1 pipes brings it slots, so its next blocks are written in place."""
+    owner, sent = starved(settings)
+    owner.forget_worker(2)
+    assert sent[1:] == []
+    owner.on_put(StorePut(1, NS, [(99, kv_bytes(99, BIG))]))
+    assert [(w, len(cast(StoreSlots, m).slots)) for w, m in sent[1:]] == [(1, 2)]
+    figures = owner.figures()
+    assert figures is not None and figures.put_piped_bytes == 15 * BIG
     owner.close()
 
 
