@@ -195,7 +195,8 @@ class StoreOwner:
         return {k for k in keys if any(store.holds(n, k) for n in namespaces)}
 
     def on_put(self, message: StorePut) -> None:
-        """Blocks a worker sent: into the store (a block of the wrong size is refused).
+        """Blocks a worker sent: into the store (a block of the wrong size is refused; one
+        the store has no room for, everything pinned, is not counted).
         It piped them for want of a reserved slot, so its slots are topped up here: it
         sends no StoreWritten (the other top-up) until it holds one, and room may have
         come since it ran out."""
@@ -204,11 +205,12 @@ class StoreOwner:
         for key, data in message.blocks:
             self._put_piped_bytes += len(data)
             try:
-                self.store.put((message.namespace, key), data)
+                tier = self.store.put((message.namespace, key), data)
             except ValueError as exc:
                 log.warning("worker %d: %s", message.worker_id, exc)
                 break
-            self._put_blocks += 1
+            if tier is not None:
+                self._put_blocks += 1
         self._top_up(message.worker_id)
 
     def on_written(self, message: StoreWritten) -> None:
@@ -222,8 +224,9 @@ class StoreOwner:
             if slot not in held:
                 continue
             held.remove(slot)
-            store.commit(slot, (message.namespace, key))
-            self._put_blocks += 1
+            # None: the slot's header did not name the block (it came back free).
+            if store.commit(slot, (message.namespace, key)) is not None:
+                self._put_blocks += 1
         self._top_up(message.worker_id)
 
     def on_release(self, message: StoreRelease) -> None:

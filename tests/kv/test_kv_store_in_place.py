@@ -267,6 +267,27 @@ def test_a_worker_piping_for_want_of_a_slot_is_topped_up_by_its_put(
     owner.close()
 
 
+def test_only_blocks_the_store_took_are_counted_as_put(settings: KVStoreSettings) -> None:
+    """A reserved slot whose header does not name its block (written, never sealed) is
+    not committed, and a piped block with no room (all pinned or reserved) not stored:
+    neither counts as a block the workers put."""
+    owner, sent = starved(settings)
+    store = owner.store
+    assert store is not None
+    owner.on_put(StorePut(1, NS, [(99, kv_bytes(99, BIG))]))  # no slot, no room
+    assert not store.holds(NS, 99)
+    slot = cast(StoreSlots, sent[0][1]).slots[0]  # worker 2's
+    view = store.host.arena.payload(slot, BIG)
+    view[:] = kv_bytes(98, BIG)
+    view.release()  # and no seal: a header naming no block
+    owner.on_written(StoreWritten(2, NS, [(98, slot)]))
+    assert not store.holds(NS, 98)
+    figures = owner.figures()
+    assert figures is not None
+    assert (figures.put_blocks, figures.put_in_place) == (14, 0)  # worker 2's piped ones
+    owner.close()
+
+
 # ---------------------------------------------------------------- the worker's side
 
 
