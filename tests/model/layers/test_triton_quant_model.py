@@ -7,7 +7,8 @@ There is no GPU here: the child forces the modules' kernel choice (quant.runs_tr
 test_triton_quant.py reaches QuantLinear's GPU path) while the tensors stay on the CPU,
 so attention and the norms run their CPU code and only the quantized products and the
 lookup change path. The models are tests/helpers/tiny_gguf.py's tied llama (2 layers,
-hidden 64): its matrices in Q8_0, and the float file quantized to Q4_0 at load.
+hidden 64): its matrices in Q8_0, and the float file quantized to Q4_0 at load; and two
+tensor-parallel shards of the Q8_0 one against the whole.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ TOKENS = (5, 12)  # the GEMV's rows, the GEMM's (triton_quant.GEMM_TOKENS is 8)
 # of the exact weights; the CPU kernels carry activations as two int8 parts (~2e-5).
 LOGIT_TOLERANCE = 2**-8
 DENSE_TOLERANCE = 1e-5
+# Two shards against the whole model: float32 sums of each half of a row-parallel
+# product's inputs, added in float64, against one float32 sum; the tiny model's N(0, 1)
+# weights grow its activations layer by layer (measured: 2.5e-5). A wrong cut is O(1).
+TP_TOLERANCE = 1e-4
 
 
 @contextmanager
@@ -105,14 +110,18 @@ def _models(kind: str, folder: Path) -> tuple[torch.nn.Module, torch.nn.Module |
     return model, dense
 
 
-def _prefill_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def _prefill_logits(model: torch.nn.Module, ids: torch.Tensor, logits: bool = True) -> torch.Tensor:
+    """A prompt's logits [n, vocab] in one prefill step (or the hidden states [n, hidden])."""
     from appliance.model.layers.paged_attention import AttentionBatch, PrefillSegment
+    from appliance.model.tensor_parallel import kv_head_ranges
 
     cfg = model.config
-    kv = torch.zeros(cfg.num_layers, 2, 1, 16, cfg.num_kv_heads, cfg.head_dim)
+    kv_heads = len(kv_head_ranges(cfg.num_kv_heads, model.shard.size)[model.shard.rank])
+    kv = torch.zeros(cfg.num_layers, 2, 1, 16, kv_heads, cfg.head_dim)
     n = len(ids)
     batch = AttentionBatch(torch.arange(n), [PrefillSegment(0, n, n, torch.tensor([0]))], n, [])
-    return model.logits(model(ids, torch.arange(n), batch, kv))  # [n, vocab]
+    hidden = model(ids, torch.arange(n), batch, kv)
+    return model.logits(hidden) if logits else hidden
 
 
 def _model_error(kind: str, tokens: int) -> dict[str, float]:
@@ -136,6 +145,73 @@ def _model_error(kind: str, tokens: int) -> dict[str, float]:
     return {**found, "quantized": quantized, "embedding": float(embedded)}
 
 
+def _tp_error(tokens: int) -> dict[str, float]:
+    """Two tensor-parallel shards of the Q8_0 model (lockstep threads summing their
+    float64 partials; the Triton launches taken one at a time, as the interpreter patches
+    triton.language while it runs one) on the Triton path, against the whole model on it:
+    over the largest |logit|; and the partials' dtype."""
+    import threading
+
+    from random_models import LockstepSum
+    from tiny_gguf import write_gguf
+
+    from appliance.engine.shard_loading import build_model
+    from appliance.model import quant
+    from appliance.model.layers import triton_quant
+    from appliance.model.loader import load_model_files
+    from appliance.model.tensor_parallel import Shard
+
+    cpu = torch.device("cpu")
+    with tempfile.TemporaryDirectory() as folder:
+        files = load_model_files(write_gguf(Path(folder) / "m.gguf"), Path(folder) / "cache")
+        whole = build_model(files, torch.float32, cpu, 64, True)
+        summed = LockstepSum(2)
+        shards = [
+            build_model(
+                files, torch.float32, cpu, 64, True, Shard(r, 2), summed.for_rank(r), "none", (2,)
+            )
+            for r in range(2)
+        ]
+    ids = torch.arange(tokens) * 5 % whole.config.vocab_size
+    one_at_a_time = threading.Lock()
+    launches = {name: getattr(triton_quant, name) for name in ("quant_matmul", "quant_rows")}
+
+    def locked(run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def call(*args: object) -> torch.Tensor:
+            with one_at_a_time:
+                return run(*args)
+
+        return call
+
+    hidden: list[torch.Tensor | None] = [None, None]
+    partials: list[torch.dtype] = []
+
+    def run(rank: int) -> None:
+        hidden[rank] = _prefill_logits(shards[rank], ids, logits=False)
+
+    with _triton_path():
+        want = _prefill_logits(whole, ids)
+        for name, launch in launches.items():
+            setattr(triton_quant, name, locked(launch))
+        try:
+            threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            o_proj = shards[0].layers[0].self_attn.o_proj
+            assert isinstance(o_proj, quant.QuantLinear)
+            partials.append(o_proj(torch.randn(2, o_proj.in_features)).dtype)
+        finally:
+            for name, launch in launches.items():
+                setattr(triton_quant, name, launch)
+    first = hidden[0]
+    assert first is not None, "a shard computed nothing (see the thread's traceback)"
+    got = shards[0].logits(first)
+    error = (got - want).abs().max().item() / want.abs().max().item()
+    return {"error": error, "float64_partials": float(partials == [torch.float64])}
+
+
 def _child() -> dict[str, object]:
     torch.manual_seed(0)
     jobs: dict[str, Callable[[], object]] = {
@@ -147,6 +223,8 @@ def _child() -> dict[str, object]:
     for kind in MODELS:
         for tokens in TOKENS:
             jobs[f"model_{kind}_{tokens}"] = partial(_model_error, kind, tokens)
+    for tokens in TOKENS:
+        jobs[f"tp_{tokens}"] = partial(_tp_error, tokens)
     results: dict[str, object] = {}
     for key, job in jobs.items():
         try:
@@ -190,6 +268,17 @@ def test_a_whole_quantized_model_runs_on_the_triton_path(
     # Against the dense float32 model of the same weights: float32 sums in another order.
     assert ("dense" in found) == (kind == "q8_0_file")
     assert found.get("dense", 0.0) <= DENSE_TOLERANCE, found
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_tensor_parallel_shards_run_on_the_triton_path(results: dict, tokens: int) -> None:
+    # Two shards of the Q8_0 model (their blocks cut by shard_quant, the row-parallel
+    # products' float64 partials summed) give the whole model's logits: float32 sums of
+    # halves of the rows in place of whole ones.
+    found = results[f"tp_{tokens}"]
+    assert isinstance(found, dict), found
+    assert found["float64_partials"] == 1.0
+    assert found["error"] <= TP_TOLERANCE, found
 
 
 def test_the_lookup_refuses_what_it_cannot_write() -> None:
