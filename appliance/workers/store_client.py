@@ -163,20 +163,29 @@ class StoreClient:
         else into the next report."""
         if self.slots and self.arena is not None:
             slot = self.slots.pop()
-            view = self.arena.payload(slot, self.block_nbytes)
             try:
-                if self.cuda is not None:
-                    self.cuda.store(block, view)
-                else:
-                    store_block(self.engine.kv.tensor, block, view)
-            finally:
-                view.release()
-            self.arena.seal(slot, (self.digest, key), self.block_nbytes)
+                self._write_slot(self.arena, slot, block, key)
+            except BaseException:
+                # Not sealed as whole: still ours to fill (else lost until the worker exits).
+                self.slots.append(slot)
+                raise
             self.written.append((key, slot))
             return
         data = block_bytes(self.engine.kv.tensor, block)  # [block's bytes] on its device
         self.puts.append((key, data.cpu().numpy().tobytes()))
         self.piped_blocks += 1
+
+    def _write_slot(self, arena: HostArena, slot: int, block: int, key: int) -> None:
+        """Block `block`'s bytes into reserved slot `slot`, then sealed as block `key`."""
+        view = arena.payload(slot, self.block_nbytes)
+        try:
+            if self.cuda is not None:
+                self.cuda.store(block, view)
+            else:
+                store_block(self.engine.kv.tensor, block, view)
+        finally:
+            view.release()
+        arena.seal(slot, (self.digest, key), self.block_nbytes)
 
     def stop(self, outbox: Outbox) -> None:
         """The worker stops: its pool goes, so under write_policy evict every cached

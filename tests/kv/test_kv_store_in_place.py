@@ -379,6 +379,33 @@ def test_a_worker_writes_evicted_blocks_in_place_and_an_idle_one_ahead_of_need(
     owner.close()
 
 
+def test_a_copy_into_a_slot_that_fails_gives_the_slot_back(
+    settings: KVStoreSettings,
+) -> None:
+    """A block's copy into its reserved slot raises (here the pool's blocks no longer fit
+    the slots): the error goes on, and the slot is the worker's to fill again, not lost
+    until it exits."""
+    pool = torch.zeros(2, 2, 8, SIZE, 1, 8)
+    client, cache = worker_client(pool)
+    sent: list[tuple[int | None, ToWorker]] = []
+    owner = StoreOwner(settings, SIZE, send=lambda w, m: sent.append((w, m)))
+    owner.on_ready(StoreReady(1, NAMESPACE, client.block_nbytes))
+    client.take_slots(cast(StoreSlots, sent[-1][1]))
+    reserved = sorted(client.slots)
+    compute(cache, pool, list(range(2 * SIZE)))
+    kv = cast(SimpleNamespace, client.engine.kv)
+    kv.tensor = torch.zeros(2, 2, 8, SIZE, 1, 4)  # half a slot's bytes a block
+    outbox = Sent()
+    with pytest.raises(ValueError, match="does not fit a pool block"):
+        client.clean_ahead(cast(Outbox, outbox))
+    assert sorted(client.slots) == reserved and client.written == []
+    kv.tensor = pool
+    assert client.clean_ahead(cast(Outbox, outbox)) == 2
+    written = cast(StoreWritten, outbox.messages[-1]).blocks
+    assert sorted(client.slots + [slot for _, slot in written]) == reserved
+    owner.close()
+
+
 def test_a_decode_worker_writes_ahead_none_of_the_prompt_blocks_handed_to_it(
     settings: KVStoreSettings,
 ) -> None:
