@@ -104,6 +104,20 @@ def lightest(loads: Sequence[DecodeLoad]) -> int:
     return min(range(len(loads)), key=lambda i: (loads[i].seqs, loads[i].context))
 
 
+def pool_load(decoders: Sequence[DecodeLoad], coming: DecodeLoad) -> tuple[int, DecodeLoad]:
+    """What a prefill worker's next prompt is judged against: the decode pool's lightest
+    worker (its index in `decoders`), with `coming` spread evenly over the pool. `coming`:
+    the prompts the prefill pool holds for the decode pool, queued, prefilling or parked,
+    a handoff waiting for room included (each joins the pool before any newer prompt; one
+    being handed counts in its decode worker's load already). The tokens left are not
+    kept: a prefill worker's prompt is held up to its wait's end, whatever room the decode
+    pool expects (counting the pool's share cut the simulated split's gain, 94% -> 78%
+    within the SLO at 1x). The supervisor's flow and the simulator both call this."""
+    index = lightest(decoders)
+    own, count = decoders[index], len(decoders)
+    return index, DecodeLoad(own.seqs + coming.seqs // count, own.context + coming.context // count)
+
+
 def decode_seconds(model: StepModel, load: DecodeLoad) -> float:
     """A decode step of `load`'s sequences: one token each over their keys."""
     return model.seconds(load.seqs, load.seqs, 0, load.context)

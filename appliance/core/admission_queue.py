@@ -127,14 +127,23 @@ class StepPace:
         self._last: dict[int, tuple[float, float, int]] = {}  # worker -> start, seconds, running
         self._ratios: dict[int, deque[float]] = {}
 
-    def record(self, worker_id: int, started_at: float, seconds: float, running: int) -> None:
+    def record(
+        self, worker_id: int, started_at: float, seconds: float | None, running: int
+    ) -> None:
         """A step of the worker began at `started_at` (monotonic) and its model ran
-        `seconds`; `running`: sequences it still ran after it."""
+        `seconds` (None: the step was not timed); `running`: sequences it still ran after
+        it. An untimed step (on CUDA, a prefill chunk that samples nothing and the step
+        after it) still ends the period of the step before, but starts none: its own
+        period over the timed step before would count two steps against one step's model
+        time, a pace about twice too high (admission would hold more than it should)."""
         last = self._last.get(worker_id)
         if last is not None and last[2] > 0 and last[1] > 0 and started_at > last[0]:
             ratios = self._ratios.setdefault(worker_id, deque(maxlen=self.kept))
             ratios.append((started_at - last[0]) / last[1])
-        self._last[worker_id] = (started_at, seconds, running)
+        if seconds is None:
+            self._last.pop(worker_id, None)
+        else:
+            self._last[worker_id] = (started_at, seconds, running)
 
     def of(self, worker_id: int) -> float:
         """The worker's pace (1.0 before any period was measured)."""

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from appliance.core.admission import DecodeLoad
+from appliance.core.admission import DecodeLoad, pool_load
 from appliance.core.admission_queue import AdmissionQueue
 from appliance.core.goodput import RequestResult
 from appliance.core.roles import Role
@@ -87,6 +87,7 @@ class Simulation:
             policy.prefix_caching,
         )
         self.started = [0.0] * len(self.workers)  # when each worker's current step began
+        self.flying = [0] * len(self.workers)  # keys of the handoffs being copied to each
         self.handoffs: list[tuple[Worker, SimSeq]] = []  # waiting for room, oldest first
         self.arrival = [r.arrival_s for r in requests]
         self.times: list[list[float]] = [[] for _ in requests]
@@ -220,20 +221,27 @@ class Simulation:
 
     def _decode_load(self, entry: Worker) -> DecodeLoad:
         """What the worker that decodes entry's next prompt decodes, or will: entry itself
-        when colocated; else the least loaded decode worker, with the prompts the prefill
-        pool holds for the decode pool spread over it."""
+        when colocated; else the decode pool's load as the flow weighs it (pool_load):
+        its lightest worker, with the prompts the prefill pool holds for it (queued,
+        prefilling, or prefilled and waiting for room) spread over it."""
         if entry.role == "colocated":
-            return _load(entry)
+            return self._load(entry)
         decoders = self._decoders()
         if not decoders:
             return DecodeLoad(0, 0)
-        least = min((_load(w) for w in decoders), key=lambda load: load.seqs)
         coming = [_load(w) for w in self.entry if w.role == "prefill"]
         coming.append(DecodeLoad(len(self.handoffs), sum(s.length for _, s in self.handoffs)))
-        seqs = sum(c.seqs for c in coming) // len(decoders)
-        context = sum(c.context for c in coming) // len(decoders)
-        # Tokens left unknown, as the flow has it for a prefill worker.
-        return DecodeLoad(least.seqs + seqs, least.context + context)
+        pending = DecodeLoad(sum(c.seqs for c in coming), sum(c.context for c in coming))
+        return pool_load([self._load(w) for w in decoders], pending)[1]
+
+    def _load(self, worker: Worker) -> DecodeLoad:
+        """The worker's load, the handoffs being copied to it included with their keys
+        (the flow's table has them on their decode worker from the moment it is asked)."""
+        load = _load(worker)
+        flying = self.flying[worker.index]
+        if not flying:
+            return load
+        return DecodeLoad(load.seqs, load.context + flying, load.remaining)
 
     def _decoders(self) -> list[Worker]:
         """The workers handoffs go to: the decode pool; with none left (moved away while
@@ -390,6 +398,7 @@ class Simulation:
         pool.allocate(copy, blocks_for_tokens(seq.prompt + 1, size) - cached)
         pool.register_prefix(copy)
         decode.in_flight += 1
+        self.flying[decode.index] += copy.length
         moved = (seq.prompt - cached * size) * self.profile.kv_bytes_per_token
         self._push(self._landing(moved, now), LAND, decode.index, (source, seq, copy))
 
@@ -405,6 +414,7 @@ class Simulation:
     def _land(self, decode: Worker, handoff: tuple[Worker, SimSeq, SimSeq], now: float) -> None:
         source, parked, copy = handoff
         decode.in_flight -= 1
+        self.flying[decode.index] -= copy.length
         decode.landed.append(copy)
         source.release_parked(parked)
         self._kick(source, now)

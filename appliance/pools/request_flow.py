@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from appliance.core.admission import DecodeLoad, StepModel, admission_limits, lightest
+from appliance.core.admission import DecodeLoad, StepModel, admission_limits, pool_load
 from appliance.core.admission_queue import AdmissionQueue, ModelCache, StepPace, load_of
 from appliance.core.events import EventLog
 from appliance.core.recovery import Action, retry_action
@@ -254,10 +254,8 @@ class RequestFlow:
         worker's step may have freed room for the handoffs waiting."""
         self.table.on_started(batch.started, batch.step_started_at)
         self.online.record(worker_size(worker), batch.timing)
-        if batch.timing is not None:
-            self.pace.record(
-                worker.worker_id, batch.step_started_at, batch.timing.seconds, batch.num_running
-            )
+        seconds = batch.timing.seconds if batch.timing is not None else None
+        self.pace.record(worker.worker_id, batch.step_started_at, seconds, batch.num_running)
         parked = []
         for out in batch.outputs:
             request = self._on_output(worker, out, batch.step_started_at)
@@ -310,15 +308,9 @@ class RequestFlow:
         if not decoders:
             return entry, DecodeLoad(0, 0)
         loads = [load_of(self.table.held_by(w.worker_id)) for w in decoders]
-        index = lightest(loads)
         coming = load_of(r for r in self.table.requests.values() if _for_decode_pool(r))
-        count = len(decoders)
-        own = loads[index]
-        # Tokens left unknown (DecodeLoad.remaining empty): a prefill worker's prompt is
-        # held up to its wait's end, whatever room the decode pool expects.
-        return decoders[index], DecodeLoad(
-            own.seqs + coming.seqs // count, own.context + coming.context // count
-        )
+        index, load = pool_load(loads, coming)
+        return decoders[index], load
 
     def _decode_model(self, unit: str) -> StepModel | None:
         """Worker size `unit`'s decode step cost, fitted to its newest decode steps."""

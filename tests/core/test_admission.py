@@ -13,6 +13,7 @@ from appliance.core.admission import (
     admission_limits,
     decide,
     lightest,
+    pool_load,
 )
 from appliance.core.admission_queue import AdmissionQueue, ModelCache, load_of
 from appliance.planner.profile import StepCost
@@ -70,6 +71,17 @@ def test_bad_limits_and_loads_are_refused() -> None:
 
 def test_the_lightest_worker_is_judged() -> None:
     assert lightest([DecodeLoad(9, 2700), DecodeLoad(2, 900), DecodeLoad(2, 600)]) == 2
+
+
+def test_a_prefill_workers_prompt_is_judged_on_the_pools_lightest_worker_and_whats_coming() -> None:
+    """The decode pool's worker with fewest sequences, then fewest keys (the flow's and
+    the simulator's choice alike), plus the prompts coming to the pool spread over it;
+    tokens left are dropped (never futile: held to its wait's end)."""
+    pool = [DecodeLoad(2, 900, (10, 10)), DecodeLoad(2, 400, (5, 5)), DecodeLoad(3, 300)]
+    index, load = pool_load(pool, DecodeLoad(4, 1201, (7, 7, 7, 7)))
+    assert index == 1
+    assert load == DecodeLoad(2 + 4 // 3, 400 + 1201 // 3)
+    assert pool_load([DecodeLoad(0, 0)], DecodeLoad(0, 0)) == (0, DecodeLoad(0, 0))
 
 
 @dataclass

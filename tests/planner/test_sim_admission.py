@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from appliance.core.admission import AdmissionLimits
+from appliance.core.admission import AdmissionLimits, DecodeLoad, pool_load
 from appliance.core.goodput import SLO, RequestResult
 from appliance.planner.layout import layout_of_roles
 from appliance.planner.profile import Profile, StepCost, WorkerCost, load_profile
-from appliance.planner.sim_run import Move
+from appliance.planner.sim_pool import SimSeq
+from appliance.planner.sim_run import Move, Simulation
 from appliance.planner.simulator import Policy, SimRequest, simulate
 
 PROFILE = Path(__file__).parents[1] / "data" / "autopilot_mix1" / "profile.json"
@@ -110,3 +111,30 @@ def test_a_move_turns_a_worker_in_place_and_its_requests_go_on(box: Profile) -> 
     assert all(r.ok for r in moved)
     with pytest.raises(ValueError, match="the layout has 2"):
         simulate(box, layout_of_roles(SPLIT), requests, Policy(), moves=[Move(1.0, 2, "decode")])
+
+
+def test_a_prefill_workers_prompt_is_judged_as_the_flow_judges_it(box: Profile) -> None:
+    """The state of tests/pools/test_slo_admission_flow.py's split pool: decode workers
+    with one sequence each (301 and 101 keys), a handoff waiting for room (301 keys) and
+    two prompts queued at the prefill worker (200 and 100): the same load (pool_load), on
+    the worker with fewer keys, where the simulator once took the first of equal counts
+    and the flow the lighter."""
+    layout = layout_of_roles(("prefill", "decode", "decode"))
+    sim = Simulation(box, layout, [], Policy(admission=LIMITS))
+    prefill, first, second = sim.workers
+
+    def seq(prompt: int, made: int) -> SimSeq:
+        made_seq = SimSeq(0, prompt, 64, [])
+        made_seq.made = made
+        return made_seq
+
+    first.landed.append(seq(300, 1))
+    second.landed.append(seq(100, 1))
+    sim.handoffs.append((prefill, seq(300, 1)))
+    prefill.waiting.extend([seq(200, 0), seq(100, 0)])
+    expected = pool_load([DecodeLoad(1, 301), DecodeLoad(1, 101)], DecodeLoad(3, 601))[1]
+    assert sim._decode_load(prefill) == expected == DecodeLoad(2, 101 + 300)
+    # A handoff being copied counts on its decode worker, its keys too (the flow's table
+    # has it there from the moment it is sent).
+    sim._send(prefill, sim.handoffs.pop()[1], second, 0.0)
+    assert sim._decode_load(prefill) == DecodeLoad(1 + 2 // 2, 301 + 300 // 2)

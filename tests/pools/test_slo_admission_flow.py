@@ -11,6 +11,7 @@ from typing import Any, cast
 import pytest
 from table_messages import tokens
 
+from appliance.core.admission import DecodeLoad, pool_load
 from appliance.core.admission_queue import ModelCache, StepPace
 from appliance.core.events import EventLog
 from appliance.core.request_table import Phase, RequestTable
@@ -22,7 +23,7 @@ from appliance.planner.profile import StepCost
 from appliance.pools.request_flow import RequestFlow
 from appliance.pools.worker_handle import WorkerHandle
 from appliance.settings.config import Settings
-from appliance.workers.messages import Submit, ToWorker
+from appliance.workers.messages import HandoffResult, Submit, ToWorker
 
 # 6 ms a step, 4 ms a sequence, 3 us a key: with 300-token prompts, 8 sequences step in
 # 45.2 ms and 9 in 50.3 ms, over 80% of a 60 ms TPOT limit.
@@ -115,6 +116,21 @@ def test_the_pace_counts_only_back_to_back_steps() -> None:
     assert pace.of(0) == 1.0
 
 
+def test_an_untimed_step_ends_a_period_but_starts_none() -> None:
+    """On CUDA a prefill chunk that samples nothing is not timed. Here each timed step
+    (20 ms of model time, 30 ms from its start to the next step's) alternates with an
+    untimed one: the worker's pace is 1.5. Leaving the untimed steps out would count
+    each timed step's start to the next timed one's (two steps, 60 ms) over 20 ms."""
+    pace, timed_only = StepPace(), StepPace()
+    for step in range(8):
+        start = 10.0 + 0.06 * step
+        pace.record(0, start, 0.02, running=2)
+        pace.record(0, start + 0.03, None, running=2)
+        timed_only.record(0, start, 0.02, running=2)
+    assert pace.of(0) == pytest.approx(1.5)
+    assert timed_only.of(0) == pytest.approx(3.0)  # what the flow measured before
+
+
 def test_a_held_prompt_goes_once_its_wait_is_up_and_a_late_one_waits_behind_it() -> None:
     flow, table, pool = flow_with(Settings(planner=SLO_SET))
     for _ in range(8):
@@ -161,3 +177,35 @@ def test_a_prompt_goes_to_a_worker_with_room_though_another_holds_its_prefix() -
     assert len(pool.submitted(0)) == 8 and len(pool.submitted(1)) == 8
     held = arrive(flow, table)  # both over: held
     assert flow.admission.held == [held]
+
+
+def test_a_prefill_workers_prompt_is_judged_as_the_simulator_judges_it() -> None:
+    """A split pool (0 prefill, 1 and 2 decode): both decode workers run one sequence, the
+    second fewer keys; one prompt is prefilled and its handoff waits for room, two are
+    queued. The flow weighs them with pool_load (as the simulator does, see
+    tests/planner/test_sim_admission.py): the second decode worker, with the three coming
+    spread over the two."""
+    flow, table, pool = flow_with(Settings(planner=SLO_SET), workers=3)
+    roles: tuple[Role, ...] = ("prefill", "decode", "decode")
+    for worker, role in zip(pool.workers.values(), roles, strict=True):
+        worker.role = role
+    now = time.monotonic()
+
+    def prefilled(prompt: int, decode_worker: int | None) -> None:
+        request = table.add(list(range(prompt)), SamplingParams(max_tokens=64), now)
+        wire = table.submit(request.request_id, 0, prefill_only=True)
+        table.on_output(0, tokens(wire, [7], blocks=[1]), now, now)  # parked
+        if decode_worker is not None:
+            table.send_handoff(request.request_id, decode_worker, now)
+            table.on_handoff_result(HandoffResult(decode_worker, wire, True), now)
+
+    prefilled(300, 1)  # decoding on worker 1: 301 keys
+    prefilled(100, 2)  # decoding on worker 2: 101 keys
+    prefilled(300, None)  # its handoff waits for room: 301 keys coming
+    for prompt in (200, 100):  # queued at the prefill worker
+        request = table.add(list(range(prompt)), SamplingParams(max_tokens=64), now)
+        table.submit(request.request_id, 0, prefill_only=True)
+    decoder, load = flow._decode_load(pool.workers[0])
+    assert decoder is pool.workers[2]
+    assert load == DecodeLoad(1 + 3 // 2, 101 + 601 // 2)
+    assert load == pool_load([DecodeLoad(1, 301), DecodeLoad(1, 101)], DecodeLoad(3, 601))[1]
