@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from appliance.admin.schema import Decision, Measured, Move, PlannerView
+from appliance.core.admission import admission_limits
 from appliance.core.goodput import SLO
 from appliance.core.roles import Role
 from appliance.model.loader import default_model_path
@@ -178,7 +179,10 @@ class Autopilot:
 
     def policy(self) -> Policy:
         """What the simulator schedules with: the live knobs the workers schedule with,
-        and speculation at the acceptance measured over the window (None: plain)."""
+        speculation at the acceptance measured over the window (None: plain), and the
+        SLO admission the supervisor holds prompts by (None where no SLO is configured
+        or the policy is fcfs: first come, first served), so that a layout is judged as
+        the box would run it."""
         tuning = self.supervisor.tuning
         return Policy(
             max_num_seqs=tuning.decode_max_seqs,
@@ -187,6 +191,7 @@ class Autopilot:
             routing=tuning.routing,
             prefix_caching=self.settings.kv.prefix_caching,
             speculation=self.acceptance.speculation(self.settings.speculative),
+            admission=admission_limits(self.planner),
         )
 
     def _act(self, verdict: Verdict) -> tuple[bool, str]:
