@@ -75,3 +75,33 @@ def test_the_gpu_formats_are_the_triton_kernels() -> None:
 
     by_id = {fmt.ggml_id: name for name, fmt in FORMATS.items()}
     assert {by_id[i] for i in triton_quant._FORMATS} == GPU_BLOCK_FORMATS
+
+
+def test_place_quant_moves_every_block_and_a_tied_table_once(tmp_path) -> None:
+    # The move build_model makes on CUDA, to the meta device here (no GPU): every
+    # QuantLinear's parts and bias and the QuantEmbedding's table leave the CPU, and the
+    # tied head keeps sharing the embedding's blocks rather than getting a second copy.
+    import torch
+    from tiny_gguf import write_gguf
+
+    from appliance.engine.shard_loading import build_model
+    from appliance.model import quant
+    from appliance.model.loader import load_model_files
+
+    files = load_model_files(write_gguf(tmp_path / "m.gguf"), tmp_path / "cache")
+    model = build_model(files, torch.float32, torch.device("cpu"), 64, True)
+    assert isinstance(model.embed_tokens, quant.QuantEmbedding)
+    assert isinstance(model.lm_head, quant.QuantLinear)
+    assert model.lm_head.parts[0].blocks is model.embed_tokens.weight_q.blocks  # tied
+    meta = torch.device("meta")
+    quant.place_quant(model, meta)
+    linears = [m for m in model.modules() if isinstance(m, quant.QuantLinear)]
+    assert len(linears) == 9  # 2 layers x 4 projections, the head
+    assert all(p.blocks.device == meta for m in linears for p in m.parts)
+    assert all(m.bias is None or m.bias.device == meta for m in linears)
+    assert all(q.blocks.device == meta for m in linears for q in m._matrices)
+    table = model.embed_tokens.weight_q
+    assert table.blocks.device == meta
+    assert model.lm_head.parts[0].blocks is table.blocks  # moved once, still shared
+    quant.place_quant(model, torch.device("cpu"))  # the CPU's stay: nothing to move
+    assert model.embed_tokens.weight_q is table
