@@ -14,6 +14,7 @@ copy's own event says it has landed, and only then are the source blocks release
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,11 +34,14 @@ class KVShard:
     A worker of one process has a single shard with every head. `ready`, on CUDA: the
     owning prefill worker's handoff event, opened from its IPC handle; a copy out of
     this pool waits for it. Only a group's first shard has one: its step ends in the
-    all-reduces every shard's K/V writes come before."""
+    all-reduces every shard's K/V writes come before. `peer_enabled`: this process
+    enabled its GPU's peer access to the pool's (another GPU: `reading_from`), so a
+    kernel of its own may read the pool directly."""
 
     head_start: int
     tensor: torch.Tensor  # [layers, 2, num_blocks, block_size, shard_kv_heads, head_dim]
     ready: torch.cuda.Event | None = None
+    peer_enabled: bool = False
 
     @property
     def heads(self) -> range:
@@ -140,9 +144,9 @@ def _copy_heads(
             last = min(to.heads.stop, origin.heads.stop)
             if first >= last:
                 continue
-            moved += copy_blocks(
-                _heads(origin, first, last), src_ids, _heads(to, first, last), dst_ids
-            )
+            source, target = _heads(origin, first, last), _heads(to, first, last)
+            kernel = copy_kernel(source, target, origin.peer_enabled)
+            moved += copy_blocks(source, src_ids, target, dst_ids, kernel)
     return moved
 
 
@@ -181,14 +185,28 @@ def _heads(shard: KVShard, first: int, last: int) -> torch.Tensor:
     return shard.tensor[..., first - shard.head_start : last - shard.head_start, :]
 
 
-def copy_kernel(src: torch.Tensor, dst: torch.Tensor) -> str:
+def copy_kernel(src: torch.Tensor, dst: torch.Tensor, peer_enabled: bool = False) -> str:
     """How copy_blocks moves blocks between these pools: "triton", one launch of
-    triton_kv_copy for all blocks, where dst's GPU reads src directly (the same GPU, or
-    peer access) and triton is installed; else "runs", a strided copy_ per run of
-    consecutive ids (the CPU, or GPUs that copy through the host)."""
-    if _TRITON_INSTALLED and dst.is_cuda and peer_access(src.device, dst.device):
-        return "triton"
-    return "runs"
+    triton_kv_copy for all blocks, where a kernel on dst's GPU may read src (the same
+    GPU, or another whose peer access this process enabled: `peer_enabled`) and triton
+    is installed; else "runs", a strided copy_ per run of consecutive ids."""
+    return kernel_for(_gpu(src.device), _gpu(dst.device), peer_enabled, _TRITON_INSTALLED)
+
+
+def kernel_for(
+    src_gpu: int | None, dst_gpu: int | None, peer_enabled: bool, triton_installed: bool
+) -> str:
+    """copy_kernel's choice on plain data: the pools' GPU ordinals (None: not on a GPU)
+    and whether peer access from dst's GPU to src's was enabled. That the GPUs could
+    (can_device_access_peer) is not enough: a kernel reading a peer's memory without it
+    enabled faults, where copy_ goes through the host."""
+    if not triton_installed or src_gpu is None or dst_gpu is None:
+        return "runs"
+    return "triton" if src_gpu == dst_gpu or peer_enabled else "runs"
+
+
+def _gpu(device: torch.device) -> int | None:
+    return device.index if device.type == "cuda" else None  # a tensor's has its index
 
 
 def copy_blocks(
@@ -259,6 +277,19 @@ def enable_peer_access(src: torch.device, dst: torch.device, pool: torch.Tensor)
         torch.empty(1, dtype=pool.dtype, device=dst).copy_(pool.reshape(-1)[:1])
         torch.cuda.synchronize(dst)
     return True
+
+
+def reading_from(shards: list[KVShard], device: torch.device) -> list[KVShard]:
+    """Another worker's pools as this process (its pool on `device`) reads them: peer
+    access enabled for each on another GPU where the GPUs allow it, and marked so."""
+    return [
+        dataclasses.replace(
+            shard,
+            peer_enabled=shard.tensor.device != device
+            and enable_peer_access(shard.tensor.device, device, shard.tensor),
+        )
+        for shard in shards
+    ]
 
 
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:

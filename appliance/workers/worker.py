@@ -21,7 +21,7 @@ import torch.multiprocessing  # registers the tensor reducers ForkingPickler use
 
 from appliance.core.roles import Role
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
-from appliance.kv.handoff import KVShard, enable_peer_access
+from appliance.kv.handoff import KVShard, reading_from
 from appliance.kv.remote import KVTransfer, RemotePool, RemoteSource
 from appliance.settings.cluster import ClusterSettings
 from appliance.settings.config import Settings
@@ -327,9 +327,7 @@ def open_peer(state: WorkerState, message: PeerPool) -> list[KVShard] | RemoteSo
         pools = tuple(p for p in message.data if isinstance(p, RemotePool))
         return RemoteSource(transfer_agent(state), pools)
     shards = open_pools([p for p in message.data if not isinstance(p, RemotePool)])
-    for shard in shards:
-        enable_peer_access(shard.tensor.device, state.engine.kv.tensor.device, shard.tensor)
-    return shards
+    return reading_from(shards, state.engine.kv.tensor.device)
 
 
 def submit(state: WorkerState, message: Submit) -> None:
