@@ -225,16 +225,16 @@ class Simulation:
         its lightest worker, with the prompts the prefill pool holds for it (queued,
         prefilling, or prefilled and waiting for room) spread over it."""
         if entry.role == "colocated":
-            return self._load(entry)
+            return self._worker_load(entry)
         decoders = self._decoders()
         if not decoders:
             return DecodeLoad(0, 0)
         coming = [_load(w) for w in self.entry if w.role == "prefill"]
         coming.append(DecodeLoad(len(self.handoffs), sum(s.length for _, s in self.handoffs)))
         pending = DecodeLoad(sum(c.seqs for c in coming), sum(c.context for c in coming))
-        return pool_load([self._load(w) for w in decoders], pending)[1]
+        return pool_load([self._worker_load(w) for w in decoders], pending)[1]
 
-    def _load(self, worker: Worker) -> DecodeLoad:
+    def _worker_load(self, worker: Worker) -> DecodeLoad:
         """The worker's load, the handoffs being copied to it included with their keys
         (the flow's table has them on their decode worker from the moment it is asked)."""
         load = _load(worker)
