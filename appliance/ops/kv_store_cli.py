@@ -2,9 +2,12 @@
 
 Both ask the running appliance through its admin API (the admin token from the file the
 server wrote): `show` prints the store's tiers from GET /admin/state, `clear` drops every
-block no worker is reading with POST /admin/kv_store/clear. With no appliance answering,
-`show` counts the disk tier's block files and `clear` deletes them (the host tier's
-shared memory dies with its owner); a running store is never cleared behind its back.
+block no worker is reading with POST /admin/kv_store/clear. With nothing listening at
+the address, `show` counts the disk tier's block files and `clear --force` deletes them
+(the host tier's shared memory dies with its owner). Without --force, `clear` deletes
+nothing there: an appliance still starting, or listening at another address with the
+same disk_path, would lose its blocks behind its back. An address that takes the
+connection but does not answer (a timeout, a broken reply) is an error, never "none".
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     store.add_argument(
         "--token-file", type=Path, help="its admin token (default: what that server wrote)"
     )
+    store.add_argument(
+        "--force",
+        action="store_true",
+        help="with no appliance listening, let clear delete the disk tier's files (no "
+        "appliance may be using kv_store.disk_path: one starting, or at another address)",
+    )
     store.set_defaults(run=run)
 
 
@@ -50,11 +59,9 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings(getattr(args, "config", None), port=port)
     url = args.url or f"http://{_local_host(settings.host)}:{settings.port}"
     token_file = args.token_file or settings.admin_token_path()
-    if not answers(url):  # (a stopped server leaves no token file behind either)
-        print(f"no appliance answers at {url}: the disk tier directly", file=sys.stderr)
-        print(show_disk(settings) if args.action == "show" else clear_disk(settings))
-        return 0
     try:
+        if not answers(url):  # (a stopped server leaves no token file behind either)
+            return offline(args.action, settings, url, args.force)
         if args.action == "show":
             print(show_served(url, token_file))
         else:
@@ -62,7 +69,31 @@ def run(args: argparse.Namespace) -> int:
     except AdminRefused as refused:
         print(f"appliance: {refused}", file=sys.stderr)
         return 1
+    except httpx.TransportError as error:
+        print(f"appliance at {url} did not answer: {_reason(error)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def offline(action: str, settings: Settings, url: str, force: bool) -> int:
+    """Nothing listens at `url`: the disk tier from its folder (clear only if forced)."""
+    if action == "clear" and not force:
+        where = settings.kv_store.disk_path or "(kv_store.disk_path unset)"
+        print(
+            f"no appliance listens at {url}: clearing would delete the disk tier's files "
+            f"at {where}; add --force if no appliance uses them (one starting, or one at "
+            "another address with the same kv_store.disk_path)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"no appliance listens at {url}: the disk tier directly", file=sys.stderr)
+    print(show_disk(settings) if action == "show" else clear_disk(settings))
+    return 0
+
+
+def _reason(error: httpx.TransportError) -> str:
+    """One line for a failed call (httpx's message may be empty)."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _local_host(host: str) -> str:
@@ -73,12 +104,26 @@ def _local_host(host: str) -> str:
 
 
 def answers(url: str) -> bool:
-    """Whether an appliance listens at `url` (any answer, a refusal included)."""
+    """Whether an appliance answers at `url` (any answer, a refusal included); False
+    only where the connection is refused (nothing listening). Anything else that fails
+    (a timeout, a dropped connection, an unknown host) raises httpx.TransportError."""
     try:
         httpx.get(url + "/admin/state", timeout=TIMEOUT_S)
-    except httpx.ConnectError:
-        return False
+    except httpx.ConnectError as error:
+        if _refused(error):
+            return False
+        raise  # a name that does not resolve, no route: not known to be nobody
     return True
+
+
+def _refused(error: BaseException) -> bool:
+    """Whether the connection was refused (httpx wraps the OSError, maybe twice)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class AdminRefused(RuntimeError):
