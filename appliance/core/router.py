@@ -51,8 +51,9 @@ W = TypeVar("W", bound=WorkerLoad)  # the pools' handle type, handed back as it 
 PREFIX_KEYS_KEPT = 8192  # per prefill worker: block keys of prompts it prefilled lately
 
 LinkRank = Callable[[int, int], int]  # two device indices -> how fast they copy; higher wins
-# A prompt's block keys -> those the box's KV store holds (any worker can load them)
-StoredKeys = Callable[[list[int]], Collection[int]]
+# A worker id and a prompt's block keys -> those the box's KV store holds that this worker
+# can load (stored under its namespace: its model, weights and KV dtype)
+StoredKeys = Callable[[int, list[int]], Collection[int]]
 
 
 def equal_links(a: int, b: int) -> int:
@@ -90,7 +91,9 @@ class Router:
         if tuning.routing == "round_robin":
             worker = candidates[next(self._turns) % len(candidates)]
         else:
-            shared = stored(keys) if stored is not None and keys else frozenset()
+            shared = {}  # worker id -> the prompt's keys the store holds for it
+            if stored is not None and keys:
+                shared = {w.worker_id: stored(w.worker_id, keys) for w in candidates}
             budget = tuning.prefill_token_budget
             worker = least_loaded(candidates, keys, budget, self._prefixes, shared)
         remember_prefix(self._prefixes.setdefault(worker.worker_id, OrderedDict()), keys)
@@ -130,19 +133,20 @@ def least_loaded(
     keys: list[int],
     budget: int,
     prefixes: Mapping[int, Mapping[int, None]],
-    stored: Collection[int] = frozenset(),
+    stored: Mapping[int, Collection[int]] | None = None,
 ) -> W:
     """The worker with the fewest queued prompt tokens, or, among those within `budget`
     tokens of it, the one holding the longest run of `keys` (prompt block keys);
-    `prefixes` maps a worker id to the block keys it prefilled lately; a key in `stored`
-    (the box's KV store holds it) is held by every worker."""
+    `prefixes` maps a worker id to the block keys it prefilled lately, `stored` to the
+    keys the box's KV store holds that it can load (held as if in its own pool)."""
     least = min(w.queued_tokens for w in candidates)
     near = [w for w in candidates if w.queued_tokens <= least + budget]
 
     def score(worker: W) -> tuple[int, int, int]:
         held = prefixes.get(worker.worker_id, {})
+        loads = stored.get(worker.worker_id, ()) if stored is not None else ()
         matched = 0
-        while matched < len(keys) and (keys[matched] in held or keys[matched] in stored):
+        while matched < len(keys) and (keys[matched] in held or keys[matched] in loads):
             matched += 1
         return (-matched, worker.queued_tokens, worker.running)
 

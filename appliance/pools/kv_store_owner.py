@@ -184,15 +184,15 @@ class StoreOwner:
             i += len(run)
         return positions, hits
 
-    def stored_keys(self, keys: list[int]) -> set[int]:
-        """Which of these block keys the store holds under some worker's namespace (any
-        worker of that namespace loads them): for the router, which does not count them
-        as one worker's prefix. Nothing is pinned or counted."""
+    def stored_keys(self, worker_id: int, keys: list[int]) -> set[int]:
+        """Which of these block keys the store holds under `worker_id`'s namespace (those
+        it can load; another model's or dtype's blocks are not its): for the router, which
+        counts them as in that worker's pool. Nothing is pinned or counted."""
         store = self.store
-        if store is None:
+        namespace = self._namespaces.get(worker_id)
+        if store is None or namespace is None:
             return set()
-        namespaces = set(self._namespaces.values())
-        return {k for k in keys if any(store.holds(n, k) for n in namespaces)}
+        return {k for k in keys if store.holds(namespace, k)}
 
     def on_put(self, message: StorePut) -> None:
         """Blocks a worker sent: into the store (a block of the wrong size is refused; one

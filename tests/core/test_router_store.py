@@ -1,7 +1,8 @@
 """Prompt routing with the box's KV store (issue 41), on plain data: a prompt goes to the
 entry worker whose pool holds its longest prefix, else to the least loaded; a block the
-store holds counts as held by every worker (any of them loads it), so a prefix the store
-serves whole biases no worker, while a pool that carries it further than the store wins."""
+store holds counts as held by every worker that can load it (of its namespace), so a
+prefix the store serves whole biases no such worker, while a pool that carries it further
+than the store wins, and a worker that cannot load it gains nothing from it."""
 
 from __future__ import annotations
 
@@ -29,12 +30,15 @@ def entry(worker_id: int, queued: int = 0) -> WorkerHandle:
     return handle
 
 
-def lookup(held: set[int], asked: list[list[int]]) -> StoredKeys:
-    """A store holding `held`, as the router asks it; each question noted in `asked`."""
+def lookup(
+    held: set[int], asked: list[tuple[int, list[int]]], loads: set[int] | None = None
+) -> StoredKeys:
+    """A store holding `held` for the workers in `loads` (None: every worker), as the
+    router asks it; each question noted in `asked`."""
 
-    def stored(prompt_keys: list[int]) -> set[int]:
-        asked.append(prompt_keys)
-        return held & set(prompt_keys)
+    def stored(worker_id: int, prompt_keys: list[int]) -> set[int]:
+        asked.append((worker_id, prompt_keys))
+        return held & set(prompt_keys) if loads is None or worker_id in loads else set()
 
     return stored
 
@@ -59,10 +63,23 @@ def test_a_prefix_the_store_holds_whole_biases_no_worker() -> None:
     router.prefill([b], [*HISTORY, 3], TUNING)  # b's pool holds the history
     assert routed(router, [a, b], [*HISTORY, 4, 5]) is b  # without the store: b's pool
     keys = prefix_keys(HISTORY, BLOCK)
-    asked: list[list[int]] = []
+    asked: list[tuple[int, list[int]]] = []
     stored = lookup(set(keys), asked)  # the store holds it too: a loads it as well
     assert routed(router, [a, b], [*HISTORY, 6, 7], stored) is a  # so the least loaded
-    assert asked == [keys]  # the router asked for the prompt's full blocks' keys
+    assert asked == [(0, keys), (1, keys)]  # each worker's prompt's full blocks' keys
+
+
+def test_stored_blocks_a_worker_cannot_load_do_not_count_for_it() -> None:
+    """The store holds the history under b's namespace only (a runs another KV dtype):
+    a, though least loaded, would compute it all; b loads the rest after its own four
+    blocks, so b takes it. Counting the store for every worker tied them at eight
+    blocks, and the least loaded a, which can load none, took it."""
+    router = Router(BLOCK, prefix_caching=True)
+    a, b = entry(0), entry(1, queued=100)
+    router.prefill([b], [*HISTORY[: 4 * BLOCK], 3], TUNING)  # b's pool: four blocks
+    keys = prefix_keys(HISTORY, BLOCK)
+    stored = lookup(set(keys), [], loads={1})
+    assert routed(router, [a, b], [*HISTORY, 4, 5], stored) is b
 
 
 def test_a_pool_that_carries_the_prefix_further_than_the_store_wins() -> None:
@@ -97,7 +114,7 @@ def test_far_behind_the_least_loaded_a_prefix_does_not_win() -> None:
 
 
 def test_round_robin_and_a_disabled_prefix_cache_never_ask_the_store() -> None:
-    asked: list[list[int]] = []
+    asked: list[tuple[int, list[int]]] = []
     stored = lookup(set(), asked)
     off = Router(BLOCK, prefix_caching=False)
     a, b = entry(0), entry(1)

@@ -265,11 +265,14 @@ def test_the_owner_serves_every_stored_run_of_a_prompt(settings: KVStoreSettings
 
 def test_the_owner_tells_the_router_which_blocks_it_holds(settings: KVStoreSettings) -> None:
     owner = StoreOwner(settings, SIZE)
-    assert owner.stored_keys([1, 2]) == set()  # not open yet
+    assert owner.stored_keys(1, [1, 2]) == set()  # not open yet
     owner.on_ready(StoreReady(1, NAMESPACE, BLOCK))
     keys = prefix_keys(list(range(4 * SIZE)), SIZE)
     owner.on_put(StorePut(1, NAMESPACE.digest(), [(k, block_of(k)) for k in keys[1:3]]))
-    assert owner.stored_keys(keys) == set(keys[1:3])
+    assert owner.stored_keys(1, keys) == set(keys[1:3])
+    # A worker of another KV dtype cannot load them: none are its (nor an unknown one's).
+    owner.on_ready(StoreReady(2, OTHER, BLOCK))
+    assert owner.stored_keys(2, keys) == set() and owner.stored_keys(3, keys) == set()
     assert (
         owner.store is not None and owner.store.index.pinned((NAMESPACE.digest(), keys[1])) is False
     )
