@@ -272,10 +272,17 @@ def enable_peer_access(src: torch.device, dst: torch.device, pool: torch.Tensor)
     if not peer_access(src, dst):
         return False
     if src != dst:
-        # torch enables a pair of devices at its first copy between them (and keeps its
-        # own table of them): one element of the pool, read from dst, does it now.
-        torch.empty(1, dtype=pool.dtype, device=dst).copy_(pool.reshape(-1)[:1])
+        # torch enables peer access at its first copy between two GPUs, for the copy's
+        # source GPU to reach the destination's memory (at::cuda::get_p2p_access(source,
+        # destination), kept in its own table). One element each way does both now: the
+        # pool's into dst (the direction copy_ takes), and one of dst's into src, so that
+        # dst's GPU may read src's memory, as a kernel of its own reading the pool does
+        # (the Triton KV copy).
+        here = torch.empty(1, dtype=pool.dtype, device=dst)
+        here.copy_(pool.reshape(-1)[:1])
+        torch.empty(1, dtype=pool.dtype, device=src).copy_(here)
         torch.cuda.synchronize(dst)
+        torch.cuda.synchronize(src)
     return True
 
 
