@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import traceback
 from dataclasses import dataclass
 
 import pytest
 import torch
+from interpreter_child import child_results, run_jobs
 
 # Each test runs the Triton interpreter in a child process: the slow lane's kind of test.
 pytestmark = pytest.mark.process
@@ -307,27 +305,16 @@ def _run_attend(sinks: bool = False) -> float:
 def _child() -> dict[str, float | str]:
     """Every case's error (or its traceback) under the interpreter."""
     torch.manual_seed(0)
-    results: dict[str, float | str] = {}
     jobs = {case.name: lambda case=case: _run_case(case) for case in CASES}
     jobs["attend"] = _run_attend
     jobs["attend_sinks"] = lambda: _run_attend(sinks=True)
-    for name, job in jobs.items():
-        try:
-            results[name] = job()
-        except Exception:
-            results[name] = traceback.format_exc()
-    return results
+    return run_jobs(jobs)
 
 
 @pytest.fixture(scope="module")
 def errors() -> dict[str, float | str]:
     """The child's results: one interpreter process for every case."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return child_results(__file__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from interpreter_child import child_results, run_jobs
 
 # Each test runs the Triton interpreter in a child process: the slow lane's kind of test.
 pytestmark = pytest.mark.process
@@ -108,24 +107,12 @@ def _child() -> dict[str, object]:
     jobs["shard_bfloat16"] = partial(_mismatches, "odd", "bfloat16", True)
     jobs["launches_runs"] = partial(_handoff_launches, "runs")
     jobs["launches_triton"] = partial(_handoff_launches, "triton")
-    results: dict[str, object] = {}
-    for key, job in jobs.items():
-        try:
-            results[key] = job()
-        except Exception:
-            results[key] = traceback.format_exc()
-    return results
+    return run_jobs(jobs)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, object]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-4000:]}"
-    found: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return found
+    return child_results(__file__)
 
 
 @pytest.mark.parametrize(("shape", "dtype"), CASES, ids=[f"{s}-{d}" for s, d in CASES])

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from typing import Any
 
 import pytest
 import torch
+from interpreter_child import child_results
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Each test runs the Triton interpreter in a child process: the slow lane's kind of test.
@@ -158,13 +158,7 @@ def count_layers(module: ModuleType, layers: int = 2) -> dict[str, list[dict[str
 
 @pytest.fixture(scope="module")
 def launches() -> dict[str, list[dict[str, int]]]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-4000:]}"
-    result: dict[str, list[dict[str, int]]] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return child_results(__file__)
 
 
 def test_prefill_of_64_prompts_is_one_launch_a_layer(launches: dict) -> None:

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import traceback
 from collections.abc import Callable
 from functools import partial
 
 import pytest
 import torch
+from interpreter_child import child_results, run_jobs
 
 # Each test runs the Triton interpreter in a child process: the slow lane's kind of test.
 pytestmark = pytest.mark.process
@@ -138,7 +136,6 @@ CPU_KERNELS_TOLERANCE = 5e-5
 
 def _child() -> dict[str, object]:
     torch.manual_seed(0)
-    results: dict[str, object] = {}
     jobs: dict[str, Callable[[], object]] = {
         f"bits_{name}": partial(_same_bits, name, "quant_gemv") for name in FORMATS
     }
@@ -150,23 +147,12 @@ def _child() -> dict[str, object]:
         jobs[f"gemm_{name}_{dtype}"] = partial(_product_errors, name, dtype, "quant_gemm")
     for tokens in (3, 12):  # the GEMV's rows, the GEMM's
         jobs[f"linear_{tokens}"] = partial(_linear_error, tokens)
-    for key, job in jobs.items():
-        try:
-            results[key] = job()
-        except Exception:
-            results[key] = traceback.format_exc()
-    return results
+    return run_jobs(jobs)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, object]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-4000:]}"
-    found: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return found
+    return child_results(__file__)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

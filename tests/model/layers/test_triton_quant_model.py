@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -26,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interpreter_child import child_results, run_jobs
 
 # The interpreter runs in a child process: the slow lane's kind of test.
 pytestmark = pytest.mark.process
@@ -225,24 +224,12 @@ def _child() -> dict[str, object]:
             jobs[f"model_{kind}_{tokens}"] = partial(_model_error, kind, tokens)
     for tokens in TOKENS:
         jobs[f"tp_{tokens}"] = partial(_tp_error, tokens)
-    results: dict[str, object] = {}
-    for key, job in jobs.items():
-        try:
-            results[key] = job()
-        except Exception:
-            results[key] = traceback.format_exc()
-    return results
+    return run_jobs(jobs)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, object]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-4000:]}"
-    found: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return found
+    return child_results(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("dtype", LOOKUP_DTYPES)
