@@ -71,6 +71,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+def activation_dtype(name: str, quantized: bool, device: torch.device) -> torch.dtype:
+    """The dtype a model (a target or its draft) computes in. The CPU's quantized kernels
+    take float32 activations (and bfloat16, converted as read): 'auto' keeps float32
+    there, its accuracy at no cost in bytes read. A GPU's Triton products sum in float32
+    whatever the activations' dtype, so 'auto' takes `resolve_dtype`'s choice there."""
+    if quantized and name == "auto" and device.type == "cpu":
+        return torch.float32
+    return resolve_dtype(name, device)
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bfloat16 dot-product instructions torch's kernels use."""
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -253,14 +263,7 @@ def load_shard(
     cpu_kernels.select(settings.cpu_isa)
     files = load_model_files(settings.model, settings.cache_dir)
     quantized = use_quant(settings, files, device)
-    # The CPU's quantized kernels take float32 activations (and bfloat16, converted as
-    # read): 'auto' keeps float32 there, its accuracy at no cost in bytes read.
-    # A GPU's Triton products sum in float32 whatever x's dtype: 'auto' takes bfloat16 there.
-    dtype = (
-        torch.float32
-        if quantized and settings.dtype == "auto" and device.type == "cpu"
-        else resolve_dtype(settings.dtype, device)
-    )
+    dtype = activation_dtype(settings.dtype, quantized, device)
     cfg = files.config
     max_len = min(
         settings.batch.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings

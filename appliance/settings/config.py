@@ -206,8 +206,9 @@ class Settings(BaseSettings):
     weights: Literal["auto", "dense", "quantized"] = Field(
         "auto",
         description="quantized multiplies a GGUF's block-format weights (Q4_0, Q4_1, Q8_0, "
-        "Q4_K, Q5_K, Q6_K) in place with the CPU kernels, reading a fraction of the bytes "
-        "(int4 is an older name for it); auto does so wherever that applies (CPU, kernels "
+        "Q4_K, Q5_K, Q6_K) in place, reading a fraction of the bytes: with the CPU kernels, "
+        "or on CUDA with the Triton kernels (every format but Q5_K, which loads dense) "
+        "(int4 is an older name for it); auto does so wherever that applies (kernels "
         "built); dense dequantizes all to the dtype.",
     )
     quantize: Literal["none", "q8_0", "q4_0"] = Field(

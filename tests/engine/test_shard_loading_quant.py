@@ -5,6 +5,7 @@ settings. No GPU needed: CUDA's answer is a rule on the formats its Triton kerne
 from __future__ import annotations
 
 import pytest
+import torch
 
 from appliance.engine.shard_loading import (
     GPU_BLOCK_FORMATS,
@@ -105,3 +106,18 @@ def test_place_quant_moves_every_block_and_a_tied_table_once(tmp_path) -> None:
     assert model.lm_head.parts[0].blocks is table.blocks  # moved once, still shared
     quant.place_quant(model, torch.device("cpu"))  # the CPU's stay: nothing to move
     assert model.embed_tokens.weight_q is table
+
+
+def test_a_quantized_model_computes_in_float32_on_the_cpu_and_as_resolved_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One rule for a target and its draft (draft_loading picked float32 for a quantized
+    draft on CUDA too, where the Triton products take bfloat16)."""
+    from appliance.engine import shard_loading
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert shard_loading.activation_dtype("auto", True, cpu) == torch.float32
+    assert shard_loading.activation_dtype("bfloat16", True, cpu) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert shard_loading.activation_dtype("auto", True, cuda) == torch.bfloat16
+    assert shard_loading.activation_dtype("auto", False, cuda) == torch.bfloat16

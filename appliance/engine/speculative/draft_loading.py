@@ -19,9 +19,9 @@ from tokenizers import Tokenizer as RawTokenizer
 
 from appliance.engine.shard_loading import (
     ShardParts,
+    activation_dtype,
     build_model,
     resolve_device,
-    resolve_dtype,
     use_quant,
 )
 from appliance.engine.speculative.adaptive import AdaptivePolicy
@@ -144,11 +144,7 @@ def build_draft(
     the target's context or the draft's own if shorter (longer sequences get no drafts)."""
     weights = "dense" if settings.weights == "dense" else "auto"
     quantized = use_quant(settings.model_copy(update={"weights": weights}), files, device)
-    dtype = (
-        torch.float32
-        if quantized and settings.dtype == "auto"
-        else resolve_dtype(settings.dtype, resolve_device(str(device)))
-    )
+    dtype = activation_dtype(settings.dtype, quantized, resolve_device(str(device)))
     positions = min(max_len, files.config.max_position_embeddings)
     model = build_model(files, dtype, device, positions, quantized, quantize_to=settings.quantize)
     if quantized:
