@@ -6,10 +6,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from appliance.planner.profile import HandoffCost, HostCost, Profile, ProfileKey, WorkerCost
+from appliance.planner.profile import (
+    HandoffCost,
+    HostCost,
+    Profile,
+    ProfileKey,
+    StepCost,
+    WorkerCost,
+)
 
 HAND_MADE = ProfileKey(model="hand-made", dtype="float32", weights="dense", device_kind="test")
 QUICK_HANDOFF = HandoffCost(base_s=0.0005, per_byte_s=0.0)
+# The simulator's tests' step costs (round figures, so an expected time is plain arithmetic).
+SIM_PREFILL = StepCost(base_s=0.010, per_token_s=0.001, per_seq_s=0.0005, per_attended_s=1e-6)
+SIM_DECODE = StepCost(base_s=0.020, per_token_s=0.0002, per_seq_s=0.001, per_context_s=1e-5)
+SIM_HOST = HostCost(per_step_s=0.002, per_token_s=0.0005)
 
 
 def hand_profile(

@@ -5,7 +5,7 @@ last token), and a simulated prefill computes only the rest, whichever worker ta
 from __future__ import annotations
 
 import pytest
-from hand_profiles import hand_profile
+from hand_profiles import SIM_DECODE, SIM_HOST, SIM_PREFILL, hand_profile
 
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.prefix_hits import (
@@ -16,18 +16,15 @@ from appliance.planner.prefix_hits import (
 )
 from appliance.planner.profile import (
     HandoffCost,
-    HostCost,
     Profile,
     ProfileKey,
-    StepCost,
     WorkerCost,
     attended,
 )
 from appliance.planner.simulator import Policy, SimRequest, StepRecord, simulate
 
-PREFILL = StepCost(base_s=0.010, per_token_s=0.001, per_seq_s=0.0005, per_attended_s=1e-6)
-DECODE = StepCost(base_s=0.020, per_token_s=0.0002, per_seq_s=0.001, per_context_s=1e-5)
-HOST = HostCost(per_step_s=0.002, per_token_s=0.0005)
+PREFILL, DECODE = SIM_PREFILL, SIM_DECODE
+HOST = SIM_HOST
 COLOCATED_X2 = Layout(mode="colocated", prefill=Pool(workers=2))
 ONE_PLUS_ONE = Layout(mode="disaggregated", prefill=Pool(workers=1), decode=Pool(workers=1))
 

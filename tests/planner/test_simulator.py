@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from hand_profiles import hand_profile
+from hand_profiles import SIM_DECODE, SIM_HOST, SIM_PREFILL, hand_profile
 
 from appliance.bench.report import write_json
 from appliance.core.goodput import SLO, RequestResult, summarize
@@ -36,10 +36,9 @@ from appliance.planner.simulator import (
     simulate,
 )
 
-PREFILL = StepCost(base_s=0.010, per_token_s=0.001, per_seq_s=0.0005, per_attended_s=1e-6)
-DECODE = StepCost(base_s=0.020, per_token_s=0.0002, per_seq_s=0.001, per_context_s=1e-5)
+PREFILL, DECODE = SIM_PREFILL, SIM_DECODE
 MIXED = StepCost(base_s=0.030, per_token_s=0.001, per_seq_s=0.001, per_context_s=2e-5)
-HOST = HostCost(per_step_s=0.002, per_token_s=0.0005)
+HOST = SIM_HOST
 HANDOFF = HandoffCost(base_s=0.003, per_byte_s=1e-8)
 KV_BYTES = 1000
 
