@@ -25,7 +25,7 @@ from appliance.core.router import Router
 from appliance.core.tuning import Tuning
 from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams
-from appliance.planner.decode_fit import recent_decode_cost
+from appliance.planner.decode_fit import RecentDecodeFits
 from appliance.planner.online_profile import OnlineProfile, worker_size
 from appliance.planner.traffic_log import TrafficLog
 from appliance.pools.drains import Drains
@@ -102,7 +102,9 @@ class RequestFlow:
         self.online = OnlineProfile()  # every worker size's recent steps, timed
         # Prompts held while their decode step would miss the SLO (planner.scheduling_policy)
         self.admission = AdmissionQueue(admission_limits(settings.planner))
-        self._models = ModelCache(self._decode_model)  # refitted once a second at most
+        # Read once a second at most, refitted only after new decode steps came.
+        self._decode_fits = RecentDecodeFits(self.online)
+        self._models = ModelCache(self._decode_model)
         self.pace = StepPace()  # each worker's step period over its model time
         self.store: StoreOwner | None = None  # the box's KV store (the supervisor's)
 
@@ -313,8 +315,9 @@ class RequestFlow:
         return decoders[index], load
 
     def _decode_model(self, unit: str) -> StepModel | None:
-        """Worker size `unit`'s decode step cost, fitted to its newest decode steps."""
-        return recent_decode_cost(self.online, unit)
+        """Worker size `unit`'s decode step cost, fitted to its newest decode steps (the
+        last fit while none came since)."""
+        return self._decode_fits.cost(unit)
 
     def _on_output(
         self, worker: WorkerHandle, out: Output, step_started_at: float

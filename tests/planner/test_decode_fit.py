@@ -1,5 +1,6 @@
 """The quick decode fit SLO admission reads (planner/decode_fit.py): it recovers a known
-decode step cost from recorded steps, newest first, and declines too few or too alike."""
+decode step cost from recorded steps, newest first, declines too few or too alike, and
+is fitted again only once a new decode step came."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 import pytest
 
 from appliance.engine.step_timing import StepTiming
-from appliance.planner.decode_fit import recent_decode_cost
+from appliance.planner.decode_fit import RecentDecodeFits, recent_decode_cost
 from appliance.planner.online_profile import OnlineProfile
 
 
@@ -42,3 +43,21 @@ def test_too_few_or_too_alike_steps_give_no_cost() -> None:
     for _ in range(100):
         online.record("4x1", alike)
     assert recent_decode_cost(online, "4x1") is None  # one batch size: no slope to fit
+
+
+def test_the_fit_is_made_again_only_after_a_new_decode_step() -> None:
+    online, rng = OnlineProfile(window=300), random.Random(2)  # a full window: no growth
+    for _ in range(300):
+        online.record("1x1", decode_step(rng, 0.006, 0.004, 3e-6))
+    fits = RecentDecodeFits(online)
+    first = fits.cost("1x1")
+    assert first is not None and fits.fitted == 1
+    assert fits.cost("1x1") is first and fits.fitted == 1  # no step since: the same fit
+    online.record("1x1", StepTiming("prefill", 64, 1, 2080, 0, 0.05))
+    assert fits.cost("1x1") is first and fits.fitted == 1  # a prefill is no decode step
+    online.record("1x1", decode_step(rng, 0.006, 0.004, 3e-6))
+    second = fits.cost("1x1")
+    assert fits.fitted == 2 and second is not None and second is not first
+    assert second.per_seq_s == pytest.approx(0.004, rel=0.1)
+    assert fits.cost("2x1") is None and fits.cost("2x1") is None  # a size with no steps
+    assert fits.fitted == 3
