@@ -32,7 +32,7 @@ from appliance.kv.cache import KVCache, KVLayout, resolve_kv_dtype
 from appliance.model import cpu_kernels
 from appliance.model.causal_lm import CausalLM
 from appliance.model.loader import ModelFiles, load_model_files
-from appliance.model.quant import use_prefill_gemm
+from appliance.model.quant import QuantEmbedding, QuantLinear, use_prefill_gemm
 from appliance.settings.config import Settings
 
 
@@ -156,9 +156,18 @@ def build_draft(
 
 
 def weight_bytes(model: CausalLM) -> int:
-    """Bytes of the model's parameters and buffers."""
+    """Bytes of the model's weights: its parameters and buffers, and the blocks (and
+    biases) of its quantized projections and embedding, plain attributes that
+    parameters() does not see; a table two modules share (a tied head's) counted once."""
     tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):  # its blocks: QuantLinear.weight_bytes
+            tensors += [part.blocks for part in module.parts]
+            tensors += [] if module.bias is None else [module.bias]
+        elif isinstance(module, QuantEmbedding):
+            tensors.append(module.weight_q.blocks)
+    unique = {(t.device, t.data_ptr()): t for t in tensors}
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def file_bytes(files: ModelFiles) -> int:
