@@ -21,6 +21,7 @@ import gguf
 import pytest
 from copying_prompt import copying_prompt
 from family_configs import tiny_config
+from gguf_builder import tiny_gguf_metadata
 from random_models import TOY_TOKENS, our_engine, random_model, save_folder, write_gguf
 
 from appliance.engine.llm_engine import Completion, LLMEngine
@@ -41,17 +42,6 @@ from appliance.settings.config import load_settings
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): whole models
 
 GREEDY = SamplingParams(max_tokens=24)
-# A llama GGUF of TINY's shape (its metadata keys without the "llama." prefix).
-TOY_GGUF: dict[str, int | float] = {
-    "block_count": 2,
-    "context_length": 512,
-    "embedding_length": 64,
-    "feed_forward_length": 128,
-    "attention.head_count": 4,
-    "attention.head_count_kv": 2,
-    "rope.freq_base": 10000.0,
-    "attention.layer_norm_rms_epsilon": 1e-6,
-}
 POOL = {"num_blocks": 256, "block_size": 4}  # small blocks: rollbacks cross block edges
 
 
@@ -272,7 +262,7 @@ def test_a_quantized_gguf_draft_for_a_float_gguf_target(tmp_path: Path) -> None:
     GGUFs carry: the same answers, most drafts kept, every block free after."""
     config = tiny_config("LlamaConfig", len(TOY_TOKENS), tie_word_embeddings=True)
     model = random_model(config)
-    meta = {**TOY_GGUF, "vocab_size": len(TOY_TOKENS)}
+    meta = tiny_gguf_metadata(config)
     target = write_gguf(model, tmp_path / "tiny-F32.gguf", gguf.MODEL_ARCH.LLAMA, meta)
     draft = write_gguf(
         model, tmp_path / "tiny-Q8_0.gguf", gguf.MODEL_ARCH.LLAMA, meta, quantize=True

@@ -38,6 +38,27 @@ BASE_METADATA: dict[str, int | float] = {
 Tensor = np.ndarray | tuple[np.ndarray, GGMLQuantizationType]
 MetadataValue = int | float | str | list[bool]
 
+
+def tiny_gguf_metadata(config: Any) -> dict[str, MetadataValue]:
+    """The llama keys (without the "<arch>." prefix) of a GGUF of this transformers
+    config's shape, as convert_hf_to_gguf writes them: layers, context, widths, heads,
+    RoPE base, norm epsilon, vocabulary. A family adds its own keys to these."""
+    rope = config.rope_parameters
+    # Per layer type (Gemma 3): the full-attention layers' base, as llama.cpp writes it.
+    rope = rope.get("full_attention", rope)
+    return {
+        "block_count": config.num_hidden_layers,
+        "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "rope.freq_base": float(rope["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+        "vocab_size": config.vocab_size,
+    }
+
+
 # A byte-level BPE vocabulary small enough for transformers to convert in milliseconds.
 TOY_TOKENS = ["<|endoftext|>", *(chr(c) for c in range(ord("a"), ord("z") + 1))]
 TOY_TOKENS += ["ab", "cd", "ef", "gh", "Ġ"]

@@ -18,6 +18,7 @@ import gguf
 import httpx
 import pytest
 import torch
+from gguf_builder import tiny_gguf_metadata
 from huggingface_hub import constants, scan_cache_dir, try_to_load_from_cache
 from random_models import random_model, save_folder, write_gguf
 from server_process import ServerProcess
@@ -30,16 +31,6 @@ from appliance.model.loader import load_model_files, model_name
 COMMIT = "a" * 40
 GGUF_COMMIT = "b" * 40
 APPLIANCE = [sys.executable, "-m", "appliance.cli"]
-GGUF_METADATA: dict[str, int | float] = {
-    "block_count": 2,
-    "context_length": 256,
-    "embedding_length": 64,
-    "feed_forward_length": 128,
-    "attention.head_count": 4,
-    "attention.head_count_kv": 2,
-    "rope.freq_base": 10000.0,
-    "attention.layer_norm_rms_epsilon": 1e-6,
-}
 
 
 def llama_config(vocab: int):
@@ -91,7 +82,7 @@ def hf_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from random_models import TOY_TOKENS
 
     small = random_model(llama_config(len(TOY_TOKENS)))
-    meta = {**GGUF_METADATA, "vocab_size": len(TOY_TOKENS)}
+    meta = tiny_gguf_metadata(small.config)
     f32 = write_gguf(small, work / "tiny-F32.gguf", gguf.MODEL_ARCH.LLAMA, meta)
     q8 = write_gguf(small, work / "tiny-Q8_0.gguf", gguf.MODEL_ARCH.LLAMA, meta, quantize=True)
     readme = work / "README.md"

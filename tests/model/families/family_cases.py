@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 import torch
 from family_configs import tiny_config
+from gguf_builder import tiny_gguf_metadata
 from random_models import TOY_TOKENS, random_model, write_gguf
 
 VOCAB = 49152  # the embedded model's tokenizer, which save_folder copies
@@ -101,18 +102,9 @@ def qwen3_config(vocab: int) -> Any:
 
 
 def qwen3_metadata(config: Any) -> GgufMetadata:
-    return {
-        "block_count": QWEN3_LAYERS,
-        "context_length": 512,
-        "embedding_length": 64,
-        "feed_forward_length": 128,
-        "attention.head_count": QWEN3_HEADS,
-        "attention.head_count_kv": QWEN3_KV_HEADS,
+    return tiny_gguf_metadata(config) | {
         "attention.key_length": QWEN3_HEAD_DIM,
         "attention.value_length": QWEN3_HEAD_DIM,
-        "rope.freq_base": 1000000.0,
-        "attention.layer_norm_rms_epsilon": 1e-6,
-        "vocab_size": config.vocab_size,
     }
 
 
@@ -134,19 +126,10 @@ def mistral_config(vocab: int, window: int | None = WINDOW) -> Any:
 
 def mistral_metadata(config: Any) -> GgufMetadata:
     """A llama-layout GGUF (as llama.cpp writes Mistral) whose metadata has the window."""
-    return {
-        "block_count": 2,
-        "context_length": 512,
-        "embedding_length": 64,
-        "feed_forward_length": 128,
-        "attention.head_count": 4,
-        "attention.head_count_kv": 2,
+    return tiny_gguf_metadata(config) | {
         "attention.key_length": MISTRAL_HEAD_DIM,
         "attention.value_length": MISTRAL_HEAD_DIM,
-        "rope.freq_base": 10000.0,
-        "attention.layer_norm_rms_epsilon": 1e-6,
         "attention.sliding_window": WINDOW,
-        "vocab_size": config.vocab_size,
     }
 
 
@@ -261,22 +244,13 @@ def gemma3_model(config: Any) -> torch.nn.Module:
 
 
 def gemma3_metadata(config: Any) -> GgufMetadata:
-    return {
-        "block_count": len(LAYER_TYPES),
-        "context_length": 512,
-        "embedding_length": 64,
-        "feed_forward_length": 128,
-        "attention.head_count": 4,
-        "attention.head_count_kv": 2,
+    return tiny_gguf_metadata(config) | {
         "attention.key_length": GEMMA3_HEAD_DIM,
         "attention.value_length": GEMMA3_HEAD_DIM,
         "attention.sliding_window": GEMMA3_WINDOW,
         "attention.sliding_window_pattern": [t == "sliding_attention" for t in LAYER_TYPES],
-        "rope.freq_base": 1e6,
         "rope.scaling.type": "linear",
         "rope.scaling.factor": 2.0,
-        "attention.layer_norm_rms_epsilon": 1e-6,
-        "vocab_size": config.vocab_size,
     }
 
 
@@ -332,18 +306,9 @@ def moe_gguf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def moe_metadata(config: Any) -> GgufMetadata:
     moe_config = config.model_type == "qwen3_moe"
-    return {
-        "block_count": config.num_hidden_layers,
-        "context_length": 512,
-        "embedding_length": config.hidden_size,
-        "feed_forward_length": config.intermediate_size,
-        "attention.head_count": config.num_attention_heads,
-        "attention.head_count_kv": config.num_key_value_heads,
+    return tiny_gguf_metadata(config) | {
         "attention.key_length": config.head_dim or 16,
         "attention.value_length": config.head_dim or 16,
-        "rope.freq_base": float(config.rope_parameters["rope_theta"]),
-        "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
-        "vocab_size": config.vocab_size,
         "expert_count": EXPERTS,
         "expert_used_count": TOP_K,
         **({"expert_feed_forward_length": config.moe_intermediate_size} if moe_config else {}),
@@ -417,27 +382,18 @@ def gpt_oss_gguf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def gpt_oss_metadata(config: Any) -> GgufMetadata:
-    return {
-        "block_count": len(LAYER_TYPES),
-        "context_length": 512,
-        "embedding_length": 64,
-        "feed_forward_length": 96,
+    return tiny_gguf_metadata(config) | {
         "expert_feed_forward_length": 96,
         "expert_count": EXPERTS,
         "expert_used_count": TOP_K,
-        "attention.head_count": 4,
-        "attention.head_count_kv": 2,
         "attention.key_length": GPT_OSS_HEAD_DIM,
         "attention.value_length": GPT_OSS_HEAD_DIM,
         "attention.sliding_window": GEMMA3_WINDOW,
-        "attention.layer_norm_rms_epsilon": 1e-5,
-        "rope.freq_base": 10000.0,
         "rope.scaling.type": "yarn",
         "rope.scaling.factor": 4.0,
         "rope.scaling.original_context_length": 128,
         "rope.scaling.yarn_beta_fast": 8.0,
         "rope.scaling.yarn_beta_slow": 1.0,
-        "vocab_size": config.vocab_size,
     }
 
 
