@@ -83,7 +83,7 @@ class Variant:
     launch: str = "plain"  # "plain", "verify", "split", "reduce", "gemv", "gemm", "kv_copy"
     # gemv / gemm: the quantized GEMV (one token row) or prefill GEMM (128 rows) of
     # triton_quant over a [heads * head_dim]-square weight in this GGML format ("Q8_0",
-    # "Q4_0", "Q4_1", "Q4_K", "Q6_K"), x in `dtype`.
+    # "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"), x in `dtype`.
     # kv_copy: the handoff's block copy (triton_kv_copy) of pools of this shape.
     quant: str | None = None
 
@@ -167,8 +167,8 @@ VARIANTS: tuple[Variant, ...] = tuple(
     + _decode_side("gpt-oss-20b sliding bf16", "bfloat16", 64, 8, 64, window=128, sinks=True)
     + _decode_side("llama3-8b fp16", "float16", 32, 8, 128)
     + _decode_side("llama3-8b fp32", "float32", 32, 8, 128)
-    + _quantized("gemv", ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"))
-    + _quantized("gemm", ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"))
+    + _quantized("gemv", ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
+    + _quantized("gemm", ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
     + [
         # The handoff's copy moves bytes as integers of the dtype's width: bf16 and fp16
         # compile the same kernel, float32 another; head 64 (the default model's) and 128.
@@ -193,6 +193,7 @@ QUICK = (
     "llama3-8b Q4_0 gemv bf16",
     "llama3-8b Q4_1 gemv bf16",
     "llama3-8b Q4_K gemv bf16",
+    "llama3-8b Q5_K gemv bf16",
     "llama3-8b Q6_K gemv bf16",
     "llama3-8b Q4_0 gemm bf16",
     "llama3-8b Q6_K gemm bf16",

@@ -89,7 +89,7 @@ def cpu_has_native_bf16() -> bool:
 
 # The block formats the GPU's Triton kernels multiply in place (model/layers/triton_quant.py,
 # whose tests hold the two sets alike): named here so the decision imports no triton.
-GPU_BLOCK_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"})
+GPU_BLOCK_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ class QuantFacts:
 
 def kept_formats(facts: QuantFacts) -> frozenset[str]:
     """The block formats this device multiplies in place: every one on the CPU, the Triton
-    kernels' on CUDA (a Q5_K weight there is dequantized as it loads, as every weight was
-    before), none elsewhere."""
+    kernels' on CUDA (every one too since Q5_K's; a format without one would be
+    dequantized as it loads), none elsewhere."""
     made = {facts.quantize.upper()} if facts.quantize != "none" else set()
     formats = facts.formats | made
     if facts.device == "cpu":

@@ -24,16 +24,13 @@ def test_cuda_keeps_the_formats_its_triton_kernels_take(formats: set[str]) -> No
     assert kept_formats(facts) == formats
 
 
-def test_cuda_loads_a_q5_k_weight_dense_and_keeps_the_rest_in_blocks() -> None:
-    # A Q4_K_M file: Q4_K and Q6_K mostly, some Q5_K. The Q5_K ones are dequantized.
+def test_cuda_keeps_a_q4_k_m_files_q5_k_weights_in_blocks_too() -> None:
+    # A Q4_K_M file: Q4_K and Q6_K mostly, some Q5_K. All stay in blocks (Q5_K's Triton
+    # kernels since issue 39; they loaded dense before).
     facts = QuantFacts("cuda", frozenset({"Q4_K", "Q5_K", "Q6_K"}))
     assert quant_problem(facts) == ""
-    assert kept_formats(facts) == {"Q4_K", "Q6_K"}
-
-
-def test_cuda_with_only_formats_it_cannot_take_loads_dense_and_says_which() -> None:
-    problem = quant_problem(QuantFacts("cuda", frozenset({"Q5_K"})))
-    assert "Q5_K" in problem and "cuda" in problem
+    assert kept_formats(facts) == {"Q4_K", "Q5_K", "Q6_K"}
+    assert kept_formats(QuantFacts("cuda", ALL)) == ALL == GPU_BLOCK_FORMATS
 
 
 def test_the_cpu_keeps_every_block_format() -> None:

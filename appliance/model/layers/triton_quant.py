@@ -1,8 +1,9 @@
 """Products by GGUF block-quantized weights on the GPU, the blocks read in place and
 dequantized in registers, never written out in bfloat16: a Triton GEMV for decode (a few
 token rows times a [rows, in_features] weight; memory bound, so the weight is read as the
-file stores it: Q8_0 8.5 bits a weight, Q4_1 5, Q4_0 4.5, Q6_K 6.56, Q4_K 4.5) and a
-GEMM for prefill's rows (a weight tile dequantized to x's dtype, then a tensor-core dot).
+file stores it: Q8_0 8.5 bits a weight, Q4_1 5, Q4_0 4.5, Q6_K 6.56, Q5_K 5.5, Q4_K 4.5)
+and a GEMM for prefill's rows (a weight tile dequantized to x's dtype, then a tensor-core
+dot).
 
 Block layouts (GGML's, as appliance/model/quant.py and the CPU kernels read them). The
 32-value formats: a float16 scale d (two bytes, little-endian), then
@@ -14,12 +15,16 @@ The K-quants, 256 values a super-block:
 - Q4_K (144 bytes): d, dmin (float16), 12 bytes of eight 6-bit scales and mins (one per
   32 values, llama.cpp's get_scale_min_k4), 128 bytes of nibbles: bytes 32c..32c+31
   hold sub-blocks 2c (low nibbles) and 2c + 1 (high); value d * sc * nibble - dmin * m;
+- Q5_K (176 bytes): Q4_K's d, dmin and 12 scale bytes, then qh[32], then Q4_K's 128 bytes
+  of nibbles; value l of sub-block s (0-7) takes bit s of qh[l] as its fifth bit (q =
+  nibble | bit << 4, 0-31); value d * sc * q - dmin * m;
 - Q6_K (210 bytes): ql[128] low 4 bits, qh[64] high 2 bits, int8 scales[16] (one per 16
   values), d (float16) last; in each half of 128 values, group g of 32 takes its low
   bits from ql's half (g % 2: which 32 bytes, g // 2: which nibble) and its high bits
   from qh[l] >> 2g; value d * scale * (q - 32).
 Every weight comes out as the CPU dequantizer's float32, bit for bit (the products of a
-float16 scale and a small integer are exact in float32, and each value rounds once).
+float16 scale and a small integer are exact in float32 (Q5_K's widest: 11 + 6 + 5 bits),
+and each value rounds once).
 
 GEMV grid: (row tiles, tokens). A program takes ROWS output rows for one token row of x
 and walks the input a step at a time: 32-value formats BLOCKS blocks a step (scales as
@@ -59,8 +64,9 @@ _FORMATS = {
     3: _Format(2, 20, 32),  # Q4_1
     12: _Format(3, 144, 256),  # Q4_K
     14: _Format(4, 210, 256),  # Q6_K
+    13: _Format(5, 176, 256),  # Q5_K
 }
-_GEMM_FORMATS = (8, 2, 3, 12, 14)  # every format the GEMV takes
+_GEMM_FORMATS = (8, 2, 3, 12, 14, 13)  # every format the GEMV takes
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Token rows from which a product runs as the GEMM: below, the GEMV reads the weight once
 # per row (from L2 after the first), where the GEMM's row tile of 16 would idle. A guess,
@@ -138,10 +144,10 @@ def _quant_gemv_kernel(
 def _kquant_weights(block, r_ok, s, t, FORMAT: tl.constexpr):
     """Some of a K-quant super-block's weights, float32 [R, S, SUBLEN]: `block` the rows'
     super-blocks' first bytes [R, 1], `r_ok` their mask [R], s the scales' sub-blocks
-    [S] (Q4_K: values 32s.., Q6_K: values 16s..), t a value's place in one [SUBLEN]."""
+    [S] (Q4_K, Q5_K: values 32s.., Q6_K: values 16s..), t a value's place in one [SUBLEN]."""
     ok2 = r_ok[:, None] & (s[None, :] >= 0)  # [R, S]
     ok3 = ok2[:, :, None]
-    if FORMAT == 3:  # Q4_K: sub-block s is values 32s..32s+31
+    if FORMAT != 4:  # Q4_K (3), Q5_K (5): sub-block s is values 32s..32s+31
         d = _half(block, r_ok[:, None])  # [R, 1]
         dmin = _half(block + 2, r_ok[:, None])
         scales = block + 4
@@ -151,13 +157,19 @@ def _kquant_weights(block, r_ok, s, t, FORMAT: tl.constexpr):
         low = s[None, :] < 4
         sc = tl.where(low, a & 63, (b & 15) | ((c >> 6) << 4)).to(tl.float32)
         mn = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4)).to(tl.float32)
+        quants = 16 if FORMAT == 3 else 48  # Q5_K: qh[32] between the scales and nibbles
         byte = tl.load(
-            block[:, :, None] + 16 + (s // 2 * 32)[None, :, None] + t[None, None, :],
+            block[:, :, None] + quants + (s // 2 * 32)[None, :, None] + t[None, None, :],
             mask=ok3,
             other=0,
         )
-        nibble = tl.where((s % 2 == 0)[None, :, None], byte & 15, byte >> 4).to(tl.float32)
-        w = (d * sc)[:, :, None] * nibble - (dmin * mn)[:, :, None]  # [R, S, SUBLEN]
+        q = tl.where((s % 2 == 0)[None, :, None], byte & 15, byte >> 4).to(tl.int32)
+        if FORMAT == 5:  # the fifth bit: bit s of qh[t], one byte for all 8 sub-blocks
+            qh = tl.load(
+                block[:, :, None] + 16 + t[None, None, :], mask=r_ok[:, None, None], other=0
+            )
+            q = q | (((qh.to(tl.int32) >> s[None, :, None]) & 1) << 4)  # [R, S, SUBLEN]
+        w = (d * sc)[:, :, None] * q.to(tl.float32) - (dmin * mn)[:, :, None]  # [R, S, SUBLEN]
     else:  # Q6_K: scale s covers values 16s..16s+15, of half h, group g, at place
         h = s // 8
         g = s % 8 // 2
@@ -186,10 +198,10 @@ def _kquant_gemv_kernel(
     stride_xt,
     stride_wr,
     stride_ot,
-    FORMAT: tl.constexpr,  # 3: Q4_K, 4: Q6_K
-    BLOCK_BYTES: tl.constexpr,  # 144 or 210
+    FORMAT: tl.constexpr,  # 3: Q4_K, 4: Q6_K, 5: Q5_K
+    BLOCK_BYTES: tl.constexpr,  # 144, 210 or 176
     ROWS: tl.constexpr,  # output rows a program
-    SUBS: tl.constexpr,  # scales a super-block: 8 (Q4_K) or 16 (Q6_K)
+    SUBS: tl.constexpr,  # scales a super-block: 8 (Q4_K, Q5_K) or 16 (Q6_K)
     SUBLEN: tl.constexpr,  # values a scale: 32 or 16
 ):
     row_tile = tl.program_id(0)
@@ -220,7 +232,7 @@ def _quant_gemm_kernel(
     stride_xt,
     stride_wr,
     stride_ot,
-    FORMAT: tl.constexpr,  # 0: Q8_0, 1: Q4_0, 2: Q4_1, 3: Q4_K, 4: Q6_K
+    FORMAT: tl.constexpr,  # 0: Q8_0, 1: Q4_0, 2: Q4_1, 3: Q4_K, 4: Q6_K, 5: Q5_K
     BLOCK_BYTES: tl.constexpr,
     SUBLEN: tl.constexpr,  # values a scale: 32 (and the 32-value formats), 16 (Q6_K)
     BM: tl.constexpr,  # token rows a program
@@ -271,7 +283,7 @@ def _quant_rows_kernel(
     in_features,
     stride_wr,
     stride_or,
-    FORMAT: tl.constexpr,  # 0-4 as the GEMM's
+    FORMAT: tl.constexpr,  # 0-5 as the GEMM's
     BLOCK_BYTES: tl.constexpr,
     ROWS: tl.constexpr,  # looked-up rows a program
     BLOCKS: tl.constexpr,  # 32-value blocks a program (the 32-value formats)
@@ -332,7 +344,7 @@ def gemv_launch(
         return QuantLaunch(_quant_gemv_kernel, grid, args, options)
     # One super-block of 256 values a row a step: [16, 256] weights, as the 32-value
     # formats' 8 blocks.
-    subs, sublen = (8, 32) if fmt.kind == 3 else (16, 16)
+    subs, sublen = (16, 16) if fmt.kind == 4 else (8, 32)
     options = {**common, "ROWS": tile_rows, "SUBS": subs, "SUBLEN": sublen}
     return QuantLaunch(_kquant_gemv_kernel, grid, args, options)
 
@@ -383,7 +395,7 @@ def gemm_launch(
 def _checked(x: torch.Tensor, blocks: torch.Tensor, format_id: int, in_features: int) -> _Format:
     """The format of these arguments (ValueError naming what does not fit)."""
     if format_id not in _FORMATS:
-        names = "Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12) or Q6_K (14)"
+        names = "Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12), Q5_K (13) or Q6_K (14)"
         raise ValueError(f"the Triton products take {names} blocks, not GGML type {format_id}")
     if x.dtype not in _DTYPES or x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"x must be [tokens, {in_features}] of {_DTYPES}: {x.dtype} {x.shape}")
@@ -423,7 +435,8 @@ def quant_gemv(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [tokens, in_features] times a block-quantized weight (`blocks` [rows, row_bytes]
-    uint8 of GGML type `format_id`: 8 Q8_0, 2 Q4_0, 3 Q4_1, 12 Q4_K, 14 Q6_K) transposed
+    uint8 of GGML type `format_id`: 8 Q8_0, 2 Q4_0, 3 Q4_1, 12 Q4_K, 13 Q5_K, 14 Q6_K)
+    transposed
     -> [tokens, rows] in x's dtype (float32 sums). For decode's few rows: each token row
     reads the weight again (from L2 after the first)."""
     return _run(gemv_launch, x, blocks, format_id, in_features, out)

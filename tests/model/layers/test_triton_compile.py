@@ -108,7 +108,7 @@ def test_variants_cover_every_launch_rule() -> None:
     # The quantized GEMV and GEMM over every block format they take, in every dtype;
     # the GEMV of each format in the quick lane.
     dtypes = ("bfloat16", "float16", "float32")
-    gemv_formats = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+    gemv_formats = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
     assert {(v.quant, v.dtype) for v in variants if v.launch == "gemv"} == {
         (fmt, dtype) for fmt in gemv_formats for dtype in dtypes
     }

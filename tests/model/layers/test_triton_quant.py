@@ -1,14 +1,15 @@
-"""The Triton GEMV and the prefill GEMM over GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K;
-appliance/model/layers/triton_quant.py) under Triton's interpreter, against quant.py's
-dequantizer and the CPU kernels' product.
+"""The Triton GEMV and the prefill GEMM over GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
+Q6_K; appliance/model/layers/triton_quant.py) under Triton's interpreter, against
+quant.py's dequantizer and the CPU kernels' product.
 
 Q8_0 and Q4_0 weights come from quant.quantize (llama.cpp's rounding) of random floats;
 the other formats are random bytes with float16 scales of a sane size (every quant bit
-pattern, the K-quants' packed scales too). Row counts leave a partial row tile (70), block
-counts a partial step (9 blocks: steps of 8 in the GEMV, of 2 in the 16-bit GEMM), and
-20 GEMM rows a partial row tile; the K-quants' GEMM steps through a super-block 64 (32
-in float32) values at a time. The child process runs the interpreter (TRITON_INTERPRET
-must be set before triton is imported; see test_triton_attention.py) and reports JSON.
+pattern, the K-quants' packed scales and Q5_K's fifth bits too). Row counts leave a
+partial row tile (70), block counts a partial step (9 blocks: steps of 8 in the GEMV, of
+2 in the 16-bit GEMM), and 20 GEMM rows a partial row tile; the K-quants' GEMM steps
+through a super-block 64 (32 in float32) values at a time. The child process runs the
+interpreter (TRITON_INTERPRET must be set before triton is imported; see
+test_triton_attention.py) and reports JSON.
 """
 
 from __future__ import annotations
@@ -26,15 +27,27 @@ from interpreter_child import child_results, run_jobs
 pytestmark = pytest.mark.process
 
 # GGML type ids of the formats the kernels (the GEMV and the GEMM) take.
-FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
+FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 GEMM_FORMATS = tuple(FORMATS)
 ROWS, TOKENS, GEMM_TOKENS = 70, 3, 20
 # Input widths: 9 blocks of 32 (a partial GEMV step of 8 blocks, a partial GEMM step of
 # 64 values), or two 256-value super-blocks.
-IN_FEATURES = {"Q8_0": 9 * 32, "Q4_0": 9 * 32, "Q4_1": 9 * 32, "Q4_K": 512, "Q6_K": 512}
+IN_FEATURES = {
+    "Q8_0": 9 * 32,
+    "Q4_0": 9 * 32,
+    "Q4_1": 9 * 32,
+    "Q4_K": 512,
+    "Q5_K": 512,
+    "Q6_K": 512,
+}
 # Where each format keeps its float16 scales in a block (byte offsets), and the block's
 # bytes; the rest of a random block is random quants.
-SCALES = {"Q4_1": ((0, 2), 20), "Q4_K": ((0, 2), 144), "Q6_K": ((208,), 210)}
+SCALES = {
+    "Q4_1": ((0, 2), 20),
+    "Q4_K": ((0, 2), 144),
+    "Q5_K": ((0, 2), 176),
+    "Q6_K": ((208,), 210),
+}
 
 
 def _random_blocks(name: str, rows: int, in_features: int) -> torch.Tensor:
@@ -201,14 +214,10 @@ def test_the_linear_layers_gpu_path_gives_its_cpu_paths_product(results: dict, t
 def test_other_formats_are_refused() -> None:
     from appliance.model.layers import triton_quant
 
-    with pytest.raises(ValueError, match="GGML type 13"):  # Q5_K: no Triton kernel yet
-        triton_quant.quant_gemv(
-            torch.zeros(1, 256), torch.zeros(1, 176, dtype=torch.uint8), 13, 256
-        )
-    with pytest.raises(ValueError, match="GGML type 13"):
-        triton_quant.quant_gemm(
-            torch.zeros(1, 256), torch.zeros(1, 176, dtype=torch.uint8), 13, 256
-        )
+    with pytest.raises(ValueError, match="GGML type 6"):  # Q5_0: no Triton kernel
+        triton_quant.quant_gemv(torch.zeros(1, 32), torch.zeros(1, 22, dtype=torch.uint8), 6, 32)
+    with pytest.raises(ValueError, match="GGML type 6"):
+        triton_quant.quant_gemm(torch.zeros(1, 32), torch.zeros(1, 22, dtype=torch.uint8), 6, 32)
     with pytest.raises(ValueError, match="do not hold"):
         triton_quant.quant_gemv(torch.zeros(1, 64), torch.zeros(1, 34, dtype=torch.uint8), 8, 64)
 

@@ -29,7 +29,7 @@ from interpreter_child import child_results, run_jobs
 # The interpreter runs in a child process: the slow lane's kind of test.
 pytestmark = pytest.mark.process
 
-FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
+FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 LOOKUP_DTYPES = ("float32", "bfloat16", "float16")
 # Rows looked up: repeats, the first and last rows, an odd count (a partial row tile).
 IDS = [69, 0, 5, 5, 33, 68, 1]
@@ -274,8 +274,8 @@ def test_the_lookup_refuses_what_it_cannot_write() -> None:
     blocks = torch.zeros(2, 34, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"not torch\.int32"):
         triton_quant.quant_rows(blocks, 8, 32, torch.tensor([0]), torch.int32)
-    with pytest.raises(ValueError, match="GGML type 13"):
-        triton_quant.quant_rows(torch.zeros(1, 176, dtype=torch.uint8), 13, 256, torch.tensor([0]))
+    with pytest.raises(ValueError, match="GGML type 6"):  # Q5_0: no Triton kernel
+        triton_quant.quant_rows(torch.zeros(1, 22, dtype=torch.uint8), 6, 32, torch.tensor([0]))
 
 
 if __name__ == "__main__":
