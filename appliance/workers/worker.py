@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing  # registers the tensor reducers ForkingPickler uses
 
 from appliance.core.roles import Role
+from appliance.engine.kernel_warmup import warm_up
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.kv.handoff import KVShard, reading_from
 from appliance.kv.remote import KVTransfer, RemotePool, RemoteSource
@@ -136,6 +137,7 @@ def load_and_serve(
     engine = LLMEngine.from_settings(
         settings, shared_kv=role == "prefill", group=group, decodes=role != "prefill"
     )
+    warm_up(engine, decodes=role != "prefill", tensor_parallel=group is not None)  # CUDA only
     gemm = engine.model.prefill_gemm  # its steps' timings say where the kernels switch
     engine.clock.gemm_rows = gemm.rows if gemm is not None else None
     state = WorkerState(worker_id, engine, outbox, group, cluster=settings.cluster)
