@@ -13,6 +13,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Ids
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from chi_square import chi_square_p_value
@@ -97,6 +98,38 @@ def test_greedy_with_ngram_drafts_equals_plain_decoding(
     counts = spec.scheduler.acceptance
     assert counts.accepted > 0 and counts.drafted > counts.accepted
     assert all_free(spec)
+
+
+def test_verify_steps_of_the_quantized_model_run_in_the_compiled_decode_step(
+    quant_engine: LLMEngine,
+) -> None:
+    """On the CPU a verify chunk's rows are decode rows (context lengths one past each
+    other): a step of verifies and decodes is the compiled decode step's, whose numbers
+    are plain decoding's row by row, so greedy output is plain decoding's exactly."""
+    compiled = quant_engine.model.decode_step
+    assert compiled is not None and quant_engine.scheduler.drafter is None
+    plain = quant_engine.generate(prompts_of(quant_engine), GREEDY)
+    rows: list[int] = []
+
+    class Counting:
+        takes = compiled.takes
+
+        def __call__(self, residual: Any, *rest: Any) -> Any:
+            rows.append(int(residual.shape[0]))
+            return compiled(residual, *rest)
+
+    quant_engine.model.decode_step = Counting()  # type: ignore[assignment]
+    quant_engine.scheduler.drafter = Drafter(NgramProposer(1, 4), 4)
+    try:
+        got = quant_engine.generate(prompts_of(quant_engine), GREEDY)
+        counts = replace(quant_engine.scheduler.acceptance)
+    finally:
+        quant_engine.model.decode_step = compiled
+        quant_engine.scheduler.drafter = None
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    assert counts.accepted > 0
+    # Three sequences at most: more rows in one compiled step are verify rows.
+    assert max(rows) > len(plain)
 
 
 def test_copying_prompt_is_where_drafts_are_kept(
