@@ -20,6 +20,7 @@ from appliance.engine.speculative.adaptive import (
     MIN_EVIDENCE,
     AdaptivePolicy,
     DraftLength,
+    batch_cost,
     expected_tokens,
     gain,
 )
@@ -115,6 +116,36 @@ def test_a_low_acceptance_under_the_row_cost_pauses_and_one_over_it_does_not() -
     dear = DraftLength(1, 1, AdaptivePolicy(0.9))
     replay(dear, history)
     assert dear.paused_for == FIRST_BACKOFF
+
+
+def test_a_row_costs_more_of_a_sequence_share_the_larger_the_batch() -> None:
+    assert batch_cost(0.35, 1) == pytest.approx(0.35)
+    costs = [batch_cost(0.35, b) for b in (1, 2, 4, 8, 16, 64)]
+    assert costs == sorted(costs) and costs[-1] < 1
+    # t0 + s * B: c1 = 0.35 is s = 0.35, t0 = 0.65; at 16, 16 * 0.35 / (16 * 0.35 + 0.65).
+    assert batch_cost(0.35, 16) == pytest.approx(5.6 / 6.25)
+    assert batch_cost(0.0, 16) == 0 and batch_cost(1.0, 3) == 1
+
+
+def test_the_grounded_acceptance_drafts_alone_and_pauses_in_a_batch_of_16() -> None:
+    # 3 of 4 drafts kept, then a miss (acceptance ~0.77, the grounded bench's): it pays
+    # at batch 1 at the measured row cost (0.35), not when 16 sequences share the step.
+    history = [(4, 3)] * MIN_EVIDENCE
+    alone = DraftLength(1, 4, AdaptivePolicy(0.35, batch=1))
+    replay(alone, history)
+    assert alone.paused_for == 0
+    crowded = DraftLength(1, 4, AdaptivePolicy(0.35, batch=16))
+    replay(crowded, history)
+    assert crowded.paused_for == FIRST_BACKOFF
+
+
+def test_the_drafter_tells_its_policy_each_step_batch() -> None:
+    settings = SpeculativeSettings(method="ngram", verify_token_cost=0.35)
+    drafter = Drafter.from_settings(settings)
+    assert drafter is not None and drafter.policy is not None
+    assert drafter.batch_drafts(12)
+    assert drafter.policy.batch == 12
+    assert drafter.policy.cost == pytest.approx(batch_cost(0.35, 12))
 
 
 def test_recent_steps_weigh_more_than_old_ones() -> None:

@@ -13,6 +13,20 @@ tokens, so it pays when gain(a, k) = E(a, k) / (1 + c * k) > 1. At k = 1 that is
 and where it does not pay at k = 1 it pays at no larger k (each row more adds a^k < c
 tokens for c more cost).
 
+The batch. `verify_token_cost` is c at batch 1. A step of n rows costs about t0 + s * n
+(t0: reading and unpacking the weights and the step's fixed work; s: a row's own work),
+so at a batch of B sequences a draft's row costs s against each sequence's share of the
+step, (t0 + s * B) / B; with c1 = s / (t0 + s) that is
+
+    c(B) = B * c1 / (B * c1 + 1 - c1)
+
+which grows towards 1: on a compute-bound batch a row more costs a whole sequence's
+share, and a draft must be kept nearly always to pay. (With every sequence drafting k,
+the batch makes B * E(a, k) tokens in t0 + s * B * (1 + k): E(a, k) / (1 + c(B) * k)
+of plain decoding's rate, the gain above at c(B).) The drafter tells the policy each
+step's batch (AdaptivePolicy.batch), so a sequence pauses where the batch makes its
+drafts a loss and probes again at its pause's end.
+
 The estimate. Of a verify step's drafts, the kept ones say "kept" and a rejection, if
 any, says "missed" once; the drafts after a rejection were never tested. Under the
 geometric model the maximum-likelihood acceptance is kept / (kept + missed). Both counts
@@ -51,15 +65,31 @@ def gain(acceptance: float, k: int, verify_token_cost: float) -> float:
     return expected_tokens(acceptance, k) / (1 + verify_token_cost * k)
 
 
-@dataclass(frozen=True)
+def batch_cost(verify_token_cost: float, batch: int) -> float:
+    """c(B): what a draft's row costs against a sequence's share of a step of `batch`
+    sequences, from its cost at batch 1 (see the module's docstring)."""
+    scaled = max(1, batch) * verify_token_cost
+    rest = 1 - verify_token_cost
+    return scaled / (scaled + rest) if scaled + rest > 0 else 1.0
+
+
+@dataclass
 class AdaptivePolicy:
-    """The settings of the per-sequence rule (see the module's docstring)."""
+    """The settings of the per-sequence rule (see the module's docstring), and the batch
+    the running step has (the drafter sets `batch` each step; every sequence's
+    DraftLength reads the one policy)."""
 
     verify_token_cost: float = 0.1
+    batch: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.verify_token_cost <= 1:
             raise ValueError(f"verify_token_cost must be in [0, 1], got {self.verify_token_cost}")
+
+    @property
+    def cost(self) -> float:
+        """A draft's row's cost at the current batch, in sequence-steps (c(B))."""
+        return batch_cost(self.verify_token_cost, self.batch)
 
 
 @dataclass
@@ -115,7 +145,7 @@ class DraftLength:
             self.k = min(self.k_max, self.k * 2)
         if self.verifies < MIN_EVIDENCE:
             return
-        if gain(self.acceptance, self.k_min, self.policy.verify_token_cost) <= 1:
+        if gain(self.acceptance, self.k_min, self.policy.cost) <= 1:
             self.paused_for = self.backoff
             self.backoff = min(MAX_BACKOFF, self.backoff * 2)
         else:

@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.sequence import Sequence as Request
+from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.engine.speculative.adaptive import AdaptivePolicy, DraftLength
 from appliance.engine.speculative.eligibility import speculates
 from appliance.engine.speculative.ngram import NgramProposer
@@ -151,7 +152,17 @@ class Drafter:
         if isinstance(self.proposer, SequenceProposer):
             self.proposer.forget(seq_id)
 
+    def share_counts(self, totals: AcceptanceCounts) -> None:
+        """A draft model keeps `totals`' draft_* fields (the worker's report) up to date
+        with its own counts; other proposers have none."""
+        share = getattr(self.proposer, "share_counts", None)
+        if share is not None:
+            share(totals)
+
     def batch_drafts(self, running: int) -> bool:
-        """Whether a step with `running` sequences may carry drafts at all."""
+        """Whether a step with `running` sequences may carry drafts at all. Tells the
+        adaptive policy the batch, which weighs each draft's row by it."""
+        if self.policy is not None:
+            self.policy.batch = running
         limit = self.disable_by_batch_size
         return limit is None or running <= limit
