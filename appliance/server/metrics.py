@@ -259,6 +259,17 @@ class SpeculationCollector(Collector):
             "token after them (1 + kept drafts per verify step, as vLLM's).",
             labels=labels,
         )
+        model = {
+            "steps": "Forward passes of the worker's draft model (method draft; 0 otherwise).",
+            "proposed": "Draft tokens the draft model handed the scheduler.",
+            "accepted": "Draft model tokens that a verify step then kept.",
+        }
+        own = {
+            name: CounterMetricFamily(
+                f"appliance_spec_decode_draft_model_{name}", doc, labels=labels
+            )
+            for name, doc in model.items()
+        }
         for view in self.pools.views():
             key = [str(view.worker_id), view.role, view.device]
             counts = view.speculation
@@ -267,7 +278,10 @@ class SpeculationCollector(Collector):
             accepted.add_metric(key, counts.accepted)
             rate.add_metric(key, counts.rate)
             length.add_metric(key, counts.mean_emitted)
-        yield from (drafts, draft_tokens, accepted, rate, length)
+            own["steps"].add_metric(key, counts.draft_steps)
+            own["proposed"].add_metric(key, counts.draft_proposed)
+            own["accepted"].add_metric(key, counts.draft_accepted)
+        yield from (drafts, draft_tokens, accepted, rate, length, *own.values())
 
 
 # --- kv store (issue 41): the box's KV store, read from the supervisor's owner at each scrape

@@ -27,6 +27,7 @@ from random_models import TOY_TOKENS, our_engine, random_model, save_folder, wri
 from appliance.engine.llm_engine import Completion, LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.shard_loading import load_shard
+from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.engine.speculative.draft_loading import (
     build_draft,
     check_vocabulary,
@@ -140,6 +141,33 @@ def test_the_target_drafting_for_itself_is_always_accepted(
     # The three sequences draft together: one pass of the draft per draft position.
     assert draft.counts.steps * 2 < counts.drafted
     assert all_free(spec)
+
+
+@pytest.mark.parametrize(("draft", "k"), [("target", 4), ("draft", 3)])
+def test_the_draft_models_own_counts_reach_the_workers_totals(
+    folders: dict[str, Path], plain: list[Completion], draft: str, k: int
+) -> None:
+    """The draft model's passes, the drafts it handed out and those a verify step kept,
+    in the totals a worker reports (share_counts): drafting for itself every draft whose
+    fate was seen was kept; a random draft's are nearly all rejected."""
+    spec = drafting(folders, draft, k)
+    totals = AcceptanceCounts()
+    assert spec.scheduler.drafter is not None
+    spec.scheduler.drafter.share_counts(totals)
+    assert [c.token_ids for c in spec.generate(prompts_of(spec), GREEDY)] == [
+        c.token_ids for c in plain
+    ]
+    own = draft_of(spec).counts
+    assert (totals.draft_steps, totals.draft_proposed) == (own.steps, own.proposed)
+    assert totals.draft_accepted == own.accepted
+    verified = spec.scheduler.acceptance
+    assert own.steps > 0 and own.proposed >= verified.drafted > 0
+    # A finished sequence's last drafts are handed out but never settled: at most k each.
+    unseen = len(prompts_of(spec)) * k
+    if draft == "target":
+        assert verified.accepted - unseen <= own.accepted <= verified.accepted
+    else:
+        assert own.accepted <= verified.accepted and own.accepted / own.proposed < 0.2
 
 
 def test_a_random_draft_is_almost_always_rejected_with_the_same_answers(

@@ -13,6 +13,12 @@ class AcceptanceCounts:
     verify_steps: int = 0  # sequence-steps that verified drafts
     drafted: int = 0  # draft tokens proposed and verified
     accepted: int = 0  # of those, the ones the target kept
+    # A draft model's own (method draft; 0 otherwise), DraftModelProposer's counts: its
+    # forward passes, the tokens it handed the scheduler, and of those the ones a later
+    # verify step kept (known when it is next asked for that sequence).
+    draft_steps: int = 0
+    draft_proposed: int = 0
+    draft_accepted: int = 0
 
     def record(self, num_drafts: int, num_emitted: int) -> None:
         """One verify chunk: `num_drafts` drafts made `num_emitted` tokens (the accepted

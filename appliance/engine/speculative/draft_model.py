@@ -26,6 +26,7 @@ from appliance.engine.model_runner import ModelRunner, forward, move_to
 from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
+from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache
 from appliance.model.causal_lm import CausalLM
@@ -44,6 +45,8 @@ class DraftCounts:
     catch_up_tokens: int = 0
     draft_tokens: int = 0
     steps: int = 0
+    proposed: int = 0  # drafts handed to the scheduler
+    accepted: int = 0  # of those, the ones the sequence then had (a verify step kept)
 
 
 class DraftModelProposer:
@@ -59,7 +62,23 @@ class DraftModelProposer:
         self._seqs: dict[int, Sequence] = {}  # by target sequence id: what its KV holds
         # This step's prefetched drafts: seq_id -> (its context's length, drafts).
         self._ready: dict[int, tuple[int, list[int]]] = {}
+        # Each sequence's last drafts handed out, (its context's length, drafts): the next
+        # ask for it sees which of them the verify step kept.
+        self._handed: dict[int, tuple[int, list[int]]] = {}
         self.counts = DraftCounts()
+        self.reported: AcceptanceCounts | None = None  # share_counts()'s
+
+    def share_counts(self, totals: AcceptanceCounts) -> None:
+        """Keep `totals`' draft_* fields (the worker's report, /metrics) equal to this
+        draft's steps, proposed and accepted counts from now on."""
+        self.reported = totals
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.reported is not None:
+            self.reported.draft_steps = self.counts.steps
+            self.reported.draft_proposed = self.counts.proposed
+            self.reported.draft_accepted = self.counts.accepted
 
     @property
     def num_tracked(self) -> int:
@@ -84,8 +103,24 @@ class DraftModelProposer:
         prefetch where it was asked for there."""
         ready = self._ready.pop(seq_id, None)
         if ready is not None and ready[0] == len(token_ids):
-            return ready[1][:k]
-        return self._draft([_Drafting.start(seq_id, token_ids, k)]).get(seq_id, [])
+            drafts = ready[1][:k]
+        else:
+            self._settle(seq_id, token_ids)
+            drafts = self._draft([_Drafting.start(seq_id, token_ids, k)]).get(seq_id, [])
+        if seq_id != _ANONYMOUS and drafts:
+            self._handed[seq_id] = (len(token_ids), drafts)
+            self.counts.proposed += len(drafts)
+        self._publish()
+        return drafts
+
+    def _settle(self, seq_id: int, token_ids: Ids[int]) -> None:
+        """Count which of seq_id's last drafts handed out its tokens now hold (the ones
+        its verify step kept)."""
+        handed = self._handed.pop(seq_id, None)
+        if handed is None:
+            return
+        given, drafts = handed
+        self.counts.accepted += common_prefix(drafts, list(token_ids[given:]), len(drafts))
 
     def prefetch(self, wanted: list[tuple[int, Ids[int], int]]) -> None:
         """Draft for several sequences at once, (seq_id, token_ids, k) each: one forward
@@ -94,6 +129,8 @@ class DraftModelProposer:
         self._ready = {}
         if len(wanted) < 2:
             return  # one sequence drafts when it is asked
+        for seq_id, token_ids, _ in wanted:
+            self._settle(seq_id, token_ids)
         starts = [_Drafting.start(seq_id, token_ids, k) for seq_id, token_ids, k in wanted]
         made = self._draft(starts)
         self._ready = {s.seq_id: (s.given, made.get(s.seq_id, [])) for s in starts}
@@ -101,6 +138,7 @@ class DraftModelProposer:
     def forget(self, seq_id: int) -> None:
         """Free the draft's blocks of `seq_id`."""
         self._ready.pop(seq_id, None)
+        self._handed.pop(seq_id, None)  # finished: its last drafts' fate is not seen here
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.kv.allocator.free(seq.block_table)
