@@ -56,11 +56,11 @@ def cpu_seconds(fn: Callable[[], object], repeats: int) -> float:
 class Steps:
     """One sequence of `context` tokens in the engine's cache and the steps over it."""
 
-    def __init__(self, engine: LLMEngine, context: int) -> None:
+    def __init__(self, engine: LLMEngine, context: int, max_rows: int) -> None:
         self.engine = engine
         self.model = engine.model
         bs = engine.kv.block_size
-        blocks = -(-(context + 16) // bs)
+        blocks = -(-(context + max_rows) // bs)
         self.table = list(range(1, blocks + 1))  # block 0 left alone
         self.context = context
         self.block_size = bs
@@ -121,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     engine = LLMEngine.from_settings(load_settings())
-    steps = Steps(engine, args.context)
+    steps = Steps(engine, args.context, max(args.rows))
     model = engine.model
     compiled = model.decode_step is not None
     print(f"CPU: {cpu_model_name()}, 1 thread, context {args.context}, compiled step {compiled}")
