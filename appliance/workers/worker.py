@@ -161,7 +161,8 @@ def serve(state: WorkerState, inbox: Queue[ToWorker]) -> None:
     """Step the engine while it has work, handling messages in between, until Shutdown."""
     engine, outbox, worker_id = state.engine, state.outbox, state.worker_id
     while True:
-        handled = drain(state, inbox, inbox_wait(engine))
+        cleaning = state.store is not None and state.store.cleaning
+        handled = drain(state, inbox, 0.0 if cleaning else inbox_wait(engine))
         if handled is None:
             if state.store is not None:
                 state.store.stop(outbox)

@@ -421,3 +421,25 @@ def test_a_decode_worker_writes_ahead_none_of_the_prompt_blocks_handed_to_it(
     outbox = Sent()
     assert client.clean_ahead(cast(Outbox, outbox)) == 0 and outbox.messages == []
     owner.close()
+
+
+def test_an_idle_worker_writes_ahead_a_slice_at_a_time(settings: KVStoreSettings) -> None:
+    """Writing ahead goes a slice of blocks a call, so a prompt arriving while an idle
+    worker writes waits for a few copies, not all 32: the worker's loop looks at its inbox
+    between slices (without blocking while `cleaning`), and every block gets written."""
+    pool = torch.zeros(2, 2, 16, SIZE, 1, 8)
+    client, cache = worker_client(pool)
+    sent: list[tuple[int | None, ToWorker]] = []
+    owner = StoreOwner(settings, SIZE, send=lambda w, m: sent.append((w, m)))
+    owner.on_ready(StoreReady(1, NAMESPACE, client.block_nbytes))
+    client.take_slots(cast(StoreSlots, sent[-1][1]))
+    blocks = compute(cache, pool, list(range(10 * SIZE)))
+    outbox = Sent()
+    assert client.cleaning
+    assert [client.clean_ahead(cast(Outbox, outbox), budget=4) for _ in range(3)] == [4, 4, 2]
+    assert not client.cleaning  # the last slice reached the end of the line
+    assert client.clean_ahead(cast(Outbox, outbox), budget=4) == 0
+    written = [key for m in outbox.messages for key, _ in cast(StoreWritten, m).blocks]
+    assert sorted(written) == sorted(key for _, key in cache.cached_blocks())
+    assert len(written) == len(blocks)
+    owner.close()
