@@ -207,7 +207,7 @@ class Settings(BaseSettings):
         "auto",
         description="quantized multiplies a GGUF's block-format weights (Q4_0, Q4_1, Q8_0, "
         "Q4_K, Q5_K, Q6_K) in place, reading a fraction of the bytes: with the CPU kernels, "
-        "or on CUDA with the Triton kernels (every format but Q5_K, which loads dense) "
+        "or on CUDA with the Triton kernels (every one of these formats) "
         "(int4 is an older name for it); auto does so wherever that applies (kernels "
         "built); dense dequantizes all to the dtype.",
     )
