@@ -22,7 +22,7 @@ Stages of one timed request, each from CLOCK_MONOTONIC stamps in the process tha
 - loop: that -> the first chunk put on the request's stream (the event loop);
 - sse: that -> the client reads the first chunk;
 - clean_ahead: the idle worker's writes ahead (StoreClient.clean_ahead) that ran while the
-  request waited, before its Submit was handled.
+  request's Submit waited on its queue (part of `queue`).
 Also counted: the blocks copied into the store inside an engine step (a decode worker's
 finish-time writes, an eviction's), and that step's time.
 """
@@ -150,7 +150,7 @@ def stages(sent: Sent, stamps: list[Stamp]) -> dict[str, float] | None:
     if not reports or not batches or not puts:
         return None
     cleans = [s for s in stamps if s.pid == handle.pid and s.name == "w.store.clean_ahead"]
-    waited = sum(max(0.0, min(s.end, handle.start) - max(s.start, sent.start)) for s in cleans)
+    waited = sum(max(0.0, min(s.end, handle.start) - max(s.start, submit.end)) for s in cleans)
     return {
         "prompt": sent.prompt,
         "cached": sent.cached,
