@@ -166,6 +166,12 @@ class BlockStore:
         self.counters.in_place_bytes += nbytes
         return "host"
 
+    def refresh(self, key: StoreKey) -> Tier | None:
+        """A worker's pool evicted block `key`, which it had not copied out since the
+        store held it already: the block is as recent as that eviction (the index's
+        `refresh`; None where it was pushed out meanwhile)."""
+        return self.index.refresh(key)
+
     def unreserve(self, slots: Sequence[int]) -> None:
         """Reserved slots come back unused, or written and never committed (their writer
         died mid-write): emptied and free again."""

@@ -123,6 +123,15 @@ class StoreIndex:
             self._tiers[hit.tier].entries.move_to_end(hit.key)
         return hits
 
+    def refresh(self, key: StoreKey) -> Tier | None:
+        """A block still held becomes the most recently used of its tier (a worker's pool
+        used it until now: written ahead or loaded, then evicted, and hot meanwhile);
+        the tier it is in, or None where it was pushed out already (nothing changes)."""
+        tier = self.tier_of(key)
+        if tier is not None:
+            self._tiers[tier].entries.move_to_end(key)
+        return tier
+
     # ------------------------------------------------------------ pins
 
     def pin(self, hits: Sequence[Hit]) -> None:

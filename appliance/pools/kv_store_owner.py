@@ -215,19 +215,26 @@ class StoreOwner:
 
     def on_written(self, message: StoreWritten) -> None:
         """Blocks a worker wrote into its reserved slots: into the index (a slot not
-        reserved for it is ignored: it was taken back when the worker was forgotten)."""
+        reserved for it is ignored: it was taken back when the worker was forgotten).
+        Then the blocks its pool evicted uncopied, held here already, become the most
+        recent (in eviction order: a prompt's tail goes first, its head last, so the head
+        stays the most recent); one pushed out meanwhile is not brought back."""
         store = self.store
-        held = self._reserved.get(message.worker_id)
-        if store is None or held is None:
+        if store is None:
             return
-        for key, slot in message.blocks:
-            if slot not in held:
-                continue
-            held.remove(slot)
-            # None: the slot's header did not name the block (it came back free).
-            if store.commit(slot, (message.namespace, key)) is not None:
-                self._put_blocks += 1
-        self._top_up(message.worker_id)
+        held = self._reserved.get(message.worker_id)
+        if held is not None:
+            for key, slot in message.blocks:
+                if slot not in held:
+                    continue
+                held.remove(slot)
+                # None: the slot's header did not name the block (it came back free).
+                if store.commit(slot, (message.namespace, key)) is not None:
+                    self._put_blocks += 1
+        for block_key in message.refreshed:
+            store.refresh((message.namespace, block_key))
+        if held is not None:
+            self._top_up(message.worker_id)
 
     def on_release(self, message: StoreRelease) -> None:
         """A worker copied these requests' hits: they may be pushed out again."""

@@ -240,11 +240,14 @@ class StoreSlots:
 @dataclass
 class StoreWritten:
     """Worker -> supervisor: it filled these reserved slots with blocks for the store and
-    sealed them, as (block key, slot) in `namespace`: the supervisor commits them."""
+    sealed them, as (block key, slot) in `namespace`: the supervisor commits them. Its
+    pool also evicted the `refreshed` blocks without copying them (the store had them:
+    written ahead, or loaded from it): the store ranks them as recent as that eviction."""
 
     worker_id: int
     namespace: bytes
     blocks: list[tuple[int, int]]
+    refreshed: list[int] = field(default_factory=list)
 
 
 @dataclass

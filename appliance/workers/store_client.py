@@ -68,6 +68,8 @@ class StoreClient:
     block_nbytes: int = 0  # one block's bytes, as stored
     slots: list[int] = field(default_factory=list)  # arena slots reserved for our blocks
     written: list[tuple[int, int]] = field(default_factory=list)  # (key, slot) to commit
+    # keys of blocks the pool evicted uncopied (the store held them): to be made recent
+    refreshed: list[int] = field(default_factory=list)
     piped_blocks: int = 0  # blocks sent as bytes (no reserved slot left), since start
     may_clean: bool = True  # False: the blocks next in line are stored (clean_ahead)
     cuda: CudaBlockCopies | None = None  # a GPU pool's pinned staging and side stream
@@ -91,7 +93,7 @@ class StoreClient:
                 cache.on_idle = self._on_idle_unstored
         else:
             cache.on_idle = self._on_idle
-            cache.on_evict = lambda _block, key: self.in_store.discard(key)
+            cache.on_evict = self._on_evict_stored
 
     @classmethod
     def start(
@@ -115,8 +117,17 @@ class StoreClient:
     def _on_evict(self, block: int, key: int) -> None:
         if key not in self.in_store:  # (a block loaded from the store is there already)
             self._copy_out(block, key)
+        else:  # stored when written ahead or loaded, hot in the pool since: tell the store
+            self.refreshed.append(key)
         self.in_store.discard(key)
         self.handed.pop(key, None)
+
+    def _on_evict_stored(self, _block: int, key: int) -> None:
+        """Under write_policy finish: stored as its last request let go, or loaded; its
+        eviction makes it as recent in the store as it was in the pool."""
+        if key in self.in_store:
+            self.refreshed.append(key)
+            self.in_store.discard(key)
 
     def _on_idle_decoded(self, block: int, key: int) -> None:
         if key not in self.in_store and key not in self.handed:
@@ -210,9 +221,9 @@ class StoreClient:
 
     def send(self, outbox: Outbox) -> None:
         """What waits for the supervisor: blocks to store, hits copied."""
-        if self.written:
-            outbox.put(StoreWritten(self.worker_id, self.digest, self.written))
-            self.written = []
+        if self.written or self.refreshed:
+            outbox.put(StoreWritten(self.worker_id, self.digest, self.written, self.refreshed))
+            self.written, self.refreshed = [], []
         if self.puts:
             outbox.put(StorePut(self.worker_id, self.digest, self.puts))
             self.puts = []

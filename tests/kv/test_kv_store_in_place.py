@@ -365,9 +365,14 @@ def test_a_worker_writes_evicted_blocks_in_place_and_an_idle_one_ahead_of_need(
         owner.on_written(cast(StoreWritten, message))
     assert all(store.holds(NS, key) for key in keys)
     outbox.messages.clear()
+    slots = len(client.slots)
     held += cache.allocate(2)
     client.send(cast(Outbox, outbox))
-    assert outbox.messages == []
+    # No copy: the store is only told to count them as recent as this eviction.
+    [refresh] = cast(list[StoreWritten], outbox.messages)
+    assert refresh.blocks == [] and sorted(refresh.refreshed) == sorted(keys[2:])
+    assert len(client.slots) == slots
+    outbox.messages.clear()
 
     # With no slot left, a block's bytes go in the report (counted).
     client.slots.clear()
@@ -442,4 +447,79 @@ def test_an_idle_worker_writes_ahead_a_slice_at_a_time(settings: KVStoreSettings
     written = [key for m in outbox.messages for key, _ in cast(StoreWritten, m).blocks]
     assert sorted(written) == sorted(key for _, key in cache.cached_blocks())
     assert len(written) == len(blocks)
+    owner.close()
+
+
+def test_blocks_evicted_uncopied_are_made_recent_in_the_store(
+    settings: KVStoreSettings,
+) -> None:
+    """A block written ahead is ranked in the store's LRU by when it was written; the
+    pool may use it long after. When the pool evicts it, the worker copies nothing (the
+    store has it) but names it in its next StoreWritten, and the store makes it its
+    most recent: blocks written since are pushed out before it."""
+    pool = torch.zeros(2, 2, 8, SIZE, 1, 8)
+    client, cache = worker_client(pool)
+    sent: list[tuple[int | None, ToWorker]] = []
+    owner = StoreOwner(settings, SIZE, send=lambda w, m: sent.append((w, m)))
+    owner.on_ready(StoreReady(1, NAMESPACE, client.block_nbytes))
+    client.take_slots(cast(StoreSlots, sent[-1][1]))
+    store = owner.store
+    assert store is not None
+    outbox = Sent()
+
+    def deliver() -> None:
+        client.send(cast(Outbox, outbox))
+        for message in outbox.messages:
+            owner.on_written(cast(StoreWritten, message))
+
+    first = list(range(4 * SIZE))
+    compute(cache, pool, first)
+    assert client.clean_ahead(cast(Outbox, outbox)) == 4  # written ahead: the oldest
+    later = list(range(500, 500 + 2 * SIZE))
+    compute(cache, pool, later)
+    assert client.clean_ahead(cast(Outbox, outbox)) == 2  # written after them
+    deliver()
+    keys, later_keys = prefix_keys(first, SIZE), prefix_keys(later, SIZE)
+    assert [k for _, k in store.index.keys("host")] == keys + later_keys
+    slots = len(client.slots)
+
+    outbox.messages.clear()
+    cache.allocate(4)  # the two free blocks, then two of the first prompt's, evicted
+    pooled = {key for _, key in cache.cached_blocks()}
+    evicted = [k for k in keys if k not in pooled]
+    assert len(evicted) == 2
+    deliver()
+    [message] = cast(list[StoreWritten], outbox.messages)
+    assert message.blocks == [] and sorted(message.refreshed) == sorted(evicted)
+    assert len(client.slots) == slots and client.piped_blocks == 0  # nothing copied
+    order = [k for _, k in store.index.keys("host")]
+    assert set(order[-2:]) == set(evicted)  # the most recent now, after `later`'s blocks
+    assert order[:4] == [k for k in keys if k in pooled] + later_keys
+    owner.close()
+
+
+def test_under_write_policy_finish_an_eviction_refreshes_the_stored_block(
+    settings: KVStoreSettings,
+) -> None:
+    pool = torch.zeros(2, 2, 4, SIZE, 1, 8)
+    cache = PrefixCache(BlockAllocator(pool.shape[2]), SIZE)
+    kv = SimpleNamespace(tensor=pool, block_size=SIZE)
+    engine = SimpleNamespace(scheduler=SimpleNamespace(blocks=cache), kv=kv)
+    client = StoreClient(1, cast(LLMEngine, engine), NAMESPACE, evict_policy=False)
+    sent: list[tuple[int | None, ToWorker]] = []
+    owner = StoreOwner(settings, SIZE, send=lambda w, m: sent.append((w, m)))
+    owner.on_ready(StoreReady(1, NAMESPACE, client.block_nbytes))
+    client.take_slots(cast(StoreSlots, sent[-1][1]))
+    outbox = Sent()
+    prompt = list(range(2 * SIZE))
+    compute(cache, pool, prompt)  # stored as the request lets go
+    client.send(cast(Outbox, outbox))
+    [written] = cast(list[StoreWritten], outbox.messages)
+    assert [key for key, _ in written.blocks] == prefix_keys(prompt, SIZE)
+    assert written.refreshed == []
+    outbox.messages.clear()
+    cache.allocate(4)  # both evicted: stored already, only refreshed
+    client.send(cast(Outbox, outbox))
+    [refresh] = cast(list[StoreWritten], outbox.messages)
+    assert refresh.blocks == [] and sorted(refresh.refreshed) == sorted(prefix_keys(prompt, SIZE))
     owner.close()

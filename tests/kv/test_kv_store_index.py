@@ -213,3 +213,22 @@ def test_a_looked_up_prompt_loses_its_tail_before_its_head() -> None:
     # The last block goes: the first three are still a prefix of the prompt.
     assert placed.moves == [Move((A, keys[3]), "host", None)]
     assert len(index.lookup(A, keys)) == 3
+
+
+def test_a_refreshed_block_is_pushed_out_last_and_a_gone_one_stays_gone() -> None:
+    """A worker's pool evicted a block it had not copied (the store held it: written
+    ahead or loaded): refreshed, it is the most recent of its tier, where it was; one
+    pushed out meanwhile is not brought back."""
+    index = StoreIndex(TierSpec(300), TierSpec(100))
+    for block in (1, 2, 3):
+        index.insert(key(block), 100)
+    assert index.refresh(key(1)) == "host"
+    assert index.keys("host") == [key(2), key(3), key(1)]
+    assert index.insert(key(4), 100).moves == [Move(key(2), "host", "disk")]  # not 1
+    assert index.refresh(key(2)) == "disk"  # refreshed in its own tier, not promoted
+    assert index.insert(key(5), 100).moves == [
+        Move(key(2), "disk", None),
+        Move(key(3), "host", "disk"),
+    ]
+    assert index.refresh(key(2)) is None and index.tier_of(key(2)) is None
+    assert index.used_bytes("host") == 300 and index.used_bytes("disk") == 100
