@@ -4,12 +4,15 @@ worker continues it.
 Pure: it reads the load counters a WorkerHandle keeps through its own event methods
 (queued prompt tokens, running sequences, free KV blocks) and writes none of them, never
 the processes, so it is tested on plain data. What each worker prefilled lately is its own memory.
-- A prompt goes to the worker with the fewest queued prompt tokens or, among those within
-  one step budget of it, the one that prefilled the longest prefix of the prompt lately
-  (its prefix cache likely still holds it). Round-robin when tuned so. The box's KV store
-  (issue 41) holds blocks any worker loads instead of computing: a block it holds counts
-  as held by every worker, so a prefix the store serves whole biases no worker (the least
-  loaded takes it) while one a worker's pool carries further than the store still wins.
+- A prompt goes to the worker where it waits least for its first token, counted in
+  prompt tokens computed (`prefill_cost`): the queue ahead of it there, its own part not
+  cached there, and a row for each running sequence in each step meanwhile. Cached there
+  is the longest prefix the worker prefilled lately (its prefix cache likely still holds
+  it) joined by what the box's KV store (issue 41) holds that it can load, nearly free.
+  So a prefix the store serves whole favours no worker (load decides), while a pool that
+  carries a prefix further than the store wins until its queue outweighs what it saves.
+  Round-robin when tuned so. Queued tokens are what each prompt was expected to compute
+  where it went (`Routed.compute`), not its length: a queue of cached prompts is short.
 - A handoff goes, among the decode workers with room for it, to the one best linked to
   the prefill worker holding its KV (an NVLink partner before a PCIe peer), then to the
   one with the most free KV blocks, fewest running sequences breaking ties; with no room
@@ -25,8 +28,10 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
-from typing import Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
+from appliance.core.prefill_cost import Load, cheapest, held_prefix, prompt_cost
 from appliance.core.tuning import Tuning
 from appliance.kv.prefix_cache import prefix_keys
 
@@ -43,7 +48,7 @@ class WorkerLoad(Protocol):
     @property
     def running(self) -> int: ...
     @property
-    def queued_tokens(self) -> int: ...  # prompt tokens sent and not yet answered
+    def queued_tokens(self) -> int: ...  # of prompts sent and not yet answered: to compute
 
 
 W = TypeVar("W", bound=WorkerLoad)  # the pools' handle type, handed back as it came
@@ -59,6 +64,15 @@ StoredKeys = Callable[[int, list[int]], Collection[int]]
 def equal_links(a: int, b: int) -> int:
     """A link rank under which every pair of devices is as good as any other."""
     return 0
+
+
+@dataclass(frozen=True)
+class Routed(Generic[W]):
+    """Where a prompt went, and the tokens of it expected to be computed there (what its
+    worker's queued tokens grow by until its first token)."""
+
+    worker: W
+    compute: int
 
 
 class Router:
@@ -86,18 +100,31 @@ class Router:
         """Pick the worker that prefills `token_ids` (under cache_salt `salt`), and
         remember it got their prefix. `stored` names the prompt's blocks the box's KV
         store holds (None: no store)."""
+        return self.route(candidates, token_ids, tuning, salt, stored).worker
+
+    def route(
+        self,
+        candidates: list[W],
+        token_ids: list[int],
+        tuning: Tuning,
+        salt: str = "",
+        stored: StoredKeys | None = None,
+    ) -> Routed[W]:
+        """`prefill`, with the prompt tokens the chosen worker is expected to compute."""
         # Only a prefix cache makes where a prefix went matter: otherwise skip the hashing.
         keys = prefix_keys(token_ids, self.block_size, salt) if self.prefix_caching else []
         if tuning.routing == "round_robin":
-            worker = candidates[next(self._turns) % len(candidates)]
+            routed = Routed(candidates[next(self._turns) % len(candidates)], len(token_ids))
         else:
             shared = {}  # worker id -> the prompt's keys the store holds for it
             if stored is not None and keys:
                 shared = {w.worker_id: stored(w.worker_id, keys) for w in candidates}
             budget = tuning.prefill_token_budget
-            worker = least_loaded(candidates, keys, budget, self._prefixes, shared)
-        remember_prefix(self._prefixes.setdefault(worker.worker_id, OrderedDict()), keys)
-        return worker
+            routed = least_wait(
+                candidates, len(token_ids), keys, self.block_size, budget, self._prefixes, shared
+            )
+        remember_prefix(self._prefixes.setdefault(routed.worker.worker_id, OrderedDict()), keys)
+        return routed
 
     def forget(self, worker_id: int) -> None:
         """That worker is gone: what it prefilled is gone with it."""
@@ -128,29 +155,28 @@ class Router:
         return min(self.link_rank(a, b) for a in source.devices for b in decode.devices)
 
 
-def least_loaded(
+def least_wait(
     candidates: list[W],
+    prompt_tokens: int,
     keys: list[int],
+    block_size: int,
     budget: int,
     prefixes: Mapping[int, Mapping[int, None]],
     stored: Mapping[int, Collection[int]] | None = None,
-) -> W:
-    """The worker with the fewest queued prompt tokens, or, among those within `budget`
-    tokens of it, the one holding the longest run of `keys` (prompt block keys);
-    `prefixes` maps a worker id to the block keys it prefilled lately, `stored` to the
-    keys the box's KV store holds that it can load (held as if in its own pool)."""
-    least = min(w.queued_tokens for w in candidates)
-    near = [w for w in candidates if w.queued_tokens <= least + budget]
-
-    def score(worker: W) -> tuple[int, int, int]:
-        held = prefixes.get(worker.worker_id, {})
+) -> Routed[W]:
+    """The worker where a prompt of `prompt_tokens` tokens (block keys `keys`) waits least
+    for its first token (`prefill_cost.prompt_cost`; a step takes `budget` prompt
+    tokens); `prefixes` maps a worker id to the block keys it prefilled lately, `stored`
+    to the keys the box's KV store holds that it can load."""
+    costs = []
+    for worker in candidates:
+        pooled = prefixes.get(worker.worker_id, {})
         loads = stored.get(worker.worker_id, ()) if stored is not None else ()
-        matched = 0
-        while matched < len(keys) and (keys[matched] in held or keys[matched] in loads):
-            matched += 1
-        return (-matched, worker.queued_tokens, worker.running)
-
-    return min(near, key=score)
+        held = held_prefix(keys, pooled, loads)
+        load = Load(worker.queued_tokens, worker.running)
+        costs.append(prompt_cost(prompt_tokens, held, load, block_size, budget))
+    best = cheapest(costs)
+    return Routed(candidates[best], costs[best].compute)
 
 
 def remember_prefix(held: OrderedDict[int, None], keys: list[int]) -> None:

@@ -107,6 +107,9 @@ class RequestFlow:
         self._models = ModelCache(self._decode_model)
         self.pace = StepPace()  # each worker's step period over its model time
         self.store: StoreOwner | None = None  # the box's KV store (the supervisor's)
+        # request id -> the prompt tokens its worker's queue grew by (the router's guess of
+        # what it computes there), taken off again at its first token
+        self._queued: dict[int, int] = {}
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
         """Stream one request's chunks; leaving the loop early cancels it on both sides."""
@@ -159,10 +162,13 @@ class RequestFlow:
         token_ids, salt = request.tokens, request.attempt_params.cache_salt
         store = self.store
         stored = None if store is None else store.stored_keys  # a prefix every worker loads
-        worker = self.router.prefill(candidates, token_ids, self.tuning(), salt, stored)
+        routed = self.router.route(candidates, token_ids, self.tuning(), salt, stored)
+        worker = routed.worker
         prefill_only = worker.role == "prefill"  # a colocated worker decodes it too
         wire_id = self.table.submit(request.request_id, worker.worker_id, prefill_only)
-        worker.sent_prompt(len(token_ids), time.monotonic())
+        # Queued as what it computes there: a cached prompt holds a queue up little.
+        self._queued[request.request_id] = routed.compute
+        worker.sent_prompt(routed.compute, time.monotonic())
         hits = None if store is None else store.hits_for(worker.worker_id, wire_id, token_ids, salt)
         if hits is not None:  # on the same queue just before the Submit: loaded at its start
             self.pool.send(worker.worker_id, hits)
@@ -330,7 +336,7 @@ class RequestFlow:
                 self.pool.send(worker.worker_id, Release(out.request_id))
             return None
         if first:
-            worker.unqueued(request.submitted_len)
+            worker.unqueued(self._queued.pop(request.request_id, 0))
         cached = out.cached_tokens if first and request.retries == 0 else 0
         request.cached_tokens += cached
         self.put(request, _chunk(request, out, cached))
@@ -354,10 +360,11 @@ class RequestFlow:
 
     def _unqueue(self, request: Request) -> None:
         """Its prompt leaves its prefill worker's queue (the router weighs queued tokens)."""
+        tokens = self._queued.pop(request.request_id, 0)
         if not request.phase.awaiting_first or request.prefill_worker is None:
             return
         if (worker := self.pool.workers.get(request.prefill_worker)) is not None:
-            worker.unqueued(request.submitted_len)
+            worker.unqueued(tokens)
 
 
 def _for_decode_pool(request: Request) -> bool:

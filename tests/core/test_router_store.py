@@ -1,8 +1,9 @@
 """Prompt routing with the box's KV store (issue 41), on plain data: a prompt goes to the
-entry worker whose pool holds its longest prefix, else to the least loaded; a block the
-store holds counts as held by every worker that can load it (of its namespace), so a
+entry worker where it waits least, the tokens its pool saves against its queue; a block
+the store holds counts as held by every worker that can load it (of its namespace), so a
 prefix the store serves whole biases no such worker, while a pool that carries it further
-than the store wins, and a worker that cannot load it gains nothing from it."""
+than the store wins while its queue is shorter than what it saves, and a worker that
+cannot load it gains nothing from it."""
 
 from __future__ import annotations
 
@@ -50,11 +51,16 @@ def routed(
 
 
 def test_the_worker_whose_pool_holds_the_longest_prefix_takes_the_prompt() -> None:
+    """b holds eight blocks, a four (the first prompt's): b saves 64 tokens more, so b
+    takes it while its queue is shorter than that, and a once b's queue outweighs them
+    (the rule before took b at any queue within a step budget, 512 tokens)."""
     router = Router(BLOCK, prefix_caching=True)
-    a, b = entry(0), entry(1, queued=100)  # b is busier, within one step budget
+    a, b = entry(0), entry(1, queued=40)  # b is busier
     assert routed(router, [a, b], [*HISTORY[: 4 * BLOCK], 1, 2]) is a  # no prefix: least loaded
     router.prefill([b], [*HISTORY, 3], TUNING)  # b prefilled the whole history
-    assert routed(router, [a, b], [*HISTORY, 4, 5]) is b  # b holds it: b, though busier
+    assert routed(router, [a, b], [*HISTORY, 4, 5]) is b  # b: 40 + 2 against a's 66
+    b.queued_tokens = 100
+    assert routed(router, [a, b], [*HISTORY, 4, 5]) is a  # b: 100 + 2 against a's 66
 
 
 def test_a_prefix_the_store_holds_whole_biases_no_worker() -> None:
@@ -83,12 +89,16 @@ def test_stored_blocks_a_worker_cannot_load_do_not_count_for_it() -> None:
 
 
 def test_a_pool_that_carries_the_prefix_further_than_the_store_wins() -> None:
+    """While its queue is shorter than the tokens it saves (three blocks, 48): the rule
+    before took b at a queue of 100 too."""
     router = Router(BLOCK, prefix_caching=True)
-    a, b = entry(0), entry(1, queued=100)
+    a, b = entry(0), entry(1, queued=40)
     router.prefill([b], [*HISTORY, 3], TUNING)  # b's pool: all eight blocks
     keys = prefix_keys(HISTORY, BLOCK)
     stored = lookup(set(keys[:5]), [])  # the store: the first five (evicted elsewhere)
-    assert routed(router, [a, b], [*HISTORY, 4, 5], stored) is b  # 8 blocks against 5
+    assert routed(router, [a, b], [*HISTORY, 4, 5], stored) is b  # 40 + 2 against 50
+    b.queued_tokens = 100
+    assert routed(router, [a, b], [*HISTORY, 4, 5], stored) is a  # 100 + 2 against 50
 
 
 def test_stored_blocks_join_a_pools_own_head_and_a_gap_ends_the_prefix() -> None:
