@@ -36,7 +36,7 @@ class Speculation:
     acceptance: float  # a: each draft kept with this probability, after a kept one
     draft_tokens: int = 4  # num_speculative_tokens: the longest draft
     draft_tokens_min: int = 1  # num_speculative_tokens_min
-    disable_by_batch_size: int | None = 16  # more decoding sequences: nobody drafts
+    disable_by_batch_size: int | None = 8  # more decoding sequences: nobody drafts
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.acceptance <= 1.0:
@@ -53,7 +53,7 @@ class Speculation:
         counts: AcceptanceCounts,
         draft_tokens: int = 4,
         draft_tokens_min: int = 1,
-        disable_by_batch_size: int | None = 16,
+        disable_by_batch_size: int | None = 8,
     ) -> Speculation:
         """The model of a worker's measured verify steps (the scheduler's counts): the
         per-draft acceptance whose expected accepted run, at the mean draft length,

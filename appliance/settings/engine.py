@@ -142,17 +142,19 @@ class SpeculativeSettings(BaseModel):
         "num_speculative_tokens long.",
     )
     verify_token_cost: float = Field(
-        0.1,
+        0.4,
         ge=0,
         le=1,
         description="adaptive: what one more row of a verify step costs, as a share of a "
         "one-token decode step (while decode is bandwidth bound a row more is cheap next "
-        "to reading the weights). A sequence speculates while its acceptance a makes "
+        "to reading the weights; 0.4 is measured with the quantized CPU kernels, AMD "
+        "EPYC avx512_bf16, benchmarks/spec_step_bench.py; a GPU's rows cost less). A "
+        "sequence speculates while its acceptance a makes "
         "(1 + a + ... + a^k) / (1 + cost * k) > 1 at the range's bottom k: at k = 1, "
         "while a > cost.",
     )
     disable_by_batch_size: int | None = Field(
-        16,
+        8,
         ge=1,
         description="With more running sequences than this in a worker, nobody drafts "
         "(vLLM's name). A decode step reads the weights once for the whole batch; at a "

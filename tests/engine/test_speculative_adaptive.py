@@ -140,7 +140,7 @@ def test_the_grounded_acceptance_drafts_alone_and_pauses_in_a_batch_of_16() -> N
 
 
 def test_the_drafter_tells_its_policy_each_step_batch() -> None:
-    settings = SpeculativeSettings(method="ngram", verify_token_cost=0.35)
+    settings = SpeculativeSettings(method="ngram", verify_token_cost=0.35, disable_by_batch_size=16)
     drafter = Drafter.from_settings(settings)
     assert drafter is not None and drafter.policy is not None
     assert drafter.batch_drafts(12)
@@ -222,7 +222,7 @@ def test_settings_build_an_adaptive_drafter_with_its_range() -> None:
     fixed = Drafter.from_settings(SpeculativeSettings(method="ngram", adaptive=False))
     assert fixed is not None and fixed.policy is None
     defaults = SpeculativeSettings()
-    assert defaults.adaptive and defaults.disable_by_batch_size == 16
+    assert defaults.adaptive and defaults.disable_by_batch_size == 8
     with pytest.raises(ValidationError, match="num_speculative_tokens_min"):
         SpeculativeSettings(num_speculative_tokens=2, num_speculative_tokens_min=3)
 

@@ -150,7 +150,9 @@ def measured(drafted: int, accepted: int) -> Policy:
     moving = MovingAcceptance(window_s=60.0)
     moving.observe(0.0, {1: AcceptanceCounts(0, 0, 0)})
     moving.observe(30.0, {1: AcceptanceCounts(100, drafted, accepted)})
-    return Policy(speculation=moving.speculation(SpeculativeSettings(method="ngram")))
+    # The batch limit of a GPU-like box (the CPU default, 8, stops drafting at this rate).
+    spec = SpeculativeSettings(method="ngram", disable_by_batch_size=16)
+    return Policy(speculation=moving.speculation(spec))
 
 
 def test_a_measured_acceptance_ranks_the_layouts() -> None:

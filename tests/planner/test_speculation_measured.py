@@ -67,7 +67,7 @@ def test_the_model_takes_the_windows_acceptance_and_the_servers_draft_lengths() 
     assert spec is not None
     assert spec.acceptance == pytest.approx(acceptance_for(3.0, 4))
     assert spec.made(4) == pytest.approx(4.0)  # the measured mean: 3 kept + 1
-    assert (spec.draft_tokens, spec.draft_tokens_min, spec.disable_by_batch_size) == (4, 1, 16)
+    assert (spec.draft_tokens, spec.draft_tokens_min, spec.disable_by_batch_size) == (4, 1, 8)
     assert moving.speculation(SpeculativeSettings()) is None  # the server does not speculate
     never = MovingAcceptance(window_s=60.0)
     never.observe(0.0, {1: counts(0, 0, 0)})
