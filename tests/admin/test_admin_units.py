@@ -231,7 +231,7 @@ def test_decode_workers_get_budget_for_every_sequence() -> None:
     assert prefill == {"max_num_batched_tokens": 256, "chunk_size": 128}
 
 
-def test_prompts_go_where_their_prefix_was_prefilled_unless_that_worker_is_far_behind() -> None:
+def test_prompts_go_where_their_prefix_was_prefilled_unless_its_queue_outweighs_it() -> None:
     from appliance.admin.schema import Tuning
     from appliance.core.router import Router
     from appliance.pools.worker_handle import WorkerHandle
@@ -250,10 +250,10 @@ def test_prompts_go_where_their_prefix_was_prefilled_unless_that_worker_is_far_b
     busy.queued_tokens = 0
     assert router.prefill([busy, idle], [*system, 1, 2, 3], tuning) is busy  # ties: first
     busy.queued_tokens = 1000
-    idle.queued_tokens = 1000 - budget
-    assert router.prefill([busy, idle], [*system, 7, 8, 9], tuning) is busy  # within budget
-    busy.queued_tokens = idle.queued_tokens + budget + 1
-    assert router.prefill([busy, idle], [*system, 4, 5, 6], tuning) is idle  # too far behind
+    idle.queued_tokens = 1000 - 60  # busy saves 64 tokens, 60 more queued: busy
+    assert router.prefill([busy, idle], [*system, 7, 8, 9], tuning) is busy
+    busy.queued_tokens = idle.queued_tokens + 65  # its queue outweighs what it saves
+    assert router.prefill([busy, idle], [*system, 4, 5, 6], tuning) is idle
     busy.queued_tokens, busy.running = idle.queued_tokens, 1
     assert router.prefill([busy, idle], list(range(64)), tuning) is idle  # no prefix: fewer run
     caching_off = Router(block_size=16, prefix_caching=False)
