@@ -79,7 +79,7 @@ class WorkerHandle:
     taken_blocks: int = 0  # KV blocks of handoffs it took since that report
     refused: bool = False  # refused a handoff since that report: no room until it says so
     running: int = 0
-    queued_tokens: int = 0  # prompt tokens sent and not yet answered
+    queued_tokens: int = 0  # of prompts sent and not yet answered: the tokens they compute here
     tokens_out: int = 0  # tokens it has produced
     # Its process's speculative decoding totals, as of its last report (a restarted
     # process counts from 0 again).
@@ -113,13 +113,14 @@ class WorkerHandle:
         self.speculation = batch.speculation
 
     def sent_prompt(self, tokens: int, now: float) -> None:
-        """A prompt of `tokens` tokens went to it: queued until its first token comes."""
+        """A prompt went to it that computes `tokens` of its tokens here (the router's
+        guess, its cached prefix not counted): queued until its first token comes."""
         self.queued_tokens += tokens
         self.last_work = now
 
     def unqueued(self, tokens: int) -> None:
-        """A prompt of `tokens` tokens left its queue: its first token came, or its
-        request ended before that."""
+        """A prompt queued as `tokens` (what `sent_prompt` counted) left its queue: its
+        first token came, or its request ended before that."""
         self.queued_tokens -= tokens
 
     def sent_handoff(self, now: float) -> None:
