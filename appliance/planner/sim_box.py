@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from appliance.core.prefill_cost import Cost, Load, cheapest, held_prefix, prompt_cost
 from appliance.core.router import PREFIX_KEYS_KEPT
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.planner.sim_pool import SimSeq
@@ -74,12 +76,22 @@ class Contention:
         self.schedule(at, worker, self.versions[worker])
 
 
+@dataclass(frozen=True)
+class Routed:
+    """Where a prompt went, and the tokens of it expected to be computed there (router.Routed:
+    what its worker's queued tokens grow by until its first token)."""
+
+    worker: Worker
+    compute: int
+
+
 class PromptRouter:
-    """router.Router.prefill's rule (router.least_loaded, remember_prefix) over simulated
-    workers: fewest queued prompt tokens; among those within one step budget of it, the
-    one that was sent the longest shared prefix lately, then the fewest queued tokens,
-    then the fewest running; or in turn. What a worker was sent lately is its last
-    PREFIX_KEYS_KEPT prompt blocks, counted rather than hashed."""
+    """router.Router.route's rule (router.least_wait, remember_prefix) over simulated
+    workers: the worker where the prompt waits least for its first token, in prompt tokens
+    computed (prefill_cost.prompt_cost: the queue ahead, its part not cached there, a row
+    per running sequence per step); or in turn. Cached there is the shared prefix the worker
+    was sent lately (its last PREFIX_KEYS_KEPT prompt blocks, counted rather than hashed)
+    joined by the blocks the box's KV store serves the prompt (loadable by any worker)."""
 
     def __init__(
         self, workers: list[Worker], budget: int, round_robin: bool, caching: bool
@@ -93,24 +105,36 @@ class PromptRouter:
         self.prefix_at: list[dict[int, int]] = [{} for _ in workers]  # id -> blocks_sent then
 
     def pick(self, seq: SimSeq, block_size: int, among: list[Worker] | None = None) -> Worker:
-        """The worker that prefills seq (of `among`, default all); it remembers seq's
-        prefix went there."""
+        """The worker that prefills seq (`route`'s)."""
+        return self.route(seq, block_size, among).worker
+
+    def route(self, seq: SimSeq, block_size: int, among: list[Worker] | None = None) -> Routed:
+        """The worker that prefills seq (of `among`, default all), with the prompt tokens it
+        is expected to compute there; it remembers seq's prefix went there."""
         workers = self.workers if among is None else among
         if self.round_robin:
-            worker = workers[self.turns % len(workers)]
+            routed = Routed(workers[self.turns % len(workers)], seq.prompt)
             self.turns += 1
-        elif len(workers) == 1:
-            worker = workers[0]
         else:
-            least = min(w.queued_tokens for w in workers)
-            near = [w for w in workers if w.queued_tokens <= least + self.budget]
-            worker = min(near, key=lambda w: (-self._held(w, seq), w.queued_tokens, w.running))
-        self._remember(self.workers.index(worker), seq, block_size)
-        return worker
+            costs = [self._cost(worker, seq, block_size) for worker in workers]
+            best = cheapest(costs)
+            routed = Routed(workers[best], costs[best].compute)
+        self._remember(self.workers.index(routed.worker), seq, block_size)
+        return routed
+
+    def _cost(self, worker: Worker, seq: SimSeq, block_size: int) -> Cost:
+        """What seq costs on the worker (router.least_wait's cost of one candidate)."""
+        if self.caching:  # block i of the prompt is key i: pooled and stored are leading runs
+            pooled, stored = range(self._held(worker, seq)), range(seq.stored_blocks)
+        else:  # as the router, which hashes no keys without a prefix cache
+            pooled = stored = range(0)
+        held = held_prefix(range(seq.prompt // block_size), pooled, stored)
+        load = Load(worker.queued_tokens, worker.running)
+        return prompt_cost(seq.prompt, held, load, block_size, self.budget)
 
     def _held(self, worker: Worker, seq: SimSeq) -> int:
         """Blocks of seq's prefix the worker was sent lately (0 or all of them)."""
-        if seq.prefix_id is None or not self.caching:
+        if seq.prefix_id is None:
             return 0
         index = self.workers.index(worker)
         at = self.prefix_at[index].get(seq.prefix_id)

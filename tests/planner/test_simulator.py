@@ -274,15 +274,29 @@ def test_prefix_caching_skips_the_cached_blocks_of_a_shared_prefix() -> None:
     assert hit[0].ttft == pytest.approx(miss[0].ttft)  # the first one computes it either way
 
 
-def test_routing_follows_a_cached_prefix() -> None:
-    # 4 x 540 queued tokens: within one budget (2048) of an idle worker until the last.
-    shared = [SimRequest(0.01 * i, 540, 2, 3, 512) for i in range(4)]
+def _entry_workers(gap: float, caching: bool = True, stored: int = 0) -> set[int]:
+    """The workers that prefilled two prompts sharing a 512-token prefix, the second
+    `gap` seconds after the first (which decodes for about 6 s); `stored`: the prefix
+    tokens of the second that the box's KV store serves."""
+    requests = [
+        SimRequest(0.0, 540, 200, 3, 512),
+        SimRequest(gap, 541, 2, 3, 512, stored_tokens=stored),
+    ]
     trace: list[StepRecord] = []
-    simulate(profile(), COLOCATED_X2, shared, Policy(), trace=trace)
-    assert {r.worker for r in trace} == {0}  # within one budget: the prefix decides
-    spread: list[StepRecord] = []
-    simulate(profile(), COLOCATED_X2, shared, Policy(prefix_caching=False), trace=spread)
-    assert {r.worker for r in spread} == {0, 1}
+    simulate(profile(), COLOCATED_X2, requests, Policy(prefix_caching=caching), trace=trace)
+    return {r.worker for r in trace if r.prefill_chunks}
+
+
+def test_routing_weighs_a_cached_prefix_against_the_queue() -> None:
+    # As router.least_wait: where the second prompt waits least for its first token, in
+    # prompt tokens computed (29 where its prefix is cached, 541 elsewhere). Once the first
+    # one has its first token, its worker's load is a row a step: the prefix wins.
+    assert _entry_workers(1.0) == {0}
+    assert _entry_workers(1.0, caching=False) == {0, 1}  # nothing saved: the idle worker
+    # In a burst the first one's 540 queued tokens outweigh the 512 its worker saves.
+    assert _entry_workers(0.0) == {0, 1}
+    # The store serves the prefix to either worker: load decides, the idle one takes it.
+    assert _entry_workers(1.0, stored=512) == {0, 1}
 
 
 def test_the_decode_worker_copies_only_what_it_has_not_cached() -> None:
