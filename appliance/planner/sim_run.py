@@ -101,6 +101,7 @@ class Simulation:
                 )
         self.admission = AdmissionQueue(policy.admission)  # held prompts: request indices
         self.held: dict[int, SimSeq] = {}  # request index -> its sequence, while held
+        self.queued: dict[SimSeq, int] = {}  # routed, no first token yet -> tokens queued
 
     def _workers(self, layout: Layout) -> list[Worker]:
         """Every worker, in device order: prefill (colocated in colocated mode), decode,
@@ -186,10 +187,13 @@ class Simulation:
         self._route(seq, now, among)
 
     def _route(self, seq: SimSeq, now: float, among: list[Worker]) -> None:
-        worker = self.router.pick(seq, self.profile.block_size, among)
+        routed = self.router.route(seq, self.profile.block_size, among)
+        worker = routed.worker
         seq.prefill_only = worker.role == "prefill"  # it parks after its first token
         worker.waiting.append(seq)
-        worker.queued_tokens += seq.prompt
+        # Queued as what it computes there (as request_flow): a cached prompt queues little.
+        self.queued[seq] = routed.compute
+        worker.queued_tokens += routed.compute
         self._kick(worker, now)
 
     def _admitting(self, index: int, seq: SimSeq, now: float) -> list[Worker]:
@@ -360,7 +364,7 @@ class Simulation:
             self.trace.append(self._record(worker, step, now))
         for seq in out.first:
             if worker.role != "decode":
-                worker.queued_tokens -= seq.prompt
+                worker.queued_tokens -= self.queued.pop(seq)
         for seq in out.finished:
             self._ended(seq.times[-1])
         for seq in out.parked:
