@@ -22,8 +22,8 @@ class Tuning(BaseModel):
     chunk_size: int = Field(ge=16, description="Longest piece of one prompt in one step.")
     decode_max_seqs: int = Field(ge=1, description="Most sequences a decode worker runs at once.")
     routing: Literal["least_loaded", "round_robin"] = Field(
-        description="How a prompt picks its prefill worker: fewest queued prompt tokens, or "
-        "in turn."
+        description="How a prompt picks its prefill worker: the shortest wait for its first "
+        "token (queued tokens to compute, its part not cached there), or in turn."
     )
     admission: Literal["open", "paused"] = Field(
         description="paused answers new generations 503 until resumed; running ones go on."

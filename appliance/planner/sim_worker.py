@@ -99,7 +99,7 @@ class Worker:
         self.finishing: dict[int, list[tuple[SimSeq, int]]] = {}  # step -> (seq, k0) ending
         self.current: Step | None = None
         self.kick_pending = False  # it starts its next step once the events due now ran
-        self.queued_tokens = 0  # prompt tokens routed here, first token not yet made
+        self.queued_tokens = 0  # tokens to compute of prompts routed here, first token not yet made
         self.in_flight = 0  # handoffs on their way here
 
     @property

@@ -24,7 +24,7 @@ NUMBER_FIELDS = (
     ("decode_max_seqs", "Decode max seqs (sequences per decode worker)"),
 )
 ROUTING_OPTIONS = (
-    ("least loaded (fewest queued prompt tokens)", "least_loaded"),
+    ("least loaded (shortest wait for a first token)", "least_loaded"),
     ("round robin", "round_robin"),
 )
 # What the form edits; admission has its own key (p).
