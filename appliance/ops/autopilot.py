@@ -27,7 +27,7 @@ from appliance.core.goodput import SLO
 from appliance.core.roles import Role
 from appliance.model.loader import default_model_path
 from appliance.ops.pool_moves import MoveError, PoolMover, device_roles
-from appliance.planner.auto_layout import analytic_base, box_kind, known_profile
+from appliance.planner.auto_layout import analytic_base, box_kind, known_profile, moves_itself
 from appliance.planner.measured_acceptance import MovingAcceptance
 from appliance.planner.profile import Profile, ProfileError, model_id
 from appliance.planner.rebalance import (
@@ -61,6 +61,7 @@ class Autopilot:
         self.planner = settings.planner
         self.settings = settings
         self.slo = SLO(ttft=self.planner.slo_ttft_ms / 1000, tpot=self.planner.slo_tpot_ms / 1000)
+        self.moves = moves_itself(settings)  # else it only recommends
         self.rules = rules_of(settings)
         self.memory = RebalanceMemory()
         # The workers' speculative acceptance over the window it looks at: the simulator
@@ -195,7 +196,7 @@ class Autopilot:
         )
 
     def _act(self, verdict: Verdict) -> tuple[bool, str]:
-        if verdict.move is None or not self.planner.auto_rebalance:
+        if verdict.move is None or not self.moves:
             return False, verdict.reason
         device, to = verdict.move
         try:
@@ -208,7 +209,7 @@ class Autopilot:
         self.decisions.append(decision)
         action = "move" if decision.move_device is not None else "hold"
         self.counts[action] += 1
-        self.status = "watching" if self.planner.auto_rebalance else "recommending only"
+        self.status = "watching" if self.moves else "recommending only"
         # A hold with nothing better in sight is only counted and logged: one every
         # interval would push every other event out of the admin API's list. A hold by a
         # rule that weighs measurements is an event when that rule starts holding.
@@ -252,7 +253,7 @@ class Autopilot:
         """The state the console's planner panel shows."""
         last = self.decisions[-1] if self.decisions else None
         return PlannerView(
-            auto_rebalance=self.planner.auto_rebalance,
+            auto_rebalance=self.moves,
             interval_s=self.planner.interval_s,
             profile=self.profile_name,
             status=self.status,

@@ -53,6 +53,24 @@ def layout_pins(settings: Settings) -> tuple[str, ...]:
     return tuple(name for name in PINNING if name in settings.model_fields_set)
 
 
+def moves_itself(settings: Settings) -> bool:
+    """Whether the autopilot moves devices itself: planner.auto_rebalance as given by
+    name; by default (on) only where the planner chooses the layout, so a layout the
+    settings pin (every test and benchmark that names one) stays as set."""
+    planner = settings.planner
+    if "auto_rebalance" in planner.model_fields_set:
+        return planner.auto_rebalance
+    return planner.auto_rebalance and not layout_pins(settings)
+
+
+def autopilot_resolved(settings: Settings) -> Settings:
+    """`settings` with planner.auto_rebalance given as moves_itself decides it, before
+    planning names the layout it runs (which would read as pinned)."""
+    moves = moves_itself(settings)
+    planner = settings.planner.model_copy(update={"auto_rebalance": moves})
+    return settings.model_copy(update={"planner": planner})
+
+
 def planned_settings(settings: Settings) -> Settings:
     """`settings` running the planned layout (mode, devices, TP; cpu_devices on a CPU
     box), or as they are where they pin the layout. Without a profile: the rule (see the

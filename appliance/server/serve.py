@@ -91,9 +91,10 @@ def serve(settings: Settings) -> int:
     check_https(settings.server)
     if settings.cluster.listen:
         require_nixl()  # the supervisor's Boxes checks again, for any other way in
-    if settings.planner.layout == "auto":
-        from appliance.planner.auto_layout import planned_settings
+    from appliance.planner.auto_layout import autopilot_resolved, planned_settings
 
+    settings = autopilot_resolved(settings)  # while the settings still say what pins
+    if settings.planner.layout == "auto":
         settings = planned_settings(settings)
     appliance = Appliance(settings)
     appliance.prepare()  # a bad model file fails here, before anything listens

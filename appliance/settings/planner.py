@@ -58,11 +58,14 @@ class PlannerSettings(BaseModel):
         1000, ge=10, le=100_000, description="Requests simulated per layout when planning."
     )
     auto_rebalance: bool = Field(
-        False,
+        True,
         description="Autopilot: move one device at a time between prefill, decode and "
         "colocated when the traffic of the last window would be served better one move "
-        "away (with the profile above). Off, the planner still recommends (console, "
-        "/admin/planner) and a move applies only when asked.",
+        "away (with the profile above). By default it moves only a layout the planner "
+        "chose (planner.layout auto, no layout setting given): a layout the settings pin "
+        "is only recommended for, unless auto_rebalance is given by name (flag, variable "
+        "or file), which applies to any layout. Off, the planner still recommends "
+        "(console, /admin/planner) and a move applies only when asked.",
     )
     interval_s: float = Field(
         10.0, gt=0, description="How often the rebalancer looks at the traffic."

@@ -19,9 +19,11 @@ from appliance.model.gguf_cache import gguf_entry
 from appliance.model.loader import default_model_path
 from appliance.planner import auto_layout
 from appliance.planner.auto_layout import (
+    autopilot_resolved,
     best_layout,
     layout_pins,
     layout_settings,
+    moves_itself,
     planned_settings,
 )
 from appliance.planner.layout import Layout, Pool
@@ -154,6 +156,23 @@ def test_settings_that_name_a_layout_pin_it(monkeypatch: pytest.MonkeyPatch) -> 
     assert layout_pins(load_settings()) == ("mode",)  # from the environment too
 
 
+def test_the_autopilot_moves_a_layout_the_planner_chose_and_only_recommends_a_pinned_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("APPLIANCE_MODE", raising=False)
+    assert moves_itself(load_settings())  # the default: the planner's layout, moved
+    assert not moves_itself(load_settings(mode="disaggregated"))  # pinned: recommended
+    assert not moves_itself(load_settings(planner={"layout": "manual"}))
+    assert moves_itself(load_settings(mode="disaggregated", planner={"auto_rebalance": True}))
+    assert not moves_itself(load_settings(planner={"auto_rebalance": False}))
+    # Planning names the layout it runs (which reads as pinned): resolved before, it stays.
+    fresh = autopilot_resolved(load_settings(cache_dir=tmp_path, device="cpu"))
+    planned = planned_settings(fresh)
+    assert planned.mode == "colocated" and moves_itself(planned)
+    pinned = planned_settings(autopilot_resolved(load_settings(mode="disaggregated")))
+    assert not moves_itself(pinned) and pinned.planner.auto_rebalance is False
+
+
 def test_without_a_profile_a_cpu_box_runs_every_device_colocated(tmp_path: Path) -> None:
     fresh = load_settings(cache_dir=tmp_path, device="cpu")
     assert fresh.mode == "disaggregated"  # the settings' own default: the Python API's
@@ -193,6 +212,7 @@ def test_a_fresh_serve_starts_at_once_on_the_rule(tmp_path: Path) -> None:
             os.sched_getaffinity(0)
         )
         assert any("layout: colocated on every device" in line for line in server.output)
+        assert snap.planner is not None and snap.planner.auto_rebalance  # the planner's own
     finally:
         assert server.stop() == 0
 
