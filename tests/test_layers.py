@@ -45,6 +45,7 @@ TUI_READS = {"appliance/admin"}  # the console knows the admin API's schema only
 TORCH_FREE = (
     "appliance.core.request_table",
     "appliance.core.router",
+    "appliance.core.prefill_cost",
     "appliance.core.recovery",
     "appliance.core.restart_policy",
     "appliance.core.tuning",

@@ -266,7 +266,7 @@ class ModelRunner:
         requests: list[tuple[int, SamplingParams]] = []
         # Verify chunks attend as segments, or on the CPU's ragged decode kernel as decode
         # rows (see _verify_rows): then a step of decodes and verifies stays decode-only.
-        as_rows = self.verify_as_decode
+        as_rows = self.verify_as_decode and bool(out.verifies)  # a plain step: as before
         num_prefills = len(out.prefills) + (0 if as_rows else len(out.verifies))
         for index, chunk in enumerate(out.chunks):
             row = len(ids)
