@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Container, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")  # a worker as its router sees it: the pools' handle, or a simulated one
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,15 @@ class Cost:
 
     def rank(self) -> tuple[int, int, int]:
         return (self.wait, self.loaded, self.running)
+
+
+@dataclass(frozen=True)
+class Routed(Generic[T]):
+    """Where a prompt went, and the tokens of it expected to be computed there (what its
+    worker's queued tokens grow by until its first token)."""
+
+    worker: T
+    compute: int
 
 
 def held_prefix(keys: Sequence[int], pooled: Container[int], stored: Collection[int]) -> Held:

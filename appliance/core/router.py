@@ -28,10 +28,9 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
-from appliance.core.prefill_cost import Load, cheapest, held_prefix, prompt_cost
+from appliance.core.prefill_cost import Load, Routed, cheapest, held_prefix, prompt_cost
 from appliance.core.tuning import Tuning
 from appliance.kv.prefix_cache import prefix_keys
 
@@ -64,15 +63,6 @@ StoredKeys = Callable[[int, list[int]], Collection[int]]
 def equal_links(a: int, b: int) -> int:
     """A link rank under which every pair of devices is as good as any other."""
     return 0
-
-
-@dataclass(frozen=True)
-class Routed(Generic[W]):
-    """Where a prompt went, and the tokens of it expected to be computed there (what its
-    worker's queued tokens grow by until its first token)."""
-
-    worker: W
-    compute: int
 
 
 class Router:

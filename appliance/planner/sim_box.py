@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from appliance.core.prefill_cost import Cost, Load, cheapest, held_prefix, prompt_cost
+from appliance.core.prefill_cost import Cost, Load, Routed, cheapest, held_prefix, prompt_cost
 from appliance.core.router import PREFIX_KEYS_KEPT
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.planner.sim_pool import SimSeq
@@ -76,15 +75,6 @@ class Contention:
         self.schedule(at, worker, self.versions[worker])
 
 
-@dataclass(frozen=True)
-class Routed:
-    """Where a prompt went, and the tokens of it expected to be computed there (router.Routed:
-    what its worker's queued tokens grow by until its first token)."""
-
-    worker: Worker
-    compute: int
-
-
 class PromptRouter:
     """router.Router.route's rule (router.least_wait, remember_prefix) over simulated
     workers: the worker where the prompt waits least for its first token, in prompt tokens
@@ -108,7 +98,9 @@ class PromptRouter:
         """The worker that prefills seq (`route`'s)."""
         return self.route(seq, block_size, among).worker
 
-    def route(self, seq: SimSeq, block_size: int, among: list[Worker] | None = None) -> Routed:
+    def route(
+        self, seq: SimSeq, block_size: int, among: list[Worker] | None = None
+    ) -> Routed[Worker]:
         """The worker that prefills seq (of `among`, default all), with the prompt tokens it
         is expected to compute there; it remembers seq's prefix went there."""
         workers = self.workers if among is None else among
