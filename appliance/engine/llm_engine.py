@@ -108,8 +108,6 @@ class LLMEngine:
         self._group = group
         self._kv_shards = None if group else [KVShard(0, kv.tensor)]
         self.scheduler = Scheduler(kv.allocator, kv.block_size, limits, prefix_caching, drafter)
-        if drafter is not None:  # a draft model's own counts ride in the worker's totals
-            drafter.share_counts(self.scheduler.acceptance)
         sampler = Sampler(model.device)
         # Structured outputs' matchers live with the sampler that masks their rows.
         sampler.grammar = self.grammar = GrammarMasks(tokenizer, model.config.vocab_size)

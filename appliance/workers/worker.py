@@ -22,6 +22,7 @@ import torch.multiprocessing  # registers the tensor reducers ForkingPickler use
 from appliance.core.roles import Role
 from appliance.engine.kernel_warmup import warm_up
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
+from appliance.engine.speculative.proposer import reported_totals
 from appliance.kv.handoff import KVShard, reading_from
 from appliance.kv.remote import KVTransfer, RemotePool, RemoteSource
 from appliance.settings.cluster import ClusterSettings
@@ -386,14 +387,15 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
     send_landed(state)
     if state.store is not None:
         state.store.send(state.outbox)
+    scheduler = state.engine.scheduler
     batch = TokenBatch(
         state.worker_id,
         num_free_blocks=state.engine.num_free_blocks,
-        num_running=len(state.engine.scheduler.running),
+        num_running=len(scheduler.running),
         started=newly_started(state),
         step_started_at=started_at,
         timing=state.engine.clock.pop(),
-        speculation=replace(state.engine.scheduler.acceptance),
+        speculation=reported_totals(scheduler.acceptance, scheduler.drafter),
     )
     for out in outputs:
         request_id = state.to_request.get(out.seq_id)

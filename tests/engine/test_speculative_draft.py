@@ -27,14 +27,13 @@ from random_models import TOY_TOKENS, our_engine, random_model, save_folder, wri
 from appliance.engine.llm_engine import Completion, LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.shard_loading import load_shard
-from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.engine.speculative.draft_loading import (
     build_draft,
     check_vocabulary,
     engine_drafter,
 )
 from appliance.engine.speculative.draft_model import DraftModelProposer
-from appliance.engine.speculative.proposer import Drafter
+from appliance.engine.speculative.proposer import Drafter, reported_totals
 from appliance.kv.cache import KVCache, KVLayout
 from appliance.model.loader import load_model_files
 from appliance.model.quant import QuantLinear
@@ -149,15 +148,14 @@ def test_the_draft_models_own_counts_reach_the_workers_totals(
     folders: dict[str, Path], plain: list[Completion], draft: str, k: int
 ) -> None:
     """The draft model's passes, the drafts it handed out and those a verify step kept,
-    in the totals a worker reports (share_counts): drafting for itself every draft whose
-    fate was seen was kept; a random draft's are nearly all rejected."""
+    in the totals a worker reports (reported_totals, read as it reports): drafting for
+    itself every draft whose fate was seen was kept; a random draft's are nearly all
+    rejected."""
     spec = drafting(folders, draft, k)
-    totals = AcceptanceCounts()
-    assert spec.scheduler.drafter is not None
-    spec.scheduler.drafter.share_counts(totals)
     assert [c.token_ids for c in spec.generate(prompts_of(spec), GREEDY)] == [
         c.token_ids for c in plain
     ]
+    totals = reported_totals(spec.scheduler.acceptance, spec.scheduler.drafter)
     own = draft_of(spec).counts
     assert (totals.draft_steps, totals.draft_proposed) == (own.steps, own.proposed)
     assert totals.draft_accepted == own.accepted

@@ -1,6 +1,7 @@
 """Speculative decoding's torch-free parts: the n-gram proposer, greedy acceptance, the
-settings, and the scheduler's bookkeeping of verify chunks (budget, KV slots, rejected
-slots given back, stops inside an accepted run), driven with hand-made tokens."""
+settings, the counts a worker reports, and the scheduler's bookkeeping of verify chunks
+(budget, KV slots, rejected slots given back, stops inside an accepted run), driven with
+hand-made tokens."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from scheduler_steps import BLOCK, EOS, make, new_seq
 
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.sequence import Sequence, StructuredOutput
+from appliance.engine.speculative.acceptance import AcceptanceCounts, DraftCounts
 from appliance.engine.speculative.eligibility import allowed_drafts, speculates
 from appliance.engine.speculative.ngram import NgramProposer
-from appliance.engine.speculative.proposer import Drafter
+from appliance.engine.speculative.proposer import Drafter, reported_totals
 from appliance.engine.speculative.verify import accept_greedy
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.settings.config import load_settings
@@ -97,6 +99,46 @@ def test_bad_speculative_settings_name_the_field() -> None:
         SpeculativeSettings(num_speculative_tokens=0)
     with pytest.raises(ValidationError, match="method"):
         SpeculativeSettings(method="eagle")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the worker's report
+
+
+class Counting:
+    """A proposer that counts its own work, as a draft model does (CountingProposer)."""
+
+    def __init__(self) -> None:
+        self.counts = DraftCounts()
+
+    def propose(self, token_ids: Ids[int], k: int) -> list[int]:
+        return []
+
+    def own_counts(self) -> DraftCounts:
+        return self.counts
+
+
+def test_a_report_reads_the_draft_models_counts_when_it_is_made() -> None:
+    verified = AcceptanceCounts(verify_steps=3, drafted=8, accepted=5)
+    counting = Counting()
+    drafter = Drafter(counting, 2)
+    counting.counts.steps, counting.counts.proposed, counting.counts.accepted = 4, 9, 6
+    first = reported_totals(verified, drafter)
+    assert first == AcceptanceCounts(3, 8, 5, draft_steps=4, draft_proposed=9, draft_accepted=6)
+    counting.counts.steps += 1  # a later pass shows in the next report, not the last one
+    verified.record(2, 3)
+    later = reported_totals(verified, drafter)
+    assert (first.draft_steps, first.verify_steps) == (4, 3)
+    assert (later.draft_steps, later.verify_steps, later.accepted) == (5, 4, 7)
+    # A report is a copy: the scheduler's counts never hold the draft model's.
+    assert verified == AcceptanceCounts(4, 10, 7)
+
+
+def test_without_a_counting_proposer_a_report_is_a_plain_copy() -> None:
+    verified = AcceptanceCounts(verify_steps=2, drafted=4, accepted=1)
+    for drafter in (None, Drafter(NgramProposer(), 3)):
+        report = reported_totals(verified, drafter)
+        assert report == verified and report is not verified
+    assert Drafter(NgramProposer(), 3).own_counts() is None
 
 
 # ---------------------------------------------------------------- scheduler bookkeeping

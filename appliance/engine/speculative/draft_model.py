@@ -26,7 +26,7 @@ from appliance.engine.model_runner import ModelRunner, forward, move_to
 from appliance.engine.sampler import Sampler
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
-from appliance.engine.speculative.acceptance import AcceptanceCounts
+from appliance.engine.speculative.acceptance import DraftCounts
 from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache
 from appliance.model.causal_lm import CausalLM
@@ -35,23 +35,10 @@ _GREEDY = SamplingParams()  # the draft's sequences carry params only for the st
 _ANONYMOUS = -1  # propose() without a sequence id: drafted afresh, forgotten after
 
 
-@dataclass
-class DraftCounts:
-    """What the draft computed: its own prefill of sequences it meets first (a handoff's
-    prompt, a preempted sequence's tokens), the tokens a verify step added that it then
-    catches up on, the drafts it fed back to draft further, and its forward passes."""
-
-    prefill_tokens: int = 0
-    catch_up_tokens: int = 0
-    draft_tokens: int = 0
-    steps: int = 0
-    proposed: int = 0  # drafts handed to the scheduler
-    accepted: int = 0  # of those, the ones the sequence then had (a verify step kept)
-
-
 class DraftModelProposer:
     """Drafts with `model` over `kv` (a pool of its own: its layers and heads are not the
-    target's). Implements Proposer and SequenceProposer (proposer.py)."""
+    target's). Implements Proposer, SequenceProposer, BatchProposer and CountingProposer
+    (proposer.py)."""
 
     def __init__(self, model: CausalLM, kv: KVCache, chunk_size: int = 512) -> None:
         """chunk_size: the longest piece of a sequence the draft computes in one pass."""
@@ -65,20 +52,11 @@ class DraftModelProposer:
         # Each sequence's last drafts handed out, (its context's length, drafts): the next
         # ask for it sees which of them the verify step kept.
         self._handed: dict[int, tuple[int, list[int]]] = {}
-        self.counts = DraftCounts()
-        self.reported: AcceptanceCounts | None = None  # share_counts()'s
+        self.counts = DraftCounts()  # their one owner; a worker reads them as it reports
 
-    def share_counts(self, totals: AcceptanceCounts) -> None:
-        """Keep `totals`' draft_* fields (the worker's report, /metrics) equal to this
-        draft's steps, proposed and accepted counts from now on."""
-        self.reported = totals
-        self._publish()
-
-    def _publish(self) -> None:
-        if self.reported is not None:
-            self.reported.draft_steps = self.counts.steps
-            self.reported.draft_proposed = self.counts.proposed
-            self.reported.draft_accepted = self.counts.accepted
+    def own_counts(self) -> DraftCounts:
+        """CountingProposer's form: this draft's counts (live: read them, keep a copy)."""
+        return self.counts
 
     @property
     def num_tracked(self) -> int:
@@ -110,7 +88,6 @@ class DraftModelProposer:
         if seq_id != _ANONYMOUS and drafts:
             self._handed[seq_id] = (len(token_ids), drafts)
             self.counts.proposed += len(drafts)
-        self._publish()
         return drafts
 
     def _settle(self, seq_id: int, token_ids: Ids[int]) -> None:

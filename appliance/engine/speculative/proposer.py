@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.sequence import Sequence as Request
-from appliance.engine.speculative.acceptance import AcceptanceCounts
+from appliance.engine.speculative.acceptance import AcceptanceCounts, DraftCounts
 from appliance.engine.speculative.adaptive import AdaptivePolicy, DraftLength
 from appliance.engine.speculative.eligibility import speculates
 from appliance.engine.speculative.ngram import NgramProposer
@@ -53,6 +53,17 @@ class BatchProposer(Protocol):
     def prefetch(self, wanted: list[tuple[int, Sequence[int], int]]) -> None:
         """Draft now for each (seq_id, token_ids, k): this step's propose_for of those
         sequences returns what was drafted here."""
+        ...
+
+
+@runtime_checkable
+class CountingProposer(Protocol):
+    """A proposer that counts its own work (a draft model: its forward passes, the drafts
+    it handed out and those a verify step kept). It is the counts' one owner; the worker
+    reads them when it reports (Drafter.own_counts)."""
+
+    def own_counts(self) -> DraftCounts:
+        """The counts so far."""
         ...
 
 
@@ -152,12 +163,12 @@ class Drafter:
         if isinstance(self.proposer, SequenceProposer):
             self.proposer.forget(seq_id)
 
-    def share_counts(self, totals: AcceptanceCounts) -> None:
-        """A draft model keeps `totals`' draft_* fields (the worker's report) up to date
-        with its own counts; other proposers have none."""
-        share = getattr(self.proposer, "share_counts", None)
-        if share is not None:
-            share(totals)
+    def own_counts(self) -> DraftCounts | None:
+        """The proposer's own counts, read now (a draft model's); None where it keeps none
+        (n-gram lookup)."""
+        if isinstance(self.proposer, CountingProposer):
+            return self.proposer.own_counts()
+        return None
 
     def batch_drafts(self, running: int) -> bool:
         """Whether a step with `running` sequences may carry drafts at all. Tells the
@@ -166,3 +177,10 @@ class Drafter:
             self.policy.batch = running
         limit = self.disable_by_batch_size
         return limit is None or running <= limit
+
+
+def reported_totals(verified: AcceptanceCounts, drafter: Drafter | None) -> AcceptanceCounts:
+    """A worker's speculation totals as it reports them now (TokenBatch.speculation, then
+    /metrics): a copy of the scheduler's verify counts, with the draft model's own read
+    from their owner where the drafter's proposer keeps any."""
+    return verified.with_draft_model(None if drafter is None else drafter.own_counts())
