@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from appliance.kv.block_allocator import blocks_for_tokens
 from appliance.kv.cache import KVCache
 from appliance.kv.handoff import CopyStreams, HandoffCopy, KVShard, PendingCopies, start_copy
 from appliance.kv.remote import Copies, RemoteSource, TransferError, check_source_dtype
+from appliance.kv_store.pool_blocks import copy_pool_block
 from appliance.model.causal_lm import CausalLM
 from appliance.model.tensor_parallel import Shard
 from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -108,6 +110,9 @@ class LLMEngine:
         self._group = group
         self._kv_shards = None if group else [KVShard(0, kv.tensor)]
         self.scheduler = Scheduler(kv.allocator, kv.block_size, limits, prefix_caching, drafter)
+        if group is None:  # (a tensor-parallel pool's other shards are in other processes)
+            # A finished request's partial last block is reused as a copy (prefix_cache.py).
+            self.scheduler.blocks.copy_block = functools.partial(copy_pool_block, kv.tensor)
         sampler = Sampler(model.device)
         # Structured outputs' matchers live with the sampler that masks their rows.
         sampler.grammar = self.grammar = GrammarMasks(tokenizer, model.config.vocab_size)

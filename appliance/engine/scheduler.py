@@ -241,6 +241,16 @@ class Scheduler:
         blocks, keys = self.blocks.match(seq.token_ids, (len(seq) - 1) // size, salt)
         seq.block_table, seq.block_keys = blocks, keys
         seq.num_computed_tokens = len(blocks) * self.block_size
+        # The next block may start with a finished request's partial tail: copied in, the
+        # cached length ends mid-block (never at the last token: its logits are needed).
+        start = seq.num_computed_tokens
+        partial = self.blocks.match_partial(
+            keys[-1] if keys else None, seq.token_ids[start : len(seq) - 1], salt
+        )
+        if partial is not None:
+            block, n = partial
+            seq.block_table.append(block)
+            seq.num_computed_tokens += n
         if not seq.output_ids:  # its first schedule (a preempted one may match again)
             seq.num_cached_tokens = seq.num_computed_tokens
 
@@ -274,12 +284,36 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        self.blocks.free(seq.block_table)
+    def _release(self, seq: Sequence, keep_tail: bool = True) -> None:
+        """Free seq's blocks; its partial last block (`_partial_tail`) is kept for a later
+        prompt unless `keep_tail` is False (an aborted request's blocks may hold garbage:
+        a handed-off prompt whose copy failed)."""
+        tail = self._partial_tail(seq) if keep_tail else None
+        if tail is not None:
+            at = len(seq.block_keys)
+            last = seq.block_table[at]
+            # Blocks past it (a verify's rejected drafts' slots) are plain frees.
+            self.blocks.free(seq.block_table[:at] + seq.block_table[at + 1 :])
+            previous = seq.block_keys[-1] if seq.block_keys else None
+            if not self.blocks.keep_partial(last, previous, tail, seq.params.cache_salt):
+                self.blocks.free([last])
+        else:
+            self.blocks.free(seq.block_table)
         seq.block_table = []
         seq.block_keys = []
         if self.drafter is not None:
             self.drafter.forget(seq.seq_id)  # a draft model's KV of seq goes with its own
+
+    def _partial_tail(self, seq: Sequence) -> list[int] | None:
+        """The tokens whose K/V seq's last block holds where that block is partial (some
+        of its rows computed) and every full block before it is keyed: the tail a later
+        prompt may reuse (`keep_partial`); else None."""
+        if not self.blocks.keeps_partials:
+            return None
+        full, n = divmod(seq.num_computed_tokens, self.block_size)
+        if n == 0 or len(seq.block_keys) != full or len(seq.block_table) <= full:
+            return None
+        return seq.token_ids[full * self.block_size : seq.num_computed_tokens]
 
     def update_from_output(
         self,
@@ -406,6 +440,6 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
             self._queued_at.pop(seq.seq_id, None)
-        self._release(seq)
+        self._release(seq, keep_tail=reason != "abort")
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -8,6 +8,14 @@ every process and every run. Blocks in use are reference-counted; a cached block
 uses stays cached until the pool needs room (least recently used first). A block in use
 is never evicted, so eviction cannot touch a running sequence.
 
+A partial block is the tail of a finished request: its first n < block_size tokens' K/V
+computed (prompt and fed output; the last sampled token never is), the rest garbage. It is
+keyed `block_key(previous, its n tokens)`, a message of another length than any full
+block's, so the two never collide; kept idle (LRU with the cached blocks) until evicted;
+and a later prompt that holds the same full blocks then those n tokens gets a COPY of it
+in a block of its own (`match_partial`): it writes its rows n.. there, so the block is
+never shared for writing.
+
 Pure Python over a BlockAllocator, with the allocator's interface (num_free,
 can_allocate, allocate, free): `num_free` counts the cached blocks nobody uses, since
 they are handed out when needed. Disabled, it is the allocator and nothing more.
@@ -59,6 +67,19 @@ def _head(previous: BlockKey | None, salt: str) -> bytes:
     return _SALTED + len(salted).to_bytes(8, "little") + salted
 
 
+def partial_keys(
+    previous: BlockKey | None, tokens: Sequence[int], salt: str = ""
+) -> list[BlockKey]:
+    """`block_key(previous, tokens[:n], salt)` for every n in 1..len(tokens), in one pass
+    (BLAKE2 streams: hashing the tokens one by one digests as hashing them at once)."""
+    digest = hashlib.blake2b(_head(previous, salt), digest_size=8)
+    keys: list[BlockKey] = []
+    for token in tokens:
+        digest.update(token.to_bytes(8, "little", signed=True))
+        keys.append(int.from_bytes(digest.copy().digest(), "little"))
+    return keys
+
+
 def prefix_keys(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[BlockKey]:
     """The keys of every full block of `token_ids`, in order (under the request's
     cache_salt `salt`; empty: none)."""
@@ -85,6 +106,13 @@ class PrefixCache:
         # its bytes are still in the pool. (block, key) -> None.
         self.on_evict: Callable[[int, BlockKey], None] | None = None
         self.on_idle: Callable[[int, BlockKey], None] | None = None
+        # Copies pool block src's bytes into block dst (src, dst): a partial block is
+        # reused only through it. None (a tensor-parallel pool, whose shards are in other
+        # processes): no partial block is kept or reused.
+        self.copy_block: Callable[[int, int], None] | None = None
+        self._partial_of: dict[BlockKey, int] = {}  # a leading run's key -> partial block
+        self._partial_runs: dict[int, list[BlockKey]] = {}  # partial block -> its runs' keys
+        self.partial_tokens = 0  # prompt tokens served from partial blocks, since start
 
     # ------------------------------------------------------------ the allocator's interface
 
@@ -180,6 +208,77 @@ class PrefixCache:
         self._refs[block] = 1
         return key
 
+    @property
+    def keeps_partials(self) -> bool:
+        """Whether partial blocks are kept and reused here."""
+        return self.enabled and self.copy_block is not None
+
+    def keep_partial(
+        self, block: int, previous: BlockKey | None, tokens: Sequence[int], salt: str = ""
+    ) -> bool:
+        """A sequence lets go of block `block`, whose first len(tokens) < block_size rows
+        hold the K/V of `tokens` after the prefix keyed `previous`: keep it as a partial
+        block, cached and unused, found by every leading run of its tokens (a prompt that
+        shares only some of them reuses those). False: not kept, the caller frees it (a
+        kept block holds these tokens already, or partials are off)."""
+        if not self.keeps_partials or not 0 < len(tokens) < self.block_size:
+            return False
+        keys = partial_keys(previous, tokens, salt)
+        if keys[-1] in self._partial_of or block in self._content:
+            return False
+        for key in keys:  # a shorter run another block holds stays that block's
+            self._partial_of.setdefault(key, block)
+        self._partial_runs[block] = keys
+        self._content[block] = (keys[-1], tuple(tokens))
+        self._refs[block] = 0
+        self._idle[block] = None
+        if self.on_idle is not None:
+            self.on_idle(block, keys[-1])
+        return True
+
+    def find_partial(
+        self, previous: BlockKey | None, tokens: Sequence[int], salt: str = ""
+    ) -> tuple[int, int] | None:
+        """The held partial block with the longest run of `tokens` (at most block_size-1
+        of them) after the prefix keyed `previous`: (block, how many of its first tokens
+        match), or None."""
+        if not self._partial_of:
+            return None
+        tokens = tokens[: self.block_size - 1]
+        keys = partial_keys(previous, tokens, salt)
+        for n in range(len(keys), 0, -1):
+            block = self._partial_of.get(keys[n - 1])
+            if block is not None and self._content[block][1][:n] == tuple(tokens[:n]):
+                return block, n
+        return None
+
+    def match_partial(
+        self, previous: BlockKey | None, tokens: Sequence[int], salt: str = ""
+    ) -> tuple[int, int] | None:
+        """After a sequence's full blocks (the last keyed `previous`), the next block: the
+        longest partial block held for the first tokens of `tokens` (the caller passes
+        those it may take: never its last token, which is computed for its logits),
+        COPIED into a fresh block the sequence now owns. Returns (that block, n tokens
+        held) or None (none held, or no room for the copy)."""
+        if not self.keeps_partials:
+            return None
+        found = self.find_partial(previous, tokens, salt)
+        if found is None:
+            return None
+        source, n = found
+        self._use(source)  # not evicted for its own copy's room
+        try:
+            if not self.can_allocate(1):
+                return None
+            (block,) = self.allocate(1)
+            assert self.copy_block is not None
+            self.copy_block(source, block)
+        finally:
+            self.free([source])
+        self.hit_tokens += n
+        self.partial_tokens += n
+        return block, n
+
     def load_prefix(
         self,
         token_ids: Sequence[int],
@@ -188,6 +287,7 @@ class PrefixCache:
         load: Callable[[int, Found], bool],
         salt: str = "",
         positions: Sequence[int] | None = None,
+        partial: tuple[int, int, Found] | None = None,
     ) -> int:
         """Cache the blocks of `token_ids`' prefix (at most `max_blocks`) that the box's
         store holds and this pool does not: `found[j]` names the stored bytes of the
@@ -200,7 +300,10 @@ class PrefixCache:
         blocks stay cached and unused, for the sequence's own `match`; only free room is
         taken (cached blocks nobody uses are evicted for it, as for any sequence, but never
         the prompt's own: a block after a gap the store fills is worth keeping).
-        `salt` is the request's cache_salt. Returns how many were loaded."""
+        `partial` (position p, n, its bytes): a stored partial block holding the first n
+        tokens of block p; kept as this pool's partial block where the prefix reaches p
+        (for the sequence's `match_partial`). `salt` is the request's cache_salt. Returns
+        how many blocks were loaded (the partial one included)."""
         if not self.enabled:
             return 0
         size = self.block_size
@@ -208,6 +311,7 @@ class PrefixCache:
         keys = prefix_keys(token_ids[: max_blocks * size], size, salt)
         here: list[int] = []  # the prompt's blocks this pool holds: in use meanwhile
         missing: list[int] = []  # the prompt's blocks to load, up to the first gap
+        reach = len(keys)  # the prefix's blocks the pool holds or may load
         for i, key in enumerate(keys):
             block = self._block_of.get(key)
             if block is not None and self._content[block][1] == tuple(token_ids[i * size :][:size]):
@@ -216,6 +320,7 @@ class PrefixCache:
             elif i in at:
                 missing.append(i)
             else:
+                reach = i
                 break
         blocks = self.allocate(min(len(missing), self.num_free))
         loaded = 0
@@ -225,9 +330,40 @@ class PrefixCache:
             tokens = token_ids[i * size : (i + 1) * size]
             self.register(block, keys[i - 1] if i else None, tokens, salt)
             loaded += 1
-        self.free(here + blocks)  # registered ones stay cached; the rest go back
+        if loaded < len(missing):
+            reach = missing[loaded]
         self.stored_tokens += loaded * size
+        if partial is not None and partial[0] == reach:
+            n = self._load_partial(token_ids, keys, partial, load, salt)
+            self.stored_tokens += n
+            loaded += n > 0
+        self.free(here + blocks)  # registered ones stay cached; the rest go back
         return loaded
+
+    def _load_partial(
+        self,
+        token_ids: Sequence[int],
+        keys: list[BlockKey],
+        partial: tuple[int, int, Found],
+        load: Callable[[int, Found], bool],
+        salt: str,
+    ) -> int:
+        """load_prefix's partial block, read into a free block and kept as this pool's
+        partial: its n tokens; 0 where the pool has it, has no room or the read failed.
+        The prefix's blocks are in use meanwhile, so its room never evicts them."""
+        at, n, hit = partial
+        size = self.block_size
+        tokens = token_ids[at * size : at * size + n]
+        previous = keys[at - 1] if at else None
+        if not self.keeps_partials or len(tokens) != n or not 0 < n < size:
+            return 0
+        if block_key(previous, tokens, salt) in self._partial_of or not self.can_allocate(1):
+            return 0
+        (block,) = self.allocate(1)
+        if not load(block, hit) or not self.keep_partial(block, previous, tokens, salt):
+            self.free([block])
+            return 0
+        return n
 
     def cached_blocks(self) -> list[tuple[int, BlockKey]]:
         """Every cached block nobody uses, least recently used first, with its key (what
@@ -240,6 +376,11 @@ class PrefixCache:
         self._refs[block] += 1
 
     def _forget(self, block: int) -> None:
-        key, _ = self._content.pop(block)
-        del self._block_of[key]
+        key, tokens = self._content.pop(block)
+        if len(tokens) < self.block_size:
+            for run in self._partial_runs.pop(block):
+                if self._partial_of.get(run) == block:
+                    del self._partial_of[run]
+        else:
+            del self._block_of[key]
         del self._refs[block]

@@ -51,3 +51,9 @@ def store_block(pool: torch.Tensor, block: int, out: memoryview) -> None:
     # [layers, 2, block_size, kv_heads, head_dim] over the slot's bytes
     slot = torch.frombuffer(out, dtype=pool.dtype).view(layers, two, block_size, heads, head_dim)
     slot.copy_(pool[:, :, block])
+
+
+def copy_pool_block(pool: torch.Tensor, source: int, target: int) -> None:
+    """Block `source`'s bytes into block `target` of the same pool (every layer's K and
+    V): a partial block is reused as a copy the new sequence writes its own rows into."""
+    pool[:, :, target].copy_(pool[:, :, source])

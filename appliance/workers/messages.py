@@ -196,7 +196,9 @@ class StoreHits:
     prompt's block `positions[j]`, keyed `block_keys[j]` in `namespace`, is in slot
     `slots[j]`. Pinned for this worker until it answers StoreRelease. The positions may
     have gaps (blocks the store lacks): the worker uses a block only where its own pool
-    holds every block before it that the store does not."""
+    holds every block before it that the store does not. `partial`: a stored partial
+    block (a finished request's tail), (position p, n, key, slot): the K/V of the first
+    n tokens of the prompt's block p, used where the prefix reaches p."""
 
     request_id: int
     arena: str
@@ -204,6 +206,7 @@ class StoreHits:
     block_keys: list[int]
     slots: list[int]
     positions: list[int]
+    partial: tuple[int, int, int, int] | None = None
 
 
 @dataclass

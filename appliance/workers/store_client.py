@@ -11,9 +11,10 @@ this worker (StoreSlots), and the next report says which block each slot holds
 evict next (`clean_ahead`), so the prompt that needs their room finds them stored and
 copies nothing out before its prefill. Reading: before a
 prompt's Submit the supervisor sends StoreHits, the arena slots holding the prompt's
-first blocks, pinned for this worker; at the Submit the worker copies those its own
-pool lacks straight from shared memory into free blocks, caches them as if computed,
-and answers StoreRelease, so the prefill computes only the rest.
+first blocks (and the partial block after them, a finished request's tail, where
+stored), pinned for this worker; at the Submit the worker copies those its own pool
+lacks straight from shared memory into free blocks, caches them as if computed, and
+answers StoreRelease, so the prefill computes only the rest.
 """
 
 from __future__ import annotations
@@ -250,6 +251,10 @@ class StoreClient:
         self._attach(hits.arena)
         found = list(zip(hits.block_keys, hits.slots, strict=True))
         size = self.engine.kv.block_size
+        partial = None
+        if hits.partial is not None:  # a finished request's tail: (position, n, its bytes)
+            at, n, key, slot = hits.partial
+            partial = (at, n, (key, slot))
         loaded = self.engine.scheduler.blocks.load_prefix(
             token_ids,
             (len(token_ids) - 1) // size,
@@ -257,6 +262,7 @@ class StoreClient:
             self._loader(hits.namespace),
             params.cache_salt,
             hits.positions,
+            partial,
         )
         if self.cuda is not None:
             self.cuda.fence()  # the prefill's kernels wait for the loads on the GPU

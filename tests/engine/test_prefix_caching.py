@@ -95,3 +95,24 @@ def test_eviction_under_pressure_never_corrupts_a_running_sequence(make_engine) 
     assert evicted > 0  # the pool really ran out and cached blocks were taken
     assert small.scheduler.blocks.hit_tokens > 0
     assert small.num_free_blocks == small.kv.num_blocks
+
+
+def test_the_next_turn_reuses_the_finished_answers_partial_last_block(make_engine) -> None:
+    """A request's last block is partial (its last sampled token is never fed): kept, a
+    prompt that extends the prompt and answer gets a copy of it, computes n tokens fewer
+    than the full blocks alone would leave, and answers as computing everything does."""
+    engine = make_engine(block_size=16, prefix_caching=True)
+    plain = make_engine(block_size=16)
+    [prompt] = prompts(engine, ["What is a library card?"])
+    # An answer after which 7 rows of the last block hold computed K/V.
+    params = SamplingParams(max_tokens=(7 - (len(prompt) - 1)) % 16 + 16, ignore_eos=True)
+    answer = [t for out in engine.stream(prompt, params) for t in out.token_ids]
+    computed = len(prompt) + len(answer) - 1
+    assert computed % 16 == 7
+    turn = prompt + answer + engine.tokenizer.encode(" And can children get one?")
+    [(tokens, cached)] = run_one_by_one(engine, [turn])
+    assert cached == computed  # the full blocks and the partial block's 7 rows
+    assert engine.scheduler.blocks.partial_tokens == 7
+    [expected] = plain.generate([turn], GREEDY)
+    assert tokens == expected.token_ids
+    assert engine.num_free_blocks == engine.kv.num_blocks
