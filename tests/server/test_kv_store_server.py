@@ -53,6 +53,7 @@ class Answer:
     text: str
     prompt_tokens: int
     cached_tokens: int
+    completion_tokens: int = 0
 
     @property
     def computed(self) -> int:
@@ -293,62 +294,79 @@ def wait_for(check: Callable[[], bool], what: str, bound_s: float = 300.0) -> No
         time.sleep(0.2)
 
 
-def chat(server: ServerProcess, messages: list[dict[str, str]], **extra: object) -> Answer:
+def chat(
+    server: ServerProcess, messages: list[dict[str, str]], max_tokens: int = 48, **extra: object
+) -> Answer:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=600)
     reply = client.chat.completions.create(
         model=NAME,
         messages=messages,  # type: ignore[arg-type]
-        max_tokens=48,
+        max_tokens=max_tokens,
         temperature=0,
         extra_body=extra,
     )
     usage = reply.usage
     assert usage is not None and usage.prompt_tokens_details is not None
     text = reply.choices[0].message.content or ""
-    return Answer(text, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0)
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    return Answer(text, usage.prompt_tokens, cached, usage.completion_tokens)
 
 
-def test_a_chats_answer_decoded_on_the_decode_worker_is_served_to_the_next_turn(
-    folders: dict[str, Path],
+CHAT_LAYOUTS = {
+    # One prefill and one decode worker under the default write policy (evict).
+    "split": {"APPLIANCE_PREFILL_DEVICES": "0", "APPLIANCE_DECODE_DEVICES": "1"},
+    # One worker that prefills and decodes: the answer's blocks stay in its own pool.
+    "colocated": {"APPLIANCE_CPU_DEVICES": "1", "APPLIANCE_MODE": "colocated"},
+}
+
+
+@pytest.mark.parametrize("layout", CHAT_LAYOUTS)
+def test_a_chats_answer_is_served_to_the_next_turn_with_its_partial_last_block(
+    folders: dict[str, Path], layout: str
 ) -> None:
-    """The split layout under the default write policy (evict): the answer a decode
-    worker made reaches no prefill worker's pool, so the decode worker stores its decoded
-    blocks as the request lets go; the next turn, which re-sends that answer, loads them
-    instead of computing them, and answers as when everything is computed."""
-    server = store_server(
-        folders,
-        folders["disk"] / "chat",
-        APPLIANCE_CPU_DEVICES="2",
-        APPLIANCE_PREFILL_DEVICES="0",
-        APPLIANCE_DECODE_DEVICES="1",
-        APPLIANCE_KV_STORE__WRITE_POLICY="evict",
-    )
+    """Split: the answer a decode worker made reaches no prefill worker's pool, so the
+    decode worker stores its decoded blocks as the request lets go, its last, partial
+    block too (the last sampled token is never fed: no worker holds that block whole);
+    the next turn, which re-sends that answer, loads them instead of computing them.
+    Colocated: the worker kept them in its pool. Either way the next turn reuses every
+    token the first turn computed, the partial block's rows included, and answers as
+    when everything is computed."""
+    env = {
+        "APPLIANCE_CPU_DEVICES": "2",
+        **CHAT_LAYOUTS[layout],
+        "APPLIANCE_KV_STORE__WRITE_POLICY": "evict",
+    }
+    server = store_server(folders, folders["disk"] / f"chat-{layout}", **env)
     server.start(timeout=600)
     try:
         history = [
             {"role": "system", "content": "You are a helpful assistant who tells stories."},
             {"role": "user", "content": "Tell me a long story about a lighthouse keeper."},
         ]
-        first = chat(server, history)
+        first = chat(server, history, max_tokens=40)  # its 33-token prompt: 72 computed
         assert metric(server, "appliance_kv_store_hits_total", '{tier="host"}') == 0
         history += [
             {"role": "assistant", "content": first.text},
             {"role": "user", "content": "Give that story a title."},
         ]
         second = chat(server, history)
-        # The first turn's prompt from the prefill worker's pool, then at least two
-        # blocks of the answer (48 tokens: two full blocks past the prompt's last) from
-        # the store: not computed again.
+        computed = first.prompt_tokens + first.completion_tokens - 1  # the last never fed
+        assert computed % BLOCK  # the first turn ended mid-block: a partial last block
+        assert second.cached_tokens == computed
         served = metric(server, "appliance_kv_store_hits_total", '{tier="host"}')
-        assert served >= 2
-        prompt_blocks = first.prompt_tokens // BLOCK
-        assert second.cached_tokens == (prompt_blocks + served) * BLOCK
+        if layout == "split":
+            # The first turn's prompt from the prefill worker's pool, then the answer's
+            # blocks (two full blocks from the prompt's last, and the partial one) from
+            # the store: not computed again.
+            assert served >= 3
+            # Both workers wrote their blocks in place: none crossed a pipe.
+            assert metric(server, "appliance_kv_store_put_in_place_bytes_total") > 0
+            assert metric(server, "appliance_kv_store_put_piped_bytes_total") == 0
+        else:
+            assert served == 0  # its own pool had every block
         whole = chat(server, history, prompt_logprobs=0)  # every position computed
         assert whole.cached_tokens == 0
         assert second.text == whole.text
-        # Both workers wrote their blocks in place: none crossed a pipe.
-        assert metric(server, "appliance_kv_store_put_in_place_bytes_total") > 0
-        assert metric(server, "appliance_kv_store_put_piped_bytes_total") == 0
     finally:
         assert server.stop() == 0
 
