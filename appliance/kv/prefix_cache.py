@@ -110,8 +110,7 @@ class PrefixCache:
         # reused only through it. None (a tensor-parallel pool, whose shards are in other
         # processes): no partial block is kept or reused.
         self.copy_block: Callable[[int, int], None] | None = None
-        self._partial_of: dict[BlockKey, int] = {}  # a leading run's key -> partial block
-        self._partial_runs: dict[int, list[BlockKey]] = {}  # partial block -> its runs' keys
+        self._partial_of: dict[BlockKey, int] = {}  # a partial block's key -> block
         self.partial_tokens = 0  # prompt tokens served from partial blocks, since start
 
     # ------------------------------------------------------------ the allocator's interface
@@ -218,37 +217,35 @@ class PrefixCache:
     ) -> bool:
         """A sequence lets go of block `block`, whose first len(tokens) < block_size rows
         hold the K/V of `tokens` after the prefix keyed `previous`: keep it as a partial
-        block, cached and unused, found by every leading run of its tokens (a prompt that
-        shares only some of them reuses those). False: not kept, the caller frees it (a
-        kept block holds these tokens already, or partials are off)."""
+        block, cached and unused, for a prompt that holds all of `tokens` there. False:
+        not kept, the caller frees it (the same partial is kept already, or partials are
+        off)."""
         if not self.keeps_partials or not 0 < len(tokens) < self.block_size:
             return False
-        keys = partial_keys(previous, tokens, salt)
-        if keys[-1] in self._partial_of or block in self._content:
+        key = block_key(previous, tokens, salt)
+        if key in self._partial_of or block in self._content:
             return False
-        for key in keys:  # a shorter run another block holds stays that block's
-            self._partial_of.setdefault(key, block)
-        self._partial_runs[block] = keys
-        self._content[block] = (keys[-1], tuple(tokens))
+        self._partial_of[key] = block
+        self._content[block] = (key, tuple(tokens))
         self._refs[block] = 0
         self._idle[block] = None
         if self.on_idle is not None:
-            self.on_idle(block, keys[-1])
+            self.on_idle(block, key)
         return True
 
     def find_partial(
         self, previous: BlockKey | None, tokens: Sequence[int], salt: str = ""
     ) -> tuple[int, int] | None:
-        """The held partial block with the longest run of `tokens` (at most block_size-1
-        of them) after the prefix keyed `previous`: (block, how many of its first tokens
-        match), or None."""
+        """The held partial block after the prefix keyed `previous` whose tokens are the
+        longest leading run of `tokens` (at most block_size-1 of them): (block, its n
+        tokens), or None."""
         if not self._partial_of:
             return None
         tokens = tokens[: self.block_size - 1]
         keys = partial_keys(previous, tokens, salt)
         for n in range(len(keys), 0, -1):
             block = self._partial_of.get(keys[n - 1])
-            if block is not None and self._content[block][1][:n] == tuple(tokens[:n]):
+            if block is not None and self._content[block][1] == tuple(tokens[:n]):
                 return block, n
         return None
 
@@ -378,9 +375,7 @@ class PrefixCache:
     def _forget(self, block: int) -> None:
         key, tokens = self._content.pop(block)
         if len(tokens) < self.block_size:
-            for run in self._partial_runs.pop(block):
-                if self._partial_of.get(run) == block:
-                    del self._partial_of[run]
+            del self._partial_of[key]
         else:
             del self._block_of[key]
         del self._refs[block]

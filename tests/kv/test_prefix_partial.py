@@ -73,16 +73,15 @@ def test_a_finished_requests_tail_is_found_copied_and_kept() -> None:
     assert cache.match_partial(keys[-1], [5, 6, 9]) is not None  # still kept for the next
 
 
-def test_the_longest_run_held_wins_and_leading_runs_of_a_tail_are_found() -> None:
+def test_the_longest_tail_held_wins_and_only_a_whole_tail_is_reused() -> None:
     cache, _ = cache_with()
-    finish(cache, [1, 2, 3, 4, 5])
+    short, _ = finish(cache, [1, 2, 3, 4, 5])
     blocks, keys = finish(cache, [1, 2, 3, 4, 5, 6, 7])
-    longest = cache.find_partial(keys[-1], [5, 6, 7])
-    assert longest == (blocks[1], 3)
-    # A prompt that shares only the first tokens of a kept tail reuses those.
-    assert cache.find_partial(keys[-1], [5, 6]) == (blocks[1], 2)
-    found = cache.find_partial(keys[-1], [5, 9, 9])
-    assert found is not None and found[1] == 1
+    assert cache.find_partial(keys[-1], [5, 6, 7]) == (blocks[1], 3)
+    # A prompt that holds only part of a tail there does not reuse it (its n rows are
+    # one key): the shorter tail it holds whole is found instead.
+    assert cache.find_partial(keys[-1], [5, 6]) == (short[1], 1)
+    assert cache.find_partial(keys[-1], [5, 9, 9]) == (short[1], 1)
     assert cache.find_partial(keys[-1], [9, 6, 7]) is None
 
 
@@ -181,12 +180,15 @@ def test_the_next_turn_starts_mid_block_on_a_copy_of_the_last_answers_tail() -> 
 def test_the_last_prompt_token_is_always_computed() -> None:
     scheduler, _ = scheduler_with()
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    run(scheduler, Sequence(0, [1, 2, 3, 4, 5], params), [6, 7, 8])
+    run(scheduler, Sequence(0, [1, 2, 3, 4, 5], params), [6, 7, 8])  # tail 5, 6, 7
     again = Sequence(1, [1, 2, 3, 4, 5, 6, 7], params)  # exactly the computed tokens
     scheduler.add(again)
     out = scheduler.schedule()
-    assert again.num_cached_tokens == 6
-    assert [c.num_tokens for c in out.chunks] == [1]
+    assert again.num_cached_tokens == 4  # the tail would cover its last token: not used
+    assert [c.num_tokens for c in out.chunks] == [3]
+    scheduler.update_from_output(out, {1: 8})
+    scheduler.finish(again, "stop")  # its own tail is 5, 6, 7: held already, freed
+    assert scheduler.blocks.num_free == 16
 
 
 def test_an_aborted_requests_tail_is_not_kept() -> None:
