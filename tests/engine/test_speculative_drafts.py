@@ -14,7 +14,7 @@ from scheduler_steps import BLOCK, EOS, make, new_seq
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.sequence import Sequence, StructuredOutput
 from appliance.engine.speculative.acceptance import AcceptanceCounts, DraftCounts
-from appliance.engine.speculative.eligibility import allowed_drafts, speculates
+from appliance.engine.speculative.eligibility import allowed_drafts, draft_room, speculates
 from appliance.engine.speculative.ngram import NgramProposer
 from appliance.engine.speculative.proposer import Drafter, reported_totals
 from appliance.engine.speculative.verify import accept_greedy
@@ -279,3 +279,16 @@ def test_every_sampling_feature_speculates_and_a_grammar_cuts_its_drafts() -> No
     assert not speculates(prefill_only)
     fresh = new_seq(0, 3)  # nothing generated yet: its prompt still prefills
     assert not speculates(fresh)
+
+
+def test_the_room_for_drafts_is_the_tightest_of_chunk_max_tokens_and_context() -> None:
+    def decoded(max_tokens: int) -> Sequence:
+        seq = new_seq(0, 3, max_tokens=max_tokens)  # 3 prompt tokens
+        seq.token_ids += [50, 51]  # 2 generated
+        return seq
+
+    assert draft_room(decoded(10), chunk_size=8, max_model_len=100) == 7  # the chunk: 1 + 7
+    assert draft_room(decoded(9), chunk_size=32, max_model_len=100) == 6  # 7 tokens left: 6 + 1
+    # Positions 5..8 are left in a context of 9: 3 drafts and the step's own token.
+    assert draft_room(decoded(20), chunk_size=32, max_model_len=9) == 3
+    assert draft_room(decoded(20), chunk_size=32, max_model_len=6) == 0

@@ -23,6 +23,17 @@ def speculates(seq: Sequence) -> bool:
     return not seq.prefill_only and bool(seq.output_ids) and seq.num_uncomputed == 1
 
 
+def draft_room(seq: Sequence, chunk_size: int, max_model_len: int) -> int:
+    """The most drafts seq's next verify chunk may carry, the step's budget aside, so that
+    none is wasted: the chunk holds seq's last token besides them, and the step emits at
+    most drafts + 1 tokens, within max_tokens and the context. 0 or less: none."""
+    return min(
+        chunk_size - 1,
+        seq.params.max_tokens - len(seq.output_ids) - 1,
+        max_model_len - len(seq) - 1,
+    )
+
+
 def allowed_drafts(seq: Sequence, drafts: list[int], grammar: DraftCheck | None) -> list[int]:
     """`drafts` up to the first token seq's grammar refuses (all of them where it has no
     structured output); none for a structured sequence when no grammar check is given."""

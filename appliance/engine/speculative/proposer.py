@@ -11,7 +11,7 @@ from appliance.engine.sequence import SamplingParams
 from appliance.engine.sequence import Sequence as Request
 from appliance.engine.speculative.acceptance import AcceptanceCounts, DraftCounts
 from appliance.engine.speculative.adaptive import AdaptivePolicy, DraftLength
-from appliance.engine.speculative.eligibility import speculates
+from appliance.engine.speculative.eligibility import draft_room, speculates
 from appliance.engine.speculative.ngram import NgramProposer
 from appliance.settings.engine import SpeculativeSettings
 
@@ -148,12 +148,7 @@ class Drafter:
             length = seq.draft_length
             if length is None or length.paused_for > 0 or not speculates(seq):
                 continue
-            k = min(
-                length.k,
-                chunk_size - 1,
-                seq.params.max_tokens - len(seq.output_ids) - 1,
-                max_model_len - len(seq) - 1,
-            )
+            k = min(length.k, draft_room(seq, chunk_size, max_model_len))
             if k > 0:
                 wanted.append((seq.seq_id, seq.token_ids, k))
         self.proposer.prefetch(wanted)
