@@ -184,7 +184,7 @@ class StoreOwner:
         its tokens, never the last token: pinned for `reader` and in the arena, with
         (position, n, key, slot).
         A partial is stored under the key of all its n tokens, so every n is tried (one
-        streamed hash per block: ~7 us on the bench's EPYC)."""
+        streamed hash per block: ~11 us on the bench's EPYC under load)."""
         size = self.block_size
         for at in range(len(keys), start - 1, -1):
             tokens = token_ids[at * size : min((at + 1) * size - 1, len(token_ids) - 1)]
