@@ -7,9 +7,9 @@
  * its rounding remainder at 1/256 of the step (about 16 bits). Each weight row is then
  * unpacked, in registers, one 32-value group at a time, into small integers with a float
  * scale and offset per 16 values (every format above fits this form), once per tile of
- * up to four activation rows; the groups' integer dot products with the tile's rows
- * accumulate in float. The offsets meet the activation sums (precomputed per 16 values)
- * in one float dot per row at the end. Each row's result is computed the same way
+ * up to eight activation rows (AVX-512; four elsewhere: see TILE); the groups' integer dot
+ * products with the tile's rows accumulate in float. The offsets meet the activation sums
+ * (precomputed per 16 values) in one float dot per row at the end. Each row's result is computed the same way
  * whatever the batch, so a row does not change with what it is batched with.
  *
  * This file is compiled once per instruction-set level (setup.py): the AVX2 build uses
@@ -31,7 +31,16 @@
 #include "vec.h"
 
 #define GROUP 32   /* values per activation block and per unpacked weight group */
-#define TILE 4     /* activation rows per pass over a weight row */
+/* Activation rows per pass over a weight row: each weight group is unpacked once per tile,
+ * so a verify step's 5 rows (k = 4 drafts) are one pass, not two. AVX-512's 32 vector
+ * registers take a tile of 8 rows' accumulators (at 6-8 rows GCC still spills some of a
+ * chunk's weight registers, read back from the stack: 8 rows cost about what two tiles of
+ * 4 did, 5 rows a fifth less); AVX2 has 16 registers, room for 4 rows. */
+#if defined(__AVX512F__)
+#define TILE 8
+#else
+#define TILE 4
+#endif
 #define M_BLOCK 64 /* activation rows swept per weight row before the next (stay in cache) */
 #define ROWS_PER_TASK 8
 #define CHUNK 8    /* groups the 32-value block path takes a pass (scales in one vector) */
@@ -347,6 +356,7 @@ INLINE void pair_dot(const int format, const int rows, const int precise, const 
     /* The unsigned operand: |w| for Q8_0, x negated where w is negative. */
     __m512i wu = is_signed ? _mm512_abs_epi8(values) : values;
     __mmask64 negative = is_signed ? _mm512_movepi8_mask(values) : 0;
+#pragma GCC unroll 8
     for (int i = 0; i < rows; i++) {
         __m512i x = _mm512_loadu_si512((const void *)(t->q[i] + g * GROUP));
         if (is_signed) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
@@ -446,20 +456,20 @@ INLINE __m512i q8_pair(const uint8_t *w, long g, int count) {
     return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
 }
 
-/* The int32 dot of unsigned weights with activation bytes at x: `first` against x's 64
- * bytes and, for a Q4 set (`q4`), `last` against the 64 after them. */
-INLINE __m512i dot64(const int q4, __m512i first, __m512i last, const int8_t *x) {
-    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first,
-                                      _mm512_loadu_si512((const void *)x));
+/* `sum` + the int32 dot of unsigned weights with activation bytes at x: `first` against
+ * x's 64 bytes and, for a Q4 set (`q4`), `last` against the 64 after them. */
+INLINE __m512i dot64(const int q4, __m512i sum, __m512i first, __m512i last, const int8_t *x) {
+    __m512i dot = _mm512_dpbusd_epi32(sum, first, _mm512_loadu_si512((const void *)x));
     return q4 ? _mm512_dpbusd_epi32(dot, last, _mm512_loadu_si512((const void *)(x + 64))) : dot;
 }
 
 /* One chunk (groups g..g+7, `count` of them real) of the block path for a tile's rows. A
  * register holds a pair of Q8_0 groups, or a set of 4 Q4 groups as their first and last
- * halves (`one`, `other`). */
+ * halves (`one`, `other`). Two accumulators a row, the offsets' share in lanes 0-7 of
+ * the second: a tile of 8 rows' 16 and the chunk's weights fit the 32 registers. */
 INLINE void block_chunk(const int format, const int rows, const int precise, const uint8_t *w,
                         const Acts *a, long first, long g, int count, const int regs,
-                        __m512 acc[][2], __m256 *offset_acc) {
+                        __m512 acc[][2]) {
     __m256 scale, offset;
     chunk_scales(format, w, g, count, &scale, &offset);
     const long stride = a->groups * GROUP;
@@ -480,19 +490,19 @@ INLINE void block_chunk(const int format, const int rows, const int precise, con
     const __m512i lane_group =
         q4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
            : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+#pragma GCC unroll 8
     for (int i = 0; i < rows; i++) {
         const long r = first + i;
         const int8_t *x = a->q + r * stride + g * GROUP;
         const int8_t *rest = precise ? a->lo + r * stride + g * GROUP : NULL;
         __m256 both = _mm256_mul_ps(scale, _mm256_loadu_ps(a->scale + r * a->groups + g));
-        offset_acc[i] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a->gsums + r * a->groups + g),
-                                        offset_acc[i]);
+        __m512 sums = _mm512_castps256_ps512(_mm256_loadu_ps(a->gsums + r * a->groups + g));
+        acc[i][1] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(offset), sums, acc[i][1], 0xFF);
         __m512 wide = _mm512_castps256_ps512(both);
         for (int p = 0; p < regs; p++) {
-            __m512i dot = dot64(q4, one[p], other[p], x + span * p);
-            if (precise)
-                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8),
-                                       dot64(q4, one[p], other[p], rest + span * p));
+            __m512i dot = dot64(q4, _mm512_setzero_si512(), one[p], other[p], x + span * p);
+            if (precise) /* 256 * (w . q) + w . lo, the remainder's dot added onto the first */
+                dot = dot64(q4, _mm512_slli_epi32(dot, 8), one[p], other[p], rest + span * p);
             __m512i spread = _mm512_add_epi32(lane_group, _mm512_set1_epi32(per * p));
             acc[i][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
                                             _mm512_permutexvar_ps(spread, wide), acc[i][p & 1]);
@@ -504,15 +514,13 @@ INLINE void block_chunk(const int format, const int rows, const int precise, con
  * (stand-ins pad the last one), a compiled loop for each register count. A span of 18
  * groups (576 inputs) costs 20 groups' work here instead of 24 (AVX2: 18). */
 INLINE void tail_chunk(const int format, const int rows, const int precise, const uint8_t *w,
-                       const Acts *a, long first, long g, int count, __m512 acc[][2],
-                       __m256 *offset_acc) {
+                       const Acts *a, long first, long g, int count, __m512 acc[][2]) {
     switch ((count + chunk_per(format) - 1) / chunk_per(format)) {
-    case 1: block_chunk(format, rows, precise, w, a, first, g, count, 1, acc, offset_acc); break;
-    case 2: block_chunk(format, rows, precise, w, a, first, g, count, 2, acc, offset_acc); break;
-    case 3: block_chunk(format, rows, precise, w, a, first, g, count, 3, acc, offset_acc); break;
+    case 1: block_chunk(format, rows, precise, w, a, first, g, count, 1, acc); break;
+    case 2: block_chunk(format, rows, precise, w, a, first, g, count, 2, acc); break;
+    case 3: block_chunk(format, rows, precise, w, a, first, g, count, 3, acc); break;
     default:
-        block_chunk(format, rows, precise, w, a, first, g, count, CHUNK / chunk_per(format), acc,
-                    offset_acc);
+        block_chunk(format, rows, precise, w, a, first, g, count, CHUNK / chunk_per(format), acc);
     }
 }
 
@@ -529,21 +537,15 @@ INLINE void block_tile(const int format, const int rows, const int precise, cons
     for (long s = 0; s < spans; s++) {
         const uint8_t *ws = w + s * span_bytes;
         __m512 acc[TILE][2];
-        __m256 offset_acc[TILE];
-        for (int i = 0; i < rows; i++) {
-            acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-            offset_acc[i] = _mm256_setzero_ps();
-        }
+        for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
         long g = 0;
         for (; g + CHUNK <= groups; g += CHUNK)
             block_chunk(format, rows, precise, ws, a + s, first, g, CHUNK,
-                        CHUNK / chunk_per(format), acc, offset_acc);
+                        CHUNK / chunk_per(format), acc);
         if (g < groups)
-            tail_chunk(format, rows, precise, ws, a + s, first, g, (int)(groups - g), acc,
-                       offset_acc);
+            tail_chunk(format, rows, precise, ws, a + s, first, g, (int)(groups - g), acc);
         for (int i = 0; i < rows; i++) {
-            __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]),
-                                       _mm512_zextps256_ps512(offset_acc[i]));
+            __m512 sum = _mm512_add_ps(acc[i][0], acc[i][1]);
             total[i] = _mm512_add_pd(total[i], _mm512_cvtps_pd(_mm512_castps512_ps256(sum)));
             total[i] = _mm512_add_pd(total[i], _mm512_cvtps_pd(_mm512_extractf32x8_ps(sum, 1)));
         }
@@ -812,19 +814,27 @@ INLINE void tiles(const QuantMatmul *p, const int format, const Acts *a, long c,
     const long span = p->span, spans = p->k / span;
     const uint8_t *w = p->w + c * p->row_bytes;
     const int precise = a->lo != NULL;
-    for (long r = m0; r < m1; r += TILE) {
-        long rows = m1 - r < TILE ? m1 - r : TILE;
+    for (long r = m0, rows; r < m1; r += rows) {
+        rows = m1 - r < TILE ? m1 - r : TILE;
         double total[TILE];
+        /* rows and precise as compile-time constants: each pair gets its own loop */
+#define TILE_CASE(n)                                                                           \
+    case 2 * (n) + 1: span_tile(format, n, 1, w, a, spans, span, r, offsets, total); break; \
+    case 2 * (n): span_tile(format, n, 0, w, a, spans, span, r, offsets, total); break;
         switch (rows * 2 + precise) {
-        case 9: span_tile(format, 4, 1, w, a, spans, span, r, offsets, total); break;
-        case 8: span_tile(format, 4, 0, w, a, spans, span, r, offsets, total); break;
-        case 7: span_tile(format, 3, 1, w, a, spans, span, r, offsets, total); break;
-        case 6: span_tile(format, 3, 0, w, a, spans, span, r, offsets, total); break;
-        case 5: span_tile(format, 2, 1, w, a, spans, span, r, offsets, total); break;
-        case 4: span_tile(format, 2, 0, w, a, spans, span, r, offsets, total); break;
+#if TILE > 4
+            TILE_CASE(8)
+            TILE_CASE(7)
+            TILE_CASE(6)
+            TILE_CASE(5)
+#endif
+            TILE_CASE(4)
+            TILE_CASE(3)
+            TILE_CASE(2)
         case 3: span_tile(format, 1, 1, w, a, spans, span, r, offsets, total); break;
         default: span_tile(format, 1, 0, w, a, spans, span, r, offsets, total); break;
         }
+#undef TILE_CASE
         for (long i = 0; i < rows; i++) store_out(p, r + i, c, total[i]);
     }
 }
