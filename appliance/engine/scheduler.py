@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 
 from appliance.engine.sequence import Sequence, SequenceStatus
 from appliance.engine.speculative.acceptance import AcceptanceCounts
-from appliance.engine.speculative.eligibility import DraftCheck, allowed_drafts, speculates
+from appliance.engine.speculative.eligibility import (
+    DraftCheck,
+    allowed_drafts,
+    draft_room,
+    speculates,
+)
 from appliance.engine.speculative.proposer import Drafter
 from appliance.kv.block_allocator import BlockAllocator, blocks_for_tokens
 from appliance.kv.prefix_cache import PrefixCache
@@ -186,13 +191,7 @@ class Scheduler:
         length = seq.draft_length
         if length is None or not speculates(seq):
             return []
-        k = min(
-            length.next_k(),
-            spare,
-            self.limits.chunk_size - 1,
-            seq.params.max_tokens - len(seq.output_ids) - 1,
-            self.max_model_len - len(seq) - 1,
-        )
+        k = min(length.next_k(), spare, draft_room(seq, self.limits.chunk_size, self.max_model_len))
         if k <= 0:
             return []
         proposed = self.drafter.propose(seq.seq_id, seq.token_ids, k)[:k]
