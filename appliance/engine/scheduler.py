@@ -57,6 +57,9 @@ class SchedulerOutput:
     decodes: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     verifies: list[ScheduledChunk] = field(default_factory=list)
+    # Sequences running when the step was scheduled (before waiting prompts joined): the
+    # batch its verify rows' cost is weighed against (adaptive.DraftLength.record).
+    batch: int = 0
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -144,7 +147,8 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
-        drafting = self.drafter is not None and self.drafter.batch_drafts(len(self.running))
+        out.batch = len(self.running)
+        drafting = self.drafter is not None and self.drafter.batch_drafts(out.batch)
         if self.drafter is not None and drafting:  # a draft model drafts for all at once
             self.drafter.prefetch(self.running, self.limits.chunk_size, self.max_model_len)
         while index < len(self.running) and budget > 0:
@@ -336,7 +340,7 @@ class Scheduler:
                 emitted = len(verified[seq.seq_id])
                 self.acceptance.record(len(chunk.drafts), emitted)
                 if seq.draft_length is not None:
-                    seq.draft_length.record(len(chunk.drafts), emitted - 1)
+                    seq.draft_length.record(len(chunk.drafts), emitted - 1, out.batch)
                 self._accept(seq, verified[seq.seq_id])
                 updated.append(seq)
                 continue

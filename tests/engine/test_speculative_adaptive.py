@@ -53,12 +53,13 @@ def test_speculation_pays_at_k1_exactly_while_acceptance_beats_the_row_cost() ->
 # ---------------------------------------------------------------- one sequence's k
 
 
-def replay(length: DraftLength, history: list[tuple[int, int]]) -> list[int]:
-    """Feed (drafted, accepted) verify steps; the k asked before each."""
+def replay(length: DraftLength, history: list[tuple[int, int]], batch: int = 1) -> list[int]:
+    """Feed (drafted, accepted) verify steps, each in a step of `batch` sequences; the k
+    asked before each."""
     ks = []
     for drafted, accepted in history:
         ks.append(length.next_k())
-        length.record(drafted, accepted)
+        length.record(drafted, accepted, batch)
     return ks
 
 
@@ -131,21 +132,23 @@ def test_the_grounded_acceptance_drafts_alone_and_pauses_in_a_batch_of_16() -> N
     # 3 of 4 drafts kept, then a miss (acceptance ~0.77, the grounded bench's): it pays
     # at batch 1 at the measured row cost (0.35), not when 16 sequences share the step.
     history = [(4, 3)] * MIN_EVIDENCE
-    alone = DraftLength(1, 4, AdaptivePolicy(0.35, batch=1))
-    replay(alone, history)
+    alone = DraftLength(1, 4, AdaptivePolicy(0.35))
+    replay(alone, history, batch=1)
     assert alone.paused_for == 0
-    crowded = DraftLength(1, 4, AdaptivePolicy(0.35, batch=16))
-    replay(crowded, history)
+    crowded = DraftLength(1, 4, AdaptivePolicy(0.35))
+    replay(crowded, history, batch=16)
     assert crowded.paused_for == FIRST_BACKOFF
 
 
-def test_the_drafter_tells_its_policy_each_step_batch() -> None:
+def test_the_policy_prices_a_row_at_the_batch_it_is_given() -> None:
     settings = SpeculativeSettings(method="ngram", verify_token_cost=0.35, disable_by_batch_size=16)
     drafter = Drafter.from_settings(settings)
     assert drafter is not None and drafter.policy is not None
-    assert drafter.batch_drafts(12)
-    assert drafter.policy.batch == 12
-    assert drafter.policy.cost == pytest.approx(batch_cost(0.35, 12))
+    assert drafter.batch_drafts(12) and not drafter.batch_drafts(17)
+    assert drafter.policy.cost(12) == pytest.approx(batch_cost(0.35, 12))
+    # One policy for every sequence, nothing of a step kept on it: asking at one batch
+    # leaves the price at another as it was.
+    assert drafter.policy.cost(1) == pytest.approx(0.35)
 
 
 def test_recent_steps_weigh_more_than_old_ones() -> None:
@@ -164,7 +167,7 @@ def test_without_a_policy_k_is_fixed_and_never_paused() -> None:
     ks = replay(length, [(5, 0)] * 10)
     assert ks == [5] * 10 and length.paused_for == 0
     with pytest.raises(ValueError, match="kept of"):
-        length.record(2, 3)
+        length.record(2, 3, 1)
     with pytest.raises(ValueError, match="draft range"):
         DraftLength(3, 2)
 
@@ -273,6 +276,40 @@ def test_the_scheduler_drafts_each_sequences_adaptive_k() -> None:
     assert seq.output_ids[-2:] == [700, 62]
     sched.finish(seq, "abort")
     assert alloc.num_free == alloc.num_blocks
+
+
+class Watched(DraftLength):
+    """A draft length that notes the batch each verify result is recorded at."""
+
+    def __init__(self, length: DraftLength, seen: list[int]) -> None:
+        super().__init__(length.k_min, length.k_max, length.policy)
+        self.seen = seen
+
+    def record(self, drafted: int, accepted: int, batch: int) -> None:
+        self.seen.append(batch)
+        super().record(drafted, accepted, batch)
+
+
+def test_each_verify_is_weighed_at_the_batch_of_the_step_it_ran_in() -> None:
+    """The batch reaches DraftLength.record with the step's output (SchedulerOutput.batch):
+    two sequences verify in one step, then one alone, each result at its own step's batch."""
+    _, sched = make(num_blocks=64, budget=32, max_len=256)
+    sched.drafter = Drafter(Fixed([7, 8]), 2, 1, POLICY)
+    seqs = [new_seq(i, 3, max_tokens=50) for i in range(2)]
+    decoding(sched, *seqs)
+    seen: list[int] = []
+    for seq in seqs:
+        assert seq.draft_length is not None
+        seq.draft_length = Watched(seq.draft_length, seen)
+    both = sched.schedule()
+    assert both.batch == 2 and len(both.verifies) == 2
+    sched.update_from_output(both, {}, verified={0: [7, 60], 1: [7, 8, 61]})
+    assert seen == [2, 2]
+    sched.finish(seqs[1], "abort")
+    alone = sched.schedule()
+    assert alone.batch == 1 and [c.seq for c in alone.verifies] == [seqs[0]]
+    sched.update_from_output(alone, {}, verified={0: [62]})
+    assert seen == [2, 2, 1]
 
 
 def test_a_proposal_shorter_than_the_ranges_bottom_is_not_verified() -> None:

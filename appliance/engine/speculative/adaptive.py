@@ -23,9 +23,9 @@ step, (t0 + s * B) / B; with c1 = s / (t0 + s) that is
 which grows towards 1: on a compute-bound batch a row more costs a whole sequence's
 share, and a draft must be kept nearly always to pay. (With every sequence drafting k,
 the batch makes B * E(a, k) tokens in t0 + s * B * (1 + k): E(a, k) / (1 + c(B) * k)
-of plain decoding's rate, the gain above at c(B).) The drafter tells the policy each
-step's batch (AdaptivePolicy.batch), so a sequence pauses where the batch makes its
-drafts a loss and probes again at its pause's end.
+of plain decoding's rate, the gain above at c(B).) The scheduler passes each verify
+step's batch with its result (DraftLength.record), so a sequence pauses where the batch
+makes its drafts a loss and probes again at its pause's end.
 
 The estimate. Of a verify step's drafts, the kept ones say "kept" and a rejection, if
 any, says "missed" once; the drafts after a rejection were never tested. Under the
@@ -73,23 +73,21 @@ def batch_cost(verify_token_cost: float, batch: int) -> float:
     return scaled / (scaled + rest) if scaled + rest > 0 else 1.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class AdaptivePolicy:
-    """The settings of the per-sequence rule (see the module's docstring), and the batch
-    the running step has (the drafter sets `batch` each step; every sequence's
-    DraftLength reads the one policy)."""
+    """The settings of the per-sequence rule (see the module's docstring), shared by every
+    sequence's DraftLength: nothing of a step is kept here (its batch comes with each
+    verify result)."""
 
     verify_token_cost: float = 0.1
-    batch: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.verify_token_cost <= 1:
             raise ValueError(f"verify_token_cost must be in [0, 1], got {self.verify_token_cost}")
 
-    @property
-    def cost(self) -> float:
-        """A draft's row's cost at the current batch, in sequence-steps (c(B))."""
-        return batch_cost(self.verify_token_cost, self.batch)
+    def cost(self, batch: int) -> float:
+        """A draft's row's cost in a step of `batch` sequences, in sequence-steps (c(B))."""
+        return batch_cost(self.verify_token_cost, batch)
 
 
 @dataclass
@@ -130,8 +128,9 @@ class DraftLength:
             return 0
         return self.k
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """A verify step: `drafted` drafts, of which the first `accepted` were kept."""
+    def record(self, drafted: int, accepted: int, batch: int) -> None:
+        """A verify step: `drafted` drafts, of which the first `accepted` were kept, in a
+        step of `batch` sequences (the batch its rows' cost is weighed against)."""
         if not 0 <= accepted <= drafted:
             raise ValueError(f"{accepted} drafts kept of {drafted}")
         if self.policy is None:
@@ -145,7 +144,7 @@ class DraftLength:
             self.k = min(self.k_max, self.k * 2)
         if self.verifies < MIN_EVIDENCE:
             return
-        if gain(self.acceptance, self.k_min, self.policy.cost) <= 1:
+        if gain(self.acceptance, self.k_min, self.policy.cost(batch)) <= 1:
             self.paused_for = self.backoff
             self.backoff = min(MAX_BACKOFF, self.backoff * 2)
         else:

@@ -166,10 +166,9 @@ class Drafter:
         return None
 
     def batch_drafts(self, running: int) -> bool:
-        """Whether a step with `running` sequences may carry drafts at all. Tells the
-        adaptive policy the batch, which weighs each draft's row by it."""
-        if self.policy is not None:
-            self.policy.batch = running
+        """Whether a step with `running` sequences may carry drafts at all (the adaptive
+        policy weighs each draft's row by that batch when the verify result is recorded:
+        the scheduler passes it to DraftLength.record)."""
         limit = self.disable_by_batch_size
         return limit is None or running <= limit
 
