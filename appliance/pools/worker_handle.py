@@ -84,6 +84,7 @@ class WorkerHandle:
     # Its process's speculative decoding totals, as of its last report (a restarted
     # process counts from 0 again).
     speculation: AcceptanceCounts = field(default_factory=AcceptanceCounts)
+    partial_tokens: int = 0  # its prompt tokens served from partial blocks, the same way
     last_report: float = 0.0  # monotonic time of its last step report
     last_work: float = 0.0  # monotonic time it was last sent a prompt or a handoff
     restarts: int = 0
@@ -111,6 +112,7 @@ class WorkerHandle:
         self.last_report = now
         self.tokens_out += sum(len(out.token_ids) for out in batch.outputs)
         self.speculation = batch.speculation
+        self.partial_tokens = batch.partial_tokens
 
     def sent_prompt(self, tokens: int, now: float) -> None:
         """A prompt went to it that computes `tokens` of its tokens here (the router's
@@ -177,6 +179,7 @@ class WorkerHandle:
             devices=self.devices,
             shard_pids=tuple(self.shard_pids),
             speculation=self.speculation,
+            partial_tokens=self.partial_tokens,
         )
 
 
@@ -201,6 +204,7 @@ class WorkerView:
     devices: tuple[int, ...] = ()  # its tensor-parallel group, device_index first
     shard_pids: tuple[int, ...] = ()  # the processes on devices[1:], once loaded
     speculation: AcceptanceCounts = field(default_factory=AcceptanceCounts)  # its totals
+    partial_tokens: int = 0  # prompt tokens its prefix cache served from partial blocks
 
     def pid_on(self, device: int) -> int | None:
         """The process that computes on `device` (a shard's, in a tensor-parallel group)."""

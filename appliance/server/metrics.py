@@ -202,6 +202,14 @@ class PoolCollector(Collector):
                 "Times a worker's process was restarted.",
                 labels=labels,
             ),
+            "partial": CounterMetricFamily(
+                "appliance_worker_prompt_tokens_cached_partial",
+                "Prompt tokens a worker's prefix cache served from partial blocks (a "
+                "finished request's last block, from its own pool or the box's KV store, "
+                "copied in): part of appliance_prompt_tokens_cached. A restarted process "
+                "counts from 0.",
+                labels=labels,
+            ),
         }
         for view in self.pools.views():
             key = [str(view.worker_id), view.role, view.device]
@@ -210,6 +218,7 @@ class PoolCollector(Collector):
             families["running"].add_metric(key, view.running)
             families["kv"].add_metric(key, used)
             families["restarts"].add_metric(key, view.restarts)
+            families["partial"].add_metric(key, view.partial_tokens)
         yield from families.values()
         yield GaugeMetricFamily(
             "appliance_requests_in_flight",

@@ -144,6 +144,9 @@ class TokenBatch:
     timing: StepTiming | None = None  # the step's shape and seconds (None: not timed)
     # Its speculative decoding totals since it started: drafts verified and kept.
     speculation: AcceptanceCounts = field(default_factory=AcceptanceCounts)
+    # Prompt tokens its prefix cache served from partial blocks (a finished request's
+    # last block, copied in) since it started: PrefixCache.partial_tokens.
+    partial_tokens: int = 0
 
 
 @dataclass

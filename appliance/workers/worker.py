@@ -396,6 +396,7 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
         step_started_at=started_at,
         timing=state.engine.clock.pop(),
         speculation=reported_totals(scheduler.acceptance, scheduler.drafter),
+        partial_tokens=scheduler.blocks.partial_tokens,
     )
     for out in outputs:
         request_id = state.to_request.get(out.seq_id)

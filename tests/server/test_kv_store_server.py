@@ -312,6 +312,13 @@ def chat(
     return Answer(text, usage.prompt_tokens, cached, usage.completion_tokens)
 
 
+def partial_served(server: ServerProcess) -> float:
+    """Prompt tokens served from partial blocks, summed over the workers (/metrics)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    name = "appliance_worker_prompt_tokens_cached_partial_total"
+    return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE))
+
+
 CHAT_LAYOUTS = {
     # One prefill and one decode worker under the default write policy (evict).
     "split": {"APPLIANCE_PREFILL_DEVICES": "0", "APPLIANCE_DECODE_DEVICES": "1"},
@@ -345,6 +352,7 @@ def test_a_chats_answer_is_served_to_the_next_turn_with_its_partial_last_block(
         ]
         first = chat(server, history, max_tokens=40)  # its 33-token prompt: 72 computed
         assert metric(server, "appliance_kv_store_hits_total", '{tier="host"}') == 0
+        assert partial_served(server) == 0  # nothing was left before it
         history += [
             {"role": "assistant", "content": first.text},
             {"role": "user", "content": "Give that story a title."},
@@ -353,6 +361,9 @@ def test_a_chats_answer_is_served_to_the_next_turn_with_its_partial_last_block(
         computed = first.prompt_tokens + first.completion_tokens - 1  # the last never fed
         assert computed % BLOCK  # the first turn ended mid-block: a partial last block
         assert second.cached_tokens == computed
+        # Of those, the partial block's rows, counted by the worker that served them
+        # (split: the prefill worker, which loaded the block from the store).
+        assert partial_served(server) == computed % BLOCK
         served = metric(server, "appliance_kv_store_hits_total", '{tier="host"}')
         if layout == "split":
             # The first turn's prompt from the prefill worker's pool, then the answer's
@@ -367,6 +378,7 @@ def test_a_chats_answer_is_served_to_the_next_turn_with_its_partial_last_block(
         whole = chat(server, history, prompt_logprobs=0)  # every position computed
         assert whole.cached_tokens == 0
         assert second.text == whole.text
+        assert partial_served(server) == computed % BLOCK  # (nothing cached: not moved)
     finally:
         assert server.stop() == 0
 
