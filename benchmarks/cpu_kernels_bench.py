@@ -12,6 +12,11 @@ replace, on this machine, at SmolLM2-135M's sizes:
 - the rotary embedding of a step's queries and keys and the store of its keys and
   values in their cache slots: the kernel in one pass against `rope.apply_rope` and
   `attention.write_kv`.
+- the quantized products (csrc/quant_matmul.c) of one layer's projections (Q4_1, as the
+  embedded model's file has them) and of the tied head (Q8_0), by activation rows: a
+  decode step's 1, a verify step's 1 + k, a 16-stream batch's 16. The kernel unpacks each
+  weight group once per tile of rows (6 on AVX-512, 4 on AVX2), so what a row beyond the
+  first costs is the table's point: CPU time of this thread, the box may be loaded.
 
 Prints microseconds per call (best of 30) and the largest difference between the two.
 Run from the repository root: .venv/bin/python benchmarks/cpu_kernels_bench.py
@@ -19,8 +24,10 @@ Run from the repository root: .venv/bin/python benchmarks/cpu_kernels_bench.py
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from timing import best_seconds
@@ -28,8 +35,18 @@ from timing import best_seconds
 from appliance.model import cpu_kernels
 from appliance.model.layers.paged_attention import DecodeGroup, sdpa_decode, write_kv
 from appliance.model.layers.rotary import apply_rope
+from appliance.model.quant import FORMATS
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 9, 3, 64, 576  # SmolLM2-135M
+# (format, out, in) of one layer's projections and the head, SmolLM2-135M's file
+PRODUCTS = {
+    "qkv_proj": ("Q4_1", 960, 576),
+    "o_proj": ("Q4_1", 576, 576),
+    "gate_up_proj": ("Q4_1", 3072, 576),
+    "down_proj": ("Q4_1", 576, 1536),
+    "logits": ("Q8_0", 49152, 576),
+}
+PRODUCT_ROWS = (1, 2, 3, 4, 5, 8, 9, 16)
 BLOCK = 16
 EPS = 1e-5
 
@@ -108,6 +125,46 @@ def rope_case(tokens: int, dtype: torch.dtype) -> tuple[float, float, float]:
     return best_seconds(kernel) * 1e6, best_seconds(torch_ops) * 1e6, diff
 
 
+def random_blocks(name: str, rows: int, k: int) -> torch.Tensor:
+    """`rows` rows of `k` values in Q4_1 or Q8_0 blocks: random values, small half-float
+    scale d (and, Q4_1, offset m) at the front of each block."""
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(rows, k // fmt.values, fmt.bytes), dtype=np.uint8)
+    for offset in (0, 2) if name == "Q4_1" else (0,):
+        halves = (rng.standard_normal(raw.shape[:2]) * 0.02).astype(np.float16)
+        raw[:, :, offset : offset + 2] = halves[..., None].view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, -1))  # [rows, k / values * bytes]
+
+
+def cpu_best(fn: Callable[[], object], repeats: int) -> float:
+    """The least CPU time of this thread over `repeats` calls after a warm-up: on a shared
+    box it moves less than wall time."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+def products_table() -> None:
+    """Each product's CPU microseconds by rows (precise activations, as a model's), and
+    its cost over one row's."""
+    print(f"\nQuantized products by rows, level {cpu_kernels.level()} (us CPU; x: over 1 row)")
+    print("| product | format | " + " | ".join(str(m) for m in PRODUCT_ROWS) + " |")
+    print("|---|---|" + "---:|" * len(PRODUCT_ROWS))
+    for name, (fmt, n, k) in PRODUCTS.items():
+        matrix = cpu_kernels.QuantMatrix(random_blocks(fmt, n, k), FORMATS[fmt].ggml_id, k)
+        times = []
+        for m in PRODUCT_ROWS:
+            x = torch.randn(m, k)
+            times.append(cpu_best(lambda x=x, w=matrix: w(x, None, True), 30 if n < 10000 else 10))
+        cells = " | ".join(f"{t * 1e6:.0f} ({t / times[0]:.2f}x)" for t in times)
+        print(f"| {name} | {fmt} | {cells} |")
+
+
 def table(
     title: str,
     size_names: tuple[str, ...],
@@ -135,6 +192,7 @@ def main() -> None:
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels are not built: install a C compiler, re-run ./install.sh")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    products_table()
     table(
         "Decode attention: one layer, or 30 layers' pools (beyond the caches, as a model's)",
         ("decodes", "ctx", "layers"),

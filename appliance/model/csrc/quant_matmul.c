@@ -7,7 +7,7 @@
  * its rounding remainder at 1/256 of the step (about 16 bits). Each weight row is then
  * unpacked, in registers, one 32-value group at a time, into small integers with a float
  * scale and offset per 16 values (every format above fits this form), once per tile of
- * up to eight activation rows (AVX-512; four elsewhere: see TILE); the groups' integer dot
+ * up to six activation rows (AVX-512; four elsewhere: see TILE); the groups' integer dot
  * products with the tile's rows accumulate in float. The offsets meet the activation sums
  * (precomputed per 16 values) in one float dot per row at the end. Each row's result is computed the same way
  * whatever the batch, so a row does not change with what it is batched with.
@@ -33,11 +33,11 @@
 #define GROUP 32   /* values per activation block and per unpacked weight group */
 /* Activation rows per pass over a weight row: each weight group is unpacked once per tile,
  * so a verify step's 5 rows (k = 4 drafts) are one pass, not two. AVX-512's 32 vector
- * registers take a tile of 8 rows' accumulators (at 6-8 rows GCC still spills some of a
- * chunk's weight registers, read back from the stack: 8 rows cost about what two tiles of
- * 4 did, 5 rows a fifth less); AVX2 has 16 registers, room for 4 rows. */
+ * registers take a tile of 6 rows' accumulators and a chunk's weights; at 7 and 8 rows GCC
+ * spills (objdump: weight registers read back from the stack), and a tile of 8 cost more
+ * than two of 4 (Zen 4, benchmarks/cpu_kernels_bench.py). AVX2 has 16 registers: 4 rows. */
 #if defined(__AVX512F__)
-#define TILE 8
+#define TILE 6
 #else
 #define TILE 4
 #endif
@@ -466,7 +466,7 @@ INLINE __m512i dot64(const int q4, __m512i sum, __m512i first, __m512i last, con
 /* One chunk (groups g..g+7, `count` of them real) of the block path for a tile's rows. A
  * register holds a pair of Q8_0 groups, or a set of 4 Q4 groups as their first and last
  * halves (`one`, `other`). Two accumulators a row, the offsets' share in lanes 0-7 of
- * the second: a tile of 8 rows' 16 and the chunk's weights fit the 32 registers. */
+ * the second: a tile of 6 rows' 12 and the chunk's weights fit the 32 registers. */
 INLINE void block_chunk(const int format, const int rows, const int precise, const uint8_t *w,
                         const Acts *a, long first, long g, int count, const int regs,
                         __m512 acc[][2]) {
@@ -815,7 +815,10 @@ INLINE void tiles(const QuantMatmul *p, const int format, const Acts *a, long c,
     const uint8_t *w = p->w + c * p->row_bytes;
     const int precise = a->lo != NULL;
     for (long r = m0, rows; r < m1; r += rows) {
-        rows = m1 - r < TILE ? m1 - r : TILE;
+        /* the rows left in as few tiles as TILE allows, as even as can be (7: 4 + 3, not
+         * 6 + 1: the one row would cost a whole pass's unpacking for itself) */
+        long left = m1 - r, count = (left + TILE - 1) / TILE;
+        rows = (left + count - 1) / count;
         double total[TILE];
         /* rows and precise as compile-time constants: each pair gets its own loop */
 #define TILE_CASE(n)                                                                           \
@@ -823,8 +826,6 @@ INLINE void tiles(const QuantMatmul *p, const int format, const Acts *a, long c,
     case 2 * (n): span_tile(format, n, 0, w, a, spans, span, r, offsets, total); break;
         switch (rows * 2 + precise) {
 #if TILE > 4
-            TILE_CASE(8)
-            TILE_CASE(7)
             TILE_CASE(6)
             TILE_CASE(5)
 #endif
