@@ -35,7 +35,7 @@
  * so a verify step's 5 rows (k = 4 drafts) are one pass, not two. AVX-512's 32 vector
  * registers take a tile of 6 rows' accumulators and a chunk's weights; at 7 and 8 rows GCC
  * spills (objdump: weight registers read back from the stack), and a tile of 8 cost more
- * than two of 4 (Zen 4, benchmarks/cpu_kernels_bench.py). AVX2 has 16 registers: 4 rows. */
+ * than two of 4 (AMD EPYC, benchmarks/cpu_kernels_bench.py). AVX2 has 16 registers: 4 rows. */
 #if defined(__AVX512F__)
 #define TILE 6
 #else
