@@ -81,6 +81,15 @@ class Handoffs:
         decodes = [
             w for w in self.pool.workers.values() if w.role == "decode" and can_pair(source, w)
         ]
+        if source.role != "prefill" and not self._wired_to(source, decodes):
+            # It turned decode (or colocated) in place: no decode worker is wired to it
+            # from now on, and it cannot pull its own KV, so waiting would only wait out
+            # its lease. Prefill it again now.
+            self.pool.send(parked.source, Release(parked.wire_id))
+            reason = f"its prefill worker {source.worker_id} turned {source.role} in place and "
+            reason += "no decode worker left holds its pool"
+            self.attempts.retry(request, reason)
+            return
         if not any(w.routable_soon for w in decodes) and not self.pool.may_come_back("decode"):
             self.pool.send(parked.source, Release(parked.wire_id))
             reason = "no decode worker is running that this prefill worker can hand off to"
@@ -118,6 +127,11 @@ class Handoffs:
         decode = self.router.decode(candidates, in_flight, source, blocks)
         room = decode.num_free - in_flight.get(decode.worker_id, 0)
         return decode if room >= blocks else None
+
+    @staticmethod
+    def _wired_to(source: WorkerHandle, decodes: list[WorkerHandle]) -> bool:
+        """Whether a decode worker that holds `source`'s pool takes work now or soon."""
+        return any(source.worker_id in w.peers and w.routable_soon for w in decodes)
 
     def retry_waiting(self) -> None:
         """Try every waiting handoff again, oldest first (room may have come)."""

@@ -215,6 +215,37 @@ def test_a_handoff_to_a_lost_decode_worker_goes_on_from_its_parked_kv() -> None:
     assert len(box.handoffs_to(OTHER)) == 1 and request.decode_worker == OTHER
 
 
+def test_a_handoff_from_a_worker_turned_decode_in_place_is_prefilled_again_at_once() -> None:
+    # Worker 0 prefilled it, then turned decode in place (a pool move); its decode peer 1
+    # is lost before answering. No decode worker is wired to a decode worker, 0 does not
+    # hold its own pool, and a decode worker coming back would not be wired to 0 either:
+    # waiting would only wait out its lease (the frozen box test's 30 s).
+    box = Box()
+    box.workers[OTHER].peers.clear()  # another box's decode worker restarting, say
+    request = box.parked()
+    box.handoffs.hand_off(request.kv)
+    box.workers[PREFILL].role = "decode"
+    box.workers[DECODE].alive = False
+    box.coming_back = True
+    (sent,) = box.handoffs.sent_to(DECODE)
+    box.handoffs.take_back(sent)
+    assert box.retried == [request.request_id] and box.handoffs.waiting == 0
+    assert Release(request.wire_id) in box.inbox(PREFILL)  # its parked blocks freed now
+    assert not box.handoffs_to(PREFILL) + box.handoffs_to(OTHER)
+
+
+def test_a_handoff_from_a_worker_turned_decode_in_place_goes_to_a_decode_peer() -> None:
+    box = Box(decode_free=(8, 0))
+    request = box.parked()
+    box.workers[PREFILL].role = "decode"
+    box.workers[DECODE].alive = False
+    box.handoffs.hand_off(request.kv)  # 2 holds its pool but has no room: it waits
+    assert box.handoffs.waiting == 1 and not box.retried
+    box.workers[OTHER].num_free = 8
+    box.handoffs.retry_waiting()
+    assert [h.request_id for h in box.handoffs_to(OTHER)] == [request.wire_id]
+
+
 # ---------------------------------------------------------------- the wiring handshake
 
 
