@@ -5,9 +5,10 @@ quant.py's dequantizer and the CPU kernels' product.
 Q8_0 and Q4_0 weights come from quant.quantize (llama.cpp's rounding) of random floats;
 the other formats are random bytes with float16 scales of a sane size (every quant bit
 pattern, the K-quants' packed scales and Q5_K's fifth bits too). Row counts leave a
-partial row tile (70), block counts a partial step (9 blocks: steps of 8 in the GEMV, of
-2 in the 16-bit GEMM), and 20 GEMM rows a partial row tile; the K-quants' GEMM steps
-through a super-block 64 (32 in float32) values at a time. The child process runs the
+partial row tile (70; the bit tests take one GEMV tile, BITS_ROWS), block counts a
+partial step (9 blocks: steps of 8 in the GEMV, of 2 in the 16-bit GEMM), and 20 GEMM
+rows a partial row tile; the K-quants' GEMM steps through a super-block 64 (32 in
+float32) values at a time. The child process runs the
 interpreter (TRITON_INTERPRET must be set before triton is imported; see
 test_triton_attention.py) and reports JSON.
 """
@@ -30,6 +31,16 @@ pytestmark = pytest.mark.process
 FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 GEMM_FORMATS = tuple(FORMATS)
 ROWS, TOKENS, GEMM_TOKENS = 70, 3, 20
+# The bit tests' rows: one GEMV row tile (16 rows), a partial GEMM tile (32 float32). x is
+# the identity, one token a column, so the GEMV runs (row tiles x in_features) programs,
+# each dequantizing its whole tile to keep one column: 70 rows (5 tiles) cost 5x as much
+# (~50 of the child's ~68 CPU s) for no other code. The bits depend on each block's own
+# bytes, not on its row: every row runs the same per-block code. Over 16 rows every bit
+# of every byte position of a block (quants, packed scales, fifth bits) still takes both
+# values, as over 70 (measured at seed 0: only the float16 scales' top bits stay fixed,
+# in both). The partial GEMV tile's masking is the product tests' (70 rows, every format
+# and dtype).
+BITS_ROWS = 16
 # Input widths: 9 blocks of 32 (a partial GEMV step of 8 blocks, a partial GEMM step of
 # 64 values), or two 256-value super-blocks.
 IN_FEATURES = {
@@ -84,7 +95,7 @@ def _same_bits(name: str, product: str) -> int:
     from appliance.model.layers import triton_quant
 
     in_features = 256 if name.endswith("_K") else 3 * 32  # one super-block, or 3 blocks
-    blocks, dense = _weight(name, ROWS, in_features)
+    blocks, dense = _weight(name, BITS_ROWS, in_features)
     run = getattr(triton_quant, product)
     out = run(torch.eye(in_features), blocks, FORMATS[name], in_features)
     return int((out.T.contiguous().view(torch.int32) != dense.view(torch.int32)).sum())
