@@ -166,6 +166,18 @@ def expected(engine: LLMEngine) -> dict[str, str]:
     return {p: c.text for p, c in zip(PROMPTS, done, strict=True)}
 
 
+def assert_handoffs_taken_back_went_on(boxes: Boxes, since: int) -> None:
+    """The handoffs the lost worker never answered (the precondition: there were some)
+    went on at once, to a decode worker or prefilled again, none left parked until its
+    lease ran out (30 s: each such request used to wait it out, 5 per test, when the KV
+    was parked on the head's device 1, which had turned decode in place since)."""
+    reruns = boxes.events("rerun")[since:]
+    taken_back = [e for e in reruns if "its handoff goes to another" in e["message"]]
+    assert taken_back, reruns
+    expired = [e for e in reruns if "expired" in e["cause"]]
+    assert not expired, expired
+
+
 def freeze(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         # A frozen worker whose agent saw its link dropped is killed by that agent.
@@ -206,6 +218,7 @@ def test_a_frozen_box_is_found_by_its_heartbeat_and_lost_once(
     assert set(lost["requests"]) == set(exited["requests"])  # the event names what it held
     reruns = {r for e in boxes.events("rerun") for r in e["requests"]}
     assert set(exited["requests"]) <= reruns
+    assert_handoffs_taken_back_went_on(boxes, 0)
 
 
 def test_a_stalled_worker_on_a_box_is_killed_by_its_agent_once(
@@ -219,6 +232,7 @@ def test_a_stalled_worker_on_a_box_is_killed_by_its_agent_once(
     agent = boxes.agent
     assert agent is not None
     exits_before = len(boxes.events("worker_exit"))
+    reruns_before = len(boxes.events("rerun"))
     with ThreadPoolExecutor(STREAMS) as pool:
         futures = boxes.streams_on_b(pool)
         stopped_at = time.monotonic()
@@ -250,6 +264,7 @@ def test_a_stalled_worker_on_a_box_is_killed_by_its_agent_once(
     assert exited["worker"] == worker["worker_id"] and exited["box"] == "b", exited
     reruns = {r for e in boxes.events("rerun") for r in e["requests"]}
     assert set(stall["requests"]) <= reruns
+    assert_handoffs_taken_back_went_on(boxes, reruns_before)
 
 
 def loading_worker(agent: subprocess.Popen) -> int | None:
