@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.pools.worker_handle import WorkerHandle
+from appliance.pools.worker_handle import WorkerHandle, WorkerView
 
 
 def worker_handle(
@@ -27,3 +27,25 @@ def worker_handle(
         handle.loaded = handle.ready = True
         handle.num_blocks = free
     return handle
+
+
+def worker_view(worker_id: int, role: str = "prefill", **fields: Any) -> WorkerView:
+    """A ready CPU worker's view as /metrics and the admin API read it (8 blocks, all
+    free, nothing queued), with `fields` set over those defaults."""
+    base: dict[str, Any] = dict(
+        worker_id=worker_id,
+        role=role,
+        device="cpu",
+        ready=True,
+        alive=True,
+        waiting=0,
+        running=0,
+        num_free_blocks=8,
+        num_blocks=8,
+        restarts=0,
+        phase="ready",
+        device_index=worker_id,
+        pid=None,
+        tokens_out=0,
+    )
+    return WorkerView(**(base | fields))

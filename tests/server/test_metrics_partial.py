@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from worker_handles import worker_handle
+from worker_handles import worker_handle, worker_view
 
 from appliance.cluster.wire import FROM_WORKER, Codec
 from appliance.pools.worker_handle import WorkerView
@@ -19,23 +19,7 @@ NAME = "appliance_worker_prompt_tokens_cached_partial_total"
 
 
 def view(worker_id: int, partial_tokens: int) -> WorkerView:
-    return WorkerView(
-        worker_id=worker_id,
-        role="prefill",
-        device="cpu",
-        ready=True,
-        alive=True,
-        waiting=0,
-        running=0,
-        num_free_blocks=8,
-        num_blocks=8,
-        restarts=0,
-        phase="ready",
-        device_index=worker_id,
-        pid=None,
-        tokens_out=0,
-        partial_tokens=partial_tokens,
-    )
+    return worker_view(worker_id, partial_tokens=partial_tokens)
 
 
 class Pools:

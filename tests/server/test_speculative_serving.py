@@ -19,6 +19,7 @@ from openai import OpenAI
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import API_KEY, ServerProcess
+from worker_handles import worker_view
 
 from appliance.cluster.wire import FROM_WORKER, TO_WORKER, Codec
 from appliance.engine.sequence import SamplingParams
@@ -81,23 +82,7 @@ def test_bad_values_are_refused_naming_the_field(
 
 
 def view(worker_id: int, counts: AcceptanceCounts) -> WorkerView:
-    return WorkerView(
-        worker_id=worker_id,
-        role="decode",
-        device="cpu",
-        ready=True,
-        alive=True,
-        waiting=0,
-        running=0,
-        num_free_blocks=8,
-        num_blocks=8,
-        restarts=0,
-        phase="ready",
-        device_index=worker_id,
-        pid=None,
-        tokens_out=0,
-        speculation=counts,
-    )
+    return worker_view(worker_id, "decode", speculation=counts)
 
 
 class Pools:
