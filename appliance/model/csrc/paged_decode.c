@@ -15,11 +15,12 @@
 #define PARALLEL_WORK 1024 /* (token, KV head) rows to read before using more threads */
 #define AHEAD 2            /* blocks asked for ahead of their reading (1 and 4: slower) */
 #define MAX_GROUP 64       /* query heads per KV head (the checks and cpu_kernels/attention.py agree) */
+#define MAX_SPAN 16        /* rows of one sequence attended together (a verify chunk: 1 + k) */
 
-/* Softmax of each of `rows` rows of `len` scores, in place. */
-static void softmax_rows(float *scores, long rows, long len) {
+/* Softmax of each of `rows` rows of `len` scores, `stride` apart, in place. */
+static void softmax_rows(float *scores, long stride, long rows, long len) {
     for (long r = 0; r < rows; r++) {
-        float *s = scores + r * len, top = -INFINITY, total = 0;
+        float *s = scores + r * stride, top = -INFINITY, total = 0;
         for (long t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
         for (long t = 0; t < len; t++) s[t] = exp_approx(s[t] - top);
         for (long t = 0; t < len; t++) total += s[t];
@@ -111,61 +112,91 @@ INLINE void prefetch_block(const PagedDecode *p, const void *cache, long i, long
             __builtin_prefetch(row + t * stride + byte);
 }
 
-/* The first token sequence `i`'s query sees: its window's first, or 0. */
+/* The first token row `i`'s query sees: its window's first, or 0. */
 INLINE long first_seen(const PagedDecode *p, long i) {
     const long len = p->lens[i];
     return p->window > 0 && len > p->window ? len - p->window : 0;
 }
 
-/* The query heads of KV head `h` in sequence `i`, for a head size DIM and dtype fixed
+/* Whether row j reads row j - 1's context plus one token: the next row of one sequence's
+ * verify chunk (its draft tokens' queries), whose K/V blocks are the same ones. Tables
+ * equal over every block j reads (rows of different sequences sharing all of them read
+ * the same memory too); both see from token 0 (no window cut). */
+static int extends(const PagedDecode *p, long j) {
+    if (p->lens[j] != p->lens[j - 1] + 1 || first_seen(p, j) != 0) return 0;
+    const long used = (p->lens[j] + p->block_size - 1) / p->block_size;
+    const int64_t *a = p->tables + (j - 1) * p->table_width, *b = a + p->table_width;
+    return memcmp(a, b, used * sizeof(int64_t)) == 0;
+}
+
+/* The query heads of KV head `h` in rows [i0, i0 + m), each row's context its
+ * predecessor's plus one token (a span: extends()), for a head size DIM and dtype fixed
  * when compiled (the loops over a row then unroll into registers). A block at a time,
- * each query head in turn, so the block's keys and values are read from memory (and
- * widened from bfloat16) once and from the L1 cache by the other heads. Only the tokens
- * from first_seen() on count (a sliding window). Scratch: `scores` [group, seen], `sums`
- * [group, DIM], `tile` [block_size, DIM]. */
-INLINE void attend(const PagedDecode *p, long i, long h, float *scores, float *sums,
-                   float *tile, const long DIM, const int DTYPE) {
+ * each row's query heads in turn, so the block's keys and values are read from memory
+ * (and widened from bfloat16) once, and from the L1 cache by the other heads and rows:
+ * a verify chunk of M rows reads its context once, not M times. Each row's sums run in
+ * the order a span of one row gives it (its numbers do not depend on the span). Only
+ * the tokens from first_seen() on count (a sliding window: spans of one row). Scratch:
+ * `scores` [m * group, longest], `sums` [m * group, DIM], `tile` [block_size, DIM]. */
+INLINE void attend(const PagedDecode *p, long i0, long m, long h, long longest, float *scores,
+                   float *sums, float *tile, const long DIM, const int DTYPE) {
     enum { V_MAX = 128 / LANES };
-    const long V = DIM / LANES, group = p->heads / p->kv_heads, len = p->lens[i];
-    const long bs = p->block_size, first = first_seen(p, i), seen = len - first;
+    const long V = DIM / LANES, group = p->heads / p->kv_heads, bs = p->block_size;
+    const long first = first_seen(p, i0), last = p->lens[i0 + m - 1];
     vec q[V_MAX];
-    for (long b = first / bs; b * bs < len; b++) {
+    for (long b = first / bs; b * bs < last; b++) {
         const long t0 = b * bs > first ? b * bs : first; /* the block's first seen token */
-        const long n = ((b + 1) * bs < len ? (b + 1) * bs : len) - t0;
+        const long end = (b + 1) * bs < last ? (b + 1) * bs : last;
         long stride;
-        prefetch_block(p, p->k, i, b + AHEAD, h, DIM, DTYPE);
-        const float *k = block_rows(p, p->k, i, b, h, t0 - b * bs, n, tile, &stride, DIM, DTYPE);
-        for (long g = 0; g < group; g++) {
-            for (long j = 0; j < V; j++) {
-                long offset = i * p->q_row_stride + (h * group + g) * DIM + j * LANES;
-                q[j] = load(element(p->q, DTYPE, offset), DTYPE) * p->scale;
+        prefetch_block(p, p->k, i0 + m - 1, b + AHEAD, h, DIM, DTYPE);
+        const float *k = block_rows(p, p->k, i0, b, h, t0 - b * bs, end - t0, tile, &stride,
+                                    DIM, DTYPE);
+        for (long r = 0; r < m; r++) {
+            const long i = i0 + r, n = (end < p->lens[i] ? end : p->lens[i]) - t0;
+            if (n <= 0) continue; /* the block holds only later rows' tokens */
+            for (long g = 0; g < group; g++) {
+                for (long j = 0; j < V; j++) {
+                    long offset = i * p->q_row_stride + (h * group + g) * DIM + j * LANES;
+                    q[j] = load(element(p->q, DTYPE, offset), DTYPE) * p->scale;
+                }
+                block_scores(q, k, stride, n, scores + (r * group + g) * longest + t0 - first,
+                             DIM);
             }
-            block_scores(q, k, stride, n, scores + g * seen + t0 - first, DIM);
         }
     }
-    softmax_rows(scores, group, seen);
-    memset(sums, 0, group * DIM * sizeof(float));
-    for (long b = first / bs; b * bs < len; b++) {
+    for (long r = 0; r < m; r++)
+        softmax_rows(scores + r * group * longest, longest, group, p->lens[i0 + r] - first);
+    memset(sums, 0, m * group * DIM * sizeof(float));
+    for (long b = first / bs; b * bs < last; b++) {
         const long t0 = b * bs > first ? b * bs : first;
-        const long n = ((b + 1) * bs < len ? (b + 1) * bs : len) - t0;
+        const long end = (b + 1) * bs < last ? (b + 1) * bs : last;
         long stride;
-        prefetch_block(p, p->v, i, b + AHEAD, h, DIM, DTYPE);
-        const float *v = block_rows(p, p->v, i, b, h, t0 - b * bs, n, tile, &stride, DIM, DTYPE);
-        for (long g = 0; g < group; g++)
-            block_values(v, stride, n, scores + g * seen + t0 - first, sums + g * DIM, DIM);
+        prefetch_block(p, p->v, i0 + m - 1, b + AHEAD, h, DIM, DTYPE);
+        const float *v = block_rows(p, p->v, i0, b, h, t0 - b * bs, end - t0, tile, &stride,
+                                    DIM, DTYPE);
+        for (long r = 0; r < m; r++) {
+            const long n = (end < p->lens[i0 + r] ? end : p->lens[i0 + r]) - t0;
+            if (n <= 0) continue;
+            for (long g = 0; g < group; g++)
+                block_values(v, stride, n, scores + (r * group + g) * longest + t0 - first,
+                             sums + (r * group + g) * DIM, DIM);
+        }
     }
-    for (long g = 0; g < group; g++) {
-        const long out = (i * p->heads + h * group + g) * DIM;
-        for (long j = 0; j < V; j++)
-            store(p->out, DTYPE, out + j * LANES, load(sums + g * DIM + j * LANES, F32));
-    }
+    for (long r = 0; r < m; r++)
+        for (long g = 0; g < group; g++) {
+            const long out = ((i0 + r) * p->heads + h * group + g) * DIM;
+            const float *sum = sums + (r * group + g) * DIM;
+            for (long j = 0; j < V; j++)
+                store(p->out, DTYPE, out + j * LANES, load(sum + j * LANES, F32));
+        }
 }
 
 #define ATTEND(NAME, DIM, DTYPE)                                                              \
-    static void NAME(const PagedDecode *p, long i, long h, float *scratch, long longest) {   \
-        const long group = p->heads / p->kv_heads;                                           \
-        float *sums = scratch + group * longest;                                             \
-        attend(p, i, h, scratch, sums, sums + group * DIM, DIM, DTYPE);                      \
+    static void NAME(const PagedDecode *p, long i0, long m, long h, float *scratch,          \
+                     long longest) {                                                          \
+        const long rows = m * (p->heads / p->kv_heads);                                      \
+        float *sums = scratch + rows * longest;                                              \
+        attend(p, i0, m, h, longest, scratch, sums, sums + rows * DIM, DIM, DTYPE);          \
     }
 ATTEND(attend_64_f32, 64, F32)
 ATTEND(attend_64_bf16, 64, BF16)
@@ -192,9 +223,36 @@ const char *paged_decode_check(const PagedDecode *p) {
     return NULL;
 }
 
+/* The rows cut into pieces, each a span (rows extends() chains, at most MAX_SPAN): piece
+ * k is rows [starts[k], starts[k + 1]); returns how many. Where too few (piece, KV head)
+ * units would leave threads idle (a batch-1 verify chunk: one span, a few KV heads), each
+ * span is cut in `cuts` even parts: its context is then read once per part, not per row.
+ * starts has room for n + 1. */
+static long pieces(const PagedDecode *p, int threads, long *starts) {
+    long count = 0;
+    for (long i = 0; i < p->n; i++)
+        if (i == 0 || i - starts[count - 1] >= MAX_SPAN || !extends(p, i)) starts[count++] = i;
+    starts[count] = p->n;
+    const long want = 2L * threads, units = count * p->kv_heads;
+    if (threads == 1 || units >= want) return count;
+    const long cuts = (want + units - 1) / units, spans = count;
+    long *cut = malloc((p->n + 1) * sizeof(long));
+    if (cut == NULL) return spans; /* uncut: slower, the same numbers */
+    count = 0;
+    for (long s = 0; s < spans; s++) {
+        const long a = starts[s], m = starts[s + 1] - a;
+        for (long c = 0; c < cuts; c++)
+            if (m * (c + 1) / cuts > m * c / cuts) cut[count++] = a + m * c / cuts;
+    }
+    cut[count] = p->n;
+    memcpy(starts, cut, (count + 1) * sizeof(long));
+    free(cut);
+    return count;
+}
+
 int paged_decode_run(const PagedDecode *p) {
     if (p->n == 0) return 0;
-    long longest = 0, work = 0, group = p->heads / p->kv_heads, units = p->n * p->kv_heads;
+    long longest = 0, work = 0, group = p->heads / p->kv_heads;
     for (long i = 0; i < p->n; i++) {
         const long seen = p->lens[i] - first_seen(p, i);
         longest = seen > longest ? seen : longest;
@@ -203,19 +261,32 @@ int paged_decode_run(const PagedDecode *p) {
     /* torch's own OpenMP threads (the extension shares its libgomp, loaded first), as
      * many as torch uses; a small problem stays on one: waking others would cost more. */
     int threads = work >= PARALLEL_WORK ? p->threads : 1;
+    long *starts = malloc((p->n + 1) * sizeof(long));
+    if (starts == NULL) return -1;
+    const long count = pieces(p, threads, starts);
+    long widest = 0;
+    for (long k = 0; k < count; k++)
+        widest = starts[k + 1] - starts[k] > widest ? starts[k + 1] - starts[k] : widest;
     /* attend()'s scratch: scores, sums, tile */
-    long per_thread = group * (longest + p->head_dim) + p->block_size * p->head_dim;
+    long per_thread = widest * group * (longest + p->head_dim) + p->block_size * p->head_dim;
     /* Allocated before the threads start: one failing inside would skip the loop that
      * every thread of the team must reach, and the others would wait for it forever. */
     float *scratch = malloc(threads * per_thread * sizeof(float));
-    if (scratch == NULL) return -1;
-    void (*one)(const PagedDecode *, long, long, float *, long) =
+    if (scratch == NULL) {
+        free(starts);
+        return -1;
+    }
+    void (*one)(const PagedDecode *, long, long, long, float *, long) =
         p->head_dim == 64 ? (p->dtype == F32 ? attend_64_f32 : attend_64_bf16)
                           : (p->dtype == F32 ? attend_128_f32 : attend_128_bf16);
+    const long units = count * p->kv_heads;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long unit = 0; unit < units; unit++)
-        one(p, unit / p->kv_heads, unit % p->kv_heads, scratch + omp_get_thread_num() * per_thread,
-            longest);
+    for (long unit = 0; unit < units; unit++) {
+        const long k = unit / p->kv_heads;
+        one(p, starts[k], starts[k + 1] - starts[k], unit % p->kv_heads,
+            scratch + omp_get_thread_num() * per_thread, longest);
+    }
     free(scratch);
+    free(starts);
     return 0;
 }

@@ -89,6 +89,76 @@ def test_paged_decode_matches_sdpa(
     torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
 
 
+def _with_chunk(
+    problem: tuple[torch.Tensor, ...], row: int, extra: int
+) -> tuple[torch.Tensor, ...]:
+    """The problem with `extra` more rows after `row`: the same sequence's next queries
+    (a verify chunk's draft tokens), its table and one more context token each; the
+    problem's row `row` is `extra` tokens longer than the chunk's first (room in its
+    table)."""
+    q, k_cache, v_cache, tables, lens = problem
+    lens = lens.clone()
+    lens[row] -= extra
+    gen = torch.Generator().manual_seed(row + extra)
+    drafts = torch.randn(extra, *q.shape[1:], generator=gen).to(q.dtype)
+    q = torch.cat([q[: row + 1], drafts, q[row + 1 :]])
+    tables = torch.cat([tables[: row + 1], tables[row].expand(extra, -1), tables[row + 1 :]])
+    more = lens[row] + torch.arange(1, extra + 1)
+    lens = torch.cat([lens[: row + 1], more, lens[row + 1 :]])
+    return q, k_cache, v_cache, tables, lens
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("lens", "row", "extra"),
+    [
+        ([20, 40, 33], 1, 4),  # a 5-row chunk between two other sequences, in one block pair
+        ([300], 0, 8),  # batch 1, k = 8: enough work for the threads, a chunk cut in parts
+        ([15, 47, 300, 31], 2, 17),  # longer than a span (16 rows): two spans
+    ],
+)
+def test_a_verify_chunks_rows_attend_as_each_row_alone(
+    lens: list[int], row: int, extra: int, dtype: torch.dtype, threads: int
+) -> None:
+    """Rows of one sequence whose contexts grow by one token each read the context once
+    for all (paged_decode.c: spans): each row's output holds the bits it has alone, and
+    SDPA's numbers, whatever the rows around it and the threads."""
+    sized = [n + extra * (i == row) for i, n in enumerate(lens)]
+    problem = _with_chunk(_decode_problem(sized, 9, 3, 64, dtype, 6), row, extra)
+    q, k_cache, v_cache, tables, context = problem
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = cpu_kernels.paged_decode(*problem, 0.125)
+        alone = [
+            cpu_kernels.paged_decode(q[i : i + 1], k_cache, v_cache, tables[i : i + 1],
+                                     context[i : i + 1], 0.125)
+            for i in range(len(context))
+        ]  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, torch.cat(alone))
+    want = _sdpa(q, k_cache, v_cache, tables, context, 0.125)
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(together.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_rows_whose_lengths_chain_but_tables_differ_attend_apart() -> None:
+    """Three sequences of 20, 21 and 22 tokens sharing their first block (a cached
+    prefix) but not their second: not a span (each reads its own second block)."""
+    q, k_cache, v_cache, tables, lens = _decode_problem([20, 21, 22], 9, 3, 64, torch.float32, 7)
+    tables[1:, 0] = tables[0, 0]
+    together = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    alone = [
+        cpu_kernels.paged_decode(q[i : i + 1], k_cache, v_cache, tables[i : i + 1],
+                                 lens[i : i + 1], 0.125)
+        for i in range(3)
+    ]  # fmt: skip
+    assert torch.equal(together, torch.cat(alone))
+    torch.testing.assert_close(together, _sdpa(q, k_cache, v_cache, tables, lens, 0.125))
+
+
 def test_paged_decode_reads_only_each_context() -> None:
     """Keys past a sequence's length, and blocks it does not own, change nothing."""
     q, k_cache, v_cache, tables, lens = _decode_problem([20, 3], 9, 3, 64, torch.float32, 1)
