@@ -27,12 +27,19 @@ Figures per (workload, streams, configuration):
                  (scheduler.acceptance) over the same requests run in this process
                  (the table says which)
 
-Rounds alternate the order of the configurations (ours off, llama.cpp plain, ours on,
-llama-lookup; then backwards), `--repeats` rounds (3: these machines are noisy); the
-table shows each cell's best round (batch 1 by decode tok/s, 16 streams by out tok/s)
-and the goals of issue 38 beside the ratios. The JSON in --out has every round.
+With --llama-server, llama.cpp's own server serves every load too, as ours does (one
+start per configuration and round, -np <streams> slots, every core): plain, and with its
+n-gram drafts (--spec-type ngram-simple --spec-draft-n-max k, its prompt lookup), its
+acceptance from its /metrics (the same vLLM counter names): the serving comparison of
+issue 38 in the same run.
 
-    benchmarks/build_llama_cpp.sh && .venv/bin/python benchmarks/speculative_bench.py
+Rounds alternate the order of the configurations (ours off, llama.cpp plain, ours on,
+llama-lookup, and the llama-server pair; then backwards), `--repeats` rounds (3: these
+machines are noisy); the table shows each cell's best round (batch 1 by decode tok/s, 16
+streams by out tok/s) and the goals of issue 38 beside the ratios. The JSON in --out has
+every round.
+
+    benchmarks/build_llama_cpp.sh && .venv/bin/python benchmarks/speculative_bench.py --llama-server
     .venv/bin/python benchmarks/speculative_bench.py --dry-run   # every path, tiny counts
 
 --dry-run runs every path once with a few tokens (its figures mean nothing) and writes to
@@ -74,6 +81,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ("grounded", "chat")
 OURS_OFF, OURS_ON = "ours, plain", "ours, ngram"
 LLAMA_OFF, LLAMA_ON = "llama.cpp, plain", "llama.cpp, llama-lookup"
+SERVER_OFF, SERVER_ON = "llama-server, plain", "llama-server, ngram-simple"
+SLOT_TOKENS = 1536  # llama-server's context a slot: the longest chat prompt and answer fit
 DRAFT_TOKENS, ACCEPTED_TOKENS = "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"
 ISA_FLAGS = ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma", "neon", "asimd")
 
@@ -156,6 +165,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     # GGML_NATIVE on a CPU with AMX builds AMX kernels that die of SIGILL on VMs that list
     # amx_tile without granting tile state; --no-repack keeps llama.cpp on AVX-512.
     parser.add_argument("--llama-flags", default="--no-repack", help="more llama-lookup flags")
+    parser.add_argument(
+        "--llama-server",
+        action="store_true",
+        help="llama.cpp's llama-server serves every load too, plain and with n-gram drafts",
+    )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     return parser.parse_args(argv)
 
@@ -210,6 +224,19 @@ def our_target(speculate: bool, k: int, mode: str, more: list[str]) -> Target:
         env["APPLIANCE_MODE"] = mode
     serve = [sys.executable, "-m", "appliance.cli", "serve"]
     return Target(OURS_ON if speculate else OURS_OFF, serve, env, port_flag=None)
+
+
+def server_target(args: argparse.Namespace, model: Path, speculate: bool, streams: int) -> Target:
+    """llama.cpp's llama-server on every core with `streams` slots, plain or drafting up to
+    k tokens by n-gram lookup over each slot's context (its prompt lookup)."""
+    command = [str(args.llama_bin / "llama-server"), "-m", str(model), "-t", str(args.threads)]
+    command += ["-np", str(streams), "-c", str(streams * SLOT_TOKENS), "--host", "127.0.0.1"]
+    command += ["--metrics"]  # its spec_decode counters: the acceptance
+    if speculate:
+        command += ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(args.k)]
+    label = SERVER_ON if speculate else SERVER_OFF
+    body = {"ignore_eos": not args.natural_ends}
+    return Target(label, command, ready_path="/health", extra_body=body, port_flag="--port")
 
 
 def figures_of(results: list[RequestResult], seconds: float) -> Figures:
@@ -366,6 +393,8 @@ def run_rounds(
         print(f"llama.cpp rows left out: {skipped}", file=sys.stderr)
     grounded_b1 = loads["grounded", 1][plan.warmup :]
     steps = [OURS_OFF, LLAMA_OFF, OURS_ON, LLAMA_ON]
+    if args.llama_server and skipped is None:
+        steps += [SERVER_OFF, SERVER_ON]
     for round_ in range(plan.repeats):
         print(f"round {round_ + 1} of {plan.repeats}", file=sys.stderr)
         for step in steps if round_ % 2 == 0 else steps[::-1]:
@@ -375,8 +404,11 @@ def run_rounds(
                     figures = llama_round(args, model, grounded_b1, drafts)
                     _cell(cells, "grounded", 1, step).runs.append(figures)
                 continue
-            target = our_target(step == OURS_ON, args.k, args.mode, args.server_env)
-            target.extra_body = {"ignore_eos": not args.natural_ends}
+            if step in (SERVER_OFF, SERVER_ON):
+                target = server_target(args, model, step == SERVER_ON, plan.streams)
+            else:
+                target = our_target(step == OURS_ON, args.k, args.mode, args.server_env)
+                target.extra_body = {"ignore_eos": not args.natural_ends}
             served = serve_round(target, loads, plan, tokenizer, log_dir)
             for (workload, streams), figures in served.items():
                 _cell(cells, workload, streams, step).runs.append(figures)
@@ -512,6 +544,11 @@ def header(args: argparse.Namespace, plan: Plan, source: str, skipped: str | Non
     ]
     if skipped:
         lines.append(f"llama.cpp rows left out: {skipped}")
+    elif args.llama_server:
+        lines.append(
+            f"llama-server: -np {plan.streams} -t {args.threads} -c {plan.streams * SLOT_TOKENS}, "
+            f"plain / --spec-type ngram-simple --spec-draft-n-max {args.k}"
+        )
     if args.dry_run:
         lines.append("DRY RUN: tiny counts to check every path; these figures mean nothing")
     return "\n".join(lines)
