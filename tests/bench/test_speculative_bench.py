@@ -1,6 +1,6 @@
 """benchmarks/speculative_bench.py's dry run: every path of the benchmark (two real
 `appliance serve` starts, speculation off and on, each driven with the grounded and chat
-workloads at batch 1 and a few streams; llama.cpp's llama-lookup where it is built; the
+workloads at batch 1 and a few streams; llama.cpp's llama-lookup and llama-server where built; the
 acceptance read from /metrics and counted by an engine in process) with a few tokens a
 request. Its figures mean nothing; what it checks is that each path ran and said so."""
 
@@ -20,11 +20,12 @@ SCRIPT = ROOT / "benchmarks" / "speculative_bench.py"
 LOOKUP = ROOT / ".bench" / "llama.cpp" / "bin" / "llama-lookup"
 OURS = {"ours, plain", "ours, ngram"}
 LLAMA = {"llama.cpp, plain", "llama.cpp, llama-lookup"}
+SERVER = {"llama-server, plain", "llama-server, ngram-simple"}
 
 
 def test_the_dry_run_runs_every_path(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--dry-run", "--llama-server", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -49,13 +50,20 @@ def test_the_dry_run_runs_every_path(tmp_path: Path) -> None:
     assert set(engine) == {(w, n) for w, n, _ in ours}  # the in-process count ran too
     assert sum(c["drafted"] for c in engine.values()) > 0
     llama = {key for key in cells if key[2] in LLAMA}
+    served = {key for key in cells if key[2] in SERVER}
     if LOOKUP.is_file():
         assert llama == {("grounded", 1, c) for c in LLAMA}
         for key in llama:
             assert cells[key]["best"]["decode_tok_s"] > 0, key
         assert report["llama_cpp_skipped"] is None
+        # llama-server served every load, as ours did, plain and drafting
+        assert served == {(w, n, c) for w in ("grounded", "chat") for n in (1, 2) for c in SERVER}
+        for key in served:
+            (run,) = cells[key]["runs"]
+            assert run["failed"] == 0 and run["decode_tok_s"] > 0, key
+        assert cells["grounded", 1, "llama-server, plain"]["runs"][0]["drafted"] in (None, 0)
     else:  # not built here: the rows are left out and the reason says how to build them
-        assert not llama and "build_llama_cpp.sh" in report["llama_cpp_skipped"]
+        assert not llama and not served and "build_llama_cpp.sh" in report["llama_cpp_skipped"]
     assert len(report["goals"]) == 6 and report["acceptance_source"]
     table = (tmp_path / "speculative_bench.md").read_text()
     assert "DRY RUN" in table and "| goal (issue 38) | measured | met |" in table
