@@ -16,6 +16,10 @@
 #define AHEAD 2            /* blocks asked for ahead of their reading (1 and 4: slower) */
 #define MAX_GROUP 64       /* query heads per KV head (the checks and cpu_kernels/attention.py agree) */
 #define MAX_SPAN 16        /* rows of one sequence attended together (a verify chunk: 1 + k) */
+/* Scores a thread keeps for a span: its rows' query heads times the longest context. One
+ * row of 8 query heads a KV head at a 128k context holds this many; a span takes fewer
+ * rows at long contexts, so a thread's scratch stays what one row's was. */
+#define SPAN_SCORES (1L << 20)
 
 /* Softmax of each of `rows` rows of `len` scores, `stride` apart, in place. */
 static void softmax_rows(float *scores, long stride, long rows, long len) {
@@ -223,15 +227,18 @@ const char *paged_decode_check(const PagedDecode *p) {
     return NULL;
 }
 
-/* The rows cut into pieces, each a span (rows extends() chains, at most MAX_SPAN): piece
- * k is rows [starts[k], starts[k + 1]); returns how many. Where too few (piece, KV head)
- * units would leave threads idle (a batch-1 verify chunk: one span, a few KV heads), each
- * span is cut in `cuts` even parts: its context is then read once per part, not per row.
- * starts has room for n + 1. */
-static long pieces(const PagedDecode *p, int threads, long *starts) {
+/* The rows cut into pieces, each a span (rows extends() chains, at most MAX_SPAN, and at
+ * most what SPAN_SCORES holds at the `longest` context): piece k is rows [starts[k],
+ * starts[k + 1]); returns how many. Where too few (piece, KV head) units would leave
+ * threads idle (a batch-1 verify chunk: one span, a few KV heads), each span is cut in
+ * `cuts` even parts: its context is then read once per part, not per row. starts has
+ * room for n + 1. */
+static long pieces(const PagedDecode *p, int threads, long longest, long *starts) {
+    const long group = p->heads / p->kv_heads, fit = SPAN_SCORES / (group * longest);
+    const long most = fit < 1 ? 1 : fit < MAX_SPAN ? fit : MAX_SPAN;
     long count = 0;
     for (long i = 0; i < p->n; i++)
-        if (i == 0 || i - starts[count - 1] >= MAX_SPAN || !extends(p, i)) starts[count++] = i;
+        if (i == 0 || i - starts[count - 1] >= most || !extends(p, i)) starts[count++] = i;
     starts[count] = p->n;
     const long want = 2L * threads, units = count * p->kv_heads;
     if (threads == 1 || units >= want) return count;
@@ -263,7 +270,7 @@ int paged_decode_run(const PagedDecode *p) {
     int threads = work >= PARALLEL_WORK ? p->threads : 1;
     long *starts = malloc((p->n + 1) * sizeof(long));
     if (starts == NULL) return -1;
-    const long count = pieces(p, threads, starts);
+    const long count = pieces(p, threads, longest, starts);
     long widest = 0;
     for (long k = 0; k < count; k++)
         widest = starts[k + 1] - starts[k] > widest ? starts[k + 1] - starts[k] : widest;

@@ -116,6 +116,7 @@ def _with_chunk(
         ([20, 40, 33], 1, 4),  # a 5-row chunk between two other sequences, in one block pair
         ([300], 0, 8),  # batch 1, k = 8: enough work for the threads, a chunk cut in parts
         ([15, 47, 300, 31], 2, 17),  # longer than a span (16 rows): two spans
+        ([40000], 0, 8),  # a long context: a thread's scores hold 8 rows of it, two spans
     ],
 )
 def test_a_verify_chunks_rows_attend_as_each_row_alone(
