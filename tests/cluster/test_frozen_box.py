@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,9 +93,6 @@ class Boxes:
     def complete(self, prompt: str) -> str:
         return greedy_text(self.head.url, prompt, MAX_TOKENS, timeout=600)
 
-    def decoders(self) -> int:
-        return sum(w["alive"] and w["role"] == "decode" for w in self.workers())
-
     def move(self, device: int, to: str) -> None:
         """Move a head device to `to` through the admin API; back once it is done."""
         assert self.head.admin_token_file is not None
@@ -115,16 +112,35 @@ class Boxes:
         assert move.phase != "failed", move
         return move.phase == "done"
 
-    def streams_on_b(self, pool: ThreadPoolExecutor) -> list[tuple[str, Future[str]]]:
-        """STREAMS requests, box b decoding some of them when this returns, and the
-        head's device 1 decoding again beside it (what b holds has somewhere to go)."""
+    def streams_on_b(
+        self, pool: ThreadPoolExecutor, stop: Callable[[], None]
+    ) -> list[tuple[str, Future[str]]]:
+        """STREAMS requests: half while only box b decodes, `stop` (b's worker or the whole
+        box stops answering) once b decodes some of them, then the other half, until the
+        head's device 1 has prefilled one and offered b its KV: a handoff b never answers,
+        what a lost worker's recovery must take back (the precondition of
+        assert_handoffs_taken_back_went_on, made sure of here, not left to timing). Then
+        device 1 decodes again (what b holds has somewhere to go)."""
         self.move(1, "prefill")  # only box b decodes while they start
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(STREAMS)]
-        futures = [(p, pool.submit(self.complete, p)) for p in prompts]
+        half = STREAMS // 2
+        futures = [(p, pool.submit(self.complete, p)) for p in prompts[:half]]
         wait_until(lambda: any(w["running"] for w in self.on_b()), 180, "box b decoding")
+        [worker] = self.on_b()
+        stop()
+        futures += [(p, pool.submit(self.complete, p)) for p in prompts[half:]]
+        wait_until(lambda: self.offered(worker["worker_id"]), 60, "a handoff offered to b")
         self.move(1, "decode")  # in place, at once
-        assert self.decoders() == 2
+        assert any(w["alive"] and w["role"] == "decode" for w in self.head_workers())
         return futures
+
+    def offered(self, worker_id: int) -> bool:
+        """Whether a request's KV waits on `worker_id` to take it."""
+        rows = state(self.head).requests
+        return any(r.state == "handoff" and r.decode_worker == worker_id for r in rows)
+
+    def head_workers(self) -> list[dict]:
+        return [w for w in self.workers() if not w["device"].startswith("b/")]
 
     def output(self) -> str:
         return "".join(self.head.output)
@@ -178,6 +194,13 @@ def assert_handoffs_taken_back_went_on(boxes: Boxes, since: int) -> None:
     assert not expired, expired
 
 
+def stop(pids: list[int]) -> float:
+    """SIGSTOP the processes; when (time.time())."""
+    stopped_at = time.time()
+    freeze(pids, signal.SIGSTOP)
+    return stopped_at
+
+
 def freeze(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         # A frozen worker whose agent saw its link dropped is killed by that agent.
@@ -193,18 +216,17 @@ def test_a_frozen_box_is_found_by_its_heartbeat_and_lost_once(
     agent = boxes.agent
     assert agent is not None
     frozen = [agent.pid, worker["pid"]]
+    stopped: list[float] = []
     with ThreadPoolExecutor(STREAMS) as pool:
-        futures = boxes.streams_on_b(pool)
-        stopped_at = time.time()
-        freeze(frozen, signal.SIGSTOP)
         try:
+            futures = boxes.streams_on_b(pool, lambda: stopped.append(stop(frozen)))
             wait_until(lambda: boxes.events("box_lost"), FOUND_BOUND_S + 30, "box b lost")
             texts = [(p, f.result(timeout=600)) for p, f in futures]  # b still frozen
         finally:
             freeze(frozen, signal.SIGCONT)
         assert agent.wait(60) == 0  # running again, it finds its link ended and stops
     [lost] = boxes.events("box_lost")
-    found_in = lost["time"] - stopped_at
+    found_in = lost["time"] - stopped[0]
     print(f"\nbox b found frozen in {found_in:.1f} s: {lost}")
     assert lost["box"] == "b" and lost["cause"].startswith("no answer to heartbeats")
     assert found_in <= FOUND_BOUND_S, found_in
@@ -233,17 +255,16 @@ def test_a_stalled_worker_on_a_box_is_killed_by_its_agent_once(
     assert agent is not None
     exits_before = len(boxes.events("worker_exit"))
     reruns_before = len(boxes.events("rerun"))
+    stopped: list[float] = []
     with ThreadPoolExecutor(STREAMS) as pool:
-        futures = boxes.streams_on_b(pool)
-        stopped_at = time.monotonic()
-        freeze([worker["pid"]], signal.SIGSTOP)
         try:
+            futures = boxes.streams_on_b(pool, lambda: stopped.append(stop([worker["pid"]])))
             wait_until(
                 lambda: len(boxes.events("worker_exit")) > exits_before,
                 STALL_S + 60,
                 "box b's stalled worker killed",
             )
-            killed_in = time.monotonic() - stopped_at
+            killed_in = time.time() - stopped[0]
             texts = [(p, f.result(timeout=600)) for p, f in futures]
             time.sleep(2.0)  # ten more looks of the watchdog at least
         finally:
