@@ -108,6 +108,23 @@ def _with_chunk(
     return q, k_cache, v_cache, tables, lens
 
 
+def _each_alone(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """paged_decode of each row in a call of its own, the rows' outputs stacked."""
+    rows = range(len(lens))
+    return torch.cat([
+        cpu_kernels.paged_decode(q[i : i + 1], k_cache, v_cache, tables[i : i + 1],
+                                 lens[i : i + 1], scale)
+        for i in rows
+    ])  # fmt: skip
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
@@ -132,14 +149,10 @@ def test_a_verify_chunks_rows_attend_as_each_row_alone(
     torch.set_num_threads(threads)
     try:
         together = cpu_kernels.paged_decode(*problem, 0.125)
-        alone = [
-            cpu_kernels.paged_decode(q[i : i + 1], k_cache, v_cache, tables[i : i + 1],
-                                     context[i : i + 1], 0.125)
-            for i in range(len(context))
-        ]  # fmt: skip
+        alone = _each_alone(q, k_cache, v_cache, tables, context, 0.125)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(together, torch.cat(alone))
+    assert torch.equal(together, alone)
     want = _sdpa(q, k_cache, v_cache, tables, context, 0.125)
     tolerance = 1e-5 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(together.float(), want.float(), atol=tolerance, rtol=tolerance)
@@ -151,12 +164,8 @@ def test_rows_whose_lengths_chain_but_tables_differ_attend_apart() -> None:
     q, k_cache, v_cache, tables, lens = _decode_problem([20, 21, 22], 9, 3, 64, torch.float32, 7)
     tables[1:, 0] = tables[0, 0]
     together = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
-    alone = [
-        cpu_kernels.paged_decode(q[i : i + 1], k_cache, v_cache, tables[i : i + 1],
-                                 lens[i : i + 1], 0.125)
-        for i in range(3)
-    ]  # fmt: skip
-    assert torch.equal(together, torch.cat(alone))
+    alone = _each_alone(q, k_cache, v_cache, tables, lens, 0.125)
+    assert torch.equal(together, alone)
     torch.testing.assert_close(together, _sdpa(q, k_cache, v_cache, tables, lens, 0.125))
 
 
