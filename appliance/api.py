@@ -19,9 +19,8 @@ from typing import Any
 from appliance.core.tuning import Tuning, TuningPatch
 from appliance.engine.logprobs import TokenLogprobs as TokenLogprobs
 from appliance.engine.sequence import SamplingParams as SamplingParams
-from appliance.model.loader import model_name, prepare_tokenizer
-from appliance.model.model_config import ModelConfig
-from appliance.model.tensor_parallel import check_degree
+from appliance.model.model_config import ModelConfig, check_degree
+from appliance.model.model_source import model_name, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.ops.autopilot import Autopilot
 from appliance.ops.pool_moves import MoveError as MoveError

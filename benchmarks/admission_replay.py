@@ -25,7 +25,7 @@ from pathlib import Path
 from appliance.bench.shift import parse_phases, shift_schedule
 from appliance.core.admission import AdmissionLimits
 from appliance.core.goodput import SLO, RequestResult, phase_summaries
-from appliance.model.loader import prepare_tokenizer
+from appliance.model.model_source import prepare_tokenizer
 from appliance.planner.layout import layout_of_roles
 from appliance.planner.profile import Profile, StepCost, WorkerCost, load_profile
 from appliance.planner.sim_run import Move

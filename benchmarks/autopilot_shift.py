@@ -51,7 +51,7 @@ from appliance.bench.shift import (
     shift_schedule,
 )
 from appliance.core.goodput import SLO, phase_summaries, shift_total
-from appliance.model.loader import default_model_path, prepare_tokenizer
+from appliance.model.model_source import default_model_path, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.planner.layout import layout_of_roles
 from appliance.planner.profile import (

@@ -31,7 +31,7 @@ from appliance.bench.report import table
 from appliance.bench.runner import Load, run_load
 from appliance.bench.workloads import generate
 from appliance.core.goodput import SLO, Summary, summarize
-from appliance.model.loader import prepare_tokenizer
+from appliance.model.model_source import prepare_tokenizer
 from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name
 

@@ -44,7 +44,7 @@ from kv_dtype_bench import cpu_name  # benchmarks/ is the script's folder: on sy
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.speculative.draft_model import DraftModelProposer
-from appliance.model.loader import prepare_model
+from appliance.model.model_source import prepare_model
 from appliance.settings.config import load_settings
 
 VOCAB = 49152  # SmolLM2's

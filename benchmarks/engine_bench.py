@@ -50,7 +50,7 @@ import torch
 
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
-from appliance.model.loader import default_model_path
+from appliance.model.model_source import default_model_path
 from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name
 

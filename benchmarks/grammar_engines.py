@@ -35,7 +35,7 @@ import torch
 import xgrammar
 
 from appliance.engine.structured.compile import JSON_OPTIONS
-from appliance.model.loader import prepare_model
+from appliance.model.model_source import prepare_model
 from appliance.settings.config import load_settings
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "tests" / "data" / "json_schemas.json"

@@ -42,7 +42,7 @@ from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.model import cpu_kernels
 from appliance.model.cpu_kernels import loading
-from appliance.model.loader import default_model_path
+from appliance.model.model_source import default_model_path
 from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name
 

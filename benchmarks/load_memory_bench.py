@@ -77,7 +77,8 @@ import torch
 from appliance.settings.config import load_settings
 from appliance.engine import shard_loading
 from appliance.engine.shard_loading import build_model, resolve_dtype, use_quant
-from appliance.model.loader import load_model_files, prepare_model
+from appliance.model.loader import load_model_files
+from appliance.model.model_source import prepare_model
 from appliance.model.tensor_parallel import Shard
 
 
@@ -354,7 +355,7 @@ def mib(value: int) -> str:
 
 
 def main() -> None:
-    from appliance.model.loader import default_model_path
+    from appliance.model.model_source import default_model_path
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--layers", type=int, default=16, help="of the random model")

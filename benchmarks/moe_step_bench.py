@@ -26,7 +26,7 @@ import torch
 
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
-from appliance.model.loader import prepare_model
+from appliance.model.model_source import prepare_model
 from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name
 

@@ -24,7 +24,7 @@ import httpx
 
 from appliance.bench.compare import Target, running
 from appliance.core.goodput import SLO, RequestResult, Summary, summarize
-from appliance.model.loader import prepare_tokenizer
+from appliance.model.model_source import prepare_tokenizer
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.plan import duration_of
 from appliance.planner.profile import Profile

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from appliance.core.goodput import SLO, RequestResult, Summary, summarize
-from appliance.model.loader import prepare_tokenizer
+from appliance.model.model_source import prepare_tokenizer
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.plan import duration_of
 from appliance.planner.profile import Profile, load_profile

@@ -24,7 +24,7 @@ from appliance.bench.client import CountTokens
 from appliance.bench.compare import Target, our_targets, running
 from appliance.bench.runner import Load, run_load
 from appliance.bench.workloads import generate
-from appliance.model.loader import prepare_tokenizer
+from appliance.model.model_source import prepare_tokenizer
 from appliance.settings.config import load_settings
 
 OUT = Path(__file__).resolve().parent / "results" / "prefix_cache_cpu.md"

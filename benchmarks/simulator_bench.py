@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from appliance.core.goodput import SLO, summarize
-from appliance.model.loader import prepare_tokenizer
+from appliance.model.model_source import prepare_tokenizer
 from appliance.planner.layout import Layout, Pool
 from appliance.planner.profile import (
     HandoffCost,

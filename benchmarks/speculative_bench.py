@@ -72,7 +72,7 @@ from appliance.bench.report import plain
 from appliance.bench.runner import Load, run_load
 from appliance.bench.workloads import RequestSpec, generate
 from appliance.core.goodput import SLO, RequestResult, summarize
-from appliance.model.loader import default_model_path, prepare_tokenizer
+from appliance.model.model_source import default_model_path, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name

@@ -46,7 +46,7 @@ import jsonschema
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams, StructuredOutput
 from appliance.engine.structured.masks import GrammarMasks
-from appliance.model.loader import default_model_path
+from appliance.model.model_source import default_model_path
 from appliance.settings.config import load_settings
 
 RECORD = {

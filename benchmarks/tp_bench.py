@@ -26,7 +26,7 @@ import torch
 
 from appliance.api import Appliance
 from appliance.engine.sequence import SamplingParams
-from appliance.model.loader import prepare_tokenizer
+from appliance.model.model_source import prepare_tokenizer
 from appliance.settings.config import load_settings
 from appliance.topology.devices import Device, Topology
 

@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 
-from appliance.model.loader import default_model_path
+from appliance.model.model_source import default_model_path
 
 CHILD = """
 import json, sys

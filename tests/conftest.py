@@ -37,7 +37,7 @@ from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.scheduler import SchedulerLimits
 from appliance.kv.cache import KVCache, KVLayout
 from appliance.model import cpu_kernels
-from appliance.model.loader import default_model_path
+from appliance.model.model_source import default_model_path
 from appliance.settings.config import load_settings
 
 # The ~200k objects the imports above made (torch's and ours) live as long as the run. Frozen

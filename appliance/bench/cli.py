@@ -153,7 +153,7 @@ def _settle_shift(args: argparse.Namespace) -> None:
 
 def _tokenizer() -> Tokenizer:
     """Our tokenizer: prompts are built to exact token counts with it."""
-    from appliance.model.loader import prepare_tokenizer
+    from appliance.model.model_source import prepare_tokenizer
 
     settings = load_settings()
     return prepare_tokenizer(settings.model, settings.cache_dir)[1]
@@ -284,7 +284,7 @@ def _targets(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Target]:
             f"unknown --configs {sorted(unknown)}; use ours, default, peers, llama-cpp, "
             "transformers"
         )
-    from appliance.model.loader import default_model_path
+    from appliance.model.model_source import default_model_path
 
     gguf = load_settings().model or default_model_path()  # the model ours serve
     stop_ids = sorted(tokenizer.stop_token_ids)

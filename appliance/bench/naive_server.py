@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from appliance.model.loader import default_model_path, model_name, prepare_tokenizer
+from appliance.model.model_source import default_model_path, model_name, prepare_tokenizer
 from appliance.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

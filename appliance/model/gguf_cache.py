@@ -1,8 +1,8 @@
 """The on-disk cache of what a GGUF file converts to, one entry per file keyed by its
-path, size and mtime: its converted tokenizer and facts (so the serve process reads no
-weight at all), and its block-quantized weights per dtype a dense model loads them in
-(matrices in that dtype, vectors in float32), written in small pieces by the first
-worker that needs them, so later starts only map that file."""
+path, size and mtime: its converted tokenizer and facts, so the serve process reads no
+weight at all (and imports no torch: the weight reader is imported only to check a file
+seen for the first time); the entry also holds the dense weights gguf_dense_cache.py
+writes."""
 
 from __future__ import annotations
 
@@ -12,15 +12,9 @@ import json
 import logging
 import os
 import shutil
-import time
-from collections.abc import Mapping
 from pathlib import Path
 
-import torch
-from filelock import FileLock
-
 from appliance.model.errors import ModelLoadError
-from appliance.model.formats import gguf_file, safetensors_file
 from appliance.model.model_config import ModelConfig
 
 log = logging.getLogger("appliance.model")
@@ -63,6 +57,8 @@ def _write_entry(path: Path, entry: Path) -> None:
     """Check the file (metadata, every tensor's name, type and extent), convert its
     tokenizer and write its facts: into a folder beside the entry, then renamed, so a
     crash never leaves half an entry. Older entries of the same file go."""
+    from appliance.model.formats import gguf_file  # the weight reader, torch with it
+
     reader = gguf_file.open_gguf(path)
     config = gguf_file.read_model_config(reader, path)
     gguf_file.read_weights(path, config)  # refuses a tensor it could not read, now
@@ -118,6 +114,8 @@ def convert_gguf_tokenizer(path: Path, out_dir: Path) -> None:
     """Turn the GGUF's tokenizer metadata and chat template into tokenizer.json files."""
     from transformers import AutoTokenizer
 
+    from appliance.model.formats import gguf_file
+
     source, scratch = path, out_dir / "metadata-only"
     if gguf_file.metadata(gguf_file.open_gguf(path)).get("general.architecture") == "gpt-oss":
         # transformers (5.25) reads each gpt-oss.rope.scaling.* value as its key's length
@@ -139,6 +137,8 @@ def copy_metadata(path: Path, target: Path, drop: str) -> None:
     """A GGUF of `path`'s metadata, less the keys holding `drop`, and no tensor."""
     from gguf import GGUFValueType, GGUFWriter
 
+    from appliance.model.formats import gguf_file
+
     reader = gguf_file.open_gguf(path)
     arch = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(str(target), arch)  # writes general.architecture itself
@@ -152,62 +152,3 @@ def copy_metadata(path: Path, target: Path, drop: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-def cached_weights(
-    weights: gguf_file.GGUFWeights, entry: Path, dtype: torch.dtype
-) -> Mapping[str, torch.Tensor]:
-    """The GGUF's weights for a dense model of `dtype`, mapped from the entry's file for
-    that dtype: written the first time (by one process at a time; others wait for it,
-    then map it). Where the cache cannot be written, `weights` themselves (dequantized
-    again at every start)."""
-    target = entry / f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
-    try:
-        if not target.is_file():
-            with exclusive(target.with_name(target.name + ".lock")):
-                if not target.is_file():
-                    _write_dense(weights, target, dtype)
-    except OSError as exc:
-        log.warning(
-            "cannot cache %s in %s (%s): it is read from the file", weights.path, entry, exc
-        )
-        return weights
-    return safetensors_file.read_safetensors(target)
-
-
-def _write_dense(weights: gguf_file.GGUFWeights, target: Path, dtype: torch.dtype) -> None:
-    """Dequantize every weight into `target`, saying so: a large model takes minutes."""
-    name = str(dtype).removeprefix("torch.")
-    log.info(
-        "converting %s to dense %s weights, once (later starts map %s)...",
-        weights.path.name,
-        name,
-        target,
-    )
-    began = time.monotonic()
-    layout = {n: cached_layout(weights.shape(n), dtype) for n in weights}
-    pieces = weights.pieces(layout, _threads())
-    safetensors_file.write_safetensors(target, layout, pieces)
-    size = target.stat().st_size / 2**30
-    log.info("dense %s weights written in %.1f s (%.2f GiB)", name, time.monotonic() - began, size)
-
-
-def cached_layout(
-    shape: tuple[int, ...], dtype: torch.dtype
-) -> tuple[tuple[int, ...], torch.dtype]:
-    """How the cache stores a tensor: matrices in the model's dtype, vectors (norms,
-    biases, RoPE factors: a few KB) in float32, as exact as the file."""
-    return shape, dtype if len(shape) >= 2 else torch.float32
-
-
-def _threads() -> int:
-    """Threads to dequantize with: this process's cores, up to 8 (each keeps a few pieces
-    of heap when done: glibc's arenas)."""
-    return min(8, len(os.sched_getaffinity(0)))
-
-
-def exclusive(lock: Path) -> FileLock:
-    """Held by one process at a time, used as `with exclusive(path):` (filelock's lock on
-    `lock`: flock where the filesystem has it, else a marker file; the others wait for it,
-    with no timeout). Raises OSError where `lock` cannot be created."""
-    return FileLock(lock)

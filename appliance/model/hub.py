@@ -102,7 +102,7 @@ def resolve_model(spec: str, revision: str | None = None) -> ResolvedModel:
 
 def local_name(path: Path) -> str:
     """The id a local model is served under: its file or folder name, less a GGUF quant
-    suffix (loader.model_name's rule, without importing torch)."""
+    suffix (model_source.model_name's, for any local model)."""
     name = path.name if path.is_dir() else path.stem
     base, _, suffix = name.rpartition(".")
     is_quant = re.fullmatch(r"(?i)i?q\d\w*|f16|f32|bf16", suffix)

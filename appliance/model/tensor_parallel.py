@@ -82,15 +82,6 @@ def kv_head_ranges(num_kv_heads: int, size: int) -> list[range]:
     return split_evenly(num_kv_heads, size)
 
 
-def check_degree(config: ModelConfig, degree: int, setting: str) -> None:
-    """Refuse, naming the setting, a degree the model's KV heads cannot be split over."""
-    if degree > config.num_kv_heads:
-        raise ValueError(
-            f"{setting}={degree}: the model has {config.num_kv_heads} KV heads, and each "
-            f"shard needs at least one; use at most {config.num_kv_heads}"
-        )
-
-
 def shard_plan(config: ModelConfig, shard: Shard) -> ShardPlan:
     """What `shard` holds of a model with `config`."""
     if config.num_heads % config.num_kv_heads:

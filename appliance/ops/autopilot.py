@@ -25,7 +25,7 @@ from appliance.admin.schema import Decision, Measured, Move, PlannerView
 from appliance.core.admission import admission_limits
 from appliance.core.goodput import SLO
 from appliance.core.roles import Role
-from appliance.model.loader import default_model_path
+from appliance.model.model_source import default_model_path
 from appliance.ops.pool_moves import MoveError, PoolMover, device_roles
 from appliance.planner.auto_layout import analytic_base, box_kind, known_profile, moves_itself
 from appliance.planner.measured_acceptance import MovingAcceptance

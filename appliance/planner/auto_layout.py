@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.core.goodput import SLO
-from appliance.model.loader import default_model_path, prepare_model, prepare_tokenizer
+from appliance.model.model_source import default_model_path, prepare_model, prepare_tokenizer
 from appliance.planner.analytic_box import box_profile
 from appliance.planner.layout import Layout
 from appliance.planner.plan import PlanSpec, make_plan

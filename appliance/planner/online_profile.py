@@ -299,7 +299,7 @@ def kv_sizes(workers: Iterable[SizedWorker]) -> dict[str, int]:
 def box_facts(settings: Settings, topology: Topology) -> BoxFacts:
     """The facts of this box and model no step shows: the model's shape read from its
     files (cached by the time the workers run), the rest assumed (see `assumptions`)."""
-    from appliance.model.loader import default_model_path, prepare_model  # imports torch
+    from appliance.model.model_source import default_model_path, prepare_model
     from appliance.planner.profile import model_id
 
     config, _ = prepare_model(settings.model, settings.cache_dir)

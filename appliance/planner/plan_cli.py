@@ -188,7 +188,7 @@ def _profile(args: argparse.Namespace, settings: Settings) -> Profile:
 def _measured_profile(args: argparse.Namespace, settings: Settings) -> Profile:
     if args.profile:
         return load_profile(args.profile)
-    from appliance.model.loader import default_model_path  # torch: only when needed
+    from appliance.model.model_source import default_model_path
 
     folder = profiles_folder(settings.cache_dir)
     model = model_id(settings.model or default_model_path())
@@ -206,7 +206,7 @@ def _requests(
 ) -> list[SimRequest]:
     if workload == "sharegpt-like":
         return sharegpt_like(args.seed, args.num_requests, rate, profile.max_model_len)
-    from appliance.model.loader import prepare_tokenizer  # torch: only when needed
+    from appliance.model.model_source import prepare_tokenizer
 
     tokenizer = prepare_tokenizer(None, settings.cache_dir)[1]
     return requests_from_workload(

@@ -14,7 +14,7 @@ import torch
 
 from appliance.engine.llm_engine import LLMEngine
 from appliance.kv.handoff import copy_blocks
-from appliance.model.loader import default_model_path
+from appliance.model.model_source import default_model_path
 from appliance.model.quant import QuantLinear
 from appliance.planner.fitting import fit_step_cost
 from appliance.planner.profile import model_id

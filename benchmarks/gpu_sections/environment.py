@@ -253,7 +253,7 @@ def run_command(argv: list[str], lines: int | None = None) -> str:
 
 def model_facts(scale: Scale) -> dict[str, Any]:
     """Where the model is; the default one is found without importing its package."""
-    from appliance.model.loader import default_model_path
+    from appliance.model.model_source import default_model_path
 
     try:
         path = Path(scale.model) if scale.model else default_model_path()

@@ -23,7 +23,7 @@ from server_process import API_KEY, ServerProcess, wait_until
 from traffic import Traffic
 
 from appliance.admin.schema import Event, Snapshot, WorkerInfo
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 from tui.client import AdminClient, AdminError
 
 

@@ -27,7 +27,7 @@ from appliance.bench.workloads import (
     grounded,
     grounded_prompt,
 )
-from appliance.model.loader import prepare_tokenizer
+from appliance.model.model_source import prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.settings.config import load_settings
 

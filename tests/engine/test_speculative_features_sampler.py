@@ -22,7 +22,7 @@ from tests_root import DATA
 from appliance.engine.sampler import Sampler, SampleRow
 from appliance.engine.sequence import SamplingParams, StructuredOutput
 from appliance.engine.structured.masks import GrammarMasks
-from appliance.model.loader import prepare_tokenizer
+from appliance.model.model_source import prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.settings.config import load_settings
 

@@ -21,7 +21,7 @@ from runtime_runs import cpu_topology, wait_all_free
 from appliance.api import Appliance
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
-from appliance.model.loader import default_model_path
+from appliance.model.model_source import default_model_path
 from appliance.model.tensor_parallel import kv_head_ranges
 from appliance.pools.worker_handle import WorkerView
 from appliance.settings.config import Settings, load_settings

@@ -25,7 +25,7 @@ from appliance.engine.structured.compile import UnsupportedSpec, check
 from appliance.engine.structured.masks import GrammarMasks, apply_grammar, unpack
 from appliance.engine.structured.matcher import RequestMatcher
 from appliance.engine.structured.vocabulary import grammar_vocabulary
-from appliance.model.loader import prepare_tokenizer
+from appliance.model.model_source import prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.settings.config import load_settings
 

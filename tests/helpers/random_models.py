@@ -27,7 +27,7 @@ from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.engine.shard_loading import ShardParts, load_shard
 from appliance.kv.block_allocator import blocks_for_tokens
-from appliance.model.loader import prepare_model
+from appliance.model.model_source import prepare_model
 from appliance.model.tensor_parallel import Shard
 from appliance.settings.config import Settings, load_settings
 

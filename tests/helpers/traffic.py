@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from openai import OpenAI
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 
 @dataclass

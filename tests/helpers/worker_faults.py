@@ -14,7 +14,7 @@ import httpx
 from server_process import ServerProcess
 
 from appliance.admin.schema import Snapshot, WorkerInfo
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 HOLD_BOUND_S = 60.0  # for the decode worker to be seen holding requests
 SETTLE_S = 0.5  # between two reads of a stopped worker's requests

@@ -23,7 +23,7 @@ from chat_template_cases import (  # noqa: F401 (frozen_date: the autouse clock 
 )
 from tokenizers import Tokenizer as RawTokenizer
 
-from appliance.model.loader import default_model_path, prepare_tokenizer
+from appliance.model.model_source import default_model_path, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.settings.config import load_settings
 

@@ -24,11 +24,11 @@ WORKER = """
 import json, sys, time
 from pathlib import Path
 import torch
-from appliance.model import gguf_cache
+from appliance.model import gguf_dense_cache
 from appliance.model.loader import load_model_files
 
 gguf, cache, ready, go, log, out = map(Path, sys.argv[1:])
-write_dense = gguf_cache._write_dense
+write_dense = gguf_dense_cache._write_dense
 
 def counted(*args, **kwargs):
     with log.open("a") as file:
@@ -36,7 +36,7 @@ def counted(*args, **kwargs):
     time.sleep(1.0)
     write_dense(*args, **kwargs)
 
-gguf_cache._write_dense = counted
+gguf_dense_cache._write_dense = counted
 files = load_model_files(gguf, cache)
 ready.touch()
 while not go.exists():

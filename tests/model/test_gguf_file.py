@@ -546,7 +546,7 @@ def test_missing_vocab_size_without_token_list(tmp_path, rng):
 
 
 def test_embedded_model_metadata():
-    from appliance.model.loader import default_model_path
+    from appliance.model.model_source import default_model_path
 
     path = default_model_path()
     assert path.is_file()

@@ -30,8 +30,8 @@ from tests_root import ROOT
 from appliance.model.errors import ModelLoadError
 from appliance.model.families.llama import LlamaForCausalLM as CausalLM
 from appliance.model.formats import gguf_file
-from appliance.model.loader import default_model_path
 from appliance.model.model_config import ModelConfig
+from appliance.model.model_source import default_model_path
 from appliance.model.tensor_parallel import WHOLE_MODEL, Shard, shard_state
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model

@@ -26,7 +26,8 @@ from server_process import ServerProcess
 from appliance.model import hub
 from appliance.model.errors import ModelLoadError
 from appliance.model.hub import ModelNotFound, list_local, resolve_model
-from appliance.model.loader import load_model_files, model_name
+from appliance.model.loader import load_model_files
+from appliance.model.model_source import model_name
 
 COMMIT = "a" * 40
 GGUF_COMMIT = "b" * 40

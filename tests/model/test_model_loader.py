@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_gguf import read_directly, write_gguf
 
-from appliance.model import gguf_cache, loader
+from appliance.model import gguf_cache, gguf_dense_cache, model_source
 from appliance.model.errors import ModelLoadError
 from appliance.model.formats import gguf_file, safetensors_file
 from appliance.model.gguf_cache import cache_entry
@@ -287,14 +287,14 @@ def test_the_serve_process_reads_no_weight(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "m.gguf")
     cache = tmp_path / "cache"
     monkeypatch.setattr(gguf_file.GGUFWeights, "_read", forbid_weights)
-    config, tokenizer_dir = loader.prepare_model(path, cache)
+    config, tokenizer_dir = model_source.prepare_model(path, cache)
     assert tokenizer_dir == cache_entry(path, cache) and (tokenizer_dir / "complete").is_file()
     assert cached_files(tokenizer_dir) == []
 
     forbid_reading_gguf(monkeypatch)
     monkeypatch.setattr(safetensors_file, "read_safetensors", forbid_weights)
     monkeypatch.setattr(gguf_file, "tensor_index", forbid_weights)
-    assert loader.prepare_model(path, cache) == (config, tokenizer_dir)
+    assert model_source.prepare_model(path, cache) == (config, tokenizer_dir)
 
 
 def forbid_weights(*args, **kwargs):
@@ -308,8 +308,8 @@ def test_a_waiting_worker_maps_the_cache_another_wrote(tmp_path, monkeypatch):
     target = files.cache_entry / "weights-float32.safetensors"
     result: list[Mapping[str, torch.Tensor]] = []
     asked = threading.Event()  # the waiter has come to the lock (not a fixed wait for it)
-    lock = gguf_cache.exclusive
-    monkeypatch.setattr(gguf_cache, "exclusive", lambda at: asked.set() or lock(at))
+    lock = gguf_dense_cache.exclusive
+    monkeypatch.setattr(gguf_dense_cache, "exclusive", lambda at: asked.set() or lock(at))
     with lock(target.with_name(target.name + ".lock")):
         waiter = threading.Thread(target=lambda: result.append(files.dense_weights(torch.float32)))
         waiter.start()
@@ -317,7 +317,7 @@ def test_a_waiting_worker_maps_the_cache_another_wrote(tmp_path, monkeypatch):
         waiter.join(0.2)
         assert waiter.is_alive() and not target.exists()  # waiting for the lock
         other = load_model_files(path, tmp_path / "cache").weights
-        layout = {n: gguf_cache.cached_layout(other.shape(n), torch.float32) for n in other}
+        layout = {n: gguf_dense_cache.cached_layout(other.shape(n), torch.float32) for n in other}
         safetensors_file.write_safetensors(target, layout, other.pieces(layout))
         written = target.stat().st_mtime_ns
     waiter.join(30)

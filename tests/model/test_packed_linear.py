@@ -16,7 +16,8 @@ from tiny_gguf import write_gguf
 from appliance.engine.shard_loading import build_model
 from appliance.model import packed_linear
 from appliance.model.families.llama import LlamaForCausalLM as CausalLM
-from appliance.model.loader import ModelFiles, default_model_path, load_model_files
+from appliance.model.loader import ModelFiles, load_model_files
+from appliance.model.model_source import default_model_path
 from appliance.model.packed_linear import PackedLinear, pack_linears, packs_linears
 from appliance.settings.config import load_settings
 

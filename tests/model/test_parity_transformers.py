@@ -51,7 +51,7 @@ def _random_model_folder(tmp: Path, engine: LLMEngine, config) -> Path:
 def _tokenizer_dir() -> Path:
     """The embedded model's converted tokenizer, which the random models borrow."""
     from appliance.model.gguf_cache import cache_entry
-    from appliance.model.loader import default_model_path
+    from appliance.model.model_source import default_model_path
 
     return cache_entry(default_model_path(), load_settings().cache_dir)
 

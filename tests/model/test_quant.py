@@ -241,7 +241,7 @@ def test_the_quantized_model_keeps_its_blocks_and_its_memory_small(quant_engine)
 
 
 def quant_engine_source_size() -> int:
-    from appliance.model.loader import default_model_path
+    from appliance.model.model_source import default_model_path
 
     return default_model_path().stat().st_size
 

@@ -32,7 +32,7 @@ CHATS = [
 def hf_tokenizer(engine: LLMEngine):
     from transformers import AutoTokenizer
 
-    from appliance.model.loader import default_model_path
+    from appliance.model.model_source import default_model_path
 
     path = default_model_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

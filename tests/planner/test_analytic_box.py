@@ -12,7 +12,7 @@ import pytest
 from hand_profiles import hand_profile
 from nvml_boxes import H100_NVSWITCH, MIB, MIXED, PCIE_4GPU, TWO_GPU_NO_P2P, cpu_box, gpus
 
-from appliance.model.loader import default_model_path
+from appliance.model.model_source import default_model_path
 from appliance.ops.autopilot import Autopilot
 from appliance.planner import auto_layout
 from appliance.planner.analytic_box import box_profile, gpu_preset

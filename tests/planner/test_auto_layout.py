@@ -16,7 +16,7 @@ from server_process import ServerProcess
 
 from appliance.admin.schema import Snapshot
 from appliance.model.gguf_cache import gguf_entry
-from appliance.model.loader import default_model_path
+from appliance.model.model_source import default_model_path
 from appliance.planner import auto_layout
 from appliance.planner.auto_layout import (
     autopilot_resolved,

@@ -461,7 +461,7 @@ def test_lazy_decoding_gives_what_scheduling_every_sequence_every_step_gives(
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    from appliance.model.loader import prepare_tokenizer
+    from appliance.model.model_source import prepare_tokenizer
     from appliance.settings.config import load_settings
 
     return prepare_tokenizer(None, load_settings().cache_dir)[1]

@@ -49,7 +49,7 @@ from pydantic import BaseModel, ValidationError
 from server_process import API_KEY, ServerProcess
 
 from appliance.admin.schema import MoveRequest, TuningPatch
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 from appliance.server.protocol import UNSUPPORTED_FIELDS
 from appliance.server.responses_api.request import STATEFUL_FIELDS
 from appliance.settings.config import load_settings

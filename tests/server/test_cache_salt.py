@@ -15,7 +15,7 @@ from openai import OpenAI
 from server_process import API_KEY, ServerProcess
 
 from appliance.api import SamplingParams
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 from appliance.server.errors import APIError
 from appliance.server.protocol import Body, ChatCompletionRequest, CompletionRequest
 from appliance.server.responses_api.request import ResponsesRequest

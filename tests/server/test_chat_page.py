@@ -27,7 +27,7 @@ from playwright.sync_api import Error as PlaywrightError
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import API_KEY, ServerProcess, wait_until
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 pytestmark = pytest.mark.process
 

@@ -18,7 +18,7 @@ import pytest
 from server_process import ServerProcess, admin_split_server, wait_until
 from worker_faults import json_events, state, stop_holding_requests
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 

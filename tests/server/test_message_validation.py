@@ -9,7 +9,7 @@ import pytest
 from openai import BadRequestError, OpenAI
 from server_process import API_KEY, ServerProcess
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 MODEL = model_name(None)
 

@@ -17,7 +17,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 from appliance.server.origin_guard import Origin, OriginGuard, OriginRules, parse_origin
 from appliance.settings.config import Settings, SettingsError, load_settings
 

@@ -18,7 +18,7 @@ from openai import OpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from server_process import API_KEY, ServerProcess
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 from appliance.server.responses_api.events import Draft, EventStream, OutputItems, usage
 from appliance.server.responses_api.request import ResponsesRequest, chat_messages
 from appliance.server.responses_api.route import response_echo

@@ -12,7 +12,7 @@ from openai import OpenAI
 from reference import hf_logits
 from server_process import API_KEY, ServerProcess
 
-from appliance.model.loader import model_name, prepare_tokenizer
+from appliance.model.model_source import model_name, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.settings.config import load_settings
 

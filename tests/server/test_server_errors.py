@@ -10,7 +10,7 @@ import httpx
 import pytest
 from server_process import API_KEY, ServerProcess
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 MODEL = model_name(None)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

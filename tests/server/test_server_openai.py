@@ -13,7 +13,7 @@ from openai import OpenAI
 from server_process import API_KEY, ServerProcess
 from tests_root import ROOT as ROOT_DIR
 
-from appliance.model.loader import model_name, prepare_tokenizer
+from appliance.model.model_source import model_name, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.settings.config import load_settings
 

@@ -13,7 +13,7 @@ from openai import OpenAI
 from pydantic import ValidationError
 from server_process import API_KEY, ServerProcess
 
-from appliance.model.loader import model_name, prepare_tokenizer
+from appliance.model.model_source import model_name, prepare_tokenizer
 from appliance.model.tokenizer import Tokenizer
 from appliance.server.errors import APIError
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import API_KEY, ServerProcess
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 MODEL = model_name(None)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -21,7 +21,7 @@ import pytest
 from server_process import ServerProcess, wait_until
 from tests_root import ROOT as ROOT_DIR
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 

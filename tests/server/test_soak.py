@@ -18,7 +18,7 @@ import psutil
 import pytest
 from server_process import API_KEY, ServerProcess
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 

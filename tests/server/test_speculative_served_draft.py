@@ -19,7 +19,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import API_KEY, ServerProcess, wait_until
 
-from appliance.model.loader import default_model_path, model_name
+from appliance.model.model_source import default_model_path, model_name
 
 pytestmark = pytest.mark.process  # a server of its own: the shared ones draft by n-gram
 

@@ -24,7 +24,7 @@ from worker_handles import worker_view
 from appliance.cluster.wire import FROM_WORKER, TO_WORKER, Codec
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.speculative.acceptance import AcceptanceCounts
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 from appliance.pools.worker_handle import WorkerView
 from appliance.server.body import validated
 from appliance.server.errors import APIError

@@ -22,7 +22,7 @@ from server_process import API_KEY, ServerProcess, admin_split_server, wait_unti
 from tests_root import DATA
 from worker_faults import state, stop_holding_requests
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 pytestmark = pytest.mark.process
 

@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 from server_process import API_KEY, ServerProcess
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 MODEL = model_name(None)
 WEATHER = {

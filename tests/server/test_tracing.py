@@ -28,7 +28,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from server_process import ServerProcess, admin_split_server, wait_until
 from worker_faults import json_events, settled_requests, stop_holding_requests, stream
 
-from appliance.model.loader import model_name
+from appliance.model.model_source import model_name
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 
