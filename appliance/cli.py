@@ -97,7 +97,7 @@ def agent(args: argparse.Namespace) -> int:
     from multiprocessing import AuthenticationError
 
     from appliance.cluster.agent import REFUSED_EXIT, BoxRefused, run_agent
-    from appliance.kv.remote import MissingNixl
+    from appliance.kv.remote_pool import MissingNixl
 
     settings = settings_of(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

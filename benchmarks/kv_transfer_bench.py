@@ -53,8 +53,9 @@ from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.byte_ranges import ByteRange, PoolShape, copy_ranges
 from appliance.kv.handoff import KVShard
-from appliance.kv.remote import KVTransfer, RemotePool, nixl_available, pool_shape
-from appliance.model.loader import model_name, prepare_model
+from appliance.kv.remote import KVTransfer, pool_shape
+from appliance.kv.remote_pool import RemotePool, nixl_available
+from appliance.model.model_source import model_name, prepare_model
 from appliance.settings.cluster import ClusterSettings
 from appliance.settings.config import load_settings
 from appliance.topology.cpu import cpu_model_name

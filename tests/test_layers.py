@@ -1,5 +1,5 @@
 """Which part of the product may import which: the folders are layers, and imports point
-down. Pure decisions (core/) and the simulator load no torch.
+down. Pure decisions (core/), the simulator and the serve process load no torch.
 
 The graph is read from the source by benchmarks/import_structure.py (every import, those
 inside functions and under TYPE_CHECKING too: a lazy import is still a dependency)."""
@@ -68,6 +68,13 @@ TORCH_FREE = (
     "appliance.engine.speculative.adaptive",
     "appliance.engine.speculative.eligibility",
     "appliance.engine.speculative.proposer",
+    # the serve process (HTTP, supervisor, planner) and the agent run no model: the workers
+    # they spawn import torch, they do not (tests/server/test_server_startup.py: at run time)
+    "appliance.cli",
+    "appliance.server.serve",
+    "appliance.cluster.agent",
+    "appliance.model.model_source",
+    "appliance.kv.remote_pool",
 )
 
 

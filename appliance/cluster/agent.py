@@ -24,7 +24,7 @@ from appliance.cluster.messages import (
 )
 from appliance.cluster.remote_worker import run_remote_worker
 from appliance.cluster.tls import box_context
-from appliance.kv.remote import require_nixl
+from appliance.kv.remote_pool import require_nixl
 from appliance.settings.config import Settings
 from appliance.topology.discovery import discover_box
 

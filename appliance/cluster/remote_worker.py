@@ -17,7 +17,6 @@ from appliance.settings.config import Settings
 from appliance.topology.devices import Device
 from appliance.workers.messages import Shutdown
 from appliance.workers.outboxes import Outbox
-from appliance.workers.worker import run_worker
 
 CONNECT_TIMEOUT_S = 30.0
 
@@ -31,7 +30,10 @@ def run_remote_worker(
     devices: tuple[Device, ...],
 ) -> None:
     """Process entry point (spawned by the agent, dies with it); `cluster` is the agent's:
-    where the head is, and the address to connect from."""
+    where the head is, and the address to connect from. The worker (and torch with it) is
+    imported here, in the spawned process: the agent that spawns it runs no model."""
+    from appliance.workers.worker import run_worker
+
     context = box_context(cluster)  # the box's certificate: the head knows it by it
     connection = connect(cluster.head, secret, context, CONNECT_TIMEOUT_S, cluster.address)
     connection.accepts = TO_WORKER

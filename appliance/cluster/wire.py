@@ -29,7 +29,7 @@ from appliance.cluster.messages import (
     WorkerExited,
     WorkerHello,
 )
-from appliance.kv.remote import RemotePool
+from appliance.kv.remote_pool import RemotePool
 from appliance.workers.messages import (
     Abort,
     DropPeer,

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from appliance.kv.handoff import block_runs
-
 __all__ = ["ByteRange", "PoolShape", "copy_ranges"]
 
 
@@ -148,3 +146,14 @@ def _check_ids(ids: Sequence[int], blocks: int, side: str) -> None:
     bad = [i for i in ids if not 0 <= i < blocks]
     if bad:
         raise ValueError(f"{side} block id {bad[0]} is outside its pool of {blocks} blocks")
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) for each stretch where both id lists count up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

@@ -22,6 +22,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from appliance.kv.byte_ranges import block_runs
+
 T = TypeVar("T")
 # Looked up, not imported: CPU processes never load triton.
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
@@ -297,14 +299,3 @@ def reading_from(shards: list[KVShard], device: torch.device) -> list[KVShard]:
         )
         for shard in shards
     ]
-
-
-def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) for each stretch where both id lists count up by one."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids, strict=True):
-        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs

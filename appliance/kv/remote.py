@@ -18,11 +18,9 @@ UCX: KVTransfer sets them from the cluster settings (`ucx_environment`).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import time
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -30,22 +28,19 @@ import torch
 
 from appliance.kv.byte_ranges import ByteRange, PoolShape, copy_ranges
 from appliance.kv.handoff import KVShard
+from appliance.kv.remote_pool import RemotePool, find_nixl
 from appliance.settings.cluster import ClusterSettings
 
 __all__ = [
     "Copies",
     "KVTransfer",
     "RemoteCopy",
-    "RemotePool",
     "RemoteSource",
     "TransferError",
-    "nixl_available",
     "pool_shape",
     "ucx_environment",
 ]
 
-# The NIXL wheels name their module after their CUDA build; any of them serves the CPU.
-NIXL_MODULES = ("nixl._bindings", "nixl_cu12._bindings", "nixl_cu13._bindings")
 PROGRESS_DELAY_US = 100_000  # the progress thread's poll timeout: it wakes for data sooner
 # UCX over TCP emulates a READ in pieces of this many bytes; its default (8 KiB) made
 # reads 5x slower on loopback.
@@ -54,18 +49,6 @@ TCP_SEGMENT = "256k"
 
 class TransferError(RuntimeError):
     """A KV read between boxes failed: the peer is gone, cut off, or too slow."""
-
-
-@dataclass(frozen=True)
-class RemotePool:
-    """A KV pool as a process on another box reads it."""
-
-    agent: str  # the owner's NIXL agent name
-    metadata: bytes  # the owner agent's metadata (loaded once per reader)
-    address: int  # the pool's first byte in its owner's memory
-    shape: PoolShape
-    device: int = 0  # the GPU the pool is on (0 for host memory)
-    memory: str = "DRAM"  # "DRAM" or "VRAM"
 
 
 def pool_shape(tensor: torch.Tensor, head_start: int = 0) -> PoolShape:
@@ -92,38 +75,6 @@ def ucx_environment(settings: ClusterSettings) -> dict[str, str]:
         if value:
             env[name] = value
     return env
-
-
-def nixl_available() -> bool:
-    """Whether a NIXL wheel is installed (the `cluster` extra)."""
-    return _find_nixl(quiet=True) is not None
-
-
-class MissingNixl(ValueError):
-    """This box cannot move KV to or from others: NIXL is not installed."""
-
-
-def require_nixl() -> None:
-    """MissingNixl, said before any worker starts, when this box cannot move KV to others."""
-    if not nixl_available():
-        raise MissingNixl(
-            "boxes move KV through NIXL, which is not installed here: pip install "
-            "'appliance[cluster]' (the nixl-cu12 wheel, which serves CPUs too)"
-        )
-
-
-def _find_nixl(quiet: bool = False) -> ModuleType | None:
-    for name in NIXL_MODULES:
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    if quiet:
-        return None
-    raise TransferError(
-        "KV transfer between boxes needs NIXL: pip install 'appliance[cluster]' "
-        "(the nixl-cu12 wheel, which serves CPUs too)"
-    )
 
 
 @dataclass
@@ -193,8 +144,12 @@ class KVTransfer:
     reads blocks from theirs. `name` must be unique in the cluster."""
 
     def __init__(self, name: str, settings: ClusterSettings) -> None:
-        bind = _find_nixl()
-        assert bind is not None
+        bind = find_nixl()
+        if bind is None:
+            raise TransferError(
+                "KV transfer between boxes needs NIXL: pip install 'appliance[cluster]' "
+                "(the nixl-cu12 wheel, which serves CPUs too)"
+            )
         # UCX reads its settings from the environment when the backend starts.
         os.environ.update(ucx_environment(settings))
         self._bind = bind

@@ -18,7 +18,7 @@ from appliance.cluster.messages import AgentHello
 from appliance.cluster.tls import head_context
 from appliance.core.events import EventLog
 from appliance.core.roles import Role
-from appliance.kv.remote import require_nixl
+from appliance.kv.remote_pool import require_nixl
 from appliance.pools.process_manager import ProcessManager
 from appliance.settings.cluster import ClusterSettings, host_port
 from appliance.settings.config import Settings

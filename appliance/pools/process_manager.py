@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import multiprocessing as mp
 import time
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Protocol
-
-import torch.multiprocessing as mp
 
 from appliance.cluster.head import LOST, ClusterHead
 from appliance.core.events import Event, EventKind
@@ -26,9 +25,17 @@ from appliance.settings.config import Settings
 from appliance.topology.devices import Device, Topology
 from appliance.workers.messages import Shutdown, ToWorker
 from appliance.workers.outboxes import Outbox, OutboxReader, Pipe
-from appliance.workers.worker import run_worker
 
 WATCH_INTERVAL_S = 0.2  # how often worker processes are checked for being alive
+
+
+def _run_worker(*args: Any) -> None:
+    """A spawned worker process's entry (workers/worker.py's run_worker), imported in the
+    worker: the supervisor runs no model and so never imports torch (a second off every
+    start, and its memory), and relays the workers' pickled pools as bytes."""
+    from appliance.workers.worker import run_worker
+
+    run_worker(*args)
 
 
 class ProcessHooks(Protocol):
@@ -148,7 +155,7 @@ class ProcessManager:
         inbox = self._ctx.Queue()
         receiving, sending = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(
-            target=run_worker,
+            target=_run_worker,
             args=(worker_id, role, settings, devices, inbox, Outbox(sending)),
             daemon=True,
         )

@@ -14,7 +14,7 @@ from types import FrameType
 import uvicorn
 
 from appliance.api import Appliance
-from appliance.kv.remote import require_nixl
+from appliance.kv.remote_pool import require_nixl
 from appliance.server.app import build_app
 from appliance.server.state import ServerState
 from appliance.settings.config import ServerSettings, Settings, is_loopback

@@ -16,7 +16,7 @@ from appliance.engine.step_timing import StepTiming
 from appliance.kv_store.namespace import StoreNamespace
 
 if TYPE_CHECKING:  # a pool on another box: its module loads torch, the messages need not
-    from appliance.kv.remote import RemotePool
+    from appliance.kv.remote_pool import RemotePool
 
 # ---------------------------------------------------------------- supervisor -> worker
 

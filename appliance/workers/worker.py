@@ -24,7 +24,8 @@ from appliance.engine.kernel_warmup import warm_up
 from appliance.engine.llm_engine import LLMEngine, RequestOutput
 from appliance.engine.speculative.proposer import reported_totals
 from appliance.kv.handoff import KVShard, reading_from
-from appliance.kv.remote import KVTransfer, RemotePool, RemoteSource
+from appliance.kv.remote import KVTransfer, RemoteSource
+from appliance.kv.remote_pool import RemotePool
 from appliance.settings.cluster import ClusterSettings
 from appliance.settings.config import Settings
 from appliance.topology.cpu import pin_to_cores

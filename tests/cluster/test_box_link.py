@@ -39,7 +39,7 @@ from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams, StructuredOutput
 from appliance.engine.step_timing import StepTiming
 from appliance.kv.byte_ranges import PoolShape
-from appliance.kv.remote import RemotePool
+from appliance.kv.remote_pool import RemotePool
 from appliance.settings.cluster import ClusterSettings
 from appliance.settings.config import load_settings
 from appliance.topology.devices import Device

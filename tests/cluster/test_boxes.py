@@ -28,7 +28,7 @@ from server_process import API_KEY, ServerProcess, cluster_head, greedy_text, wa
 from appliance.bench.compare import free_port
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.sequence import SamplingParams
-from appliance.kv.remote import nixl_available
+from appliance.kv.remote_pool import nixl_available
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 

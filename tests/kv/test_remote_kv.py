@@ -20,13 +20,12 @@ from appliance.engine.sequence import SamplingParams
 from appliance.kv.remote import (
     Copies,
     RemoteCopy,
-    RemotePool,
     RemoteSource,
     TransferError,
-    nixl_available,
     pool_shape,
     ucx_environment,
 )
+from appliance.kv.remote_pool import RemotePool, nixl_available
 from appliance.settings.cluster import ClusterSettings
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
