@@ -1,0 +1,125 @@
+"""`appliance serve` as a user starts and stops it, at two commits, same machine, same run:
+seconds to a healthy server, then one short completion, the serve process's memory and
+whether it mapped torch, and seconds from SIGINT to its exit.
+
+Each commit runs from a git worktree (this checkout's compiled kernels copied in), the
+two alternating, the default model and settings but the port (and `--mode`).
+
+    .venv/bin/python benchmarks/serve_start_bench.py --before e291516 [--after HEAD] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from appliance.model.cpu_kernels.loading import level  # noqa: E402
+from appliance.model.model_source import default_model_path, model_name  # noqa: E402
+from appliance.topology.cpu import cpu_model_name  # noqa: E402
+
+
+@dataclass
+class Start:
+    ready_s: float
+    stop_s: float
+    rss_mib: float
+    torch_mapped: bool
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_start(tree: Path, mode: str) -> Start:
+    """Start `appliance serve` from `tree`, wait for /health, ask one completion, stop it."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(tree), "APPLIANCE_PORT": str(port)}
+    env["APPLIANCE_MODE"] = mode
+    command = [sys.executable, "-m", "appliance.cli", "serve"]
+    began = time.monotonic()
+    process = subprocess.Popen(
+        command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"appliance serve from {tree} exited with {process.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.02)
+    ready = time.monotonic() - began
+    body = {"model": model_name(default_model_path()), "prompt": "Hello", "max_tokens": 8}
+    httpx.post(url + "/v1/completions", json=body, timeout=120).raise_for_status()
+    maps = Path(f"/proc/{process.pid}/maps").read_text()
+    status = Path(f"/proc/{process.pid}/status").read_text().splitlines()
+    rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+    stopping = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    process.wait(120)
+    return Start(ready, time.monotonic() - stopping, rss_kib / 1024, "libtorch" in maps)
+
+
+def worktree(rev: str, folder: Path) -> Path:
+    """A checkout of `rev` under `folder`, with this checkout's compiled kernels."""
+    tree = folder / rev
+    subprocess.run(
+        ["git", "worktree", "add", "-q", "--detach", str(tree), rev], cwd=ROOT, check=True
+    )
+    for built in (ROOT / "appliance" / "model").glob("_cpu_kernels_*.so"):
+        shutil.copy2(built, tree / "appliance" / "model" / built.name)
+    return tree
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--before", required=True)
+    parser.add_argument("--after", default="HEAD")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--mode", default="disaggregated")
+    args = parser.parse_args()
+    starts: dict[str, list[Start]] = {args.before: [], args.after: []}
+    with tempfile.TemporaryDirectory() as folder:
+        trees = {rev: worktree(rev, Path(folder)) for rev in starts}
+        try:
+            for _ in range(args.runs):
+                for rev, tree in trees.items():
+                    starts[rev].append(one_start(tree, args.mode))
+        finally:
+            for tree in trees.values():
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
+    print(f"{cpu_model_name()}, kernels {level()}, {os.cpu_count()} cores; `appliance serve`,")
+    print(f"mode {args.mode}, {args.runs} starts each, alternating; median (min-max)\n")
+    print("| commit | ready s | stop s | serve process RSS MiB | torch in the serve process |")
+    print("|---|---:|---:|---:|---|")
+    for rev, runs in starts.items():
+        cells = [_spread([getattr(r, f) for r in runs]) for f in ("ready_s", "stop_s", "rss_mib")]
+        mapped = sorted({r.torch_mapped for r in runs})
+        print(f"| {rev} | {' | '.join(cells)} | {', '.join(map(str, mapped))} |")
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+if __name__ == "__main__":
+    main()
