@@ -37,6 +37,10 @@ from appliance.settings.config import load_settings
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
 
 GREEDY = SamplingParams(max_tokens=16)
+# The KV pool of each engine this module makes and of each worker (and shard) it starts:
+# 64 MiB holds the 8 questions' blocks several times over, where the 512 MiB default made
+# every process zero (and a shared pool copy into shared memory) 512 MiB at each start.
+SMALL_POOL = {"memory_mb": 64}
 
 
 # --- the split, on plain data ----------------------------------------------------------
@@ -95,7 +99,7 @@ def test_shards_add_up_to_the_whole_model(size: int, weights: str, engine: LLMEn
     gemm = "int16"
     if weights == "quantized":
         settings = load_settings(
-            device="cpu", weights="quantized", prefill_tp=size, prefill_gemm=gemm
+            device="cpu", weights="quantized", prefill_tp=size, prefill_gemm=gemm, kv=SMALL_POOL
         )
         engine = LLMEngine.from_settings(settings)
     # the last prompt alone takes a quantized product past GEMM_ROWS, to the `gemm` GEMM
@@ -200,7 +204,9 @@ def expected_quantized(chat_prompts: list[list[int]]) -> list[list[int]]:
     for an appliance with groups of 2 (row_parallel_spans). Its prefill GEMMs in float32,
     as the groups': a bfloat16 GEMM's rounding would follow how each step is batched."""
     one = LLMEngine.from_settings(
-        load_settings(device="cpu", weights="quantized", prefill_tp=2, prefill_gemm="float32")
+        load_settings(
+            device="cpu", weights="quantized", prefill_tp=2, prefill_gemm="float32", kv=SMALL_POOL
+        )
     )
     return [c.token_ids for c in one.generate(chat_prompts, GREEDY)]
 
@@ -250,7 +256,13 @@ def test_tensor_parallel_greedy_outputs_equal_one_process(
     expected = request.getfixturevalue("expected" if weights == "dense" else "expected_quantized")
     dtype = "float32" if weights == "dense" else "auto"
     settings = load_settings(
-        dtype=dtype, device="cpu", weights=weights, mode=mode, prefill_gemm="float32", **layout
+        dtype=dtype,
+        device="cpu",
+        weights=weights,
+        mode=mode,
+        prefill_gemm="float32",
+        kv=SMALL_POOL,
+        **layout,
     )
     cores = [(0,), (1,)] if mode == "colocated" else [(0,), (1,), (0,)]
 
@@ -291,51 +303,46 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_a_dead_shard_restarts_its_group_and_requests_still_complete(
-    chat_prompts: list[list[int]], expected: list[list[int]]
-) -> None:
-    """Killing one follower breaks its leader's next step: the supervisor sees the worker
-    crash, retries the requests, and restarts the whole group."""
-    settings = load_settings(
-        dtype="float32", device="cpu", weights="dense", mode="colocated", prefill_tp=2
-    )
-
-    async def main() -> tuple[list[list[int]], int, list[int], list[int]]:
-        async with Appliance(settings, cpu_topology((0,), (1,))) as app:
-            (worker,) = app.supervisor.workers.values()
-            (follower,) = child_pids(worker.process.pid)
-            os.kill(follower, signal.SIGKILL)
-            got = await run_all(app, chat_prompts[:4])
-            (now,) = app.supervisor.workers.values()
-            return got, now.restarts, child_pids(now.process.pid), [follower]
-
-    got, restarts, new_followers, old = asyncio.run(main())
-    assert got == expected[:4]
-    assert restarts == 1
-    assert len(new_followers) == 1 and new_followers != old
-
-
-def test_an_idle_group_outlives_its_collective_timeout(
+def test_an_idle_group_outlives_its_collective_timeout_and_a_dead_shard_restarts_it(
     chat_prompts: list[list[int]], expected: list[list[int]]
 ) -> None:
     """Followers wait for their next step without a deadline: a group idle for longer
-    than the collectives' timeout still serves, without a restart."""
+    than the collectives' timeout still serves, without a restart. Then killing one
+    follower breaks its leader's next step: the supervisor sees the worker crash, retries
+    the requests, and restarts the whole group. (One appliance for both, a start less:
+    after the idle part's requests the group is idle again, as the kill wants it.)"""
     settings = load_settings(
         dtype="float32",
         device="cpu",
         weights="dense",
         mode="colocated",
         prefill_tp=2,
+        kv=SMALL_POOL,
         recovery={"stall_timeout_s": 3},  # also how long an all-reduce may wait
     )
 
-    async def main() -> tuple[list[list[int]], int]:
+    async def main() -> tuple[list[list[int]], int, list[list[int]], int, list[int], list[int]]:
         async with Appliance(settings, cpu_topology((0,), (1,))) as app:
             await asyncio.sleep(6)
-            got = await run_all(app, chat_prompts[:2])
+            after_idle = await run_all(app, chat_prompts[:2])
             (worker,) = app.supervisor.workers.values()
-            return got, worker.restarts
+            idle_restarts = worker.restarts
+            (follower,) = child_pids(worker.process.pid)
+            os.kill(follower, signal.SIGKILL)
+            got = await run_all(app, chat_prompts[:4])
+            (now,) = app.supervisor.workers.values()
+            return (
+                after_idle,
+                idle_restarts,
+                got,
+                now.restarts,
+                child_pids(now.process.pid),
+                [follower],
+            )
 
-    got, restarts = asyncio.run(main())
-    assert got == expected[:2]
-    assert restarts == 0
+    after_idle, idle_restarts, got, restarts, new_followers, old = asyncio.run(main())
+    assert after_idle == expected[:2]
+    assert idle_restarts == 0
+    assert got == expected[:4]
+    assert restarts == 1
+    assert len(new_followers) == 1 and new_followers != old
