@@ -3,8 +3,8 @@ min-p, per-request seeds, and the log probabilities requests ask for.
 
 A step's rows are sampled together with batched tensor ops, whatever mix of greedy and
 random rows and of settings it holds: per-row settings travel as tensors, and the draw is
-an exponential race, argmax(probs / E) with E ~ Exp(1) drawn per vocabulary entry, which
-picks token i with probability probs[i] (it is the Gumbel-max trick in probability space).
+one uniform number per row through the row's cumulative distribution (categorical.py),
+which picks token i with probability probs[i].
 Nothing reads the device until the step's results are complete: `sample` reads them once
 with one `.tolist()` (token ids, and logprobs where asked, packed in one tensor), the
 step's only host sync.
@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from appliance.engine.categorical import draw, uniforms
 from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.penalties import apply_penalties
 from appliance.engine.sequence import SamplingParams, Sequence
@@ -103,6 +104,9 @@ class Sampler:
         self._shared = torch.Generator(device=device)
         self._shared.seed()
         self.grammar: GrammarMasks | None = None  # the engine sets it: it has the tokenizer
+        # How top-p finds its cut: a sort of each row on a GPU (no read of the device
+        # mid-step); on a CPU, where a read costs nothing, from the largest few (nucleus).
+        self.sort_top_p = device.type == "cuda"
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
         """logits float32 [rows, vocab], one row per SampleRow; returns a token per row and
@@ -148,11 +152,11 @@ class Sampler:
             return greedy, None  # the common case costs one argmax, as it always did
         params = [row.params for row in rows]
         temperature, top_k, top_p, min_p = self._settings(params, logits.device)
+        cuts = _cuts(params, logits.shape[-1])
         probs = batch_probabilities(
-            logits, temperature, top_k, top_p, min_p=min_p, cuts=_cuts(params, logits.shape[-1])
+            logits, temperature, top_k, top_p, min_p=min_p, cuts=cuts, sort_top_p=self.sort_top_p
         )
-        noise = self._noise(probs, rows)
-        drawn = (probs / noise if keep_probs else probs.div_(noise)).argmax(dim=-1)
+        drawn = draw(probs, self._uniforms(rows, logits.device))
         # Greedy rows took a placeholder temperature of 1 above; their argmax wins here.
         return torch.where(temperature == 0, greedy, drawn), probs if keep_probs else None
 
@@ -182,6 +186,7 @@ class Sampler:
                 top_p,
                 min_p=min_p,
                 cuts=_cuts(params, logits.shape[-1]),
+                sort_top_p=self.sort_top_p,
             )  # [1 + k, vocab]
             seeded = row.params.seed is not None
             generator = self._generator(row.seq_id, row.params) if seeded else self._shared
@@ -240,24 +245,18 @@ class Sampler:
             _upload(min_p, torch.float32, device) if any(min_p) else None,
         )
 
-    def _noise(self, probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Exp(1) noise [rows, vocab]: a seeded row's from its own generator (so its draw
-        depends on nothing else in the batch), the others' from the shared one in one call."""
-        noise = torch.empty_like(probs)
-        seeded = [
-            (index, row)
-            for index, row in enumerate(rows)
-            if row.params.seed is not None and not row.params.greedy
-        ]
-        if len(seeded) < len(rows):
-            noise.exponential_(generator=self._shared)
-        for index, row in seeded:
-            # One launch per seeded row, but no sync: the row's generator advances on the
-            # device like the row's tokens do.
-            noise[index].exponential_(generator=self._generator(row.seq_id, row.params))
-        # Exp(1) can round to 0: 0/0 would be NaN, which argmax prefers. The smallest
-        # normal float keeps every quotient finite and a zero probability at zero.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    def _uniforms(self, rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+        """One uniform [rows] float64 per row: a seeded row's from its own generator (so
+        its draw depends on nothing else in the batch), the others' from the shared one in
+        one call. Greedy rows take one too (unused): the shared stream's use does not
+        depend on which rows are greedy."""
+        u = uniforms(len(rows), self._shared, device)
+        for index, row in enumerate(rows):
+            if row.params.seed is not None and not row.params.greedy:
+                # One small launch per seeded row, but no sync: the row's generator
+                # advances on the device like the row's tokens do.
+                u[index] = uniforms(1, self._generator(row.seq_id, row.params), device)[0]
+        return u
 
     def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator:
         gen = self._generators.get(seq_id)
@@ -427,12 +426,14 @@ def batch_probabilities(
     *,
     min_p: torch.Tensor | None = None,
     cuts: tuple[int, bool],
+    sort_top_p: bool | None = None,
 ) -> torch.Tensor:
     """[rows, vocab] logits -> probabilities, each row after its own temperature [rows]
     (0, a greedy row, counts as 1), min_p [rows] (0: no cut; None: no row has one), top_k
     [rows] (0 or >= vocab: no cut) and top_p [rows] (1: no cut), in vLLM's order. `cuts`
     (from _cuts) lets a batch skip the sort or the top-k it does not need. A row's result
-    depends on nothing else in the batch, whatever the others cut."""
+    depends on nothing else in the batch, whatever the others cut. sort_top_p: top-p's cut
+    by a sort of each row (top_p_by_sort) rather than nucleus(); None: on CUDA only."""
     max_k, any_top_p = cuts
     vocab = logits.shape[-1]
     logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
@@ -446,12 +447,29 @@ def batch_probabilities(
     # Rows without a top-k keep everything: their threshold is -inf.
     has_k = (top_k > 0) & (top_k < vocab)
     kth_index = (top_k.clamp(1, max(max_k, 1)) - 1)[:, None]
-    if not any_top_p:
-        # Only top-k: the largest max_k values suffice, not a sort of the vocabulary.
+    if sort_top_p is None:
+        sort_top_p = logits.device.type == "cuda"
+    if any_top_p and sort_top_p:
+        return top_p_by_sort(logits, (has_k, kth_index, max_k), top_p)
+    if max_k:
+        # The largest max_k values suffice for the k-th, not a sort of the vocabulary.
         kth = torch.topk(logits, max_k).values.gather(1, kth_index)
         kth = torch.where(has_k[:, None], kth, float("-inf"))
         # Ties with the k-th value stay, like torch.topk's threshold always kept them.
-        return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if not any_top_p:
+        return logits.softmax(-1)
+    keep = nucleus(logits.softmax(-1), top_p)
+    return logits.masked_fill(~keep, float("-inf")).softmax(-1)
+
+
+def top_p_by_sort(
+    logits: torch.Tensor, top_k: tuple[torch.Tensor, torch.Tensor, int], top_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k (has_k [rows], kth_index [rows, 1], max_k, as batch_probabilities makes them)
+    then top-p through one sort of each row: a GPU's choice (its sort is fast, and
+    nucleus() would read the device mid-step)."""
+    has_k, kth_index, max_k = top_k
     # Stable: equal logits keep their vocabulary order, so which of them a top-p cut
     # drops never depends on the sort algorithm a batch shape picks (~10% slower on CPU).
     sorted_logits, order = torch.sort(logits, descending=True, stable=True)
@@ -466,6 +484,34 @@ def batch_probabilities(
     drop = (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
     logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits.softmax(-1)
+
+
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens of each row [rows, vocab] top_p [rows] keeps (bool [rows, vocab]): the
+    likeliest, in order, until the ones before a token reach top_p (the first always
+    stays; top_p 1 keeps all), equal probabilities taken in vocabulary order, as a stable
+    sort would list them. Found from the row's largest K probabilities, K growing until
+    they reach top_p (64, then 1024, 16384, all), not a sort of the vocabulary: a stable
+    sort of 49k entries is ~4 ms a row on a CPU thread. Reads the device (CPU only)."""
+    vocab = probs.shape[-1]
+    cuts = top_p < 1.0
+    k = 64
+    while True:
+        k = min(k, vocab)
+        largest = torch.topk(probs, k).values  # [rows, k], descending
+        if k == vocab or bool(((largest.sum(-1) >= top_p) | ~cuts).all()):
+            break
+        k *= 16
+    before = largest.cumsum(-1) - largest
+    kept = (before < top_p[:, None]).sum(-1, keepdim=True)  # [rows, 1], at least 1
+    last = largest.gather(1, kept - 1)  # the smallest kept probability
+    above = probs > last
+    ties = probs == last
+    room = kept - above.sum(-1, keepdim=True)  # how many of the ties stay
+    keep = above | ties
+    if bool((room < ties.sum(-1, keepdim=True)).any()):  # a cut through equal values
+        keep = above | (ties & (ties.cumsum(-1) <= room))
+    return keep | ~cuts[:, None]
 
 
 def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

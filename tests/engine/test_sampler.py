@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from appliance.engine.sampler import Sampler, SampleRow, batch_probabilities
+from appliance.engine import sampler as sampler_module
+from appliance.engine.sampler import Sampler, SampleRow, batch_probabilities, top_p_by_sort
 from appliance.engine.sampler import _cuts as cuts_of
 from appliance.engine.sequence import SamplingParams
 
@@ -366,10 +367,40 @@ def test_batch_rows_equal_single_row_probabilities() -> None:
     assert [len(support(batch[r])) for r in range(4)][:2] == [VOCAB, 5]
 
 
-def test_zero_noise_never_picks_a_cut_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Exp(1) noise may round to 0; 0/0 would be NaN, which argmax would pick. Forced to
-    # zero everywhere, the draw must still land inside the support.
-    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, **_: self.zero_())
-    logits = torch.tensor([[float("-inf"), 1.0, float("-inf"), 3.0, 2.0]])
+@pytest.mark.parametrize("edge", [0.0, 1.0 - 2.0**-53])
+def test_the_extreme_uniforms_never_pick_a_cut_token(
+    monkeypatch: pytest.MonkeyPatch, edge: float
+) -> None:
+    # The draw walks the row's running sum: a uniform of 0 must skip the cut tokens
+    # before the support, the largest one below 1 those after it.
+    def extreme(count: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+        return torch.full((count,), edge, dtype=torch.float64, device=device)
+
+    monkeypatch.setattr(sampler_module, "uniforms", extreme)
+    logits = torch.tensor([[float("-inf"), 1.0, float("-inf"), 3.0, 2.0, float("-inf")]])
     params = SamplingParams(temperature=1.0, top_k=2, seed=1)
-    assert draw(Sampler(CPU), logits, [(0, params)]) == [3]
+    assert draw(Sampler(CPU), logits, [(0, params)]) == [3 if edge == 0.0 else 4]
+
+
+def test_the_cpu_nucleus_keeps_what_a_stable_sort_keeps() -> None:
+    """CPUs find top-p's cut from each row's largest probabilities (nucleus), GPUs by
+    sorting the row: the same tokens, equal ones taken in vocabulary order either way,
+    whether the cut falls within the first 64, needs more (a flat row of 200 equal
+    logits, cut through its ties), or comes after a top-k."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 200
+    logits = (torch.randn(6, vocab, generator=gen) * 2).round()  # many equal values
+    logits[3] = 0.0  # flat: half of it is a cut through 200 ties, beyond 64
+    temperature = torch.tensor([1.0, 0.7, 1.0, 1.0, 1.3, 1.0])
+    top_k = torch.tensor([0, 0, 20, 0, 150, 0])
+    top_p = torch.tensor([0.9, 0.5, 0.8, 0.5, 0.95, 1.0])
+    cuts = (150, True)
+    cpu = batch_probabilities(logits, temperature, top_k, top_p, cuts=cuts)
+    scaled = logits / temperature[:, None]
+    has_k = (top_k > 0) & (top_k < vocab)
+    kth_index = (top_k.clamp(1, 150) - 1)[:, None]
+    by_sort = top_p_by_sort(scaled, (has_k, kth_index, 150), top_p)
+    assert torch.equal(cpu > 0, by_sort > 0)
+    assert torch.allclose(cpu, by_sort, atol=1e-6)
+    assert (cpu[3] > 0).sum() == 100 and (cpu[3, :100] > 0).all()  # ties in vocabulary order
+    assert (cpu[5] > 0).all()  # top_p 1 cuts nothing

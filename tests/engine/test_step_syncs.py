@@ -83,11 +83,20 @@ def counted(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
     return result, mode.reads
 
 
+def gpu_sampler(device: torch.device) -> Sampler:
+    """A sampler that cuts top-p as it does on a GPU (a sort of each row): the reads
+    counted here are the GPU's. On a CPU top-p's cut is found from each row's largest
+    probabilities, sized by reading the device (free there; the random-rows test shows it)."""
+    sampler = Sampler(device)
+    sampler.sort_top_p = True
+    return sampler
+
+
 @pytest.fixture
 def runner(make_engine: Callable[..., LLMEngine]) -> ModelRunner:
     """A model runner over the real model (float32, CPU) with its own pool and sampler."""
     engine = make_engine(block_size=16, num_blocks=64)
-    return ModelRunner(engine.model, engine.kv, Sampler(engine.model.device))
+    return ModelRunner(engine.model, engine.kv, gpu_sampler(engine.model.device))
 
 
 def step_of(
@@ -157,10 +166,17 @@ def test_sampling_reads_once_however_many_random_rows() -> None:
         )
         for i in range(16)
     ]
-    sampled, reads = counted(lambda: Sampler(torch.device("cpu")).sample(logits, requests))
+    sampled, reads = counted(lambda: gpu_sampler(torch.device("cpu")).sample(logits, requests))
     tokens = sampled.token_ids
     assert reads == ["tolist"]
     assert len(tokens) == 16
+    # The CPU's own way reads the device to size top-p's search and to see a cut through
+    # equal probabilities, then gives every row the same tokens.
+    cpu = Sampler(torch.device("cpu"))
+    assert not cpu.sort_top_p
+    on_cpu, cpu_reads = counted(lambda: cpu.sample(logits, requests))
+    assert cpu_reads[-1] == "tolist" and set(cpu_reads[:-1]) == {"__bool__"}
+    assert on_cpu.token_ids == tokens
 
 
 def test_processing_and_logprobs_still_read_once() -> None:

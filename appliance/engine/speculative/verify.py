@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from appliance.engine.categorical import draw, uniforms
+
 
 def accept_greedy(drafts: Sequence[int], target: Sequence[int]) -> list[int]:
     """The tokens a greedy verify step emits. `target`: the target's argmax at each of the
@@ -74,8 +76,6 @@ def rejection_sample(
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
-    """One index drawn with probability proportional to `weights` [vocab] (unnormalized):
-    the sampler's exponential race, argmax(w / E) with E ~ Exp(1)."""
-    noise = torch.empty_like(weights, dtype=torch.float32).exponential_(generator=generator)
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return int((weights.float() / noise).argmax())
+    """One index drawn with probability proportional to `weights` [vocab] (unnormalized),
+    as the sampler draws (categorical.py), from `generator`."""
+    return int(draw(weights[None], uniforms(1, generator, weights.device))[0])
