@@ -7,6 +7,7 @@ FollowerSpec on stdin.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import pickle
 import signal
@@ -47,6 +48,7 @@ def serve(spec: FollowerSpec) -> None:
     shard = Shard(spec.rank, spec.size)
     parts = load_shard(settings, shard, links.all_reduce, shared_kv=True)
     head_start = shard_plan(parts.files.config, shard).kv_heads.start
+    gc.freeze()  # as a worker does once loaded (worker.py): its exit scans none of it
     while True:
         received: list[Any] = [None]
         dist.broadcast_object_list(received, src=0, group=commands)

@@ -7,6 +7,7 @@ worker; "decode" pulls parked blocks from a prefill worker's shared pool and dec
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -143,6 +144,10 @@ def load_and_serve(
     gemm = engine.model.prefill_gemm  # its steps' timings say where the kernels switch
     engine.clock.gemm_rows = gemm.rows if gemm is not None else None
     state = WorkerState(worker_id, engine, outbox, group, cluster=settings.cluster)
+    # The model's and the engine's objects live as long as the process: frozen, no
+    # collection scans them again, neither a full one while serving nor the one Python
+    # makes as the process exits (most of a worker's second to exit after Shutdown).
+    gc.freeze()
     exporting = start_exporting(settings.tracing, f"worker {worker_id}")
     if exporting is not None:
         state.spans = WorkerSpans(worker_id)
