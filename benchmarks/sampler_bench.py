@@ -9,15 +9,10 @@ a core runs it; microseconds per step, median of `--repeats`.
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from timing import best_seconds
 
 from appliance.engine.sampler import Sampler, SampleRow
 from appliance.engine.sequence import SamplingParams
@@ -33,16 +28,8 @@ SETTINGS = {
 }
 
 
-def micros(step: Callable[[], object], repeats: int) -> float:
-    """Median microseconds of `step` over `repeats` calls, after two to warm up."""
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e6
+def best_us(step: Callable[[], object], repeats: int) -> float:
+    return best_seconds(step, repeats) * 1e6
 
 
 def rows_of(params: SamplingParams, count: int) -> list[SampleRow]:
@@ -68,9 +55,9 @@ def main() -> None:
 def timings(sampler: Sampler, count: int, repeats: int) -> tuple[float, list[float]]:
     """Microseconds of a softmax of [count, VOCAB] logits, then of a step of each setting."""
     logits = torch.randn(count, VOCAB) * 3  # [rows, vocab]: a flat-ish row, a wide nucleus
-    floor = micros(lambda: logits.softmax(-1), repeats)
+    floor = best_us(lambda: logits.softmax(-1), repeats)
     steps = [lambda p=p: sampler.sample(logits, rows_of(p, count)) for p in SETTINGS.values()]
-    return floor, [micros(step, repeats) for step in steps]
+    return floor, [best_us(step, repeats) for step in steps]
 
 
 if __name__ == "__main__":

@@ -12,25 +12,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from worktrees import alternate
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from appliance.model.cpu_kernels.loading import level  # noqa: E402
-from appliance.model.model_source import default_model_path, model_name  # noqa: E402
-from appliance.topology.cpu import cpu_model_name  # noqa: E402
+from appliance.model.cpu_kernels.loading import level
+from appliance.model.model_source import default_model_path, model_name
+from appliance.topology.cpu import cpu_model_name
 
 
 @dataclass
@@ -79,17 +75,6 @@ def one_start(tree: Path, mode: str) -> Start:
     return Start(ready, time.monotonic() - stopping, rss_kib / 1024, "libtorch" in maps)
 
 
-def worktree(rev: str, folder: Path) -> Path:
-    """A checkout of `rev` under `folder`, with this checkout's compiled kernels."""
-    tree = folder / rev
-    subprocess.run(
-        ["git", "worktree", "add", "-q", "--detach", str(tree), rev], cwd=ROOT, check=True
-    )
-    for built in (ROOT / "appliance" / "model").glob("_cpu_kernels_*.so"):
-        shutil.copy2(built, tree / "appliance" / "model" / built.name)
-    return tree
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--before", required=True)
@@ -97,16 +82,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--mode", default="disaggregated")
     args = parser.parse_args()
-    starts: dict[str, list[Start]] = {args.before: [], args.after: []}
-    with tempfile.TemporaryDirectory() as folder:
-        trees = {rev: worktree(rev, Path(folder)) for rev in starts}
-        try:
-            for _ in range(args.runs):
-                for rev, tree in trees.items():
-                    starts[rev].append(one_start(tree, args.mode))
-        finally:
-            for tree in trees.values():
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
+    starts = alternate(
+        [args.before, args.after], args.runs, lambda tree: one_start(tree, args.mode)
+    )
     print(f"{cpu_model_name()}, kernels {level()}, {os.cpu_count()} cores; `appliance serve`,")
     print(f"mode {args.mode}, {args.runs} starts each, alternating; median (min-max)\n")
     print("| commit | ready s | stop s | serve process RSS MiB | torch in the serve process |")

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from worktrees import ROOT, alternate
 
 # Run inside each worktree: its own `appliance` ahead of the editable install's, then the
 # rows of its own llama_cpp_bench.py. Settings moved between commits: both paths tried.
@@ -53,14 +51,6 @@ print(json.dumps(rows))
 """
 
 
-def worktree(rev: str, folder: Path) -> Path:
-    path = folder / rev.replace("/", "_")
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True)
-    for built in (ROOT / "appliance" / "model").glob("_cpu_kernels_*.so"):
-        shutil.copy2(built, path / "appliance" / "model" / built.name)
-    return path
-
-
 def rows_of(tree: Path) -> dict[str, float]:
     done = subprocess.run(
         [sys.executable, "-c", PROBE, str(tree)], capture_output=True, text=True, cwd=tree
@@ -80,16 +70,7 @@ def main() -> int:
     if subprocess.run(sources, cwd=ROOT).returncode != 0:
         print("the C kernels differ between the two commits: build each tree's own first")
         return 2
-    with tempfile.TemporaryDirectory() as folder:
-        trees = {rev: worktree(rev, Path(folder)) for rev in (args.before, args.after)}
-        try:
-            runs: dict[str, list[dict[str, float]]] = {rev: [] for rev in trees}
-            for _ in range(args.repeats):
-                for rev, tree in trees.items():
-                    runs[rev].append(rows_of(tree))
-        finally:
-            for tree in trees.values():
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
+    runs = alternate([args.before, args.after], args.repeats, rows_of)
     from appliance.topology.cpu import cpu_model_name
 
     print(f"CPU: {cpu_model_name()}; best of {args.repeats}, alternating; tok/s\n")
