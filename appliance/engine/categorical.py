@@ -42,11 +42,14 @@ def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     ends = sums.cumsum(-1)  # [rows, blocks]: the running sum at each block's end
     # u < 1 in 53 bits: u * total stays below the total, so some block's end exceeds it.
     point = u.to(ends.dtype)[:, None] * ends[:, -1:]  # [rows, 1]
-    block = torch.searchsorted(ends, point, right=True)  # [rows, 1]: never a weightless one
+    # [rows, 1]: never a weightless block; clamped for a row with no finite total (NaN
+    # logits), which gets some index, never an error, as the exponential race gave one.
+    block = torch.searchsorted(ends, point, right=True).clamp_(max=ends.shape[1] - 1)
     start = (ends - sums).gather(1, block)  # [rows, 1]: the running sum before it
     inner = blocks.gather(1, block[:, :, None].expand(-1, -1, BLOCK)).squeeze(1)  # [rows, BLOCK]
     index = torch.searchsorted(start + inner.cumsum(-1, dtype=torch.float64), point, right=True)
     # Summed in another order the block's end can round a hair below `point`: then its
     # last weighted entry, never a weightless one after it.
     last = torch.where(inner > 0, torch.arange(BLOCK, device=inner.device), -1).amax(-1)
-    return block.squeeze(1) * BLOCK + torch.minimum(index.squeeze(1), last)
+    drawn = block.squeeze(1) * BLOCK + torch.minimum(index.squeeze(1), last)
+    return drawn.clamp_(0, vocab - 1)

@@ -503,7 +503,8 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
             break
         k *= 16
     before = largest.cumsum(-1) - largest
-    kept = (before < top_p[:, None]).sum(-1, keepdim=True)  # [rows, 1], at least 1
+    # [rows, 1]: at least 1 (a row of NaN, all its logits cut, keeps its first)
+    kept = (before < top_p[:, None]).sum(-1, keepdim=True).clamp_(min=1)
     last = largest.gather(1, kept - 1)  # the smallest kept probability
     above = probs > last
     ties = probs == last

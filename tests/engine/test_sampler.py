@@ -404,3 +404,15 @@ def test_the_cpu_nucleus_keeps_what_a_stable_sort_keeps() -> None:
     assert torch.allclose(cpu, by_sort, atol=1e-6)
     assert (cpu[3] > 0).sum() == 100 and (cpu[3, :100] > 0).all()  # ties in vocabulary order
     assert (cpu[5] > 0).all()  # top_p 1 cuts nothing
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_row_of_nan_logits_still_gets_a_token(top_p: float) -> None:
+    """A row whose logits are not numbers (all cut by a mask, or a model gone wrong) gets
+    some token of the vocabulary, not an error that would take the worker down: the
+    exponential race before it gave one too."""
+    logits = torch.randn(2, 600)
+    logits[0] = float("nan")
+    params = SamplingParams(temperature=0.8, top_p=top_p, seed=3)
+    tokens = draw(Sampler(CPU), logits, [(0, params), (1, params)])
+    assert all(0 <= t < 600 for t in tokens)
