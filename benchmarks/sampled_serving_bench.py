@@ -12,25 +12,16 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 from openai import AsyncOpenAI
+from tree_server import start_server
 from worktrees import alternate
 
 from appliance.model.model_source import default_model_path, model_name
 from appliance.topology.cpu import cpu_model_name
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def one_stream(client: AsyncOpenAI, args: argparse.Namespace, n: int) -> list[float]:
@@ -62,22 +53,8 @@ async def load(url: str, args: argparse.Namespace) -> tuple[float, float]:
 
 
 def serve_and_load(tree: Path, args: argparse.Namespace) -> tuple[float, float]:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(tree), "APPLIANCE_PORT": str(port)}
-    command = [sys.executable, "-m", "appliance.cli", "serve"]
-    process = subprocess.Popen(
-        command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    url = f"http://127.0.0.1:{port}"
+    process, url = start_server(tree, {})
     try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"appliance serve from {tree} exited")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         asyncio.run(load(url, args))  # a warm-up load, untimed
         return asyncio.run(load(url, args))
     finally:

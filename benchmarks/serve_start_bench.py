@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from tree_server import start_server
 from worktrees import alternate
 
 from appliance.model.cpu_kernels.loading import level
@@ -37,32 +35,10 @@ class Start:
     torch_mapped: bool
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one_start(tree: Path, mode: str) -> Start:
     """Start `appliance serve` from `tree`, wait for /health, ask one completion, stop it."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(tree), "APPLIANCE_PORT": str(port)}
-    env["APPLIANCE_MODE"] = mode
-    command = [sys.executable, "-m", "appliance.cli", "serve"]
     began = time.monotonic()
-    process = subprocess.Popen(
-        command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"appliance serve from {tree} exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.02)
+    process, url = start_server(tree, {"APPLIANCE_MODE": mode})
     ready = time.monotonic() - began
     body = {"model": model_name(default_model_path()), "prompt": "Hello", "max_tokens": 8}
     httpx.post(url + "/v1/completions", json=body, timeout=120).raise_for_status()
