@@ -319,10 +319,10 @@ def test_a_date_the_grammar_allows_is_a_calendar_date() -> None:
 
     from jsonschema import FormatChecker
 
-    from appliance.engine.structured.compile import VALID_DATE, _calendar_dates
+    from appliance.engine.structured.compile import VALID_DATE, _narrowed
 
     schema = {"type": "object", "properties": {"born": {"type": "string", "format": "date"}}}
-    assert _calendar_dates(schema)["properties"]["born"] == {
+    assert _narrowed(schema)["properties"]["born"] == {
         "type": "string",
         "pattern": VALID_DATE,
     }
@@ -335,3 +335,37 @@ def test_a_date_the_grammar_allows_is_a_calendar_date() -> None:
                     assert checker.conforms(text, "date"), text
     assert not re.fullmatch(VALID_DATE, "2761-02-29")
     assert re.fullmatch(VALID_DATE, "2761-02-28") and re.fullmatch(VALID_DATE, "2024-12-31")
+
+
+def _takes(masks: GrammarMasks, tokenizer: Tokenizer, schema: dict[str, Any], text: str) -> bool:
+    """Whether the schema's matcher takes `text` (one character a token) and may end there."""
+    matcher = RequestMatcher(StructuredOutput("json", json.dumps(schema)), masks.vocabulary, 1)
+    ids = [token for char in text for token in text_tokens(tokenizer, char)]
+    matcher.catch_up(PROMPT[:1] + ids)
+    return matcher.refused is None and bool(matcher.matcher and matcher.matcher.is_accepting())
+
+
+def test_a_numbers_digits_are_bounded(masks: GrammarMasks, tokenizer: Tokenizer) -> None:
+    """At temperature 1 SmolLM2 wrote a fraction of hundreds of digits until max_tokens cut
+    the document: a number takes at most 10 fraction and 15 integral digits, as llama.cpp's
+    schema grammars bound them, unless the caller's schema bounds it itself."""
+    unit = {"type": "number", "minimum": -1, "maximum": 1}
+    assert _takes(masks, tokenizer, unit, "0." + "1" * 10)
+    assert not _takes(masks, tokenizer, unit, "0." + "1" * 11)
+    assert _takes(masks, tokenizer, unit, "-1")
+    assert not _takes(masks, tokenizer, unit, "1.5")  # the caller's bounds are kept
+    for kind in ("number", "integer"):
+        assert _takes(masks, tokenizer, {"type": kind}, "-" + "9" * 15)
+        assert not _takes(masks, tokenizer, {"type": kind}, "1" + "0" * 15)
+    big = {"type": "integer", "minimum": 10**17}  # a bound of its own beyond ours: kept
+    assert _takes(masks, tokenizer, big, "1" + "0" * 17)
+    exact = {"type": "number", "multipleOf": 0.5, "exclusiveMaximum": 10**17}
+    assert _takes(masks, tokenizer, exact, "1" + "0" * 16)
+    assert _takes(masks, tokenizer, exact, "12.5")
+    assert not _takes(masks, tokenizer, exact, "-1" + "0" * 15)  # ours on the other side
+    assert not _takes(masks, tokenizer, exact, "0.25")
+    # A const or enum bounds a number already: one of more digits is still allowed.
+    const = {"type": "number", "const": 0.123456789012}
+    assert _takes(masks, tokenizer, const, "0.123456789012")
+    listed = {"type": "array", "items": {"type": "number", "enum": [0.123456789012, 2]}}
+    assert _takes(masks, tokenizer, listed, "[0.123456789012, 2]")

@@ -87,8 +87,8 @@ def test_every_sample_validates_against_its_schema(client: OpenAI, name: str) ->
         temperature=1.0,
         max_tokens=MAX_TOKENS,
         n=SAMPLES,
-        # Seeded: a grammar lets a number run on digit after digit, and an unseeded draw
-        # that does so until max_tokens failed CI once (any_of_shapes' radius).
+        # Seeded, so a failure is seen again. Unbounded numbers ran on digit after digit
+        # until max_tokens (any_of_shapes' radius, matrix's cells): the grammar bounds them.
         seed=SEED,
         response_format=json_schema_format(name, schema),  # type: ignore[arg-type]
     )

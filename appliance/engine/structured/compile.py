@@ -72,7 +72,7 @@ def _json_schema(schema: Any) -> str:
     if not isinstance(schema, dict):
         raise UnsupportedSpec("a JSON schema must be an object (or true)")
     try:
-        text = json.dumps(_calendar_dates(schema))
+        text = json.dumps(_narrowed(schema))
         return str(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS))
     except ValueError as exc:
         raise UnsupportedSpec(_first_line(str(exc))) from None
@@ -88,18 +88,59 @@ VALID_DATE = (
 )
 
 
-def _calendar_dates(schema: Any) -> Any:
-    """The schema with each `format: date` string (without a pattern of its own) held to
-    VALID_DATE instead."""
+# A number's digits, bounded as llama.cpp's schema grammars bound them: a small model at
+# temperature 1 wrote a fraction of hundreds of digits until max_tokens cut the document
+# (0.000102089999...). 15 integral digits (what a double holds exactly: llguidance reads
+# bounds as doubles, and 10**16 - 1 is read as 10**16) and 10 fraction digits (llguidance
+# drops every number for a multipleOf of 1e-11 or finer).
+MAX_MAGNITUDE = 10**15 - 1
+FRACTION_STEP = 1e-10
+# Keywords whose values are data, never schemas: nothing in them is narrowed.
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _narrowed(schema: Any) -> Any:
+    """The schema with what a sampled document may hold narrowed, never widened: every
+    document the grammar allows still validates against the caller's schema.
+
+    A `format: date` string (without a pattern of its own) is held to VALID_DATE; a number
+    or integer without bounds (nor a const or enum) of its own to MAX_MAGNITUDE, a number
+    without a multipleOf of its own to FRACTION_STEP."""
     if isinstance(schema, list):
-        return [_calendar_dates(item) for item in schema]
+        return [_narrowed(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    found = {key: _calendar_dates(value) for key, value in schema.items()}
+    found = {
+        key: value if key in DATA_KEYWORDS else _narrowed(value) for key, value in schema.items()
+    }
     if found.get("format") == "date" and "pattern" not in found:
         del found["format"]
         found["pattern"] = VALID_DATE
+    types = found.get("type")
+    types = set(types) if isinstance(types, list) else {types}
+    if "const" in found or "enum" in found:
+        types = set()  # its values bound it already, and might lie outside our bounds
+    if "number" in types and "multipleOf" not in found:
+        found["multipleOf"] = FRACTION_STEP
+    if types & {"number", "integer"}:
+        _bound(found, ("maximum", "exclusiveMaximum"), ("minimum", "exclusiveMinimum"), 1)
+        _bound(found, ("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum"), -1)
     return found
+
+
+def _bound(
+    schema: dict[str, Any], side: tuple[str, str], other: tuple[str, str], sign: int
+) -> None:
+    """Set schema[side[0]] to sign * MAX_MAGNITUDE where the schema bounds neither keyword
+    of that side and no bound on the other side lies beyond it (which would leave no
+    number at all)."""
+    if any(key in schema for key in side):
+        return
+    for key in other:
+        value = schema.get(key)
+        if isinstance(value, int | float) and sign * value >= MAX_MAGNITUDE:
+            return
+    schema[side[0]] = sign * MAX_MAGNITUDE
 
 
 def _parse_json(text: str, what: str) -> Any:
