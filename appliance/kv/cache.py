@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -62,19 +64,15 @@ class KVCache:
         self.layout = layout
         self.num_blocks = num_blocks
         # [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]
-        self.tensor = torch.zeros(
+        shape = (
             layout.num_layers,
             2,
             num_blocks,
             layout.block_size,
             layout.num_kv_heads,
             layout.head_dim,
-            dtype=layout.dtype,
-            device=device,
         )
-        if shared and device.type == "cpu":
-            # Shared memory lets another process map the same pages (the KV handoff).
-            self.tensor.share_memory_()
+        self.tensor = zeroed(shape, layout.dtype, device, shared)
         self.allocator = BlockAllocator(num_blocks)
 
     @property
@@ -84,3 +82,25 @@ class KVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each [num_blocks, block_size, kv_heads, head_dim]."""
         return self.tensor[index, 0], self.tensor[index, 1]
+
+
+def zeroed(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, shared: bool
+) -> torch.Tensor:
+    """A tensor of zeros. On a CPU its pages are new mappings the kernel fills with zeros
+    when first touched, never written here: a worker's 512 MiB pool costs ~0.1 s to make
+    instead of ~0.7 s (torch.zeros, then share_memory_'s copy), and its resident memory
+    is the blocks used. shared: in shared memory, which other processes map (the KV
+    handoff); otherwise an anonymous private mapping (no /dev/shm, which a container may
+    keep small)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if shared:
+        # What share_memory_ allocates, without the copy (torch.multiprocessing uses it).
+        storage = torch.UntypedStorage._new_shared(nbytes)
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage)  # [nbytes]
+    else:
+        # The tensor holds the mapping: it is unmapped when the last view goes.
+        flat = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # [nbytes]
+    return flat.view(dtype).view(shape)

@@ -86,6 +86,27 @@ def test_the_same_memory_buys_twice_the_bfloat16_blocks() -> None:
     assert 2 * counts[torch.float32] <= counts[torch.bfloat16] <= 2 * counts[torch.float32] + 1
 
 
+def resident_mib() -> float:
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
+def test_a_cpu_pool_is_zeros_that_take_memory_only_where_written(shared: bool) -> None:
+    """A worker's pool (512 MiB by default) is not written when made: torch.zeros, and
+    share_memory_'s copy after it, cost ~0.7 s a worker start and made every page
+    resident. The kernel zero-fills each page at its first touch."""
+    blocks = 256 * 2**20 // layout(torch.bfloat16).bytes_per_block()  # 256 MiB
+    before = resident_mib()
+    pool = KVCache(layout(torch.bfloat16), blocks, CPU, shared=shared)
+    assert pool.tensor.is_shared() == shared and pool.tensor.is_contiguous()
+    assert resident_mib() - before < 16
+    k, v = pool.layer(29)
+    assert not k[-1].any() and not v[-1].any() and not pool.tensor[0, 0, 0].any()
+    k[-1] = 1.5
+    assert pool.tensor[29, 0, -1].eq(1.5).all() and not pool.tensor[29, 1, -1].any()
+    assert resident_mib() - before < 16
+
+
 # ---------------------------------------------------------------- written and read
 
 
