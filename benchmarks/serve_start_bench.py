@@ -1,6 +1,7 @@
 """`appliance serve` as a user starts and stops it, at two commits, same machine, same run:
 seconds to a healthy server, then one short completion, the serve process's memory and
-whether it mapped torch, and seconds from SIGINT to its exit.
+whether it mapped torch, its workers' memory (summed), and seconds from SIGINT to its
+exit.
 
 Each commit runs from a git worktree (this checkout's compiled kernels copied in), the
 two alternating, the default model and settings but the port (and `--mode`).
@@ -33,6 +34,7 @@ class Start:
     stop_s: float
     rss_mib: float
     torch_mapped: bool
+    workers_rss_mib: float
 
 
 def one_start(tree: Path, mode: str) -> Start:
@@ -43,12 +45,25 @@ def one_start(tree: Path, mode: str) -> Start:
     body = {"model": model_name(default_model_path()), "prompt": "Hello", "max_tokens": 8}
     httpx.post(url + "/v1/completions", json=body, timeout=120).raise_for_status()
     maps = Path(f"/proc/{process.pid}/maps").read_text()
-    status = Path(f"/proc/{process.pid}/status").read_text().splitlines()
-    rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+    workers = sum(rss_mib(child) for child in children(process.pid))
+    rss = rss_mib(process.pid)
     stopping = time.monotonic()
     process.send_signal(signal.SIGINT)
     process.wait(120)
-    return Start(ready, time.monotonic() - stopping, rss_kib / 1024, "libtorch" in maps)
+    return Start(ready, time.monotonic() - stopping, rss, "libtorch" in maps, workers)
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def children(pid: int) -> list[int]:
+    """The process's children (its workers), from each of its threads' list."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
 
 
 def main() -> None:
@@ -63,12 +78,16 @@ def main() -> None:
     )
     print(f"{cpu_model_name()}, kernels {level()}, {os.cpu_count()} cores; `appliance serve`,")
     print(f"mode {args.mode}, {args.runs} starts each, alternating; median (min-max)\n")
-    print("| commit | ready s | stop s | serve process RSS MiB | torch in the serve process |")
-    print("|---|---:|---:|---:|---|")
+    print(
+        "| commit | ready s | stop s | serve process RSS MiB | torch in the serve process "
+        "| workers' RSS MiB |"
+    )
+    print("|---|---:|---:|---:|---|---:|")
     for rev, runs in starts.items():
         cells = [_spread([getattr(r, f) for r in runs]) for f in ("ready_s", "stop_s", "rss_mib")]
         mapped = sorted({r.torch_mapped for r in runs})
-        print(f"| {rev} | {' | '.join(cells)} | {', '.join(map(str, mapped))} |")
+        workers = _spread([r.workers_rss_mib for r in runs])
+        print(f"| {rev} | {' | '.join(cells)} | {', '.join(map(str, mapped))} | {workers} |")
 
 
 def _spread(values: list[float]) -> str:
