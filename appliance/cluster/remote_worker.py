@@ -5,6 +5,7 @@ one connection."""
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any, cast
 
 from appliance.cluster.channel import ConnectionInbox, connect
@@ -32,6 +33,9 @@ def run_remote_worker(
     """Process entry point (spawned by the agent, dies with it); `cluster` is the agent's:
     where the head is, and the address to connect from. The worker (and torch with it) is
     imported here, in the spawned process: the agent that spawns it runs no model."""
+    # Ctrl-C reaches the agent's whole process group: the agent decides when its workers
+    # stop (they die with it), as a head's supervisor does for its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from appliance.workers.worker import run_worker
 
     context = box_context(cluster)  # the box's certificate: the head knows it by it

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing as mp
+import signal
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -33,6 +34,11 @@ def _run_worker(*args: Any) -> None:
     """A spawned worker process's entry (workers/worker.py's run_worker), imported in the
     worker: the supervisor runs no model and so never imports torch (a second off every
     start, and its memory), and relays the workers' pickled pools as bytes."""
+    # Ctrl-C in a terminal reaches the whole process group: the supervisor drains and
+    # then stops its workers; a worker that took it would die mid-stream (and at start,
+    # mid-import, with a traceback) and be counted as a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by its spawner
     from appliance.workers.worker import run_worker
 
     run_worker(*args)
@@ -159,7 +165,14 @@ class ProcessManager:
             args=(worker_id, role, settings, devices, inbox, Outbox(sending)),
             daemon=True,
         )
-        process.start()
+        # Blocked from the fork on, so that a Ctrl-C while the new interpreter starts (before
+        # _run_worker ignores it) waits and is then dropped; the supervisor gets its own
+        # pending one as soon as it unblocks.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         sending.close()  # the worker holds it now: its exit closes the pipe
         self._reader.add(worker_id, receiving)
         return inbox, process

@@ -54,6 +54,9 @@ class ServerProcess:
     args: tuple[str, ...] = ("serve",)
     port_in_env: bool = True
     split_unless_named: bool = True  # False: the default layout, or the one a file names
+    # A process group of its own (as a shell's job has), for a test that signals the whole
+    # group as Ctrl-C in a terminal does, the workers with the server.
+    own_group: bool = False
     process: subprocess.Popen | None = None
     health_seen: list[tuple[int, dict]] = field(default_factory=list)
     admin_token_file: Path | None = None  # where its admin token is, when a test set it
@@ -77,6 +80,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=self.own_group,
         )
         threading.Thread(target=self._read_output, daemon=True).start()
         deadline = time.monotonic() + timeout

@@ -5,10 +5,12 @@ new requests get 503, exit 0), and the unit file checked by systemd-analyze."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import ServerProcess, wait_until
+from server_process import ServerProcess, free_port, wait_until
 from tests_root import ROOT as ROOT_DIR
 
 from appliance.model.model_source import model_name
@@ -156,8 +158,12 @@ def stream(url: str, max_tokens: int) -> tuple[str | None, bool]:
     return reason, done
 
 
-def test_sigterm_lets_running_streams_finish_and_refuses_new_ones() -> None:
-    server = ServerProcess({"APPLIANCE_SERVER__SHUTDOWN_TIMEOUT_S": "60"})
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm", "ctrl-c"])
+def test_sigterm_lets_running_streams_finish_and_refuses_new_ones(ctrl_c: bool) -> None:
+    """SIGTERM to the server (systemd's stop), or SIGINT to its whole process group (Ctrl-C
+    in a terminal: the workers get it too, and leave the stopping to the supervisor; they
+    died of it, were restarted as crashed, and their requests run again)."""
+    server = ServerProcess({"APPLIANCE_SERVER__SHUTDOWN_TIMEOUT_S": "60"}, own_group=ctrl_c)
     server.start()
     with ThreadPoolExecutor(4) as pool:
         streams = [pool.submit(stream, server.url, 48) for _ in range(4)]
@@ -168,7 +174,10 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_ones() -> None:
             every_s=0.05,
         )
         signalled = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
+        if ctrl_c:
+            os.killpg(server.process.pid, signal.SIGINT)
+        else:
+            server.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         late = httpx.post(
             server.url + "/v1/completions",
@@ -180,6 +189,39 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_ones() -> None:
     assert results == [("length", True)] * 4  # every running stream finished whole
     code = server.process.wait(timeout=60)
     assert code == 0 and time.monotonic() - signalled < 60
+    time.sleep(0.2)  # the reader's last lines
+    output = "".join(server.output)
+    assert "draining 4 generations" in output, output
+    assert "exited with" not in output and "Traceback" not in output, output
+
+
+def test_ctrl_c_while_the_workers_start_stops_it_cleanly() -> None:
+    """Ctrl-C (SIGINT to the whole group) as soon as the server answers, its workers still
+    starting: the new interpreters hold it off until they ignore it, so none dies of it
+    mid-import and nothing is reported as a failed start."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", "serve"],
+        env={**os.environ, "APPLIANCE_PORT": str(port)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+    def starting() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503
+        except httpx.TransportError:
+            return False
+
+    wait_until(starting, 60, "the server answering, not yet ready", every_s=0.02)
+    os.killpg(process.pid, signal.SIGINT)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert "signal SIGINT" in output, output
+    for sign in ("Traceback", "KeyboardInterrupt", "exited with", "could not start"):
+        assert sign not in output, output
 
 
 def test_a_supervisor_killed_outright_takes_its_workers_with_it() -> None:
