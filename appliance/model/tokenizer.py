@@ -110,9 +110,15 @@ class Tokenizer:
         ids.update(i for n in names if n and (i := self._raw.token_to_id(n)) is not None)
         return frozenset(ids)
 
-    def encode(self, text: str) -> list[int]:
-        """A raw prompt, with whatever special tokens the model's tokenizer adds."""
-        return self._raw.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A raw prompt, with whatever special tokens the model's tokenizer adds (a BOS),
+        unless add_special_tokens is False."""
+        return self._raw.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each id's entry in the vocabulary as stored ("Ġhello" for " hello" in a
+        byte-level BPE): transformers' convert_ids_to_tokens."""
+        return [self._raw.id_to_token(i) or "" for i in ids]
 
     def render_chat(
         self,

@@ -22,7 +22,7 @@ from appliance.admin.device_stats import DeviceStats
 from appliance.admin.latency_window import LatencyWindow
 from appliance.admin.token import remove_token, write_token
 from appliance.api import Appliance
-from appliance.server import routes
+from appliance.server import routes, tokenization
 from appliance.server.admin import AdminState, admin_routes
 from appliance.server.errors import APIError, api_error, http_error, unexpected_error
 from appliance.server.metrics import Metrics
@@ -91,6 +91,8 @@ def build_app(
             Route("/v1/models", routes.models, methods=["GET"]),
             # an id may hold slashes ("org/name"), as a Hugging Face one does
             Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
+            Route("/tokenize", tokenization.tokenize, methods=["POST"]),
+            Route("/detokenize", tokenization.detokenize, methods=["POST"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             *admin_routes(),

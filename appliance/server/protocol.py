@@ -93,7 +93,7 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _valid_unicode(text: str) -> str:
+def valid_unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # JSON can carry "\ud800", which is no character
@@ -106,7 +106,7 @@ def cache_salt_of(value: str) -> str:
     with different salts share no prefix-cache block (appliance/kv/prefix_cache.py)."""
     if not value:
         raise APIError(400, "cache_salt must be a non-empty string if given", "cache_salt")
-    return _valid_unicode(value)  # (it is encoded into the first block's key)
+    return valid_unicode(value)  # (it is encoded into the first block's key)
 
 
 class Body(BaseModel):
@@ -187,7 +187,7 @@ class SamplingFields(Body, StructuredFields):
             raise ValueError("stop strings must not be empty")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
-        return [_valid_unicode(s) for s in stops]
+        return [valid_unicode(s) for s in stops]
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -293,7 +293,7 @@ class ChatMessage(Body, MessageToolFields):
     @classmethod
     def _text_only(cls, value: str | list[dict[str, Any]]) -> str:
         if isinstance(value, str):
-            return _valid_unicode(value)
+            return valid_unicode(value)
         texts = []
         for i, part in enumerate(value):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -303,7 +303,7 @@ class ChatMessage(Body, MessageToolFields):
                     '({"type": "text", "text": "..."}) are supported'
                 )
             texts.append(part["text"])
-        return _valid_unicode("".join(texts))
+        return valid_unicode("".join(texts))
 
     def for_template(self) -> dict[str, Any]:
         # The template knows the classic roles; "developer" is OpenAI's new name for system.
@@ -419,7 +419,7 @@ class CompletionRequest(SamplingFields):
             if isinstance(prompt, list) and min(prompt) < 0:
                 raise ValueError(f"prompt {i} has a negative token id")
             if isinstance(prompt, str):
-                _valid_unicode(prompt)
+                valid_unicode(prompt)
         return value
 
     def prompts(self) -> list[str | list[int]]:
