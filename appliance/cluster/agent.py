@@ -27,6 +27,7 @@ from appliance.cluster.tls import box_context
 from appliance.kv.remote_pool import require_nixl
 from appliance.settings.config import Settings
 from appliance.topology.discovery import discover_box
+from appliance.workers.lifetime import start_holding_ctrl_c
 
 log = logging.getLogger("appliance.agent")
 REFUSED_EXIT = 78  # EX_CONFIG: joining again would be refused again (the unit does not retry)
@@ -129,7 +130,7 @@ class Agent:
         )
         process = self._ctx.Process(target=run_remote_worker, args=args, daemon=True)
         try:
-            process.start()
+            start_holding_ctrl_c(process)
         except OSError as error:  # no fork, no memory, no fds: the worker exits, not the box
             log.error("could not start worker %d (%s): %s", message.worker_id, message.role, error)
             assert self._head is not None

@@ -5,7 +5,6 @@ one connection."""
 from __future__ import annotations
 
 import os
-import signal
 from typing import Any, cast
 
 from appliance.cluster.channel import ConnectionInbox, connect
@@ -16,6 +15,7 @@ from appliance.core.roles import Role
 from appliance.settings.cluster import ClusterSettings
 from appliance.settings.config import Settings
 from appliance.topology.devices import Device
+from appliance.workers.lifetime import ignore_ctrl_c
 from appliance.workers.messages import Shutdown
 from appliance.workers.outboxes import Outbox
 
@@ -35,7 +35,7 @@ def run_remote_worker(
     imported here, in the spawned process: the agent that spawns it runs no model."""
     # Ctrl-C reaches the agent's whole process group: the agent decides when its workers
     # stop (they die with it), as a head's supervisor does for its own.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_ctrl_c()
     from appliance.workers.worker import run_worker
 
     context = box_context(cluster)  # the box's certificate: the head knows it by it

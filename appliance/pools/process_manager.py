@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing as mp
-import signal
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -24,6 +23,7 @@ from appliance.core.stall import StallAction, stall_action
 from appliance.pools.worker_handle import Inbox, WorkerHandle, WorkerProcess
 from appliance.settings.config import Settings
 from appliance.topology.devices import Device, Topology
+from appliance.workers.lifetime import ignore_ctrl_c, start_holding_ctrl_c
 from appliance.workers.messages import Shutdown, ToWorker
 from appliance.workers.outboxes import Outbox, OutboxReader, Pipe
 
@@ -37,8 +37,7 @@ def _run_worker(*args: Any) -> None:
     # Ctrl-C in a terminal reaches the whole process group: the supervisor drains and
     # then stops its workers; a worker that took it would die mid-stream (and at start,
     # mid-import, with a traceback) and be counted as a crash.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by its spawner
+    ignore_ctrl_c()
     from appliance.workers.worker import run_worker
 
     run_worker(*args)
@@ -165,14 +164,7 @@ class ProcessManager:
             args=(worker_id, role, settings, devices, inbox, Outbox(sending)),
             daemon=True,
         )
-        # Blocked from the fork on, so that a Ctrl-C while the new interpreter starts (before
-        # _run_worker ignores it) waits and is then dropped; the supervisor gets its own
-        # pending one as soon as it unblocks.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        start_holding_ctrl_c(process)
         sending.close()  # the worker holds it now: its exit closes the pipe
         self._reader.add(worker_id, receiving)
         return inbox, process

@@ -1,6 +1,8 @@
-"""A worker process lives no longer than the process that started it: a supervisor killed
-outright (SIGKILL, OOM) would otherwise leave its workers waiting on their inboxes for
-good, each holding a model and its KV pool."""
+"""A worker process lives no longer than the process that started it, and no shorter than
+it decides: a supervisor killed outright (SIGKILL, OOM) would otherwise leave its workers
+waiting on their inboxes for good, each holding a model and its KV pool; and Ctrl-C in a
+terminal, which reaches the whole process group, would kill each worker mid-step (and,
+while it starts, mid-import) when its supervisor or agent means to drain first."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import ctypes
 import os
 import signal
 import sys
+from typing import Protocol
 
 PR_SET_PDEATHSIG = 1
 
@@ -21,3 +24,25 @@ def die_with_parent(parent_pid: int) -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os._exit(1)
+
+
+class Startable(Protocol):
+    def start(self) -> None: ...
+
+
+def start_holding_ctrl_c(process: Startable) -> None:
+    """Start a worker process with SIGINT blocked from its fork on: a Ctrl-C while its
+    interpreter starts waits until ignore_ctrl_c drops it. The caller's own pending
+    SIGINT is delivered as soon as this returns."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def ignore_ctrl_c() -> None:
+    """A worker's first instruction: ignore SIGINT (its spawner stops it), then unblock
+    what start_holding_ctrl_c blocked, dropping a Ctrl-C that came meanwhile."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
