@@ -69,20 +69,8 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 180.0) -> None:
-        env = {**os.environ, **self.env}
-        if self.port_in_env:
-            env["APPLIANCE_PORT"] = str(self.port)
-        if self.split_unless_named and not any(name in self.env for name in LAYOUT_SETTINGS):
-            env["APPLIANCE_MODE"] = "disaggregated"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "appliance.cli", *self.args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=self.own_group,
-        )
-        threading.Thread(target=self._read_output, daemon=True).start()
+        """Launch it and wait until /health says it is ready."""
+        self.launch()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -100,6 +88,30 @@ class ServerProcess:
             time.sleep(0.1)
         self.stop()
         raise RuntimeError("appliance serve did not become healthy in time")
+
+    def starting(self) -> bool:
+        """Whether it answers and says it is starting (/health 503, workers loading)."""
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 503
+        except httpx.TransportError:
+            return False
+
+    def launch(self) -> None:
+        """Start the process; it is not ready yet."""
+        env = {**os.environ, **self.env}
+        if self.port_in_env:
+            env["APPLIANCE_PORT"] = str(self.port)
+        if self.split_unless_named and not any(name in self.env for name in LAYOUT_SETTINGS):
+            env["APPLIANCE_MODE"] = "disaggregated"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "appliance.cli", *self.args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=self.own_group,
+        )
+        threading.Thread(target=self._read_output, daemon=True).start()
 
     def _read_output(self) -> None:
         assert self.process is not None and self.process.stdout is not None

@@ -10,7 +10,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import ServerProcess, free_port, wait_until
+from server_process import ServerProcess, wait_until
 from tests_root import ROOT as ROOT_DIR
 
 from appliance.model.model_source import model_name
@@ -199,26 +198,13 @@ def test_ctrl_c_while_the_workers_start_stops_it_cleanly() -> None:
     """Ctrl-C (SIGINT to the whole group) as soon as the server answers, its workers still
     starting: the new interpreters hold it off until they ignore it, so none dies of it
     mid-import and nothing is reported as a failed start."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli", "serve"],
-        env={**os.environ, "APPLIANCE_PORT": str(port)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-    def starting() -> bool:
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503
-        except httpx.TransportError:
-            return False
-
-    wait_until(starting, 60, "the server answering, not yet ready", every_s=0.02)
-    os.killpg(process.pid, signal.SIGINT)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, output
+    server = ServerProcess({}, split_unless_named=False, own_group=True)
+    server.launch()
+    wait_until(server.starting, 60, "the server answering, not yet ready", every_s=0.02)
+    os.killpg(server.process.pid, signal.SIGINT)
+    assert server.process.wait(timeout=120) == 0, "".join(server.output)
+    time.sleep(0.2)  # the reader's last lines
+    output = "".join(server.output)
     assert "signal SIGINT" in output, output
     for sign in ("Traceback", "KeyboardInterrupt", "exited with", "could not start"):
         assert sign not in output, output

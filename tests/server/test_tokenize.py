@@ -8,14 +8,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from typing import Any
 
 import httpx
 import pytest
 from openai import OpenAI
-from server_process import API_KEY, ServerProcess, free_port, wait_until
+from server_process import API_KEY, ServerProcess, wait_until
 
 from appliance.model.model_source import model_name
 
@@ -141,27 +139,13 @@ def test_bad_input_is_a_clear_error(
 def test_the_tokenizer_answers_while_the_workers_load() -> None:
     """The tokenizer is loaded before the workers start: /tokenize answers while /health
     still says starting (max_model_len unknown until the pools are up)."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli", "serve"],
-        env={**os.environ, "APPLIANCE_PORT": str(port)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess({}, split_unless_named=False, own_group=True)
+    server.launch()
     try:
-
-        def starting() -> bool:
-            try:
-                return httpx.get(url + "/health").status_code == 503
-            except httpx.TransportError:
-                return False
-
-        wait_until(starting, 60, "the server answering, not yet ready", every_s=0.02)
-        reply = httpx.post(url + "/tokenize", json={"prompt": TEXT}).json()
+        wait_until(server.starting, 60, "the server answering, not yet ready", every_s=0.02)
+        reply = httpx.post(server.url + "/tokenize", json={"prompt": TEXT}).json()
         # max_model_len is known once the pools are up: None says it answered before.
         assert reply["count"] > 0 and reply["max_model_len"] is None
     finally:
-        os.killpg(process.pid, signal.SIGINT)
-        process.wait(120)
+        os.killpg(server.process.pid, signal.SIGINT)  # Ctrl-C: it stops once they load
+        server.process.wait(120)
