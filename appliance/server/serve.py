@@ -27,7 +27,8 @@ CLOSE_GRACE_S = 5  # after the drain, how long uvicorn waits for connections to 
 class DrainingServer(uvicorn.Server):
     """uvicorn, but the first SIGTERM/SIGINT drains: new requests get 503, running ones
     finish until `server.shutdown_timeout_s`, then the server stops. A second signal
-    stops it at once."""
+    stops it at once (uvicorn closes the connections, up to CLOSE_GRACE_S); a third
+    does not wait for them. Either way the app's shutdown stops the workers."""
 
     def __init__(
         self, config: uvicorn.Config, state: ServerState, on_listening: Callable[[int], None]
@@ -47,6 +48,14 @@ class DrainingServer(uvicorn.Server):
         # the same port by mistake must not replace (then delete) the first one's.
         if not self.should_exit:
             self.on_listening(self._bound_port())
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:
+            # uvicorn skips the app's shutdown when forced (a second signal), and the app's
+            # lifespan, cancelled as the loop closes, then logs a CancelledError traceback;
+            # the app's shutdown is what stops the workers and removes the admin token.
+            await self.lifespan.shutdown()
 
     def _bound_port(self) -> int:
         """The port listened on: the one asked for, or the one port 0 got."""
@@ -72,7 +81,9 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(DRAIN_POLL_S)
         if self.state.in_flight:
             log.warning("shutdown deadline passed: ending %d generations", self.state.in_flight)
-        self._stop_now()
+        # Not _stop_now: a second Ctrl-C already set should_exit, and the generations it
+        # cut end this loop; that must not count as a third and skip the app's shutdown.
+        self.should_exit = True
 
     def _stop_now(self) -> None:
         # Not uvicorn's handle_exit: that records the signal and re-raises it on the way

@@ -194,6 +194,46 @@ def test_sigterm_lets_running_streams_finish_and_refuses_new_ones(ctrl_c: bool) 
     assert "exited with" not in output and "Traceback" not in output, output
 
 
+@pytest.mark.parametrize("presses", [2, 3])
+def test_ctrl_c_again_stops_it_at_once_and_still_cleans_up(presses: int) -> None:
+    """Ctrl-C twice (or three times), as a user does who will not wait for a long stream:
+    the drain ends at once, and the workers still stop, with no traceback. Twice: the
+    generations cut off ended the drain, which counted as a third Ctrl-C now and then;
+    a third makes uvicorn skip the app's shutdown, which stops the workers."""
+    server = ServerProcess({"APPLIANCE_SERVER__SHUTDOWN_TIMEOUT_S": "120"}, own_group=True)
+    server.start()
+    pools = httpx.get(server.url + "/health").json()["pools"]
+    pids = [w["pid"] for workers in pools.values() for w in workers]
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream, server.url, 4000)
+        wait_until(
+            lambda: httpx.get(server.url + "/health").json()["generations_admitted"] == 1,
+            30,
+            "the stream admitted",
+            every_s=0.05,
+        )
+        os.killpg(server.process.pid, signal.SIGINT)
+        wait_until(lambda: "draining 1 generation" in "".join(server.output), 10, "draining")
+        time.sleep(0.5)
+        assert not running.done()  # the first Ctrl-C waits for the stream
+        again = time.monotonic()
+        for _ in range(presses - 1):
+            os.killpg(server.process.pid, signal.SIGINT)
+        code = server.process.wait(timeout=60)
+        stopped_s = time.monotonic() - again
+        try:
+            done = running.result(timeout=30)[1]
+        except httpx.HTTPError:  # the connection closed mid-body
+            done = False
+        assert not done  # cut off, not finished
+    assert code == 0 and stopped_s < 20, (code, stopped_s)
+    wait_until(lambda: not any(alive(pid) for pid in pids), 10, "its workers gone")
+    time.sleep(0.2)  # the reader's last lines
+    output = "".join(server.output)
+    for sign in ("Traceback", "CancelledError", "KeyboardInterrupt", "exited with"):
+        assert sign not in output, output
+
+
 def test_ctrl_c_while_the_workers_start_stops_it_cleanly() -> None:
     """Ctrl-C (SIGINT to the whole group) as soon as the server answers, its workers still
     starting: the new interpreters hold it off until they ignore it, so none dies of it
