@@ -198,7 +198,7 @@ class Scheduler:
         k = min(length.next_k(), spare, draft_room(seq, self.limits.chunk_size, self.max_model_len))
         if k <= 0:
             return []
-        proposed = self.drafter.propose(seq.seq_id, seq.token_ids, k)[:k]
+        proposed = self.drafter.propose(seq.seq_id, seq.token_ids, k, seq.params.prediction)[:k]
         drafts = allowed_drafts(seq, proposed, self.draft_check)
         return drafts if len(drafts) >= min(k, length.k_min) else []
 

@@ -66,12 +66,17 @@ class SamplingParams:
     # vLLM's per-request cache_salt: requests with different salts share no prefix-cache
     # block (it enters the first block's key); empty: none, the plain keys.
     cache_salt: str = ""
+    # OpenAI's predicted output, tokenized: where the server speculates by n-gram lookup,
+    # its tokens are looked up beside the prompt's and the output's (and the request
+    # speculates on an opt-in server too). Never changes the answer.
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "prediction", tuple(self.prediction))
         object.__setattr__(self, "logit_bias", tuple(tuple(p) for p in self.logit_bias))
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),

@@ -126,6 +126,36 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+def text_of(content: str | list[dict[str, Any]]) -> str:
+    """A content field's text: a string, or OpenAI's text parts joined."""
+    if isinstance(content, str):
+        return valid_unicode(content)
+    texts = []
+    for i, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type")
+            raise ValueError(
+                f"content part {i} has type {kind!r}; only text parts "
+                '({"type": "text", "text": "..."}) are supported'
+            )
+        texts.append(part["text"])
+    return valid_unicode("".join(texts))
+
+
+class Prediction(Body):
+    """OpenAI's predicted output: text much of the answer is expected to repeat (the file
+    a code edit rewrites). Its tokens are drafts for speculative decoding to verify; the
+    answer is the one the model gives without it (docs/speculative.md)."""
+
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value: str | list[dict[str, Any]]) -> str:
+        return text_of(value)
+
+
 class SamplingFields(Body, StructuredFields):
     """What both routes share: the model, how to sample, when to stop, how to answer (and
     the structured-output fields, structured_fields.py)."""
@@ -171,6 +201,14 @@ class SamplingFields(Body, StructuredFields):
     )
     # vLLM's: requests with different salts never share cached prefix blocks (tenants).
     cache_salt: str = ""
+    prediction: Prediction | None = None  # OpenAI's predicted output
+
+    def prediction_text(self) -> str | None:
+        """The predicted output's text; None when none was sent (or it is empty)."""
+        if self.prediction is None:
+            return None
+        assert isinstance(self.prediction.content, str)  # joined by its validator
+        return self.prediction.content or None
 
     @field_validator("cache_salt")
     @classmethod
@@ -292,18 +330,7 @@ class ChatMessage(Body, MessageToolFields):
     @field_validator("content")
     @classmethod
     def _text_only(cls, value: str | list[dict[str, Any]]) -> str:
-        if isinstance(value, str):
-            return valid_unicode(value)
-        texts = []
-        for i, part in enumerate(value):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type")
-                raise ValueError(
-                    f"content part {i} has type {kind!r}; only text parts "
-                    '({"type": "text", "text": "..."}) are supported'
-                )
-            texts.append(part["text"])
-        return valid_unicode("".join(texts))
+        return text_of(value)
 
     def for_template(self) -> dict[str, Any]:
         # The template knows the classic roles; "developer" is OpenAI's new name for system.

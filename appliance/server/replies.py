@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 from appliance.api import RequestFailed, TokenLogprobs
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices
+from appliance.server.prediction import prediction_usage
 from appliance.server.responses import (
     ChatShape,
     CompletionShape,
@@ -41,12 +42,12 @@ async def whole(
     cached = [0] * len(choices)
     tokens: list[list[TokenLogprobs]] = [[] for _ in choices]
     prompts: list[list[TokenLogprobs] | None] = [None] * len(choices)
-    generated = 0
+    outputs: list[list[int]] = [[] for _ in choices]
     generate = state.appliance.generate_ids
     async with aclosing(run_choices(generate, choices, state.metrics)) as chunks:
         async for index, chunk in chunks:
             texts[index] += envelope.shape.text_of(index, chunk)
-            generated += len(chunk.token_ids)
+            outputs[index].extend(chunk.token_ids)
             cached[index] = max(cached[index], chunk.cached_tokens)
             tokens[index].extend(chunk.logprobs or [])
             prompts[index] = chunk.prompt_logprobs or prompts[index]
@@ -58,7 +59,7 @@ async def whole(
         prefix, head = _echo(state, envelope, choice, prompts[i], pieces)
         tail = _logprobs(envelope, choice, tokens[i], pieces, _end(head, prefix))
         body.append(envelope.shape.choice(i, prefix + texts[i], reasons[i], _joined(head, tail)))
-    result = envelope.whole(body, usage(prompt_tokens, generated, cached_prompt(choices, cached)))
+    result = envelope.whole(body, _usage(choices, prompt_tokens, cached, outputs))
     k = envelope.prompt_logprobs
     if k is not None:  # vLLM's: on each completion choice; once for a chat (one prompt)
         found = [
@@ -71,6 +72,16 @@ async def whole(
             for entry, logprobs in zip(body, found, strict=True):
                 entry["prompt_logprobs"] = logprobs
     return result
+
+
+def _usage(
+    choices: list[Choice], prompt_tokens: int, cached: list[int], outputs: list[list[int]]
+) -> dict[str, Any]:
+    """The answer's usage: its token counts, and where a prediction was sent, how much of
+    it the answers hold (prediction.py)."""
+    generated = sum(len(ids) for ids in outputs)
+    counts = usage(prompt_tokens, generated, cached_prompt(choices, cached))
+    return counts | prediction_usage([c.params.prediction for c in choices], outputs)
 
 
 def token_pieces(state: ServerState) -> Piece:
@@ -166,7 +177,7 @@ async def _events(
     def chunk(choice: dict[str, Any]) -> str:
         return _json(envelope.chunk([choice], None, include_usage))
 
-    generated = 0
+    outputs: list[list[int]] = [[] for _ in choices]
     cached = [0] * len(choices)
     # Logprobs of tokens whose text is held back (a possible stop string, a partial
     # character) wait for the next delta; `sent`: characters streamed so far.
@@ -183,7 +194,7 @@ async def _events(
         generate = state.appliance.generate_ids
         async with aclosing(run_choices(generate, choices, state.metrics)) as chunks:
             async for index, piece in chunks:
-                generated += len(piece.token_ids)
+                outputs[index].extend(piece.token_ids)
                 cached[index] = max(cached[index], piece.cached_tokens)
                 pending[index].extend(piece.logprobs or [])
                 prompts[index] = piece.prompt_logprobs or prompts[index]
@@ -205,7 +216,7 @@ async def _events(
                     if not _empty(delta):
                         yield chunk(delta)
         if include_usage:
-            total = usage(prompt_tokens, generated, cached_prompt(choices, cached))
+            total = _usage(choices, prompt_tokens, cached, outputs)
             yield _json(envelope.chunk([], total, True))
     except RequestFailed as exc:
         yield _json(APIError(503, f"generation failed: {exc}").body())

@@ -9,7 +9,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,6 +22,7 @@ from appliance.server import replies
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, unless_disconnected
+from appliance.server.prediction import prediction_ids
 from appliance.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -220,14 +221,19 @@ def _max_tokens(req: SamplingFields, prompt_len: int, context: int, param: str) 
 
 
 def _choices(
-    req: SamplingFields, prompts: list[list[int]], context: int, param: str, arrival: float
+    req: SamplingFields,
+    prompts: list[list[int]],
+    context: int,
+    param: str,
+    arrival: float,
+    prediction: tuple[int, ...] = (),
 ) -> list[Choice]:
     """n choices per prompt, each with its checked output budget and its own seed."""
     choices = []
     for p, ids in enumerate(prompts):
         max_tokens = _max_tokens(req, len(ids), context, param)
         for j in range(req.n):
-            params = req.sampling_params(max_tokens, j)
+            params = replace(req.sampling_params(max_tokens, j), prediction=prediction)
             choices.append(Choice(p * req.n + j, ids, params, arrival))
     return choices
 
@@ -241,7 +247,8 @@ async def _respond(
 ) -> Response:
     param = "messages" if isinstance(shape, ChatShape) else "prompt"
     context = state.appliance.max_model_len
-    choices = _choices(req, prompts, context, param, request.state.arrival)
+    prediction = await prediction_ids(state, req, context)
+    choices = _choices(req, prompts, context, param, request.state.arrival, prediction)
     ticket = state.admit(len(choices))
     envelope = Envelope(shape, state.appliance.model_name, prompt_logprobs=req.prompt_logprobs)
     prompt_tokens = sum(len(ids) for ids in prompts)

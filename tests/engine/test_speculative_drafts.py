@@ -164,6 +164,28 @@ def decoding(sched: Scheduler, seq: Sequence) -> None:
     sched.update_from_output(out, {seq.seq_id: 50})
 
 
+def predicted_drafts(**params: object) -> tuple[int, ...] | None:
+    """The drafts a sequence verifies at its first decode step on an opt-in n-gram
+    server (prompt 100, 101, 102; first token 50); None: it decodes plainly."""
+    _, sched = make(budget=16)
+    sched.drafter = Drafter(NgramProposer(1, 3), 4, opt_in=True)
+    seq = new_seq(0, 3, max_tokens=20, **params)
+    decoding(sched, seq)
+    out = sched.schedule()
+    return out.verifies[0].drafts if out.verifies else None
+
+
+def test_a_predicted_output_is_looked_up_and_makes_an_opt_in_request_speculate() -> None:
+    """OpenAI's `prediction`: the output's suffix found in it proposes what follows
+    there, and sending one is asking to speculate (unless n_max says 0)."""
+    prediction = (50, 61, 62, 63, 64, 65)
+    assert predicted_drafts() is None  # opt-in: a plain request decodes plainly
+    assert predicted_drafts(prediction=prediction) == (61, 62, 63, 64)
+    assert predicted_drafts(prediction=prediction, speculative_n_max=2) == (61, 62)
+    assert predicted_drafts(prediction=prediction, speculative_n_max=0) is None
+    assert predicted_drafts(prediction=(70, 71, 72)) is None  # nothing found: plain
+
+
 def test_a_verify_chunk_counts_its_drafts_in_the_budget_and_the_kv_slots() -> None:
     alloc, sched = make(budget=16)
     sched.drafter = Drafter(Fixed([7, 8, 9, 10, 11]), 5)

@@ -29,6 +29,7 @@ from appliance.pools.worker_handle import WorkerView
 from appliance.server.body import validated
 from appliance.server.errors import APIError
 from appliance.server.metrics import SpeculationCollector
+from appliance.server.prediction import prediction_usage
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest
 from appliance.server.snapshot import speculation_figures
 from appliance.workers.messages import Submit, TokenBatch
@@ -66,6 +67,13 @@ def test_the_fields_reach_the_engines_parameters() -> None:
         ({"speculative.n_max": "4"}, 422, "speculative.n_max"),  # strict: no coercion
         ({"speculative.n_min": 2.5}, 422, "speculative.n_min"),
         ({"speculative.n_max": 2, "speculative.n_min": 3}, 400, "speculative.n_min"),
+        ({"prediction": {"type": "text", "content": "a"}}, 422, "prediction.type"),
+        ({"prediction": {"type": "content"}}, 422, "prediction.content"),
+        (
+            {"prediction": {"type": "content", "content": [{"type": "image_url"}]}},
+            422,
+            "prediction.content",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(
@@ -127,13 +135,13 @@ def test_the_admin_snapshot_gives_the_figures_once_drafts_were_verified() -> Non
 
 
 def test_the_counts_and_a_requests_range_cross_the_box_link() -> None:
-    """A worker on another box reports its totals, and gets a request's range, through
-    the cluster link's codec as a local one does through its queue."""
+    """A worker on another box reports its totals, and gets a request's range and
+    prediction, through the cluster link's codec as a local one does through its queue."""
     counts = AcceptanceCounts()
     counts.record(4, 3)
     report = TokenBatch(1, speculation=counts)
     assert wire_trip(report, FROM_WORKER).speculation == counts
-    params = SamplingParams(speculative_n_max=3, speculative_n_min=1)
+    params = SamplingParams(speculative_n_max=3, speculative_n_min=1, prediction=(5, 6, 7))
     submit = wire_trip(Submit(1, [5, 6], params, False), TO_WORKER)
     assert submit.params == params
 
@@ -279,3 +287,64 @@ def test_metrics_gauges_show_acceptance_per_decoding_worker(
     assert {role for _, role in speculating} <= {"decode", "colocated"}
     assert all(lengths[key] > 1 for key in speculating)
     assert all(rates[key] == 0 for key in rates if key[1] == "prefill")
+
+
+def test_a_predicted_output_is_drafted_from_and_changes_no_answer(
+    layout_server: ServerProcess,
+) -> None:
+    """OpenAI's `prediction`, as the official client sends it: on this opt-in server a
+    request that sends one speculates without speculative.n_max, its drafts come from
+    the prediction (the prompt holds no copy of the answer) and, the prediction being
+    the answer, most are kept; a wrong prediction, as text parts, changes nothing."""
+    client = client_of(layout_server)
+    ask: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write four short lines about the sea."}],
+        "max_tokens": 48,
+        "temperature": 0,
+    }
+    plain = client.chat.completions.create(**ask)
+    text = plain.choices[0].message.content
+    assert text and plain.usage is not None
+    before = spec_counts(layout_server)
+    predicted = client.chat.completions.create(
+        **ask, prediction={"type": "content", "content": text}
+    )
+    after = spec_counts(layout_server)
+    assert predicted.choices[0].message.content == text
+    assert predicted.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert predicted.usage is not None
+    assert predicted.usage.completion_tokens == plain.usage.completion_tokens
+    drafted = after["appliance_spec_decode_num_draft_tokens_total"] - before.get(
+        "appliance_spec_decode_num_draft_tokens_total", 0
+    )
+    kept = after["appliance_spec_decode_num_accepted_tokens_total"] - before.get(
+        "appliance_spec_decode_num_accepted_tokens_total", 0
+    )
+    assert drafted > 0 and kept / drafted > 0.8, (kept, drafted)
+    details = predicted.usage.completion_tokens_details
+    assert details is not None and details.accepted_prediction_tokens is not None
+    told = details.accepted_prediction_tokens + (details.rejected_prediction_tokens or 0)
+    assert details.accepted_prediction_tokens >= 0.9 * told > 0  # the answer, re-encoded
+    wrong = [{"type": "text", "text": "Tax forms are due "}, {"type": "text", "text": "in May."}]
+    missed = client.chat.completions.create(
+        **ask,
+        prediction={"type": "content", "content": wrong},
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(missed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    last = chunks[-1].usage
+    assert last is not None and last.completion_tokens_details is not None
+    assert last.completion_tokens_details.rejected_prediction_tokens
+    assert plain.usage.completion_tokens_details is None  # no prediction, no details
+    wait_all_free(layout_server)
+
+
+def test_prediction_usage_counts_the_predictions_tokens_found_in_each_answer() -> None:
+    assert prediction_usage([(), ()], [[1, 2], [3]]) == {}
+    found = prediction_usage([(5, 6, 6, 7), (), (9,)], [[6, 5, 8], [1], [2]])
+    details = found["completion_tokens_details"]
+    # 5 and one 6 of the first; none of the third; the second choice sent none.
+    assert details == {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 3}

@@ -121,19 +121,28 @@ class Drafter:
         """A new request's draft range: this server's, narrowed by the request's own
         speculative.n_max / speculative.n_min (llama.cpp's per-request fields; never past
         the server's top, which bounds what a step may cost). None: the request does not
-        speculate (n_max 0, or no n_max on an opt-in server)."""
+        speculate (n_max 0, or on an opt-in server neither n_max nor a prediction sent)."""
         n_max, n_min = params.speculative_n_max, params.speculative_n_min
-        if n_max == 0 or (n_max is None and self.opt_in):
+        if n_max == 0 or (n_max is None and self.opt_in and not params.prediction):
             return None
         top = self.num_speculative_tokens
         top = top if n_max is None else min(n_max, top)
         bottom = self.num_speculative_tokens_min if n_min is None else max(n_min, 1)
         return DraftLength(min(bottom, top), top, self.policy)
 
-    def propose(self, seq_id: int, token_ids: Sequence[int], k: int) -> list[int]:
-        """The proposer's guesses for sequence `seq_id` (by id where it keeps state)."""
+    def propose(
+        self, seq_id: int, token_ids: Sequence[int], k: int, prediction: Sequence[int] = ()
+    ) -> list[int]:
+        """The proposer's guesses for sequence `seq_id` (by id where it keeps state).
+
+        prediction: the request's predicted output (OpenAI's field). A proposer that
+        drafts from tokens alone (n-gram lookup) reads it before the sequence's own, so
+        a suffix found there proposes what the prediction says follows; a draft model
+        drafts from its own state and ignores it."""
         if isinstance(self.proposer, SequenceProposer):
             return self.proposer.propose_for(seq_id, token_ids, k)
+        if prediction:
+            return self.proposer.propose([*prediction, *token_ids], k)
         return self.proposer.propose(token_ids, k)
 
     def prefetch(self, running: list[Request], chunk_size: int, max_model_len: int) -> None:
