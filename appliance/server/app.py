@@ -26,6 +26,7 @@ from appliance.server import routes, tokenization
 from appliance.server.admin import AdminState, admin_routes
 from appliance.server.errors import APIError, api_error, http_error, unexpected_error
 from appliance.server.metrics import Metrics
+from appliance.server.ollama_api import route as ollama
 from appliance.server.origin_guard import OriginGuard, OriginRules
 from appliance.server.responses_api.route import create_response
 from appliance.server.sd_notify import Notifier, heartbeat
@@ -93,6 +94,12 @@ def build_app(
             Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
             Route("/tokenize", tokenization.tokenize, methods=["POST"]),
             Route("/detokenize", tokenization.detokenize, methods=["POST"]),
+            Route("/api/chat", ollama.chat, methods=["POST"]),
+            Route("/api/generate", ollama.generate, methods=["POST"]),
+            Route("/api/tags", ollama.tags, methods=["GET"]),
+            Route("/api/ps", ollama.running, methods=["GET"]),
+            Route("/api/show", ollama.show, methods=["POST"]),
+            Route("/api/version", ollama.ollama_version, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             *admin_routes(),

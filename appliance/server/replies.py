@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -160,18 +160,18 @@ def streamed(
     include_usage: bool,
     ticket: Ticket,
 ) -> Releasing:
-    events = _events(state, choices, envelope, prompt_tokens, include_usage)
+    events = stream_data(state, choices, envelope, prompt_tokens, include_usage)
     response = EventSourceResponse(events, sep="\n", send_timeout=SEND_TIMEOUT_S)
     return Releasing(response, ticket)
 
 
-async def _events(
+async def stream_data(
     state: ServerState,
     choices: list[Choice],
     envelope: Envelope,
     prompt_tokens: int,
     include_usage: bool,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str]:
     """SSE data lines: OpenAI's chunks, an error event if generation fails, then [DONE]."""
 
     def chunk(choice: dict[str, Any]) -> str:

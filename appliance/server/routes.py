@@ -9,7 +9,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -40,7 +40,13 @@ R = TypeVar("R", bound=BaseModel)
 
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions: messages through the model's chat template."""
-    state, body = await _accept(request)
+    state, body = await accept(request)
+    return await _respond(request, state, await prepared_chat(request, state, body))
+
+
+async def prepared_chat(request: Request, state: ServerState, body: dict[str, Any]) -> Prepared:
+    """A chat completion's body made into its choices (Ollama's /api/chat, ollama_api/,
+    answers from these too)."""
     req = validated(ChatCompletionRequest, body)
     _precheck(state, req, num_prompts=1)
     messages = [m.for_template() for m in req.messages]
@@ -53,12 +59,19 @@ async def chat_completions(request: Request) -> Response:
     ids = await _tokenize(turn.token_ids, "messages")
     if not ids:
         raise APIError(400, "the prompt is empty", "messages")
-    return await _respond(request, state, req, [ids], ChatShape(turn.outputs(tuple(req.stop))))
+    return await _prepared(request, state, req, [ids], ChatShape(turn.outputs(tuple(req.stop))))
 
 
 async def completions(request: Request) -> Response:
     """POST /v1/completions: raw text or token-id prompts, one or a batch."""
-    state, body = await _accept(request)
+    state, body = await accept(request)
+    return await _respond(request, state, await prepared_completion(request, state, body))
+
+
+async def prepared_completion(
+    request: Request, state: ServerState, body: dict[str, Any]
+) -> Prepared:
+    """A text completion's body made into its choices (Ollama's raw /api/generate too)."""
     req = validated(CompletionRequest, body)
     _precheck(state, req, num_prompts=len(req.prompts()))
     vocab = state.appliance.model_config.vocab_size
@@ -70,7 +83,7 @@ async def completions(request: Request) -> Response:
                 400, f"token id {max(ids)} is outside the vocabulary ({vocab})", "prompt"
             )
         prompts.append(ids)
-    return await _respond(request, state, req, prompts, CompletionShape(req.echo))
+    return await _prepared(request, state, req, prompts, CompletionShape(req.echo))
 
 
 async def models(request: Request) -> Response:
@@ -154,7 +167,9 @@ async def metrics(request: Request) -> Response:
 # ---------------------------------------------------------------- the steps
 
 
-async def _accept(request: Request) -> tuple[ServerState, dict[str, Any]]:
+async def accept(request: Request) -> tuple[ServerState, dict[str, Any]]:
+    """A generation request's server state and JSON body, once its key, the server's
+    readiness and admission, and the fields it may not send are checked."""
     state: ServerState = request.app.state.server
     request.state.arrival = time.monotonic()
     state.authorize(request)
@@ -238,18 +253,27 @@ def _choices(
     return choices
 
 
-async def _respond(
+@dataclass(frozen=True)
+class Prepared:
+    """A request's checked choices and the envelope its answer goes out in."""
+
+    req: SamplingFields
+    choices: list[Choice]
+    envelope: Envelope
+    prompt_tokens: int
+
+
+async def _prepared(
     request: Request,
     state: ServerState,
     req: SamplingFields,
     prompts: list[list[int]],
     shape: Shape,
-) -> Response:
+) -> Prepared:
     param = "messages" if isinstance(shape, ChatShape) else "prompt"
     context = state.appliance.max_model_len
     prediction = await prediction_ids(state, req, context)
     choices = _choices(req, prompts, context, param, request.state.arrival, prediction)
-    ticket = state.admit(len(choices))
     envelope = Envelope(shape, state.appliance.model_name, prompt_logprobs=req.prompt_logprobs)
     prompt_tokens = sum(len(ids) for ids in prompts)
     annotate(
@@ -260,6 +284,13 @@ async def _respond(
             "gen_ai.usage.input_tokens": prompt_tokens,
         }
     )
+    return Prepared(req, choices, envelope, prompt_tokens)
+
+
+async def _respond(request: Request, state: ServerState, prepared: Prepared) -> Response:
+    req, choices = prepared.req, prepared.choices
+    envelope, prompt_tokens = prepared.envelope, prepared.prompt_tokens
+    ticket = state.admit(len(choices))
     if req.stream:
         return replies.streamed(state, choices, envelope, prompt_tokens, req.include_usage, ticket)
     try:

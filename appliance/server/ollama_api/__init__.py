@@ -1,0 +1,3 @@
+"""Ollama's API (/api/chat, /api/generate, /api/tags, /api/ps, /api/show,
+/api/version), served through the chat pipeline: the bodies and what they become
+(request.py), Ollama's answer shapes (reply.py), the routes (route.py)."""

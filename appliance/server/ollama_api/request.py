@@ -1,0 +1,201 @@
+"""Ollama's /api/chat and /api/generate bodies, validated and made into the chat
+completion body the OpenAI route serves (routes.prepared_chat), so both APIs share
+one path: the template, tools, structured outputs, sampling and stops.
+
+Ollama's `options` under OpenAI's or llama.cpp's names: num_predict -> max_tokens
+(-1 and -2: until the context is full), repeat_penalty, temperature, top_k, top_p,
+min_p, seed, stop, presence_penalty, frequency_penalty. Options that size or place the
+model (num_ctx, num_gpu, num_thread, ...) are fixed by the server's settings: accepted,
+not applied. Options that change sampling in ways this server does not have
+(mirostat, typical_p, tfs_z, penalize_newline) are refused, naming the option."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from appliance.server.errors import APIError
+
+# Options that say where and how big the model runs: the server's settings decide.
+PLACEMENT_OPTIONS = frozenset(
+    {
+        "num_ctx",
+        "num_batch",
+        "num_gpu",
+        "main_gpu",
+        "low_vram",
+        "num_thread",
+        "numa",
+        "use_mmap",
+        "use_mlock",
+        "vocab_only",
+        "num_keep",
+        "repeat_last_n",
+    }
+)
+REFUSED_OPTIONS = frozenset(
+    {"mirostat", "mirostat_tau", "mirostat_eta", "typical_p", "tfs_z", "penalize_newline"}
+)
+SAMPLING_OPTIONS = {  # Ollama's name -> the chat completion field
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop": "stop",
+    "repeat_penalty": "repeat_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+
+
+class _Body(BaseModel):
+    """Unknown fields ignored (clients send extras), null taken as unset."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class OllamaCall(_Body):
+    """A tool call as Ollama writes it: arguments an object, not JSON text."""
+
+    function: dict[str, Any]
+
+
+class OllamaMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] = Field(default_factory=list)
+    tool_calls: list[OllamaCall] = Field(default_factory=list)
+    tool_name: str | None = None  # a tool result: the function it answers
+
+
+class OllamaRequest(_Body):
+    """What both routes take."""
+
+    model: str
+    stream: bool = True  # Ollama streams unless told not to
+    format: Literal["json"] | dict[str, Any] | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    keep_alive: str | int | float | None = None  # the model stays loaded: accepted
+    think: bool | None = None  # accepted: a reasoning model's own template decides
+
+    def sampling(self) -> dict[str, Any]:
+        """The options and format as chat completion fields."""
+        fields: dict[str, Any] = {}
+        for name, value in self.options.items():
+            if name in REFUSED_OPTIONS:
+                raise APIError(
+                    400, f"option {name} is not supported by this server", f"options.{name}"
+                )
+            if name in SAMPLING_OPTIONS:
+                fields[SAMPLING_OPTIONS[name]] = value
+            elif name == "num_predict":
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise APIError(400, "num_predict must be an integer", "options.num_predict")
+                if value > 0:
+                    fields["max_tokens"] = value
+                elif value not in (-1, -2):
+                    raise APIError(
+                        400,
+                        f"num_predict must be > 0, or -1 or -2 (until the context is full); "
+                        f"got {value}",
+                        "options.num_predict",
+                    )
+            elif name not in PLACEMENT_OPTIONS:
+                raise APIError(400, f"unknown option {name}", f"options.{name}")
+        if self.format == "json":
+            fields["response_format"] = {"type": "json_object"}
+        elif self.format is not None:
+            schema = {"name": "format", "schema": self.format}
+            fields["response_format"] = {"type": "json_schema", "json_schema": schema}
+        return fields
+
+
+class OllamaChat(OllamaRequest):
+    """POST /api/chat."""
+
+    messages: list[OllamaMessage]
+    tools: list[dict[str, Any]] | None = None  # OpenAI's function tools, as Ollama sends
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat completion body of this request (streamed with usage when it is)."""
+        body = {"model": self.model, "messages": openai_messages(self.messages)}
+        if self.tools:
+            body["tools"] = self.tools
+        return body | self.sampling() | _stream_fields(self.stream)
+
+
+class OllamaGenerate(OllamaRequest):
+    """POST /api/generate: a prompt (and a system message) through the chat template;
+    raw: the prompt as it is, no template."""
+
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    suffix: str | None = None
+    images: list[str] = Field(default_factory=list)
+    template: str | None = None
+    context: list[int] | None = None
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat completion body of this (not raw) request."""
+        for name in ("suffix", "template", "context"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported by this server", name)
+        if self.images:
+            raise APIError(400, "images are not supported: this server serves text", "images")
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages.append({"role": "user", "content": self.prompt})
+        body = {"model": self.model, "messages": messages}
+        return body | self.sampling() | _stream_fields(self.stream)
+
+
+def _stream_fields(stream: bool) -> dict[str, Any]:
+    # Ollama's last line carries the token counts: the stream's usage chunk gives them.
+    return {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+
+
+def openai_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
+    """Ollama's messages as OpenAI's: a call's arguments as JSON text, each call an id,
+    each tool result the id of the call it answers (the next unanswered one of its
+    function's name, else the next unanswered one)."""
+    out: list[dict[str, Any]] = []
+    unanswered: list[tuple[str, str]] = []  # (call id, function name)
+    for i, message in enumerate(messages):
+        if message.images:
+            raise APIError(
+                400, "images are not supported: this server serves text", f"messages[{i}].images"
+            )
+        entry: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            calls = []
+            for j, call in enumerate(message.tool_calls):
+                name = call.function.get("name")
+                call_id = f"call_{i}_{j}"
+                arguments = call.function.get("arguments", {})
+                text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+                function = {"name": name, "arguments": text}
+                calls.append({"id": call_id, "type": "function", "function": function})
+                unanswered.append((call_id, str(name)))
+            entry["tool_calls"] = calls
+        if message.role == "tool":
+            entry["tool_call_id"] = _answered(unanswered, message.tool_name, i)
+        out.append(entry)
+    return out
+
+
+def _answered(unanswered: list[tuple[str, str]], name: str | None, index: int) -> str:
+    for k, (call_id, called) in enumerate(unanswered):
+        if name is None or called == name:
+            del unanswered[k]
+            return call_id
+    return f"call_result_{index}"  # a result of no call seen: its own id

@@ -1,0 +1,233 @@
+"""Ollama's API, for the applications written against it (Open WebUI, editors'
+plugins, the `ollama` Python and JavaScript clients): POST /api/chat and /api/generate
+(streamed as newline-delimited JSON unless `stream` is false), GET /api/tags, /api/ps
+and /api/version, POST /api/show. The model is the one served, named as /api/tags
+lists it (with or without ":latest"). Errors are Ollama's {"error": "..."}.
+
+A chat or generate request is made into the chat (or, raw, text) completion the
+OpenAI routes serve (request.py), run through the same path (routes.prepared_chat),
+and its answer put in Ollama's shape (reply.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from appliance.model.model_source import default_model_path
+from appliance.server import replies, routes
+from appliance.server.body import read_json_object, validated
+from appliance.server.errors import APIError
+from appliance.server.generation import unless_disconnected
+from appliance.server.ollama_api.reply import Kind, OllamaReply, created_at, merged
+from appliance.server.ollama_api.request import OllamaChat, OllamaGenerate
+from appliance.server.state import ServerState
+
+LATEST = ":latest"  # Ollama's default tag, which its clients add to a bare name
+NDJSON = "application/x-ndjson"
+
+
+def ollama_errors(
+    handler: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """The route's APIErrors in Ollama's shape: {"error": message}, same status."""
+
+    async def answer(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+            return JSONResponse({"error": exc.message}, exc.status, headers=headers)
+
+    return answer
+
+
+@ollama_errors
+async def chat(request: Request) -> Response:
+    """POST /api/chat."""
+    state, body = await routes.accept(request)
+    req = validated(OllamaChat, _served_name(state, body))
+    prepared = await routes.prepared_chat(request, state, req.chat_body())
+    return await _answer(request, state, prepared, _reply("chat", state, request), req.stream)
+
+
+@ollama_errors
+async def generate(request: Request) -> Response:
+    """POST /api/generate: an empty prompt only loads the model (Ollama's), here loaded."""
+    state, body = await routes.accept(request)
+    req = validated(OllamaGenerate, _served_name(state, body))
+    reply = _reply("generate", state, request)
+    if not req.prompt and not req.raw:
+        return JSONResponse(reply.loaded())
+    if req.raw:
+        text = {"model": req.model, "prompt": req.prompt}
+        body = text | {k: v for k, v in req.chat_body().items() if k != "messages"}
+        prepared = await routes.prepared_completion(request, state, body)
+    else:
+        prepared = await routes.prepared_chat(request, state, req.chat_body())
+    return await _answer(request, state, prepared, reply, req.stream)
+
+
+def _served_name(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
+    """The body with its model named as the OpenAI routes name it (no ":latest")."""
+    name = body.get("model")
+    if isinstance(name, str) and name.endswith(LATEST):
+        name = name.removesuffix(LATEST)
+        if name == state.appliance.model_name:
+            return body | {"model": name}
+    return body
+
+
+def _reply(kind: Kind, state: ServerState, request: Request) -> OllamaReply:
+    return OllamaReply(kind, _tag(state.appliance.model_name), request.state.arrival)
+
+
+async def _answer(
+    request: Request,
+    state: ServerState,
+    prepared: routes.Prepared,
+    reply: OllamaReply,
+    stream: bool,
+) -> Response:
+    """Both ways from the OpenAI stream (its timing gives Ollama's durations): line by
+    line, or gathered into one object."""
+    choices, envelope = prepared.choices, prepared.envelope
+    ticket = state.admit(len(choices))
+    data = replies.stream_data(state, choices, envelope, prepared.prompt_tokens, True)
+    lines = _ollama_lines(_chunks(data), reply)
+    if stream:
+        ndjson = StreamingResponse(_ndjson(lines), media_type=NDJSON)
+        return replies.Releasing(ndjson, ticket)
+    try:
+        result = await unless_disconnected(request, _gathered(lines))
+    finally:
+        ticket.release()
+    return JSONResponse(result) if result is not None else Response(status_code=499)
+
+
+async def _chunks(data: AsyncGenerator[str]) -> AsyncGenerator[dict[str, Any]]:
+    """The OpenAI stream's data lines as objects, [DONE] left out."""
+    async with aclosing(data) as lines:
+        async for line in lines:
+            if line != "[DONE]":
+                yield json.loads(line)
+
+
+async def _ollama_lines(
+    chunks: AsyncGenerator[dict[str, Any]], reply: OllamaReply
+) -> AsyncGenerator[dict[str, Any]]:
+    """Ollama's lines from OpenAI's chunks: a line a piece, then the calls and `done`
+    (once the usage chunk, the last, has come); an error ends it as Ollama's does."""
+    reason = None
+    async with aclosing(chunks) as pieces:
+        async for chunk in pieces:
+            if "error" in chunk:
+                yield {"error": chunk["error"]["message"]}
+                return
+            for choice in chunk.get("choices") or []:
+                reason = choice.get("finish_reason") or reason
+                delta = choice.get("delta") or {"content": choice.get("text") or ""}
+                line = reply.piece(delta)
+                if line is not None:
+                    yield line
+            if chunk.get("usage") is not None:
+                for line in reply.last(reason, chunk["usage"]):
+                    yield line
+
+
+async def _ndjson(lines: AsyncGenerator[dict[str, Any]]) -> AsyncIterator[str]:
+    async with aclosing(lines) as objects:
+        async for line in objects:
+            yield json.dumps(line, separators=(",", ":")) + "\n"
+
+
+async def _gathered(lines: AsyncGenerator[dict[str, Any]]) -> dict[str, Any]:
+    """`stream: false`: the lines as one object; a failed generation a 503."""
+    seen = []
+    async with aclosing(lines) as objects:
+        async for line in objects:
+            if "error" in line:
+                raise APIError(503, line["error"], retry_after=1)
+            seen.append(line)
+    return merged(seen)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def _tag(name: str) -> str:
+    """The served model's name as Ollama lists one: with a tag."""
+    return name if ":" in name else name + LATEST
+
+
+def _card(state: ServerState) -> dict[str, Any]:
+    """The served model as /api/tags and /api/ps list it."""
+    architecture = state.appliance.model_config.architecture
+    name = _tag(state.appliance.model_name)
+    path = state.settings.model or default_model_path()
+    details = {
+        "format": "gguf" if path.suffix == ".gguf" else "safetensors",
+        "family": architecture,
+        "families": [architecture],
+        "parameter_size": "",
+        "quantization_level": "",
+    }
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": created_at(),
+        "size": path.stat().st_size if path.is_file() else 0,
+        "digest": "",
+        "details": details,
+    }
+
+
+@ollama_errors
+async def tags(request: Request) -> Response:
+    """GET /api/tags: the one model served."""
+    state: ServerState = request.app.state.server
+    state.authorize(request)
+    return JSONResponse({"models": [_card(state)]})
+
+
+@ollama_errors
+async def running(request: Request) -> Response:
+    """GET /api/ps: the served model, loaded for as long as the server runs."""
+    state: ServerState = request.app.state.server
+    state.authorize(request)
+    models = [_card(state) | {"expires_at": None, "size_vram": 0}] if state.appliance.ready else []
+    return JSONResponse({"models": models})
+
+
+@ollama_errors
+async def show(request: Request) -> Response:
+    """POST /api/show: the served model's details (404 for another name)."""
+    state: ServerState = request.app.state.server
+    state.authorize(request)
+    body = _served_name(
+        state, await read_json_object(request, state.settings.server.max_body_bytes)
+    )
+    name = body.get("model") or body.get("name")
+    state.check_model(str(name))
+    config = state.appliance.model_config
+    card = _card(state)
+    info = {
+        "general.architecture": config.architecture,
+        f"{config.architecture}.context_length": config.max_position_embeddings,
+    }
+    shown = {"details": card["details"], "model_info": info, "modified_at": card["modified_at"]}
+    return JSONResponse(shown | {"capabilities": ["completion", "tools"]})
+
+
+async def ollama_version(request: Request) -> Response:
+    """GET /api/version: this server's version (Ollama's clients ask for it)."""
+    try:
+        number = version("appliance")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        number = "0.0.0"
+    return JSONResponse({"version": number})

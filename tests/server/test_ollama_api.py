@@ -1,0 +1,265 @@
+"""Ollama's API on the shared server, through Ollama's own Python client (`ollama`):
+/api/chat and /api/generate answer what the OpenAI routes answer (greedy: the same
+text and token counts), streamed line by line or whole; the model is listed, shown and
+named with or without ":latest"; errors are Ollama's {"error": "..."}; options, format
+and tool calls are translated both ways (plain data below the served tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import ollama
+import pytest
+from openai import OpenAI
+from server_process import API_KEY, ServerProcess
+
+from appliance.model.model_source import model_name
+from appliance.server.errors import APIError
+from appliance.server.ollama_api.reply import OllamaReply, merged
+from appliance.server.ollama_api.request import OllamaChat, OllamaMessage, openai_messages
+
+MODEL = model_name(None)
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ASK = [{"role": "user", "content": "Name three colours."}]
+GREEDY = {"temperature": 0, "num_predict": 16}
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> ollama.Client:
+    return ollama.Client(host=server.url, headers=AUTH, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def openai_client(server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_a_chat_answers_as_the_chat_completion_does(
+    client: ollama.Client, openai_client: OpenAI
+) -> None:
+    want = openai_client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=16,
+    )
+    got = client.chat(model=MODEL + ":latest", messages=ASK, options=GREEDY)
+    assert got.message.role == "assistant"
+    assert got.message.content == want.choices[0].message.content
+    assert want.usage is not None
+    assert (got.prompt_eval_count, got.eval_count) == (
+        want.usage.prompt_tokens,
+        want.usage.completion_tokens,
+    )
+    assert got.done and got.done_reason == "length"  # num_predict reached
+    assert got.model == MODEL + ":latest"
+    assert got.total_duration and got.eval_duration and got.prompt_eval_duration
+    assert got.total_duration >= got.prompt_eval_duration + got.eval_duration
+
+
+def test_a_streamed_chat_is_its_whole_answer_line_by_line(client: ollama.Client) -> None:
+    whole = client.chat(model=MODEL, messages=ASK, options=GREEDY)
+    lines = list(client.chat(model=MODEL, messages=ASK, options=GREEDY, stream=True))
+    assert len(lines) > 2 and not any(line.done for line in lines[:-1])
+    assert "".join(line.message.content or "" for line in lines) == whole.message.content
+    last = lines[-1]
+    assert last.done and last.done_reason == "length" and last.eval_count == whole.eval_count
+    assert last.eval_duration and last.eval_duration > 0
+
+
+def test_generate_goes_through_the_template_unless_raw(
+    client: ollama.Client, openai_client: OpenAI
+) -> None:
+    system = "You answer in one word."
+    chat = openai_client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": system}, *ASK],  # type: ignore[list-item]
+        temperature=0,
+        max_tokens=16,
+    )
+    got = client.generate(model=MODEL, prompt=ASK[0]["content"], system=system, options=GREEDY)
+    assert got.response == chat.choices[0].message.content
+    text = openai_client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8
+    )
+    raw = client.generate(
+        model=MODEL,
+        prompt="The capital of France is",
+        raw=True,
+        stream=True,
+        options=GREEDY | {"num_predict": 8},
+    )
+    assert "".join(part.response for part in raw) == text.choices[0].text
+    loaded = client.generate(model=MODEL, prompt="")
+    assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+
+
+def test_the_model_is_listed_shown_and_versioned(
+    client: ollama.Client, server: ServerProcess
+) -> None:
+    (listed,) = client.list().models
+    assert listed.model == MODEL + ":latest" and listed.size and listed.size > 0
+    assert listed.details is not None and listed.details.format == "gguf"
+    (loaded,) = client.ps().models
+    assert loaded.model == listed.model
+    shown = client.show(listed.model)
+    assert shown.modelinfo is not None
+    assert shown.modelinfo["llama.context_length"] == 8192
+    version = httpx.get(server.url + "/api/version").json()["version"]
+    assert isinstance(version, str) and version.count(".") == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"model": "nope", "messages": ASK}, 404, "does not exist"),
+        ({"model": MODEL, "messages": ASK, "options": {"mirostat": 1}}, 400, "mirostat"),
+        ({"model": MODEL, "messages": ASK, "options": {"nucleus": 1}}, 400, "unknown option"),
+        ({"model": MODEL, "messages": ASK, "options": {"num_predict": 0}}, 400, "num_predict"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
+            400,
+            "images",
+        ),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 422, "role"),
+    ],
+)
+def test_errors_are_ollamas_shape_and_name_the_problem(
+    server: ServerProcess, body: dict[str, Any], status: int, says: str
+) -> None:
+    reply = httpx.post(server.url + "/api/chat", json=body, headers=AUTH, timeout=60)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert isinstance(error, str) and says in error
+
+
+def test_the_key_is_required_as_on_every_route(server: ServerProcess) -> None:
+    for method, path in (("GET", "/api/tags"), ("POST", "/api/chat"), ("POST", "/api/show")):
+        reply = httpx.request(method, server.url + path, json={"model": MODEL})
+        assert reply.status_code == 401 and "API key" in reply.json()["error"]
+
+
+def test_a_format_schema_constrains_the_answer(client: ollama.Client) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    got = client.chat(model=MODEL, messages=ASK, format=schema, options={"temperature": 0})
+    assert got.message.content.replace(" ", "") in ('{"ok":true}', '{"ok":false}')
+
+
+def test_a_tool_round_trip_reads_as_the_openai_one(
+    client: ollama.Client, openai_client: OpenAI
+) -> None:
+    """Ollama's messages with an assistant's call (arguments an object) and the tool's
+    result (by function name) are the OpenAI messages with ids and JSON text."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    turns: list[dict[str, Any]] = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "Sunny, 21 C", "tool_name": "get_weather"},
+    ]
+    got = client.chat(model=MODEL, messages=turns, tools=tools, options=GREEDY)
+    openai_turns = [
+        turns[0],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1_0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": "call_1_0"},
+    ]
+    want = openai_client.chat.completions.create(
+        model=MODEL,
+        messages=openai_turns,  # type: ignore[arg-type]
+        tools=tools,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=16,
+    )
+    assert got.message.content == (want.choices[0].message.content or "")
+    assert want.usage is not None and got.prompt_eval_count == want.usage.prompt_tokens
+
+
+# ---------------------------------------------------------------- plain data
+
+
+def test_options_and_format_become_the_chat_completions_fields() -> None:
+    req = OllamaChat(
+        model="m",
+        messages=[OllamaMessage(role="user", content="x")],
+        stream=False,
+        format="json",
+        options={"temperature": 0.2, "num_predict": -1, "repeat_penalty": 1.1, "num_ctx": 4096},
+    )
+    body = req.chat_body()
+    assert body["temperature"] == 0.2 and body["repeat_penalty"] == 1.1
+    assert "max_tokens" not in body and "num_ctx" not in body  # -1: to the context's end
+    assert body["response_format"] == {"type": "json_object"}
+    assert "stream" not in body
+    streamed = OllamaChat(model="m", messages=[], options={"num_predict": 5}).chat_body()
+    assert streamed["max_tokens"] == 5
+    assert streamed["stream"] and streamed["stream_options"] == {"include_usage": True}
+    with pytest.raises(APIError) as refused:
+        OllamaChat(model="m", messages=[], options={"typical_p": 0.9}).chat_body()
+    assert refused.value.param == "options.typical_p"
+
+
+def test_tool_results_answer_the_calls_in_order_of_their_names() -> None:
+    calls = [
+        {"function": {"name": "a", "arguments": {"x": 1}}},
+        {"function": {"name": "b", "arguments": {}}},
+    ]
+    messages = [
+        OllamaMessage(role="assistant", tool_calls=calls),  # type: ignore[arg-type]
+        OllamaMessage(role="tool", content="B", tool_name="b"),
+        OllamaMessage(role="tool", content="A"),  # no name: the next unanswered call
+    ]
+    out = openai_messages(messages)
+    assert [c["id"] for c in out[0]["tool_calls"]] == ["call_0_0", "call_0_1"]
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+    assert [m.get("tool_call_id") for m in out[1:]] == ["call_0_1", "call_0_0"]
+
+
+def test_streamed_call_fragments_come_whole_before_the_last_line() -> None:
+    reply = OllamaReply("chat", "m:latest", arrival=0.0)
+    first = {"index": 0, "id": "c0", "type": "function", "function": {"name": "f", "arguments": ""}}
+    pieces = [
+        {"content": "Let me see."},
+        {"tool_calls": [first]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+    ]
+    lines = [line for piece in pieces if (line := reply.piece(piece)) is not None]
+    assert [line["message"]["content"] for line in lines] == ["Let me see."]
+    calls, done = reply.last("tool_calls", {"prompt_tokens": 7, "completion_tokens": 9})
+    assert calls["message"]["tool_calls"] == [
+        {"function": {"name": "f", "arguments": {"city": "Paris"}}}
+    ]
+    assert done["done"] and done["done_reason"] == "stop" and done["eval_count"] == 9
+    whole = merged([*lines, calls, done])
+    assert whole["message"]["content"] == "Let me see."
+    assert whole["message"]["tool_calls"] == calls["message"]["tool_calls"]
+    assert (whole["prompt_eval_count"], whole["done"]) == (7, True)
