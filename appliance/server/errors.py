@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 log = logging.getLogger("appliance.server")
+OLLAMA_PREFIX = "/api/"  # Ollama's routes (ollama_api/), whose errors are its shape
 
 ERROR_TYPES = MappingProxyType(
     {
@@ -60,9 +61,12 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer, in the shape of the API `path` belongs to: OpenAI's, or under
+        /api/ Ollama's, {"error": message} (its clients read that string)."""
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        body = {"error": self.message} if path.startswith(OLLAMA_PREFIX) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def from_validation(exc: ValidationError) -> APIError:
@@ -87,14 +91,15 @@ _UNION_MEMBER = re.compile(r"str|int|float|bool|[\w-]+\[.*\]")
 async def api_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's handler for APIError."""
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def http_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's own 404/405 and friends, in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed"}
-    response = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).response()
+    error = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
+    response = error.response(request.url.path)
     response.headers.update(exc.headers or {})  # 405 names the allowed methods
     return response
 
@@ -102,4 +107,5 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
 async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     """A bug: answered as a 500 in the same shape, and logged with its traceback."""
     log.exception("unexpected error on %s", request.url.path)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+    error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+    return error.response(request.url.path)

@@ -168,7 +168,7 @@ class OriginGuard:
             refused = self.rules.refusal(headers.get("host"), headers.get("origin"), scheme)
             if refused is not None:
                 error = APIError(refused.status, refused.message, code=refused.code)
-                await error.response()(scope, receive, send)
+                await error.response(str(scope.get("path", "")))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -51,7 +51,8 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list | None = None) -> None:
         await super().shutdown(sockets)
-        if self.force_exit:
+        # Forced (or forced while uvicorn ran the app's shutdown: then it is done).
+        if self.force_exit and not self.lifespan.shutdown_event.is_set():
             # uvicorn skips the app's shutdown when forced (a second signal), and the app's
             # lifespan, cancelled as the loop closes, then logs a CancelledError traceback;
             # the app's shutdown is what stops the workers and removes the admin token.

@@ -374,10 +374,12 @@ class BodyRoute:
         fields: dict[str, st.SearchStrategy[Json]],
         caps: tuple[str, ...],
         refused: tuple[str, ...],
+        bound: Callable[[dict[str, Json]], None] | None = None,
     ) -> None:
         self.path = path
         self.base = base
         self.caps = caps  # the output-length fields, held at MAX_TOKENS_CAP or invalid
+        self.bound = bound  # or a route's own way to hold its output length (Ollama's)
         self.fields = {name: values | junk() for name, values in fields.items()}
         self.changes = st.lists(st.sampled_from(list(fields)), max_size=3, unique=True)
         self.removals = st.lists(st.sampled_from([n for n in base if n not in caps]), max_size=1)
@@ -426,6 +428,49 @@ def detokenize_route() -> BodyRoute:
     return BodyRoute("/detokenize", {"model": MODEL, "tokens": [19556, 905]}, fields, (), ())
 
 
+def ollama_fields() -> dict[str, st.SearchStrategy[Json]]:
+    option_names = st.sampled_from(OLLAMA_OPTIONS)
+    return {
+        "model": st.sampled_from([MODEL, MODEL + ":latest"]) | texts(8),
+        "options": st.dictionaries(option_names | texts(6), junk(), max_size=3) | junk(),
+        "stream": st.booleans(),
+        "format": st.just("json") | schemas(),
+        "keep_alive": texts(4) | ints(-1, 600),
+        "think": st.booleans(),
+    }
+
+
+def ollama_chat_route() -> BodyRoute:
+    fields = {**ollama_fields(), "messages": messages(), "tools": tools(False)}
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **OLLAMA_BASE}
+    return BodyRoute("/api/chat", base, fields, ("options",), tuple(UNSUPPORTED_FIELDS), bounded)
+
+
+def ollama_generate_route() -> BodyRoute:
+    fields = {
+        **ollama_fields(),
+        "prompt": texts(),
+        "system": texts(),
+        "raw": st.booleans(),
+        "suffix": texts(),
+        "images": st.lists(texts(8), max_size=1),
+        "template": texts(),
+        "context": st.lists(ints(-1, 50000), max_size=3),
+    }
+    base = {"model": MODEL, "prompt": "Hi", **OLLAMA_BASE}
+    refused = tuple(UNSUPPORTED_FIELDS)
+    return BodyRoute("/api/generate", base, fields, ("options",), refused, bounded)
+
+
+def bounded(body: dict[str, Json]) -> None:
+    """Ollama's output length is options.num_predict, and without it (or at -1 or -2) it
+    runs to the context's end: held at MAX_TOKENS_CAP where the options are an object."""
+    options = body.get("options")
+    if isinstance(options, dict):
+        value = options.get("num_predict")
+        options["num_predict"] = MAX_TOKENS_CAP if value in (None, -1, -2) else capped(value)
+
+
 def capped(value: Json) -> Json:
     """An output length that generates at most MAX_TOKENS_CAP tokens, or stays invalid.
 
@@ -461,6 +506,8 @@ def mutate(draw: st.DrawFn, route: BodyRoute) -> tuple[dict[str, Json], str | No
             body[cap] = capped(body.get(cap))
     if "n" in body:
         body["n"] = capped_n(body["n"])
+    if route.bound is not None:
+        route.bound(body)
     touched = [*changed, *removed, *extras]
     return body, (touched[0] if len(touched) == 1 else None)
 
@@ -768,7 +815,13 @@ def problems(outcome: Outcome) -> list[str]:
 
 def stream_problems(outcome: Outcome) -> list[str]:
     """A generation streamed with a 200 must end as a success: chat and text completions
-    with `[DONE]` and no error event, a response with its completed or incomplete event."""
+    with `[DONE]` and no error event, a response with its completed or incomplete event,
+    Ollama's lines with its `done` line and no error."""
+    if outcome.headers.get("content-type", "").startswith("application/x-ndjson"):
+        lines = [json.loads(line) for line in outcome.content.splitlines() if line.strip()]
+        if not lines or any("error" in line for line in lines) or not lines[-1]["done"]:
+            return [f"the Ollama stream ended with {lines[-1:]!r}"]
+        return []
     if not outcome.headers.get("content-type", "").startswith("text/event-stream"):
         return []
     if not outcome.case.path.startswith("/v1/"):
@@ -790,6 +843,14 @@ def stream_problems(outcome: Outcome) -> list[str]:
 
 
 def error_shape_problems(outcome: Outcome) -> list[str]:
+    if outcome.case.path.startswith("/api/"):
+        try:  # Ollama's: {"error": "..."}
+            error = json.loads(outcome.content)["error"]
+        except (ValueError, KeyError, TypeError):
+            error = None
+        if not isinstance(error, str):
+            return [f"{outcome.status} not Ollama-shaped: {outcome.content[:300]!r}"]
+        return []
     try:
         error = json.loads(outcome.content)["error"]
         shaped = (
@@ -832,6 +893,13 @@ def assert_healthy(server: ServerProcess) -> None:
     assert all(w["alive"] and w["ready"] for w in workers), workers
 
 
+OLLAMA_BASE: dict[str, Json] = {"options": {"num_predict": 2}, "stream": False}
+OLLAMA_OPTIONS = (
+    *("temperature", "top_k", "top_p", "min_p", "seed", "stop", "repeat_penalty", "num_ctx"),
+    *("presence_penalty", "frequency_penalty", "mirostat", "typical_p", "num_predict"),
+)
+
+
 # ---------------------------------------------------------------- the runs
 
 
@@ -845,6 +913,9 @@ ROUTES: dict[str, Callable[[str], st.SearchStrategy[Case]]] = {
     "POST /v1/responses": lambda token: body_cases(response_route()),
     "POST /tokenize": lambda token: body_cases(tokenize_route()),
     "POST /detokenize": lambda token: body_cases(detokenize_route()),
+    "POST /api/chat": lambda token: body_cases(ollama_chat_route()),
+    "POST /api/generate": lambda token: body_cases(ollama_generate_route()),
+    "GET /api/tags": lambda token: get_cases("/api/tags", API_KEY),
     "GET /v1/models": lambda token: get_cases("/v1/models", API_KEY),
     "GET /v1/models/{id}": lambda token: model_id_cases(),
     "GET /health": lambda token: get_cases("/health", API_KEY),

@@ -6,16 +6,22 @@ and tool calls are translated both ways (plain data below the served tests)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import ollama
 import pytest
 from openai import OpenAI
-from server_process import API_KEY, ServerProcess
+from server_process import API_KEY, ServerProcess, wait_until
+from starlette.types import Message
 
 from appliance.model.model_source import model_name
 from appliance.server.errors import APIError
+from appliance.server.ollama_api.ndjson import NdjsonStream
 from appliance.server.ollama_api.reply import OllamaReply, merged
 from appliance.server.ollama_api.request import OllamaChat, OllamaMessage, openai_messages
 
@@ -93,6 +99,11 @@ def test_generate_goes_through_the_template_unless_raw(
     assert "".join(part.response for part in raw) == text.choices[0].text
     loaded = client.generate(model=MODEL, prompt="")
     assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+    ready = client.chat(model=MODEL, messages=[])  # what `ollama run` sends first
+    assert ready.done and ready.done_reason == "load" and ready.message.content == ""
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.generate(model="nope", prompt="")
+    assert missing.value.status_code == 404
 
 
 def test_the_model_is_listed_shown_and_versioned(
@@ -225,6 +236,9 @@ def test_options_and_format_become_the_chat_completions_fields() -> None:
     with pytest.raises(APIError) as refused:
         OllamaChat(model="m", messages=[], options={"typical_p": 0.9}).chat_body()
     assert refused.value.param == "options.typical_p"
+    neutral = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1, "penalize_newline": True, "seed": -1}
+    plain = OllamaChat(model="m", messages=[], format="", options=neutral).chat_body()
+    assert not {"seed", "response_format", "mirostat", "typical_p"} & set(plain)
 
 
 def test_tool_results_answer_the_calls_in_order_of_their_names() -> None:
@@ -263,3 +277,72 @@ def test_streamed_call_fragments_come_whole_before_the_last_line() -> None:
     assert whole["message"]["content"] == "Let me see."
     assert whole["message"]["tool_calls"] == calls["message"]["tool_calls"]
     assert (whole["prompt_eval_count"], whole["done"]) == (7, True)
+
+
+def test_a_client_that_hangs_up_mid_stream_frees_its_generation(server: ServerProcess) -> None:
+    """Its slot and its sequence are let go at once, not when num_predict runs out."""
+    bound_s, wanted = 8.0, 2000
+    body = {"model": MODEL, "messages": ASK, "options": {"num_predict": wanted}}
+    with httpx.stream("POST", server.url + "/api/chat", json=body, headers=AUTH) as reply:
+        lines = reply.iter_lines()
+        assert not json.loads(next(lines))["done"]
+        began = time.monotonic()
+        for _ in range(10):
+            assert not json.loads(next(lines))["done"]
+        per_token = (time.monotonic() - began) / 10
+    # The precondition: left alone, it would still be generating well past the bound.
+    assert (wanted - 11) * per_token > 2 * bound_s, per_token
+
+    def idle() -> bool:
+        health = httpx.get(server.url + "/health").json()
+        workers = [w for pool in health["pools"].values() for w in pool]
+        return health["generations_admitted"] == 0 and all(w["running"] == 0 for w in workers)
+
+    wait_until(idle, bound_s, "the generation let go of its slot and its sequence")
+
+
+def test_a_call_only_answer_times_its_tokens_from_the_call() -> None:
+    """No content, only a call: eval_duration still runs from the first piece (clients
+    divide eval_count by it)."""
+    reply = OllamaReply("chat", "m:latest", arrival=time.monotonic() - 1.0)
+    first = {
+        "index": 0,
+        "id": "c0",
+        "type": "function",
+        "function": {"name": "f", "arguments": "{"},
+    }
+    assert reply.piece({"tool_calls": [first]}) is None
+    time.sleep(0.01)
+    calls, done = reply.last("tool_calls", {"prompt_tokens": 3, "completion_tokens": 5})
+    assert done["eval_duration"] > 0 and done["prompt_eval_duration"] >= 10**9 * 0.9
+    assert calls["message"]["tool_calls"][0]["function"]["arguments"] == {}  # cut off: {}
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])  # uvicorn's, and Starlette's other way
+def test_a_client_that_reads_nothing_is_dropped_and_its_lines_closed(spec: str) -> None:
+    """A send that never finishes (a full socket nobody reads) ends the response after
+    the send timeout, and the lines' generator is closed (its generation with it)."""
+    closed = []
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            while True:
+                yield "{}\n"
+        finally:
+            closed.append(True)
+
+    async def stuck(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(3600)
+
+    async def never_disconnects() -> Message:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def run() -> float:
+        began = time.monotonic()
+        scope = {"type": "http", "asgi": {"spec_version": spec}}
+        await NdjsonStream(lines(), send_timeout_s=0.2)(scope, never_disconnects, stuck)
+        return time.monotonic() - began
+
+    assert asyncio.run(asyncio.wait_for(run(), 10)) < 5 and closed == [True]

@@ -34,13 +34,14 @@ class OllamaReply:
         """A streamed OpenAI chat delta ({"content": text} for a text completion's piece)
         as an Ollama line; None where it says nothing yet (a tool call's fragments are
         gathered and sent whole before the last line)."""
-        self._gather(delta.get("tool_calls") or [])
+        calls = delta.get("tool_calls") or []
+        self._gather(calls)
         text = delta.get("content") or ""
         thinking = delta.get("reasoning_content") or ""
+        if self.first_token_at is None and (text or thinking or calls):
+            self.first_token_at = time.monotonic()
         if not text and not thinking:
             return None
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
         return self._line(text, thinking, []) | {"done": False}
 
     def last(self, finish_reason: str | None, usage: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -99,13 +100,14 @@ class OllamaReply:
 
 def _ollama_call(call: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI tool call as Ollama's: the arguments an object (the JSON text parsed;
-    text that is no JSON object stays as it is)."""
+    {} where it is no JSON object)."""
     function = call["function"]
-    text = function.get("arguments") or "{}"
     try:
-        arguments: Any = json.loads(text)
+        arguments = json.loads(function.get("arguments") or "{}")
     except json.JSONDecodeError:
-        arguments = text
+        arguments = None
+    if not isinstance(arguments, dict):
+        arguments = {}  # cut off (length) or not an object: Ollama's clients read an object
     return {"function": {"name": function["name"], "arguments": arguments}}
 
 

@@ -12,6 +12,7 @@ not applied. Options that change sampling in ways this server does not have
 from __future__ import annotations
 
 import json
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -35,9 +36,10 @@ PLACEMENT_OPTIONS = frozenset(
         "repeat_last_n",
     }
 )
-REFUSED_OPTIONS = frozenset(
-    {"mirostat", "mirostat_tau", "mirostat_eta", "typical_p", "tfs_z", "penalize_newline"}
-)
+# Sampling this server does not have: refused unless at the value that turns it off.
+REFUSED_OPTIONS = MappingProxyType({"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0})
+# Ollama's own engine ignores these (mirostat's rates without mirostat; a deprecated flag).
+IGNORED_OPTIONS = frozenset({"mirostat_tau", "mirostat_eta", "penalize_newline"})
 SAMPLING_OPTIONS = {  # Ollama's name -> the chat completion field
     "temperature": "temperature",
     "top_k": "top_k",
@@ -83,20 +85,27 @@ class OllamaRequest(_Body):
 
     model: str
     stream: bool = True  # Ollama streams unless told not to
-    format: Literal["json"] | dict[str, Any] | None = None
+    format: Literal["", "json"] | dict[str, Any] | None = None  # "": none
     options: dict[str, Any] = Field(default_factory=dict)
     keep_alive: str | int | float | None = None  # the model stays loaded: accepted
-    think: bool | None = None  # accepted: a reasoning model's own template decides
+    # Accepted (gpt-oss's levels too): a reasoning model's own template decides.
+    think: bool | Literal["low", "medium", "high"] | None = None
 
     def sampling(self) -> dict[str, Any]:
         """The options and format as chat completion fields."""
         fields: dict[str, Any] = {}
         for name, value in self.options.items():
             if name in REFUSED_OPTIONS:
-                raise APIError(
-                    400, f"option {name} is not supported by this server", f"options.{name}"
-                )
-            if name in SAMPLING_OPTIONS:
+                if value != REFUSED_OPTIONS[name] or isinstance(value, bool):
+                    raise APIError(
+                        400,
+                        f"option {name} is not supported by this server: send "
+                        f"{REFUSED_OPTIONS[name]} or leave it out",
+                        f"options.{name}",
+                    )
+            elif name == "seed" and isinstance(value, int) and value < 0:
+                continue  # Ollama's -1: a random seed, as none
+            elif name in SAMPLING_OPTIONS:
                 fields[SAMPLING_OPTIONS[name]] = value
             elif name == "num_predict":
                 if not isinstance(value, int) or isinstance(value, bool):
@@ -110,11 +119,11 @@ class OllamaRequest(_Body):
                         f"got {value}",
                         "options.num_predict",
                     )
-            elif name not in PLACEMENT_OPTIONS:
+            elif name not in PLACEMENT_OPTIONS | IGNORED_OPTIONS:
                 raise APIError(400, f"unknown option {name}", f"options.{name}")
         if self.format == "json":
             fields["response_format"] = {"type": "json_object"}
-        elif self.format is not None:
+        elif self.format:
             schema = {"name": "format", "schema": self.format}
             fields["response_format"] = {"type": "json_schema", "json_schema": schema}
         return fields

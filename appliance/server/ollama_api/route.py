@@ -2,7 +2,8 @@
 plugins, the `ollama` Python and JavaScript clients): POST /api/chat and /api/generate
 (streamed as newline-delimited JSON unless `stream` is false), GET /api/tags, /api/ps
 and /api/version, POST /api/show. The model is the one served, named as /api/tags
-lists it (with or without ":latest"). Errors are Ollama's {"error": "..."}.
+lists it (with or without ":latest"). Errors are Ollama's {"error": "..."}
+(errors.APIError.response, for every path under /api/).
 
 A chat or generate request is made into the chat (or, raw, text) completion the
 OpenAI routes serve (request.py), run through the same path (routes.prepared_chat),
@@ -11,58 +12,46 @@ and its answer put in Ollama's shape (reply.py)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from appliance.model.model_source import default_model_path
 from appliance.server import replies, routes
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
 from appliance.server.generation import unless_disconnected
+from appliance.server.ollama_api.ndjson import NdjsonStream
 from appliance.server.ollama_api.reply import Kind, OllamaReply, created_at, merged
 from appliance.server.ollama_api.request import OllamaChat, OllamaGenerate
 from appliance.server.state import ServerState
 
 LATEST = ":latest"  # Ollama's default tag, which its clients add to a bare name
-NDJSON = "application/x-ndjson"
 
 
-def ollama_errors(
-    handler: Callable[[Request], Awaitable[Response]],
-) -> Callable[[Request], Awaitable[Response]]:
-    """The route's APIErrors in Ollama's shape: {"error": message}, same status."""
-
-    async def answer(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except APIError as exc:
-            headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
-            return JSONResponse({"error": exc.message}, exc.status, headers=headers)
-
-    return answer
-
-
-@ollama_errors
 async def chat(request: Request) -> Response:
-    """POST /api/chat."""
+    """POST /api/chat: no messages only loads the model (Ollama's), here loaded."""
     state, body = await routes.accept(request)
     req = validated(OllamaChat, _served_name(state, body))
+    reply = _reply("chat", state, request)
+    if not req.messages:  # Ollama's way to load a model (`ollama run` sends it first)
+        state.check_model(req.model)
+        return JSONResponse(reply.loaded())
     prepared = await routes.prepared_chat(request, state, req.chat_body())
-    return await _answer(request, state, prepared, _reply("chat", state, request), req.stream)
+    return await _answer(request, state, prepared, reply, req.stream)
 
 
-@ollama_errors
 async def generate(request: Request) -> Response:
     """POST /api/generate: an empty prompt only loads the model (Ollama's), here loaded."""
     state, body = await routes.accept(request)
     req = validated(OllamaGenerate, _served_name(state, body))
     reply = _reply("generate", state, request)
     if not req.prompt and not req.raw:
+        state.check_model(req.model)
         return JSONResponse(reply.loaded())
     if req.raw:
         text = {"model": req.model, "prompt": req.prompt}
@@ -101,7 +90,7 @@ async def _answer(
     data = replies.stream_data(state, choices, envelope, prepared.prompt_tokens, True)
     lines = _ollama_lines(_chunks(data), reply)
     if stream:
-        ndjson = StreamingResponse(_ndjson(lines), media_type=NDJSON)
+        ndjson = NdjsonStream(_ndjson(lines), replies.SEND_TIMEOUT_S)
         return replies.Releasing(ndjson, ticket)
     try:
         result = await unless_disconnected(request, _gathered(lines))
@@ -187,7 +176,6 @@ def _card(state: ServerState) -> dict[str, Any]:
     }
 
 
-@ollama_errors
 async def tags(request: Request) -> Response:
     """GET /api/tags: the one model served."""
     state: ServerState = request.app.state.server
@@ -195,7 +183,6 @@ async def tags(request: Request) -> Response:
     return JSONResponse({"models": [_card(state)]})
 
 
-@ollama_errors
 async def running(request: Request) -> Response:
     """GET /api/ps: the served model, loaded for as long as the server runs."""
     state: ServerState = request.app.state.server
@@ -204,7 +191,6 @@ async def running(request: Request) -> Response:
     return JSONResponse({"models": models})
 
 
-@ollama_errors
 async def show(request: Request) -> Response:
     """POST /api/show: the served model's details (404 for another name)."""
     state: ServerState = request.app.state.server
