@@ -15,9 +15,10 @@ import json
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from appliance.server.errors import APIError
+from appliance.server.protocol import Body
 
 # Options that say where and how big the model runs: the server's settings decide.
 PLACEMENT_OPTIONS = frozenset(
@@ -53,26 +54,13 @@ SAMPLING_OPTIONS = {  # Ollama's name -> the chat completion field
 }
 
 
-class _Body(BaseModel):
-    """Unknown fields ignored (clients send extras), null taken as unset."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
-class OllamaCall(_Body):
+class OllamaCall(Body):
     """A tool call as Ollama writes it: arguments an object, not JSON text."""
 
     function: dict[str, Any]
 
 
-class OllamaMessage(_Body):
+class OllamaMessage(Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[str] = Field(default_factory=list)
@@ -80,7 +68,7 @@ class OllamaMessage(_Body):
     tool_name: str | None = None  # a tool result: the function it answers
 
 
-class OllamaRequest(_Body):
+class OllamaRequest(Body):
     """What both routes take."""
 
     model: str
