@@ -66,6 +66,8 @@ class RequestOutput:
     # On the first output, where asked: the prompt's tokens from its second on, each
     # under the distribution of the positions before it (vLLM's prompt_logprobs).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # On the output of the step that completed the prompt, where asked (params.embed).
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -392,6 +394,7 @@ class LLMEngine:
             # One per new id: a verify step's may be cut short by a stop inside its run.
             logprobs[: len(new_ids)] if logprobs is not None and new_ids else None,
             self._prompt_logprobs(seq, stream) if first == 0 and new_ids else None,
+            self.runner.embeddings.get(seq.seq_id),
         )
 
     @staticmethod
@@ -404,6 +407,7 @@ class LLMEngine:
     def _forget(self, seq_id: int) -> None:
         self._streams.pop(seq_id, None)
         self.runner.sampler.forget(seq_id)
+        self.runner.pooling.forget(seq_id)
         self.grammar.forget(seq_id)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:

@@ -11,6 +11,7 @@ import torch
 
 from appliance.engine.decode_groups import decode_groups
 from appliance.engine.logprobs import TokenLogprobs
+from appliance.engine.pooling import PromptPooling
 from appliance.engine.sampler import Sampler, SampleRow, table_entry, token_table
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams
@@ -133,6 +134,9 @@ class ModelRunner:
         self.prompt_logprobs: dict[int, list[tuple[int, TokenLogprobs]]] = {}
         # The last run's verify chunks: {seq_id: accepted drafts + one token}.
         self.verified: dict[int, list[int]] = {}
+        # The embeddings of the prompts the last run completed, of those that asked.
+        self.pooling = PromptPooling()
+        self.embeddings: dict[int, list[float]] = {}
 
     def enable_decode_graphs(self, batch_sizes: tuple[int, ...], max_len: int) -> None:
         """Capture CUDA graphs of decode-only steps of these batch sizes, for sequences of
@@ -167,16 +171,20 @@ class ModelRunner:
         """Compute the step; return {seq_id: next token} for sequences whose chunk completed.
         The logprobs of those that asked for them are in `self.logprobs` until the next run."""
         self.logprobs, self.prompt_logprobs, self.verified = {}, {}, {}
+        self.embeddings = {}
         inputs = self.prepare(out)  # built on the host: followers are sent these
         if self.followers is not None:
             self.followers.run_step(inputs)
-        if self.decode_graphs is not None and self.decode_graphs.takes(inputs):
+        embeds = any(chunk.seq.params.embed for chunk in out.chunks)  # (hidden rows needed)
+        if self.decode_graphs is not None and not embeds and self.decode_graphs.takes(inputs):
             logits = self.decode_graphs.run(inputs)  # every decode row is sampled
         else:
             if self.device.type != "cpu":
                 inputs = move_to(inputs, self.device)
             hidden = forward(self.model, inputs, self.kv.tensor)
             self.prompt_logprobs = self._prompt_logprobs(out, hidden)
+            if embeds:
+                self.embeddings = self.pooling.add(out, hidden)
             if not inputs.sample_requests:
                 return {}
             logits = self.model.logits(hidden[inputs.sample_rows])

@@ -238,8 +238,8 @@ class Scheduler:
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
         """Start a sequence that holds no blocks on the cached blocks of its prefix. The
         block with its last token is always computed: its logits pick the next token."""
-        if seq.block_table or seq.params.prompt_logprobs is not None:
-            return  # (prompt logprobs need every prompt position's logits computed)
+        if seq.block_table or seq.params.whole_prompt:
+            return  # (prompt logprobs and embeddings need every prompt position computed)
         size, salt = self.block_size, seq.params.cache_salt
         blocks, keys = self.blocks.match(seq.token_ids, (len(seq) - 1) // size, salt)
         seq.block_table, seq.block_keys = blocks, keys

@@ -70,6 +70,9 @@ class SamplingParams:
     # its tokens are looked up beside the prompt's and the output's (and the request
     # speculates on an opt-in server too). Never changes the answer.
     prediction: tuple[int, ...] = ()
+    # An embedding request's: the prompt's mean-pooled, normalized last hidden state comes
+    # with its first output (engine/pooling.py); every prompt position is computed.
+    embed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +118,12 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def whole_prompt(self) -> bool:
+        """Every prompt position must be computed (no cached prefix): its logits or its
+        hidden state are asked for."""
+        return self.prompt_logprobs is not None or self.embed
 
     @property
     def greedy(self) -> bool:

@@ -64,6 +64,7 @@ class Chunk:
     logprobs: list[TokenLogprobs] | None = None  # one per token id, where the request asked
     # On the first chunk, where asked: the prompt's tokens from the second on.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    embedding: list[float] | None = None  # an embedding request's, on its first chunk
 
 
 class RequestFlow:
@@ -406,4 +407,5 @@ def _chunk(request: Request, out: Output, cached_tokens: int) -> Chunk:
         cached_tokens,
         out.logprobs,
         out.prompt_logprobs,
+        out.embedding,
     )

@@ -22,7 +22,7 @@ from appliance.admin.device_stats import DeviceStats
 from appliance.admin.latency_window import LatencyWindow
 from appliance.admin.token import remove_token, write_token
 from appliance.api import Appliance
-from appliance.server import routes, tokenization
+from appliance.server import embeddings, routes, tokenization
 from appliance.server.admin import AdminState, admin_routes
 from appliance.server.errors import APIError, api_error, http_error, unexpected_error
 from appliance.server.metrics import Metrics
@@ -89,6 +89,7 @@ def build_app(
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/embeddings", embeddings.openai_embeddings, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             # an id may hold slashes ("org/name"), as a Hugging Face one does
             Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
@@ -96,6 +97,8 @@ def build_app(
             Route("/detokenize", tokenization.detokenize, methods=["POST"]),
             Route("/api/chat", ollama.chat, methods=["POST"]),
             Route("/api/generate", ollama.generate, methods=["POST"]),
+            Route("/api/embed", embeddings.ollama_embed, methods=["POST"]),
+            Route("/api/embeddings", embeddings.ollama_embeddings, methods=["POST"]),
             Route("/api/tags", ollama.tags, methods=["GET"]),
             Route("/api/ps", ollama.running, methods=["GET"]),
             Route("/api/show", ollama.show, methods=["POST"]),

@@ -160,6 +160,7 @@ class Output:
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     logprobs: list[TokenLogprobs] | None = None  # one per token id, where the request asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first output, where asked
+    embedding: list[float] | None = None  # on the first output, where asked (params.embed)
 
 
 @dataclass

@@ -245,9 +245,9 @@ class StoreClient:
         hits = self.pending.pop(request_id, None)
         if hits is None:
             return 0
-        if params.prompt_logprobs is not None:
+        if params.whole_prompt:
             self.released.append((request_id, 0))
-            return 0  # every prompt position is computed for its logits
+            return 0  # every prompt position is computed (its logits, its hidden state)
         self._attach(hits.arena)
         found = list(zip(hits.block_keys, hits.slots, strict=True))
         size = self.engine.kv.block_size

@@ -424,6 +424,7 @@ def report(state: WorkerState, outputs: list[RequestOutput], started_at: float) 
                 out.cached_tokens,
                 out.logprobs,
                 out.prompt_logprobs,
+                out.embedding,
             )
         )
     state.outbox.put(batch)

@@ -462,6 +462,28 @@ def ollama_generate_route() -> BodyRoute:
     return BodyRoute("/api/generate", base, fields, ("options",), refused, bounded)
 
 
+def embeddings_route() -> BodyRoute:
+    fields = {
+        "model": st.just(MODEL) | texts(8),
+        "input": texts() | st.lists(texts(), max_size=3) | st.lists(ints(-1, 50000), max_size=4),
+        "encoding_format": st.sampled_from(["float", "base64"]) | texts(6),
+        "dimensions": ints(-1, 1000),
+    }
+    base = {"model": MODEL, "input": "Hi"}
+    return BodyRoute("/v1/embeddings", base, fields, (), tuple(UNSUPPORTED_FIELDS))
+
+
+def ollama_embed_route() -> BodyRoute:
+    fields = {
+        "model": st.sampled_from([MODEL, MODEL + ":latest"]) | texts(8),
+        "input": texts() | st.lists(texts(), max_size=3),
+        "truncate": st.booleans(),
+        "options": st.dictionaries(texts(6), junk(), max_size=2),
+    }
+    base = {"model": MODEL, "input": "Hi"}
+    return BodyRoute("/api/embed", base, fields, (), tuple(UNSUPPORTED_FIELDS))
+
+
 def bounded(body: dict[str, Json]) -> None:
     """Ollama's output length is options.num_predict, and without it (or at -1 or -2) it
     runs to the context's end: held at MAX_TOKENS_CAP where the options are an object."""
@@ -916,6 +938,8 @@ ROUTES: dict[str, Callable[[str], st.SearchStrategy[Case]]] = {
     "POST /api/chat": lambda token: body_cases(ollama_chat_route()),
     "POST /api/generate": lambda token: body_cases(ollama_generate_route()),
     "GET /api/tags": lambda token: get_cases("/api/tags", API_KEY),
+    "POST /v1/embeddings": lambda token: body_cases(embeddings_route()),
+    "POST /api/embed": lambda token: body_cases(ollama_embed_route()),
     "GET /v1/models": lambda token: get_cases("/v1/models", API_KEY),
     "GET /v1/models/{id}": lambda token: model_id_cases(),
     "GET /health": lambda token: get_cases("/health", API_KEY),
