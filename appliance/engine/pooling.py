@@ -29,7 +29,10 @@ class PromptPooling:
             start += chunk.num_tokens
             if not seq.params.embed or chunk.start >= seq.num_prompt_tokens:
                 continue
-            total = hidden[rows].float().sum(0)  # [hidden]
+            # Only the prompt's rows (an embedding's request makes one token and ends, so
+            # no chunk of it holds more; SamplingParams holds it to that).
+            end = min(chunk.num_tokens, seq.num_prompt_tokens - chunk.start)
+            total = hidden[rows][:end].float().sum(0)  # [hidden]
             if chunk.start > 0:  # (a prompt recomputed after preemption starts at 0)
                 total += self._sums[seq.seq_id]
             if chunk.start + chunk.num_tokens < seq.num_prompt_tokens:

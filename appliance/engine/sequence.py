@@ -114,6 +114,10 @@ class SamplingParams:
                 f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
             ),
             *_speculative_checks(self.speculative_n_max, self.speculative_n_min),
+            (
+                not self.embed or self.max_tokens == 1,
+                f"an embedding's request makes one token, got max_tokens {self.max_tokens}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

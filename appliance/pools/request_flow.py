@@ -295,8 +295,8 @@ class RequestFlow:
         (none: it is held), by what each decodes: a colocated worker its own requests, a
         prefill worker the decode pool's lightest worker's, with the prompts the prefill
         pool holds for it spread over the pool."""
-        if self.admission.limits is None:
-            return candidates
+        if self.admission.limits is None or request.attempt_params.max_tokens == 1:
+            return candidates  # (one token, an embedding's: it never joins a decode batch)
         now = time.monotonic()
         loads, models, paces = [], [], []
         for worker in candidates:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import math
 import struct
 import time
 from contextlib import aclosing
@@ -26,6 +27,7 @@ from appliance.server.protocol import Body, valid_unicode
 from appliance.server.state import ServerState
 
 EMBED = SamplingParams(max_tokens=1, embed=True)
+MAX_INPUTS = 2048  # OpenAI's most inputs in one request
 NS = 1_000_000_000
 
 
@@ -64,7 +66,11 @@ async def openai_embeddings(request: Request) -> Response:
     size = state.appliance.model_config.hidden_size
     if req.dimensions is not None and req.dimensions != size:
         raise APIError(400, f"dimensions must be this model's embedding size, {size}", "dimensions")
-    prompts = [await _ids(state, item, "input", truncate=False) for item in req.inputs()]
+    inputs = req.inputs()
+    if not inputs:
+        raise APIError(400, "input must hold at least one item", "input")
+    _check_count(len(inputs), "input")
+    prompts = [await _ids(state, item, "input", truncate=False) for item in inputs]
     vectors = await _embedded(request, state, prompts)
     data = [
         {"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
@@ -78,10 +84,11 @@ async def openai_embeddings(request: Request) -> Response:
 
 
 async def ollama_embed(request: Request) -> Response:
-    """POST /api/embed: {"input": text or texts} -> {"embeddings": [[...]]}."""
+    """POST /api/embed: {"input": text or texts} -> {"embeddings": [[...]]}; without
+    input it only loads the model (Ollama's), here loaded: no embeddings."""
     began = time.monotonic()
     state, req, prompts = await _ollama_inputs(request, "input")
-    vectors = await _embedded(request, state, prompts)
+    vectors = await _embedded(request, state, prompts) if prompts else []
     return JSONResponse(
         {
             "model": req.model,
@@ -94,10 +101,11 @@ async def ollama_embed(request: Request) -> Response:
 
 
 async def ollama_embeddings(request: Request) -> Response:
-    """POST /api/embeddings (Ollama's older route): {"prompt": text} -> {"embedding"}."""
+    """POST /api/embeddings (Ollama's older route): {"prompt": text} -> {"embedding"};
+    an empty prompt only loads the model: an empty embedding."""
     state, _, prompts = await _ollama_inputs(request, "prompt")
-    (vector,) = await _embedded(request, state, prompts)
-    return JSONResponse({"embedding": vector})
+    vectors = await _embedded(request, state, prompts) if prompts else [[]]
+    return JSONResponse({"embedding": vectors[0]})
 
 
 async def _ollama_inputs(
@@ -110,11 +118,18 @@ async def _ollama_inputs(
     req = validated(OllamaEmbed, body)
     state.check_model(req.model)
     given = req.input if field == "input" else req.prompt
-    if given is None:
-        raise APIError(400, f"{field} is required", field)
-    texts = [given] if isinstance(given, str) else given
+    texts = [given] if isinstance(given, str) else given or []
+    if texts == [""]:
+        texts = []  # as no input: a load
+    _check_count(len(texts), field)
     prompts = [await _ids(state, text, field, req.truncate) for text in texts]
     return state, req, prompts
+
+
+def _check_count(count: int, param: str) -> None:
+    """OpenAI's bound on a request's inputs (a 400 naming the field past it)."""
+    if count > MAX_INPUTS:
+        raise APIError(400, f"{param} holds {count} items; at most {MAX_INPUTS}", param)
 
 
 async def _ids(state: ServerState, item: str | list[int], param: str, truncate: bool) -> list[int]:
@@ -150,14 +165,14 @@ async def _ids(state: ServerState, item: str | list[int], param: str, truncate: 
 async def _embedded(
     request: Request, state: ServerState, prompts: list[list[int]]
 ) -> list[list[float]]:
-    """Each prompt's embedding, in order; the inputs run in waves of at most the
-    server's admission limit (a 429 only when others hold the slots)."""
-    if not prompts:
-        raise APIError(400, "input must hold at least one item", "input")
-    wave = state.settings.server.max_concurrent_requests
+    """Each prompt's embedding, in order; the inputs run in waves of the admission
+    slots free at each wave's start, so chat requests are not shut out for long."""
+    limit = state.settings.server.max_concurrent_requests
     vectors: list[list[float]] = []
-    for start in range(0, len(prompts), wave):
-        part = prompts[start : start + wave]
+    while len(vectors) < len(prompts):
+        # As many as the free slots take (at least one: a 429 only when none is free).
+        room = max(1, limit - state.in_flight)
+        part = prompts[len(vectors) : len(vectors) + room]
         ticket = state.admit(len(part))
         try:
             found = await unless_disconnected(request, _run(state, part, request.state.arrival))
@@ -182,6 +197,9 @@ async def _run(state: ServerState, prompts: list[list[int]], arrival: float) -> 
     missing = [i for i in range(len(prompts)) if i not in found]
     if missing:
         raise RequestFailed(f"no embedding came back for input {missing[0]}")
+    broken = [i for i, v in found.items() if not all(map(math.isfinite, v))]
+    if broken:  # JSON has no NaN; the hidden state overflowed the model's dtype
+        raise RequestFailed(f"the embedding of input {broken[0]} is not finite")
     return [found[i] for i in range(len(prompts))]
 
 

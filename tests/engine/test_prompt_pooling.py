@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from appliance.engine.llm_engine import LLMEngine
@@ -74,3 +75,8 @@ def test_a_request_that_does_not_ask_gets_none(engine: LLMEngine) -> None:
     ids = engine.tokenizer.encode(TEXTS[0])
     outputs = list(engine.stream(ids, SamplingParams(max_tokens=3)))
     assert all(o.embedding is None for o in outputs)
+
+
+def test_an_embedding_request_makes_one_token() -> None:
+    with pytest.raises(ValueError, match="one token"):
+        SamplingParams(max_tokens=2, embed=True)

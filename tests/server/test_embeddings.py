@@ -76,6 +76,20 @@ def test_ollamas_routes_give_the_same_vectors(client: OpenAI, server: ServerProc
     assert len(cut["embeddings"]) == 1 and cut["prompt_eval_count"] < 20000
     refused = httpx.post(server.url + "/api/embed", json=long | {"truncate": False}, headers=AUTH)
     assert refused.status_code == 400 and "embeds at most" in refused.json()["error"]
+    # no input (or an empty one) only loads the model, as Ollama answers it
+    assert local.embed(model=MODEL, input=[]).embeddings == []
+    assert local.embed(model=MODEL, input="").embeddings == []
+    assert local.embeddings(model=MODEL, prompt="").embedding == []
+
+
+def test_more_inputs_than_openai_takes_are_refused_and_a_batch_leaves_room(
+    client: OpenAI, server: ServerProcess
+) -> None:
+    too_many = {"model": MODEL, "input": ["a"] * 2049}
+    reply = httpx.post(server.url + "/v1/embeddings", json=too_many, headers=AUTH)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"
+    # More inputs than the server admits at once (40 here) run in waves, not a 429.
+    assert vectors(client, [f"item {i}" for i in range(90)]).shape[0] == 90
 
 
 @pytest.mark.parametrize(
