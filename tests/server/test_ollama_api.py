@@ -236,6 +236,10 @@ def test_options_and_format_become_the_chat_completions_fields() -> None:
     with pytest.raises(APIError) as refused:
         OllamaChat(model="m", messages=[], options={"typical_p": 0.9}).chat_body()
     assert refused.value.param == "options.typical_p"
+    thinking = OllamaChat(model="m", messages=[], think=False).chat_body()
+    assert thinking["chat_template_kwargs"] == {"enable_thinking": False}  # Qwen3's switch
+    effort = OllamaChat(model="m", messages=[], think="low").chat_body()
+    assert effort["chat_template_kwargs"] == {"reasoning_effort": "low"}  # gpt-oss's
     neutral = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1, "penalize_newline": True, "seed": -1}
     plain = OllamaChat(model="m", messages=[], format="", options=neutral).chat_body()
     assert not {"seed", "response_format", "mirostat", "typical_p"} & set(plain)

@@ -76,11 +76,12 @@ class OllamaRequest(Body):
     format: Literal["", "json"] | dict[str, Any] | None = None  # "": none
     options: dict[str, Any] = Field(default_factory=dict)
     keep_alive: str | int | float | None = None  # the model stays loaded: accepted
-    # Accepted (gpt-oss's levels too): a reasoning model's own template decides.
+    # A reasoning model's switch, as its chat template reads it: Qwen3's enable_thinking,
+    # gpt-oss's reasoning_effort (the levels); a template without either ignores it.
     think: bool | Literal["low", "medium", "high"] | None = None
 
     def sampling(self) -> dict[str, Any]:
-        """The options and format as chat completion fields."""
+        """The options, format and think as chat completion fields."""
         fields: dict[str, Any] = {}
         for name, value in self.options.items():
             if name in REFUSED_OPTIONS:
@@ -109,6 +110,10 @@ class OllamaRequest(Body):
                     )
             elif name not in PLACEMENT_OPTIONS | IGNORED_OPTIONS:
                 raise APIError(400, f"unknown option {name}", f"options.{name}")
+        if isinstance(self.think, bool):
+            fields["chat_template_kwargs"] = {"enable_thinking": self.think}
+        elif self.think is not None:
+            fields["chat_template_kwargs"] = {"reasoning_effort": self.think}
         if self.format == "json":
             fields["response_format"] = {"type": "json_object"}
         elif self.format:
