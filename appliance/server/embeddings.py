@@ -5,7 +5,6 @@ mean of the last hidden states, unit length); the token is dropped."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import functools
 import math
@@ -23,12 +22,13 @@ from appliance.server import routes
 from appliance.server.body import validated
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices, unless_disconnected
+from appliance.server.ollama_api.reply import NS
+from appliance.server.ollama_api.request import served_name
 from appliance.server.protocol import Body, valid_unicode
 from appliance.server.state import ServerState
 
 EMBED = SamplingParams(max_tokens=1, embed=True)
 MAX_INPUTS = 2048  # OpenAI's most inputs in one request
-NS = 1_000_000_000
 
 
 class EmbeddingRequest(Body):
@@ -112,10 +112,7 @@ async def _ollama_inputs(
     request: Request, field: str
 ) -> tuple[ServerState, OllamaEmbed, list[list[int]]]:
     state, body = await routes.accept(request)
-    name = body.get("model")
-    if isinstance(name, str):
-        body = body | {"model": name.removesuffix(":latest")}
-    req = validated(OllamaEmbed, body)
+    req = validated(OllamaEmbed, served_name(body, state.appliance.model_name))
     state.check_model(req.model)
     given = req.input if field == "input" else req.prompt
     texts = [given] if isinstance(given, str) else given or []
@@ -142,8 +139,9 @@ async def _ids(state: ServerState, item: str | list[int], param: str, truncate: 
             valid_unicode(item)  # JSON can carry a lone surrogate, which no tokenizer takes
         except ValueError as exc:
             raise APIError(400, f"{param}: {exc}", param) from None
-        # A long text takes milliseconds to seconds: off the loop that streams the others.
-        ids = await asyncio.to_thread(functools.partial(state.appliance.tokenize, prompt=item))
+        ids = await routes.tokenized(
+            functools.partial(state.appliance.tokenize, prompt=item), param
+        )
     else:
         ids = list(item)
     vocab = state.appliance.model_config.vocab_size

@@ -56,7 +56,7 @@ async def prepared_chat(request: Request, state: ServerState, body: dict[str, An
     # tool_choice required or named, and the readers of calls and reasoning (appliance/chat).
     turn = ChatTurn.of(tokenizer, messages, req)
     req.constrain_tool_calls(turn.structured)
-    ids = await _tokenize(turn.token_ids, "messages")
+    ids = await tokenized(turn.token_ids, "messages")
     if not ids:
         raise APIError(400, "the prompt is empty", "messages")
     return await _prepared(request, state, req, [ids], ChatShape(turn.outputs(tuple(req.stop))))
@@ -77,7 +77,7 @@ async def prepared_completion(
     vocab = state.appliance.model_config.vocab_size
     prompts = []
     for prompt in req.prompts():
-        ids = await _tokenize(functools.partial(state.appliance.tokenize, prompt=prompt), "prompt")
+        ids = await tokenized(functools.partial(state.appliance.tokenize, prompt=prompt), "prompt")
         if max(ids) >= vocab:
             raise APIError(
                 400, f"token id {max(ids)} is outside the vocabulary ({vocab})", "prompt"
@@ -202,7 +202,7 @@ def _precheck(state: ServerState, req: SamplingFields, num_prompts: int) -> None
     state.check_room(count)
 
 
-async def _tokenize(tokenize: Callable[[], list[int]], param: str) -> list[int]:
+async def tokenized(tokenize: Callable[[], list[int]], param: str) -> list[int]:
     # Long prompts take milliseconds to seconds: off the loop that streams the others.
     try:
         return await asyncio.to_thread(tokenize)

@@ -20,6 +20,8 @@ from pydantic import Field
 from appliance.server.errors import APIError
 from appliance.server.protocol import Body
 
+LATEST = ":latest"  # Ollama's default tag
+
 # Options that say where and how big the model runs: the server's settings decide.
 PLACEMENT_OPTIONS = frozenset(
     {
@@ -159,6 +161,15 @@ class OllamaGenerate(OllamaRequest):
         messages.append({"role": "user", "content": self.prompt})
         body = {"model": self.model, "messages": messages}
         return body | self.sampling() | _stream_fields(self.stream)
+
+
+def served_name(body: dict[str, Any], served: str) -> dict[str, Any]:
+    """The body with its model named as the OpenAI routes name it: `served` for
+    `served:latest` (Ollama's clients add the default tag to a bare name)."""
+    name = body.get("model")
+    if isinstance(name, str) and name.removesuffix(LATEST) == served:
+        return body | {"model": served}
+    return body
 
 
 def _stream_fields(stream: bool) -> dict[str, Any]:

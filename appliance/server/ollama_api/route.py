@@ -27,16 +27,14 @@ from appliance.server.errors import APIError
 from appliance.server.generation import unless_disconnected
 from appliance.server.ollama_api.ndjson import NdjsonStream
 from appliance.server.ollama_api.reply import Kind, OllamaReply, created_at, merged
-from appliance.server.ollama_api.request import OllamaChat, OllamaGenerate
+from appliance.server.ollama_api.request import LATEST, OllamaChat, OllamaGenerate, served_name
 from appliance.server.state import ServerState
-
-LATEST = ":latest"  # Ollama's default tag, which its clients add to a bare name
 
 
 async def chat(request: Request) -> Response:
     """POST /api/chat: no messages only loads the model (Ollama's), here loaded."""
     state, body = await routes.accept(request)
-    req = validated(OllamaChat, _served_name(state, body))
+    req = validated(OllamaChat, served_name(body, state.appliance.model_name))
     reply = _reply("chat", state, request)
     if not req.messages:  # Ollama's way to load a model (`ollama run` sends it first)
         state.check_model(req.model)
@@ -48,7 +46,7 @@ async def chat(request: Request) -> Response:
 async def generate(request: Request) -> Response:
     """POST /api/generate: an empty prompt only loads the model (Ollama's), here loaded."""
     state, body = await routes.accept(request)
-    req = validated(OllamaGenerate, _served_name(state, body))
+    req = validated(OllamaGenerate, served_name(body, state.appliance.model_name))
     reply = _reply("generate", state, request)
     if not req.prompt and not req.raw:
         state.check_model(req.model)
@@ -60,16 +58,6 @@ async def generate(request: Request) -> Response:
     else:
         prepared = await routes.prepared_chat(request, state, req.chat_body())
     return await _answer(request, state, prepared, reply, req.stream)
-
-
-def _served_name(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
-    """The body with its model named as the OpenAI routes name it (no ":latest")."""
-    name = body.get("model")
-    if isinstance(name, str) and name.endswith(LATEST):
-        name = name.removesuffix(LATEST)
-        if name == state.appliance.model_name:
-            return body | {"model": name}
-    return body
 
 
 def _reply(kind: Kind, state: ServerState, request: Request) -> OllamaReply:
@@ -195,9 +183,8 @@ async def show(request: Request) -> Response:
     """POST /api/show: the served model's details (404 for another name)."""
     state: ServerState = request.app.state.server
     state.authorize(request)
-    body = _served_name(
-        state, await read_json_object(request, state.settings.server.max_body_bytes)
-    )
+    raw = await read_json_object(request, state.settings.server.max_body_bytes)
+    body = served_name(raw, state.appliance.model_name)
     name = body.get("model") or body.get("name")
     state.check_model(str(name))
     config = state.appliance.model_config
