@@ -20,7 +20,8 @@ from appliance.core.tuning import Tuning, TuningPatch
 from appliance.engine.logprobs import TokenLogprobs as TokenLogprobs
 from appliance.engine.sequence import SamplingParams as SamplingParams
 from appliance.model.model_config import ModelConfig, check_degree
-from appliance.model.model_source import model_name, prepare_tokenizer
+from appliance.model.model_source import model_name, prepare_model
+from appliance.model.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from appliance.model.tokenizer import Tokenizer
 from appliance.ops.autopilot import Autopilot
 from appliance.ops.pool_moves import MoveError as MoveError
@@ -47,6 +48,7 @@ class Appliance:
         self.autopilot = Autopilot(self.supervisor, self.pools, settings)
         self.tokenizer: Tokenizer | None = None
         self.config: ModelConfig | None = None
+        self.sampling_defaults = SamplingDefaults()  # the model's, once prepared
         self.model_name = settings.served_model_name or model_name(settings.model)
 
     def prepare(self) -> None:
@@ -55,8 +57,11 @@ class Appliance:
         settings = self.settings
         log.info("loading the tokenizer of %s...", self.model_name)
         began = time.monotonic()
-        self.config, self.tokenizer = prepare_tokenizer(
-            settings.model, settings.cache_dir, settings.chat_template
+        self.config, model_dir = prepare_model(settings.model, settings.cache_dir)
+        eos_ids = self.config.eos_token_ids
+        self.tokenizer = Tokenizer.load(model_dir, eos_ids, settings.chat_template)
+        self.sampling_defaults = read_sampling_defaults(
+            settings.generation_config, model_dir, settings.override_generation_config
         )
         log.info(
             "tokenizer loaded in %.1f s (%d tokens, %s, context %d)",
@@ -65,6 +70,13 @@ class Appliance:
             self.config.architecture,
             self.config.max_position_embeddings,
         )
+        if self.sampling_defaults.values:
+            log.info(
+                "sampling defaults for the fields a request leaves out: %s (from %s; "
+                "generation_config=vllm keeps the API's own)",
+                self.sampling_defaults.describe(),
+                self.sampling_defaults.source,
+            )
         check_degree(self.config, settings.prefill_tp, "prefill_tp")
         check_degree(self.config, settings.decode_tp, "decode_tp")
 

@@ -74,6 +74,7 @@ TORCH_FREE = (
     "appliance.server.serve",
     "appliance.cluster.agent",
     "appliance.model.model_source",
+    "appliance.model.sampling_defaults",
     "appliance.kv.remote_pool",
 )
 

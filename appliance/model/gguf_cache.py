@@ -16,6 +16,7 @@ from pathlib import Path
 
 from appliance.model.errors import ModelLoadError
 from appliance.model.model_config import ModelConfig
+from appliance.model.sampling_defaults import gguf_generation_config
 
 log = logging.getLogger("appliance.model")
 
@@ -24,7 +25,8 @@ log = logging.getLogger("appliance.model")
 # window (a v5 entry would read them as absent: a windowed model served without its window).
 # v7: the stop ids include the GGUF's end-of-turn and end-of-message tokens.
 # v8: the facts hold Gemma 3's layer kinds, local RoPE base, score scale and logit cap.
-CACHE_FORMAT = "v8"
+# v9: the file's recommended sampling (general.sampling.*) as a generation_config.json.
+CACHE_FORMAT = "v9"
 
 
 def cache_entry(path: Path, cache_dir: Path) -> Path:
@@ -68,6 +70,9 @@ def _write_entry(path: Path, entry: Path) -> None:
     try:
         convert_gguf_tokenizer(path, staging)
         (staging / "model_config.json").write_text(json.dumps(config.to_dict()))
+        sampling = gguf_generation_config(gguf_file.metadata(reader))
+        if sampling:  # read as a folder's is (sampling_defaults.py)
+            (staging / "generation_config.json").write_text(json.dumps(sampling))
         (staging / "complete").write_text(str(path.resolve()))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -159,6 +159,16 @@ class Prediction(Body):
 class SamplingFields(Body, StructuredFields):
     """What both routes share: the model, how to sample, when to stop, how to answer (and
     the structured-output fields, structured_fields.py)."""
+
+    # The fields the model's sampling defaults fill where a body leaves them out
+    # (model/sampling_defaults.py), by generation_config.json's names; the first is set.
+    DEFAULTED: ClassVar[dict[str, tuple[str, ...]]] = {
+        "temperature": ("temperature",),
+        "top_p": ("top_p",),
+        "top_k": ("top_k",),
+        "min_p": ("min_p",),
+        "repetition_penalty": ("repetition_penalty", "repeat_penalty"),
+    }
 
     model: str
     max_tokens: int | None = Field(None, ge=1)

@@ -47,7 +47,8 @@ async def chat_completions(request: Request) -> Response:
 async def prepared_chat(request: Request, state: ServerState, body: dict[str, Any]) -> Prepared:
     """A chat completion's body made into its choices (Ollama's /api/chat, ollama_api/,
     answers from these too)."""
-    req = validated(ChatCompletionRequest, body)
+    defaults = state.appliance.sampling_defaults
+    req = validated(ChatCompletionRequest, defaults.fill(body, ChatCompletionRequest.DEFAULTED))
     _precheck(state, req, num_prompts=1)
     messages = [m.for_template() for m in req.messages]
     tokenizer = state.appliance.tokenizer
@@ -72,7 +73,8 @@ async def prepared_completion(
     request: Request, state: ServerState, body: dict[str, Any]
 ) -> Prepared:
     """A text completion's body made into its choices (Ollama's raw /api/generate too)."""
-    req = validated(CompletionRequest, body)
+    defaults = state.appliance.sampling_defaults
+    req = validated(CompletionRequest, defaults.fill(body, CompletionRequest.DEFAULTED))
     _precheck(state, req, num_prompts=len(req.prompts()))
     vocab = state.appliance.model_config.vocab_size
     prompts = []
@@ -210,8 +212,11 @@ async def tokenized(tokenize: Callable[[], list[int]], param: str) -> list[int]:
         raise APIError(400, str(exc), param) from None
 
 
-def _max_tokens(req: SamplingFields, prompt_len: int, context: int, param: str) -> int:
-    """The output budget: what was asked, checked against the room the prompt leaves."""
+def _max_tokens(
+    req: SamplingFields, prompt_len: int, context: int, param: str, default: int | None
+) -> int:
+    """The output budget: what was asked, checked against the room the prompt leaves;
+    unasked, the model's default (max_new_tokens) or the route's, within that room."""
     if prompt_len >= context:
         raise APIError(
             400,
@@ -223,7 +228,7 @@ def _max_tokens(req: SamplingFields, prompt_len: int, context: int, param: str) 
     room = context - prompt_len
     asked = req.requested_max_tokens()
     if asked is None:
-        return req.default_max_tokens(room)
+        return min(default, room) if default is not None else req.default_max_tokens(room)
     if asked > room:
         raise APIError(
             400,
@@ -242,11 +247,12 @@ def _choices(
     param: str,
     arrival: float,
     prediction: tuple[int, ...] = (),
+    default_max_tokens: int | None = None,
 ) -> list[Choice]:
     """n choices per prompt, each with its checked output budget and its own seed."""
     choices = []
     for p, ids in enumerate(prompts):
-        max_tokens = _max_tokens(req, len(ids), context, param)
+        max_tokens = _max_tokens(req, len(ids), context, param, default_max_tokens)
         for j in range(req.n):
             params = replace(req.sampling_params(max_tokens, j), prediction=prediction)
             choices.append(Choice(p * req.n + j, ids, params, arrival))
@@ -273,7 +279,9 @@ async def _prepared(
     param = "messages" if isinstance(shape, ChatShape) else "prompt"
     context = state.appliance.max_model_len
     prediction = await prediction_ids(state, req, context)
-    choices = _choices(req, prompts, context, param, request.state.arrival, prediction)
+    default = state.appliance.sampling_defaults.max_tokens
+    arrival = request.state.arrival
+    choices = _choices(req, prompts, context, param, arrival, prediction, default)
     envelope = Envelope(shape, state.appliance.model_name, prompt_logprobs=req.prompt_logprobs)
     prompt_tokens = sum(len(ids) for ids in prompts)
     annotate(

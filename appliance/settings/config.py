@@ -10,6 +10,7 @@ travels to every worker process.
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -34,6 +35,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from appliance.model.sampling_defaults import API_OWN, MODEL_OWN, checked
 from appliance.settings.cluster import ClusterSettings
 
 # Re-exported: `from appliance.settings.config import BatchSettings, KVSettings` stays the import.
@@ -189,6 +191,19 @@ class Settings(BaseSettings):
         description="A Jinja chat template file, or the template itself, rendering chat "
         "messages in place of the model's own template (vLLM's --chat-template).",
     )
+    generation_config: str = Field(
+        MODEL_OWN,
+        description="Sampling defaults for the fields a request leaves out (vLLM's "
+        "--generation-config): auto takes the model's recommended ones (its "
+        "generation_config.json, a GGUF's general.sampling.* keys); vllm takes the API's "
+        "own (temperature 1, no cuts); or a folder holding a generation_config.json.",
+    )
+    override_generation_config: dict[str, float] = Field(
+        default_factory=dict,
+        description="Sampling defaults set here, over generation_config's (vLLM's name): "
+        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, as JSON "
+        '({"temperature": 0.7}) or a TOML table.',
+    )
     revision: str | None = Field(
         None,
         description="With a model by name: the branch, tag or commit of its repository; "
@@ -342,6 +357,34 @@ class Settings(BaseSettings):
                 raise ValueError(f"no such chat template file: {value}")
             return path.read_text()
         return value
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_found(cls, value: str) -> str:
+        if value in (MODEL_OWN, API_OWN):
+            return value
+        path = Path(value).expanduser()
+        if not (path / "generation_config.json").is_file() and not path.is_file():
+            raise ValueError(
+                f"{value!r} is neither auto, vllm, nor a folder with a generation_config.json"
+            )
+        return str(path)
+
+    @field_validator("override_generation_config", mode="before")
+    @classmethod
+    def _overrides_from_text(cls, value: Any) -> Any:
+        # A flag's value arrives as text (the variable's is parsed by the settings source).
+        if isinstance(value, str):
+            try:
+                return json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object: {value!r} ({exc})") from None
+        return value
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _overrides_known(cls, value: dict[str, float]) -> dict[str, float]:
+        return {name: checked(name, v) for name, v in value.items()}
 
     @model_validator(mode="before")
     @classmethod

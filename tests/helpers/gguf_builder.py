@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import gguf
@@ -122,8 +123,10 @@ def write_gguf(
     eos: int | None = None,
     eot: int | None = None,
     eom: int | None = None,
+    general: Mapping[str, MetadataValue] = MappingProxyType({}),
 ) -> Path:
     """A GGUF file with `metadata` (less `drop`), an optional gpt2 tokenizer and these tensors.
+    `general` keys are written as named (general.sampling.temp), ints as int32s.
 
     Metadata keys get the "<arch>." prefix; ints are written as uint32s, floats as
     float32s, lists as arrays. A tensor is a float32/float16 array in
@@ -143,6 +146,13 @@ def write_gguf(
             writer.add_float32(f"{arch}.{key}", value)
         else:
             writer.add_uint32(f"{arch}.{key}", value)
+    for key, value in general.items():
+        if isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, int):
+            writer.add_int32(key, value)
+        else:
+            writer.add_string(key, str(value))
     if tokens is not None:
         writer.add_tokenizer_model("gpt2")
         if pre is not None:

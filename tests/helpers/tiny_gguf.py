@@ -15,9 +15,16 @@ from gguf_builder import model_tensors, toy_tokenizer
 from appliance.model.formats import gguf_file
 
 
-def write_gguf(path: Path, *, seed: int = 0, tokenizer: bool = True, blocks: bool = True) -> Path:
+def write_gguf(
+    path: Path,
+    *,
+    seed: int = 0,
+    tokenizer: bool = True,
+    blocks: bool = True,
+    general: dict[str, Any] | None = None,
+) -> Path:
     """A tiny tied llama GGUF with a gpt2-style tokenizer that transformers can convert;
-    its matrices in Q8_0 blocks (`blocks`) or float32."""
+    its matrices in Q8_0 blocks (`blocks`) or float32; `general` keys as named."""
     tokenizer_keys = toy_tokenizer() if tokenizer else {}
     tensors: dict[str, Any] = dict(model_tensors(np.random.default_rng(seed), tied=True))
     if blocks:
@@ -25,7 +32,7 @@ def write_gguf(path: Path, *, seed: int = 0, tokenizer: bool = True, blocks: boo
         for name, array in tensors.items():
             if array.ndim == 2:
                 tensors[name] = (gguf.quants.quantize(array, q8), q8)
-    return gguf_builder.write_gguf(path, tensors, **tokenizer_keys)
+    return gguf_builder.write_gguf(path, tensors, general=general or {}, **tokenizer_keys)
 
 
 def read_directly(path: Path) -> dict[str, torch.Tensor]:

@@ -426,7 +426,7 @@ def test_an_older_cache_format_is_removed(tmp_path, monkeypatch):
     old.mkdir(parents=True)
     (old / "model.safetensors").write_bytes(b"float32 weights")
     monkeypatch.undo()
-    assert gguf_cache.CACHE_FORMAT == "v8"
+    assert gguf_cache.CACHE_FORMAT == "v9"
     load_model_files(path, cache)
     assert [p.name for p in cache.iterdir()] == [cache_entry(path, cache).name]
 

@@ -143,16 +143,28 @@ def test_completion_prompts_come_as_a_batch() -> None:
 def test_output_budget_defaults_to_the_room_left_and_refuses_overflow() -> None:
     chat = ChatCompletionRequest.model_validate({"model": "m", "messages": HI})
     text = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
-    assert _max_tokens(chat, 100, 1000, "messages") == 900
-    assert _max_tokens(text, 100, 1000, "prompt") == 16  # OpenAI's default for completions
-    assert _max_tokens(text, 995, 1000, "prompt") == 5
+    assert _max_tokens(chat, 100, 1000, "messages", None) == 900
+    assert _max_tokens(text, 100, 1000, "prompt", None) == 16  # OpenAI's default for completions
+    assert _max_tokens(text, 995, 1000, "prompt", None) == 5
     asked = ChatCompletionRequest.model_validate({"model": "m", "messages": HI, "max_tokens": 901})
     with pytest.raises(APIError) as info:
-        _max_tokens(asked, 100, 1000, "messages")
+        _max_tokens(asked, 100, 1000, "messages", None)
     assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
     with pytest.raises(APIError) as info:
-        _max_tokens(chat, 1000, 1000, "messages")
+        _max_tokens(chat, 1000, 1000, "messages", None)
     assert "the prompt has 1000 tokens" in info.value.message
+
+
+def test_the_models_max_new_tokens_is_the_budget_of_a_request_that_names_none() -> None:
+    """generation_config.json's max_new_tokens (sampling_defaults.py), within the room the
+    prompt leaves; a request's own max_tokens wins."""
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": HI})
+    text = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    assert _max_tokens(chat, 100, 1000, "messages", 64) == 64
+    assert _max_tokens(text, 100, 1000, "prompt", 64) == 64  # not completions' 16
+    assert _max_tokens(chat, 990, 1000, "messages", 64) == 10  # never past the context
+    asked = ChatCompletionRequest.model_validate({"model": "m", "messages": HI, "max_tokens": 7})
+    assert _max_tokens(asked, 100, 1000, "messages", 64) == 7
 
 
 async def chunks(texts: list[str], delay: float, fail: bool = False) -> AsyncIterator[Chunk]:

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from appliance.model.model_source import default_model_path
+from appliance.model.sampling_defaults import SamplingDefaults
 from appliance.server import replies, routes
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
@@ -194,7 +195,15 @@ async def show(request: Request) -> Response:
         f"{config.architecture}.context_length": config.max_position_embeddings,
     }
     shown = {"details": card["details"], "model_info": info, "modified_at": card["modified_at"]}
+    if parameters := _parameters(state.appliance.sampling_defaults):
+        shown["parameters"] = parameters
     return JSONResponse(shown | {"capabilities": ["completion", "tools"]})
+
+
+def _parameters(defaults: SamplingDefaults) -> str:
+    """The sampling defaults as a Modelfile's PARAMETER lines, as Ollama shows its own."""
+    names = {"repetition_penalty": "repeat_penalty", "max_new_tokens": "num_predict"}
+    return "\n".join(f"{names.get(k, k):<30} {v:g}" for k, v in defaults.values.items())
 
 
 async def ollama_version(request: Request) -> Response:

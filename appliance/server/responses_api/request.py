@@ -7,7 +7,7 @@ conversation is refused, as are OpenAI's built-in tools and image, file or audio
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
@@ -188,6 +188,12 @@ class ResponsesRequest(Body):
     `store`: this server keeps no responses. `store: true` (the API's default) is served
     anyway and the response says `store: false`, as vLLM does without its store enabled:
     most clients send true only because it is the default."""
+
+    # As SamplingFields': what the model's sampling defaults fill where left out.
+    DEFAULTED: ClassVar[dict[str, tuple[str, ...]]] = {
+        "temperature": ("temperature",),
+        "top_p": ("top_p",),
+    }
 
     model: str
     input: str | list[dict[str, Any]]

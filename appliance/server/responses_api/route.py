@@ -56,7 +56,8 @@ async def create_response(request: Request) -> Response:
     state.check_ready()
     state.check_admission_open()
     refuse_unserved(body)
-    req = validated(ResponsesRequest, body)
+    defaults = state.appliance.sampling_defaults
+    req = validated(ResponsesRequest, defaults.fill(body, ResponsesRequest.DEFAULTED))
     state.check_model(req.model)
     state.check_room(1)
     tokenizer = state.appliance.tokenizer
@@ -76,7 +77,7 @@ async def create_response(request: Request) -> Response:
             "unsupported",
         )
     ids = await _tokenize(turn)
-    max_tokens = _output_budget(req, len(ids), state.appliance.max_model_len)
+    max_tokens = _output_budget(req, len(ids), state.appliance.max_model_len, defaults.max_tokens)
     try:
         params = req.sampling_params(max_tokens)
     except ValueError as exc:
@@ -111,8 +112,11 @@ async def _tokenize(turn: ChatTurn) -> list[int]:
     return ids
 
 
-def _output_budget(req: ResponsesRequest, prompt_len: int, context: int) -> int:
-    """max_output_tokens, checked against the room the prompt leaves; all of it if unset."""
+def _output_budget(
+    req: ResponsesRequest, prompt_len: int, context: int, default: int | None
+) -> int:
+    """max_output_tokens, checked against the room the prompt leaves; unset, the model's
+    default (max_new_tokens) within that room, or all of it."""
     if prompt_len >= context:
         raise APIError(
             400,
@@ -123,7 +127,7 @@ def _output_budget(req: ResponsesRequest, prompt_len: int, context: int) -> int:
         )
     room = context - prompt_len
     if req.max_output_tokens is None:
-        return room
+        return room if default is None else min(default, room)
     if req.max_output_tokens > room:
         raise APIError(
             400,
