@@ -464,3 +464,11 @@ class CompletionRequest(SamplingFields):
         if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
             return [self.prompt]
         return list(self.prompt)
+
+
+class OpenEndedCompletion(CompletionRequest):
+    """A text completion as Ollama's /api/generate (raw) and llama.cpp's /completion take
+    one: without a limit it runs until the context is full (or a stop), not OpenAI's 16."""
+
+    def default_max_tokens(self, room: int) -> int:
+        return room

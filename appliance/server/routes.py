@@ -26,6 +26,7 @@ from appliance.server.prediction import prediction_ids
 from appliance.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    OpenEndedCompletion,
     SamplingFields,
     unsupported_field,
     unsupported_message,
@@ -70,11 +71,13 @@ async def completions(request: Request) -> Response:
 
 
 async def prepared_completion(
-    request: Request, state: ServerState, body: dict[str, Any]
+    request: Request, state: ServerState, body: dict[str, Any], open_ended: bool = False
 ) -> Prepared:
-    """A text completion's body made into its choices (Ollama's raw /api/generate too)."""
+    """A text completion's body made into its choices (Ollama's raw /api/generate and
+    llama.cpp's /completion too: `open_ended`, no OpenAI 16-token default)."""
     defaults = state.appliance.sampling_defaults
-    req = validated(CompletionRequest, defaults.fill(body, CompletionRequest.DEFAULTED))
+    kind = OpenEndedCompletion if open_ended else CompletionRequest
+    req = validated(kind, defaults.fill(body, kind.DEFAULTED))
     _precheck(state, req, num_prompts=len(req.prompts()))
     vocab = state.appliance.model_config.vocab_size
     prompts = []

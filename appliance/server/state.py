@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 from starlette.requests import Request
 
@@ -16,6 +17,14 @@ from appliance.settings.config import Settings
 STARTING_RETRY_S = 5
 PAUSED_RETRY_S = 5
 OVERLOAD_RETRY_S = 1
+
+
+def server_version() -> str:
+    """This server's version, as the APIs that report one (Ollama's, llama.cpp's) give it."""
+    try:
+        return version("appliance")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "0.0.0"
 
 
 def bearer_is(request: Request, secret: str) -> bool:

@@ -97,6 +97,12 @@ def test_generate_goes_through_the_template_unless_raw(
         options=GREEDY | {"num_predict": 8},
     )
     assert "".join(part.response for part in raw) == text.choices[0].text
+    # Ollama's num_predict defaults to -1: a raw prompt runs to its end (here the chat
+    # template's, written out), past /v1/completions' 16 tokens
+    chatml = "<|im_start|>user\nSay hello in one word.<|im_end|>\n<|im_start|>assistant\n"
+    to_the_end = client.generate(model=MODEL, prompt=chatml, raw=True, options={"temperature": 0})
+    assert to_the_end.done_reason == "stop"
+    assert to_the_end.eval_count is not None and to_the_end.eval_count > 16
     loaded = client.generate(model=MODEL, prompt="")
     assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
     ready = client.chat(model=MODEL, messages=[])  # what `ollama run` sends first

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from starlette.requests import Request
@@ -29,7 +28,7 @@ from appliance.server.generation import unless_disconnected
 from appliance.server.ollama_api.ndjson import NdjsonStream
 from appliance.server.ollama_api.reply import Kind, OllamaReply, created_at, merged
 from appliance.server.ollama_api.request import LATEST, OllamaChat, OllamaGenerate, served_name
-from appliance.server.state import ServerState
+from appliance.server.state import ServerState, server_version
 
 
 async def chat(request: Request) -> Response:
@@ -55,7 +54,7 @@ async def generate(request: Request) -> Response:
     if req.raw:
         text = {"model": req.model, "prompt": req.prompt}
         body = text | {k: v for k, v in req.chat_body().items() if k != "messages"}
-        prepared = await routes.prepared_completion(request, state, body)
+        prepared = await routes.prepared_completion(request, state, body, open_ended=True)
     else:
         prepared = await routes.prepared_chat(request, state, req.chat_body())
     return await _answer(request, state, prepared, reply, req.stream)
@@ -208,8 +207,4 @@ def _parameters(defaults: SamplingDefaults) -> str:
 
 async def ollama_version(request: Request) -> Response:
     """GET /api/version: this server's version (Ollama's clients ask for it)."""
-    try:
-        number = version("appliance")
-    except PackageNotFoundError:  # run from a source tree that is not installed
-        number = "0.0.0"
-    return JSONResponse({"version": number})
+    return JSONResponse({"version": server_version()})
