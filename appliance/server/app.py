@@ -25,6 +25,7 @@ from appliance.api import Appliance
 from appliance.server import embeddings, routes, tokenization
 from appliance.server.admin import AdminState, admin_routes
 from appliance.server.errors import APIError, api_error, http_error, unexpected_error
+from appliance.server.llama_cpp_api import route as llama_cpp
 from appliance.server.metrics import Metrics
 from appliance.server.ollama_api import route as ollama
 from appliance.server.origin_guard import OriginGuard, OriginRules
@@ -95,6 +96,10 @@ def build_app(
             Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
             Route("/tokenize", tokenization.tokenize, methods=["POST"]),
             Route("/detokenize", tokenization.detokenize, methods=["POST"]),
+            Route("/apply-template", tokenization.apply_template, methods=["POST"]),
+            Route("/completion", llama_cpp.completion, methods=["POST"]),
+            Route("/completions", llama_cpp.completion, methods=["POST"]),
+            Route("/props", llama_cpp.props, methods=["GET"]),
             Route("/api/chat", ollama.chat, methods=["POST"]),
             Route("/api/generate", ollama.generate, methods=["POST"]),
             Route("/api/embed", embeddings.ollama_embed, methods=["POST"]),

@@ -1,6 +1,7 @@
-"""POST /tokenize and /detokenize: the served model's tokenizer, as vLLM's and llama.cpp's
-servers offer it, so an application counts a prompt's tokens (or reads ids back) before it
-sends it. Both dialects, told apart by their fields:
+"""POST /tokenize, /detokenize and /apply-template: the served model's tokenizer and
+template, as vLLM's and llama.cpp's servers offer them, so an application counts a
+prompt's tokens (or reads ids back, or renders messages) before it sends it. Both
+dialects, told apart by their fields:
 
 - vLLM: `prompt` (text) or `messages` (with `tools` and `chat_template_kwargs`, rendered
   as a chat completion renders them: the ids its prefill would read), `add_special_tokens`
@@ -9,8 +10,9 @@ sends it. Both dialects, told apart by their fields:
   pieces `{"id", "piece"}` objects).
 
 /detokenize takes `tokens` in either and answers the text under both names (`prompt`,
-vLLM's, and `content`, llama.cpp's). The tokenizer is loaded before the workers, so both
-answer while the server is starting."""
+vLLM's, and `content`, llama.cpp's). llama.cpp's /apply-template takes `messages` (and
+`tools`) and answers the chat template's text as `prompt`. The tokenizer is loaded before
+the workers, so all three answer while the server is starting."""
 
 from __future__ import annotations
 
@@ -125,6 +127,15 @@ async def detokenize(request: Request) -> Response:
     return JSONResponse({"prompt": text, "content": text})
 
 
+async def apply_template(request: Request) -> Response:
+    """POST /apply-template (llama.cpp's): messages (and tools) through the chat template,
+    as the text a chat completion would prefill, for a client to edit and send to
+    /completion."""
+    state, tokenizer, body = await _accept(request)
+    turn = await _chat_turn(state, tokenizer, body)
+    return JSONResponse({"prompt": await _run(turn.prompt_text, "messages")})
+
+
 async def _accept(request: Request) -> tuple[ServerState, Tokenizer, dict[str, Any]]:
     state: ServerState = request.app.state.server
     state.authorize(request)
@@ -142,16 +153,23 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 async def _chat_ids(state: ServerState, tokenizer: Tokenizer, body: dict[str, Any]) -> list[int]:
-    """The prompt a chat completion of these messages (and tools) would prefill; what the
-    chat route refuses (add_generation_prompt false, a chat_template of the request's own)
-    is refused here too."""
+    """The prompt a chat completion of these messages (and tools) would prefill."""
+    turn = await _chat_turn(state, tokenizer, body)
+    return await _run(turn.token_ids, "messages")
+
+
+async def _chat_turn(state: ServerState, tokenizer: Tokenizer, body: dict[str, Any]) -> ChatTurn:
+    """These messages (and tools) as a chat completion takes them; what the chat route
+    refuses (add_generation_prompt false, a chat_template of the request's own) is
+    refused here too."""
     field = unsupported_field(body)
     if field is not None:
         raise APIError(400, unsupported_message(field), field, "unsupported")
+    if body.get("messages") is None:
+        raise APIError(400, "send messages", "messages")
     req = validated(ChatCompletionRequest, {"model": state.appliance.model_name, **body})
     state.check_model(req.model)
-    turn = ChatTurn.of(tokenizer, [m.for_template() for m in req.messages], req)
-    return await _run(turn.token_ids, "messages")
+    return ChatTurn.of(tokenizer, [m.for_template() for m in req.messages], req)
 
 
 async def _run(work: Callable[[], Any], param: str) -> Any:

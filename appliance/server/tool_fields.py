@@ -187,6 +187,11 @@ class ChatTurn:
             messages, self.plan.prompt_tools(), self.template_kwargs
         )
 
+    def prompt_text(self) -> str:
+        """The prompt token_ids reads, as text (llama.cpp's /apply-template)."""
+        messages = self.plan.messages(self.messages)
+        return self.tokenizer.render_chat(messages, self.plan.prompt_tools(), self.template_kwargs)
+
     def outputs(self, stop: tuple[str, ...] = ()) -> ChatOutputs | None:
         """The readers of the choices' output (`stop`: the request's stop strings); None
         where the output is plain content (no tools, no reasoning, no markers to read),

@@ -462,6 +462,42 @@ def ollama_generate_route() -> BodyRoute:
     return BodyRoute("/api/generate", base, fields, ("options",), refused, bounded)
 
 
+def llama_completion_route() -> BodyRoute:
+    """llama.cpp's /completion: its own names beside the OpenAI ones it shares."""
+    pair = st.tuples(st.integers(-1, 60000) | texts(4), floats() | st.just(False)).map(list)
+    fields = {
+        "prompt": texts() | st.lists(ints(-1, 50000), max_size=6) | st.lists(texts(), max_size=2),
+        "n_predict": ints(),
+        "temperature": floats(),
+        "top_k": ints(),
+        "top_p": floats(),
+        "min_p": floats(),
+        "seed": ints(),
+        "stop": st.lists(texts(), max_size=3),
+        "stream": st.booleans(),
+        "repeat_penalty": floats(),
+        "presence_penalty": floats(),
+        "n_probs": ints(-1, 21),
+        "post_sampling_probs": st.booleans(),
+        "return_tokens": st.booleans(),
+        "logit_bias": st.lists(pair, max_size=2),
+        "grammar": st.sampled_from(['root ::= "a"', "root ::= root", "???"]) | texts(),
+        "json_schema": schemas(),
+        "mirostat": ints(0, 2),
+        "dry_multiplier": floats(),
+        "cache_prompt": st.booleans(),
+        "samplers": st.lists(texts(6), max_size=3),
+    }
+    base = {"prompt": "Hi", "n_predict": 2}
+    return BodyRoute("/completion", base, fields, (), tuple(UNSUPPORTED_FIELDS), bounded_predict)
+
+
+def bounded_predict(body: dict[str, Json]) -> None:
+    """llama.cpp's n_predict: -1 (the default, and -2) runs to the context's end."""
+    value = body.get("n_predict")
+    body["n_predict"] = MAX_TOKENS_CAP if value in (None, -1, -2) else capped(value)
+
+
 def embeddings_route() -> BodyRoute:
     fields = {
         "model": st.just(MODEL) | texts(8),
@@ -846,13 +882,18 @@ def stream_problems(outcome: Outcome) -> list[str]:
         return []
     if not outcome.headers.get("content-type", "").startswith("text/event-stream"):
         return []
-    if not outcome.case.path.startswith("/v1/"):
-        return []  # the admin event stream, read up to its first event
     data = [
         line.removeprefix(b"data:").strip()
         for line in outcome.content.splitlines()
         if line.startswith(b"data:")
     ]
+    if outcome.case.path == "/completion":  # llama.cpp's: no [DONE], a closing object
+        objects = [json.loads(line) for line in data]
+        if not objects or "error" in objects[-1] or objects[-1].get("stop") is not True:
+            return [f"the llama.cpp stream ended with {objects[-1:]!r}"]
+        return []
+    if not outcome.case.path.startswith("/v1/"):
+        return []  # the admin event stream, read up to its first event
     if outcome.case.path == "/v1/responses":
         last = json.loads(data[-1]) if data else {}
         if last.get("type") not in ("response.completed", "response.incomplete"):
@@ -937,6 +978,7 @@ ROUTES: dict[str, Callable[[str], st.SearchStrategy[Case]]] = {
     "POST /detokenize": lambda token: body_cases(detokenize_route()),
     "POST /api/chat": lambda token: body_cases(ollama_chat_route()),
     "POST /api/generate": lambda token: body_cases(ollama_generate_route()),
+    "POST /completion": lambda token: body_cases(llama_completion_route()),
     "GET /api/tags": lambda token: get_cases("/api/tags", API_KEY),
     "POST /v1/embeddings": lambda token: body_cases(embeddings_route()),
     "POST /api/embed": lambda token: body_cases(ollama_embed_route()),

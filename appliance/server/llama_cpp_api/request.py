@@ -1,0 +1,149 @@
+"""llama.cpp server's /completion body, validated and made into the text completion body
+the OpenAI route serves (routes.prepared_completion), so both share one path: the
+tokenizer, sampling, stops, grammar and JSON schema.
+
+Its sampling fields share OpenAI's (and vLLM's) names and pass through as they are:
+temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty,
+stop, ignore_eos, grammar, json_schema. Renamed: n_predict -> max_tokens (-1 and -2:
+until the context is full), n_probs -> logprobs, post_sampling_probs -> logprobs_mode,
+seed -1 -> none, logit_bias as [[id, bias]] pairs (false: never). Fields that change
+sampling in ways this server does not have (mirostat, typical_p, DRY, XTC, dynamic
+temperature, top-n-sigma) are refused unless sent at the value that turns them off, as
+llama.cpp's own clients send them; those that say where or how the server keeps its
+cache or slots (cache_prompt, id_slot, n_keep, samplers, repeat_last_n, ...) are
+accepted and not applied."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from appliance.server.errors import APIError
+from appliance.server.protocol import MAX_TOP_LOGPROBS, Body
+
+# Passed to the completion body under the same name (the OpenAI route checks them).
+SAME_NAMES = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "ignore_eos",
+    "grammar",
+    "json_schema",
+)
+# Sampling this server does not have, with the values that turn it off (what llama.cpp's
+# clients send by default): another value is a 400 naming the field.
+OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "mirostat": (0,),
+    "typical_p": (1, 1.0),
+    "tfs_z": (1, 1.0),
+    "dry_multiplier": (0, 0.0),
+    "xtc_probability": (0, 0.0),
+    "dynatemp_range": (0, 0.0),
+    "top_n_sigma": (-1, -1.0),
+    "n_indent": (0,),
+    "t_max_predict_ms": (0,),
+    "n_cmpl": (1,),
+    "lora": ([],),
+}
+UNTIL_FULL = (-1, -2)  # n_predict: no limit but the context
+# The completion body's fields this adapter fills from fields of other names: an error
+# about one names the field the client sent.
+RENAMED = {
+    "max_tokens": "n_predict",
+    "logprobs": "n_probs",
+    "logprobs_mode": "post_sampling_probs",
+}
+
+
+class LlamaCompletion(Body):
+    """POST /completion (and /completions): the fields this adapter reads itself; the
+    sampling fields of SAME_NAMES go through as they came."""
+
+    prompt: str | list[int]
+    n_predict: int = -1
+    stream: bool = False
+    seed: int = -1
+    n_probs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    post_sampling_probs: bool = False
+    return_tokens: bool = False
+    logit_bias: list[list[Any]] | dict[str, Any] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and any(not isinstance(v, int) for v in value):
+            raise ValueError(
+                "one prompt per request, as text or token ids: a list of prompts, or text "
+                "and ids mixed, is not served"
+            )
+        return value
+
+    def completion_body(self, body: dict[str, Any], model: str) -> dict[str, Any]:
+        """The /v1/completions body of this request (`body`: the request as it came)."""
+        for name, off in OFF_VALUES.items():
+            if name in body and body[name] is not None and not _is_off(body[name], off):
+                accepted = json.dumps(off[-1])
+                raise APIError(
+                    400,
+                    f"{name} is not supported by this server: send {accepted} or leave it out",
+                    name,
+                    "unsupported",
+                )
+        out: dict[str, Any] = {"model": model, "prompt": self.prompt}
+        out |= {name: body[name] for name in SAME_NAMES if body.get(name) is not None}
+        if self.n_predict > 0:
+            out["max_tokens"] = self.n_predict
+        elif self.n_predict not in UNTIL_FULL:
+            raise APIError(
+                400,
+                f"n_predict must be > 0, or -1 (until the context is full); got {self.n_predict}",
+                "n_predict",
+            )
+        if self.seed >= 0:
+            out["seed"] = self.seed
+        if self.n_probs:
+            out["logprobs"] = self.n_probs
+        if self.post_sampling_probs:
+            out["logprobs_mode"] = "processed_logprobs"
+        if self.logit_bias:
+            out["logit_bias"] = _openai_bias(self.logit_bias)
+        return out
+
+
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    # A JSON true is not the number 1 (True == 1 in Python).
+    return any(type(value) is type(o) and value == o for o in off)
+
+
+def _openai_bias(bias: list[list[Any]] | dict[str, Any]) -> dict[str, float]:
+    """llama.cpp's [[token id, bias or false]] pairs (or OpenAI's object) as OpenAI's
+    {"id": bias}; false (never this token) is -100. Tokens named by text are refused."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else bias
+    out: dict[str, float] = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            message = f"logit_bias entries are [token id, bias], got {pair}"
+            raise APIError(400, message, "logit_bias")
+        token, value = pair
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise APIError(
+                400,
+                f"logit_bias names tokens by id; text ({token!r}) is not served: "
+                "POST /tokenize gives its ids",
+                "logit_bias",
+            )
+        if value is False:
+            value = -100.0
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise APIError(400, f"logit_bias of {token} must be a number or false", "logit_bias")
+        out[str(token)] = float(value)
+    return out
