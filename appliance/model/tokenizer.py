@@ -9,6 +9,7 @@ splits it (for SmolLM2: no BOS is added) and a chat renders exactly as transform
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -114,6 +115,22 @@ class Tokenizer:
         """A raw prompt, with whatever special tokens the model's tokenizer adds (a BOS),
         unless add_special_tokens is False."""
         return self._raw.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Text as text: a special token's spelling in it ("<|im_start|>" in code being
+        edited) is its characters, never the marker (llama.cpp's parse_special false)."""
+        return self._literal.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _literal(self) -> RawTokenizer:
+        # A copy: the switch is the tokenizer's own state, and others encode concurrently.
+        literal = RawTokenizer.from_str(self._raw.to_str())
+        literal.encode_special_tokens = True
+        return literal
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a token of the vocabulary (a special one: "<|fim_prefix|>"), or None."""
+        return self._raw.token_to_id(text)
 
     def token_strings(self, ids: list[int]) -> list[str]:
         """Each id's entry in the vocabulary as stored ("Ġhello" for " hello" in a

@@ -99,6 +99,7 @@ def build_app(
             Route("/apply-template", tokenization.apply_template, methods=["POST"]),
             Route("/completion", llama_cpp.completion, methods=["POST"]),
             Route("/completions", llama_cpp.completion, methods=["POST"]),
+            Route("/infill", llama_cpp.infill, methods=["POST"]),
             Route("/props", llama_cpp.props, methods=["GET"]),
             Route("/api/chat", ollama.chat, methods=["POST"]),
             Route("/api/generate", ollama.generate, methods=["POST"]),

@@ -39,7 +39,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         # function_call are not: send tools.
         "functions": (None, []),
         "function_call": (None, "none"),
-        "suffix": (None, ""),
         "best_of": (None, 1),
         # vLLM's extra sampling parameters
         "length_penalty": (None, 1, 1.0),
@@ -425,6 +424,9 @@ class CompletionRequest(SamplingFields):
     # OpenAI's takes 0..5 top logprobs here; like vLLM this server takes up to 20.
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False  # the prompt's text first (and with logprobs, its tokens' logprobs)
+    # OpenAI's legacy insert: the text after the cursor, the prompt the text before it; a
+    # fill-in-the-middle model's markers around them (server/infill.py). "" is none.
+    suffix: str | None = None
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs

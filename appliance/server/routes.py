@@ -22,6 +22,7 @@ from appliance.server import replies
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, unless_disconnected
+from appliance.server.infill import Infill, infill_prompts
 from appliance.server.prediction import prediction_ids
 from appliance.server.protocol import (
     ChatCompletionRequest,
@@ -71,14 +72,23 @@ async def completions(request: Request) -> Response:
 
 
 async def prepared_completion(
-    request: Request, state: ServerState, body: dict[str, Any], open_ended: bool = False
+    request: Request,
+    state: ServerState,
+    body: dict[str, Any],
+    open_ended: bool = False,
+    infill: Infill | None = None,
 ) -> Prepared:
     """A text completion's body made into its choices (Ollama's raw /api/generate and
-    llama.cpp's /completion too: `open_ended`, no OpenAI 16-token default)."""
+    llama.cpp's /completion too: `open_ended`, no OpenAI 16-token default); at a cursor
+    with a `suffix` (or llama.cpp's /infill: `infill`), the model's infill of it."""
     defaults = state.appliance.sampling_defaults
     kind = OpenEndedCompletion if open_ended else CompletionRequest
     req = validated(kind, defaults.fill(body, kind.DEFAULTED))
     _precheck(state, req, num_prompts=len(req.prompts()))
+    infill = infill or (Infill(req.suffix) if req.suffix else None)
+    if infill is not None:
+        prompts, req = await infill_prompts(state, req, infill)
+        return await _prepared(request, state, req, prompts, CompletionShape(False))
     vocab = state.appliance.model_config.vocab_size
     prompts = []
     for prompt in req.prompts():

@@ -20,7 +20,9 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
+from appliance.chat.fill_in_middle import ExtraFile
 from appliance.server.errors import APIError
+from appliance.server.infill import Infill
 from appliance.server.protocol import MAX_TOP_LOGPROBS, Body
 
 # Passed to the completion body under the same name (the OpenAI route checks them).
@@ -115,6 +117,32 @@ class LlamaCompletion(Body):
         if self.logit_bias:
             out["logit_bias"] = _openai_bias(self.logit_bias)
         return out
+
+
+class ExtraChunk(Body):
+    """One of /infill's input_extra: another file of the project, for context."""
+
+    text: str = ""
+    filename: str = "tmp"
+
+
+class LlamaInfill(LlamaCompletion):
+    """POST /infill: code completion at a cursor. `input_prefix` is the code before it,
+    `input_suffix` after it, `prompt` more text right before it (llama.cpp's), and
+    `input_extra` other files; the /completion fields otherwise."""
+
+    prompt: str = ""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = Field(default_factory=list)
+
+    def completion_body(self, body: dict[str, Any], model: str) -> dict[str, Any]:
+        """The /completion body of the code before the cursor."""
+        return super().completion_body(body, model) | {"prompt": self.input_prefix + self.prompt}
+
+    def infill(self) -> Infill:
+        extra = tuple(ExtraFile(chunk.filename, chunk.text) for chunk in self.input_extra)
+        return Infill(self.input_suffix, extra, param="input_suffix")
 
 
 def _is_off(value: Any, off: tuple[Any, ...]) -> bool:

@@ -1,7 +1,8 @@
 """llama.cpp server's own routes, for the applications written against them (editor
 plugins' llama.cpp providers, SillyTavern, llama.cpp's Python and JavaScript helpers):
 POST /completion (also /completions), streamed as server-sent events unless `stream`
-is false, and GET /props, the server's model and defaults. /tokenize, /detokenize and
+is false; POST /infill, code completion at a cursor (server/infill.py); GET /props, the
+server's model and defaults. /tokenize, /detokenize and
 /apply-template take llama.cpp's fields too (server/tokenization.py); /health and
 /v1/* answer as llama-server's do.
 
@@ -26,8 +27,9 @@ from appliance.server import replies, routes
 from appliance.server.body import validated
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices, unless_disconnected
+from appliance.server.infill import Infill
 from appliance.server.llama_cpp_api.reply import LlamaReply
-from appliance.server.llama_cpp_api.request import RENAMED, LlamaCompletion
+from appliance.server.llama_cpp_api.request import RENAMED, LlamaCompletion, LlamaInfill
 from appliance.server.state import ServerState, server_version
 
 
@@ -35,10 +37,27 @@ async def completion(request: Request) -> Response:
     """POST /completion: one prompt (text or token ids), streamed or whole."""
     state, body = await routes.accept(request)
     req = validated(LlamaCompletion, body)
+    return await _serve(request, state, req, body, None)
+
+
+async def infill(request: Request) -> Response:
+    """POST /infill: code completion at a cursor, in the model's infill markers."""
+    state, body = await routes.accept(request)
+    req = validated(LlamaInfill, body)
+    return await _serve(request, state, req, body, req.infill())
+
+
+async def _serve(
+    request: Request,
+    state: ServerState,
+    req: LlamaCompletion,
+    body: dict[str, Any],
+    infill: Infill | None,
+) -> Response:
     completion_body = req.completion_body(body, state.appliance.model_name)
     try:
         prepared = await routes.prepared_completion(
-            request, state, completion_body, open_ended=True
+            request, state, completion_body, open_ended=True, infill=infill
         )
     except APIError as exc:  # named as the client named it
         exc.param = RENAMED.get(exc.param or "", exc.param)

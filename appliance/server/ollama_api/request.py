@@ -151,16 +151,26 @@ class OllamaGenerate(OllamaRequest):
     context: list[int] | None = None
 
     def chat_body(self) -> dict[str, Any]:
-        """The chat completion body of this (not raw) request."""
-        for name in ("suffix", "template", "context"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported by this server", name)
-        if self.images:
-            raise APIError(400, "images are not supported: this server serves text", "images")
+        """The chat completion body of this request (neither raw nor an insert)."""
+        self._refuse_unserved()
         messages = [{"role": "system", "content": self.system}] if self.system else []
         messages.append({"role": "user", "content": self.prompt})
         body = {"model": self.model, "messages": messages}
         return body | self.sampling() | _stream_fields(self.stream)
+
+    def text_body(self) -> dict[str, Any]:
+        """The text completion body of a raw request, or of an insert at a cursor (the
+        prompt before it, `suffix` after it: the model's infill, server/infill.py)."""
+        self._refuse_unserved()
+        body = {"model": self.model, "prompt": self.prompt}
+        return body | self.sampling() | _stream_fields(self.stream)
+
+    def _refuse_unserved(self) -> None:
+        for name in ("template", "context"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported by this server", name)
+        if self.images:
+            raise APIError(400, "images are not supported: this server serves text", "images")
 
 
 def served_name(body: dict[str, Any], served: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from appliance.server import replies, routes
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
 from appliance.server.generation import unless_disconnected
+from appliance.server.infill import Infill
 from appliance.server.ollama_api.ndjson import NdjsonStream
 from appliance.server.ollama_api.reply import Kind, OllamaReply, created_at, merged
 from appliance.server.ollama_api.request import LATEST, OllamaChat, OllamaGenerate, served_name
@@ -48,13 +49,14 @@ async def generate(request: Request) -> Response:
     state, body = await routes.accept(request)
     req = validated(OllamaGenerate, served_name(body, state.appliance.model_name))
     reply = _reply("generate", state, request)
-    if not req.prompt and not req.raw:
+    if not req.prompt and not req.raw and not req.suffix:
         state.check_model(req.model)
         return JSONResponse(reply.loaded())
-    if req.raw:
-        text = {"model": req.model, "prompt": req.prompt}
-        body = text | {k: v for k, v in req.chat_body().items() if k != "messages"}
-        prepared = await routes.prepared_completion(request, state, body, open_ended=True)
+    if req.raw or req.suffix:
+        infill = Infill(req.suffix) if req.suffix else None
+        prepared = await routes.prepared_completion(
+            request, state, req.text_body(), open_ended=True, infill=infill
+        )
     else:
         prepared = await routes.prepared_chat(request, state, req.chat_body())
     return await _answer(request, state, prepared, reply, req.stream)
