@@ -377,6 +377,9 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop")
         if seq.finished:
             text += stream.stops.feed(stream.detokenizer.flush()) + stream.stops.flush()
+            if stream.stops.stopped and seq.finish_reason == "length":
+                # A stop string ending on the last token allowed: a stop, as vLLM says.
+                seq.finish_reason = "stop"
             self._seqs.pop(seq.seq_id, None)
         parked = seq.status is SequenceStatus.PARKED
         if seq.finished or parked:

@@ -106,7 +106,12 @@ class SamplingDefaults:
 
     def describe(self) -> str:
         """'temperature 0.6, top_p 0.95' (empty without any)."""
-        return ", ".join(f"{name} {value:g}" for name, value in self.values.items())
+        return ", ".join(f"{name} {shown(value)}" for name, value in self.values.items())
+
+
+def shown(value: float | int) -> str:
+    """A default as a person reads it: 0.6, 20, 1234567 (not 1.23457e+06)."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def read_sampling_defaults(
@@ -126,16 +131,22 @@ def read_sampling_defaults(
 
 
 def _read_file(path: Path, required: bool) -> SamplingDefaults:
+    """The file's defaults; one the setting named must be readable (ValueError), the
+    model's own may not be (a warning: it serves with the API's defaults, as vLLM)."""
     if not path.is_file():
         if required:
             raise ValueError(f"generation_config: no such file: {path}")
         return SamplingDefaults()
     try:
         config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"generation_config: {path} is not readable JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"generation_config: {path} does not hold a JSON object")
+        if not isinstance(config, dict):
+            raise ValueError("it does not hold a JSON object")
+    except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        problem = f"generation_config: {path} is not usable ({exc})"
+        if required:
+            raise ValueError(problem) from None
+        log.warning("%s: the API's own sampling defaults apply", problem)
+        return SamplingDefaults()
     return SamplingDefaults.from_generation_config(config, str(path))
 
 

@@ -159,6 +159,8 @@ class SamplingFields(Body, StructuredFields):
     """What both routes share: the model, how to sample, when to stop, how to answer (and
     the structured-output fields, structured_fields.py)."""
 
+    # Whether a max_tokens past the room the prompt leaves is cut to it (else a 400).
+    CAPPED_AT_ROOM: ClassVar[bool] = False
     # The fields the model's sampling defaults fill where a body leaves them out
     # (model/sampling_defaults.py), by generation_config.json's names; the first is set.
     DEFAULTED: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -470,7 +472,10 @@ class CompletionRequest(SamplingFields):
 
 class OpenEndedCompletion(CompletionRequest):
     """A text completion as Ollama's /api/generate (raw) and llama.cpp's /completion take
-    one: without a limit it runs until the context is full (or a stop), not OpenAI's 16."""
+    one: without a limit it runs until the context is full (or a stop), not OpenAI's 16,
+    and a limit past the context's room runs until it is full, not a 400."""
+
+    CAPPED_AT_ROOM: ClassVar[bool] = True
 
     def default_max_tokens(self, room: int) -> int:
         return room

@@ -28,6 +28,7 @@ from appliance.server.responses import (
     vllm_prompt_logprobs,
 )
 from appliance.server.state import ServerState, Ticket
+from appliance.server.stop_reason import stop_reason
 
 log = logging.getLogger("appliance.server")
 SEND_TIMEOUT_S = 30  # a client that stops reading for this long is dropped (frees its slot)
@@ -43,10 +44,12 @@ async def whole(
     tokens: list[list[TokenLogprobs]] = [[] for _ in choices]
     prompts: list[list[TokenLogprobs] | None] = [None] * len(choices)
     outputs: list[list[int]] = [[] for _ in choices]
+    raw = [""] * len(choices)  # the text as generated, before any parser read it
     generate = state.appliance.generate_ids
     async with aclosing(run_choices(generate, choices, state.metrics)) as chunks:
         async for index, chunk in chunks:
             texts[index] += envelope.shape.text_of(index, chunk)
+            raw[index] += chunk.text
             outputs[index].extend(chunk.token_ids)
             cached[index] = max(cached[index], chunk.cached_tokens)
             tokens[index].extend(chunk.logprobs or [])
@@ -58,7 +61,9 @@ async def whole(
     for i, choice in enumerate(choices):
         prefix, head = _echo(state, envelope, choice, prompts[i], pieces)
         tail = _logprobs(envelope, choice, tokens[i], pieces, _end(head, prefix))
-        body.append(envelope.shape.choice(i, prefix + texts[i], reasons[i], _joined(head, tail)))
+        answer = envelope.shape.choice(i, prefix + texts[i], reasons[i], _joined(head, tail))
+        answer["stop_reason"] = _stop_reason(state, choice, reasons[i], outputs[i], raw[i])
+        body.append(answer)
     result = envelope.whole(body, _usage(choices, prompt_tokens, cached, outputs))
     k = envelope.prompt_logprobs
     if k is not None:  # vLLM's: on each completion choice; once for a chat (one prompt)
@@ -178,6 +183,7 @@ async def stream_data(
         return _json(envelope.chunk([choice], None, include_usage))
 
     outputs: list[list[int]] = [[] for _ in choices]
+    raw = [""] * len(choices)  # the text as generated, before any parser read it
     cached = [0] * len(choices)
     # Logprobs of tokens whose text is held back (a possible stop string, a partial
     # character) wait for the next delta; `sent`: characters streamed so far.
@@ -195,6 +201,7 @@ async def stream_data(
         async with aclosing(run_choices(generate, choices, state.metrics)) as chunks:
             async for index, piece in chunks:
                 outputs[index].extend(piece.token_ids)
+                raw[index] += piece.text
                 cached[index] = max(cached[index], piece.cached_tokens)
                 pending[index].extend(piece.logprobs or [])
                 prompts[index] = piece.prompt_logprobs or prompts[index]
@@ -213,6 +220,10 @@ async def stream_data(
                     delta = envelope.shape.delta(
                         index, prefix + text, piece.finish_reason, logprobs
                     )
+                    if piece.finished:
+                        delta["stop_reason"] = _stop_reason(
+                            state, choices[index], piece.finish_reason, outputs[index], raw[index]
+                        )
                     if not _empty(delta):
                         yield chunk(delta)
         if include_usage:
@@ -224,6 +235,17 @@ async def stream_data(
         log.exception("stream failed")
         yield _json(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body())
     yield "[DONE]"
+
+
+def _stop_reason(
+    state: ServerState, choice: Choice, reason: str | None, ids: list[int], text: str
+) -> str | int | None:
+    """vLLM's `stop_reason` of a finished choice: the stop string or token id that ended
+    it; None for the model's end, and for a choice that did not stop (length)."""
+    tokenizer = state.appliance.tokenizer
+    if reason != "stop" or tokenizer is None:
+        return None
+    return stop_reason(tokenizer, choice.params, ids, text)
 
 
 def _empty(choice: dict[str, Any]) -> bool:

@@ -242,6 +242,8 @@ def _max_tokens(
     asked = req.requested_max_tokens()
     if asked is None:
         return min(default, room) if default is not None else req.default_max_tokens(room)
+    if asked > room and req.CAPPED_AT_ROOM:
+        return room
     if asked > room:
         raise APIError(
             400,

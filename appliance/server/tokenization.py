@@ -132,8 +132,14 @@ async def apply_template(request: Request) -> Response:
     as the text a chat completion would prefill, for a client to edit and send to
     /completion."""
     state, tokenizer, body = await _accept(request)
-    turn = await _chat_turn(state, tokenizer, body)
-    return JSONResponse({"prompt": await _run(turn.prompt_text, "messages")})
+    turn = await _chat_turn(state, tokenizer, {k: v for k, v in body.items() if k != "model"})
+    prompt = await _run(turn.prompt_text, "messages")
+    # A text prompt gets the tokenizer's BOS again when /completion encodes it: the
+    # template's own goes (llama.cpp's common_chat_template_direct_apply does the same).
+    bos = tokenizer.special_tokens.get("bos_token")
+    if bos and prompt.startswith(bos) and tokenizer.encode("")[:1] == [tokenizer.token_id(bos)]:
+        prompt = prompt[len(bos) :]
+    return JSONResponse({"prompt": prompt})
 
 
 async def _accept(request: Request) -> tuple[ServerState, Tokenizer, dict[str, Any]]:

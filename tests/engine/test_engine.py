@@ -125,6 +125,20 @@ def test_stop_string_cuts_the_text(engine: LLMEngine) -> None:
     assert all_free(engine)
 
 
+def test_a_stop_string_on_the_last_token_allowed_is_a_stop(engine: LLMEngine) -> None:
+    """max_tokens ends right where a stop string completes: the stop wins (vLLM's)."""
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    [full] = engine.generate([prompt], SamplingParams(max_tokens=32))
+    ends = [len(engine.tokenizer.decode(full.token_ids[:n])) for n in range(1, 33)]
+    n = next(n for n, end in enumerate(ends, 1) if "Paris" in full.text[:end])
+    [cut] = engine.generate([prompt], SamplingParams(max_tokens=n, stop=("Paris",)))
+    assert len(cut.token_ids) == n  # the precondition: the limit came with the stop
+    assert (cut.finish_reason, cut.text) == ("stop", full.text[: full.text.index("Paris")])
+    assert all_free(engine)
+
+
 def test_max_tokens_ends_with_length(engine: LLMEngine) -> None:
     prompt = engine.tokenizer.encode(TEXT)
     [c] = engine.generate([prompt], SamplingParams(max_tokens=7, ignore_eos=True))

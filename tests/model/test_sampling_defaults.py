@@ -43,6 +43,8 @@ def test_a_generation_config_gives_its_sampling_fields_and_nothing_else(tmp_path
     assert isinstance(defaults.values["top_k"], int)
     assert defaults.max_tokens is None
     assert defaults.describe() == "temperature 0.6, top_p 0.95, top_k 20"
+    many = SamplingDefaults({"max_new_tokens": 1234567, "temperature": 0.0})
+    assert many.describe() == "max_new_tokens 1234567, temperature 0"  # not 1.23457e+06
     assert defaults.source == str(tmp_path / "generation_config.json")
 
 
@@ -93,10 +95,15 @@ def test_a_models_value_no_request_could_send_is_left_out_with_a_warning(
     assert "top_k must be a number, got 'many'" in caplog.text
 
 
-def test_a_file_that_is_not_a_json_object_is_refused_naming_it(tmp_path: Path) -> None:
+def test_a_named_file_that_is_no_json_object_is_refused_the_models_own_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     (tmp_path / "generation_config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="is not readable JSON"):
+    with pytest.raises(ValueError, match="is not usable"):
         read_sampling_defaults(str(tmp_path), tmp_path, {})
+    with caplog.at_level(logging.WARNING, logger="appliance.model"):
+        assert not read_sampling_defaults("auto", tmp_path, {}).values  # serves, warned
+    assert "the API's own sampling defaults apply" in caplog.text
     folder_with(tmp_path, [1, 2])
     with pytest.raises(ValueError, match="does not hold a JSON object"):
         read_sampling_defaults(str(tmp_path), tmp_path, {})

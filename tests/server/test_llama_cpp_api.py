@@ -36,7 +36,7 @@ CLIENT_DEFAULTS: dict[str, Any] = {
     "xtc_probability": 0,
     "xtc_threshold": 0.1,
     "dynatemp_range": 0,
-    "top_n_sigma": -1,
+    "top_n_sigma": 0,  # SillyTavern's; llama.cpp's own default is -1: both are off
     "repeat_last_n": 64,
     "samplers": ["top_k", "top_p", "min_p", "temperature"],
     "cache_prompt": True,
@@ -167,6 +167,10 @@ def test_the_fields_llama_cpps_clients_send_by_default_are_accepted(http: httpx.
     plain = complete(http, prompt=PROMPT, n_predict=6, temperature=0)
     defaults = complete(http, prompt=PROMPT, n_predict=6, temperature=0, seed=-1, **CLIENT_DEFAULTS)
     assert defaults["content"] == plain["content"]
+    # SillyTavern's "Deterministic" preset: top_p 0 keeps the likeliest token (llama.cpp's)
+    sampled = complete(http, prompt=PROMPT, n_predict=6, temperature=1.0, top_p=0, seed=3)
+    assert sampled["content"] == plain["content"]
+    assert sampled["generation_settings"]["top_k"] == 1
 
 
 @pytest.mark.parametrize(

@@ -271,3 +271,35 @@ def test_stop_token_ids_end_the_generation(client: OpenAI, tokenizer: Tokenizer)
     assert stopped.usage.completion_tokens == 3
     # As vLLM does: the stop token's text is in the output unless it is a special token.
     assert stopped.choices[0].text == tokenizer.decode(first_three)
+
+
+def test_each_choice_says_what_stopped_it(client: OpenAI, tokenizer: Tokenizer) -> None:
+    """vLLM's stop_reason: the stop string that matched, the stop token id, or null for
+    the model's own end (and for a length cut), whole and streamed."""
+    prompt = "The three primary colours are"
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    assert text.choices[0].model_extra == {"stop_reason": None}  # a length cut
+    word = text.choices[0].text.split()[2]
+    cut = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[word, "zzzz"]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].model_extra == {"stop_reason": word}
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[word], stream=True
+    )
+    last = [c for c in streamed if c.choices][-1]
+    assert last.choices[0].model_extra == {"stop_reason": word}
+    # the second token of that answer (its text re-encoded gives the same ids)
+    stop_id = tokenizer.encode(text.choices[0].text, add_special_tokens=False)[1]
+    by_id = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id]},
+    )
+    assert by_id.choices[0].model_extra == {"stop_reason": stop_id}
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0)  # type: ignore[arg-type]
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.choices[0].model_extra == {"stop_reason": None}  # the model's end

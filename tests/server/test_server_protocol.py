@@ -18,6 +18,7 @@ from appliance.server.generation import merged
 from appliance.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    OpenEndedCompletion,
     unsupported_field,
     unsupported_message,
 )
@@ -153,6 +154,11 @@ def test_output_budget_defaults_to_the_room_left_and_refuses_overflow() -> None:
     with pytest.raises(APIError) as info:
         _max_tokens(chat, 1000, 1000, "messages", None)
     assert "the prompt has 1000 tokens" in info.value.message
+    # Ollama's and llama.cpp's: a limit past the room runs until the context is full
+    open_ended = OpenEndedCompletion.model_validate(
+        {"model": "m", "prompt": "x", "max_tokens": 901}
+    )
+    assert _max_tokens(open_ended, 100, 1000, "prompt", None) == 900
 
 
 def test_the_models_max_new_tokens_is_the_budget_of_a_request_that_names_none() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from appliance.api import Chunk, SamplingParams
 from appliance.engine.logprobs import TokenLogprobs
 from appliance.model.tokenizer import Tokenizer
+from appliance.server.stop_reason import stop_reason
 
 
 @dataclass
@@ -74,7 +75,9 @@ class LlamaReply:
             "generation_settings": self._settings(),
             "prompt": self.tokenizer.decode(self.prompt_ids, skip_special_tokens=False),
             "has_new_line": "\n" in self.text,
-            "truncated": False,
+            # the context filled before the limit, the model's end or a stop
+            "truncated": self.finish_reason == "length"
+            and len(self.prompt_ids) + len(self.token_ids) >= self.n_ctx,
             "stop_type": stop_type,
             "stopping_word": word,
             "tokens_cached": self.cached_tokens,
@@ -86,13 +89,11 @@ class LlamaReply:
 
     def _stop_type(self) -> tuple[str, str]:
         """eos, limit (n_predict or the context) or word, and the stop string that ended
-        it: the one the output's full text holds where the answer ends."""
+        it (a stop token id is an eos to llama.cpp)."""
         if self.finish_reason == "length":
             return "limit", ""
-        full = self.tokenizer.decode(self.token_ids)
-        after = full[len(self.text) :] if full.startswith(self.text) else ""
-        words = [word for word in self.params.stop if after.startswith(word)]
-        return ("word", max(words, key=len)) if words else ("eos", "")
+        reason = stop_reason(self.tokenizer, self.params, self.token_ids, self.text)
+        return ("word", reason) if isinstance(reason, str) else ("eos", "")
 
     def _probability(self, token: TokenLogprobs) -> dict[str, Any]:
         """A token's entry of completion_probabilities, as llama.cpp writes it."""

@@ -4,9 +4,10 @@ tokenizer, sampling, stops, grammar and JSON schema.
 
 Its sampling fields share OpenAI's (and vLLM's) names and pass through as they are:
 temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty,
-stop, ignore_eos, grammar, json_schema. Renamed: n_predict -> max_tokens (-1 and -2:
-until the context is full), n_probs -> logprobs, post_sampling_probs -> logprobs_mode,
-seed -1 -> none, logit_bias as [[id, bias]] pairs (false: never). Fields that change
+stop, ignore_eos, grammar, json_schema. Renamed: n_predict -> max_tokens (-1 and -2,
+or past the context's room: until the context is full), n_probs -> logprobs,
+post_sampling_probs -> logprobs_mode, seed -1 -> none, logit_bias as [[id, bias]] pairs
+(false: never), top_p 0 -> top_k 1 (the likeliest token, as llama.cpp). Fields that change
 sampling in ways this server does not have (mirostat, typical_p, DRY, XTC, dynamic
 temperature, top-n-sigma) are refused unless sent at the value that turns them off, as
 llama.cpp's own clients send them; those that say where or how the server keeps its
@@ -15,7 +16,7 @@ accepted and not applied."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -39,20 +40,19 @@ SAME_NAMES = (
     "grammar",
     "json_schema",
 )
-# Sampling this server does not have, with the values that turn it off (what llama.cpp's
-# clients send by default): another value is a 400 naming the field.
-OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "mirostat": (0,),
-    "typical_p": (1, 1.0),
-    "tfs_z": (1, 1.0),
-    "dry_multiplier": (0, 0.0),
-    "xtc_probability": (0, 0.0),
-    "dynatemp_range": (0, 0.0),
-    "top_n_sigma": (-1, -1.0),
-    "n_indent": (0,),
-    "t_max_predict_ms": (0,),
-    "n_cmpl": (1,),
-    "lora": ([],),
+# Sampling this server does not have, each with what llama.cpp reads as "off" (what its
+# clients send by default: SillyTavern's top_n_sigma is 0): other values are a 400.
+OFF: dict[str, Callable[[float], bool]] = {
+    "mirostat": lambda v: v == 0,
+    "typical_p": lambda v: v >= 1,
+    "tfs_z": lambda v: v >= 1,
+    "dry_multiplier": lambda v: v <= 0,
+    "xtc_probability": lambda v: v <= 0,
+    "dynatemp_range": lambda v: v <= 0,
+    "top_n_sigma": lambda v: v <= 0,
+    "n_indent": lambda v: v <= 0,
+    "t_max_predict_ms": lambda v: v <= 0,
+    "n_cmpl": lambda v: v == 1,
 }
 UNTIL_FULL = (-1, -2)  # n_predict: no limit but the context
 # The completion body's fields this adapter fills from fields of other names: an error
@@ -89,17 +89,23 @@ class LlamaCompletion(Body):
 
     def completion_body(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         """The /v1/completions body of this request (`body`: the request as it came)."""
-        for name, off in OFF_VALUES.items():
-            if name in body and body[name] is not None and not _is_off(body[name], off):
-                accepted = json.dumps(off[-1])
+        for name, is_off in OFF.items():
+            value = body.get(name)
+            if value is not None and not (_is_number(value) and is_off(value)):
                 raise APIError(
                     400,
-                    f"{name} is not supported by this server: send {accepted} or leave it out",
+                    f"{name} is not supported by this server: send the value that turns it "
+                    "off (as llama.cpp reads it) or leave it out",
                     name,
                     "unsupported",
                 )
+        if body.get("lora"):
+            raise APIError(400, "lora adapters are not served", "lora", "unsupported")
         out: dict[str, Any] = {"model": model, "prompt": self.prompt}
         out |= {name: body[name] for name in SAME_NAMES if body.get(name) is not None}
+        top_p = out.get("top_p", 1)
+        if _is_number(top_p) and top_p <= 0:  # llama.cpp keeps the likeliest token
+            out = {k: v for k, v in out.items() if k != "top_p"} | {"top_k": 1}
         if self.n_predict > 0:
             out["max_tokens"] = self.n_predict
         elif self.n_predict not in UNTIL_FULL:
@@ -145,9 +151,9 @@ class LlamaInfill(LlamaCompletion):
         return Infill(self.input_suffix, extra, param="input_suffix")
 
 
-def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+def _is_number(value: Any) -> bool:
     # A JSON true is not the number 1 (True == 1 in Python).
-    return any(type(value) is type(o) and value == o for o in off)
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _openai_bias(bias: list[list[Any]] | dict[str, Any]) -> dict[str, float]:

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from appliance.model.model_source import default_model_path
-from appliance.model.sampling_defaults import SamplingDefaults
+from appliance.model.sampling_defaults import SamplingDefaults, shown
 from appliance.server import replies, routes
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
@@ -204,7 +204,7 @@ async def show(request: Request) -> Response:
 def _parameters(defaults: SamplingDefaults) -> str:
     """The sampling defaults as a Modelfile's PARAMETER lines, as Ollama shows its own."""
     names = {"repetition_penalty": "repeat_penalty", "max_new_tokens": "num_predict"}
-    return "\n".join(f"{names.get(k, k):<30} {v:g}" for k, v in defaults.values.items())
+    return "\n".join(f"{names.get(k, k):<30} {shown(v)}" for k, v in defaults.values.items())
 
 
 async def ollama_version(request: Request) -> Response:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from sse_starlette import ServerSentEvent
@@ -21,8 +22,9 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from appliance.api import Chunk, RequestFailed
+from appliance.api import Chunk, RequestFailed, SamplingParams
 from appliance.chat.chat_output import ChatOutputs
+from appliance.model.sampling_defaults import SamplingDefaults
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices, unless_disconnected
@@ -79,7 +81,7 @@ async def create_response(request: Request) -> Response:
     ids = await _tokenize(turn)
     max_tokens = _output_budget(req, len(ids), state.appliance.max_model_len, defaults.max_tokens)
     try:
-        params = req.sampling_params(max_tokens)
+        params = _unfielded_defaults(req.sampling_params(max_tokens), defaults)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     choice = Choice(0, ids, constrained(params, turn.structured), arrival)
@@ -110,6 +112,19 @@ async def _tokenize(turn: ChatTurn) -> list[int]:
     if not ids:
         raise APIError(400, "the prompt is empty", "input")
     return ids
+
+
+def _unfielded_defaults(params: SamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+    """The model's sampling defaults this API has no field for (top_k, min_p,
+    repetition_penalty): no request can say otherwise, so each applies as it is."""
+    values = defaults.values
+    top_k = values.get("top_k")
+    return replace(
+        params,
+        top_k=params.top_k if top_k is None else max(int(top_k), 0),  # -1: none, as 0
+        min_p=float(values.get("min_p", params.min_p)),
+        repetition_penalty=float(values.get("repetition_penalty", params.repetition_penalty)),
+    )
 
 
 def _output_budget(
