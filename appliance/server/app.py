@@ -24,6 +24,7 @@ from appliance.admin.token import remove_token, write_token
 from appliance.api import Appliance
 from appliance.server import embeddings, routes, tokenization
 from appliance.server.admin import AdminState, admin_routes
+from appliance.server.anthropic_api import route as anthropic
 from appliance.server.errors import APIError, api_error, http_error, unexpected_error
 from appliance.server.llama_cpp_api import route as llama_cpp
 from appliance.server.metrics import Metrics
@@ -91,6 +92,8 @@ def build_app(
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/embeddings", embeddings.openai_embeddings, methods=["POST"]),
+            Route("/v1/messages", anthropic.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             # an id may hold slashes ("org/name"), as a Hugging Face one does
             Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),

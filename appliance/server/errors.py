@@ -14,6 +14,11 @@ from starlette.responses import JSONResponse
 
 log = logging.getLogger("appliance.server")
 OLLAMA_PREFIX = "/api/"  # Ollama's routes (ollama_api/), whose errors are its shape
+ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's (anthropic_api/), likewise
+# Anthropic's error types where they differ from OpenAI's names.
+ANTHROPIC_TYPES = MappingProxyType(
+    {413: "request_too_large", 500: "api_error", 503: "overloaded_error"}
+)
 
 ERROR_TYPES = MappingProxyType(
     {
@@ -62,10 +67,17 @@ class APIError(Exception):
         }
 
     def response(self, path: str = "") -> JSONResponse:
-        """The answer, in the shape of the API `path` belongs to: OpenAI's, or under
-        /api/ Ollama's, {"error": message} (its clients read that string)."""
+        """The answer, in the shape of the API `path` belongs to: OpenAI's; under /api/
+        Ollama's, {"error": message} (its clients read that string); under /v1/messages
+        Anthropic's, {"type": "error", "error": {"type", "message"}}."""
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
-        body = {"error": self.message} if path.startswith(OLLAMA_PREFIX) else self.body()
+        if path.startswith(OLLAMA_PREFIX):
+            body: dict = {"error": self.message}
+        elif path.startswith(ANTHROPIC_PREFIX):
+            kind = ANTHROPIC_TYPES.get(self.status) or self.body()["error"]["type"]
+            body = {"type": "error", "error": {"type": kind, "message": self.message}}
+        else:
+            body = self.body()
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 

@@ -34,6 +34,12 @@ def bearer_is(request: Request, secret: str) -> bool:
     return hmac.compare_digest(sent, f"Bearer {secret}".encode())
 
 
+def api_key_is(request: Request, secret: str) -> bool:
+    """Whether the request carries Anthropic's `x-api-key: <secret>` (constant time)."""
+    sent = request.headers.get("x-api-key", "").encode()
+    return hmac.compare_digest(sent, secret.encode())
+
+
 @dataclass
 class Ticket:
     """Admission of `count` generations; released exactly once."""
@@ -67,10 +73,12 @@ class ServerState:
         key = self.settings.api_key
         if key is None:
             return
-        if not bearer_is(request, key.get_secret_value()):
+        secret = key.get_secret_value()
+        if not (bearer_is(request, secret) or api_key_is(request, secret)):
             raise APIError(
                 401,
-                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                "missing or wrong API key: send 'Authorization: Bearer <key>' (or "
+                "Anthropic's 'x-api-key: <key>')",
                 code="invalid_api_key",
             )
 

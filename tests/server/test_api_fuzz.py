@@ -498,6 +498,59 @@ def bounded_predict(body: dict[str, Json]) -> None:
     body["n_predict"] = MAX_TOKENS_CAP if value in (None, -1, -2) else capped(value)
 
 
+def anthropic_route() -> BodyRoute:
+    """Anthropic's /v1/messages: its content blocks, tools and tool choice."""
+    block = st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking"])
+            | texts(8)
+        },
+        optional={
+            "text": texts() | junk(),
+            "id": texts(8),
+            "name": texts(8) | junk(),
+            "input": st.just({"city": "Paris"}) | junk(),
+            "tool_use_id": texts(8) | junk(),
+            "content": texts() | junk(),
+            "thinking": texts() | junk(),
+        },
+    )
+    message = st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant"]) | junk(),
+            "content": texts() | st.lists(block, max_size=3) | junk(),
+        }
+    )
+    tool = st.fixed_dictionaries(
+        {"name": st.sampled_from(["get_weather", "x"]) | texts(8)},
+        optional={
+            "input_schema": st.just({"type": "object", "properties": {}}) | junk(),
+            "description": texts(),
+            "type": st.sampled_from(["custom", "web_search_20250305"]) | junk(),
+        },
+    )
+    choice = st.fixed_dictionaries(
+        {"type": st.sampled_from(["auto", "any", "tool", "none"]) | junk()},
+        optional={"name": texts(8), "disable_parallel_tool_use": junk()},
+    )
+    fields = {
+        "model": st.just(MODEL) | texts(8),
+        "messages": st.lists(message, max_size=4) | junk(),
+        "max_tokens": ints(),
+        "system": texts() | st.lists(block, max_size=2) | junk(),
+        "stop_sequences": st.lists(texts(), max_size=3) | junk(),
+        "stream": st.booleans(),
+        "temperature": floats(),
+        "top_p": floats(),
+        "top_k": ints(),
+        "tools": st.lists(tool, max_size=2) | junk(),
+        "tool_choice": choice | junk(),
+        "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"])}),
+    }
+    base = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    return BodyRoute("/v1/messages", base, fields, ("max_tokens",), tuple(UNSUPPORTED_FIELDS))
+
+
 def embeddings_route() -> BodyRoute:
     fields = {
         "model": st.just(MODEL) | texts(8),
@@ -894,6 +947,11 @@ def stream_problems(outcome: Outcome) -> list[str]:
         return []
     if not outcome.case.path.startswith("/v1/"):
         return []  # the admin event stream, read up to its first event
+    if outcome.case.path == "/v1/messages":  # Anthropic's events end with message_stop
+        last = json.loads(data[-1]) if data else {}
+        if last.get("type") != "message_stop" or any(b'"type":"error"' in d for d in data):
+            return [f"the Anthropic stream ended with {data[-1:]!r}"]
+        return []
     if outcome.case.path == "/v1/responses":
         last = json.loads(data[-1]) if data else {}
         if last.get("type") not in ("response.completed", "response.incomplete"):
@@ -914,6 +972,17 @@ def error_shape_problems(outcome: Outcome) -> list[str]:
         if not isinstance(error, str):
             return [f"{outcome.status} not Ollama-shaped: {outcome.content[:300]!r}"]
         return []
+    if outcome.case.path == "/v1/messages":  # Anthropic's: {"type": "error", "error": {...}}
+        try:
+            body = json.loads(outcome.content)
+            shaped = body["type"] == "error" and all(
+                isinstance(body["error"][k], str) for k in ("type", "message")
+            )
+        except (ValueError, KeyError, TypeError):
+            shaped = False
+        return (
+            [] if shaped else [f"{outcome.status} not Anthropic-shaped: {outcome.content[:300]!r}"]
+        )
     try:
         error = json.loads(outcome.content)["error"]
         shaped = (
@@ -979,6 +1048,7 @@ ROUTES: dict[str, Callable[[str], st.SearchStrategy[Case]]] = {
     "POST /api/chat": lambda token: body_cases(ollama_chat_route()),
     "POST /api/generate": lambda token: body_cases(ollama_generate_route()),
     "POST /completion": lambda token: body_cases(llama_completion_route()),
+    "POST /v1/messages": lambda token: body_cases(anthropic_route()),
     "GET /api/tags": lambda token: get_cases("/api/tags", API_KEY),
     "POST /v1/embeddings": lambda token: body_cases(embeddings_route()),
     "POST /api/embed": lambda token: body_cases(ollama_embed_route()),

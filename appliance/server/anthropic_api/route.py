@@ -1,0 +1,110 @@
+"""Anthropic's Messages API, for the applications written against it (Anthropic's SDKs,
+coding agents pointed at a local model through ANTHROPIC_BASE_URL): POST /v1/messages,
+streamed as Anthropic's named events unless `stream` is false, and POST
+/v1/messages/count_tokens. Errors are Anthropic's {"type": "error", "error": {...}}
+(errors.APIError.response); the API key is taken as `x-api-key` or a bearer token.
+
+A request is made into the chat completion the OpenAI route serves (request.py), run
+through the same path (routes.prepared_chat), and the OpenAI stream read back into
+Anthropic's events (reply.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from sse_starlette import ServerSentEvent
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from appliance.server import replies, routes
+from appliance.server.anthropic_api.reply import AnthropicReply, Event, message
+from appliance.server.anthropic_api.request import MessagesRequest
+from appliance.server.body import validated
+from appliance.server.errors import APIError
+from appliance.server.generation import unless_disconnected
+from appliance.server.protocol import ChatCompletionRequest
+from appliance.server.tool_fields import ChatTurn
+
+
+async def messages(request: Request) -> Response:
+    """POST /v1/messages."""
+    state, body = await routes.accept(request)
+    req = validated(MessagesRequest, body)
+    prepared = await routes.prepared_chat(request, state, req.chat_body(body))
+    reply = AnthropicReply(
+        state.appliance.model_name, prepared.prompt_tokens, tuple(req.stop_sequences)
+    )
+    ticket = state.admit(len(prepared.choices))
+    data = replies.stream_data(
+        state, prepared.choices, prepared.envelope, prepared.prompt_tokens, True
+    )
+    events = _events(data, reply)
+    if req.stream:
+        sse = EventSourceResponse(_as_sse(events), sep="\n", send_timeout=replies.SEND_TIMEOUT_S)
+        return replies.Releasing(sse, ticket)
+    try:
+        result = await unless_disconnected(request, _gathered(events))
+    finally:
+        ticket.release()
+    return JSONResponse(result) if result is not None else Response(status_code=499)
+
+
+async def count_tokens(request: Request) -> Response:
+    """POST /v1/messages/count_tokens: the prompt a message request would prefill."""
+    state, body = await routes.accept(request)
+    req = validated(MessagesRequest, body)
+    chat = validated(ChatCompletionRequest, req.chat_body(body) | {"stream": False})
+    state.check_model(chat.model)
+    tokenizer = state.appliance.tokenizer
+    assert tokenizer is not None  # requests are served only once the tokenizer is loaded
+    turn = ChatTurn.of(tokenizer, [m.for_template() for m in chat.messages], chat)
+    ids = await routes.tokenized(turn.token_ids, "messages")
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+async def _events(data: AsyncGenerator[str], reply: AnthropicReply) -> AsyncGenerator[Event]:
+    """Anthropic's events from the OpenAI stream's data lines; a failed generation ends
+    with Anthropic's error event."""
+    yield reply.start()
+    finish, stop = None, None
+    async with aclosing(data) as lines:
+        async for line in lines:
+            if line == "[DONE]":
+                continue
+            chunk = json.loads(line)
+            if "error" in chunk:
+                error = {"type": "api_error", "message": chunk["error"]["message"]}
+                yield {"type": "error", "error": error}
+                return
+            for choice in chunk.get("choices") or []:
+                finish = choice.get("finish_reason") or finish
+                stop = choice.get("stop_reason", stop)
+                for event in reply.piece(choice.get("delta") or {}):
+                    yield event
+            if chunk.get("usage") is not None:
+                for event in reply.last(finish, stop, chunk["usage"]):
+                    yield event
+
+
+async def _gathered(events: AsyncGenerator[Event]) -> dict[str, Any]:
+    """`stream: false`: the message the events build; a failed generation a 503."""
+    seen = []
+    async with aclosing(events) as each:
+        async for event in each:
+            if event["type"] == "error":
+                raise APIError(503, event["error"]["message"], retry_after=1)
+            seen.append(event)
+    return message(seen)
+
+
+async def _as_sse(events: AsyncGenerator[Event]) -> AsyncIterator[ServerSentEvent]:
+    """Each event as Anthropic sends it: `event: <type>` and its JSON as data."""
+    async with aclosing(events) as each:
+        async for event in each:
+            yield ServerSentEvent(
+                data=json.dumps(event, separators=(",", ":")), event=event["type"]
+            )

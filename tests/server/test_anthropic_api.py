@@ -1,0 +1,214 @@
+"""Anthropic's Messages API on a real server, through Anthropic's own client
+(anthropic_api/): an answer is the chat route's for the same conversation, whole and
+streamed (the SDK folds the events into the same message); stop sequences, max_tokens
+and tool use say so in stop_reason; tool results go back as tool messages; the key is
+taken as x-api-key; count_tokens is what the chat route reads; errors in Anthropic's
+shape, naming what cannot be served."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+from openai import OpenAI
+from server_process import API_KEY, ServerProcess
+
+from appliance.model.model_source import model_name
+
+pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes or a whole model
+
+MODEL = model_name(None)
+# Anthropic's client no longer has temperature (its newer models choose their own); older
+# clients and other SDKs send it, and the server takes it.
+GREEDY = {"temperature": 0}
+SYSTEM = "You answer briefly."
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def claude(server: ServerProcess) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def openai_client(server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def chat(openai_client: OpenAI, **fields: Any) -> Any:
+    messages = [{"role": "system", "content": SYSTEM}, *ASK]
+    return openai_client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_a_message_is_the_chat_routes_answer(
+    claude: anthropic.Anthropic, openai_client: OpenAI
+) -> None:
+    reply = claude.messages.create(
+        model=MODEL,
+        max_tokens=32,
+        system=SYSTEM,
+        messages=ASK,
+        extra_body=GREEDY,  # type: ignore[arg-type]
+    )
+    expected = chat(openai_client, max_tokens=32)
+    assert reply.type == "message" and reply.role == "assistant" and reply.model == MODEL
+    assert [block.type for block in reply.content] == ["text"]
+    assert reply.content[0].text == expected.choices[0].message.content  # type: ignore[union-attr]
+    assert expected.usage is not None
+    assert reply.usage.input_tokens == expected.usage.prompt_tokens
+    assert reply.usage.output_tokens == expected.usage.completion_tokens
+    assert (
+        reply.stop_reason
+        == {"stop": "end_turn", "length": "max_tokens"}[expected.choices[0].finish_reason]
+    )
+    assert reply.id.startswith("msg_")
+
+
+def test_a_stream_folds_into_the_same_message(claude: anthropic.Anthropic) -> None:
+    fields: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 24,
+        "messages": ASK,
+        "extra_body": GREEDY,
+    }
+    whole = claude.messages.create(**fields)
+    with claude.messages.stream(**fields) as stream:
+        kinds = [event.type for event in stream]
+        folded = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_delta" in kinds and "message_delta" in kinds
+
+    def blocks(message: Any) -> list[tuple[str, str | None]]:
+        return [(block.type, getattr(block, "text", None)) for block in message.content]
+
+    assert blocks(folded) == blocks(whole) and blocks(whole)[0][1]
+    assert (folded.stop_reason, folded.usage.output_tokens) == (
+        whole.stop_reason,
+        whole.usage.output_tokens,
+    )
+
+
+def test_stop_sequences_and_max_tokens_are_the_stop_reason(claude: anthropic.Anthropic) -> None:
+    long = claude.messages.create(model=MODEL, max_tokens=6, messages=ASK, extra_body=GREEDY)  # type: ignore[arg-type]
+    assert long.stop_reason == "max_tokens" and long.usage.output_tokens == 6
+    text = long.content[0].text  # type: ignore[union-attr]
+    word = text.split()[1]
+    cut = claude.messages.create(
+        model=MODEL,
+        max_tokens=6,
+        messages=ASK,
+        extra_body=GREEDY,
+        stop_sequences=[word],  # type: ignore[arg-type]
+    )
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", word)
+    assert cut.content[0].text == text[: text.index(word)]  # type: ignore[union-attr]
+
+
+def test_a_required_tool_is_a_tool_use_block_and_its_result_goes_back(
+    claude: anthropic.Anthropic,
+) -> None:
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = claude.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        messages=weather,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "any"},
+        extra_body=GREEDY,
+    )
+    assert called.stop_reason == "tool_use"
+    [use] = [block for block in called.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and isinstance(use.input, dict) and "city" in use.input
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=64,
+        messages=weather,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "any"},
+        extra_body=GREEDY,
+    ) as stream:
+        streamed = stream.get_final_message()  # the SDK folds input_json_delta
+    [streamed_use] = [block for block in streamed.content if block.type == "tool_use"]
+    assert (streamed_use.name, streamed_use.input) == (use.name, use.input)
+    answer = claude.messages.create(
+        model=MODEL,
+        max_tokens=24,
+        messages=[  # type: ignore[list-item]
+            *weather,
+            {"role": "assistant", "content": called.content},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}
+                ],
+            },
+        ],
+        tools=[WEATHER],  # type: ignore[list-item]
+        extra_body=GREEDY,
+    )
+    assert answer.content and answer.usage.input_tokens > called.usage.input_tokens
+
+
+def test_count_tokens_is_what_the_chat_route_reads(
+    claude: anthropic.Anthropic, openai_client: OpenAI
+) -> None:
+    counted = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=ASK)  # type: ignore[arg-type]
+    usage = chat(openai_client, max_tokens=1).usage
+    assert usage is not None and counted.input_tokens == usage.prompt_tokens
+
+
+def test_errors_are_anthropics_and_name_what_is_not_served(
+    claude: anthropic.Anthropic, server: ServerProcess
+) -> None:
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+    }
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=8,
+            messages=[{"role": "user", "content": [image]}],  # type: ignore[list-item]
+        )
+    assert refused.value.body == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "image blocks are not served: this server serves text",
+        },
+    }
+    with pytest.raises(anthropic.BadRequestError, match="server tools"):
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=8,
+            messages=ASK,  # type: ignore[arg-type]
+            tools=[{"type": "web_search_20250305", "name": "web_search"}],  # type: ignore[list-item]
+        )
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="claude-nope", max_tokens=8, messages=ASK)  # type: ignore[arg-type]
+    wrong = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        wrong.messages.create(model=MODEL, max_tokens=8, messages=ASK)  # type: ignore[arg-type]
+    bearer = httpx.post(
+        server.url + "/v1/messages",
+        json={"model": MODEL, "max_tokens": 2, "messages": ASK},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    assert bearer.status_code == 200  # ANTHROPIC_AUTH_TOKEN's way
