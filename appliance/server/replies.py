@@ -6,17 +6,18 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from contextlib import aclosing
 from typing import Any
 
 from sse_starlette.sse import EventSourceResponse
-from starlette.responses import Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from appliance.api import RequestFailed, TokenLogprobs
 from appliance.server.errors import APIError
-from appliance.server.generation import Choice, run_choices
+from appliance.server.generation import Choice, run_choices, unless_disconnected
 from appliance.server.prediction import prediction_usage
 from appliance.server.responses import (
     ChatShape,
@@ -256,6 +257,21 @@ def _empty(choice: dict[str, Any]) -> bool:
 
 def _json(value: dict[str, Any]) -> str:
     return json.dumps(value, separators=(",", ":"))
+
+
+async def whole_answer(
+    request: Request, work: Coroutine[Any, Any, dict[str, Any]], ticket: Ticket
+) -> Response:
+    """A whole (not streamed) answer: `work`'s JSON; a failed generation a 503; 499 (nginx's
+    "client closed request": nobody reads it, the access log shows it) when the client
+    left first. The admission is given back however it ends."""
+    try:
+        result = await unless_disconnected(request, work)
+    except RequestFailed as exc:
+        raise APIError(503, f"generation failed: {exc}", retry_after=1) from None
+    finally:
+        ticket.release()
+    return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
 class Releasing(Response):

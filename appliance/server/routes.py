@@ -17,11 +17,10 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from appliance.api import RequestFailed
 from appliance.server import replies
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
-from appliance.server.generation import Choice, unless_disconnected
+from appliance.server.generation import Choice
 from appliance.server.infill import Infill, infill_prompts
 from appliance.server.prediction import prediction_ids
 from appliance.server.protocol import (
@@ -316,12 +315,5 @@ async def _respond(request: Request, state: ServerState, prepared: Prepared) -> 
     ticket = state.admit(len(choices))
     if req.stream:
         return replies.streamed(state, choices, envelope, prompt_tokens, req.include_usage, ticket)
-    try:
-        work = replies.whole(state, choices, envelope, prompt_tokens)
-        result = await unless_disconnected(request, work)
-    except RequestFailed as exc:
-        raise APIError(503, f"generation failed: {exc}", retry_after=1) from None
-    finally:
-        ticket.release()
-    # 499: nginx's "client closed request"; nobody reads it, the access log shows it.
-    return JSONResponse(result) if result is not None else Response(status_code=499)
+    work = replies.whole(state, choices, envelope, prompt_tokens)
+    return await replies.whole_answer(request, work, ticket)

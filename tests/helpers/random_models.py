@@ -34,6 +34,22 @@ from appliance.settings.config import Settings, load_settings
 LOGIT_TOLERANCE = 1e-3  # float32 prefill logits, ours against transformers'
 
 
+def tiny_llama_config(vocab: int, context: int = 256) -> Any:
+    """A two-layer llama of `vocab` tokens (tied embeddings, grouped KV heads)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+    )
+
+
 def random_model(config: Any) -> torch.nn.Module:
     """transformers' model for `config` with seeded random float32 weights."""
     from transformers import AutoModelForCausalLM

@@ -20,7 +20,7 @@ import pytest
 import torch
 from gguf_builder import tiny_gguf_metadata
 from huggingface_hub import constants, scan_cache_dir, try_to_load_from_cache
-from random_models import random_model, save_folder, write_gguf
+from random_models import random_model, save_folder, tiny_llama_config, write_gguf
 from server_process import ServerProcess
 
 from appliance.model import hub
@@ -32,21 +32,6 @@ from appliance.model.model_source import model_name
 COMMIT = "a" * 40
 GGUF_COMMIT = "b" * 40
 APPLIANCE = [sys.executable, "-m", "appliance.cli"]
-
-
-def llama_config(vocab: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
 
 
 def cache_repo(
@@ -76,13 +61,13 @@ def hf_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("hf_home")
     hub_dir = home / "hub"
     work = tmp_path_factory.mktemp("models")
-    folder = save_folder(random_model(llama_config(49152)), work / "folder")
+    folder = save_folder(random_model(tiny_llama_config(49152)), work / "folder")
     cache_repo(
         hub_dir, "test/tiny-llama", {p.name: p for p in folder.iterdir() if p.is_file()}, COMMIT
     )
     from random_models import TOY_TOKENS
 
-    small = random_model(llama_config(len(TOY_TOKENS)))
+    small = random_model(tiny_llama_config(len(TOY_TOKENS)))
     meta = tiny_gguf_metadata(small.config)
     f32 = write_gguf(small, work / "tiny-F32.gguf", gguf.MODEL_ARCH.LLAMA, meta)
     q8 = write_gguf(small, work / "tiny-Q8_0.gguf", gguf.MODEL_ARCH.LLAMA, meta, quantize=True)

@@ -15,7 +15,7 @@ import ollama
 import pytest
 from fim_tokenizers import fim_tokenizer
 from openai import OpenAI
-from random_models import greedy, random_model, save_folder
+from random_models import greedy, random_model, save_folder, tiny_llama_config
 from server_process import API_KEY, ServerProcess
 
 from appliance.model.model_source import model_name
@@ -30,26 +30,11 @@ TOKENS = 8
 PRE, SUF, MID, PAD = 11, 12, 13, 14  # the qwen style's ids (fim_tokenizers.py)
 
 
-def llama_config(vocab: int):  # type: ignore[no-untyped-def]
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-
-
 @pytest.fixture(scope="module")
 def coder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, list[int]]]:
     """The served coder and the token ids transformers continues greedily at the cursor."""
     folder = tmp_path_factory.mktemp("coder") / "tiny-coder"
-    reference = random_model(llama_config(49152))
+    reference = random_model(tiny_llama_config(49152, context=512))
     fim_tokenizer(save_folder(reference, folder), "qwen")
     text = Tokenizer.load(folder).encode_text
     prompt = [PRE, *text(PREFIX), SUF, *text(SUFFIX), MID]

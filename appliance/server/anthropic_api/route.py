@@ -25,7 +25,6 @@ from appliance.server.anthropic_api.reply import AnthropicReply, Event, message
 from appliance.server.anthropic_api.request import MessagesRequest
 from appliance.server.body import validated
 from appliance.server.errors import APIError
-from appliance.server.generation import unless_disconnected
 from appliance.server.protocol import ChatCompletionRequest
 from appliance.server.tool_fields import ChatTurn
 
@@ -46,11 +45,7 @@ async def messages(request: Request) -> Response:
     if req.stream:
         sse = EventSourceResponse(_as_sse(events), sep="\n", send_timeout=replies.SEND_TIMEOUT_S)
         return replies.Releasing(sse, ticket)
-    try:
-        result = await unless_disconnected(request, _gathered(events))
-    finally:
-        ticket.release()
-    return JSONResponse(result) if result is not None else Response(status_code=499)
+    return await replies.whole_answer(request, _gathered(events), ticket)
 
 
 async def count_tokens(request: Request) -> Response:

@@ -26,7 +26,7 @@ from appliance.model.model_source import default_model_path
 from appliance.server import replies, routes
 from appliance.server.body import validated
 from appliance.server.errors import APIError
-from appliance.server.generation import Choice, run_choices, unless_disconnected
+from appliance.server.generation import Choice, run_choices
 from appliance.server.infill import Infill
 from appliance.server.llama_cpp_api.reply import LlamaReply
 from appliance.server.llama_cpp_api.request import RENAMED, LlamaCompletion, LlamaInfill
@@ -70,13 +70,7 @@ async def _serve(
             _events(state, choice, reply), sep="\n", send_timeout=replies.SEND_TIMEOUT_S
         )
         return replies.Releasing(events, ticket)
-    try:
-        result = await unless_disconnected(request, _whole(state, choice, reply))
-    except RequestFailed as exc:
-        raise APIError(503, f"generation failed: {exc}", retry_after=1) from None
-    finally:
-        ticket.release()
-    return JSONResponse(result) if result is not None else Response(status_code=499)
+    return await replies.whole_answer(request, _whole(state, choice, reply), ticket)
 
 
 def _reply(state: ServerState, req: LlamaCompletion, choice: Choice) -> LlamaReply:

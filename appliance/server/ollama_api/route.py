@@ -24,7 +24,6 @@ from appliance.model.sampling_defaults import SamplingDefaults, shown
 from appliance.server import replies, routes
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
-from appliance.server.generation import unless_disconnected
 from appliance.server.infill import Infill
 from appliance.server.ollama_api.ndjson import NdjsonStream
 from appliance.server.ollama_api.reply import Kind, OllamaReply, created_at, merged
@@ -82,11 +81,7 @@ async def _answer(
     if stream:
         ndjson = NdjsonStream(_ndjson(lines), replies.SEND_TIMEOUT_S)
         return replies.Releasing(ndjson, ticket)
-    try:
-        result = await unless_disconnected(request, _gathered(lines))
-    finally:
-        ticket.release()
-    return JSONResponse(result) if result is not None else Response(status_code=499)
+    return await replies.whole_answer(request, _gathered(lines), ticket)
 
 
 async def _chunks(data: AsyncGenerator[str]) -> AsyncGenerator[dict[str, Any]]:
