@@ -13,6 +13,7 @@ import anthropic
 import httpx
 import pytest
 from openai import OpenAI
+from pydantic import BaseModel
 from server_process import API_KEY, ServerProcess
 
 from appliance.model.model_source import model_name
@@ -163,6 +164,24 @@ def test_a_required_tool_is_a_tool_use_block_and_its_result_goes_back(
         extra_body=GREEDY,
     )
     assert answer.content and answer.usage.input_tokens > called.usage.input_tokens
+
+
+class Capital(BaseModel):
+    city: str
+    country: str
+
+
+def test_an_output_format_is_a_structured_output(claude: anthropic.Anthropic) -> None:
+    """output_config.format, as the SDK's messages.parse sends a Pydantic model's schema."""
+    parsed = claude.messages.parse(
+        model=MODEL,
+        max_tokens=64,
+        messages=ASK,
+        output_format=Capital,
+        extra_body=GREEDY,  # type: ignore[arg-type]
+    )
+    answer = parsed.parsed_output
+    assert isinstance(answer, Capital) and answer.city and answer.country
 
 
 def test_count_tokens_is_what_the_chat_route_reads(

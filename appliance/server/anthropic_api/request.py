@@ -8,8 +8,9 @@ message answering that call, `thinking` the assistant's reasoning_content. `syst
 system message first; `tools` (name, description, input_schema) are function tools;
 `tool_choice` auto, any (OpenAI's required), tool (a named function) or none;
 `stop_sequences` the stops; `thinking` enabled or disabled the template's
-enable_thinking. Images and documents, server tools (web search, code execution) and
-MCP servers are refused, naming the field."""
+enable_thinking; `output_config` its `format` (a JSON schema) the structured output, its
+`effort` the template's reasoning_effort. Images and documents, server tools (web
+search, code execution) and MCP servers are refused, naming the field."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class MessagesRequest(Body):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
     mcp_servers: list[Any] = Field(default_factory=list)
     container: Any = None
 
@@ -59,9 +61,16 @@ class MessagesRequest(Body):
             out["tools"] = [_function_tool(tool, i) for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:
             out |= _tool_choice(self.tool_choice)
+        kwargs: dict[str, Any] = {}
         if self.thinking is not None:
-            enabled = self.thinking.get("type") == "enabled"
-            out["chat_template_kwargs"] = {"enable_thinking": enabled}
+            kwargs["enable_thinking"] = self.thinking.get("type") == "enabled"
+        config = self.output_config or {}
+        if config.get("effort") is not None:  # gpt-oss's template reads a level
+            kwargs["reasoning_effort"] = config["effort"]
+        if kwargs:
+            out["chat_template_kwargs"] = kwargs
+        if config.get("format") is not None:
+            out["response_format"] = _response_format(config["format"])
         if self.stream:
             out |= {"stream": True, "stream_options": {"include_usage": True}}
         return out
@@ -162,6 +171,14 @@ def _function_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     if tool.get("description") is not None:
         function["description"] = tool["description"]
     return {"type": "function", "function": function}
+
+
+def _response_format(fmt: Any) -> dict[str, Any]:
+    """output_config.format (a JSON schema) as OpenAI's response_format."""
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
+        message = 'output_config.format is {"type": "json_schema", "schema": {...}}'
+        raise APIError(400, message, "output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def _tool_choice(choice: dict[str, Any]) -> dict[str, Any]:
