@@ -84,18 +84,19 @@ class FillInMiddle:
         """The ids of an infill of the cursor between `prefix` and `suffix`, the `extra`
         files before; within `budget` tokens where given: extra files go first (the
         oldest), then the prefix keeps its end and the suffix its start, 3:1."""
+        start = tokenizer.encode("")  # the BOS the tokenizer puts first, if it does
         head = self._extra(tokenizer, extra)
         before = tokenizer.encode_text(prefix)
         after = tokenizer.encode_text(suffix)
         if budget is not None:
-            room = max(budget - 3, 0)  # the three markers
+            room = max(budget - 3 - len(start), 0)  # the three markers
             head = head[max(len(head) - max(room - len(before) - len(after), 0), 0) :]
             before, after = _cut(before, after, room - len(head))
         if self.suffix_first:
             body = [self.suffix, *after, self.prefix, *before]
         else:
             body = [self.prefix, *before, self.suffix, *after, self.middle]
-        return head + body
+        return start + head + body
 
     def _extra(self, tokenizer: Tokenizer, extra: tuple[ExtraFile, ...]) -> list[int]:
         if not extra:
@@ -110,8 +111,8 @@ class FillInMiddle:
             else:
                 ids += tokenizer.encode_text(SNIPPET)
             ids += tokenizer.encode_text(file.text)
-        if self.file_sep is not None:  # the file being edited comes next
-            ids.append(self.file_sep)
+        if self.file_sep is not None:  # the file being edited comes next (llama.cpp's name)
+            ids += [self.file_sep, *tokenizer.encode_text("filename\n")]
         return ids
 
 

@@ -76,6 +76,9 @@ class APIError(Exception):
         elif path.startswith(ANTHROPIC_PREFIX):
             kind = ANTHROPIC_TYPES.get(self.status) or self.body()["error"]["type"]
             body = {"type": "error", "error": {"type": kind, "message": self.message}}
+            # Anthropic answers a malformed body with a 400 (its SDK's BadRequestError).
+            status = 400 if self.status == 422 else self.status
+            return JSONResponse(body, status_code=status, headers=headers)
         else:
             body = self.body()
         return JSONResponse(body, status_code=self.status, headers=headers)

@@ -14,7 +14,9 @@ from appliance.server.errors import APIError
 from appliance.server.protocol import CompletionRequest
 from appliance.server.state import ServerState
 
-OUTPUT_SHARE = 4  # without max_tokens, a quarter of the context stays for the answer
+# The room kept for the answer: max_tokens, else a quarter of the context; never more
+# than half of it, so the code around the cursor is there to complete.
+OUTPUT_SHARE, MOST_OUTPUT_SHARE = 4, 2
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ async def infill_prompts(
     tokenizer = state.appliance.tokenizer
     assert tokenizer is not None
     context = state.appliance.max_model_len
-    budget = context - (req.requested_max_tokens() or context // OUTPUT_SHARE)
+    output = req.requested_max_tokens() or context // OUTPUT_SHARE
+    budget = context - min(output, context // MOST_OUTPUT_SHARE)
     prompts = []
     for prompt in req.prompts():
         if not isinstance(prompt, str):

@@ -9,7 +9,15 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from appliance.api import SamplingParams
 from appliance.engine.sequence import MAX_SPECULATIVE_TOKENS
@@ -421,14 +429,15 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
 
 
 class CompletionRequest(SamplingFields):
+    # OpenAI's legacy insert: the text after the cursor, the prompt the text before it; a
+    # fill-in-the-middle model's markers around them (server/infill.py). "" is none.
+    # (Before the prompt: its check reads it, an empty prompt being a cursor at the start.)
+    suffix: str | None = None
     # One prompt (text or token ids) or a batch of them; each gets n choices.
     prompt: str | list[int] | list[str] | list[list[int]]
     # OpenAI's takes 0..5 top logprobs here; like vLLM this server takes up to 20.
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False  # the prompt's text first (and with logprobs, its tokens' logprobs)
-    # OpenAI's legacy insert: the text after the cursor, the prompt the text before it; a
-    # fill-in-the-middle model's markers around them (server/infill.py). "" is none.
-    suffix: str | None = None
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
@@ -447,15 +456,16 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _not_empty(cls, value: Any) -> Any:
+    def _not_empty(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str) or not value:
             prompts = [value]
         elif isinstance(value[0], int):
             prompts = [value]
         else:
             prompts = value
+        at_a_cursor = bool(info.data.get("suffix"))  # empty: the start of the file
         for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
+            if len(prompt) == 0 and not (at_a_cursor and isinstance(prompt, str)):
                 raise ValueError(f"prompt {i} is empty")
             if isinstance(prompt, list) and min(prompt) < 0:
                 raise ValueError(f"prompt {i} has a negative token id")

@@ -39,6 +39,16 @@ def test_qwens_markers_make_prefix_suffix_middle(tmp_path: Path) -> None:
     assert ids == [11, *before, 12, *after, 13]
 
 
+def test_a_tokenizer_that_puts_a_bos_first_gets_it_first(tmp_path: Path) -> None:
+    """CodeLlama, DeepSeek-Coder and Codestral were trained with their BOS first."""
+    tokenizer = Tokenizer.load(fim_tokenizer(tmp_path / "bos", "qwen", bos=True))
+    fim = FillInMiddle.of(tokenizer)
+    assert fim is not None and tokenizer.encode("") == [0]
+    before, after = tokenizer.encode_text(PREFIX), tokenizer.encode_text(SUFFIX)
+    assert fim.prompt(tokenizer, PREFIX, SUFFIX) == [0, 11, *before, 12, *after, 13]
+    assert len(fim.prompt(tokenizer, PREFIX * 20, SUFFIX * 20, budget=40)) == 40
+
+
 def test_other_files_come_first_in_the_repository_form(tmp_path: Path) -> None:
     tokenizer = tokenizer_of(tmp_path, "qwen")
     fim = FillInMiddle.of(tokenizer)
@@ -47,7 +57,7 @@ def test_other_files_come_first_in_the_repository_form(tmp_path: Path) -> None:
     ids = fim.prompt(tokenizer, PREFIX, SUFFIX, extra)
     text = tokenizer.encode_text
     head = [3, *text("project\n"), 5, *text("util.py\n"), *text("X = 1\n")]
-    head += [5, *text("main.py\n"), *text("import util\n"), 5]
+    head += [5, *text("main.py\n"), *text("import util\n"), 5, *text("filename\n")]
     assert ids == head + fim.prompt(tokenizer, PREFIX, SUFFIX)
 
 

@@ -28,8 +28,9 @@ STYLES: dict[str, dict[int, str]] = {
 }
 
 
-def fim_tokenizer(folder: Path, style: str) -> Path:
-    """SmolLM2's tokenizer files in `folder`, `style`'s markers in place of its tokens."""
+def fim_tokenizer(folder: Path, style: str, bos: bool = False) -> Path:
+    """SmolLM2's tokenizer files in `folder`, `style`'s markers in place of its tokens;
+    with `bos`, encoding puts <|endoftext|> (id 0) first, as CodeLlama's puts its BOS."""
     source = prepare_model(None, load_settings().cache_dir)[1]
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer_config.json", "chat_template.jinja"):
@@ -45,5 +46,19 @@ def fim_tokenizer(folder: Path, style: str) -> Path:
     for added in data["added_tokens"]:
         if added["id"] in renamed:
             added["content"] = renamed[added["id"]]
+    if bos:
+        first = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+        data["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [first, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                first,
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {
+                "<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}
+            },
+        }
     (folder / "tokenizer.json").write_text(json.dumps(data))
     return folder

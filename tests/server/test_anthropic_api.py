@@ -72,7 +72,9 @@ def test_a_message_is_the_chat_routes_answer(
     assert [block.type for block in reply.content] == ["text"]
     assert reply.content[0].text == expected.choices[0].message.content  # type: ignore[union-attr]
     assert expected.usage is not None
-    assert reply.usage.input_tokens == expected.usage.prompt_tokens
+    # Anthropic's input_tokens leave out what the prefix cache read; their sum is the prompt
+    cached = reply.usage.cache_read_input_tokens or 0
+    assert reply.usage.input_tokens + cached == expected.usage.prompt_tokens
     assert reply.usage.output_tokens == expected.usage.completion_tokens
     assert (
         reply.stop_reason
@@ -163,7 +165,28 @@ def test_a_required_tool_is_a_tool_use_block_and_its_result_goes_back(
         tools=[WEATHER],  # type: ignore[list-item]
         extra_body=GREEDY,
     )
-    assert answer.content and answer.usage.input_tokens > called.usage.input_tokens
+    assert answer.content
+    # a tool that returned a screenshot: named in its place, the conversation goes on
+    screenshot = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+    }
+    result = [{"type": "text", "text": "Sunny"}, screenshot]
+    looked = claude.messages.create(
+        model=MODEL,
+        max_tokens=8,
+        messages=[  # type: ignore[list-item]
+            *weather,
+            {"role": "assistant", "content": called.content},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": result}],
+            },
+        ],
+        tools=[WEATHER],  # type: ignore[list-item]
+        extra_body=GREEDY,
+    )
+    assert looked.content and looked.usage.output_tokens > 0
 
 
 class Capital(BaseModel):
@@ -182,6 +205,23 @@ def test_an_output_format_is_a_structured_output(claude: anthropic.Anthropic) ->
     )
     answer = parsed.parsed_output
     assert isinstance(answer, Capital) and answer.city and answer.country
+
+
+def test_turns_of_one_role_in_a_row_are_one_turn(claude: anthropic.Anthropic) -> None:
+    """Anthropic merges them (templates that need turns to alternate would refuse)."""
+    split = [
+        {"role": "user", "content": "What is the capital"},
+        {"role": "user", "content": [{"type": "text", "text": "of France?"}]},
+    ]
+    joined = [{"role": "user", "content": "What is the capital\n\nof France?"}]
+    count = claude.messages.count_tokens
+    assert (
+        count(model=MODEL, messages=split).input_tokens
+        == count(  # type: ignore[arg-type]
+            model=MODEL,
+            messages=joined,  # type: ignore[arg-type]
+        ).input_tokens
+    )
 
 
 def test_count_tokens_is_what_the_chat_route_reads(
@@ -212,13 +252,23 @@ def test_errors_are_anthropics_and_name_what_is_not_served(
             "message": "image blocks are not served: this server serves text",
         },
     }
-    with pytest.raises(anthropic.BadRequestError, match="server tools"):
+    with pytest.raises(anthropic.BadRequestError, match="Anthropic-defined tools"):
         claude.messages.create(
             model=MODEL,
             max_tokens=8,
             messages=ASK,  # type: ignore[arg-type]
             tools=[{"type": "web_search_20250305", "name": "web_search"}],  # type: ignore[list-item]
         )
+    with pytest.raises(anthropic.BadRequestError, match="prefill"):
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=8,
+            messages=[*ASK, {"role": "assistant", "content": "The capital is"}],  # type: ignore[list-item]
+        )
+    with pytest.raises(anthropic.BadRequestError):  # a malformed body: Anthropic's 400
+        claude.messages.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "bot", "content": "x"}]
+        )  # type: ignore[list-item]
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="claude-nope", max_tokens=8, messages=ASK)  # type: ignore[arg-type]
     wrong = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)

@@ -98,6 +98,30 @@ def test_openai_and_ollama_suffix_give_the_same_infill(
     assert got.response == llama["content"]
 
 
+def test_a_cursor_at_the_start_and_a_long_limit_keep_the_code(
+    coder: tuple[ServerProcess, list[int]],
+) -> None:
+    """An empty prefix is a cursor at the file's start (llama.vscode sends it); a limit
+    past the context still leaves the code around the cursor in the prompt."""
+    server, _ = coder
+    http = httpx.Client(base_url=server.url, headers=AUTH, timeout=120)
+    after = len(Tokenizer.load(Path(server.env["APPLIANCE_MODEL"])).encode_text(SUFFIX))
+    start = {"input_prefix": "", "input_suffix": SUFFIX, "n_predict": 2, "temperature": 0}
+    reply = http.post("/infill", json=start).json()
+    assert reply["tokens_evaluated"] == 3 + after  # the markers and the code after
+    name = model_name(Path(server.env["APPLIANCE_MODEL"]))
+    openai = {"model": name, "prompt": "", "suffix": SUFFIX, "max_tokens": 2}
+    assert http.post("/v1/completions", json=openai).status_code == 200
+    ollama_body = {"model": name, "prompt": "", "suffix": SUFFIX, "stream": False}
+    answered = http.post("/api/generate", json=ollama_body | {"options": {"num_predict": 2}})
+    assert answered.json()["done_reason"] != "load"  # an insert, not Ollama's load call
+    long = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 4000}
+    kept = http.post("/infill", json=long).json()
+    assert kept["tokens_evaluated"] == reply["tokens_evaluated"] + len(
+        Tokenizer.load(Path(server.env["APPLIANCE_MODEL"])).encode_text(PREFIX)
+    )
+
+
 def test_the_markers_end_stops_the_answer(coder: tuple[ServerProcess, list[int]]) -> None:
     server, _ = coder
     http = httpx.Client(base_url=server.url, headers=AUTH, timeout=120)

@@ -84,10 +84,13 @@ class AnthropicReply:
         sequence = stop_reason if stop_reason in self.stop_sequences else None
         if sequence is not None:
             reason = "stop_sequence"
-        counts = {"output_tokens": usage.get("completion_tokens", 0)}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        if cached:
-            counts["cache_read_input_tokens"] = cached
+        # Anthropic's input_tokens leave out what the cache read (its total is their sum).
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        counts = {
+            "input_tokens": self.input_tokens - cached,
+            "cache_read_input_tokens": cached,
+            "output_tokens": usage.get("completion_tokens", 0),
+        }
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         return [
             *events,

@@ -23,6 +23,7 @@ from appliance.server.errors import APIError
 from appliance.server.protocol import Body
 
 PASSED = ("temperature", "top_p", "top_k", "max_tokens")
+JOIN = "\n"  # between text blocks of one turn, as vLLM joins a message's text parts
 
 
 class AnthropicMessage(Body):
@@ -61,14 +62,14 @@ class MessagesRequest(Body):
             out["tools"] = [_function_tool(tool, i) for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:
             out |= _tool_choice(self.tool_choice)
-        kwargs: dict[str, Any] = {}
-        if self.thinking is not None:
-            kwargs["enable_thinking"] = self.thinking.get("type") == "enabled"
+        # Anthropic's models think only when asked: a template's switch off unless enabled
+        # (Qwen3's; a template without one ignores it).
+        thinking = self.thinking or {}
+        kwargs: dict[str, Any] = {"enable_thinking": thinking.get("type") == "enabled"}
         config = self.output_config or {}
         if config.get("effort") is not None:  # gpt-oss's template reads a level
             kwargs["reasoning_effort"] = config["effort"]
-        if kwargs:
-            out["chat_template_kwargs"] = kwargs
+        out["chat_template_kwargs"] = kwargs
         if config.get("format") is not None:
             out["response_format"] = _response_format(config["format"])
         if self.stream:
@@ -76,7 +77,16 @@ class MessagesRequest(Body):
         return out
 
     def openai_messages(self) -> list[dict[str, Any]]:
-        """The conversation as OpenAI's messages."""
+        """The conversation as OpenAI's messages, consecutive turns of one role merged
+        (Anthropic's; templates that require turns to alternate refuse them otherwise)."""
+        if self.messages and self.messages[-1].role == "assistant":
+            raise APIError(
+                400,
+                "a last assistant message (a prefill to continue) is not served: end with "
+                "a user message",
+                f"messages[{len(self.messages) - 1}]",
+                "unsupported",
+            )
         out: list[dict[str, Any]] = []
         if self.system:
             system = _joined_text(self.system, "system")
@@ -84,12 +94,32 @@ class MessagesRequest(Body):
         for i, message in enumerate(self.messages):
             where = f"messages[{i}].content"
             if isinstance(message.content, str):
-                out.append({"role": message.role, "content": message.content})
+                turns = [{"role": message.role, "content": message.content}]
             elif message.role == "assistant":
-                out.append(_assistant(message.content, where))
+                turns = [_assistant(message.content, where)]
             else:
-                out.extend(_user(message.content, where))
+                turns = _user(message.content, where)
+            for turn in turns:
+                _add(out, turn)
         return out
+
+
+def _add(messages: list[dict[str, Any]], turn: dict[str, Any]) -> None:
+    """`turn` after the others, joined to the last where both are plain text of one role."""
+    last = messages[-1] if messages else None
+    plain = ("user", "assistant")
+    if (
+        last is not None
+        and last["role"] == turn["role"] in plain
+        and isinstance(last.get("content"), str)
+        and isinstance(turn.get("content"), str)
+        and not last.get("tool_calls")
+        and not turn.get("tool_calls")
+        and not turn.get("reasoning_content")
+    ):
+        last["content"] = f"{last['content']}\n\n{turn['content']}"
+    else:
+        messages.append(turn)
 
 
 def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
@@ -109,7 +139,7 @@ def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
             calls.append({"id": call_id, "type": "function", "function": function})
         elif kind != "redacted_thinking":
             raise _unserved_block(kind, f"{where}[{j}]")
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    message: dict[str, Any] = {"role": "assistant", "content": JOIN.join(text) or None}
     if reasoning:
         message["reasoning_content"] = "".join(reasoning)
     if calls:
@@ -127,15 +157,15 @@ def _user(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
         if kind == "text":
             text.append(_text(block, f"{where}[{j}]"))
         elif kind == "tool_result":
-            content = block.get("content", "")
-            answer = content if isinstance(content, str) else _joined_text(content, where)
+            content = block.get("content") or ""
+            answer = content if isinstance(content, str) else _result_text(content, where)
             if block.get("is_error"):
                 answer = f"Error: {answer}"
             call_id = str(block.get("tool_use_id", ""))
             results.append({"role": "tool", "tool_call_id": call_id, "content": answer})
         else:
             raise _unserved_block(kind, f"{where}[{j}]")
-    return results + ([{"role": "user", "content": "".join(text)}] if text else [])
+    return results + ([{"role": "user", "content": JOIN.join(text)}] if text else [])
 
 
 def _text(block: dict[str, Any], where: str) -> str:
@@ -153,7 +183,22 @@ def _joined_text(blocks: Any, where: str) -> str:
     for block in blocks:
         if not isinstance(block, dict) or block.get("type") != "text":
             raise _unserved_block(block.get("type") if isinstance(block, dict) else None, where)
-    return "".join(_text(block, f"{where}[{j}]") for j, block in enumerate(blocks))
+    return JOIN.join(_text(block, f"{where}[{j}]") for j, block in enumerate(blocks))
+
+
+def _result_text(blocks: Any, where: str) -> str:
+    """A tool result's blocks as text: an image or document a tool returned (a screenshot
+    a coding agent read) is named in its place, not refused: the conversation goes on."""
+    if not isinstance(blocks, list):
+        raise APIError(400, "a tool result is text or a list of blocks", where)
+    parts = []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in ("image", "document"):
+            parts.append(f"[{kind} omitted: this server reads text]")
+        else:
+            parts.append(_joined_text([block], f"{where}[{j}]"))
+    return JOIN.join(parts)
 
 
 def _unserved_block(kind: Any, where: str) -> APIError:
@@ -165,7 +210,10 @@ def _unserved_block(kind: Any, where: str) -> APIError:
 def _function_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     """A custom tool as OpenAI's function tool; a server tool is refused."""
     if tool.get("type") not in (None, "custom"):
-        message = f"server tools ({tool.get('type')}) are not served: define custom tools"
+        message = (
+            f"Anthropic-defined tools ({tool.get('type')}) are not served: define custom "
+            "tools with an input_schema"
+        )
         raise APIError(400, message, f"tools[{i}]", "unsupported")
     function = {"name": tool.get("name"), "parameters": tool.get("input_schema", {})}
     if tool.get("description") is not None:

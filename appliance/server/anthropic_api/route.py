@@ -72,7 +72,8 @@ async def _events(data: AsyncGenerator[str], reply: AnthropicReply) -> AsyncGene
                 continue
             chunk = json.loads(line)
             if "error" in chunk:
-                error = {"type": "api_error", "message": chunk["error"]["message"]}
+                # a failed generation (503): the kind Anthropic's clients retry
+                error = {"type": "overloaded_error", "message": chunk["error"]["message"]}
                 yield {"type": "error", "error": error}
                 return
             for choice in chunk.get("choices") or []:

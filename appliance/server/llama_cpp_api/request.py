@@ -144,7 +144,9 @@ class LlamaInfill(LlamaCompletion):
 
     def completion_body(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         """The /completion body of the code before the cursor."""
-        return super().completion_body(body, model) | {"prompt": self.input_prefix + self.prompt}
+        before = {"prompt": self.input_prefix + self.prompt}
+        after = {"suffix": self.input_suffix} if self.input_suffix else {}
+        return super().completion_body(body, model) | before | after
 
     def infill(self) -> Infill:
         extra = tuple(ExtraFile(chunk.filename, chunk.text) for chunk in self.input_extra)

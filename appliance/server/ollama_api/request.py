@@ -163,6 +163,8 @@ class OllamaGenerate(OllamaRequest):
         prompt before it, `suffix` after it: the model's infill, server/infill.py)."""
         self._refuse_unserved()
         body = {"model": self.model, "prompt": self.prompt}
+        if self.suffix and not self.raw:  # raw: the prompt as it is (Ollama's)
+            body["suffix"] = self.suffix
         return body | self.sampling() | _stream_fields(self.stream)
 
     def _refuse_unserved(self) -> None:

@@ -24,7 +24,6 @@ from appliance.model.sampling_defaults import SamplingDefaults, shown
 from appliance.server import replies, routes
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
-from appliance.server.infill import Infill
 from appliance.server.ollama_api.ndjson import NdjsonStream
 from appliance.server.ollama_api.reply import Kind, OllamaReply, created_at, merged
 from appliance.server.ollama_api.request import LATEST, OllamaChat, OllamaGenerate, served_name
@@ -51,11 +50,9 @@ async def generate(request: Request) -> Response:
     if not req.prompt and not req.raw and not req.suffix:
         state.check_model(req.model)
         return JSONResponse(reply.loaded())
-    if req.raw or req.suffix:
-        infill = Infill(req.suffix) if req.suffix else None
-        prepared = await routes.prepared_completion(
-            request, state, req.text_body(), open_ended=True, infill=infill
-        )
+    if req.raw or req.suffix:  # an insert's suffix reaches prepared_completion in the body
+        body = req.text_body()
+        prepared = await routes.prepared_completion(request, state, body, open_ended=True)
     else:
         prepared = await routes.prepared_chat(request, state, req.chat_body())
     return await _answer(request, state, prepared, reply, req.stream)
