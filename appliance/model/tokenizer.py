@@ -142,12 +142,16 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final: bool = False,
     ) -> str:
         """Messages rendered by the model's template, ready for the assistant's turn: what
         transformers' apply_chat_template(messages, tools=tools, add_generation_prompt=True,
         **template_kwargs) renders. `tools` are OpenAI's tool definitions ({"type":
         "function", "function": {...}}), as transformers hands them to the template;
-        `template_kwargs` are extra template variables (e.g. enable_thinking)."""
+        `template_kwargs` are extra template variables (e.g. enable_thinking).
+        `continue_final` (transformers' continue_final_message): the last message, an
+        assistant's, left open to be continued (a prefill), without a generation prompt."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a raw prompt instead")
         if not messages:
@@ -157,16 +161,17 @@ class Tokenizer:
         if clash:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
         try:
-            return self._template.render(
+            rendered = self._template.render(
                 # transformers: the special tokens, then the caller's kwargs over them
                 **{**self.special_tokens, **extra},
                 messages=_template_messages(messages),
                 tools=tools or None,
                 documents=None,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt and not continue_final,
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template rejected the messages: {exc}") from None
+        return _left_open(rendered, messages[-1]) if continue_final else rendered
 
     @property
     def takes_tools(self) -> bool:
@@ -179,9 +184,13 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final: bool = False,
     ) -> list[int]:
         # The template already holds any BOS; adding special tokens again would double it.
-        text = self.render_chat(messages, tools, template_kwargs)
+        text = self.render_chat(
+            messages, tools, template_kwargs, add_generation_prompt, continue_final
+        )
         return self._raw.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -247,6 +256,19 @@ def _read_template(folder: Path, config: dict[str, Any]) -> str | None:
     if isinstance(template, dict):
         template = template.get("default") or next(iter(template.values()), None)
     return template if isinstance(template, str) else None
+
+
+def _left_open(rendered: str, final: dict[str, Any]) -> str:
+    """The rendering cut right after the last message's text, so the model continues it
+    (transformers' continue_final_message: its text, or stripped, found last)."""
+    content = final.get("content")
+    if final.get("role") != "assistant" or not isinstance(content, str) or not content:
+        raise ValueError("only a last assistant message with text can be continued")
+    for text in (content, content.strip()):
+        end = rendered.rfind(text)
+        if text and end >= 0:
+            return rendered[: end + len(text)]
+    raise ValueError("the chat template does not render the last message's text as it is")
 
 
 def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

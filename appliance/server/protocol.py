@@ -62,9 +62,7 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "guided_decoding_backend": (None,),
         "guided_whitespace_pattern": (None,),
         "detokenize": (None, True),
-        # vLLM's prompt options: the prompt would not be the one asked for
-        "add_generation_prompt": (None, True),
-        "continue_final_message": (None, False),
+        # vLLM's own template: the prompt would not be the one asked for
         "chat_template": (None,),
         # llama.cpp server's sampling fields
         "typical_p": (None, 1, 1.0),

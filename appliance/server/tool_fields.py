@@ -79,6 +79,10 @@ class ToolFields(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: a turn for the assistant after the messages (the default), or the last
+    # message, an assistant's, continued (a prefill; llama.cpp's and Anthropic's).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def function_tools(self) -> list[FunctionTool]:
         return [
@@ -147,6 +151,21 @@ def check_tool_messages(messages: Any) -> None:
                 )
 
 
+def _check_continuable(messages: list[dict[str, Any]], generation_prompt: bool) -> None:
+    """continue_final_message's conditions (vLLM's): no new turn asked, an assistant's
+    text last."""
+    if generation_prompt:
+        message = (
+            "continue_final_message continues the last message: send add_generation_prompt "
+            "false with it"
+        )
+        raise APIError(400, message, "add_generation_prompt")
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant" or not isinstance(last.get("content"), str):
+        where = f"messages[{len(messages) - 1}]"
+        raise APIError(400, "continue_final_message needs an assistant's text last", where)
+
+
 @dataclass
 class ChatTurn:
     """A chat request's prompt and the reading of its output, from the model's template."""
@@ -155,6 +174,8 @@ class ChatTurn:
     messages: list[dict[str, Any]]
     plan: ToolPlan
     template_kwargs: dict[str, Any]
+    generation_prompt: bool = True
+    continue_final: bool = False
 
     @classmethod
     def of(
@@ -177,20 +198,40 @@ class ChatTurn:
                 raise APIError(
                     400, f"a tool's parameters cannot constrain the calls: {exc}", "tools"
                 ) from None
-        return cls(tokenizer, messages, plan, dict(fields.chat_template_kwargs or {}))
+        if fields.continue_final_message:
+            _check_continuable(messages, fields.add_generation_prompt)
+        kwargs = dict(fields.chat_template_kwargs or {})
+        return cls(
+            tokenizer,
+            messages,
+            plan,
+            kwargs,
+            fields.add_generation_prompt,
+            fields.continue_final_message,
+        )
 
     def token_ids(self) -> list[int]:
         """The prompt: the messages (and tools) through the model's template. ValueError
         where the template refuses them."""
         messages = self.plan.messages(self.messages)
         return self.tokenizer.apply_chat_template(
-            messages, self.plan.prompt_tools(), self.template_kwargs
+            messages,
+            self.plan.prompt_tools(),
+            self.template_kwargs,
+            self.generation_prompt,
+            self.continue_final,
         )
 
     def prompt_text(self) -> str:
         """The prompt token_ids reads, as text (llama.cpp's /apply-template)."""
         messages = self.plan.messages(self.messages)
-        return self.tokenizer.render_chat(messages, self.plan.prompt_tools(), self.template_kwargs)
+        return self.tokenizer.render_chat(
+            messages,
+            self.plan.prompt_tools(),
+            self.template_kwargs,
+            self.generation_prompt,
+            self.continue_final,
+        )
 
     def outputs(self, stop: tuple[str, ...] = ()) -> ChatOutputs | None:
         """The readers of the choices' output (`stop`: the request's stop strings); None

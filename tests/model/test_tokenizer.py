@@ -57,6 +57,23 @@ def test_chat_template_equals_transformers(engine: LLMEngine, hf_tokenizer, mess
     assert ids == hf_tokenizer(expected, add_special_tokens=False).input_ids
 
 
+@pytest.mark.parametrize("prefill", ["The capital of France is", "Paris. "])
+def test_a_continued_final_message_equals_transformers(
+    engine: LLMEngine, hf_tokenizer, prefill: str
+) -> None:
+    """continue_final_message: the assistant's text left open (a prefill), no new turn."""
+    messages = [*CHATS[0], {"role": "assistant", "content": prefill}]
+    expected = hf_tokenizer.apply_chat_template(
+        messages, continue_final_message=True, tokenize=False
+    )
+    assert engine.tokenizer.render_chat(messages, continue_final=True) == expected
+    assert expected.rstrip().endswith(prefill.strip()) and "<|im_end|>" not in expected[-20:]
+    plain = engine.tokenizer.render_chat(messages, add_generation_prompt=False)
+    assert plain == hf_tokenizer.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(ValueError, match="only a last assistant message"):
+        engine.tokenizer.render_chat(CHATS[0], continue_final=True)
+
+
 def test_stop_tokens_hold_the_end_of_turn(engine: LLMEngine) -> None:
     assert engine.tokenizer.stop_token_ids == {2}  # <|im_end|>, SmolLM2's EOS
 

@@ -207,6 +207,27 @@ def test_an_output_format_is_a_structured_output(claude: anthropic.Anthropic) ->
     assert isinstance(answer, Capital) and answer.city and answer.country
 
 
+def test_a_last_assistant_message_is_a_prefill_continued(
+    claude: anthropic.Anthropic, openai_client: OpenAI
+) -> None:
+    prefill = [*ASK, {"role": "assistant", "content": "The capital of France is"}]
+    reply = claude.messages.create(
+        model=MODEL,
+        max_tokens=8,
+        messages=prefill,
+        extra_body=GREEDY,  # type: ignore[arg-type]
+    )
+    chat = openai_client.chat.completions.create(
+        model=MODEL,
+        messages=prefill,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert reply.content[0].text == chat.choices[0].message.content  # type: ignore[union-attr]
+    assert "Paris" in reply.content[0].text  # type: ignore[union-attr]
+
+
 def test_turns_of_one_role_in_a_row_are_one_turn(claude: anthropic.Anthropic) -> None:
     """Anthropic merges them (templates that need turns to alternate would refuse)."""
     split = [
@@ -258,12 +279,6 @@ def test_errors_are_anthropics_and_name_what_is_not_served(
             max_tokens=8,
             messages=ASK,  # type: ignore[arg-type]
             tools=[{"type": "web_search_20250305", "name": "web_search"}],  # type: ignore[list-item]
-        )
-    with pytest.raises(anthropic.BadRequestError, match="prefill"):
-        claude.messages.create(
-            model=MODEL,
-            max_tokens=8,
-            messages=[*ASK, {"role": "assistant", "content": "The capital is"}],  # type: ignore[list-item]
         )
     with pytest.raises(anthropic.BadRequestError):  # a malformed body: Anthropic's 400
         claude.messages.create(

@@ -208,10 +208,8 @@ REFUSED_EXTRAS = [
     {"truncate_prompt_tokens": 8},
     {"detokenize": False},
     {"spaces_between_special_tokens": False},
-    {"continue_final_message": True},
     {"chat_template": "{{ messages }}"},
     {"logits_processors": ["x"]},
-    {"add_generation_prompt": False},
     {"mirostat": 2},
 ]
 
@@ -303,3 +301,29 @@ def test_each_choice_says_what_stopped_it(client: OpenAI, tokenizer: Tokenizer) 
     chat = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0)  # type: ignore[arg-type]
     assert chat.choices[0].finish_reason == "stop"
     assert chat.choices[0].model_extra == {"stop_reason": None}  # the model's end
+
+
+def test_a_prefill_is_continued(client: OpenAI, tokenizer: Tokenizer) -> None:
+    """vLLM's continue_final_message (llama.cpp's and Anthropic's prefill): the last
+    assistant message left open, the answer its continuation, as a text completion of
+    that rendering gives it."""
+    prefill = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=prefill,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    rendered = tokenizer.render_chat(prefill, continue_final=True)
+    text = client.completions.create(model=MODEL, prompt=rendered, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == text.choices[0].text
+    assert "Paris" in (chat.choices[0].message.content or "")
+    with pytest.raises(openai.BadRequestError) as both:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=prefill,
+            max_tokens=2,
+            extra_body={"continue_final_message": True},  # type: ignore[arg-type]
+        )
+    assert both.value.body["param"] == "add_generation_prompt"  # type: ignore[index]

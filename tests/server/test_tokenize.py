@@ -112,7 +112,7 @@ def test_llama_cpps_dialect_gives_the_same_ids_and_pieces(http: httpx.Client) ->
         ("/tokenize", {"prompt": "\ud800"}, AUTH, 422, "prompt"),
         ("/tokenize", {"content": "\ud800"}, AUTH, 422, "content"),
         ("/tokenize", {"messages": []}, AUTH, 422, "messages"),
-        ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, AUTH, 400,
+        ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, AUTH, 400,
          "add_generation_prompt"),
         ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, AUTH, 400,
          "add_special_tokens"),

@@ -55,6 +55,8 @@ class MessagesRequest(Body):
         if self.container is not None:
             raise APIError(400, "containers are not served", "container", "unsupported")
         out: dict[str, Any] = {"model": self.model, "messages": self.openai_messages()}
+        if self.messages and self.messages[-1].role == "assistant":  # a prefill, continued
+            out |= {"continue_final_message": True, "add_generation_prompt": False}
         out |= {name: body[name] for name in PASSED if body.get(name) is not None}
         if self.stop_sequences:
             out["stop"] = self.stop_sequences
@@ -79,14 +81,6 @@ class MessagesRequest(Body):
     def openai_messages(self) -> list[dict[str, Any]]:
         """The conversation as OpenAI's messages, consecutive turns of one role merged
         (Anthropic's; templates that require turns to alternate refuse them otherwise)."""
-        if self.messages and self.messages[-1].role == "assistant":
-            raise APIError(
-                400,
-                "a last assistant message (a prefill to continue) is not served: end with "
-                "a user message",
-                f"messages[{len(self.messages) - 1}]",
-                "unsupported",
-            )
         out: list[dict[str, Any]] = []
         if self.system:
             system = _joined_text(self.system, "system")
