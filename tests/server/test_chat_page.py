@@ -163,7 +163,8 @@ def test_stop_ends_the_answer_and_the_servers_request(server: ServerProcess, pag
     before = server_counts(server)
     ask(page, "Write a very long story about a dragon and a knight.", 1500, temperature="0.8")
     answer = page.locator("#log li.assistant .content").last
-    expect(answer).not_to_have_text("", timeout=60_000)
+    # The precondition of the rate below: a few tokens in before Stop (one is no rate).
+    expect(answer).to_have_text(re.compile(r"\S+\s+\S+\s+\S+"), timeout=60_000)
     stop = page.get_by_role("button", name="Stop")
     expect(stop).to_be_enabled()  # still answering
     assert server_counts(server)["in_flight"] >= 1
