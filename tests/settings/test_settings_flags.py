@@ -56,6 +56,8 @@ def other_value(flag: Flag, default: Any, folder: Path) -> list[str]:
         ("cluster", "head"): "127.0.0.1:7402",
         ("cluster", "secret_file"): str(secret),
         ("chat_template",): "{{ messages[0].content }}",
+        ("generation_config",): "vllm",  # auto, vllm or a folder with a generation_config.json
+        ("override_generation_config",): '{"temperature": 0.5}',  # JSON of known keys
         ("prefill_gemm_rows",): "32",  # auto or a row count
         ("cluster", "heartbeat_timeout_s"): "9.5",  # at least twice the beat's interval
         ("kv_store", "shm_dir"): str(folder),  # an absolute folder
