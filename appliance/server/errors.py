@@ -71,17 +71,17 @@ class APIError(Exception):
         Ollama's, {"error": message} (its clients read that string); under /v1/messages
         Anthropic's, {"type": "error", "error": {"type", "message"}}."""
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
+        status = self.status
         if path.startswith(OLLAMA_PREFIX):
             body: dict = {"error": self.message}
         elif path.startswith(ANTHROPIC_PREFIX):
-            kind = ANTHROPIC_TYPES.get(self.status) or self.body()["error"]["type"]
+            kind = ANTHROPIC_TYPES.get(status) or self.body()["error"]["type"]
             body = {"type": "error", "error": {"type": kind, "message": self.message}}
             # Anthropic answers a malformed body with a 400 (its SDK's BadRequestError).
-            status = 400 if self.status == 422 else self.status
-            return JSONResponse(body, status_code=status, headers=headers)
+            status = 400 if status == 422 else status
         else:
             body = self.body()
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(body, status_code=status, headers=headers)
 
 
 def from_validation(exc: ValidationError) -> APIError:

@@ -37,6 +37,7 @@ from appliance.server.tool_fields import ChatTurn
 from appliance.tracing.spans import annotate
 
 R = TypeVar("R", bound=BaseModel)
+T = TypeVar("T")
 
 
 async def chat_completions(request: Request) -> Response:
@@ -216,8 +217,10 @@ def _precheck(state: ServerState, req: SamplingFields, num_prompts: int) -> None
     state.check_room(count)
 
 
-async def tokenized(tokenize: Callable[[], list[int]], param: str) -> list[int]:
-    # Long prompts take milliseconds to seconds: off the loop that streams the others.
+async def tokenized(tokenize: Callable[[], T], param: str) -> T:
+    """The tokenizer's work (encoding, rendering a template, decoding) off the loop that
+    streams the others: long prompts take milliseconds to seconds. A ValueError (an empty
+    prompt, a template that rejects the messages) is a 400 naming `param`."""
     try:
         return await asyncio.to_thread(tokenize)
     except ValueError as exc:  # an empty prompt, a template that rejects the messages

@@ -16,8 +16,6 @@ the workers, so all three answer while the server is starting."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -34,6 +32,7 @@ from appliance.server.protocol import (
     unsupported_message,
     valid_unicode,
 )
+from appliance.server.routes import tokenized
 from appliance.server.state import ServerState
 from appliance.server.tool_fields import ChatTurn
 
@@ -78,7 +77,7 @@ async def tokenize(request: Request) -> Response:
     state, tokenizer, body = await _accept(request)
     if body.get("content") is not None:
         llama = validated(ContentTokenize, body)
-        ids = await _run(lambda: tokenizer.encode(llama.content, llama.add_special), "content")
+        ids = await tokenized(lambda: tokenizer.encode(llama.content, llama.add_special), "content")
         if not llama.with_pieces:
             return JSONResponse({"tokens": ids})
         pieces = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
@@ -102,7 +101,9 @@ async def tokenize(request: Request) -> Response:
             raise APIError(400, "send a prompt, messages, or (llama.cpp's) content", "prompt")
         req = validated(PromptTokenize, body)
         _check_model(state, req.model)
-        ids = await _run(lambda: tokenizer.encode(req.prompt, req.add_special_tokens), "prompt")
+        ids = await tokenized(
+            lambda: tokenizer.encode(req.prompt, req.add_special_tokens), "prompt"
+        )
         strings = req.return_token_strs
     return JSONResponse(
         {
@@ -123,7 +124,7 @@ async def detokenize(request: Request) -> Response:
     bad = next((i for i in req.tokens if not 0 <= i < vocab), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary ({vocab})", "tokens")
-    text = await _run(lambda: tokenizer.decode(req.tokens), "tokens")
+    text = await tokenized(lambda: tokenizer.decode(req.tokens), "tokens")
     return JSONResponse({"prompt": text, "content": text})
 
 
@@ -133,7 +134,7 @@ async def apply_template(request: Request) -> Response:
     /completion."""
     state, tokenizer, body = await _accept(request)
     turn = await _chat_turn(state, tokenizer, {k: v for k, v in body.items() if k != "model"})
-    prompt = await _run(turn.prompt_text, "messages")
+    prompt = await tokenized(turn.prompt_text, "messages")
     # A text prompt gets the tokenizer's BOS again when /completion encodes it: the
     # template's own goes (llama.cpp's common_chat_template_direct_apply does the same).
     bos = tokenizer.special_tokens.get("bos_token")
@@ -161,13 +162,12 @@ def _check_model(state: ServerState, model: str | None) -> None:
 async def _chat_ids(state: ServerState, tokenizer: Tokenizer, body: dict[str, Any]) -> list[int]:
     """The prompt a chat completion of these messages (and tools) would prefill."""
     turn = await _chat_turn(state, tokenizer, body)
-    return await _run(turn.token_ids, "messages")
+    return await tokenized(turn.token_ids, "messages")
 
 
 async def _chat_turn(state: ServerState, tokenizer: Tokenizer, body: dict[str, Any]) -> ChatTurn:
     """These messages (and tools) as a chat completion takes them; what the chat route
-    refuses (add_generation_prompt false, a chat_template of the request's own) is
-    refused here too."""
+    refuses (a chat_template of the request's own) is refused here too."""
     field = unsupported_field(body)
     if field is not None:
         raise APIError(400, unsupported_message(field), field, "unsupported")
@@ -176,11 +176,3 @@ async def _chat_turn(state: ServerState, tokenizer: Tokenizer, body: dict[str, A
     req = validated(ChatCompletionRequest, {"model": state.appliance.model_name, **body})
     state.check_model(req.model)
     return ChatTurn.of(tokenizer, [m.for_template() for m in req.messages], req)
-
-
-async def _run(work: Callable[[], Any], param: str) -> Any:
-    # A long text takes milliseconds to seconds: off the loop that streams the others.
-    try:
-        return await asyncio.to_thread(work)
-    except ValueError as exc:  # a template that rejects the messages
-        raise APIError(400, str(exc), param) from None

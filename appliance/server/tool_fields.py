@@ -213,14 +213,8 @@ class ChatTurn:
     def token_ids(self) -> list[int]:
         """The prompt: the messages (and tools) through the model's template. ValueError
         where the template refuses them."""
-        messages = self.plan.messages(self.messages)
-        return self.tokenizer.apply_chat_template(
-            messages,
-            self.plan.prompt_tools(),
-            self.template_kwargs,
-            self.generation_prompt,
-            self.continue_final,
-        )
+        # The template already holds any BOS; adding special tokens again would double it.
+        return self.tokenizer.encode(self.prompt_text(), add_special_tokens=False)
 
     def prompt_text(self) -> str:
         """The prompt token_ids reads, as text (llama.cpp's /apply-template)."""

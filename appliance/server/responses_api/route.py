@@ -8,7 +8,6 @@ event's response, so the two cannot disagree."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -25,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from appliance.api import Chunk, RequestFailed, SamplingParams
 from appliance.chat.chat_output import ChatOutputs
 from appliance.model.sampling_defaults import SamplingDefaults
+from appliance.server import routes
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices, unless_disconnected
@@ -104,11 +104,7 @@ async def create_response(request: Request) -> Response:
 
 
 async def _tokenize(turn: ChatTurn) -> list[int]:
-    # Long prompts take milliseconds to seconds: off the loop that streams the others.
-    try:
-        ids = await asyncio.to_thread(turn.token_ids)
-    except ValueError as exc:  # a template that rejects the messages
-        raise APIError(400, str(exc), "input") from None
+    ids = await routes.tokenized(turn.token_ids, "input")
     if not ids:
         raise APIError(400, "the prompt is empty", "input")
     return ids
