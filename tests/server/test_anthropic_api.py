@@ -26,6 +26,7 @@ MODEL = model_name(None)
 GREEDY = {"temperature": 0}
 SYSTEM = "You answer briefly."
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city",
@@ -149,43 +150,25 @@ def test_a_required_tool_is_a_tool_use_block_and_its_result_goes_back(
         streamed = stream.get_final_message()  # the SDK folds input_json_delta
     [streamed_use] = [block for block in streamed.content if block.type == "tool_use"]
     assert (streamed_use.name, streamed_use.input) == (use.name, use.input)
-    answer = claude.messages.create(
-        model=MODEL,
-        max_tokens=24,
-        messages=[  # type: ignore[list-item]
-            *weather,
-            {"role": "assistant", "content": called.content},
-            {
-                "role": "user",
-                "content": [
-                    {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}
-                ],
-            },
-        ],
-        tools=[WEATHER],  # type: ignore[list-item]
-        extra_body=GREEDY,
-    )
-    assert answer.content
+
+    def answered(result: str | list[dict[str, Any]], max_tokens: int) -> Any:
+        """The model's answer once the call's result went back (a tool message)."""
+        back = [{"type": "tool_result", "tool_use_id": use.id, "content": result}]
+        return claude.messages.create(
+            model=MODEL,
+            max_tokens=max_tokens,
+            messages=[  # type: ignore[list-item]
+                *weather,
+                {"role": "assistant", "content": called.content},
+                {"role": "user", "content": back},
+            ],
+            tools=[WEATHER],  # type: ignore[list-item]
+            extra_body=GREEDY,
+        )
+
+    assert answered("Sunny, 21 C", 24).content
     # a tool that returned a screenshot: named in its place, the conversation goes on
-    screenshot = {
-        "type": "image",
-        "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
-    }
-    result = [{"type": "text", "text": "Sunny"}, screenshot]
-    looked = claude.messages.create(
-        model=MODEL,
-        max_tokens=8,
-        messages=[  # type: ignore[list-item]
-            *weather,
-            {"role": "assistant", "content": called.content},
-            {
-                "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": result}],
-            },
-        ],
-        tools=[WEATHER],  # type: ignore[list-item]
-        extra_body=GREEDY,
-    )
+    looked = answered([{"type": "text", "text": "Sunny"}, IMAGE], 8)
     assert looked.content and looked.usage.output_tokens > 0
 
 
@@ -256,15 +239,11 @@ def test_count_tokens_is_what_the_chat_route_reads(
 def test_errors_are_anthropics_and_name_what_is_not_served(
     claude: anthropic.Anthropic, server: ServerProcess
 ) -> None:
-    image = {
-        "type": "image",
-        "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
-    }
     with pytest.raises(anthropic.BadRequestError) as refused:
         claude.messages.create(
             model=MODEL,
             max_tokens=8,
-            messages=[{"role": "user", "content": [image]}],  # type: ignore[list-item]
+            messages=[{"role": "user", "content": [IMAGE]}],  # type: ignore[list-item]
         )
     assert refused.value.body == {
         "type": "error",
