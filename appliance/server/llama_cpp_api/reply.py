@@ -15,6 +15,7 @@ from typing import Any
 from appliance.api import Chunk, SamplingParams
 from appliance.engine.logprobs import TokenLogprobs
 from appliance.model.tokenizer import Tokenizer
+from appliance.server.responses import Piece
 from appliance.server.stop_reason import stop_reason
 
 
@@ -23,6 +24,7 @@ class LlamaReply:
     """One /completion's answer. `arrival`: time.monotonic() when the request came."""
 
     tokenizer: Tokenizer
+    pieces: Piece  # a token id's text (replies.token_pieces: decoded once a request)
     model: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -103,7 +105,7 @@ class LlamaReply:
         return entry | {top: [self._token(i, lp, kind) for i, lp in alternatives]}
 
     def _token(self, token_id: int, logprob: float, kind: str) -> dict[str, Any]:
-        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self.pieces(token_id)
         value = math.exp(logprob) if kind == "prob" else max(logprob, -9999.0)
         return {"id": token_id, "token": text, "bytes": list(text.encode()), kind: value}
 

@@ -78,6 +78,7 @@ def _reply(state: ServerState, req: LlamaCompletion, choice: Choice) -> LlamaRep
     assert tokenizer is not None  # requests are served only once the tokenizer is loaded
     return LlamaReply(
         tokenizer,
+        replies.token_pieces(state),
         state.appliance.model_name,
         choice.prompt_ids,
         choice.params,
