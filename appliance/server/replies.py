@@ -6,10 +6,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from contextlib import aclosing
 from typing import Any
 
+from sse_starlette import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -272,6 +273,19 @@ async def whole_answer(
     finally:
         ticket.release()
     return JSONResponse(result) if result is not None else Response(status_code=499)
+
+
+def typed_event_stream(events: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
+    """Events as the Responses API and Anthropic's send them: `event: <type>` and the
+    event's JSON as data (a client that stops reading is dropped after SEND_TIMEOUT_S)."""
+    return EventSourceResponse(_typed(events), sep="\n", send_timeout=SEND_TIMEOUT_S)
+
+
+async def _typed(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[ServerSentEvent]:
+    async with aclosing(events) as each:  # type: ignore[type-var]
+        async for event in each:
+            data = json.dumps(event, separators=(",", ":"))
+            yield ServerSentEvent(data=data, event=event["type"])
 
 
 class Releasing(Response):

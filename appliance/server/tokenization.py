@@ -133,7 +133,7 @@ async def apply_template(request: Request) -> Response:
     as the text a chat completion would prefill, for a client to edit and send to
     /completion."""
     state, tokenizer, body = await _accept(request)
-    turn = await _chat_turn(state, tokenizer, {k: v for k, v in body.items() if k != "model"})
+    turn = await chat_turn(state, tokenizer, {k: v for k, v in body.items() if k != "model"})
     prompt = await tokenized(turn.prompt_text, "messages")
     # A text prompt gets the tokenizer's BOS again when /completion encodes it: the
     # template's own goes (llama.cpp's common_chat_template_direct_apply does the same).
@@ -161,11 +161,11 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 async def _chat_ids(state: ServerState, tokenizer: Tokenizer, body: dict[str, Any]) -> list[int]:
     """The prompt a chat completion of these messages (and tools) would prefill."""
-    turn = await _chat_turn(state, tokenizer, body)
+    turn = await chat_turn(state, tokenizer, body)
     return await tokenized(turn.token_ids, "messages")
 
 
-async def _chat_turn(state: ServerState, tokenizer: Tokenizer, body: dict[str, Any]) -> ChatTurn:
+async def chat_turn(state: ServerState, tokenizer: Tokenizer, body: dict[str, Any]) -> ChatTurn:
     """These messages (and tools) as a chat completion takes them; what the chat route
     refuses (a chat_template of the request's own) is refused here too."""
     field = unsupported_field(body)

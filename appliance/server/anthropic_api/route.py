@@ -11,22 +11,18 @@ Anthropic's events (reply.py)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
-from sse_starlette import ServerSentEvent
-from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from appliance.server import replies, routes
+from appliance.server import replies, routes, tokenization
 from appliance.server.anthropic_api.reply import AnthropicReply, Event, message
 from appliance.server.anthropic_api.request import MessagesRequest
 from appliance.server.body import validated
 from appliance.server.errors import APIError
-from appliance.server.protocol import ChatCompletionRequest
-from appliance.server.tool_fields import ChatTurn
 
 
 async def messages(request: Request) -> Response:
@@ -43,7 +39,7 @@ async def messages(request: Request) -> Response:
     )
     events = _events(data, reply)
     if req.stream:
-        sse = EventSourceResponse(_as_sse(events), sep="\n", send_timeout=replies.SEND_TIMEOUT_S)
+        sse = replies.typed_event_stream(events)
         return replies.Releasing(sse, ticket)
     return await replies.whole_answer(request, _gathered(events), ticket)
 
@@ -52,11 +48,10 @@ async def count_tokens(request: Request) -> Response:
     """POST /v1/messages/count_tokens: the prompt a message request would prefill."""
     state, body = await routes.accept(request)
     req = validated(MessagesRequest, body)
-    chat = validated(ChatCompletionRequest, req.chat_body(body) | {"stream": False})
-    state.check_model(chat.model)
     tokenizer = state.appliance.tokenizer
     assert tokenizer is not None  # requests are served only once the tokenizer is loaded
-    turn = ChatTurn.of(tokenizer, [m.for_template() for m in chat.messages], chat)
+    chat = req.chat_body(body) | {"stream": False}
+    turn = await tokenization.chat_turn(state, tokenizer, chat)
     ids = await routes.tokenized(turn.token_ids, "messages")
     return JSONResponse({"input_tokens": len(ids)})
 
@@ -95,12 +90,3 @@ async def _gathered(events: AsyncGenerator[Event]) -> dict[str, Any]:
                 raise APIError(503, event["error"]["message"], retry_after=1)
             seen.append(event)
     return message(seen)
-
-
-async def _as_sse(events: AsyncGenerator[Event]) -> AsyncIterator[ServerSentEvent]:
-    """Each event as Anthropic sends it: `event: <type>` and its JSON as data."""
-    async with aclosing(events) as each:
-        async for event in each:
-            yield ServerSentEvent(
-                data=json.dumps(event, separators=(",", ":")), event=event["type"]
-            )

@@ -8,7 +8,6 @@ event's response, so the two cannot disagree."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,19 +15,17 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
-from sse_starlette import ServerSentEvent
-from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from appliance.api import Chunk, RequestFailed, SamplingParams
 from appliance.chat.chat_output import ChatOutputs
 from appliance.model.sampling_defaults import SamplingDefaults
-from appliance.server import routes
+from appliance.server import replies, routes
 from appliance.server.body import read_json_object, validated
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices, unless_disconnected
-from appliance.server.replies import SEND_TIMEOUT_S, Releasing, token_pieces
+from appliance.server.replies import Releasing, token_pieces
 from appliance.server.responses import LOWEST_LOGPROB
 from appliance.server.responses_api.events import (
     Draft,
@@ -89,7 +86,7 @@ async def create_response(request: Request) -> Response:
     draft = Draft(response_echo(req, state.appliance.model_name))
     events = _events(state, choice, draft, outputs)
     if req.stream:
-        sse = EventSourceResponse(_as_sse(events), sep="\n", send_timeout=SEND_TIMEOUT_S)
+        sse = replies.typed_event_stream(events)
         return Releasing(sse, ticket)
     try:
         final = await unless_disconnected(request, _last(events))
@@ -284,12 +281,3 @@ async def _last(events: Events) -> dict[str, Any]:
         async for event in each:
             last = event
     return last
-
-
-async def _as_sse(events: Events) -> AsyncIterator[ServerSentEvent]:
-    """Each event as OpenAI sends it: `event: <type>` and its JSON as data."""
-    async with aclosing(events) as each:  # type: ignore[type-var]
-        async for event in each:
-            yield ServerSentEvent(
-                data=json.dumps(event, separators=(",", ":")), event=event["type"]
-            )
