@@ -107,12 +107,27 @@ def _remove_orphaned_entries(cache_dir: Path) -> None:
 
 
 def _remove_stale_entries(entry: Path) -> None:
-    """Delete the entries of the same file at another size, mtime or cache format: no
-    start reads them again (a v4 entry held the whole model as float32)."""
-    key = entry.name.rsplit("-", 3)[0]  # "<stem>-<path hash>"
+    """Delete the entries of the same file at another size or mtime, and those of an
+    older cache format: no start reads them again (a v4 entry held the whole model as
+    float32). An entry of a newer format stays: a newer appliance sharing this cache
+    (another venv, an upgrade tried and rolled back) reads it, and deleting it would
+    have the two versions rewrite the file's entry at each other's every start."""
+    key, size, mtime, _ = entry.name.rsplit("-", 3)  # "<stem>-<path hash>", stat, format
     for other in entry.parent.glob(glob.escape(key) + "-*"):
-        if other != entry and ".tmp" not in other.name and other.name.rsplit("-", 3)[0] == key:
-            shutil.rmtree(other, ignore_errors=True)
+        if other == entry or ".tmp" in other.name:
+            continue
+        other_key, other_size, other_mtime, other_format = other.name.rsplit("-", 3)
+        if other_key != key:
+            continue
+        same_file = (other_size, other_mtime) == (size, mtime)
+        if same_file and _format_number(other_format) > _format_number(CACHE_FORMAT):
+            continue
+        shutil.rmtree(other, ignore_errors=True)
+
+
+def _format_number(name: str) -> int:
+    """The number of a cache format's name ("v9" -> 9); 0 for a name not of that form."""
+    return int(name[1:]) if name[:1] == "v" and name[1:].isdigit() else 0
 
 
 def convert_gguf_tokenizer(path: Path, out_dir: Path) -> None:

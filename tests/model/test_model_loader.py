@@ -431,6 +431,28 @@ def test_an_older_cache_format_is_removed(tmp_path, monkeypatch):
     assert [p.name for p in cache.iterdir()] == [cache_entry(path, cache).name]
 
 
+def test_a_newer_cache_format_of_the_same_file_stays(tmp_path, monkeypatch):
+    """Two appliance versions sharing one cache (an upgrade in another venv) must not
+    delete each other's entries of an unchanged file, or each start would rewrite it;
+    the newer version's entry of the file as it was before a change goes."""
+    path = write_gguf(tmp_path / "m.gguf")
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(gguf_cache, "CACHE_FORMAT", "v99")
+    newer = cache_entry(path, cache)
+    newer.mkdir(parents=True)
+    (newer / "complete").write_text(str(path))
+    monkeypatch.undo()
+    load_model_files(path, cache)
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [cache_entry(path, cache).name, newer.name]
+    )
+
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5_000_000_000))
+    load_model_files(path, cache)  # the file changed: every entry of it as it was goes
+    assert [p.name for p in cache.iterdir()] == [cache_entry(path, cache).name]
+
+
 def test_rewritten_gguf_is_not_served_stale_weights(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", seed=1)
     cache = tmp_path / "cache"
