@@ -1,9 +1,10 @@
 """Shared fixtures: the embedded model is loaded once per test session.
 
-The slow lane carries the `process` mark: tests that start processes (a server, workers, the
-command) or run a whole model: those using a fixture that does (marked here), and those
-that start their own (marked in their module). The quick lane, the pure and light in-process
-tests, is `pytest -m "not process"`."""
+The `process` mark: tests that start processes (a server, workers, the command) or run a
+whole model: those using a fixture that does (marked here), and those that start their own
+(marked in their module). The quick lane, the pure and light in-process tests, is
+`pytest -m "not process"`. The `extended` mark: cases `pytest -q` leaves out (below) and
+`pytest -m extended` runs; CI runs both."""
 
 from __future__ import annotations
 
@@ -73,10 +74,25 @@ OPT_IN_SPECULATION = {
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.process)
+    _leave_out_the_extended_lane(config, items)
+
+
+def _leave_out_the_extended_lane(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`pytest -q` is the suite: the `extended` cases (the rest of a matrix whose
+    representative rows the suite runs, load tests, benchmarks' dry runs) are left out
+    unless the run picks its tests itself: a `-m` expression (`-m extended`: that lane;
+    `-m "extended or not extended"`: everything) or a test named by its id. CI runs both lanes."""
+    named = any("::" in arg for arg in config.args)
+    if config.option.markexpr or named:
+        return
+    extended = [item for item in items if item.get_closest_marker("extended")]
+    if extended:
+        config.hook.pytest_deselected(items=extended)
+        items[:] = [item for item in items if not item.get_closest_marker("extended")]
 
 
 @pytest.fixture(scope="session")

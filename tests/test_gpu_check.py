@@ -38,6 +38,7 @@ def run_check(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.extended  # a benchmark's dry run, every section: the extended lane
 def test_the_dry_run_passes_every_section(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     proc = run_check("--dry-run", "--out", str(out), timeout=300)

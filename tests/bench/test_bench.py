@@ -123,6 +123,7 @@ def test_bench_counts_failed_requests(server: ServerProcess, tmp_path: Path) -> 
 
 
 @pytest.mark.process
+@pytest.mark.extended  # every layout in turn: the extended lane (one layout's run is in the suite)
 def test_compare_runs_every_layout_on_the_same_requests(tmp_path: Path) -> None:
     """Our three layouts for real, at one rate (each layout is a server start, the slow
     part); sweeping several rates, a fresh start each, is the next test's, on stand-ins."""

@@ -23,6 +23,7 @@ LLAMA = {"llama.cpp, plain", "llama.cpp, llama-lookup"}
 SERVER = {"llama-server, plain", "llama-server, ngram-simple"}
 
 
+@pytest.mark.extended  # a benchmark's dry run: the extended lane
 def test_the_dry_run_runs_every_path(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run", "--llama-server", "--out", str(tmp_path)],

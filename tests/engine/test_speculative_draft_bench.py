@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "draft_model_bench.py"
 
 
+@pytest.mark.extended  # a benchmark's dry run: the extended lane
 def test_the_dry_run_runs_every_configuration() -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run"],

@@ -211,23 +211,34 @@ def expected_quantized(chat_prompts: list[list[int]]) -> list[list[int]]:
     return [c.token_ids for c in one.generate(chat_prompts, GREEDY)]
 
 
+# The suite runs a dense colocated group and a quantized TP2 decode pool fed by a handoff
+# (heads split); the TP2 prefill to TP1 decode gather is served in the suite by the family
+# conformance tests (gemma3); the other rows are the extended lane's.
 @pytest.mark.parametrize(
     ("weights", "mode", "layout", "groups"),
     [
         ("dense", "colocated", {"prefill_tp": 2}, [("colocated", (0, 1))]),
-        (
+        pytest.param(
             "dense",
             "disaggregated",
             {"prefill_tp": 2, "prefill_devices": "0,1", "decode_devices": "2"},
             [("prefill", (0, 1)), ("decode", (2,))],
+            marks=pytest.mark.extended,
         ),
-        (
+        pytest.param(
             "dense",
             "disaggregated",
             {"decode_tp": 2, "prefill_devices": "2", "decode_devices": "0,1"},
             [("prefill", (2,)), ("decode", (0, 1))],
+            marks=pytest.mark.extended,
         ),
-        ("quantized", "colocated", {"prefill_tp": 2}, [("colocated", (0, 1))]),
+        pytest.param(
+            "quantized",
+            "colocated",
+            {"prefill_tp": 2},
+            [("colocated", (0, 1))],
+            marks=pytest.mark.extended,
+        ),
         (
             "quantized",
             "disaggregated",

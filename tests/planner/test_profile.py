@@ -156,6 +156,7 @@ def test_a_cpu_box_is_timed_whole_halved_and_quartered() -> None:
 
 
 @pytest.mark.process
+@pytest.mark.extended  # a whole profile of the real model: the extended lane
 def test_profiling_the_default_model_times_each_worker_size(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     # Prompt chunks of at most 128 tokens, not 512: the same step kinds, worker sizes,

@@ -79,6 +79,7 @@ def test_greedy_outputs_equal_the_single_engine(
     assert all(made.values()), made  # every role took part: colocated beside prefill too
 
 
+@pytest.mark.extended  # a load test: the suite's runtime tests cover each path with a few requests
 def test_200_concurrent_mixed_requests_complete_and_50_cancelled_free_their_blocks() -> None:
     """Disaggregated 1P+1D; prompts up to 3x the chunk size; 50 consumers leave midway."""
     import random

@@ -131,7 +131,9 @@ def test_a_split_launch_is_the_kernel_and_its_reduce() -> None:
     assert verify.options["VARLEN"] and not verify.options["SPLIT"]
 
 
-@pytest.mark.process  # the slow lane: the default configurations' launches, every arch
+@pytest.mark.process
+@pytest.mark.extended  # the default configurations' launches, every arch (the quick subset
+# compiles for Hopper in the suite)
 @pytest.mark.parametrize("arch", sorted(set(BENCH.SHARED_LIMIT) - {"sm_90a"}))
 @pytest.mark.parametrize("name", BENCH.QUICK)
 def test_the_default_launches_compile_for_every_arch_without_spills(name: str, arch: str) -> None:
