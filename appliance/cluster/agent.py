@@ -7,7 +7,6 @@ workers with it; systemd brings it back and it joins again."""
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import socket
 from multiprocessing.process import BaseProcess
 
@@ -27,6 +26,7 @@ from appliance.cluster.tls import box_context
 from appliance.kv.remote_pool import require_nixl
 from appliance.settings.config import Settings
 from appliance.topology.discovery import discover_box
+from appliance.workers.fork_server import worker_context
 from appliance.workers.lifetime import start_holding_ctrl_c
 
 log = logging.getLogger("appliance.agent")
@@ -56,7 +56,7 @@ class Agent:
             settings.device, settings.cpu_devices, settings.cpu_share_cores
         )
         self.workers: dict[int, BaseProcess] = {}
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = worker_context()  # forks of a server that imported the worker once
         self._head: Link | None = None
         self._interface = ""  # the KV transfer's interface on this box (join() finds it)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing as mp
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -23,6 +22,7 @@ from appliance.core.stall import StallAction, stall_action
 from appliance.pools.worker_handle import Inbox, WorkerHandle, WorkerProcess
 from appliance.settings.config import Settings
 from appliance.topology.devices import Device, Topology
+from appliance.workers.fork_server import worker_context
 from appliance.workers.lifetime import ignore_ctrl_c, start_holding_ctrl_c
 from appliance.workers.messages import Shutdown, ToWorker
 from appliance.workers.outboxes import Outbox, OutboxReader, Pipe
@@ -93,7 +93,7 @@ class ProcessManager:
         # Roles a pool move is bringing to a device: requests wait for them, not fail.
         self.arriving: Counter[str] = Counter()
         self._ids = itertools.count()
-        self._ctx = mp.get_context("spawn")
+        self._ctx = worker_context()  # forks of a server that imported the worker once
         self._reader = reader
         self._hooks: ProcessHooks | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

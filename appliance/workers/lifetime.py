@@ -10,6 +10,9 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
 from typing import Protocol
 
 PR_SET_PDEATHSIG = 1
@@ -24,6 +27,22 @@ def die_with_parent(parent_pid: int) -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os._exit(1)
+
+
+def die_with_supervisor(supervisor: BaseProcess) -> None:
+    """Exit as soon as `supervisor` (multiprocessing's parent_process(), which forked this
+    process through its fork server) has exited, however it ended. The fork server is this
+    process's parent, and it outlives a supervisor killed outright as long as any process
+    it forked holds its end of the server's pipe, so Linux's parent-death signal alone
+    would keep the workers waiting on their inboxes for good: a thread watches the
+    supervisor's sentinel (the pipe its exit closes) instead."""
+    sentinel = supervisor.sentinel
+
+    def watch() -> None:
+        wait([sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
 class Startable(Protocol):

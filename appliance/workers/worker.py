@@ -34,7 +34,7 @@ from appliance.topology.devices import Device
 from appliance.tracing.exporting import start_exporting
 from appliance.tracing.spans import Attributes
 from appliance.tracing.worker_spans import WorkerSpans
-from appliance.workers.lifetime import die_with_parent
+from appliance.workers.lifetime import die_with_supervisor
 from appliance.workers.messages import (
     Abort,
     DropPeer,
@@ -103,8 +103,8 @@ def run_worker(
     """Process entry point: take the device (the first of a tensor-parallel group, whose
     other shards it starts), load, say Ready, serve messages until Shutdown."""
     parent = multiprocessing.parent_process()
-    if parent is not None and parent.pid is not None:  # spawned by a supervisor
-        die_with_parent(parent.pid)
+    if parent is not None:  # started by a supervisor, through its fork server
+        die_with_supervisor(parent)
     # A spawned process starts with no logging set up: its progress lines (loading, a
     # first conversion to dense weights) go to the stderr it shares with the supervisor.
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)

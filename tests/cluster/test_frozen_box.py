@@ -289,11 +289,13 @@ def test_a_stalled_worker_on_a_box_is_killed_by_its_agent_once(
 
 
 def loading_worker(agent: subprocess.Popen) -> int | None:
-    """The pid of a worker process the agent has started (multiprocessing's spawn), if any."""
+    """The pid of a worker process the agent has started, if any: a fork of the agent's
+    fork server (appliance/workers/fork_server.py), the agent's child."""
     with contextlib.suppress(psutil.NoSuchProcess):
         for child in psutil.Process(agent.pid).children():
-            if any("spawn_main" in part for part in child.cmdline()):
-                return child.pid
+            if any("multiprocessing.forkserver" in part for part in child.cmdline()):
+                for worker in child.children():
+                    return worker.pid
     return None
 
 

@@ -76,13 +76,15 @@ def test_a_port_0_server_says_what_it_loads_and_the_port_it_got() -> None:
 def assert_only_the_workers_load_torch(pid: int) -> None:
     """The serve process `pid` has no torch library mapped, and each of its workers has:
     before, the serve process imported torch for nothing (about a second of every start,
-    ~200 MB of its memory, and a slower exit)."""
-    workers = [
+    ~200 MB of its memory, and a slower exit). The workers are forked by the serve
+    process's fork server (its child, which imported torch for them)."""
+    [fork_server] = [
         child
         for child in psutil.Process(pid).children()
-        if any("spawn_main" in part for part in child.cmdline())
+        if any("multiprocessing.forkserver" in part for part in child.cmdline())
     ]
-    assert workers  # the workers are the serve process's children (multiprocessing's spawn)
-    for worker in workers:
+    workers = fork_server.children()
+    assert workers
+    for worker in [fork_server, *workers]:
         assert any("libtorch" in m.path for m in worker.memory_maps()), worker.cmdline()
     assert not [m.path for m in psutil.Process(pid).memory_maps() if "libtorch" in m.path]
