@@ -1,7 +1,9 @@
 """`appliance serve` as a user starts and stops it, at two commits, same machine, same run:
 seconds to a healthy server, then one short completion, the serve process's memory and
-whether it mapped torch, its workers' memory (summed), and seconds from SIGINT to its
-exit.
+whether it mapped torch, the memory of every process under it (workers, and a fork server
+where workers fork from one: proportional set size, so pages they share count once),
+seconds from a worker's SIGKILL to its restart being ready, and seconds from SIGINT to
+its exit.
 
 Each commit runs from a git worktree (this checkout's compiled kernels copied in), the
 two alternating, the default model and settings but the port (and `--mode`).
@@ -31,10 +33,11 @@ from appliance.topology.cpu import cpu_model_name
 @dataclass
 class Start:
     ready_s: float
+    restart_s: float
     stop_s: float
     rss_mib: float
     torch_mapped: bool
-    workers_rss_mib: float
+    workers_pss_mib: float
 
 
 def one_start(tree: Path, mode: str) -> Start:
@@ -45,12 +48,37 @@ def one_start(tree: Path, mode: str) -> Start:
     body = {"model": model_name(default_model_path()), "prompt": "Hello", "max_tokens": 8}
     httpx.post(url + "/v1/completions", json=body, timeout=120).raise_for_status()
     maps = Path(f"/proc/{process.pid}/maps").read_text()
-    workers = sum(rss_mib(child) for child in children(process.pid))
+    workers = sum(pss_mib(child) for child in descendants(process.pid))
     rss = rss_mib(process.pid)
+    restart = restart_s(url)
     stopping = time.monotonic()
     process.send_signal(signal.SIGINT)
     process.wait(120)
-    return Start(ready, time.monotonic() - stopping, rss, "libtorch" in maps, workers)
+    return Start(ready, restart, time.monotonic() - stopping, rss, "libtorch" in maps, workers)
+
+
+def restart_s(url: str) -> float:
+    """SIGKILL the first worker /health lists; seconds until its replacement is ready."""
+    killed = workers_of(url)[0]["pid"]
+    began = time.monotonic()
+    os.kill(killed, signal.SIGKILL)
+    deadline = began + 120
+    while time.monotonic() < deadline:
+        workers = workers_of(url)
+        if all(w["ready"] and w.get("pid") not in (None, killed) for w in workers):
+            return time.monotonic() - began
+        time.sleep(0.02)
+    raise TimeoutError("the killed worker was not restarted within 120 s")
+
+
+def workers_of(url: str) -> list[dict]:
+    pools = httpx.get(url + "/health", timeout=10).json()["pools"]
+    return [worker for workers in pools.values() for worker in workers]
+
+
+def pss_mib(pid: int) -> float:
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    return next(int(line.split()[1]) for line in rollup if line.startswith("Pss:")) / 1024
 
 
 def rss_mib(pid: int) -> float:
@@ -58,11 +86,13 @@ def rss_mib(pid: int) -> float:
     return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
 
 
-def children(pid: int) -> list[int]:
-    """The process's children (its workers), from each of its threads' list."""
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid` (its workers, their fork server), from each of its
+    threads' lists of children, and theirs."""
     found: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(child) for child in (task / "children").read_text().split()]
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
     return found
 
 
@@ -79,14 +109,15 @@ def main() -> None:
     print(f"{cpu_model_name()}, kernels {level()}, {os.cpu_count()} cores; `appliance serve`,")
     print(f"mode {args.mode}, {args.runs} starts each, alternating; median (min-max)\n")
     print(
-        "| commit | ready s | stop s | serve process RSS MiB | torch in the serve process "
-        "| workers' RSS MiB |"
+        "| commit | ready s | worker restart s | stop s | serve process RSS MiB "
+        "| torch in the serve process | processes under it, PSS MiB |"
     )
-    print("|---|---:|---:|---:|---|---:|")
+    print("|---|---:|---:|---:|---:|---|---:|")
     for rev, runs in starts.items():
-        cells = [_spread([getattr(r, f) for r in runs]) for f in ("ready_s", "stop_s", "rss_mib")]
+        fields = ("ready_s", "restart_s", "stop_s", "rss_mib")
+        cells = [_spread([getattr(r, f) for r in runs]) for f in fields]
         mapped = sorted({r.torch_mapped for r in runs})
-        workers = _spread([r.workers_rss_mib for r in runs])
+        workers = _spread([r.workers_pss_mib for r in runs])
         print(f"| {rev} | {' | '.join(cells)} | {', '.join(map(str, mapped))} | {workers} |")
 
 
