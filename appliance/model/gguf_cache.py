@@ -112,17 +112,25 @@ def _remove_stale_entries(entry: Path) -> None:
     float32). An entry of a newer format stays: a newer appliance sharing this cache
     (another venv, an upgrade tried and rolled back) reads it, and deleting it would
     have the two versions rewrite the file's entry at each other's every start."""
-    key, size, mtime, _ = entry.name.rsplit("-", 3)  # "<stem>-<path hash>", stat, format
+    key, stat, _ = _entry_name_parts(entry.name)
     for other in entry.parent.glob(glob.escape(key) + "-*"):
         if other == entry or ".tmp" in other.name:
             continue
-        other_key, other_size, other_mtime, other_format = other.name.rsplit("-", 3)
+        other_key, other_stat, other_format = _entry_name_parts(other.name)
         if other_key != key:
             continue
-        same_file = (other_size, other_mtime) == (size, mtime)
-        if same_file and _format_number(other_format) > _format_number(CACHE_FORMAT):
+        if other_stat == stat and _format_number(other_format) > _format_number(CACHE_FORMAT):
             continue
         shutil.rmtree(other, ignore_errors=True)
+
+
+def _entry_name_parts(name: str) -> tuple[str, tuple[str, ...], str]:
+    """A cache_entry name's "<stem>-<path hash>", its (size, mtime) and its format; a
+    name of another form (fewer parts) has a key no entry has."""
+    parts = name.rsplit("-", 3)
+    if len(parts) < 4:
+        return name, (), ""
+    return parts[0], (parts[1], parts[2]), parts[3]
 
 
 def _format_number(name: str) -> int:

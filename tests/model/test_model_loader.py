@@ -441,16 +441,20 @@ def test_a_newer_cache_format_of_the_same_file_stays(tmp_path, monkeypatch):
     newer = cache_entry(path, cache)
     newer.mkdir(parents=True)
     (newer / "complete").write_text(str(path))
+    stray = cache / (newer.name.rsplit("-", 3)[0] + "-notes")  # not an entry: left alone
+    stray.mkdir()
     monkeypatch.undo()
     load_model_files(path, cache)
     assert sorted(p.name for p in cache.iterdir()) == sorted(
-        [cache_entry(path, cache).name, newer.name]
+        [cache_entry(path, cache).name, newer.name, stray.name]
     )
 
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5_000_000_000))
     load_model_files(path, cache)  # the file changed: every entry of it as it was goes
-    assert [p.name for p in cache.iterdir()] == [cache_entry(path, cache).name]
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [cache_entry(path, cache).name, stray.name]
+    )
 
 
 def test_rewritten_gguf_is_not_served_stale_weights(tmp_path):
