@@ -30,7 +30,7 @@ import httpx
 import psutil
 import pytest
 from conftest import Certs
-from server_process import ServerProcess, cluster_head, greedy_text, wait_until
+from server_process import ServerProcess, cluster_head, fork_servers, greedy_text, wait_until
 from worker_faults import state
 
 from appliance.bench.compare import free_port
@@ -292,10 +292,9 @@ def loading_worker(agent: subprocess.Popen) -> int | None:
     """The pid of a worker process the agent has started, if any: a fork of the agent's
     fork server (appliance/workers/fork_server.py), the agent's child."""
     with contextlib.suppress(psutil.NoSuchProcess):
-        for child in psutil.Process(agent.pid).children():
-            if any("multiprocessing.forkserver" in part for part in child.cmdline()):
-                for worker in child.children():
-                    return worker.pid
+        for fork_server in fork_servers(agent.pid):
+            for worker in fork_server.children():
+                return worker.pid
     return None
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from appliance.bench.compare import free_port
 
@@ -30,6 +31,16 @@ LAYOUT_SETTINGS = (
     "APPLIANCE_PLANNER__LAYOUT",
 )
 OUTPUT_LINES_KEPT = 2000
+
+
+def fork_servers(pid: int) -> list[psutil.Process]:
+    """The fork servers among `pid`'s children: a supervisor's or an agent's, whose
+    children are its workers (appliance/workers/fork_server.py)."""
+    return [
+        child
+        for child in psutil.Process(pid).children()
+        if any("multiprocessing.forkserver" in part for part in child.cmdline())
+    ]
 
 
 def wait_until(check: Callable[[], Any], bound_s: float, what: str, every_s: float = 0.2) -> Any:

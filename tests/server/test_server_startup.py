@@ -14,7 +14,7 @@ import threading
 import httpx
 import psutil
 import pytest
-from server_process import wait_until
+from server_process import fork_servers, wait_until
 
 from appliance.settings.config import load_settings
 
@@ -78,11 +78,7 @@ def assert_only_the_workers_load_torch(pid: int) -> None:
     before, the serve process imported torch for nothing (about a second of every start,
     ~200 MB of its memory, and a slower exit). The workers are forked by the serve
     process's fork server (its child, which imported torch for them)."""
-    [fork_server] = [
-        child
-        for child in psutil.Process(pid).children()
-        if any("multiprocessing.forkserver" in part for part in child.cmdline())
-    ]
+    [fork_server] = fork_servers(pid)
     workers = fork_server.children()
     assert workers
     for worker in [fork_server, *workers]:
