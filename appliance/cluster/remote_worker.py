@@ -30,9 +30,10 @@ def run_remote_worker(
     settings: Settings,
     devices: tuple[Device, ...],
 ) -> None:
-    """Process entry point (spawned by the agent, dies with it); `cluster` is the agent's:
-    where the head is, and the address to connect from. The worker (and torch with it) is
-    imported here, in the spawned process: the agent that spawns it runs no model."""
+    """Process entry point (a fork of the agent's fork server, dies with the agent);
+    `cluster` is the agent's: where the head is, and the address to connect from. The
+    worker (and torch with it) is imported by the fork server, never by the agent, which
+    runs no model."""
     # Ctrl-C reaches the agent's whole process group: the agent decides when its workers
     # stop (they die with it), as a head's supervisor does for its own.
     ignore_ctrl_c()

@@ -31,9 +31,9 @@ WATCH_INTERVAL_S = 0.2  # how often worker processes are checked for being alive
 
 
 def _run_worker(*args: Any) -> None:
-    """A spawned worker process's entry (workers/worker.py's run_worker), imported in the
-    worker: the supervisor runs no model and so never imports torch (a second off every
-    start, and its memory), and relays the workers' pickled pools as bytes."""
+    """A worker process's entry (workers/worker.py's run_worker), imported in the workers'
+    fork server: the supervisor runs no model and so never imports torch (a second off
+    every start, and its memory), and relays the workers' pickled pools as bytes."""
     # Ctrl-C in a terminal reaches the whole process group: the supervisor drains and
     # then stops its workers; a worker that took it would die mid-stream (and at start,
     # mid-import, with a traceback) and be counted as a crash.

@@ -149,7 +149,8 @@ def check_torch(gpus: Sequence[Device], facts: TorchFacts, visible: str | None) 
 
 def read_torch() -> TorchFacts:
     """What the installed torch can do with CUDA. Counting devices starts CUDA's driver in
-    this process but makes no context; workers are spawned, so they start CUDA afresh."""
+    this process but makes no context; workers fork from a fork server, a fresh interpreter
+    that never starts CUDA (workers/fork_server.py), so they start CUDA afresh."""
     import torch
 
     available = torch.cuda.is_available()

@@ -105,8 +105,9 @@ def run_worker(
     parent = multiprocessing.parent_process()
     if parent is not None:  # started by a supervisor, through its fork server
         die_with_supervisor(parent)
-    # A spawned process starts with no logging set up: its progress lines (loading, a
-    # first conversion to dense weights) go to the stderr it shares with the supervisor.
+    # A worker starts with no logging set up (its fork server sets none): its progress
+    # lines (loading, a first conversion to dense weights) go to the stderr it shares with
+    # the supervisor.
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     settings = use_device(settings, devices[0])
     log.info(
