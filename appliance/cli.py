@@ -11,6 +11,7 @@ from appliance.admin.token import TokenError
 from appliance.model.errors import ModelLoadError
 from appliance.settings.config import Settings, SettingsError, load_settings
 from appliance.settings.flags import add_settings_flags, settings_from_flags
+from appliance.workers.fork_server import worker_context
 
 SETTINGS_HELP = (
     "Every setting is a flag below, an APPLIANCE_* variable and a key of the --config file; "
@@ -86,9 +87,13 @@ def settings_of(args: argparse.Namespace, **more: object) -> Settings:
 
 
 def serve(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
+    # The workers' fork server starts now: its import of torch (~1.5 s) runs beside the
+    # server's own imports, the layout's planning and the tokenizer's load.
+    worker_context()
     from appliance.server.serve import serve as run_server
 
-    return run_server(settings_of(args))
+    return run_server(settings)
 
 
 def agent(args: argparse.Namespace) -> int:
