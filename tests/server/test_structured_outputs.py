@@ -31,8 +31,44 @@ SCHEMAS: dict[str, dict[str, Any]] = json.loads((DATA / "json_schemas.json").rea
 SAMPLES = 5
 SEED = 7
 MAX_TOKENS = 512
-# The smaller set both layouts serve, streamed and whole.
+# Every schema of the set, served, is the full matrix (the extended lane). The engine's tests
+# compile every one of them in the suite (test_structured_engine.py); the suite serves a
+# schema of each kind of constraint here: objects with required, optional, nullable and
+# extra fields, const and enum, $refs, a top-level array, oneOf, patterns, number bounds;
+# nested objects, anyOf and formats are the layout test's below.
+SERVED_IN_THE_SUITE = {
+    "flat_person",
+    "optional_fields",
+    "const_and_enum",
+    "nullable_and_bool",
+    "refs_defs",
+    "top_level_array",
+    "one_of_payment",
+    "pattern_strings",
+    "number_bounds",
+    "open_object",
+}
+SCHEMA_ROWS = [
+    pytest.param(name, marks=() if name in SERVED_IN_THE_SUITE else pytest.mark.extended)
+    for name in sorted(SCHEMAS)
+]
+# The smaller set both layouts serve, streamed and whole: each schema in one layout in the
+# suite, the layouts taking turns; the other layout's row in the extended lane.
 LAYOUT_SCHEMAS = ("nested_address", "any_of_shapes", "formats_contact")
+LAYOUTS_IN_THE_SUITE = {
+    ("split", "nested_address"),
+    ("split", "any_of_shapes"),
+    ("colocated", "formats_contact"),
+}
+LAYOUT_ROWS = [
+    pytest.param(
+        layout,
+        name,
+        marks=() if (layout, name) in LAYOUTS_IN_THE_SUITE else pytest.mark.extended,
+    )
+    for layout in ("split", "colocated")
+    for name in LAYOUT_SCHEMAS
+]
 REGEXES = (
     r"[0-9]{3}-[0-9]{4}",
     r"(yes|no), because [a-z ]{1,40}\.",
@@ -78,7 +114,7 @@ def client(server: ServerProcess) -> OpenAI:
     return client_of(server)
 
 
-@pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.parametrize("name", SCHEMA_ROWS)
 def test_every_sample_validates_against_its_schema(client: OpenAI, name: str) -> None:
     schema = SCHEMAS[name]
     reply = client.chat.completions.create(
@@ -126,7 +162,7 @@ def test_guided_choice_samples_are_choices(client: OpenAI) -> None:
     assert set(texts) <= set(CHOICES), texts
 
 
-@pytest.mark.parametrize("name", LAYOUT_SCHEMAS)
+@pytest.mark.parametrize(("layout_server", "name"), LAYOUT_ROWS, indirect=["layout_server"])
 def test_both_layouts_constrain_whole_and_streamed_chat(
     layout_server: ServerProcess, name: str
 ) -> None:
