@@ -48,10 +48,11 @@ class APIError(Exception):
         code: str | None = None,
         retry_after: int | None = None,
     ) -> None:
+        message = _sayable(message)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = param if param is None else _sayable(param)
         self.code = code
         self.retry_after = retry_after
 
@@ -82,6 +83,12 @@ class APIError(Exception):
         else:
             body = self.body()
         return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sayable(text: str) -> str:
+    """`text` with a lone surrogate (JSON can carry "\ud800", which is no character) as
+    its escape: an error that names what the client sent must still encode as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def from_validation(exc: ValidationError) -> APIError:
