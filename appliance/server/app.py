@@ -28,6 +28,7 @@ from appliance.server.anthropic_api import route as anthropic
 from appliance.server.errors import APIError, api_error, http_error, unexpected_error
 from appliance.server.llama_cpp_api import route as llama_cpp
 from appliance.server.metrics import Metrics
+from appliance.server.ollama_api import management as ollama_models
 from appliance.server.ollama_api import route as ollama
 from appliance.server.origin_guard import OriginGuard, OriginRules
 from appliance.server.responses_api.route import create_response
@@ -112,6 +113,12 @@ def build_app(
             Route("/api/ps", ollama.running, methods=["GET"]),
             Route("/api/show", ollama.show, methods=["POST"]),
             Route("/api/version", ollama.ollama_version, methods=["GET"]),
+            Route("/api/pull", ollama_models.pull, methods=["POST"]),
+            *(
+                Route(f"/api/{what}", ollama_models.refused, methods=["POST"])
+                for what in ("push", "create", "copy")
+            ),
+            Route("/api/delete", ollama_models.refused, methods=["DELETE"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             *admin_routes(),

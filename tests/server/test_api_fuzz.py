@@ -562,6 +562,16 @@ def embeddings_route() -> BodyRoute:
     return BodyRoute("/v1/embeddings", base, fields, (), tuple(UNSUPPORTED_FIELDS))
 
 
+def ollama_pull_route() -> BodyRoute:
+    fields = {
+        "model": st.sampled_from([MODEL, MODEL + ":latest"]) | texts(8),
+        "name": texts(8),
+        "stream": st.booleans(),
+        "insecure": st.booleans(),
+    }
+    return BodyRoute("/api/pull", {"model": MODEL}, fields, (), ())
+
+
 def ollama_embed_route() -> BodyRoute:
     fields = {
         "model": st.sampled_from([MODEL, MODEL + ":latest"]) | texts(8),
@@ -927,10 +937,16 @@ def problems(outcome: Outcome) -> list[str]:
 def stream_problems(outcome: Outcome) -> list[str]:
     """A generation streamed with a 200 must end as a success: chat and text completions
     with `[DONE]` and no error event, a response with its completed or incomplete event,
-    Ollama's lines with its `done` line and no error."""
+    Ollama's lines with its `done` line (a pull's: its success line) and no error."""
     if outcome.headers.get("content-type", "").startswith("application/x-ndjson"):
         lines = [json.loads(line) for line in outcome.content.splitlines() if line.strip()]
-        if not lines or any("error" in line for line in lines) or not lines[-1]["done"]:
+        last = lines[-1] if lines else {}
+        ended = (
+            last.get("status") == "success"
+            if outcome.case.path == "/api/pull"
+            else last.get("done")
+        )
+        if not lines or any("error" in line for line in lines) or not ended:
             return [f"the Ollama stream ended with {lines[-1:]!r}"]
         return []
     if not outcome.headers.get("content-type", "").startswith("text/event-stream"):
@@ -1050,6 +1066,7 @@ ROUTES: dict[str, Callable[[str], st.SearchStrategy[Case]]] = {
     "POST /completion": lambda token: body_cases(llama_completion_route()),
     "POST /v1/messages": lambda token: body_cases(anthropic_route()),
     "GET /api/tags": lambda token: get_cases("/api/tags", API_KEY),
+    "POST /api/pull": lambda token: body_cases(ollama_pull_route()),
     "POST /v1/embeddings": lambda token: body_cases(embeddings_route()),
     "POST /api/embed": lambda token: body_cases(ollama_embed_route()),
     "GET /v1/models": lambda token: get_cases("/v1/models", API_KEY),

@@ -127,6 +127,32 @@ def test_the_model_is_listed_shown_and_versioned(
     assert isinstance(version, str) and version.count(".") == 2
 
 
+def test_a_pull_of_the_served_model_succeeds_and_nothing_is_pulled_or_changed(
+    client: ollama.Client, server: ServerProcess
+) -> None:
+    """Open WebUI and `ollama pull` pull before they chat: the served model is here. Any
+    other pull, a push, create, copy or delete is a 400 saying what does it here."""
+    for name in (MODEL, MODEL + ":latest"):
+        assert client.pull(name).status == "success"
+        assert [line.status for line in client.pull(name, stream=True)] == ["success"]
+    refusals = [
+        (lambda: client.pull("llama3.2"), "`appliance pull llama3.2` on its machine"),
+        (lambda: client.push(MODEL), "pushes no models"),
+        (lambda: client.create(model="mine", from_=MODEL, system="Be brief."), "creates no"),
+        (lambda: client.copy(MODEL, "mine"), "`served_model_name` names it"),
+        (lambda: client.delete(MODEL), "deletes no models"),
+    ]
+    for call, says in refusals:
+        with pytest.raises(ollama.ResponseError) as refused:
+            call()
+        assert refused.value.status_code == 400 and says in refused.value.error
+        assert MODEL in refused.value.error  # what it serves
+    nameless = httpx.post(server.url + "/api/pull", json={"stream": False}, headers=AUTH)
+    assert nameless.status_code == 400 and nameless.json()["error"] == "model is required"
+    (listed,) = client.list().models
+    assert listed.model == MODEL + ":latest"  # still the one model, served as before
+
+
 @pytest.mark.parametrize(
     ("body", "status", "says"),
     [
@@ -151,8 +177,27 @@ def test_errors_are_ollamas_shape_and_name_the_problem(
     assert isinstance(error, str) and says in error
 
 
+def test_an_error_naming_a_lone_surrogate_the_client_sent_says_it_escaped(
+    server: ServerProcess,
+) -> None:
+    """JSON can carry "\\ud800", which is no character: an error that names it (an
+    unknown option's key) is still answered (it was a 500: the message did not encode)."""
+    body = {"model": MODEL, "prompt": "Hi", "options": {"a\ud800": 1}, "stream": False}
+    reply = httpx.post(
+        server.url + "/api/generate", content=json.dumps(body).encode(), headers=AUTH
+    )
+    assert reply.status_code == 400
+    assert reply.json()["error"] == "unknown option a\\ud800"
+
+
 def test_the_key_is_required_as_on_every_route(server: ServerProcess) -> None:
-    for method, path in (("GET", "/api/tags"), ("POST", "/api/chat"), ("POST", "/api/show")):
+    for method, path in (
+        ("GET", "/api/tags"),
+        ("POST", "/api/chat"),
+        ("POST", "/api/show"),
+        ("POST", "/api/pull"),
+        ("DELETE", "/api/delete"),
+    ):
         reply = httpx.request(method, server.url + path, json={"model": MODEL})
         assert reply.status_code == 401 and "API key" in reply.json()["error"]
 
