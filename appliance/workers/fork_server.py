@@ -11,8 +11,10 @@ for it (lifetime.die_with_supervisor), not the server, which is its parent."""
 from __future__ import annotations
 
 import multiprocessing
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import ForkServerContext
+
+from appliance.workers.lifetime import ctrl_c_held
 
 WORKER_MODULE = "appliance.workers.worker"  # what the server imports before any fork
 
@@ -24,5 +26,10 @@ def worker_context() -> ForkServerContext:
     left of that. `appliance serve` makes the context before its own imports for this."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([WORKER_MODULE])
-    forkserver.ensure_running()
+    # Its forks inherit its signal mask: with SIGINT blocked from its start, a Ctrl-C
+    # reaches neither it mid-import nor a worker before the worker ignores it. The
+    # resource tracker it needs starts first: its own start unblocks SIGINT in this thread.
+    resource_tracker.ensure_running()
+    with ctrl_c_held():
+        forkserver.ensure_running()
     return context

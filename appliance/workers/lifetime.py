@@ -11,6 +11,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Protocol
@@ -49,15 +51,23 @@ class Startable(Protocol):
     def start(self) -> None: ...
 
 
-def start_holding_ctrl_c(process: Startable) -> None:
-    """Start a worker process with SIGINT blocked from its fork on: a Ctrl-C while its
-    interpreter starts waits until ignore_ctrl_c drops it. The caller's own pending
-    SIGINT is delivered as soon as this returns."""
+@contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """SIGINT blocked in this thread meanwhile, and so in every process started
+    meanwhile, which inherits the mask (through exec too): a child's Ctrl-C waits until
+    its ignore_ctrl_c drops it. The caller's own pending SIGINT is delivered at the end."""
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        process.start()
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def start_holding_ctrl_c(process: Startable) -> None:
+    """Start a worker process with SIGINT blocked from its fork on: a Ctrl-C while it
+    starts waits until ignore_ctrl_c drops it."""
+    with ctrl_c_held():
+        process.start()
 
 
 def ignore_ctrl_c() -> None:

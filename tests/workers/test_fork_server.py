@@ -1,10 +1,13 @@
 """The workers' fork server (appliance/workers/fork_server.py) starts with its context:
-it imports the worker while its caller goes on, and leaves with its caller."""
+it imports the worker while its caller goes on, holds Ctrl-C for its forks, and leaves
+with its caller."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -18,6 +21,13 @@ worker_context()
 print("context made", flush=True)
 input()
 """
+
+
+def _blocks_ctrl_c(process: psutil.Process) -> bool:
+    """Whether SIGINT is in the process's blocked mask (/proc's SigBlk, a hex bit set)."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    blocked = int(status.split("SigBlk:")[1].split()[0], 16)
+    return bool(blocked & (1 << (signal.SIGINT - 1)))
 
 
 def _imported_torch(process: psutil.Process) -> bool:
@@ -34,6 +44,10 @@ def test_the_server_starts_with_the_context_and_leaves_with_its_caller() -> None
         [server] = fork_servers(caller.pid)
         wait_until(lambda: _imported_torch(server), 120, "the fork server importing torch")
         assert not server.children()
+        # Ctrl-C held from its start, and so in each fork until the worker ignores it (the
+        # resource tracker's start had unblocked it: a worker died of a Ctrl-C mid-start).
+        assert _blocks_ctrl_c(server)
+        assert not _blocks_ctrl_c(psutil.Process(caller.pid))  # the caller's mask as it was
         assert not _imported_torch(psutil.Process(caller.pid))
     finally:
         caller.communicate("\n", timeout=60)
