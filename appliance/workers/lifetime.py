@@ -64,14 +64,17 @@ def ctrl_c_held() -> Iterator[None]:
 
 
 def start_holding_ctrl_c(process: Startable) -> None:
-    """Start a worker process with SIGINT blocked from its fork on: a Ctrl-C while it
-    starts waits until ignore_ctrl_c drops it."""
+    """Start a worker process with SIGINT held: a fork inherits the fork server's held
+    mask (fork_server.worker_context), and a server this start must start again (the
+    last one died) inherits this one. A Ctrl-C while it starts waits until ignore_ctrl_c
+    drops it."""
     with ctrl_c_held():
         process.start()
 
 
 def ignore_ctrl_c() -> None:
     """A worker's first instruction: ignore SIGINT (its spawner stops it), then unblock
-    what start_holding_ctrl_c blocked, dropping a Ctrl-C that came meanwhile."""
+    what ctrl_c_held blocked in its fork server (whose mask a fork inherits), dropping a
+    Ctrl-C that came meanwhile."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
