@@ -43,6 +43,11 @@ def fork_servers(pid: int) -> list[psutil.Process]:
     ]
 
 
+def maps_torch(process: psutil.Process) -> bool:
+    """Whether `process` has a torch library mapped (imported torch)."""
+    return any("libtorch" in m.path for m in process.memory_maps())
+
+
 def wait_until(check: Callable[[], Any], bound_s: float, what: str, every_s: float = 0.2) -> Any:
     """Poll `check` until it returns something true, and return that; TimeoutError naming
     `what` once `bound_s` has passed."""

@@ -14,7 +14,7 @@ import threading
 import httpx
 import psutil
 import pytest
-from server_process import fork_servers, wait_until
+from server_process import fork_servers, maps_torch, wait_until
 
 from appliance.settings.config import load_settings
 
@@ -82,5 +82,5 @@ def assert_only_the_workers_load_torch(pid: int) -> None:
     workers = fork_server.children()
     assert workers
     for worker in [fork_server, *workers]:
-        assert any("libtorch" in m.path for m in worker.memory_maps()), worker.cmdline()
-    assert not [m.path for m in psutil.Process(pid).memory_maps() if "libtorch" in m.path]
+        assert maps_torch(worker), worker.cmdline()
+    assert not maps_torch(psutil.Process(pid))

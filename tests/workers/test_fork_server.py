@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from server_process import fork_servers, wait_until
+from server_process import fork_servers, maps_torch, wait_until
 
 pytestmark = pytest.mark.process  # the slow lane (conftest.py): processes
 
@@ -30,10 +30,6 @@ def _blocks_ctrl_c(process: psutil.Process) -> bool:
     return bool(blocked & (1 << (signal.SIGINT - 1)))
 
 
-def _imported_torch(process: psutil.Process) -> bool:
-    return any("libtorch" in m.path for m in process.memory_maps())
-
-
 def test_the_server_starts_with_the_context_and_leaves_with_its_caller() -> None:
     caller = subprocess.Popen(
         [sys.executable, "-c", CALLER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -42,13 +38,13 @@ def test_the_server_starts_with_the_context_and_leaves_with_its_caller() -> None
         assert caller.stdout is not None and caller.stdout.readline() == "context made\n"
         # Before any worker is asked for, the server runs and imports the worker (torch).
         [server] = fork_servers(caller.pid)
-        wait_until(lambda: _imported_torch(server), 120, "the fork server importing torch")
+        wait_until(lambda: maps_torch(server), 120, "the fork server importing torch")
         assert not server.children()
         # Ctrl-C held from its start, and so in each fork until the worker ignores it (the
         # resource tracker's start had unblocked it: a worker died of a Ctrl-C mid-start).
         assert _blocks_ctrl_c(server)
         assert not _blocks_ctrl_c(psutil.Process(caller.pid))  # the caller's mask as it was
-        assert not _imported_torch(psutil.Process(caller.pid))
+        assert not maps_torch(psutil.Process(caller.pid))
     finally:
         caller.communicate("\n", timeout=60)
     assert caller.returncode == 0
