@@ -33,7 +33,8 @@ class Drains:
     async def wait(self, worker_id: int, idle: asyncio.Event, timeout: float) -> bool:
         """Whether the worker went idle within `timeout`."""
         try:
-            await asyncio.wait_for(idle.wait(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see request_flow.next_item
+                await idle.wait()
         except TimeoutError:
             return False
         finally:

@@ -400,7 +400,8 @@ class ProcessManager:
         worker = self.spawn(role, devices)
         worker.started = self.loop.create_future()
         try:
-            await asyncio.wait_for(asyncio.shield(worker.started), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see request_flow.next_item
+                await asyncio.shield(worker.started)
         except TimeoutError:
             await self.retire(worker.worker_id)
             self.hooks.on_gone(role)

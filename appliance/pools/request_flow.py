@@ -128,7 +128,7 @@ class RequestFlow:
         try:
             self.submit(request)
             while True:
-                item = await _next_item(stream, deadline, limit)
+                item = await next_item(stream, deadline, limit)
                 if isinstance(item, Exception):
                     error = str(item)
                     raise item
@@ -383,13 +383,18 @@ def _request_attributes(request: Request) -> dict[str, str | int]:
     }
 
 
-async def _next_item(
+async def next_item(
     stream: asyncio.Queue[Chunk | Exception], deadline: float | None, limit: float | None
 ) -> Chunk | Exception:
+    """The stream's next chunk (or error); past `deadline` (time.monotonic()) the error that
+    ends a request that ran past its `limit`. A consumer cancelled here is cancelled, even
+    as its chunk arrives: Python 3.11's asyncio.wait_for returned that chunk instead and
+    lost the cancellation, so an answer whose client had left ran on to its max_tokens."""
     if deadline is None:
         return await stream.get()
     try:
-        return await asyncio.wait_for(stream.get(), deadline - time.monotonic())
+        async with asyncio.timeout(deadline - time.monotonic()):
+            return await stream.get()
     except TimeoutError:
         return RequestFailed(f"the request ran past its deadline of {limit:.0f} s")
 

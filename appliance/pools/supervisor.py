@@ -110,7 +110,8 @@ class Supervisor:
         self.processes.start(self.layout, self)
         assert self.processes.all_ready is not None  # start() made it
         try:
-            await asyncio.wait_for(self.processes.all_ready, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see request_flow.next_item
+                await self.processes.all_ready
         except TimeoutError:
             await self.stop()
             raise RuntimeError(f"workers not ready within {timeout:.0f} s") from None
