@@ -70,19 +70,28 @@ class APIError(Exception):
     def response(self, path: str = "") -> JSONResponse:
         """The answer, in the shape of the API `path` belongs to: OpenAI's; under /api/
         Ollama's, {"error": message} (its clients read that string); under /v1/messages
-        Anthropic's, {"type": "error", "error": {"type", "message"}}."""
+        Anthropic's, {"type": "error", "error": {"type", "message"}}, the message led by
+        the field it is about."""
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
         status = self.status
         if path.startswith(OLLAMA_PREFIX):
             body: dict = {"error": self.message}
         elif path.startswith(ANTHROPIC_PREFIX):
             kind = ANTHROPIC_TYPES.get(status) or self.body()["error"]["type"]
-            body = {"type": "error", "error": {"type": kind, "message": self.message}}
+            body = {"type": "error", "error": {"type": kind, "message": self._located()}}
             # Anthropic answers a malformed body with a 400 (its SDK's BadRequestError).
             status = 400 if status == 422 else status
         else:
             body = self.body()
         return JSONResponse(body, status_code=status, headers=headers)
+
+    def _located(self) -> str:
+        """The message led by the field it is about, as Anthropic's errors say where (its
+        shape has no `param`): "stop_sequences: at most 16 ...". A validation error's
+        message names its fields already."""
+        if self.param is None or self.message.startswith(self.param):
+            return self.message
+        return f"{self.param}: {self.message}"
 
 
 def _sayable(text: str) -> str:

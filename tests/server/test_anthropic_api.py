@@ -249,7 +249,8 @@ def test_errors_are_anthropics_and_name_what_is_not_served(
         "type": "error",
         "error": {
             "type": "invalid_request_error",
-            "message": "image blocks are not served: this server serves text",
+            "message": "messages[0].content[0]: image blocks are not served: this server "
+            "serves text",
         },
     }
     with pytest.raises(anthropic.BadRequestError, match="Anthropic-defined tools"):
@@ -275,3 +276,29 @@ def test_errors_are_anthropics_and_name_what_is_not_served(
         timeout=60,
     )
     assert bearer.status_code == 200  # ANTHROPIC_AUTH_TOKEN's way
+
+
+def test_errors_name_the_fields_this_request_sent(claude: anthropic.Anthropic) -> None:
+    """The chat route's checks name a chat body's fields (`stop`, `tools[0].function.name`,
+    `continue_final_message`): an Anthropic client reads its own, each message counted as
+    it counts them (the mapping in full: test_anthropic_field_names.py)."""
+    stops = [f"s{i}" for i in range(17)]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model=MODEL, max_tokens=8, messages=ASK, stop_sequences=stops)  # type: ignore[arg-type]
+    said = refused.value.body["error"]["message"]  # type: ignore[index]
+    assert said == "stop_sequences: at most 16 stop strings, got 17"
+    nameless = {"description": "no name", "input_schema": {"type": "object"}}
+    with pytest.raises(anthropic.BadRequestError, match=r"tools\.0\.name: ") as refused:
+        claude.messages.create(model=MODEL, max_tokens=8, messages=ASK, tools=[nameless])  # type: ignore[arg-type, list-item]
+    assert "function" not in refused.value.body["error"]["message"]  # type: ignore[index]
+    call = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}}
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[1\]\.content: ") as refused:
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=8,
+            system=SYSTEM,  # the chat route counts it as messages[0]
+            messages=[*ASK, {"role": "assistant", "content": [call]}],  # type: ignore[list-item]
+            tools=[WEATHER],  # type: ignore[list-item]
+        )
+    said = refused.value.body["error"]["message"]  # type: ignore[index]
+    assert said.startswith("messages[1].content: a last assistant message is a prefill")

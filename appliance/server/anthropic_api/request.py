@@ -54,8 +54,10 @@ class MessagesRequest(Body):
             raise APIError(400, "MCP servers are not served", "mcp_servers", "unsupported")
         if self.container is not None:
             raise APIError(400, "containers are not served", "container", "unsupported")
-        out: dict[str, Any] = {"model": self.model, "messages": self.openai_messages()}
+        chat = self.openai_messages()
+        out: dict[str, Any] = {"model": self.model, "messages": chat}
         if self.messages and self.messages[-1].role == "assistant":  # a prefill, continued
+            _check_prefill(chat[-1], len(self.messages) - 1)
             out |= {"continue_final_message": True, "add_generation_prompt": False}
         out |= {name: body[name] for name in PASSED if body.get(name) is not None}
         if self.stop_sequences:
@@ -81,10 +83,20 @@ class MessagesRequest(Body):
     def openai_messages(self) -> list[dict[str, Any]]:
         """The conversation as OpenAI's messages, consecutive turns of one role merged
         (Anthropic's; templates that require turns to alternate refuse them otherwise)."""
+        return self._conversation()[0]
+
+    def message_origins(self) -> list[int | None]:
+        """Where each of openai_messages() came from: its index in `messages` (the first
+        of turns merged into it), None for the system prompt; an error names that."""
+        return self._conversation()[1]
+
+    def _conversation(self) -> tuple[list[dict[str, Any]], list[int | None]]:
         out: list[dict[str, Any]] = []
+        origins: list[int | None] = []
         if self.system:
             system = _joined_text(self.system, "system")
             out.append({"role": "system", "content": system})
+            origins.append(None)
         for i, message in enumerate(self.messages):
             where = f"messages[{i}].content"
             if isinstance(message.content, str):
@@ -94,12 +106,25 @@ class MessagesRequest(Body):
             else:
                 turns = _user(message.content, where)
             for turn in turns:
-                _add(out, turn)
-        return out
+                if not _joined(out, turn):
+                    out.append(turn)
+                    origins.append(i)
+        return out, origins
 
 
-def _add(messages: list[dict[str, Any]], turn: dict[str, Any]) -> None:
-    """`turn` after the others, joined to the last where both are plain text of one role."""
+def _check_prefill(last: dict[str, Any], index: int) -> None:
+    """A last assistant message is the start of the answer, continued: text to go on from.
+    A tool_use ends a turn (a tool_result answers it), so it cannot be continued."""
+    if last.get("tool_calls") or not isinstance(last.get("content"), str):
+        message = (
+            "a last assistant message is a prefill the answer continues: it holds text; "
+            "a tool_use block is answered by a user's tool_result"
+        )
+        raise APIError(400, message, f"messages[{index}].content")
+
+
+def _joined(messages: list[dict[str, Any]], turn: dict[str, Any]) -> bool:
+    """Whether `turn` joined the last message (both plain text of one role)."""
     last = messages[-1] if messages else None
     plain = ("user", "assistant")
     if (
@@ -112,8 +137,8 @@ def _add(messages: list[dict[str, Any]], turn: dict[str, Any]) -> None:
         and not turn.get("reasoning_content")
     ):
         last["content"] = f"{last['content']}\n\n{turn['content']}"
-    else:
-        messages.append(turn)
+        return True
+    return False
 
 
 def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:

@@ -6,7 +6,8 @@ streamed as Anthropic's named events unless `stream` is false, and POST
 
 A request is made into the chat completion the OpenAI route serves (request.py), run
 through the same path (routes.prepared_chat), and the OpenAI stream read back into
-Anthropic's events (reply.py)."""
+Anthropic's events (reply.py); an error that path raises names the request's fields
+(field_names.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from appliance.server import replies, routes, tokenization
+from appliance.server.anthropic_api.field_names import in_anthropic_terms
 from appliance.server.anthropic_api.reply import AnthropicReply, Event, message
 from appliance.server.anthropic_api.request import MessagesRequest
 from appliance.server.body import validated
@@ -29,7 +31,11 @@ async def messages(request: Request) -> Response:
     """POST /v1/messages."""
     state, body = await routes.accept(request)
     req = validated(MessagesRequest, body)
-    prepared = await routes.prepared_chat(request, state, req.chat_body(body))
+    chat = req.chat_body(body)
+    try:
+        prepared = await routes.prepared_chat(request, state, chat)
+    except APIError as exc:  # the chat body's checks name its fields: name the request's
+        raise in_anthropic_terms(exc, req.message_origins()) from None
     reply = AnthropicReply(
         state.appliance.model_name, prepared.prompt_tokens, tuple(req.stop_sequences)
     )
@@ -51,8 +57,11 @@ async def count_tokens(request: Request) -> Response:
     tokenizer = state.appliance.tokenizer
     assert tokenizer is not None  # requests are served only once the tokenizer is loaded
     chat = req.chat_body(body) | {"stream": False}
-    turn = await tokenization.chat_turn(state, tokenizer, chat)
-    ids = await routes.tokenized(turn.token_ids, "messages")
+    try:
+        turn = await tokenization.chat_turn(state, tokenizer, chat)
+        ids = await routes.tokenized(turn.token_ids, "messages")
+    except APIError as exc:
+        raise in_anthropic_terms(exc, req.message_origins()) from None
     return JSONResponse({"input_tokens": len(ids)})
 
 
