@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from appliance.api import RequestFailed, TokenLogprobs
+from appliance.model.tokenizer import Tokenizer
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices, unless_disconnected
 from appliance.server.prediction import prediction_usage
@@ -93,15 +94,25 @@ def _usage(
 
 def token_pieces(state: ServerState) -> Piece:
     """Each token id's text as logprobs name it: the tokenizer's decoding of it alone,
-    special tokens kept (vLLM's), remembered for the request."""
+    special tokens kept (vLLM's), and its bytes; remembered for the request."""
     tokenizer = state.appliance.tokenizer
     assert tokenizer is not None  # requests are served only once the tokenizer is loaded
+    return _Pieces(tokenizer)
 
-    @functools.lru_cache(maxsize=4096)
-    def piece(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    return piece
+class _Pieces:
+    """A Piece over the tokenizer: each token's text and bytes, found once."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._text = functools.lru_cache(maxsize=4096)(self._decoded)
+        self.bytes_of = functools.lru_cache(maxsize=4096)(tokenizer.token_bytes)
+        self._tokenizer = tokenizer
+
+    def __call__(self, token_id: int, /) -> str:
+        return self._text(token_id)
+
+    def _decoded(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _logprobs(

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from appliance.api import TokenLogprobs
 from appliance.chat.chat_output import ChatOutputs, GeneratedPiece
 
-Piece = Callable[[int], str]  # a token id's text, as the tokenizer decodes it alone
+
+class Piece(Protocol):
+    """A token id's text, as the tokenizer decodes it alone (replies.token_pieces)."""
+
+    def __call__(self, token_id: int, /) -> str: ...
+
+    def bytes_of(self, token_id: int, /) -> bytes:
+        """The bytes it stands for: a character split over tokens is split bytes."""
+        ...
+
+
 Logprobs = dict[str, Any] | None  # a choice's "logprobs" value
 LOWEST_LOGPROB = -9999.0  # what vLLM reports for -inf (JSON has no infinity)
 
@@ -43,12 +52,13 @@ def vllm_prompt_logprobs(
     return found
 
 
-def _token(piece: str, logprob: float) -> dict[str, Any]:
-    """OpenAI's chat token entry: its text, logprob and UTF-8 bytes."""
+def _token(piece: Piece, token_id: int, logprob: float) -> dict[str, Any]:
+    """OpenAI's chat token entry: its text, logprob and bytes (a token holding part of a
+    character has text U+FFFD, and the bytes that joined to the next give the character)."""
     return {
-        "token": piece,
+        "token": piece(token_id),
         "logprob": _logprob(logprob),
-        "bytes": list(piece.encode("utf-8", errors="replace")),
+        "bytes": list(piece.bytes_of(token_id)),
     }
 
 
@@ -98,8 +108,8 @@ class ChatShape:
         """OpenAI's chat logprobs: per token its entry and its top alternatives."""
         content = []
         for token in tokens:
-            entry = _token(piece(token.token_id), token.logprob)
-            entry["top_logprobs"] = [_token(piece(i), lp) for i, lp in token.top]
+            entry = _token(piece, token.token_id, token.logprob)
+            entry["top_logprobs"] = [_token(piece, i, lp) for i, lp in token.top]
             content.append(entry)
         return {"content": content}
 

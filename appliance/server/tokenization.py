@@ -80,10 +80,7 @@ async def tokenize(request: Request) -> Response:
         ids = await tokenized(lambda: tokenizer.encode(llama.content, llama.add_special), "content")
         if not llama.with_pieces:
             return JSONResponse({"tokens": ids})
-        pieces = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
-        return JSONResponse(
-            {"tokens": [{"id": i, "piece": p} for i, p in zip(ids, pieces, strict=True)]}
-        )
+        return JSONResponse({"tokens": [{"id": i, "piece": _piece(tokenizer, i)} for i in ids]})
     if body.get("messages") is not None:
         flags = validated(ChatTokenize, body)
         if flags.add_special_tokens:
@@ -176,3 +173,13 @@ async def chat_turn(state: ServerState, tokenizer: Tokenizer, body: dict[str, An
     req = validated(ChatCompletionRequest, {"model": state.appliance.model_name, **body})
     state.check_model(req.model)
     return ChatTurn.of(tokenizer, [m.for_template() for m in req.messages], req)
+
+
+def _piece(tokenizer: Tokenizer, token_id: int) -> str | list[int]:
+    """llama.cpp's piece of a token: its text, or where it holds part of a character (not
+    valid UTF-8 alone) its bytes as a list of numbers."""
+    piece = tokenizer.token_bytes(token_id)
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)

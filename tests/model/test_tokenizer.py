@@ -94,6 +94,30 @@ def test_emoji_bytes_split_over_tokens_come_out_whole(engine: LLMEngine) -> None
     assert [detok.add(i) for i in ids][-1] == "🚀"
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_each_tokens_bytes_join_to_the_texts_bytes(engine: LLMEngine, text: str) -> None:
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(engine.tokenizer.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_a_tokens_bytes_are_its_byte_level_vocabulary_entry(engine: LLMEngine) -> None:
+    """Against GPT-2's byte-to-character table (transformers'): each character of a
+    byte-level BPE entry is one byte. A character split over tokens is split bytes, which
+    its decoding alone cannot show (U+FFFD)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    tokenizer = engine.tokenizer
+    ids = tokenizer.encode("日本語のテキスト 🚀 café", add_special_tokens=False)
+    entries = tokenizer.token_strings(ids)
+    assert [tokenizer.token_bytes(i) for i in ids] == [bytes(map(byte_of.get, e)) for e in entries]
+    split = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
+    assert split and all(tokenizer.token_bytes(i) for i in split)
+    end = tokenizer.token_id("<|im_end|>")
+    assert end is not None and tokenizer.token_bytes(end) == b"<|im_end|>"  # its marker
+    assert tokenizer.token_bytes(tokenizer.vocab_size) == b""
+
+
 def test_missing_template_is_a_clear_error(engine: LLMEngine) -> None:
     bare = Tokenizer(engine.tokenizer._raw, {}, None)
     with pytest.raises(ValueError, match="no chat template"):

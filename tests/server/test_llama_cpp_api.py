@@ -138,7 +138,12 @@ def test_n_probs_gives_each_tokens_alternatives(http: httpx.Client) -> None:
         top = entry["top_logprobs"]
         assert len(top) == 3 and top[0]["id"] == entry["id"]  # greedy: the likeliest
         assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
-        assert entry["bytes"] == list(entry["token"].encode())
+    assert b"".join(bytes(entry["bytes"]) for entry in probs) == whole["content"].encode()
+    split = complete(http, prompt="Rocket:", n_predict=8, n_probs=1, grammar='root ::= "🚀"')
+    assert split["content"] == "🚀"
+    pieces = [bytes(entry["bytes"]) for entry in split["completion_probabilities"]]
+    pieces = [p for p in pieces if p != b"<|im_end|>"]  # the grammar's end, if listed
+    assert len(pieces) > 1 and b"".join(pieces) == "🚀".encode()  # one character, split
     after = complete(
         http, prompt=PROMPT, n_predict=4, temperature=0, n_probs=2, post_sampling_probs=True
     )

@@ -179,6 +179,28 @@ def test_chat_logprobs_whole_and_streamed(client: OpenAI) -> None:
     assert plain.choices[0].logprobs is None
 
 
+def test_chat_logprobs_bytes_join_characters_split_over_tokens(client: OpenAI) -> None:
+    """An answer held to an emoji and CJK (guided_choice): byte-level BPE splits those
+    characters over tokens, whose text alone is U+FFFD; their `bytes` join into the
+    answer's UTF-8, as OpenAI's field is for."""
+    answer = "🚀 日本語"
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=HI,
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        extra_body={"guided_choice": [answer]},
+    )
+    choice = whole.choices[0]
+    assert choice.message.content == answer
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    # The end of turn that ends it has its entry too (as vLLM's, counted in usage).
+    content = [e for e in choice.logprobs.content if e.token != "<|im_end|>"]
+    assert any("\ufffd" in entry.token for entry in content)  # part of a character
+    assert b"".join(bytes(entry.bytes or []) for entry in content) == answer.encode()
+
+
 def test_completion_logprobs_whole_and_streamed(client: OpenAI) -> None:
     ask: dict[str, Any] = dict(
         model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=3

@@ -99,6 +99,12 @@ def test_llama_cpps_dialect_gives_the_same_ids_and_pieces(http: httpx.Client) ->
     pieces = http.post("/tokenize", json={"content": TEXT, "with_pieces": True}).json()
     assert [p["id"] for p in pieces["tokens"]] == ours["tokens"]
     assert "".join(p["piece"] for p in pieces["tokens"]) == TEXT
+    # A character split over tokens: each holds part of its bytes, given as numbers.
+    split = http.post("/tokenize", json={"content": "🚀 ok", "with_pieces": True}).json()
+    parts = [p["piece"] for p in split["tokens"]]
+    assert any(isinstance(p, list) for p in parts)
+    joined = b"".join(bytes(p) if isinstance(p, list) else p.encode() for p in parts)
+    assert joined == "🚀 ok".encode()
     assert http.post("/detokenize", json={"tokens": ours["tokens"]}).json()["content"] == TEXT
 
 

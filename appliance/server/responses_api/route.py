@@ -244,10 +244,9 @@ class Logprobs:
         return entries
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        piece = self.piece(token_id)
         return {
-            "token": piece,
-            "bytes": list(piece.encode("utf-8", errors="replace")),
+            "token": self.piece(token_id),
+            "bytes": list(self.piece.bytes_of(token_id)),  # part of a character: its bytes
             "logprob": max(logprob, LOWEST_LOGPROB),  # JSON has no -inf
         }
 
