@@ -108,10 +108,18 @@ class ChoiceOutput:
 class ChatOutputs:
     """Every choice of one chat request, read through `plan`'s parser."""
 
-    def __init__(self, plan: ToolPlan, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        plan: ToolPlan,
+        tokenizer: Tokenizer,
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+    ) -> None:
         self._plan = plan
         self._tokenizer = tokenizer
-        self._stop = stop  # the request's stop strings, for the text decoded here
+        # The request's stop strings, for the text decoded here (kept in it if include_stop)
+        self._stop = stop
+        self._include_stop = include_stop
         self._special = plan.parser().needs_special_tokens
         self._streams: dict[int, ChoiceOutput] = {}
         self._detokenizers: dict[int, tuple[IncrementalDetokenizer, StopStringMatcher]] = {}
@@ -122,7 +130,8 @@ class ChatOutputs:
             return piece.text
         if index not in self._detokenizers:
             detokenizer = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=False)
-            self._detokenizers[index] = (detokenizer, StopStringMatcher(self._stop))
+            stops = StopStringMatcher(self._stop, self._include_stop)
+            self._detokenizers[index] = (detokenizer, stops)
         detokenizer, stops = self._detokenizers[index]
         ends = self._tokenizer.stop_token_ids
         text = "".join(detokenizer.add(i) for i in piece.token_ids if i not in ends)

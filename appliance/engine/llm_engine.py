@@ -194,7 +194,8 @@ class LLMEngine:
 
     def _track(self, seq: Sequence) -> None:
         self._seqs[seq.seq_id] = seq
-        stream = _Stream(IncrementalDetokenizer(self.tokenizer), StopStringMatcher(seq.params.stop))
+        stops = StopStringMatcher(seq.params.stop, seq.params.include_stop_str)
+        stream = _Stream(IncrementalDetokenizer(self.tokenizer), stops)
         self._streams[seq.seq_id] = stream
 
     def add_prefilled(

@@ -42,6 +42,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the stop stays in
     stop_token_ids: tuple[int, ...] = ()  # added to the model's own end tokens
     ignore_eos: bool = False
     # vLLM's penalties: presence and frequency over the generated tokens, repetition over

@@ -6,8 +6,11 @@ from __future__ import annotations
 class StopStringMatcher:
     """Feed text deltas; get back the text safe to emit and whether a stop string was hit."""
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
+        """`include`: the text ends after the stop string that ended it, not before (vLLM's
+        include_stop_str_in_output)."""
         self.stops = stops
+        self.include = include
         self.text = ""  # all text so far, cut at a stop string once one is found
         self._emitted = 0
         self.stopped = False
@@ -20,7 +23,8 @@ class StopStringMatcher:
         self.text += delta
         hit = self._earliest_stop(start)
         if hit is not None:
-            self.text = self.text[:hit]
+            at, stop = hit
+            self.text = self.text[: at + len(stop) if self.include else at]
             self.stopped = True
             return self._emit(len(self.text))
         return self._emit(len(self.text) - self._held_back())
@@ -29,9 +33,14 @@ class StopStringMatcher:
         """The end of generation: everything not yet shown."""
         return self._emit(len(self.text))
 
-    def _earliest_stop(self, start: int) -> int | None:
-        found = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
-        return min(found) if found else None
+    def _earliest_stop(self, start: int) -> tuple[int, str] | None:
+        """Where the first stop string in the text starts, and which (the longest of those
+        starting there)."""
+        found = [(i, -len(s), s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if not found:
+            return None
+        at, _, stop = min(found)
+        return at, stop
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that begins some stop string."""

@@ -36,7 +36,8 @@ from appliance.server.tool_fields import (
 # send by default): sent with another value, they are refused (400, naming the field)
 # instead of silently ignored. OpenAI's own fields first, then the extra sampling fields of
 # vLLM (and a few of llama.cpp's server) that OpenAI-compatible clients send in extra_body.
-# Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos, the
+# Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos,
+# include_stop_str_in_output, the
 # structured-output fields (structured_fields.py), the
 # penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs;
 # skip_special_tokens is only ever true (special tokens never reach the text).
@@ -51,7 +52,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         # vLLM's extra sampling parameters
         "length_penalty": (None, 1, 1.0),
         "use_beam_search": (None, False),
-        "include_stop_str_in_output": (None, False),
         "skip_special_tokens": (None, True),
         "spaces_between_special_tokens": (None, True),
         "truncate_prompt_tokens": (None,),
@@ -187,6 +187,7 @@ class SamplingFields(Body, StructuredFields):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string ends the text
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -306,6 +307,7 @@ class SamplingFields(Body, StructuredFields):
             top_p=self.top_p,
             seed=seed,
             stop=tuple(self.stop),
+            include_stop_str=self.include_stop_str_in_output,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             structured=self.structured_output(),

@@ -62,7 +62,8 @@ async def prepared_chat(request: Request, state: ServerState, body: dict[str, An
     ids = await tokenized(turn.token_ids, "messages")
     if not ids:
         raise APIError(400, "the prompt is empty", "messages")
-    return await _prepared(request, state, req, [ids], ChatShape(turn.outputs(tuple(req.stop))))
+    outputs = turn.outputs(tuple(req.stop), req.include_stop_str_in_output)
+    return await _prepared(request, state, req, [ids], ChatShape(outputs))
 
 
 async def completions(request: Request) -> Response:

@@ -11,12 +11,16 @@ from appliance.model.tokenizer import Tokenizer
 def stop_reason(
     tokenizer: Tokenizer, params: SamplingParams, token_ids: list[int], text: str
 ) -> str | int | None:
-    """`text` is the answer as sent (the stop string cut off), `token_ids` every token
-    made: the stop string is the one the tokens' text holds where the answer ends."""
+    """`text` is the answer as sent (the stop string cut off, or ending it with
+    include_stop_str), `token_ids` every token made: the stop string is the one the
+    tokens' text holds where the answer ends."""
     if not token_ids:
         return None
     if token_ids[-1] in params.stop_token_ids:
         return token_ids[-1]
+    if params.include_stop_str:  # the text ends with the stop string
+        matched = [word for word in params.stop if text.endswith(word)]
+        return max(matched, key=len) if matched else None
     full = tokenizer.decode(token_ids)
     after = full[len(text) :] if full.startswith(text) else ""
     matched = [word for word in params.stop if after.startswith(word)]

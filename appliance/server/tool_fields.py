@@ -227,13 +227,13 @@ class ChatTurn:
             self.continue_final,
         )
 
-    def outputs(self, stop: tuple[str, ...] = ()) -> ChatOutputs | None:
-        """The readers of the choices' output (`stop`: the request's stop strings); None
-        where the output is plain content (no tools, no reasoning, no markers to read),
-        so the reply is the text as it was."""
+    def outputs(self, stop: tuple[str, ...] = (), include_stop: bool = False) -> ChatOutputs | None:
+        """The readers of the choices' output (`stop`: the request's stop strings, kept in
+        the text if `include_stop`); None where the output is plain content (no tools, no
+        reasoning, no markers to read), so the reply is the text as it was."""
         if self.plan.mode == "none" and not self.plan.format.reasoning:
             return None
-        return ChatOutputs(self.plan, self.tokenizer, stop)
+        return ChatOutputs(self.plan, self.tokenizer, stop, include_stop)
 
     @property
     def structured(self) -> StructuredOutput | None:

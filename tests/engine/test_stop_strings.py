@@ -143,3 +143,20 @@ def test_concatenation_of_pieces_equals_text_without_stop() -> None:
     pieces, shown, _ = run(("<stop>",), deltas)
     assert shown == "ab<x>c"
     assert "".join(pieces) == shown
+
+
+def test_included_the_stop_string_ends_the_text() -> None:
+    """vLLM's include_stop_str_in_output: cut after the stop, not before; held back as
+    ever until it is whole."""
+    matcher = StopStringMatcher(("</tool>", "END"), include=True)
+    assert matcher.feed("call <") == "call "
+    assert matcher.feed("/too") == ""
+    assert matcher.feed("l> and more") == "</tool>"
+    assert matcher.stopped and matcher.text == "call </tool>"
+    assert matcher.flush() == ""
+
+
+def test_of_stops_starting_at_one_place_the_longest_is_included() -> None:
+    matcher = StopStringMatcher(("ab", "abc"), include=True)
+    assert matcher.feed("xabcd") == "xabc"
+    assert StopStringMatcher(("ab", "abc")).feed("xabcd") == "x"

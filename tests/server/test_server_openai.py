@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from typing import Any
 
 import httpx
 import openai
@@ -99,6 +100,22 @@ def test_a_stop_string_ends_with_finish_reason_stop(client: OpenAI) -> None:
     )
     assert reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].message.content == free[: free.index(word)]
+
+
+def test_an_included_stop_string_ends_the_text(client: OpenAI) -> None:
+    """vLLM's include_stop_str_in_output: the same cut, the stop string kept, whole and
+    streamed; stop_reason still names it."""
+    ask: dict[str, Any] = dict(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
+    free = client.chat.completions.create(**ask).choices[0].message.content or ""
+    word = free.split()[2]
+    kept = {"include_stop_str_in_output": True}
+    reply = client.chat.completions.create(**ask, stop=[word], extra_body=kept)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra == {"stop_reason": word}
+    assert choice.message.content == free[: free.index(word) + len(word)]
+    streamed = client.chat.completions.create(**ask, stop=[word], extra_body=kept, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == choice.message.content
 
 
 def test_eos_ends_with_finish_reason_stop(client: OpenAI) -> None:
@@ -203,7 +220,6 @@ REFUSED_EXTRAS = [
     {"allowed_token_ids": [1, 2]},
     {"length_penalty": 0.5},
     {"use_beam_search": True},
-    {"include_stop_str_in_output": True},
     {"skip_special_tokens": False},
     {"truncate_prompt_tokens": 8},
     {"detokenize": False},
