@@ -54,7 +54,7 @@ _SPECIAL_KEYS = (
 # `thinking`) from whichever is set, as templates read those.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # What render_chat itself passes the template: chat_template_kwargs may not replace them.
-_RENDER_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
+RENDER_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 class Tokenizer:
@@ -158,7 +158,7 @@ class Tokenizer:
         if not messages:
             raise ValueError("there are no messages to render")
         extra = dict(template_kwargs or {})
-        clash = sorted(set(extra) & set(_RENDER_ARGUMENTS))
+        clash = sorted(set(extra) & set(RENDER_ARGUMENTS))
         if clash:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
         try:

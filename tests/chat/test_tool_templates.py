@@ -202,8 +202,9 @@ def test_chat_template_kwargs_reach_the_template(thinking: bool) -> None:
 
 def test_template_kwargs_cannot_replace_the_messages() -> None:
     body = {"messages": [ASK], "chat_template_kwargs": {"messages": []}}
-    with pytest.raises(ValueError, match="chat_template_kwargs may not set messages"):
+    with pytest.raises(APIError, match="chat_template_kwargs may not set messages") as refused:
         our_render("qwen3-0.6b", body)
+    assert (refused.value.status, refused.value.param) == (400, "chat_template_kwargs")
 
 
 def test_phi4_mini_reads_the_tools_from_the_system_message() -> None:

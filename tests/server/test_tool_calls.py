@@ -278,3 +278,16 @@ def test_chat_template_kwargs_are_taken(split_client: OpenAI) -> None:
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert reply.choices[0].message.content
+
+
+def test_chat_template_kwargs_may_not_set_what_the_fields_set(split_client: OpenAI) -> None:
+    """A kwarg that would replace the template's messages or tools is a 400 naming
+    chat_template_kwargs (it named messages: the API fuzzer's find)."""
+    with pytest.raises(openai.BadRequestError, match="may not set tools") as refused:
+        split_client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            max_tokens=4,
+            extra_body={"chat_template_kwargs": {"tools": [], "enable_thinking": False}},
+        )
+    assert refused.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
