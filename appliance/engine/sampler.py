@@ -9,13 +9,14 @@ Nothing reads the device until the step's results are complete: `sample` reads t
 with one `.tolist()` (token ids, and logprobs where asked, packed in one tensor), the
 step's only host sync.
 
-The order, vLLM's: `process_logits` (structured-output mask, logit_bias, min_tokens,
-penalties), then `_pick` (temperature, min_p, top-k, top-p, the draw; greedy rows take
-the argmax of the processed logits).
+The order, vLLM's: `process_logits` (structured-output mask, allowed_token_ids,
+logit_bias, min_tokens, penalties), then `_pick` (temperature, min_p, top-k, top-p, the
+draw; greedy rows take the argmax of the processed logits).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from collections.abc import Sequence as Ids
 from dataclasses import dataclass, replace
@@ -70,7 +71,8 @@ class SampleRow:
         """Whether process_logits changes this row (a greedy row then takes the argmax of
         the processed logits, not of the model's)."""
         p = self.params
-        return p.structured is not None or bool(p.logit_bias) or self.masks_end or self.penalized
+        masked = p.structured is not None or bool(p.allowed_token_ids)
+        return masked or bool(p.logit_bias) or self.masks_end or self.penalized
 
 
 def verify_rows(row: SampleRow, drafts: Ids[int]) -> list[SampleRow]:
@@ -136,6 +138,7 @@ class Sampler:
         # 1. Structured output: the grammar mask of rows with params.structured, first,
         #    so neither the bias nor the penalties can favour a token the grammar forbids.
         apply_grammar(self.grammar, logits, rows)
+        keep_allowed(logits, rows)  # as the grammar: nothing may favour a token left out
         # 2. logit_bias, 3. min_tokens, 4. repetition, presence and frequency penalties.
         add_logit_bias(logits, rows)
         mask_end_tokens(logits, rows)
@@ -212,6 +215,7 @@ class Sampler:
             if self.grammar is None:
                 raise ValueError("a structured output needs the engine's grammar masks")
             self.grammar.apply_drafts(logits, rows[0], drafts)
+        keep_allowed(logits, rows)
         add_logit_bias(logits, rows)
         mask_end_tokens(logits, rows)
         return penalize(logits, rows)
@@ -272,6 +276,16 @@ class Sampler:
     def forget(self, seq_id: int) -> None:
         """Drop a finished request's generator."""
         self._generators.pop(seq_id, None)
+
+
+def keep_allowed(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """vLLM's allowed_token_ids: every other token of such a row gets -inf, in place."""
+    for index, row in enumerate(rows):
+        allowed = [t for t in row.params.allowed_token_ids if 0 <= t < logits.shape[-1]]
+        if allowed:
+            kept = logits[index, allowed].clone()  # [allowed]
+            logits[index] = -math.inf
+            logits[index, allowed] = kept
 
 
 def add_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:

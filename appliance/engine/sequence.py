@@ -51,6 +51,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be sampled (): any
     min_p: float = 0.0  # drop tokens under min_p times the likeliest one's probability
     min_tokens: int = 0  # end tokens and stop token ids are masked until this many
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
@@ -82,6 +83,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "prediction", tuple(self.prediction))
         object.__setattr__(self, "logit_bias", tuple(tuple(p) for p in self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (

@@ -37,7 +37,7 @@ from appliance.server.tool_fields import (
 # instead of silently ignored. OpenAI's own fields first, then the extra sampling fields of
 # vLLM (and a few of llama.cpp's server) that OpenAI-compatible clients send in extra_body.
 # Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos,
-# include_stop_str_in_output, the
+# include_stop_str_in_output, allowed_token_ids, the
 # structured-output fields (structured_fields.py), the
 # penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs;
 # skip_special_tokens is only ever true (special tokens never reach the text).
@@ -56,7 +56,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "spaces_between_special_tokens": (None, True),
         "truncate_prompt_tokens": (None,),
         "return_tokens_as_token_ids": (None, False),  # logprobs name tokens by their text
-        "allowed_token_ids": (None,),
         "bad_words": (None, []),
         "logits_processors": (None, []),
         "guided_decoding_backend": (None,),
@@ -70,6 +69,7 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
     }
 )
 MAX_STOP_STRINGS = 16
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # past any vocabulary: a bound on the body, not a rule
 MAX_STOP_CHARS = 1024  # stop matching rescans held-back text: long stops slow a worker
 MAX_SEED = 2**63 - 1
 MAX_TOP_K = 2**31 - 1
@@ -201,6 +201,8 @@ class SamplingFields(Body, StructuredFields):
     repeat_penalty: float | None = Field(None, gt=0, le=2, allow_inf_nan=False)
     # OpenAI's: {"token id": bias in [-100, 100]}, added to the logits before sampling.
     logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
+    # vLLM's: only these tokens may be sampled (a classifier's labels, a yes/no).
+    allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)
     min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
     # vLLM's switch (its server option, here per request): the model's own distribution,
@@ -281,6 +283,17 @@ class SamplingFields(Body, StructuredFields):
                 f"logit_bias token id {bad[0]} is outside the vocabulary ({vocab})",
                 "logit_bias",
             )
+        self._check_allowed(vocab)
+
+    def _check_allowed(self, vocab: int) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None and not allowed:
+            message = "allowed_token_ids is empty: no token could be sampled (send null for any)"
+            raise APIError(400, message, "allowed_token_ids")
+        outside = [t for t in allowed or [] if not 0 <= t < vocab]
+        if outside:
+            message = f"allowed_token_ids token id {outside[0]} is outside the vocabulary ({vocab})"
+            raise APIError(400, message, "allowed_token_ids")
 
     def requested_logprobs(self) -> int | None:
         """How many top logprobs a token carries (None: no logprobs at all)."""
@@ -315,6 +328,7 @@ class SamplingFields(Body, StructuredFields):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self._repetition_penalty(),
             logit_bias=tuple((int(key), bias) for key, bias in self.logit_bias.items()),
+            allowed_token_ids=tuple(self.allowed_token_ids or ()),
             min_p=self.min_p,
             min_tokens=self.min_tokens,
             logprobs=self.requested_logprobs(),

@@ -148,6 +148,24 @@ def test_logit_bias_adds_to_the_named_tokens() -> None:
     assert tokens == [3, 7]
 
 
+def test_allowed_token_ids_leave_only_those_to_draw() -> None:
+    """vLLM's allowed_token_ids: every other token -inf (before the bias, which cannot
+    bring one back), the allowed ones' logits as they were; other rows untouched."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    logits[:, 11] = 30.0  # the likeliest, and not allowed
+    params = SamplingParams(allowed_token_ids=(4, 9, VOCAB + 2), logit_bias=((11, 50.0),))
+    got = Sampler(CPU).process_logits(logits, rows_of(params, SamplingParams()))
+    assert torch.equal(got[0, [4, 9]], logits[0, [4, 9]])
+    assert torch.isinf(got[0]).sum() == VOCAB - 2 and got[0, 11] == -math.inf
+    assert torch.equal(got[1], logits[1])
+    sampler = Sampler(CPU)
+    picked = sampler.sample(logits, rows_of(params, SamplingParams())).token_ids
+    assert picked == [9 if logits[0, 9] > logits[0, 4] else 4, 11]  # greedy, each row
+    drawn = SamplingParams(allowed_token_ids=(4, 9), temperature=1.0, seed=0)
+    draws = {sampler.sample(logits, rows_of(drawn)).token_ids[0] for _ in range(50)}
+    assert draws <= {4, 9}
+
+
 def test_min_tokens_masks_end_and_stop_tokens_until_reached() -> None:
     logits = torch.zeros(1, VOCAB)
     logits[0, 0], logits[0, 9], logits[0, 2] = 9.0, 8.0, 1.0  # 0: end token; 9: stop id

@@ -232,6 +232,8 @@ def sampling_fields() -> dict[str, st.SearchStrategy[Json]]:
         "seed": ints(),
         "stop": maybe_list(texts(), 20),
         "stop_token_ids": st.lists(ints(-1, 50000), max_size=8),
+        "include_stop_str_in_output": st.booleans() | junk(),
+        "allowed_token_ids": st.lists(ints(-1, 50000), max_size=4) | junk(),
         "n": ints(0, 3),
         "stream": st.booleans(),
         "stream_options": st.fixed_dictionaries({}, optional={"include_usage": junk()}),

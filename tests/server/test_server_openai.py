@@ -217,7 +217,6 @@ def test_a_model_is_retrieved_by_its_id_and_another_id_is_404(client: OpenAI) ->
 REFUSED_EXTRAS = [
     {"typical_p": 0.9},
     {"bad_words": ["sky"]},
-    {"allowed_token_ids": [1, 2]},
     {"length_penalty": 0.5},
     {"use_beam_search": True},
     {"skip_special_tokens": False},
@@ -273,6 +272,34 @@ def test_extra_fields_at_their_defaults_are_accepted(client: OpenAI) -> None:
         extra_body={"min_p": 0, "repetition_penalty": 1},
     )
     assert text.choices[0].finish_reason == "length"
+
+
+def test_allowed_token_ids_hold_the_answer_to_those_tokens(
+    client: OpenAI, tokenizer: Tokenizer
+) -> None:
+    """vLLM's allowed_token_ids: a yes/no classifier's two labels (not even the end of
+    turn, so it runs its max_tokens); an empty list or an id past the vocabulary is a 400."""
+    labels = [tokenizer.encode(word, add_special_tokens=False) for word in ("Yes", "No")]
+    assert all(len(ids) == 1 for ids in labels)
+    allowed = [ids[0] for ids in labels]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is Paris in France? Answer yes or no."}],
+        max_tokens=3,
+        temperature=0,
+        extra_body={"allowed_token_ids": allowed},
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert set(tokenizer.encode(choice.message.content or "", add_special_tokens=False)) <= set(
+        allowed
+    )
+    for bad, said in (([], "is empty"), ([tokenizer.vocab_size], "outside the vocabulary")):
+        with pytest.raises(openai.BadRequestError, match=said) as info:
+            client.chat.completions.create(
+                model=MODEL, messages=QUESTION, max_tokens=2, extra_body={"allowed_token_ids": bad}
+            )
+        assert info.value.body["param"] == "allowed_token_ids"  # type: ignore[index]
 
 
 def test_stop_token_ids_end_the_generation(client: OpenAI, tokenizer: Tokenizer) -> None:
