@@ -13,6 +13,7 @@ import time
 from contextlib import aclosing
 from typing import Any, Literal
 
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -24,7 +25,7 @@ from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices, unless_disconnected
 from appliance.server.ollama_api.reply import NS
 from appliance.server.ollama_api.request import served_name
-from appliance.server.protocol import Body, valid_unicode
+from appliance.server.protocol import Body, keep_last, valid_unicode
 from appliance.server.state import ServerState
 
 EMBED = SamplingParams(max_tokens=1, embed=True)
@@ -39,6 +40,8 @@ class EmbeddingRequest(Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    # vLLM's: embed each input's last k tokens (-1: as many as the context takes).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
     def inputs(self) -> list[str | list[int]]:
         value = self.input
@@ -70,7 +73,8 @@ async def openai_embeddings(request: Request) -> Response:
     if not inputs:
         raise APIError(400, "input must hold at least one item", "input")
     _check_count(len(inputs), "input")
-    prompts = [await _ids(state, item, "input", truncate=False) for item in inputs]
+    last = req.truncate_prompt_tokens
+    prompts = [await _ids(state, item, "input", False, last) for item in inputs]
     vectors = await _embedded(request, state, prompts)
     data = [
         {"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
@@ -129,9 +133,17 @@ def _check_count(count: int, param: str) -> None:
         raise APIError(400, f"{param} holds {count} items; at most {MAX_INPUTS}", param)
 
 
-async def _ids(state: ServerState, item: str | list[int], param: str, truncate: bool) -> list[int]:
+async def _ids(
+    state: ServerState,
+    item: str | list[int],
+    param: str,
+    truncate: bool,
+    last: int | None = None,
+) -> list[int]:
     """One input's token ids, checked: not empty, in the vocabulary, inside the context
-    (an embedding's prompt takes all of it but the one token generated), or cut to it."""
+    (an embedding's prompt takes all of it but the one token generated), or cut to it:
+    `truncate` keeps its start (Ollama's), `last` its last tokens (vLLM's
+    truncate_prompt_tokens)."""
     if isinstance(item, str):
         if not item:
             raise APIError(400, f"{param} must not be an empty string", param)
@@ -148,6 +160,7 @@ async def _ids(state: ServerState, item: str | list[int], param: str, truncate: 
     if not ids or max(ids) >= vocab or min(ids) < 0:
         raise APIError(400, f"{param} holds no tokens, or ids outside the vocabulary", param)
     room = state.appliance.max_model_len - 1
+    ids = keep_last(ids, last, room)
     if len(ids) > room:
         if not truncate:
             raise APIError(

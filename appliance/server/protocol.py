@@ -37,7 +37,7 @@ from appliance.server.tool_fields import (
 # instead of silently ignored. OpenAI's own fields first, then the extra sampling fields of
 # vLLM (and a few of llama.cpp's server) that OpenAI-compatible clients send in extra_body.
 # Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos,
-# include_stop_str_in_output, allowed_token_ids, the
+# include_stop_str_in_output, allowed_token_ids, truncate_prompt_tokens, the
 # structured-output fields (structured_fields.py), the
 # penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs;
 # skip_special_tokens is only ever true (special tokens never reach the text).
@@ -54,7 +54,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "use_beam_search": (None, False),
         "skip_special_tokens": (None, True),
         "spaces_between_special_tokens": (None, True),
-        "truncate_prompt_tokens": (None,),
         "return_tokens_as_token_ids": (None, False),  # logprobs name tokens by their text
         "bad_words": (None, []),
         "logits_processors": (None, []),
@@ -188,6 +187,8 @@ class SamplingFields(Body, StructuredFields):
     stop: str | list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string ends the text
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context takes).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -298,6 +299,11 @@ class SamplingFields(Body, StructuredFields):
     def requested_logprobs(self) -> int | None:
         """How many top logprobs a token carries (None: no logprobs at all)."""
         return None
+
+    def truncated(self, prompt: list[int], context: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens leaves it: its last k tokens (-1: the last
+        context - 1, which leave room for one token of output), or all of it."""
+        return keep_last(prompt, self.truncate_prompt_tokens, context - 1)
 
     @property
     def include_usage(self) -> bool:
@@ -503,3 +509,10 @@ class OpenEndedCompletion(CompletionRequest):
 
     def default_max_tokens(self, room: int) -> int:
         return room
+
+
+def keep_last(prompt: list[int], k: int | None, most: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `k` tokens (-1: the last `most`,
+    what the context takes; 0 or None: all of it)."""
+    keep = most if k == -1 else k
+    return prompt[-keep:] if keep and len(prompt) > keep else prompt

@@ -296,6 +296,7 @@ async def _prepared(
 ) -> Prepared:
     param = "messages" if isinstance(shape, ChatShape) else "prompt"
     context = state.appliance.max_model_len
+    prompts = [req.truncated(ids, context) for ids in prompts]
     prediction = await prediction_ids(state, req, context)
     default = state.appliance.sampling_defaults.max_tokens
     arrival = request.state.arrival

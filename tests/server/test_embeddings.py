@@ -62,6 +62,22 @@ def test_usage_counts_the_inputs_tokens(client: OpenAI, quant_engine: LLMEngine)
     assert reply.model == MODEL
 
 
+def test_truncate_prompt_tokens_embeds_the_inputs_last_tokens(
+    client: OpenAI, quant_engine: LLMEngine
+) -> None:
+    """vLLM's truncate_prompt_tokens: each input's last k tokens, as if sent alone."""
+    ids = quant_engine.tokenizer.encode(TEXTS[0])
+    cut = client.embeddings.create(
+        model=MODEL, input=TEXTS[:2], extra_body={"truncate_prompt_tokens": 3}
+    )
+    assert cut.usage.prompt_tokens == 6
+    assert np.allclose(cut.data[0].embedding, vectors(client, [ids[-3:]])[0], atol=1e-5)
+    whole = client.embeddings.create(
+        model=MODEL, input=TEXTS[0], extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert whole.usage.prompt_tokens == len(ids)  # it fits: all of it
+
+
 def test_ollamas_routes_give_the_same_vectors(client: OpenAI, server: ServerProcess) -> None:
     want = vectors(client, TEXTS[:2])
     local = ollama.Client(host=server.url, headers=AUTH)

@@ -220,7 +220,6 @@ REFUSED_EXTRAS = [
     {"length_penalty": 0.5},
     {"use_beam_search": True},
     {"skip_special_tokens": False},
-    {"truncate_prompt_tokens": 8},
     {"detokenize": False},
     {"spaces_between_special_tokens": False},
     {"chat_template": "{{ messages }}"},

@@ -19,6 +19,7 @@ from appliance.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenEndedCompletion,
+    keep_last,
     unsupported_field,
     unsupported_message,
 )
@@ -55,7 +56,7 @@ def test_vllm_extras_are_refused_unless_at_their_defaults() -> None:
     assert unsupported_field({"length_penalty": 1.05}) == "length_penalty"
     assert unsupported_field({"typical_p": 0.9}) == "typical_p"
     assert unsupported_field({"typical_p": True}) == "typical_p"  # true is not the number 1
-    assert unsupported_field({"truncate_prompt_tokens": 0}) == "truncate_prompt_tokens"
+    assert unsupported_field({"detokenize": False}) == "detokenize"
     # structured outputs are served (structured_fields.py); the backend is not a choice
     assert unsupported_field({"guided_decoding_backend": "xgrammar"}) == "guided_decoding_backend"
     assert unsupported_message("length_penalty") == (
@@ -216,3 +217,13 @@ def test_merged_raises_a_streams_error_and_closing_it_closes_all() -> None:
 
     asyncio.run(leave_early())
     assert sorted(closed) == ["a", "x"]
+
+
+def test_truncation_keeps_the_last_tokens() -> None:
+    """vLLM's truncate_prompt_tokens: the last k; -1 what the context takes; 0 or None
+    (or a k past the prompt) all of it."""
+    prompt = list(range(10))
+    assert keep_last(prompt, 3, 100) == [7, 8, 9]
+    assert keep_last(prompt, -1, 4) == [6, 7, 8, 9]
+    assert keep_last(prompt, -1, 40) == keep_last(prompt, 0, 4) == prompt
+    assert keep_last(prompt, None, 4) == keep_last(prompt, 12, 4) == prompt

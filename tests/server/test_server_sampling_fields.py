@@ -310,6 +310,26 @@ def test_bad_fields_are_refused_over_http(client: OpenAI) -> None:
         assert isinstance(body, dict) and param in str(body.get("param")), (fields, body)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+    client: OpenAI, tokenizer: Tokenizer
+) -> None:
+    """vLLM's truncate_prompt_tokens: the answer to the prompt's last k tokens, counted so
+    in usage (and echoed so); -1 cuts only what the context cannot take."""
+    prompt = "Once upon a time, in a land far away, the capital of France is"
+    ids = tokenizer.encode(prompt)
+    ask: dict[str, Any] = dict(model=MODEL, max_tokens=4, temperature=0)
+    cut = client.completions.create(
+        **ask, prompt=prompt, echo=True, extra_body={"truncate_prompt_tokens": 5}
+    )
+    alone = client.completions.create(**ask, prompt=ids[-5:])
+    assert cut.usage is not None and cut.usage.prompt_tokens == 5
+    assert cut.choices[0].text == tokenizer.decode(ids[-5:]) + alone.choices[0].text
+    whole = client.completions.create(
+        **ask, prompt=prompt, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+
+
 def test_completion_echo_with_prompt_logprobs(client: OpenAI, tokenizer: Tokenizer) -> None:
     prompt = "The capital of France is"
     ids = tokenizer.encode(prompt)
