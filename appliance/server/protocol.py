@@ -37,7 +37,8 @@ from appliance.server.tool_fields import (
 # instead of silently ignored. OpenAI's own fields first, then the extra sampling fields of
 # vLLM (and a few of llama.cpp's server) that OpenAI-compatible clients send in extra_body.
 # Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos,
-# include_stop_str_in_output, allowed_token_ids, truncate_prompt_tokens, the
+# include_stop_str_in_output, allowed_token_ids, truncate_prompt_tokens,
+# return_tokens_as_token_ids, the
 # structured-output fields (structured_fields.py), the
 # penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs;
 # skip_special_tokens is only ever true (special tokens never reach the text).
@@ -54,7 +55,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "use_beam_search": (None, False),
         "skip_special_tokens": (None, True),
         "spaces_between_special_tokens": (None, True),
-        "return_tokens_as_token_ids": (None, False),  # logprobs name tokens by their text
         "bad_words": (None, []),
         "logits_processors": (None, []),
         "guided_decoding_backend": (None,),
@@ -189,6 +189,8 @@ class SamplingFields(Body, StructuredFields):
     include_stop_str_in_output: bool = False  # vLLM's: the stop string ends the text
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context takes).
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # vLLM's: logprobs name each token "token_id:N", not by its text (exact ids for RL).
+    return_tokens_as_token_ids: bool = False
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None

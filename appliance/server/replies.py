@@ -59,7 +59,7 @@ async def whole(
             prompts[index] = chunk.prompt_logprobs or prompts[index]
             if chunk.finished:
                 reasons[index] = chunk.finish_reason
-    pieces = token_pieces(state)
+    pieces = token_pieces(state, envelope.tokens_as_ids)
     body = []
     for i, choice in enumerate(choices):
         prefix, head = _echo(state, envelope, choice, prompts[i], pieces)
@@ -92,26 +92,30 @@ def _usage(
     return counts | prediction_usage([c.params.prediction for c in choices], outputs)
 
 
-def token_pieces(state: ServerState) -> Piece:
+def token_pieces(state: ServerState, as_ids: bool = False) -> Piece:
     """Each token id's text as logprobs name it: the tokenizer's decoding of it alone,
-    special tokens kept (vLLM's), and its bytes; remembered for the request."""
+    special tokens kept (vLLM's), or with `as_ids` "token_id:N" (vLLM's
+    return_tokens_as_token_ids); and its bytes; remembered for the request."""
     tokenizer = state.appliance.tokenizer
     assert tokenizer is not None  # requests are served only once the tokenizer is loaded
-    return _Pieces(tokenizer)
+    return _Pieces(tokenizer, as_ids)
 
 
 class _Pieces:
     """A Piece over the tokenizer: each token's text and bytes, found once."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, as_ids: bool = False) -> None:
         self._text = functools.lru_cache(maxsize=4096)(self._decoded)
         self.bytes_of = functools.lru_cache(maxsize=4096)(tokenizer.token_bytes)
         self._tokenizer = tokenizer
+        self._as_ids = as_ids
 
     def __call__(self, token_id: int, /) -> str:
         return self._text(token_id)
 
     def _decoded(self, token_id: int) -> str:
+        if self._as_ids:
+            return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
 
@@ -204,7 +208,7 @@ async def stream_data(
     sent = [0] * len(choices)
     prompts: list[list[TokenLogprobs] | None] = [None] * len(choices)
     echoed = [False] * len(choices)  # echo: the prompt went out with the first delta
-    pieces = token_pieces(state)
+    pieces = token_pieces(state, envelope.tokens_as_ids)
     try:
         for c in choices:
             opening = envelope.shape.opening(c.index)

@@ -202,6 +202,7 @@ class Envelope:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, where asked (whole only)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
 
     def __post_init__(self) -> None:
         self.id = self.id or self.shape.id_prefix + uuid.uuid4().hex

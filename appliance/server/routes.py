@@ -301,7 +301,12 @@ async def _prepared(
     default = state.appliance.sampling_defaults.max_tokens
     arrival = request.state.arrival
     choices = _choices(req, prompts, context, param, arrival, prediction, default)
-    envelope = Envelope(shape, state.appliance.model_name, prompt_logprobs=req.prompt_logprobs)
+    envelope = Envelope(
+        shape,
+        state.appliance.model_name,
+        prompt_logprobs=req.prompt_logprobs,
+        tokens_as_ids=req.return_tokens_as_token_ids,
+    )
     prompt_tokens = sum(len(ids) for ids in prompts)
     annotate(
         {

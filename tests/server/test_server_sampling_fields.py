@@ -4,6 +4,7 @@ and read back with the official openai client in OpenAI's shapes, whole and stre
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any
 
@@ -199,6 +200,33 @@ def test_chat_logprobs_bytes_join_characters_split_over_tokens(client: OpenAI) -
     content = [e for e in choice.logprobs.content if e.token != "<|im_end|>"]
     assert any("\ufffd" in entry.token for entry in content)  # part of a character
     assert b"".join(bytes(entry.bytes or []) for entry in content) == answer.encode()
+
+
+def test_logprobs_name_tokens_by_id_when_asked(client: OpenAI, tokenizer: Tokenizer) -> None:
+    """vLLM's return_tokens_as_token_ids: "token_id:N" for each token and alternative
+    (the exact ids an RL trainer needs), whole chat and streamed text completion."""
+    ask: dict[str, Any] = dict(model=MODEL, max_tokens=6, temperature=0)
+    as_ids = {"return_tokens_as_token_ids": True}
+    chat = client.chat.completions.create(
+        **ask, messages=QUESTION, logprobs=True, top_logprobs=2, extra_body=as_ids
+    )
+    choice = chat.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content
+    names = [entry.token for entry in choice.logprobs.content]
+    assert all(re.fullmatch(r"token_id:\d+", n) for n in names)
+    ids = [int(n.removeprefix("token_id:")) for n in names]
+    assert tokenizer.decode(ids) == choice.message.content
+    assert all(top.token.startswith("token_id:") for top in choice.logprobs.content[0].top_logprobs)
+    streamed = client.completions.create(
+        **ask, prompt="The capital of France is", logprobs=1, stream=True, extra_body=as_ids
+    )
+    tokens = [
+        t
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens or []
+    ]
+    assert len(tokens) == 6 and all(t.startswith("token_id:") for t in tokens)
 
 
 def test_completion_logprobs_whole_and_streamed(client: OpenAI) -> None:
