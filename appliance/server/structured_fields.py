@@ -82,6 +82,8 @@ class StructuredFields(BaseModel):
                 check(spec)
             except UnsupportedSpec as exc:
                 raise APIError(400, f"{field}: unsupported: {exc}", field, "unsupported") from None
+            except UnicodeEncodeError:  # JSON can carry "\ud800", which no text holds
+                raise APIError(400, f"{field} holds a lone surrogate: no text", field) from None
             self._spec = spec
         return self
 

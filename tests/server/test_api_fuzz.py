@@ -234,6 +234,8 @@ def sampling_fields() -> dict[str, st.SearchStrategy[Json]]:
         "stop_token_ids": st.lists(ints(-1, 50000), max_size=8),
         "include_stop_str_in_output": st.booleans() | junk(),
         "allowed_token_ids": st.lists(ints(-1, 50000), max_size=4) | junk(),
+        "truncate_prompt_tokens": ints(-2, 8),
+        "return_tokens_as_token_ids": st.booleans() | junk(),
         "n": ints(0, 3),
         "stream": st.booleans(),
         "stream_options": st.fixed_dictionaries({}, optional={"include_usage": junk()}),
@@ -559,6 +561,7 @@ def embeddings_route() -> BodyRoute:
         "input": texts() | st.lists(texts(), max_size=3) | st.lists(ints(-1, 50000), max_size=4),
         "encoding_format": st.sampled_from(["float", "base64"]) | texts(6),
         "dimensions": ints(-1, 1000),
+        "truncate_prompt_tokens": ints(-2, 8),
     }
     base = {"model": MODEL, "input": "Hi"}
     return BodyRoute("/v1/embeddings", base, fields, (), tuple(UNSUPPORTED_FIELDS))

@@ -227,3 +227,20 @@ def test_truncation_keeps_the_last_tokens() -> None:
     assert keep_last(prompt, -1, 4) == [6, 7, 8, 9]
     assert keep_last(prompt, -1, 40) == keep_last(prompt, 0, 4) == prompt
     assert keep_last(prompt, None, 4) == keep_last(prompt, 12, 4) == prompt
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"guided_regex": "\ud800"},
+        {"guided_choice": ["a", "\udfff"]},
+        {"grammar": 'root ::= "\ud800"'},
+    ],
+    ids=lambda f: next(iter(f)),
+)
+def test_a_constraint_holding_a_lone_surrogate_is_a_400_naming_its_field(field: dict) -> None:
+    """JSON can carry "\\ud800", which no text holds: the grammar engine could not encode
+    it, and the 422 named no field (the API fuzzer's find)."""
+    with pytest.raises(APIError, match="surrogate") as refused:
+        CompletionRequest.model_validate({"model": "m", "prompt": "Hi", **field})
+    assert (refused.value.status, refused.value.param) == (400, next(iter(field)))
