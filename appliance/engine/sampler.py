@@ -10,7 +10,7 @@ with one `.tolist()` (token ids, and logprobs where asked, packed in one tensor)
 step's only host sync.
 
 The order, vLLM's: `process_logits` (structured-output mask, allowed_token_ids,
-logit_bias, min_tokens, penalties), then `_pick` (temperature, min_p, top-k, top-p, the
+bad_words, logit_bias, min_tokens, penalties), then `_pick` (temperature, min_p, top-k, top-p, the
 draw; greedy rows take the argmax of the processed logits).
 """
 
@@ -71,7 +71,7 @@ class SampleRow:
         """Whether process_logits changes this row (a greedy row then takes the argmax of
         the processed logits, not of the model's)."""
         p = self.params
-        masked = p.structured is not None or bool(p.allowed_token_ids)
+        masked = p.structured is not None or bool(p.allowed_token_ids) or bool(p.bad_words)
         return masked or bool(p.logit_bias) or self.masks_end or self.penalized
 
 
@@ -139,6 +139,7 @@ class Sampler:
         #    so neither the bias nor the penalties can favour a token the grammar forbids.
         apply_grammar(self.grammar, logits, rows)
         keep_allowed(logits, rows)  # as the grammar: nothing may favour a token left out
+        bar_bad_words(logits, rows)
         # 2. logit_bias, 3. min_tokens, 4. repetition, presence and frequency penalties.
         add_logit_bias(logits, rows)
         mask_end_tokens(logits, rows)
@@ -216,6 +217,7 @@ class Sampler:
                 raise ValueError("a structured output needs the engine's grammar masks")
             self.grammar.apply_drafts(logits, rows[0], drafts)
         keep_allowed(logits, rows)
+        bar_bad_words(logits, rows)
         add_logit_bias(logits, rows)
         mask_end_tokens(logits, rows)
         return penalize(logits, rows)
@@ -286,6 +288,19 @@ def keep_allowed(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             kept = logits[index, allowed].clone()  # [allowed]
             logits[index] = -math.inf
             logits[index, allowed] = kept
+
+
+def bar_bad_words(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """vLLM's bad_words: the token that would complete a barred sequence gets -inf, in
+    place (a one-token word always; a longer one where the output ends with its start)."""
+    for index, row in enumerate(rows):
+        output = row.output_ids
+        for word in row.params.bad_words:
+            *start, last = word
+            if len(output) < len(start) or not 0 <= last < logits.shape[-1]:
+                continue
+            if not start or list(output[-len(start) :]) == start:
+                logits[index, last] = -math.inf
 
 
 def add_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:

@@ -52,6 +52,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be sampled (): any
+    # vLLM's bad_words, tokenized: a sequence's last token is barred where the output so
+    # far ends with the rest of it (a one-token word always).
+    bad_words: tuple[tuple[int, ...], ...] = ()
     min_p: float = 0.0  # drop tokens under min_p times the likeliest one's probability
     min_tokens: int = 0  # end tokens and stop token ids are masked until this many
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
@@ -84,6 +87,7 @@ class SamplingParams:
         object.__setattr__(self, "prediction", tuple(self.prediction))
         object.__setattr__(self, "logit_bias", tuple(tuple(p) for p in self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(tuple(w) for w in self.bad_words))
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (

@@ -38,7 +38,7 @@ from appliance.server.tool_fields import (
 # vLLM (and a few of llama.cpp's server) that OpenAI-compatible clients send in extra_body.
 # Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos,
 # include_stop_str_in_output, allowed_token_ids, truncate_prompt_tokens,
-# return_tokens_as_token_ids, the
+# return_tokens_as_token_ids, bad_words, the
 # structured-output fields (structured_fields.py), the
 # penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs;
 # skip_special_tokens is only ever true (special tokens never reach the text).
@@ -55,7 +55,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "use_beam_search": (None, False),
         "skip_special_tokens": (None, True),
         "spaces_between_special_tokens": (None, True),
-        "bad_words": (None, []),
         "logits_processors": (None, []),
         "guided_decoding_backend": (None,),
         "guided_whitespace_pattern": (None,),
@@ -69,6 +68,7 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
 )
 MAX_STOP_STRINGS = 16
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # past any vocabulary: a bound on the body, not a rule
+MAX_BAD_WORDS = 256  # each is checked against every step's output: a bound on the work
 MAX_STOP_CHARS = 1024  # stop matching rescans held-back text: long stops slow a worker
 MAX_SEED = 2**63 - 1
 MAX_TOP_K = 2**31 - 1
@@ -206,6 +206,8 @@ class SamplingFields(Body, StructuredFields):
     logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     # vLLM's: only these tokens may be sampled (a classifier's labels, a yes/no).
     allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)
+    # vLLM's: words the output may not hold (each as it starts a text and after a space).
+    bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
     min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
     # vLLM's switch (its server option, here per request): the model's own distribution,
@@ -249,6 +251,13 @@ class SamplingFields(Body, StructuredFields):
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return [valid_unicode(s) for s in stops]
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_are_words(cls, value: list[str]) -> list[str]:
+        if any(not w.strip() or len(w) > MAX_STOP_CHARS for w in value):
+            raise ValueError(f"bad words must hold text, at most {MAX_STOP_CHARS} characters")
+        return [valid_unicode(w) for w in value]
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -313,6 +322,10 @@ class SamplingFields(Body, StructuredFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        """The field the output budget came in (an error about it names that one)."""
+        return "max_tokens"
 
     def default_max_tokens(self, room: int) -> int:
         """Without max_tokens, generate until the context is full (or a stop)."""
@@ -441,6 +454,9 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def requested_logprobs(self) -> int | None:
         if not self.logprobs:

@@ -228,6 +228,22 @@ async def tokenized(tokenize: Callable[[], T], param: str) -> T:
         raise APIError(400, str(exc), param) from None
 
 
+async def tokenized_words(state: ServerState, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as it starts a text and after a
+    space (where that is other tokens), so it is barred in both places."""
+    tokenizer = state.appliance.tokenizer
+    assert tokenizer is not None  # requests are served only once the tokenizer is loaded
+
+    def encode() -> tuple[tuple[int, ...], ...]:
+        found: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                found[tuple(tokenizer.encode_text(text))] = None
+        return tuple(ids for ids in found if ids)
+
+    return await asyncio.to_thread(encode) if words else ()
+
+
 def _max_tokens(
     req: SamplingFields, prompt_len: int, context: int, param: str, default: int | None
 ) -> int:
@@ -248,11 +264,12 @@ def _max_tokens(
     if asked > room and req.CAPPED_AT_ROOM:
         return room
     if asked > room:
+        field = req.max_tokens_field()
         raise APIError(
             400,
-            f"max_tokens is {asked}, but the prompt has {prompt_len} tokens and the context "
+            f"{field} is {asked}, but the prompt has {prompt_len} tokens and the context "
             f"holds {context}: at most {room} tokens can be generated",
-            "max_tokens",
+            field,
             "context_length_exceeded",
         )
     return asked
@@ -264,15 +281,16 @@ def _choices(
     context: int,
     param: str,
     arrival: float,
-    prediction: tuple[int, ...] = (),
+    tokenized: dict[str, Any] | None = None,
     default_max_tokens: int | None = None,
 ) -> list[Choice]:
-    """n choices per prompt, each with its checked output budget and its own seed."""
+    """n choices per prompt, each with its checked output budget and its own seed, and
+    the parameters only the tokenizer fills (`tokenized`: the prediction, bad words)."""
     choices = []
     for p, ids in enumerate(prompts):
         max_tokens = _max_tokens(req, len(ids), context, param, default_max_tokens)
         for j in range(req.n):
-            params = replace(req.sampling_params(max_tokens, j), prediction=prediction)
+            params = replace(req.sampling_params(max_tokens, j), **(tokenized or {}))
             choices.append(Choice(p * req.n + j, ids, params, arrival))
     return choices
 
@@ -297,10 +315,13 @@ async def _prepared(
     param = "messages" if isinstance(shape, ChatShape) else "prompt"
     context = state.appliance.max_model_len
     prompts = [req.truncated(ids, context) for ids in prompts]
-    prediction = await prediction_ids(state, req, context)
+    tokenized = {
+        "prediction": await prediction_ids(state, req, context),
+        "bad_words": await tokenized_words(state, req.bad_words),
+    }
     default = state.appliance.sampling_defaults.max_tokens
     arrival = request.state.arrival
-    choices = _choices(req, prompts, context, param, arrival, prediction, default)
+    choices = _choices(req, prompts, context, param, arrival, tokenized, default)
     envelope = Envelope(
         shape,
         state.appliance.model_name,

@@ -166,6 +166,22 @@ def test_allowed_token_ids_leave_only_those_to_draw() -> None:
     assert draws <= {4, 9}
 
 
+def test_bad_words_bar_the_token_that_would_complete_one() -> None:
+    """vLLM's bad_words: a one-token word always; a longer one only where the output
+    (not the prompt) ends with its start."""
+    logits = torch.zeros(3, VOCAB)
+    params = SamplingParams(bad_words=((5,), (3, 7), (2, 3, 9)))
+    prompt = 1  # the first token of each row's ids is its prompt
+    rows = [
+        SampleRow(0, params, [3], prompt),  # the prompt ends with 3: not the output
+        SampleRow(1, params, [4, 2, 3], prompt),  # the output ends with 2, 3 (and 3)
+        SampleRow(2, SamplingParams(), [4, 3], prompt),
+    ]
+    got = Sampler(CPU).process_logits(logits, rows)
+    barred = [set(torch.nonzero(torch.isinf(row)).flatten().tolist()) for row in got]
+    assert barred == [{5}, {5, 7, 9}, set()]
+
+
 def test_min_tokens_masks_end_and_stop_tokens_until_reached() -> None:
     logits = torch.zeros(1, VOCAB)
     logits[0, 0], logits[0, 9], logits[0, 2] = 9.0, 8.0, 1.0  # 0: end token; 9: stop id

@@ -152,6 +152,10 @@ def test_output_budget_defaults_to_the_room_left_and_refuses_overflow() -> None:
     with pytest.raises(APIError) as info:
         _max_tokens(asked, 100, 1000, "messages", None)
     assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
+    newer = asked.model_copy(update={"max_tokens": None, "max_completion_tokens": 901})
+    with pytest.raises(APIError, match=r"^max_completion_tokens is 901") as info:
+        _max_tokens(newer, 100, 1000, "messages", None)  # the field it came in (the fuzzer's)
+    assert info.value.param == "max_completion_tokens"
     with pytest.raises(APIError) as info:
         _max_tokens(chat, 1000, 1000, "messages", None)
     assert "the prompt has 1000 tokens" in info.value.message
