@@ -31,7 +31,8 @@ from appliance.server.metrics import Metrics
 from appliance.server.ollama_api import management as ollama_models
 from appliance.server.ollama_api import route as ollama
 from appliance.server.origin_guard import OriginGuard, OriginRules
-from appliance.server.responses_api.route import create_response
+from appliance.server.responses_api.route import create_response, delete_response, get_response
+from appliance.server.responses_api.store import ResponseStore
 from appliance.server.sd_notify import Notifier, heartbeat
 from appliance.server.snapshot import SnapshotBuilder
 from appliance.server.state import ServerState
@@ -60,7 +61,8 @@ def build_app(
     starts the appliance's workers, stopping it stops them."""
     latency = LatencyWindow()
     metrics = Metrics(CollectorRegistry(), appliance.state, latency, appliance.autopilot.counts)
-    state = ServerState(appliance, metrics)
+    kept = ResponseStore(appliance.settings.server.responses_kept)
+    state = ServerState(appliance, metrics, kept)
     admin = _admin_state(appliance, latency)
     notifier = Notifier(appliance.settings.notify_socket)
 
@@ -92,6 +94,8 @@ def build_app(
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
             Route("/v1/embeddings", embeddings.openai_embeddings, methods=["POST"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),

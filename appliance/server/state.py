@@ -12,6 +12,7 @@ from starlette.requests import Request
 from appliance.api import Appliance
 from appliance.server.errors import APIError
 from appliance.server.metrics import Metrics
+from appliance.server.responses_api.store import ResponseStore
 from appliance.settings.config import Settings
 
 STARTING_RETRY_S = 5
@@ -59,6 +60,7 @@ class Ticket:
 class ServerState:
     appliance: Appliance
     metrics: Metrics
+    responses: ResponseStore  # what previous_response_id and /v1/responses/{id} read
     in_flight: int = 0  # admitted generations not yet finished
     startup_error: str | None = None  # set when the workers could not start
     draining: bool = False  # shutting down: running requests finish, new ones get 503

@@ -72,6 +72,12 @@ class ServerSettings(BaseModel):
         description="Generations in flight (each of n choices counts); beyond it 429.",
     )
     max_n: int = Field(16, ge=1, le=128, description="Most choices (n) one request may ask for.")
+    responses_kept: int = Field(
+        1000,
+        ge=0,
+        description="Responses kept for previous_response_id and GET /v1/responses/{id}: "
+        "the newest, in memory until a restart; 0 keeps none.",
+    )
     request_timeout_s: float | None = Field(
         600.0,
         gt=0,

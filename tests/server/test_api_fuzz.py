@@ -342,6 +342,7 @@ def response_fields() -> dict[str, st.SearchStrategy[Json]]:
         "include": st.lists(st.just("message.output_text.logprobs") | texts(), max_size=2),
         "top_logprobs": ints(-1, 21),
         "store": st.booleans(),
+        "previous_response_id": st.sampled_from(["resp_0"]) | texts(12) | junk(),
         "stream": st.booleans(),
         "metadata": st.dictionaries(texts(8), texts() | junk(), max_size=3),
         "user": texts(),

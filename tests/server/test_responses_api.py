@@ -1,7 +1,8 @@
 """/v1/responses, OpenAI's Responses API, driven by the official openai client on both
 layouts' shared servers: text and message input, instructions, the event stream and the
-SDK's stream helper, max_output_tokens, text.format json_schema, function tools, store,
-and each refusal (a 400 naming the field)."""
+SDK's stream helper, max_output_tokens, text.format json_schema, function tools, store
+and previous_response_id (the conversation the server keeps), and each refusal (a 400
+naming the field)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from appliance.server.responses_api.route import response_echo
 MODEL = model_name(None)
 QUESTION = "What is the capital of France?"
 # What a response repeats of a request, as the route makes it.
-ECHO = response_echo(ResponsesRequest(model=MODEL, input="Hi"), MODEL)
+ECHO = response_echo(ResponsesRequest(model=MODEL, input="Hi"), MODEL, kept=True)
 GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
 
 
@@ -66,8 +67,7 @@ def test_text_input_answers_as_chat_completions_does(client: OpenAI) -> None:
     assert response.usage.total_tokens == chat.usage.total_tokens
     expected = "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
     assert response.status == item.status == expected
-    # Nothing is kept: the response says so whatever the request's store was.
-    assert response.store is False
+    assert response.store is True  # kept (the API's default store: true)
 
 
 def test_message_items_with_instructions_become_the_chat_messages(client: OpenAI) -> None:
@@ -371,7 +371,6 @@ def test_the_sdk_parse_helper_gets_its_pydantic_model(client: OpenAI) -> None:
 
 ZODIAC = {"type": "string", "format": "zodiac"}  # a format the grammar engine does not know
 REFUSALS: list[tuple[dict[str, Any], str]] = [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"conversation": "conv_123"}, "conversation"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -446,6 +445,41 @@ def test_a_tool_choice_the_tools_cannot_meet_is_a_400(
 def test_store_false_is_served_and_said(client: OpenAI) -> None:
     response = client.responses.create(input=QUESTION, store=False, **GREEDY)
     assert response.store is False and response.output_text
+    with pytest.raises(openai.NotFoundError):  # not kept
+        client.responses.retrieve(response.id)
+
+
+def test_previous_response_id_continues_the_kept_conversation(client: OpenAI) -> None:
+    """OpenAI's conversation state: the second turn names the first response and sees
+    that conversation, exactly as the same turns sent whole (input tokens, greedy answer);
+    a kept response is retrieved as it was answered, then deleted."""
+    instructions = "You answer briefly."
+    first = client.responses.create(input=QUESTION, instructions=instructions, **GREEDY)
+    follow_up = "And of Italy?"
+    second = client.responses.create(
+        input=follow_up, previous_response_id=first.id, instructions=instructions, **GREEDY
+    )
+    assert second.previous_response_id == first.id
+    whole = client.responses.create(
+        input=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": follow_up},
+        ],
+        instructions=instructions,
+        **GREEDY,
+    )
+    assert second.usage is not None and whole.usage is not None
+    assert second.usage.input_tokens == whole.usage.input_tokens
+    assert second.output_text == whole.output_text
+    kept = client.responses.retrieve(first.id)
+    assert kept.model_dump() == first.model_dump()
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.responses.create(input=follow_up, previous_response_id=first.id, **GREEDY)
+    assert unknown.value.param == "previous_response_id"
 
 
 def test_output_items_follow_one_another_in_openai_order() -> None:

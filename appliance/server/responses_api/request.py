@@ -1,8 +1,9 @@
 """The body of POST /v1/responses: its fields, what is refused (a 400 naming the field),
 and the chat messages and sampling parameters it becomes.
 
-This server keeps nothing between requests, so whatever needs a stored response or
-conversation is refused, as are OpenAI's built-in tools and image, file or audio inputs."""
+The server keeps its newest responses (store.py) for `previous_response_id`; what needs
+a stored conversation, prompt template or item is refused, as are OpenAI's built-in tools
+and image, file or audio inputs."""
 
 from __future__ import annotations
 
@@ -24,10 +25,8 @@ from appliance.server.tool_fields import (
 )
 
 # Raw-body fields that need state this server does not keep (each with why), refused when
-# sent with a value that asks for it. `store` is not among them: see `ResponsesRequest`.
+# sent with a value that asks for it.
 STATEFUL_FIELDS = {
-    "previous_response_id": "this server stores no responses: send the earlier turns' items "
-    "in `input` instead",
     "conversation": "this server stores no conversations: send the earlier turns' items in "
     "`input` instead",
     "prompt": "this server stores no prompt templates: send the prompt in `input`",
@@ -185,9 +184,10 @@ class ResponsesRequest(Body):
     """The served fields of a /v1/responses body; others are ignored, as on the other
     routes, except those `refuse_unserved` refuses.
 
-    `store`: this server keeps no responses. `store: true` (the API's default) is served
-    anyway and the response says `store: false`, as vLLM does without its store enabled:
-    most clients send true only because it is the default."""
+    `store` (the API's default true): the response is kept for a later request's
+    `previous_response_id` (store.py); the response says whether it was (not where the
+    server keeps none). The input of a request with `previous_response_id` holds that
+    response's conversation first by the time it is validated (store.continued)."""
 
     # As SamplingFields': what the model's sampling defaults fill where left out.
     DEFAULTED: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -210,6 +210,7 @@ class ResponsesRequest(Body):
     include: list[str] = Field(default_factory=list)
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     store: bool = True
+    previous_response_id: str | None = None
     stream: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None

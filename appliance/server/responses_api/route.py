@@ -39,6 +39,7 @@ from appliance.server.responses_api.request import (
     chat_messages,
     refuse_unserved,
 )
+from appliance.server.responses_api.store import continued, input_items, keeping
 from appliance.server.state import ServerState
 from appliance.server.tool_fields import ChatTurn, constrained
 
@@ -55,6 +56,7 @@ async def create_response(request: Request) -> Response:
     state.check_ready()
     state.check_admission_open()
     refuse_unserved(body)
+    body = continued(body, state.responses)  # the earlier turns first
     defaults = state.appliance.sampling_defaults
     req = validated(ResponsesRequest, defaults.fill(body, ResponsesRequest.DEFAULTED))
     state.check_model(req.model)
@@ -83,8 +85,11 @@ async def create_response(request: Request) -> Response:
         raise APIError(400, str(exc)) from None
     choice = Choice(0, ids, constrained(params, turn.structured), arrival)
     ticket = state.admit(1)
-    draft = Draft(response_echo(req, state.appliance.model_name))
+    kept = req.store and state.responses.limit > 0
+    draft = Draft(response_echo(req, state.appliance.model_name, kept))
     events = _events(state, choice, draft, outputs)
+    if kept:
+        events = keeping(events, state.responses, input_items(req.input) or [])
     if req.stream:
         sse = replies.typed_event_stream(events)
         return Releasing(sse, ticket)
@@ -98,6 +103,22 @@ async def create_response(request: Request) -> Response:
     if response["status"] == "failed":
         raise APIError(503, response["error"]["message"], retry_after=1)
     return JSONResponse(response)
+
+
+async def get_response(request: Request) -> Response:
+    """GET /v1/responses/{response_id}: a kept response; 404 for another."""
+    state: ServerState = request.app.state.server
+    state.authorize(request)
+    return JSONResponse(state.responses.get(request.path_params["response_id"]).response)
+
+
+async def delete_response(request: Request) -> Response:
+    """DELETE /v1/responses/{response_id}: forget a kept response; 404 for another."""
+    state: ServerState = request.app.state.server
+    state.authorize(request)
+    response_id = request.path_params["response_id"]
+    state.responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
 async def _tokenize(turn: ChatTurn) -> list[int]:
@@ -147,8 +168,9 @@ def _output_budget(
     return req.max_output_tokens
 
 
-def response_echo(req: ResponsesRequest, model: str) -> dict[str, Any]:
-    """The request fields every response object repeats, in OpenAI's shapes."""
+def response_echo(req: ResponsesRequest, model: str, kept: bool) -> dict[str, Any]:
+    """The request fields every response object repeats, in OpenAI's shapes (`kept`:
+    whether the server keeps it)."""
     return {
         "model": model,
         "instructions": req.instructions,
@@ -159,9 +181,9 @@ def response_echo(req: ResponsesRequest, model: str) -> dict[str, Any]:
         "tool_choice": req.echoed_tool_choice(),
         "tools": [tool.echoed() for tool in req.tools],
         "text": {"format": req.text.format.echoed()},
-        "store": False,  # kept nowhere, whatever was asked (see ResponsesRequest)
+        "store": kept,
         "background": False,
-        "previous_response_id": None,
+        "previous_response_id": req.previous_response_id,
         "top_logprobs": req.top_logprobs,
         "reasoning": {"effort": None, "summary": None},
         "truncation": "disabled",
