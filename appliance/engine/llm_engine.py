@@ -195,7 +195,8 @@ class LLMEngine:
     def _track(self, seq: Sequence) -> None:
         self._seqs[seq.seq_id] = seq
         stops = StopStringMatcher(seq.params.stop, seq.params.include_stop_str)
-        stream = _Stream(IncrementalDetokenizer(self.tokenizer), stops)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
+        stream = _Stream(detokenizer, stops)
         self._streams[seq.seq_id] = stream
 
     def add_prefilled(
@@ -367,6 +368,8 @@ class LLMEngine:
         first, new_ids = stream.sent_tokens, seq.output_ids[stream.sent_tokens :]
         pieces = []
         for i, t in enumerate(new_ids):
+            if seq.finished and i + 1 == len(new_ids) and t in seq.stop_token_ids:
+                break  # the model's end token that ended it: no part of the text
             pieces.append(_shown(stream, seq.params, first + i, stream.detokenizer.add(t)))
             if stream.stops.stopped and i + 1 < len(new_ids):
                 _cut_verified_run(seq, first + i + 1)

@@ -43,6 +43,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the stop stays in
+    skip_special_tokens: bool = True  # vLLM's: False shows markers (<|im_start|>) in the text
     stop_token_ids: tuple[int, ...] = ()  # added to the model's own end tokens
     ignore_eos: bool = False
     # vLLM's penalties: presence and frequency over the generated tokens, repetition over

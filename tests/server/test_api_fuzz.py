@@ -237,6 +237,7 @@ def sampling_fields() -> dict[str, st.SearchStrategy[Json]]:
         "truncate_prompt_tokens": ints(-2, 8),
         "return_tokens_as_token_ids": st.booleans() | junk(),
         "bad_words": st.lists(texts(6), max_size=3) | junk(),
+        "skip_special_tokens": st.booleans() | junk(),
         "n": ints(0, 3),
         "stream": st.booleans(),
         "stream_options": st.fixed_dictionaries({}, optional={"include_usage": junk()}),

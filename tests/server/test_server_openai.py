@@ -218,7 +218,6 @@ REFUSED_EXTRAS = [
     {"typical_p": 0.9},
     {"length_penalty": 0.5},
     {"use_beam_search": True},
-    {"skip_special_tokens": False},
     {"detokenize": False},
     {"spaces_between_special_tokens": False},
     {"chat_template": "{{ messages }}"},
@@ -315,6 +314,36 @@ def test_bad_words_keep_a_word_out_of_the_answer(client: OpenAI, tokenizer: Toke
         word = tokenizer.encode_text(variant)
         assert all(ids[i : i + len(word)] != word for i in range(len(ids)))
     assert text != free
+
+
+def test_skip_special_tokens_false_keeps_markers_in_the_text(
+    client: OpenAI, tokenizer: Tokenizer
+) -> None:
+    """vLLM's skip_special_tokens: false shows special tokens the model made in the text
+    (here forced: only <|im_start|> allowed); the end token that ends an answer is still
+    no part of it."""
+    marker = tokenizer.token_id("<|im_start|>")
+    assert marker is not None
+    ask: dict[str, Any] = dict(model=MODEL, messages=QUESTION, max_tokens=3, temperature=0)
+    forced = {"allowed_token_ids": [marker], "ignore_eos": True}
+    shown = client.chat.completions.create(
+        **ask, extra_body=forced | {"skip_special_tokens": False}
+    )
+    assert shown.choices[0].message.content == "<|im_start|>" * 3
+    hidden = client.chat.completions.create(**ask, extra_body=forced)
+    assert hidden.choices[0].message.content == ""
+    ended = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=64,
+        temperature=0,
+        extra_body={"skip_special_tokens": False},
+    )
+    plain = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=64, temperature=0
+    )
+    assert ended.choices[0].finish_reason == "stop"  # by its end of turn, not shown
+    assert ended.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_stop_token_ids_end_the_generation(client: OpenAI, tokenizer: Tokenizer) -> None:
