@@ -138,12 +138,7 @@ class Sampler:
         # 1. Structured output: the grammar mask of rows with params.structured, first,
         #    so neither the bias nor the penalties can favour a token the grammar forbids.
         apply_grammar(self.grammar, logits, rows)
-        keep_allowed(logits, rows)  # as the grammar: nothing may favour a token left out
-        bar_bad_words(logits, rows)
-        # 2. logit_bias, 3. min_tokens, 4. repetition, presence and frequency penalties.
-        add_logit_bias(logits, rows)
-        mask_end_tokens(logits, rows)
-        return penalize(logits, rows)
+        return after_the_grammar(logits, rows)
 
     def _pick(
         self, logits: torch.Tensor, rows: list[SampleRow], *, keep_probs: bool
@@ -216,11 +211,7 @@ class Sampler:
             if self.grammar is None:
                 raise ValueError("a structured output needs the engine's grammar masks")
             self.grammar.apply_drafts(logits, rows[0], drafts)
-        keep_allowed(logits, rows)
-        bar_bad_words(logits, rows)
-        add_logit_bias(logits, rows)
-        mask_end_tokens(logits, rows)
-        return penalize(logits, rows)
+        return after_the_grammar(logits, rows)
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -278,6 +269,17 @@ class Sampler:
     def forget(self, seq_id: int) -> None:
         """Drop a finished request's generator."""
         self._generators.pop(seq_id, None)
+
+
+def after_the_grammar(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The processors after a step's grammar mask, in vLLM's order, on logits already
+    copied: the other masks (nothing may favour a token they leave out), then logit_bias,
+    min_tokens, and the repetition, presence and frequency penalties."""
+    keep_allowed(logits, rows)
+    bar_bad_words(logits, rows)
+    add_logit_bias(logits, rows)
+    mask_end_tokens(logits, rows)
+    return penalize(logits, rows)
 
 
 def keep_allowed(logits: torch.Tensor, rows: list[SampleRow]) -> None:
