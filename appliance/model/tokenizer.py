@@ -54,7 +54,7 @@ _SPECIAL_KEYS = (
 # `thinking`) from whichever is set, as templates read those.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # What render_chat itself passes the template: chat_template_kwargs may not replace them.
-RENDER_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
+_RENDER_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 class Tokenizer:
@@ -158,7 +158,7 @@ class Tokenizer:
         if not messages:
             raise ValueError("there are no messages to render")
         extra = dict(template_kwargs or {})
-        clash = sorted(set(extra) & set(RENDER_ARGUMENTS))
+        clash = template_kwargs_clash(extra)
         if clash:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
         try:
@@ -213,6 +213,12 @@ class Tokenizer:
         # llguidance reads every vocabulary's bytes (byte-level BPE's mapped characters,
         # SentencePiece's <0xNN> fallback): built at first use, ~0.4 s for 49k tokens.
         return llguidance.LLTokenizer(self._raw.to_str(), n_vocab=self.vocab_size)
+
+
+def template_kwargs_clash(kwargs: dict[str, Any]) -> list[str]:
+    """The chat_template_kwargs that would set what render_chat itself passes the template
+    (the messages, the tools): none may."""
+    return sorted(set(kwargs) & set(_RENDER_ARGUMENTS))
 
 
 def _reads_variable(source: str | None, name: str) -> bool:

@@ -21,7 +21,7 @@ from appliance.chat.function_tool import FunctionTool
 from appliance.chat.tool_calls import ToolPlan, plan_tools
 from appliance.engine.sequence import StructuredOutput
 from appliance.engine.structured.compile import UnsupportedSpec, check
-from appliance.model.tokenizer import RENDER_ARGUMENTS, Tokenizer
+from appliance.model.tokenizer import Tokenizer, template_kwargs_clash
 from appliance.server.errors import APIError
 
 FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"  # OpenAI's: letters, digits, _ and - (64 at most)
@@ -201,7 +201,7 @@ class ChatTurn:
         if fields.continue_final_message:
             _check_continuable(messages, fields.add_generation_prompt)
         kwargs = dict(fields.chat_template_kwargs or {})
-        clash = sorted(set(kwargs) & set(RENDER_ARGUMENTS))
+        clash = template_kwargs_clash(kwargs)
         if clash:  # what the request's own fields set: else the template refuses them
             message = f"chat_template_kwargs may not set {', '.join(clash)}: send them as fields"
             raise APIError(400, message, "chat_template_kwargs")
