@@ -105,9 +105,9 @@ class LlamaReply:
         return entry | {top: [self._token(i, lp, kind) for i, lp in alternatives]}
 
     def _token(self, token_id: int, logprob: float, kind: str) -> dict[str, Any]:
-        text, piece = self.pieces(token_id), list(self.pieces.bytes_of(token_id))
+        text, raw = self.pieces(token_id), list(self.pieces.bytes_of(token_id))
         value = math.exp(logprob) if kind == "prob" else max(logprob, -9999.0)
-        return {"id": token_id, "token": text, "bytes": piece, kind: value}
+        return {"id": token_id, "token": text, "bytes": raw, kind: value}
 
     def _settings(self) -> dict[str, Any]:
         """The sampling in force (the request's, the model's defaults where it said none)."""
