@@ -190,7 +190,10 @@ class LLMEngine:
 
     def _new_sequence(self, token_ids: list[int], params: SamplingParams) -> Sequence:
         stop_ids = frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids
-        return Sequence(next(self._ids), token_ids, params, stop_token_ids=stop_ids)
+        seq = Sequence(next(self._ids), token_ids, params, stop_token_ids=stop_ids)
+        if params.dry.on:
+            seq.dry_breakers = self.tokenizer.ids_holding(params.dry_sequence_breakers)
+        return seq
 
     def _track(self, seq: Sequence) -> None:
         self._seqs[seq.seq_id] = seq

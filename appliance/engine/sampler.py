@@ -1,5 +1,6 @@
 """Picking next tokens from logits: logits processing, greedy, temperature, top-k, top-p,
-min-p, per-request seeds, and the log probabilities requests ask for.
+min-p, llama.cpp's cuts (cuts.py) and mirostat (mirostat.py), per-request seeds, and the
+log probabilities requests ask for.
 
 A step's rows are sampled together with batched tensor ops, whatever mix of greedy and
 random rows and of settings it holds: per-row settings travel as tensors, and the draw is
@@ -7,11 +8,13 @@ one uniform number per row through the row's cumulative distribution (categorica
 which picks token i with probability probs[i].
 Nothing reads the device until the step's results are complete: `sample` reads them once
 with one `.tolist()` (token ids, and logprobs where asked, packed in one tensor), the
-step's only host sync.
+step's only host sync (a step with mirostat rows reads their drawn tokens' probabilities
+once more, for their controllers).
 
 The order, vLLM's: `process_logits` (structured-output mask, allowed_token_ids,
-bad_words, logit_bias, min_tokens, penalties), then `_pick` (temperature, min_p, top-k, top-p, the
-draw; greedy rows take the argmax of the processed logits).
+bad_words, logit_bias, min_tokens, penalties, DRY), then `_pick` (temperature, top-n-sigma,
+min_p, top-k, typical_p, top-p, XTC, the draw; greedy rows take the argmax of the
+processed logits; a mirostat row draws from its controller's cut after temperature).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from appliance.engine.categorical import draw, uniforms
+from appliance.engine.cuts import MoreCuts, top_n_sigma, typical, xtc
+from appliance.engine.dry import dry_penalties
 from appliance.engine.logprobs import TokenLogprobs
+from appliance.engine.mirostat import Mirostat
 from appliance.engine.penalties import apply_penalties
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.engine.speculative.verify import accept_greedy, rejection_sample
@@ -40,11 +46,19 @@ class SampleRow:
     token_ids: Ids[int] = ()  # prompt + output so far (read during the step, never written)
     num_prompt_tokens: int = 0
     end_token_ids: frozenset[int] = frozenset()  # the model's end tokens (none: ignore_eos)
+    dry_breakers: frozenset[int] = frozenset()  # the tokens holding a DRY sequence breaker
 
     @classmethod
     def of(cls, seq: Sequence) -> SampleRow:
         """The row of a sequence whose chunk completes this step."""
-        return cls(seq.seq_id, seq.params, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids)
+        return cls(
+            seq.seq_id,
+            seq.params,
+            seq.token_ids,
+            seq.num_prompt_tokens,
+            seq.stop_token_ids,
+            seq.dry_breakers,
+        )
 
     @property
     def output_start(self) -> int:
@@ -72,7 +86,8 @@ class SampleRow:
         the processed logits, not of the model's)."""
         p = self.params
         masked = p.structured is not None or bool(p.allowed_token_ids) or bool(p.bad_words)
-        return masked or bool(p.logit_bias) or self.masks_end or self.penalized
+        penalized = self.penalized or p.dry.on
+        return masked or bool(p.logit_bias) or self.masks_end or penalized
 
 
 def verify_rows(row: SampleRow, drafts: Ids[int]) -> list[SampleRow]:
@@ -101,6 +116,7 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
+        self._mirostats: dict[int, Mirostat] = {}  # the controllers of mirostat requests
         # Unseeded rows need no stream of their own: one generator draws all their noise
         # in one call, seeded from the OS so runs differ.
         self._shared = torch.Generator(device=device)
@@ -151,13 +167,51 @@ class Sampler:
             return greedy, None  # the common case costs one argmax, as it always did
         params = [row.params for row in rows]
         temperature, top_k, top_p, min_p = self._settings(params, logits.device)
-        cuts = _cuts(params, logits.shape[-1])
         probs = batch_probabilities(
-            logits, temperature, top_k, top_p, min_p=min_p, cuts=cuts, sort_top_p=self.sort_top_p
+            logits,
+            temperature,
+            top_k,
+            top_p,
+            min_p=min_p,
+            cuts=_cuts(params, logits.shape[-1]),
+            sort_top_p=self.sort_top_p,
+            more=MoreCuts.of(params, logits.device),
         )
+        steered = self._mirostat_rows(probs, logits, rows)
         drawn = draw(probs, self._uniforms(rows, logits.device))
+        self._observe(steered, probs, drawn)
         # Greedy rows took a placeholder temperature of 1 above; their argmax wins here.
         return torch.where(temperature == 0, greedy, drawn), probs if keep_probs else None
+
+    def _mirostat_rows(
+        self, probs: torch.Tensor, logits: torch.Tensor, rows: list[SampleRow]
+    ) -> list[tuple[int, Mirostat]]:
+        """Put each mirostat row's distribution (mirostat.py, from its logits after
+        temperature) in place of probs' [rows, vocab] row; returns those rows' controllers."""
+        steered = []
+        for index, row in enumerate(rows):
+            p = row.params
+            if p.mirostat and not p.greedy:
+                state = self._mirostats.get(row.seq_id)
+                if state is None:
+                    state = Mirostat(p.mirostat, p.mirostat_tau, p.mirostat_eta)
+                    self._mirostats[row.seq_id] = state
+                probs[index] = state.probabilities(logits[index] / p.temperature)
+                steered.append((index, state))
+        return steered
+
+    @staticmethod
+    def _observe(
+        steered: list[tuple[int, Mirostat]], probs: torch.Tensor, drawn: torch.Tensor
+    ) -> None:
+        """Feed each mirostat row's drawn token's probability back to its controller: one
+        read of the device, only in a step that has such rows."""
+        if not steered:
+            return
+        where = _upload([index for index, _ in steered], torch.int64, probs.device)
+        chosen = probs[where].gather(1, drawn[where][:, None])[:, 0].tolist()
+        for (_, state), prob in zip(steered, chosen, strict=True):
+            state.observe(prob)
 
     def verify(self, logits: torch.Tensor, row: SampleRow, drafts: Ids[int]) -> Sampled:
         """A verify chunk's tokens: logits [1 + k, vocab] of its rows (after its last
@@ -186,6 +240,7 @@ class Sampler:
                 min_p=min_p,
                 cuts=_cuts(params, logits.shape[-1]),
                 sort_top_p=self.sort_top_p,
+                more=MoreCuts.of(params, logits.device),
             )  # [1 + k, vocab]
             seeded = row.params.seed is not None
             generator = self._generator(row.seq_id, row.params) if seeded else self._shared
@@ -222,7 +277,11 @@ class Sampler:
         vocab = logits.shape[-1]
         settings = Sampler._settings([params], logits.device)
         return batch_probabilities(
-            logits[None], *settings[:3], min_p=settings[3], cuts=_cuts([params], vocab)
+            logits[None],
+            *settings[:3],
+            min_p=settings[3],
+            cuts=_cuts([params], vocab),
+            more=MoreCuts.of([params], logits.device),
         )[0]
 
     @staticmethod
@@ -267,19 +326,23 @@ class Sampler:
         return gen
 
     def forget(self, seq_id: int) -> None:
-        """Drop a finished request's generator."""
+        """Drop a finished request's generator and mirostat state."""
         self._generators.pop(seq_id, None)
+        self._mirostats.pop(seq_id, None)
 
 
 def after_the_grammar(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """The processors after a step's grammar mask, in vLLM's order, on logits already
     copied: the other masks (nothing may favour a token they leave out), then logit_bias,
-    min_tokens, and the repetition, presence and frequency penalties."""
+    min_tokens, the repetition, presence and frequency penalties, and DRY (after them, as
+    in llama.cpp's chain)."""
     keep_allowed(logits, rows)
     bar_bad_words(logits, rows)
     add_logit_bias(logits, rows)
     mask_end_tokens(logits, rows)
-    return penalize(logits, rows)
+    logits = penalize(logits, rows)
+    subtract_dry(logits, rows)
+    return logits
 
 
 def keep_allowed(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -314,13 +377,18 @@ def add_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         for token, bias in row.params.logit_bias
         if 0 <= token < vocab
     ]
+    _add_at(logits, entries)
+
+
+def _add_at(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> None:
+    """Add each (row, token, amount) to logits [rows, vocab], in place, in one scatter."""
     if not entries:
         return
-    index, tokens, biases = zip(*entries, strict=True)
+    index, tokens, amounts = zip(*entries, strict=True)
     device = logits.device
     logits.index_put_(
         (_upload(list(index), torch.int64, device), _upload(list(tokens), torch.int64, device)),
-        _upload(list(biases), logits.dtype, device),
+        _upload(list(amounts), logits.dtype, device),
         accumulate=True,
     )
 
@@ -371,6 +439,20 @@ def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         _upload([p.repetition_penalty for p in params], torch.float32, device),
     )
     return logits if every else logits.index_copy_(0, where, penalized)
+
+
+def subtract_dry(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """DRY's penalties (dry.py) off each DRY row's logits, in place, in one scatter. Its
+    window is the row's whole context, prompt and output."""
+    vocab = logits.shape[-1]
+    entries = [
+        (index, token, -penalty)
+        for index, row in enumerate(rows)
+        if row.params.dry.on
+        for token, penalty in dry_penalties(row.params.dry, row.token_ids, row.dry_breakers).items()
+        if 0 <= token < vocab
+    ]
+    _add_at(logits, entries)
 
 
 def logprob_table(
@@ -458,40 +540,57 @@ def batch_probabilities(
     min_p: torch.Tensor | None = None,
     cuts: tuple[int, bool],
     sort_top_p: bool | None = None,
+    more: MoreCuts | None = None,
 ) -> torch.Tensor:
     """[rows, vocab] logits -> probabilities, each row after its own temperature [rows]
     (0, a greedy row, counts as 1), min_p [rows] (0: no cut; None: no row has one), top_k
-    [rows] (0 or >= vocab: no cut) and top_p [rows] (1: no cut), in vLLM's order. `cuts`
-    (from _cuts) lets a batch skip the sort or the top-k it does not need. A row's result
+    [rows] (0 or >= vocab: no cut) and top_p [rows] (1: no cut), in vLLM's order, and
+    llama.cpp's cuts where `more` has them (cuts.py says where each falls). `cuts` (from
+    _cuts) lets a batch skip the sort or the top-k it does not need. A row's result
     depends on nothing else in the batch, whatever the others cut. sort_top_p: top-p's cut
     by a sort of each row (top_p_by_sort) rather than nucleus(); None: on CUDA only."""
     max_k, any_top_p = cuts
     vocab = logits.shape[-1]
+    more = more or MoreCuts()
     logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if more.top_n_sigma is not None:
+        logits = top_n_sigma(logits, more.top_n_sigma)
     if min_p is not None:
         # vLLM's: drop tokens less likely than min_p times the likeliest, after temperature.
         probs = logits.softmax(-1)
         floor = min_p[:, None] * probs.amax(-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
-    if not max_k and not any_top_p:
-        return logits.softmax(-1)
     # Rows without a top-k keep everything: their threshold is -inf.
     has_k = (top_k > 0) & (top_k < vocab)
     kth_index = (top_k.clamp(1, max(max_k, 1)) - 1)[:, None]
     if sort_top_p is None:
         sort_top_p = logits.device.type == "cuda"
-    if any_top_p and sort_top_p:
-        return top_p_by_sort(logits, (has_k, kth_index, max_k), top_p)
+    if any_top_p and sort_top_p and more.typical_rows is None:
+        return _after_top_p(top_p_by_sort(logits, (has_k, kth_index, max_k), top_p), more)
     if max_k:
         # The largest max_k values suffice for the k-th, not a sort of the vocabulary.
         kth = torch.topk(logits, max_k).values.gather(1, kth_index)
         kth = torch.where(has_k[:, None], kth, float("-inf"))
         # Ties with the k-th value stay, like torch.topk's threshold always kept them.
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if more.typical_rows is not None:
+        assert more.typical_p is not None  # made together (MoreCuts.of)
+        logits = typical(logits, more.typical_rows, more.typical_p)
     if not any_top_p:
-        return logits.softmax(-1)
+        return _after_top_p(logits.softmax(-1), more)
+    if sort_top_p:  # top-k done above: the sort cuts top-p alone
+        no_k = (torch.zeros_like(has_k), kth_index, 0)
+        return _after_top_p(top_p_by_sort(logits, no_k, top_p), more)
     keep = nucleus(logits.softmax(-1), top_p)
-    return logits.masked_fill(~keep, float("-inf")).softmax(-1)
+    return _after_top_p(logits.masked_fill(~keep, float("-inf")).softmax(-1), more)
+
+
+def _after_top_p(probs: torch.Tensor, more: MoreCuts) -> torch.Tensor:
+    """The cut after top-p and min-p in llama.cpp's chain, on probabilities: XTC."""
+    if more.xtc_probability is None:
+        return probs
+    assert more.xtc_threshold is not None  # made together (MoreCuts.of)
+    return xtc(probs, more.xtc_probability, more.xtc_threshold)
 
 
 def top_p_by_sort(

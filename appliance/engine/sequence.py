@@ -6,11 +6,14 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from appliance.engine.dry import Dry
 from appliance.engine.speculative.adaptive import DraftLength
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_SPECULATIVE_TOKENS = 16  # the most drafts one sequence verifies in one step
+DRY_BREAKERS = ("\n", ":", '"', "*")  # llama.cpp's default sequence breakers
+MAX_MIROSTAT_TAU = 100.0  # bits: past any vocabulary's surprise (17 bits at 128k tokens)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,22 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()
     min_p: float = 0.0  # drop tokens under min_p times the likeliest one's probability
     min_tokens: int = 0  # end tokens and stop token ids are masked until this many
+    # llama.cpp's cuts (cuts.py): off at these values.
+    top_n_sigma: float = 0.0  # keep logits within n deviations of the largest (<= 0: off)
+    typical_p: float = 1.0  # locally typical sampling's mass (1: off)
+    xtc_probability: float = 0.0  # XTC: the chance the top choices are excluded (0: off)
+    xtc_threshold: float = 0.1  # ... those at this probability or more, but the least
+    # llama.cpp's mirostat (mirostat.py): 1 or 2 samples by it in place of top-k, top-p,
+    # min-p and the cuts above (0: off); tau the target surprise, eta its learning rate.
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    # llama.cpp's DRY (dry.py): a penalty on extending a repeat (multiplier 0: off).
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole context
+    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
     processed_logprobs: bool = False  # False: the model's raw distribution (vLLM's default)
     prompt_logprobs: int | None = None  # k: each prompt token's (from the 2nd) and top k
@@ -89,6 +108,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(tuple(p) for p in self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         object.__setattr__(self, "bad_words", tuple(tuple(w) for w in self.bad_words))
+        object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (
@@ -112,6 +132,7 @@ class SamplingParams:
             ),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            *_llama_cpp_checks(self),
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
                 f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
@@ -138,9 +159,56 @@ class SamplingParams:
         return self.prompt_logprobs is not None or self.embed
 
     @property
+    def dry(self) -> Dry:
+        return Dry(
+            self.dry_multiplier, self.dry_base, self.dry_allowed_length, self.dry_penalty_last_n
+        )
+
+    @property
     def greedy(self) -> bool:
         # Dividing logits by a temperature this small overflows: it is greedy anyway.
         return self.temperature < GREEDY_BELOW
+
+
+def _llama_cpp_checks(p: SamplingParams) -> list[tuple[bool, str]]:
+    def finite(value: float) -> bool:
+        return math.isfinite(value)
+
+    return [
+        (finite(p.top_n_sigma), f"top_n_sigma must be a finite number, got {p.top_n_sigma}"),
+        (0 < p.typical_p <= 1, f"typical_p must be in (0, 1], got {p.typical_p}"),
+        (
+            0 <= p.xtc_probability <= 1,
+            f"xtc_probability must be in [0, 1], got {p.xtc_probability}",
+        ),
+        (0 <= p.xtc_threshold <= 1, f"xtc_threshold must be in [0, 1], got {p.xtc_threshold}"),
+        (p.mirostat in (0, 1, 2), f"mirostat must be 0, 1 or 2, got {p.mirostat}"),
+        (
+            finite(p.mirostat_tau) and 0 < p.mirostat_tau <= MAX_MIROSTAT_TAU,
+            f"mirostat_tau must be in (0, {MAX_MIROSTAT_TAU}], got {p.mirostat_tau}",
+        ),
+        (
+            finite(p.mirostat_eta) and 0 <= p.mirostat_eta <= 1,
+            f"mirostat_eta must be in [0, 1], got {p.mirostat_eta}",
+        ),
+        (
+            finite(p.dry_multiplier) and p.dry_multiplier >= 0,
+            f"dry_multiplier must be a finite number >= 0, got {p.dry_multiplier}",
+        ),
+        (finite(p.dry_base) and p.dry_base > 0, f"dry_base must be > 0, got {p.dry_base}"),
+        (
+            p.dry_allowed_length >= 0,
+            f"dry_allowed_length must be >= 0, got {p.dry_allowed_length}",
+        ),
+        (
+            p.dry_penalty_last_n >= -1,
+            f"dry_penalty_last_n must be >= -1 (-1: the whole context), got {p.dry_penalty_last_n}",
+        ),
+        (
+            all(p.dry_sequence_breakers),
+            "dry_sequence_breakers must not hold an empty string",
+        ),
+    ]
 
 
 def _speculative_checks(n_max: int | None, n_min: int | None) -> list[tuple[bool, str]]:
@@ -176,6 +244,8 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     stop_token_ids: frozenset[int] = frozenset()
+    # The tokens holding one of its DRY sequence breakers (the engine's tokenizer finds them).
+    dry_breakers: frozenset[int] = frozenset()
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)

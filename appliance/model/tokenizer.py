@@ -74,6 +74,7 @@ class Tokenizer:
         self._takes_tools = _reads_variable(chat_template, "tools")
         self.vocab_size = raw.get_vocab_size(with_added_tokens=True)
         self.stop_token_ids = self._find_stop_ids(extra_eos_ids)
+        self._holding: dict[str, frozenset[int]] = {}  # ids_holding's, by text
 
     @classmethod
     def load(
@@ -207,6 +208,23 @@ class Tokenizer:
         if not 0 <= token_id < self.vocab_size:
             return b""
         return self._byte_table.decode_bytes([token_id])
+
+    def ids_holding(self, texts: tuple[str, ...]) -> frozenset[int]:
+        """The ids of the tokens whose bytes hold one of `texts` whole (DRY's sequence
+        breakers: every token with a newline in it, say). Each text's set is found once."""
+        found: set[int] = set()
+        for text in texts:
+            ids = self._holding.get(text)
+            if ids is None:
+                wanted = text.encode("utf-8", "surrogatepass")
+                ids = frozenset(i for i, raw in enumerate(self._all_bytes) if wanted in raw)
+                self._holding[text] = ids
+            found |= ids
+        return frozenset(found)
+
+    @functools.cached_property
+    def _all_bytes(self) -> list[bytes]:
+        return [self.token_bytes(i) for i in range(self.vocab_size)]
 
     @functools.cached_property
     def _byte_table(self) -> llguidance.LLTokenizer:

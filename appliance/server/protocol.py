@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from appliance.api import SamplingParams
-from appliance.engine.sequence import MAX_SPECULATIVE_TOKENS
+from appliance.engine.sequence import DRY_BREAKERS, MAX_MIROSTAT_TAU, MAX_SPECULATIVE_TOKENS
 from appliance.server.errors import APIError
 from appliance.server.structured_fields import StructuredFields
 from appliance.server.tool_fields import (
@@ -40,7 +40,8 @@ from appliance.server.tool_fields import (
 # include_stop_str_in_output, allowed_token_ids, truncate_prompt_tokens,
 # return_tokens_as_token_ids, bad_words, skip_special_tokens, the
 # structured-output fields (structured_fields.py), the
-# penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs;
+# penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs,
+# llama.cpp's typical_p, top_n_sigma, XTC, mirostat and DRY;
 UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
     {
         # OpenAI
@@ -59,9 +60,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "detokenize": (None, True),
         # vLLM's own template: the prompt would not be the one asked for
         "chat_template": (None,),
-        # llama.cpp server's sampling fields
-        "typical_p": (None, 1, 1.0),
-        "mirostat": (None, 0),
     }
 )
 MAX_STOP_STRINGS = 16
@@ -72,6 +70,8 @@ MAX_SEED = 2**63 - 1
 MAX_TOP_K = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_DRY_BREAKERS = 64
+MAX_DRY_BREAKER_CHARS = 40  # llama.cpp's: a longer breaker is cut to this
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM takes as many on completions
 
 
@@ -209,6 +209,21 @@ class SamplingFields(Body, StructuredFields):
     bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
     min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
+    # llama.cpp server's samplers, under its names and with its "off" values (-1 for
+    # top_n_sigma): engine/cuts.py and engine/mirostat.py say what each does.
+    top_n_sigma: float = Field(-1.0, allow_inf_nan=False, description="<= 0: off")
+    typical_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    xtc_probability: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    xtc_threshold: float = Field(0.1, ge=0, le=1, allow_inf_nan=False)
+    mirostat: Literal[0, 1, 2] = 0
+    mirostat_tau: float = Field(5.0, gt=0, le=MAX_MIROSTAT_TAU, allow_inf_nan=False)
+    mirostat_eta: float = Field(0.1, ge=0, le=1, allow_inf_nan=False)
+    dry_multiplier: float = Field(0.0, ge=0, allow_inf_nan=False, description="0: off")
+    dry_base: float = Field(1.75, gt=0, allow_inf_nan=False, description="under 1: off")
+    dry_allowed_length: int = Field(2, ge=0)
+    dry_penalty_last_n: int = Field(-1, ge=-1, description="-1: the whole context; 0: off")
+    # None: llama.cpp's default ("\n", ":", '"', "*").
+    dry_sequence_breakers: list[str] | None = Field(None, max_length=MAX_DRY_BREAKERS)
     # vLLM's switch (its server option, here per request): the model's own distribution,
     # or the one tokens are drawn from (after bias, penalties, temperature and the cuts).
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
@@ -257,6 +272,16 @@ class SamplingFields(Body, StructuredFields):
         if any(not w.strip() or len(w) > MAX_STOP_CHARS for w in value):
             raise ValueError(f"bad words must hold text, at most {MAX_STOP_CHARS} characters")
         return [valid_unicode(w) for w in value]
+
+    @field_validator("dry_sequence_breakers")
+    @classmethod
+    def _breakers_are_text(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        if not value or not all(value):
+            raise ValueError("must be a non-empty array of non-empty strings (as llama.cpp)")
+        # llama.cpp cuts a longer breaker to its first 40 characters (with a warning).
+        return [valid_unicode(text[:MAX_DRY_BREAKER_CHARS]) for text in value]
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -352,6 +377,18 @@ class SamplingFields(Body, StructuredFields):
             allowed_token_ids=tuple(self.allowed_token_ids or ()),
             min_p=self.min_p,
             min_tokens=self.min_tokens,
+            top_n_sigma=max(self.top_n_sigma, 0.0),
+            typical_p=self.typical_p,
+            xtc_probability=self.xtc_probability,
+            xtc_threshold=self.xtc_threshold,
+            mirostat=self.mirostat,
+            mirostat_tau=self.mirostat_tau,
+            mirostat_eta=self.mirostat_eta,
+            dry_multiplier=self.dry_multiplier,
+            dry_base=self.dry_base,
+            dry_allowed_length=self.dry_allowed_length,
+            dry_penalty_last_n=self.dry_penalty_last_n,
+            dry_sequence_breakers=tuple(self.dry_sequence_breakers or DRY_BREAKERS),
             logprobs=self.requested_logprobs(),
             processed_logprobs=self.logprobs_mode == "processed_logprobs",
             prompt_logprobs=self.prompt_logprobs,

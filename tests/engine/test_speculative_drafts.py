@@ -279,7 +279,7 @@ def test_drafts_never_preempt_another_sequence() -> None:
     assert [(c.seq, c.num_tokens) for c in out.decodes] == [(seqs[0], 1), (seqs[1], 1)]
 
 
-def test_every_sampling_feature_speculates_and_a_grammar_cuts_its_drafts() -> None:
+def test_every_sampling_feature_but_mirostat_speculates_and_a_grammar_cuts_its_drafts() -> None:
     def ready(**params: object) -> Sequence:
         seq = new_seq(0, 3, **params)
         seq.token_ids.append(50)
@@ -290,6 +290,10 @@ def test_every_sampling_feature_speculates_and_a_grammar_cuts_its_drafts() -> No
     assert speculates(ready(temperature=0.8, top_p=0.9, top_k=5, seed=1))
     assert speculates(ready(presence_penalty=0.5, repetition_penalty=1.2))
     assert speculates(ready(logit_bias=[(3, 1.0)], logprobs=0, min_tokens=3))
+    assert speculates(ready(temperature=0.8, typical_p=0.5, xtc_probability=0.5, top_n_sigma=1))
+    # Mirostat's cut at a drafted position would depend on the draws before it.
+    assert not speculates(ready(temperature=0.8, mirostat=2))
+    assert speculates(ready(mirostat=2))  # greedy: mirostat has nothing to steer
     structured = ready(structured=StructuredOutput("json_object"))
     assert speculates(structured)
     # Its drafts end where its grammar refuses one; without a grammar check, none.

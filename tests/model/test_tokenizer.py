@@ -118,6 +118,21 @@ def test_a_tokens_bytes_are_its_byte_level_vocabulary_entry(engine: LLMEngine) -
     assert tokenizer.token_bytes(tokenizer.vocab_size) == b""
 
 
+def test_the_tokens_holding_a_text_are_all_found(engine: LLMEngine) -> None:
+    """DRY's sequence breakers: every token whose bytes hold one of the texts, no other."""
+    tokenizer = engine.tokenizer
+    found = tokenizer.ids_holding(("\n", ":"))
+    every = range(tokenizer.vocab_size)
+    assert found == {i for i in every if {b"\n", b":"} & _pieces(tokenizer.token_bytes(i))}
+    assert set(tokenizer.encode("a:\n\nb", add_special_tokens=False)) & found
+    assert tokenizer.ids_holding(("\n",)) < found
+    assert tokenizer.ids_holding(()) == frozenset()
+
+
+def _pieces(raw: bytes) -> set[bytes]:
+    return {raw[i : i + 1] for i in range(len(raw))}
+
+
 def test_missing_template_is_a_clear_error(engine: LLMEngine) -> None:
     bare = Tokenizer(engine.tokenizer._raw, {}, None)
     with pytest.raises(ValueError, match="no chat template"):

@@ -178,12 +178,38 @@ def test_the_fields_llama_cpps_clients_send_by_default_are_accepted(http: httpx.
     assert sampled["generation_settings"]["top_k"] == 1
 
 
+def test_llama_cpps_own_samplers_are_served(http: httpx.Client) -> None:
+    """mirostat, top-n-sigma, typical, XTC and DRY under llama.cpp's names, echoed in
+    generation_settings: cut to the likeliest token (a target of almost no surprise, a
+    millionth of a deviation) a hot sample is the greedy one; a seeded mix repeats."""
+    plain = complete(http, prompt=PROMPT, n_predict=8, temperature=0)["content"]
+    hot: dict[str, Any] = dict(prompt=PROMPT, n_predict=8, temperature=1.5, seed=4)
+    for narrow in ({"mirostat": 1, "mirostat_tau": 0.01}, {"mirostat": 2, "mirostat_tau": 0.01}):
+        steered = complete(http, **hot, **narrow, mirostat_eta=0.2)
+        assert steered["content"] == plain, narrow
+        settings = steered["generation_settings"]
+        assert (settings["mirostat"], settings["mirostat_eta"]) == (narrow["mirostat"], 0.2)
+    assert complete(http, **hot, top_n_sigma=1e-6)["content"] == plain
+    mixed = dict(typical_p=0.7, xtc_probability=0.5, xtc_threshold=0.05, top_n_sigma=2)
+    first, again = (complete(http, **hot, **mixed) for _ in range(2))
+    assert first["content"] == again["content"] and first["tokens_predicted"] == 8
+    settings = first["generation_settings"]
+    assert {name: settings[name] for name in mixed} == mixed
+    # DRY: a penalty on extending a repeat breaks a loop the prompt sets up.
+    loop = dict(prompt="one, two, one, two, one, two, one, two,", n_predict=8, temperature=0)
+    assert complete(http, **loop)["content"].startswith(" one, two, one, two")
+    dry = dict(dry_multiplier=3.0, dry_allowed_length=2, dry_sequence_breakers=["\n"])
+    broken = complete(http, **loop, **dry)
+    assert "one, two, one" not in broken["content"]
+    assert {name: broken["generation_settings"][name] for name in dry} == dry
+
+
 @pytest.mark.parametrize(
     ("field", "value", "status"),
     [
-        ("mirostat", 2, 400),
-        ("dry_multiplier", 0.8, 400),
-        ("xtc_probability", 0.5, 400),
+        ("tfs_z", 0.9, 400),
+        ("dry_sequence_breakers", [], 422),
+        ("dynatemp_range", 0.5, 400),
         ("n_predict", 0, 400),
         ("logit_bias", [["Hello", 1.0]], 400),
         ("prompt", ["one", "two"], 422),  # the body's shape: as every route's validation

@@ -64,6 +64,17 @@ def test_a_chat_answers_as_the_chat_completion_does(
     assert got.total_duration >= got.prompt_eval_duration + got.eval_duration
 
 
+def test_llama_cpps_samplers_in_the_options_are_served(client: ollama.Client) -> None:
+    """mirostat and typical_p (llama.cpp's, in Ollama's options): a mirostat target
+    of almost no surprise keeps only the likeliest token, so a hot sample is greedy."""
+    greedy = client.chat(model=MODEL, messages=ASK, options=GREEDY).message.content
+    hot = {"num_predict": GREEDY["num_predict"], "temperature": 1.5, "seed": 3}
+    steered = hot | {"mirostat": 2, "mirostat_tau": 0.01, "mirostat_eta": 0.1}
+    assert client.chat(model=MODEL, messages=ASK, options=steered).message.content == greedy
+    typical = client.chat(model=MODEL, messages=ASK, options=hot | {"typical_p": 0.5})
+    assert typical.done and typical.eval_count == GREEDY["num_predict"]
+
+
 def test_a_streamed_chat_is_its_whole_answer_line_by_line(client: ollama.Client) -> None:
     whole = client.chat(model=MODEL, messages=ASK, options=GREEDY)
     lines = list(client.chat(model=MODEL, messages=ASK, options=GREEDY, stream=True))
@@ -157,7 +168,7 @@ def test_a_pull_of_the_served_model_succeeds_and_nothing_is_pulled_or_changed(
     ("body", "status", "says"),
     [
         ({"model": "nope", "messages": ASK}, 404, "does not exist"),
-        ({"model": MODEL, "messages": ASK, "options": {"mirostat": 1}}, 400, "mirostat"),
+        ({"model": MODEL, "messages": ASK, "options": {"tfs_z": 0.9}}, 400, "tfs_z"),
         ({"model": MODEL, "messages": ASK, "options": {"nucleus": 1}}, 400, "unknown option"),
         ({"model": MODEL, "messages": ASK, "options": {"num_predict": 0}}, 400, "num_predict"),
         (
@@ -285,15 +296,20 @@ def test_options_and_format_become_the_chat_completions_fields() -> None:
     assert streamed["max_tokens"] == 5
     assert streamed["stream"] and streamed["stream_options"] == {"include_usage": True}
     with pytest.raises(APIError) as refused:
-        OllamaChat(model="m", messages=[], options={"typical_p": 0.9}).chat_body()
-    assert refused.value.param == "options.typical_p"
+        OllamaChat(model="m", messages=[], options={"tfs_z": 0.9}).chat_body()
+    assert refused.value.param == "options.tfs_z"
     thinking = OllamaChat(model="m", messages=[], think=False).chat_body()
     assert thinking["chat_template_kwargs"] == {"enable_thinking": False}  # Qwen3's switch
     effort = OllamaChat(model="m", messages=[], think="low").chat_body()
     assert effort["chat_template_kwargs"] == {"reasoning_effort": "low"}  # gpt-oss's
-    neutral = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1, "penalize_newline": True, "seed": -1}
+    neutral = {"tfs_z": 1, "penalize_newline": True, "seed": -1}
     plain = OllamaChat(model="m", messages=[], format="", options=neutral).chat_body()
-    assert not {"seed", "response_format", "mirostat", "typical_p"} & set(plain)
+    assert not {"seed", "response_format", "tfs_z", "penalize_newline"} & set(plain)
+    # llama.cpp's samplers Ollama offers go on under their names (the chat route checks them)
+    steered = {"mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2, "typical_p": 0.9}
+    assert OllamaChat(model="m", messages=[], options=steered).chat_body().items() >= (
+        steered.items()
+    )
 
 
 def test_tool_results_answer_the_calls_in_order_of_their_names() -> None:

@@ -215,14 +215,12 @@ def test_a_model_is_retrieved_by_its_id_and_another_id_is_404(client: OpenAI) ->
 
 
 REFUSED_EXTRAS = [
-    {"typical_p": 0.9},
     {"length_penalty": 0.5},
     {"use_beam_search": True},
     {"detokenize": False},
     {"spaces_between_special_tokens": False},
     {"chat_template": "{{ messages }}"},
     {"logits_processors": ["x"]},
-    {"mirostat": 2},
 ]
 
 

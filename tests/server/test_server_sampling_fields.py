@@ -321,12 +321,62 @@ def test_logit_bias_min_tokens_and_min_p(client: OpenAI, tokenizer: Tokenizer) -
     assert sampled.choices[0].message.content == greedy.choices[0].message.content
 
 
+def test_llama_cpps_samplers_are_served(client: OpenAI) -> None:
+    """llama.cpp's samplers in extra_body, under its names (as its OpenAI route takes
+    them): cut to the likeliest token (mirostat aiming at almost no surprise, top-n-sigma
+    at a millionth of a deviation) a hot sample is greedy, and the processed logprob of
+    each token drawn is 0; a seeded mix of typical_p and XTC repeats itself."""
+    ask: dict[str, Any] = dict(model=MODEL, messages=QUESTION, max_tokens=10)
+    greedy = client.chat.completions.create(**ask, temperature=0).choices[0].message.content
+    narrowest = [
+        {"mirostat": 1, "mirostat_tau": 0.01},
+        {"mirostat": 2, "mirostat_tau": 0.01},
+        {"top_n_sigma": 1e-6},
+    ]
+    for extra in narrowest:
+        sampled = client.chat.completions.create(
+            **ask,
+            temperature=1.5,
+            seed=5,
+            logprobs=True,
+            extra_body=extra | {"logprobs_mode": "processed_logprobs"},
+        )
+        choice = sampled.choices[0]
+        assert choice.message.content == greedy, extra
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert all(t.logprob == 0.0 for t in choice.logprobs.content), extra
+    mixed = {"typical_p": 0.6, "xtc_probability": 0.5, "xtc_threshold": 0.05}
+    first, again = (
+        client.chat.completions.create(**ask, temperature=1.0, seed=8, extra_body=mixed)
+        for _ in range(2)
+    )
+    assert first.choices[0].message.content == again.choices[0].message.content
+
+
+def test_dry_stops_a_loop_its_breakers_allow(client: OpenAI) -> None:
+    """llama.cpp's DRY in extra_body: greedy decoding continues a looping prompt; DRY's
+    penalty on extending a repeat (the prompt counts) breaks out of it, unless a
+    sequence breaker (here the comma) bounds every run to less than the allowed length."""
+    ask: dict[str, Any] = dict(model=MODEL, prompt=REPEATS, max_tokens=12, temperature=0)
+    looping = client.completions.create(**ask).choices[0].text
+    assert looping.startswith(" one, two, one, two")
+    dry = {"dry_multiplier": 3.0, "dry_base": 1.75, "dry_allowed_length": 2}
+    broken = client.completions.create(**ask, extra_body=dry).choices[0].text
+    assert "one, two, one" not in broken and broken != looping
+    commas = dry | {"dry_sequence_breakers": [","]}
+    assert client.completions.create(**ask, extra_body=commas).choices[0].text == looping
+
+
 def test_bad_fields_are_refused_over_http(client: OpenAI) -> None:
     cases = [
         ({"logit_bias": {"99999999": 5}}, 400, "logit_bias"),
         ({"top_logprobs": 2}, 400, "top_logprobs"),
         ({"logit_bias": {"x": 5}}, 422, "logit_bias"),
         ({"min_p": 2}, 422, "min_p"),
+        ({"mirostat": 3}, 422, "mirostat"),
+        ({"typical_p": 0}, 422, "typical_p"),
+        ({"dry_sequence_breakers": []}, 422, "dry_sequence_breakers"),
+        ({"dry_penalty_last_n": -2}, 422, "dry_penalty_last_n"),
     ]
     for fields, status, param in cases:
         with pytest.raises(openai.APIStatusError) as info:

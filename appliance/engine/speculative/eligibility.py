@@ -4,8 +4,10 @@ Torch-free (the scheduler asks it).
 Verification judges each drafted position as plain decoding would sample it (the sampler
 processes every verify row for the output so far plus the drafts before it: penalties,
 logit_bias, min_tokens' end-token mask, the grammar's state), and logprobs come from the
-target's rows: every sampling feature speculates. A structured request's drafts are cut
-at the first token its grammar refuses, so no such token is ever verified."""
+target's rows: every sampling feature speculates but mirostat, whose cut at each
+position depends on the tokens drawn before it through its controller's state (a
+mirostat request decodes a token a step). A structured request's drafts are cut at the
+first token its grammar refuses, so no such token is ever verified."""
 
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ DraftCheck = Callable[[Sequence, Ids[int]], int]
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether `seq` may carry drafts: decoding here, with one token uncomputed."""
-    return not seq.prefill_only and bool(seq.output_ids) and seq.num_uncomputed == 1
+    """Whether `seq` may carry drafts: decoding here, with one token uncomputed, and not
+    sampled by mirostat."""
+    steered = seq.params.mirostat != 0 and not seq.params.greedy
+    return not (seq.prefill_only or steered) and bool(seq.output_ids) and seq.num_uncomputed == 1
 
 
 def draft_room(seq: Sequence, chunk_size: int, max_model_len: int) -> int:

@@ -121,6 +121,7 @@ class LlamaReply:
             "top_k": p.top_k,
             "top_p": p.top_p,
             "min_p": p.min_p,
+            **llama_samplers(p),
             "repeat_penalty": p.repetition_penalty,
             "presence_penalty": p.presence_penalty,
             "frequency_penalty": p.frequency_penalty,
@@ -149,3 +150,21 @@ class LlamaReply:
             "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
             "predicted_per_second": predicted_n / predicted_ms * 1000 if predicted_ms > 0 else 0.0,
         }
+
+
+def llama_samplers(p: SamplingParams) -> dict[str, Any]:
+    """llama.cpp's own samplers' settings in `p`, by llama.cpp's names and "off" values."""
+    return {
+        "top_n_sigma": p.top_n_sigma if p.top_n_sigma > 0 else -1.0,
+        "typical_p": p.typical_p,
+        "xtc_probability": p.xtc_probability,
+        "xtc_threshold": p.xtc_threshold,
+        "mirostat": p.mirostat,
+        "mirostat_tau": p.mirostat_tau,
+        "mirostat_eta": p.mirostat_eta,
+        "dry_multiplier": p.dry_multiplier,
+        "dry_base": p.dry_base,
+        "dry_allowed_length": p.dry_allowed_length,
+        "dry_penalty_last_n": p.dry_penalty_last_n,
+        "dry_sequence_breakers": list(p.dry_sequence_breakers),
+    }

@@ -4,15 +4,16 @@ tokenizer, sampling, stops, grammar and JSON schema.
 
 Its sampling fields share OpenAI's (and vLLM's) names and pass through as they are:
 temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty,
-stop, ignore_eos, grammar, json_schema. Renamed: n_predict -> max_tokens (-1 and -2,
-or past the context's room: until the context is full), n_probs -> logprobs,
-post_sampling_probs -> logprobs_mode, seed -1 -> none, logit_bias as [[id, bias]] pairs
-(false: never), top_p 0 -> top_k 1 (the likeliest token, as llama.cpp). Fields that change
-sampling in ways this server does not have (mirostat, typical_p, DRY, XTC, dynamic
-temperature, top-n-sigma) are refused unless sent at the value that turns them off, as
-llama.cpp's own clients send them; those that say where or how the server keeps its
-cache or slots (cache_prompt, id_slot, n_keep, samplers, repeat_last_n, ...) are
-accepted and not applied."""
+stop, ignore_eos, grammar, json_schema, and llama.cpp's own samplers, which the OpenAI
+route takes under the same names (top_n_sigma, typical_p, xtc_*, mirostat*, dry_*). Renamed:
+n_predict -> max_tokens (-1 and -2, or past the context's room: until the context is
+full), n_probs -> logprobs, post_sampling_probs -> logprobs_mode, seed -1 -> none,
+logit_bias as [[id, bias]] pairs (false: never), top_p 0 -> top_k 1 (the likeliest
+token, as llama.cpp). Fields that change sampling in ways this server does not have
+(tail-free, dynamic temperature) are refused unless sent at the value that turns
+them off, as llama.cpp's own clients send them; those that say where or how the server
+keeps its cache or slots (cache_prompt, id_slot, n_keep, samplers, repeat_last_n, ...)
+are accepted and not applied."""
 
 from __future__ import annotations
 
@@ -39,17 +40,24 @@ SAME_NAMES = (
     "ignore_eos",
     "grammar",
     "json_schema",
+    "top_n_sigma",
+    "typical_p",
+    "xtc_probability",
+    "xtc_threshold",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
 )
 # Sampling this server does not have, each with what llama.cpp reads as "off" (what its
 # clients send by default: SillyTavern's top_n_sigma is 0): other values are a 400.
 OFF: dict[str, Callable[[float], bool]] = {
-    "mirostat": lambda v: v == 0,
-    "typical_p": lambda v: v >= 1,
     "tfs_z": lambda v: v >= 1,
-    "dry_multiplier": lambda v: v <= 0,
-    "xtc_probability": lambda v: v <= 0,
     "dynatemp_range": lambda v: v <= 0,
-    "top_n_sigma": lambda v: v <= 0,
     "n_indent": lambda v: v <= 0,
     "t_max_predict_ms": lambda v: v <= 0,
     "n_cmpl": lambda v: v == 1,

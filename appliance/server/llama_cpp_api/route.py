@@ -21,14 +21,14 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from appliance.api import RequestFailed
+from appliance.api import RequestFailed, SamplingParams
 from appliance.model.model_source import default_model_path
 from appliance.server import replies, routes
 from appliance.server.body import validated
 from appliance.server.errors import APIError
 from appliance.server.generation import Choice, run_choices
 from appliance.server.infill import Infill
-from appliance.server.llama_cpp_api.reply import LlamaReply
+from appliance.server.llama_cpp_api.reply import LlamaReply, llama_samplers
 from appliance.server.llama_cpp_api.request import RENAMED, LlamaCompletion, LlamaInfill
 from appliance.server.state import ServerState, server_version
 
@@ -134,6 +134,7 @@ async def props(request: Request) -> Response:
         "top_p": defaults.get("top_p", 1.0),
         "min_p": defaults.get("min_p", 0.0),
         "repeat_penalty": defaults.get("repetition_penalty", 1.0),
+        **llama_samplers(SamplingParams()),  # off, as the server starts them
         "seed": -1,
     }
     settings = {"id": 0, "id_task": -1, "n_ctx": appliance.max_model_len, "params": params}

@@ -4,10 +4,11 @@ one path: the template, tools, structured outputs, sampling and stops.
 
 Ollama's `options` under OpenAI's or llama.cpp's names: num_predict -> max_tokens
 (-1 and -2: until the context is full), repeat_penalty, temperature, top_k, top_p,
-min_p, seed, stop, presence_penalty, frequency_penalty. Options that size or place the
-model (num_ctx, num_gpu, num_thread, ...) are fixed by the server's settings: accepted,
-not applied. Options that change sampling in ways this server does not have
-(mirostat, typical_p, tfs_z, penalize_newline) are refused, naming the option."""
+min_p, typical_p, mirostat, mirostat_tau, mirostat_eta, seed, stop, presence_penalty,
+frequency_penalty. Options that size or place the model (num_ctx, num_gpu, num_thread,
+...) are fixed by the server's settings: accepted, not applied. tfs_z (sampling this
+server does not have, gone from llama.cpp too) is refused unless at its "off" value,
+naming the option; penalize_newline (deprecated, ignored by Ollama) is accepted."""
 
 from __future__ import annotations
 
@@ -40,10 +41,10 @@ PLACEMENT_OPTIONS = frozenset(
     }
 )
 # Sampling this server does not have: refused unless at the value that turns it off.
-REFUSED_OPTIONS = MappingProxyType({"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0})
-# Ollama's own engine ignores these (mirostat's rates without mirostat; a deprecated flag).
-IGNORED_OPTIONS = frozenset({"mirostat_tau", "mirostat_eta", "penalize_newline"})
-SAMPLING_OPTIONS = {  # Ollama's name -> the chat completion field
+REFUSED_OPTIONS = MappingProxyType({"tfs_z": 1.0})
+# Ollama's own engine ignores this (a deprecated flag).
+IGNORED_OPTIONS = frozenset({"penalize_newline"})
+SAMPLING_OPTIONS = {  # Ollama's name -> the chat completion field (llama.cpp's names)
     "temperature": "temperature",
     "top_k": "top_k",
     "top_p": "top_p",
@@ -53,6 +54,10 @@ SAMPLING_OPTIONS = {  # Ollama's name -> the chat completion field
     "repeat_penalty": "repeat_penalty",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
+    "typical_p": "typical_p",
+    "mirostat": "mirostat",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
 }
 
 
