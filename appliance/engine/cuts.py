@@ -1,7 +1,9 @@
 """The cuts of llama.cpp's sampler that vLLM's lacks: top-n-sigma, locally typical
-sampling (typical_p) and XTC ("exclude top choices"). batch_probabilities runs them in
-llama.cpp's order among its own cuts: temperature, top-n-sigma, min-p, top-k, typical,
-top-p, XTC (vLLM's temperature first, as for the others).
+sampling (typical_p), XTC ("exclude top choices") and dynamic temperature.
+batch_probabilities runs them in llama.cpp's order among its own cuts: temperature,
+top-n-sigma, min-p, top-k, typical, top-p, XTC (vLLM's temperature first, as for the
+others); a row with a dynamic temperature takes it last instead, after the cuts at
+temperature 1, as llama.cpp's chain does, since it is read from the candidates left.
 
 Each works on a batch's rows with per-row settings as [rows] tensors made on the host,
 so nothing reads the device; a row whose setting is off comes out as it went in. Each is
@@ -11,57 +13,58 @@ judges drafts by exactly what a plain step draws from."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from appliance.engine.sequence import SamplingParams
+from appliance.engine.sequence import GREEDY_BELOW, SamplingParams
 
 
 @dataclass(frozen=True)
 class MoreCuts:
-    """A batch's settings for these cuts, [rows] tensors; None where no row has it."""
+    """A batch's settings for these cuts, [rows] float32 tensors; None where no row has
+    the cut (a greedy row has none: it takes the argmax)."""
 
-    top_n_sigma: torch.Tensor | None = None  # float32 (<= 0: off)
+    top_n_sigma: torch.Tensor | None = None  # <= 0: off
     typical_rows: torch.Tensor | None = None  # int64: the rows with typical_p < 1
-    typical_p: torch.Tensor | None = None  # float32, one per typical row
-    xtc_probability: torch.Tensor | None = None  # float32 (0: off)
-    xtc_threshold: torch.Tensor | None = None  # float32 (> 0.5: off, as llama.cpp)
+    typical_p: torch.Tensor | None = None  # one per typical row
+    xtc_probability: torch.Tensor | None = None  # 0: off
+    xtc_threshold: torch.Tensor | None = None  # > 0.5: off, as llama.cpp
+    dynatemp_range: torch.Tensor | None = None  # 0: off
+    dynatemp_exponent: torch.Tensor | None = None
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device) -> MoreCuts | None:
-        """The batch's settings (greedy rows count as off); None when no row has any."""
-        sampled = [(i, p) for i, p in enumerate(params) if not p.greedy]
-        sigma = any(p.top_n_sigma > 0 for _, p in sampled)
-        typical = [(i, p.typical_p) for i, p in sampled if p.typical_p < 1]
-        xtc = any(p.xtc_probability > 0 for _, p in sampled)
-        if not (sigma or typical or xtc):
-            return None
+        """The batch's settings; None when no row has any."""
 
-        def per_row(values: list[float]) -> torch.Tensor:
+        def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32).to(device)
 
-        off = [p.greedy for p in params]
-        return cls(
-            top_n_sigma=(
-                per_row([0.0 if o else p.top_n_sigma for o, p in zip(off, params, strict=True)])
-                if sigma
-                else None
-            ),
+        def cut(read: Callable[[SamplingParams], float], off: float) -> torch.Tensor | None:
+            values = [off if p.greedy else read(p) for p in params]
+            return None if all(v == off for v in values) else column(values)
+
+        typical = [(i, p.typical_p) for i, p in enumerate(params) if not p.greedy]
+        typical = [(i, mass) for i, mass in typical if mass < 1]
+        xtc = cut(lambda p: p.xtc_probability, 0.0)
+        dynatemp = cut(lambda p: p.dynatemp_range, 0.0)
+        more = cls(
+            top_n_sigma=cut(lambda p: max(p.top_n_sigma, 0.0), 0.0),
             typical_rows=(
                 torch.tensor([i for i, _ in typical], dtype=torch.int64).to(device)
                 if typical
                 else None
             ),
-            typical_p=per_row([t for _, t in typical]) if typical else None,
-            xtc_probability=(
-                per_row([0.0 if o else p.xtc_probability for o, p in zip(off, params, strict=True)])
-                if xtc
-                else None
+            typical_p=column([mass for _, mass in typical]) if typical else None,
+            xtc_probability=xtc,
+            xtc_threshold=column([p.xtc_threshold for p in params]) if xtc is not None else None,
+            dynatemp_range=dynatemp,
+            dynatemp_exponent=(
+                column([p.dynatemp_exponent for p in params]) if dynatemp is not None else None
             ),
-            xtc_threshold=per_row([p.xtc_threshold for p in params]) if xtc else None,
         )
+        return None if more == cls() else more
 
 
 def top_n_sigma(logits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -100,11 +103,42 @@ def xtc(probs: torch.Tensor, probability: torch.Tensor, threshold: torch.Tensor)
     or more tokens reach `threshold` [rows], every one of them but the least likely is
     removed. As a mixture: (1 - q) * probs + q * probs without them, renormalized.
     probs [rows, vocab] -> [rows, vocab]."""
+    chance, excluded = xtc_branch(probs, probability, threshold)
+    return (1 - chance[:, None]) * probs + chance[:, None] * excluded
+
+
+def xtc_branch(
+    probs: torch.Tensor, probability: torch.Tensor, threshold: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """XTC's two outcomes: the chance [rows] its coin excludes the top choices (0 where
+    fewer than two tokens reach the threshold, or it is off), and probs [rows, vocab]
+    without them, renormalized."""
     above = probs >= threshold[:, None]
     least = torch.where(above, probs, torch.inf).amin(-1, keepdim=True)  # [rows, 1]
     removed = above & (probs > least)
     applies = (above.sum(-1) >= 2) & (probability > 0) & (threshold <= 0.5)  # [rows]
     kept = probs.masked_fill(removed, 0.0)
     kept = kept / kept.sum(-1, keepdim=True).clamp(min=torch.finfo(probs.dtype).tiny)
-    q = torch.where(applies, probability, 0.0)[:, None]
-    return (1 - q) * probs + q * kept
+    return torch.where(applies, probability, 0.0), kept
+
+
+def dynamic_temperature(
+    probs: torch.Tensor, temperature: torch.Tensor, spread: torch.Tensor, exponent: torch.Tensor
+) -> torch.Tensor:
+    """llama.cpp's dynamic temperature on probabilities [rows, vocab] left by the cuts at
+    temperature 1: each row's temperature is `temperature` - `spread` (at least 0) plus
+    2 `spread` times (the entropy of its candidates over the most they could have, log of
+    their count) to the power `exponent`; the row is then raised to 1 / that temperature
+    and renormalized, as dividing its logits would. Rows with spread 0 come out as they
+    went in; so does a row with one candidate."""
+    low = (temperature - spread).clamp(min=0)
+    high = temperature + spread
+    candidates = (probs > 0).sum(-1)  # [rows]
+    logp = torch.where(probs > 0, probs.log(), float("-inf"))
+    entropy = -torch.where(probs > 0, probs * logp, 0.0).sum(-1)
+    most = candidates.clamp(min=2).float().log()
+    chosen = low + (high - low) * (entropy / most).clamp(0, 1).pow(exponent)
+    # A temperature of 0 is the argmax: keep it finite (the likeliest then takes all).
+    scaled = (logp / chosen.clamp(min=GREEDY_BELOW)[:, None]).softmax(-1)
+    on = (spread > 0) & (candidates > 1)
+    return torch.where(on[:, None], scaled, probs)

@@ -27,7 +27,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from appliance.engine.categorical import draw, uniforms
-from appliance.engine.cuts import MoreCuts, top_n_sigma, typical, xtc
+from appliance.engine.cuts import (
+    MoreCuts,
+    dynamic_temperature,
+    top_n_sigma,
+    typical,
+    xtc_branch,
+)
 from appliance.engine.dry import dry_penalties
 from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.mirostat import Mirostat
@@ -552,7 +558,11 @@ def batch_probabilities(
     max_k, any_top_p = cuts
     vocab = logits.shape[-1]
     more = more or MoreCuts()
-    logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    # A dynamic temperature comes last (_after_top_p): its rows are cut at temperature 1.
+    heated = temperature > 0
+    if more.dynatemp_range is not None:
+        heated &= more.dynatemp_range <= 0
+    logits = logits / torch.where(heated, temperature, 1.0)[:, None]
     if more.top_n_sigma is not None:
         logits = top_n_sigma(logits, more.top_n_sigma)
     if min_p is not None:
@@ -566,7 +576,9 @@ def batch_probabilities(
     if sort_top_p is None:
         sort_top_p = logits.device.type == "cuda"
     if any_top_p and sort_top_p and more.typical_rows is None:
-        return _after_top_p(top_p_by_sort(logits, (has_k, kth_index, max_k), top_p), more)
+        return _after_top_p(
+            top_p_by_sort(logits, (has_k, kth_index, max_k), top_p), more, temperature
+        )
     if max_k:
         # The largest max_k values suffice for the k-th, not a sort of the vocabulary.
         kth = torch.topk(logits, max_k).values.gather(1, kth_index)
@@ -577,20 +589,29 @@ def batch_probabilities(
         assert more.typical_p is not None  # made together (MoreCuts.of)
         logits = typical(logits, more.typical_rows, more.typical_p)
     if not any_top_p:
-        return _after_top_p(logits.softmax(-1), more)
+        return _after_top_p(logits.softmax(-1), more, temperature)
     if sort_top_p:  # top-k done above: the sort cuts top-p alone
         no_k = (torch.zeros_like(has_k), kth_index, 0)
-        return _after_top_p(top_p_by_sort(logits, no_k, top_p), more)
+        return _after_top_p(top_p_by_sort(logits, no_k, top_p), more, temperature)
     keep = nucleus(logits.softmax(-1), top_p)
-    return _after_top_p(logits.masked_fill(~keep, float("-inf")).softmax(-1), more)
+    return _after_top_p(logits.masked_fill(~keep, float("-inf")).softmax(-1), more, temperature)
 
 
-def _after_top_p(probs: torch.Tensor, more: MoreCuts) -> torch.Tensor:
-    """The cut after top-p and min-p in llama.cpp's chain, on probabilities: XTC."""
+def _after_top_p(probs: torch.Tensor, more: MoreCuts, temperature: torch.Tensor) -> torch.Tensor:
+    """What follows top-p and min-p in llama.cpp's chain, on probabilities: XTC, then a
+    dynamic temperature on each of XTC's outcomes (its entropy differs between them)."""
+
+    def heated(p: torch.Tensor) -> torch.Tensor:
+        if more.dynatemp_range is None:
+            return p
+        assert more.dynatemp_exponent is not None  # made together (MoreCuts.of)
+        return dynamic_temperature(p, temperature, more.dynatemp_range, more.dynatemp_exponent)
+
     if more.xtc_probability is None:
-        return probs
+        return heated(probs)
     assert more.xtc_threshold is not None  # made together (MoreCuts.of)
-    return xtc(probs, more.xtc_probability, more.xtc_threshold)
+    chance, excluded = xtc_branch(probs, more.xtc_probability, more.xtc_threshold)
+    return (1 - chance[:, None]) * heated(probs) + chance[:, None] * heated(excluded)
 
 
 def top_p_by_sort(

@@ -66,6 +66,9 @@ class SamplingParams:
     typical_p: float = 1.0  # locally typical sampling's mass (1: off)
     xtc_probability: float = 0.0  # XTC: the chance the top choices are excluded (0: off)
     xtc_threshold: float = 0.1  # ... those at this probability or more, but the least
+    # A temperature in temperature +- range, by the candidates' entropy (0: off).
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
     # llama.cpp's mirostat (mirostat.py): 1 or 2 samples by it in place of top-k, top-p,
     # min-p and the cuts above (0: off); tau the target surprise, eta its learning rate.
     mirostat: int = 0
@@ -182,6 +185,14 @@ def _llama_cpp_checks(p: SamplingParams) -> list[tuple[bool, str]]:
             f"xtc_probability must be in [0, 1], got {p.xtc_probability}",
         ),
         (0 <= p.xtc_threshold <= 1, f"xtc_threshold must be in [0, 1], got {p.xtc_threshold}"),
+        (
+            finite(p.dynatemp_range) and p.dynatemp_range >= 0,
+            f"dynatemp_range must be a finite number >= 0, got {p.dynatemp_range}",
+        ),
+        (
+            finite(p.dynatemp_exponent) and p.dynatemp_exponent >= 0,
+            f"dynatemp_exponent must be a finite number >= 0, got {p.dynatemp_exponent}",
+        ),
         (p.mirostat in (0, 1, 2), f"mirostat must be 0, 1 or 2, got {p.mirostat}"),
         (
             finite(p.mirostat_tau) and 0 < p.mirostat_tau <= MAX_MIROSTAT_TAU,

@@ -41,7 +41,7 @@ from appliance.server.tool_fields import (
 # return_tokens_as_token_ids, bad_words, skip_special_tokens, the
 # structured-output fields (structured_fields.py), the
 # penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs,
-# llama.cpp's typical_p, top_n_sigma, XTC, mirostat and DRY;
+# llama.cpp's typical_p, top_n_sigma, XTC, dynamic temperature, mirostat and DRY;
 UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
     {
         # OpenAI
@@ -215,6 +215,8 @@ class SamplingFields(Body, StructuredFields):
     typical_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     xtc_probability: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     xtc_threshold: float = Field(0.1, ge=0, le=1, allow_inf_nan=False)
+    dynatemp_range: float = Field(0.0, ge=0, le=2, allow_inf_nan=False, description="0: off")
+    dynatemp_exponent: float = Field(1.0, ge=0, allow_inf_nan=False)
     mirostat: Literal[0, 1, 2] = 0
     mirostat_tau: float = Field(5.0, gt=0, le=MAX_MIROSTAT_TAU, allow_inf_nan=False)
     mirostat_eta: float = Field(0.1, ge=0, le=1, allow_inf_nan=False)
@@ -381,6 +383,8 @@ class SamplingFields(Body, StructuredFields):
             typical_p=self.typical_p,
             xtc_probability=self.xtc_probability,
             xtc_threshold=self.xtc_threshold,
+            dynatemp_range=self.dynatemp_range,
+            dynatemp_exponent=self.dynatemp_exponent,
             mirostat=self.mirostat,
             mirostat_tau=self.mirostat_tau,
             mirostat_eta=self.mirostat_eta,

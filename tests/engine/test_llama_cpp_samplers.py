@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import TypicalLogitsWarper
 
-from appliance.engine.cuts import MoreCuts, top_n_sigma, typical, xtc
+from appliance.engine.cuts import MoreCuts, dynamic_temperature, top_n_sigma, typical, xtc
 from appliance.engine.mirostat import Mirostat
 from appliance.engine.sampler import Sampler, SampleRow, batch_probabilities
 from appliance.engine.sampler import _cuts as cuts_of
@@ -110,6 +110,43 @@ def test_xtc_as_a_mixture_draws_as_llama_cpps_coin_does() -> None:
     assert float(((counts - expected) ** 2 / expected).sum()) < 16.27
 
 
+# ---------------------------------------------------------------- dynamic temperature
+
+
+def test_a_dynamic_temperature_follows_the_candidates_entropy() -> None:
+    probs = torch.tensor([[0.5, 0.25, 0.25, 0.0]] * 4)
+    temperature = torch.tensor([1.0, 1.0, 1.0, 0.3])
+    spread = torch.tensor([0.5, 0.5, 0.0, 0.5])
+    exponent = torch.tensor([1.0, 2.0, 1.0, 1.0])
+    out = dynamic_temperature(probs, temperature, spread, exponent)
+    entropy = -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25))
+    share = entropy / math.log(3)  # three candidates: the most entropy they could have
+    for row, chosen in ((0, 0.5 + 1.0 * share), (1, 0.5 + 1.0 * share**2), (3, 0.0 + 0.8 * share)):
+        raised = torch.tensor([0.5, 0.25, 0.25, 0.0]) ** (1 / chosen)
+        assert torch.allclose(out[row], raised / raised.sum(), atol=1e-6), row
+    assert torch.equal(out[2], probs[2])  # no spread: as it came
+    alone = torch.tensor([[0.0, 1.0, 0.0]])  # one candidate: nothing to heat
+    assert torch.equal(dynamic_temperature(alone, *torch.ones(3, 1)), alone)
+
+
+def test_a_dynamic_temperature_comes_after_the_cuts_as_in_llama_cpp() -> None:
+    """Its rows are cut at temperature 1 (top-k here), then heated by the entropy of the
+    candidates left; with XTC, each of XTC's outcomes is heated by its own."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(2)) * 2
+    params = SamplingParams(temperature=0.8, top_k=5, dynatemp_range=0.6, dynatemp_exponent=1.5)
+    cut = logits.masked_fill(logits < logits.topk(5).values[:, -1:], float("-inf")).softmax(-1)
+    heat = (torch.tensor([0.8]), torch.tensor([0.6]), torch.tensor([1.5]))
+    expected = dynamic_temperature(cut, *heat)
+    assert torch.allclose(Sampler.probabilities(logits[0], params), expected[0], atol=1e-6)
+    both = SamplingParams(
+        temperature=0.8, top_k=5, dynatemp_range=0.6, dynatemp_exponent=1.5,
+        xtc_probability=0.3, xtc_threshold=0.1,
+    )  # fmt: skip
+    excluded = xtc(cut, torch.tensor([1.0]), torch.tensor([0.1]))  # the coin's other side
+    mixture = 0.7 * expected + 0.3 * dynamic_temperature(excluded, *heat)
+    assert torch.allclose(Sampler.probabilities(logits[0], both), mixture[0], atol=1e-6)
+
+
 # ---------------------------------------------------------------- in the sampler
 
 
@@ -119,6 +156,7 @@ SETTINGS = [
     SamplingParams(temperature=1.2, top_k=40, typical_p=0.9, top_p=0.8),
     SamplingParams(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.05),
     SamplingParams(temperature=0.7, min_p=0.02, typical_p=0.95, xtc_probability=1.0),
+    SamplingParams(temperature=0.9, top_p=0.9, dynatemp_range=0.5, xtc_probability=0.5),
     SamplingParams(temperature=1.0),
     SamplingParams(),  # greedy: every cut is off
 ]
@@ -143,7 +181,7 @@ def test_a_batch_row_is_what_the_row_alone_gives_whatever_the_top_p_path(
         alone = Sampler.probabilities(logits[row], params)
         assert support(batch[row]) == support(alone), row
         assert torch.allclose(batch[row], alone, atol=1e-6), row
-    assert support(batch[5]) == set(range(300))  # a row with none of them is whole
+    assert support(batch[6]) == set(range(300))  # a row with none of them is whole
     # Each cut cuts: fewer tokens than the temperature alone leaves; XTC at a chance
     # under 1 moves weight off the top choices, at 1 removes them.
     assert all(len(support(batch[row])) < 300 for row in (0, 1, 2, 4))
@@ -246,6 +284,8 @@ def test_a_tiny_tau_samples_the_likeliest_token_and_greedy_stays_greedy() -> Non
         ({"mirostat_tau": 0.0}, "mirostat_tau"),
         ({"mirostat_eta": 2.0}, "mirostat_eta"),
         ({"top_n_sigma": math.nan}, "top_n_sigma"),
+        ({"dynatemp_range": -0.5}, "dynatemp_range"),
+        ({"dynatemp_exponent": math.inf}, "dynatemp_exponent"),
     ],
 )
 def test_bad_settings_are_refused_naming_them(fields: dict[str, float], says: str) -> None:

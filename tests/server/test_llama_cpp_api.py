@@ -190,6 +190,9 @@ def test_llama_cpps_own_samplers_are_served(http: httpx.Client) -> None:
         settings = steered["generation_settings"]
         assert (settings["mirostat"], settings["mirostat_eta"]) == (narrow["mirostat"], 0.2)
     assert complete(http, **hot, top_n_sigma=1e-6)["content"] == plain
+    # A dynamic temperature from 0 to 3, by the entropy to the power 1000: about 0.
+    cold = dict(dynatemp_range=1.5, dynatemp_exponent=1000)
+    assert complete(http, **hot, **cold)["content"] == plain
     mixed = dict(typical_p=0.7, xtc_probability=0.5, xtc_threshold=0.05, top_n_sigma=2)
     first, again = (complete(http, **hot, **mixed) for _ in range(2))
     assert first["content"] == again["content"] and first["tokens_predicted"] == 8
@@ -209,7 +212,7 @@ def test_llama_cpps_own_samplers_are_served(http: httpx.Client) -> None:
     [
         ("tfs_z", 0.9, 400),
         ("dry_sequence_breakers", [], 422),
-        ("dynatemp_range", 0.5, 400),
+        ("n_cmpl", 2, 400),
         ("n_predict", 0, 400),
         ("logit_bias", [["Hello", 1.0]], 400),
         ("prompt", ["one", "two"], 422),  # the body's shape: as every route's validation

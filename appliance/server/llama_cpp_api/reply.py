@@ -159,6 +159,8 @@ def llama_samplers(p: SamplingParams) -> dict[str, Any]:
         "typical_p": p.typical_p,
         "xtc_probability": p.xtc_probability,
         "xtc_threshold": p.xtc_threshold,
+        "dynatemp_range": p.dynatemp_range,
+        "dynatemp_exponent": p.dynatemp_exponent,
         "mirostat": p.mirostat,
         "mirostat_tau": p.mirostat_tau,
         "mirostat_eta": p.mirostat_eta,

@@ -5,15 +5,16 @@ tokenizer, sampling, stops, grammar and JSON schema.
 Its sampling fields share OpenAI's (and vLLM's) names and pass through as they are:
 temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty,
 stop, ignore_eos, grammar, json_schema, and llama.cpp's own samplers, which the OpenAI
-route takes under the same names (top_n_sigma, typical_p, xtc_*, mirostat*, dry_*). Renamed:
-n_predict -> max_tokens (-1 and -2, or past the context's room: until the context is
-full), n_probs -> logprobs, post_sampling_probs -> logprobs_mode, seed -1 -> none,
-logit_bias as [[id, bias]] pairs (false: never), top_p 0 -> top_k 1 (the likeliest
-token, as llama.cpp). Fields that change sampling in ways this server does not have
-(tail-free, dynamic temperature) are refused unless sent at the value that turns
-them off, as llama.cpp's own clients send them; those that say where or how the server
-keeps its cache or slots (cache_prompt, id_slot, n_keep, samplers, repeat_last_n, ...)
-are accepted and not applied."""
+route takes under the same names (top_n_sigma, typical_p, xtc_*, dynatemp_*,
+mirostat*, dry_*). Renamed: n_predict -> max_tokens (-1 and -2, or past the context's
+room: until the context is full), n_probs -> logprobs, post_sampling_probs ->
+logprobs_mode, seed -1 -> none, logit_bias as [[id, bias]] pairs (false: never), top_p
+0 -> top_k 1 (the likeliest token, as llama.cpp). What this server does not have
+(tfs_z, tail-free sampling, which llama.cpp dropped too; n_indent, t_max_predict_ms,
+n_cmpl) is refused unless sent at the value that turns it off, as llama.cpp's own
+clients send it; the fields that say where or how the server keeps its cache or slots
+(cache_prompt, id_slot, n_keep, samplers, repeat_last_n, ...) are accepted and not
+applied."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ SAME_NAMES = (
     "typical_p",
     "xtc_probability",
     "xtc_threshold",
+    "dynatemp_range",
+    "dynatemp_exponent",
     "mirostat",
     "mirostat_tau",
     "mirostat_eta",
@@ -57,7 +60,6 @@ SAME_NAMES = (
 # clients send by default: SillyTavern's top_n_sigma is 0): other values are a 400.
 OFF: dict[str, Callable[[float], bool]] = {
     "tfs_z": lambda v: v >= 1,
-    "dynatemp_range": lambda v: v <= 0,
     "n_indent": lambda v: v <= 0,
     "t_max_predict_ms": lambda v: v <= 0,
     "n_cmpl": lambda v: v == 1,
