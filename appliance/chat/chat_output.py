@@ -2,6 +2,10 @@
 and tool_calls, whole or as stream deltas (a call's index, id, type and name first, then
 its argument fragments; finish_reason "tool_calls" when a reply that stopped made calls).
 
+A request that sent OpenAI's deprecated `functions` gets its one call as `function_call`
+(`{name, arguments}`, streamed as the name then argument fragments) and finish_reason
+"function_call", OpenAI's shapes before tools.
+
 One ChatOutputs per request, one parser per choice. Where the format's markers are
 special tokens (harmony, Mistral, Llama 3, Phi-4-mini), the choice's text is decoded again
 from its token ids with special tokens kept (the workers' text has them skipped): the
@@ -114,9 +118,11 @@ class ChatOutputs:
         tokenizer: Tokenizer,
         stop: tuple[str, ...] = (),
         include_stop: bool = False,
+        legacy: bool = False,
     ) -> None:
         self._plan = plan
         self._tokenizer = tokenizer
+        self._legacy = legacy  # the request sent `functions`: calls read as `function_call`
         # The request's stop strings, for the text decoded here (kept in it if include_stop)
         self._stop = stop
         self._include_stop = include_stop
@@ -151,14 +157,28 @@ class ChatOutputs:
         fields = stream.feed(text)
         if finish_reason is not None:
             fields = _merged(fields, stream.finish())
-        return fields, stream.finish_reason(finish_reason)
+        return self._shaped(fields, stream.finish_reason(finish_reason))
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The whole message of a choice's whole text, and its finish_reason."""
         output = self._new()
         output.feed(text)
         output.finish()
-        return output.message(), output.finish_reason(finish_reason)
+        return self._shaped(output.message(), output.finish_reason(finish_reason))
+
+    def _shaped(
+        self, fields: dict[str, Any], reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """A message's or delta's fields and finish_reason as the request asked for them:
+        a legacy request's call as `function_call` (it makes one at most)."""
+        if not self._legacy:
+            return fields, reason
+        fields = dict(fields)
+        calls = fields.pop("tool_calls", [])
+        if calls:
+            function = dict(calls[0]["function"])
+            fields["function_call"] = function
+        return fields, "function_call" if reason == "tool_calls" else reason
 
     def _new(self) -> ChoiceOutput:
         plan = self._plan

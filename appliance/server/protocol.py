@@ -24,6 +24,7 @@ from appliance.engine.sequence import DRY_BREAKERS, MAX_MIROSTAT_TAU, MAX_SPECUL
 from appliance.server.errors import APIError
 from appliance.server.structured_fields import StructuredFields
 from appliance.server.tool_fields import (
+    LEGACY_CALL_ID,
     MessageToolFields,
     StructuredOutput,
     ToolFields,
@@ -41,14 +42,11 @@ from appliance.server.tool_fields import (
 # return_tokens_as_token_ids, bad_words, skip_special_tokens, the
 # structured-output fields (structured_fields.py), the
 # penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs,
-# llama.cpp's typical_p, top_n_sigma, XTC, dynamic temperature, mirostat and DRY;
+# llama.cpp's typical_p, top_n_sigma, XTC, dynamic temperature, mirostat and DRY; OpenAI's
+# deprecated functions and function_call (tool_fields.py);
 UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
     {
         # OpenAI
-        # tools and tool_choice are served (tool_fields.py); the deprecated functions and
-        # function_call are not: send tools.
-        "functions": (None, []),
-        "function_call": (None, "none"),
         "best_of": (None, 1),
         # vLLM's extra sampling parameters
         "length_penalty": (None, 1, 1.0),
@@ -417,7 +415,7 @@ class ChatMessage(Body, MessageToolFields):
     """One turn; content is text or text parts (joined); an assistant turn's tool calls,
     a tool's result (tool_fields.py). Images are not served."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     # Present and not null (check_message_contents), but for an assistant turn that calls.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -428,26 +426,31 @@ class ChatMessage(Body, MessageToolFields):
         return text_of(value)
 
     def for_template(self) -> dict[str, Any]:
-        # The template knows the classic roles; "developer" is OpenAI's new name for system.
-        role = "system" if self.role == "developer" else self.role
+        # The template knows the classic roles; "developer" is OpenAI's new name for system,
+        # "function" its deprecated one for a tool's result.
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
         # `_text_only` has joined any text parts: a validated message's content is a str.
         assert self.content is None or isinstance(self.content, str)
-        return template_message(role, self.content, self.name, self)
+        message = template_message(role, self.content, self.name, self)
+        if self.role == "function":
+            message["tool_call_id"] = LEGACY_CALL_ID  # the id its call got (template_message)
+        return message
 
 
 def check_message_contents(messages: Any) -> None:
     """Refuse, as OpenAI does with a 400, a message whose `content` is missing or null.
 
     Runs on the raw body, before nulls become defaults (a null content would otherwise
-    read as "" and be generated from). Only an assistant turn carrying tool calls may lack
-    content in OpenAI's API."""
+    read as "" and be generated from). Only an assistant turn carrying tool calls (or a
+    function_call) may lack content in OpenAI's API."""
     if not isinstance(messages, list):
         return  # not a list: the field validation names it (422)
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("content") is not None:
             continue
         where = f"messages[{i}]"
-        if message.get("role") == "assistant" and message.get("tool_calls"):
+        calls = message.get("tool_calls") or message.get("function_call")
+        if message.get("role") == "assistant" and calls:
             continue
         raise APIError(
             400,

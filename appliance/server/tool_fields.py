@@ -2,9 +2,13 @@
 schema of their parameters), `tool_choice`, `parallel_tool_calls`; assistant messages with
 `tool_calls`, `role: "tool"` results; and vLLM's `chat_template_kwargs`.
 
+OpenAI's deprecated `functions` and `function_call` (still served by OpenAI, still sent by
+older clients) are its tools and tool_choice with one call at most: the reply carries the
+call as `function_call` and finish_reason "function_call"; an assistant turn's
+`function_call` and a `role: "function"` result are a call and its result.
+
 ChatTurn turns a validated request into the prompt (the family's template, with the tools
-where it reads them) and the readers of its output (appliance/chat). OpenAI's deprecated
-`functions`/`function_call` stay refused (protocol.UNSUPPORTED_FIELDS): send `tools`."""
+where it reads them) and the readers of its output (appliance/chat)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,9 @@ from appliance.model.tokenizer import Tokenizer, template_kwargs_clash
 from appliance.server.errors import APIError
 
 FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"  # OpenAI's: letters, digits, _ and - (64 at most)
+# A deprecated function_call has no id, nor its result: the template gets this one for
+# both (nine letters and digits: Mistral's template refuses any other shape).
+LEGACY_CALL_ID = "call00000"
 
 
 class _Strict(BaseModel):
@@ -78,23 +85,44 @@ class ToolFields(BaseModel):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's deprecated forms of tools and tool_choice (one call at most).
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | FunctionName | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: a turn for the assistant after the messages (the default), or the last
     # message, an assistant's, continued (a prefill; llama.cpp's and Anthropic's).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    @property
+    def legacy_functions(self) -> bool:
+        """Whether the request sent the deprecated `functions` (its reply then says
+        `function_call`)."""
+        return self.functions is not None
+
     def function_tools(self) -> list[FunctionTool]:
-        return [
-            FunctionTool(t.function.name, t.function.description, t.function.parameters)
-            for t in self.tools or []
-        ]
+        functions = self.functions or [t.function for t in self.tools or []]
+        return [FunctionTool(f.name, f.description, f.parameters) for f in functions]
 
     def choice_name(self) -> str | None:
-        """tool_choice as plan_tools takes it: a mode, or the named function."""
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return self.tool_choice.function.name
-        return self.tool_choice
+        """tool_choice (or function_call) as plan_tools takes it: a mode, or the named
+        function."""
+        choice = self.tool_choice if self.function_call is None else self.function_call
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return choice.name if isinstance(choice, FunctionName) else choice
+
+    def check_legacy(self) -> None:
+        """The deprecated fields stand alone: with tools or tool_choice, or function_call
+        without functions, the request is a 400 naming the field."""
+        if self.functions is not None and self.tools is not None:
+            raise APIError(400, "send tools or functions (deprecated), not both", "functions")
+        if self.function_call is not None and self.tool_choice is not None:
+            message = "send tool_choice or function_call (deprecated), not both"
+            raise APIError(400, message, "function_call")
+        if self.function_call is not None and self.functions is None:
+            message = "function_call needs functions (or send tools and tool_choice)"
+            raise APIError(400, message, "function_call")
 
 
 class MessageToolFields(BaseModel):
@@ -103,6 +131,7 @@ class MessageToolFields(BaseModel):
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    function_call: CalledFunction | None = None  # the deprecated form of one tool call
 
 
 def template_message(
@@ -112,13 +141,16 @@ def template_message(
     their arguments as objects (vLLM parses them so, for templates that `tojson` them),
     a tool result with its call's id; a calling turn without content has "" (as Qwen's
     and vLLM's examples write it)."""
-    if content is None and fields.tool_calls:
+    calls = list(fields.tool_calls or [])
+    if fields.function_call is not None:  # the deprecated form: its id is made up
+        calls.append(MessageToolCall(id=LEGACY_CALL_ID, function=fields.function_call))
+    if content is None and calls:
         content = ""  # templates read a calling turn's content (Qwen3's splits it)
     message: dict[str, Any] = {"role": role, "content": content}
     if name is not None:
         message["name"] = name
-    if fields.tool_calls:
-        message["tool_calls"] = [_template_call(c) for c in fields.tool_calls]
+    if calls:
+        message["tool_calls"] = [_template_call(c) for c in calls]
     if fields.tool_call_id is not None:
         message["tool_call_id"] = fields.tool_call_id
     if fields.reasoning_content is not None:
@@ -136,19 +168,21 @@ def _template_call(call: MessageToolCall) -> dict[str, Any]:
 
 
 def check_tool_messages(messages: Any) -> None:
-    """A tool result needs the id of the call it answers (400 naming the field)."""
+    """A tool result needs the id of the call it answers, a function result (deprecated)
+    the function's name (400 naming the field)."""
     if not isinstance(messages, list):
         return
+    needs = {"tool": "tool_call_id", "function": "name"}
     for i, message in enumerate(messages):
-        if isinstance(message, dict) and message.get("role") == "tool":
-            if not isinstance(message.get("tool_call_id"), str):
-                where = f"messages[{i}].tool_call_id"
-                raise APIError(
-                    400,
-                    f"Missing required parameter: '{where}'.",
-                    where,
-                    "missing_required_parameter",
-                )
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in needs:
+            continue  # not a message, or a role of another shape: validation names it
+        field = needs[role]
+        if not isinstance(message.get(field), str):
+            where = f"messages[{i}].{field}"
+            raise APIError(
+                400, f"Missing required parameter: '{where}'.", where, "missing_required_parameter"
+            )
 
 
 def _check_continuable(messages: list[dict[str, Any]], generation_prompt: bool) -> None:
@@ -176,6 +210,7 @@ class ChatTurn:
     template_kwargs: dict[str, Any]
     generation_prompt: bool = True
     continue_final: bool = False
+    legacy: bool = False  # the request sent `functions`: its calls read as `function_call`
 
     @classmethod
     def of(
@@ -183,13 +218,15 @@ class ChatTurn:
     ) -> ChatTurn:
         """The turn of validated fields; APIError 400 for a tool_choice the tools cannot
         meet."""
+        fields.check_legacy()
         fmt = chat_format(tokenizer.chat_template, tokenizer.takes_tools)
+        parallel = fields.parallel_tool_calls and not fields.legacy_functions
         try:
-            plan = plan_tools(
-                fmt, fields.function_tools(), fields.choice_name(), fields.parallel_tool_calls
-            )
+            plan = plan_tools(fmt, fields.function_tools(), fields.choice_name(), parallel)
         except ValueError as exc:
             param = "tools" if str(exc).startswith("tools") else "tool_choice"
+            if fields.legacy_functions:
+                param = {"tools": "functions", "tool_choice": "function_call"}[param]
             raise APIError(400, str(exc), param) from None
         if plan.structured is not None:
             try:  # as the workers will build it: what the grammar engine refuses is a 400
@@ -212,6 +249,7 @@ class ChatTurn:
             kwargs,
             fields.add_generation_prompt,
             fields.continue_final_message,
+            fields.legacy_functions,
         )
 
     def token_ids(self) -> list[int]:
@@ -237,7 +275,7 @@ class ChatTurn:
         reasoning, no markers to read), so the reply is the text as it was."""
         if self.plan.mode == "none" and not self.plan.format.reasoning:
             return None
-        return ChatOutputs(self.plan, self.tokenizer, stop, include_stop)
+        return ChatOutputs(self.plan, self.tokenizer, stop, include_stop, self.legacy)
 
     @property
     def structured(self) -> StructuredOutput | None:

@@ -190,6 +190,31 @@ def test_two_calls_and_two_results_render_as_transformers() -> None:
         assert "14:05" in rendered
 
 
+@pytest.mark.parametrize("name", TEMPLATE_FAMILIES)
+def test_deprecated_functions_render_as_their_tools(name: str) -> None:
+    """OpenAI's deprecated form (functions, an assistant's function_call, a "function"
+    result) renders as the tools, a call and a tool result do; the call's made-up id is
+    one Mistral's templates take."""
+    function_call = {"name": "get_weather", "arguments": json.dumps(ARGUMENTS)}
+    ours = [
+        SYSTEM,
+        ASK,
+        {"role": "assistant", "content": None, "function_call": function_call},
+        {"role": "function", "name": "get_weather", "content": RESULT},
+    ]
+    call = hf_call("call00000", "get_weather", ARGUMENTS)
+    theirs = [
+        SYSTEM,
+        ASK,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call00000", "name": "get_weather", "content": RESULT},
+    ]
+    functions = [WEATHER, TIME]
+    rendered = our_render(name, {"messages": ours, "functions": functions})
+    assert rendered == transformers_render(name, theirs, TOOLS)
+    assert "Paris" in rendered and "temperature" in rendered
+
+
 @pytest.mark.parametrize("thinking", [True, False])
 def test_chat_template_kwargs_reach_the_template(thinking: bool) -> None:
     """Qwen3's enable_thinking: off, the prompt holds an empty think block."""

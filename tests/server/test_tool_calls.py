@@ -51,6 +51,7 @@ TOOLS: list[Any] = [
         "function": {"name": "get_time", "description": "The local time.", "parameters": TIME},
     },
 ]
+FUNCTIONS: list[Any] = [tool["function"] for tool in TOOLS]  # the deprecated `functions`
 ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 # A call's JSON is short; the bound keeps a runaway string from eating the test's time.
 MAX_TOKENS = 120
@@ -252,8 +253,11 @@ def split_client(server: ServerProcess) -> OpenAI:
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",
         ),
-        ({"functions": [TOOLS[0]["function"]]}, "functions"),
         ({"tools": TOOLS + TOOLS}, "tools"),
+        ({"functions": FUNCTIONS, "tools": TOOLS}, "functions"),
+        ({"functions": FUNCTIONS, "tool_choice": "none", "function_call": "none"}, "function_call"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"functions": FUNCTIONS, "function_call": {"name": "nope"}}, "function_call"),
     ],
 )
 def test_a_bad_tool_request_is_a_400_naming_the_field(
@@ -268,6 +272,82 @@ def test_a_tool_result_needs_its_call_id(split_client: OpenAI) -> None:
     messages: list[Any] = [*ASK, {"role": "tool", "content": "21"}]
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
         split_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    nameless: list[Any] = [*ASK, {"role": "function", "content": "21"}]
+    with pytest.raises(openai.BadRequestError, match=r"messages\[1\]\.name"):
+        split_client.chat.completions.create(model=MODEL, messages=nameless, max_tokens=4)
+
+
+# --- OpenAI's deprecated functions and function_call (one layout is enough) -----------------
+
+
+def test_a_named_function_call_comes_as_function_call(split_client: OpenAI) -> None:
+    """functions and function_call {"name"}: the call in message.function_call (no
+    tool_calls), arguments valid for its schema, finish_reason "function_call"; streamed,
+    the name first and then argument fragments, the same call for the same seed."""
+    ask: dict[str, Any] = dict(
+        model=MODEL,
+        messages=ASK,
+        functions=FUNCTIONS,
+        function_call={"name": "get_weather"},
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=4,
+    )
+    choice = split_client.chat.completions.create(**ask).choices[0]
+    call = choice.message.function_call
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert call is not None and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    name, arguments, reasons = None, "", []
+    for chunk in split_client.chat.completions.create(**ask, stream=True):
+        for streamed in chunk.choices:
+            reasons.append(streamed.finish_reason)
+            assert streamed.delta.tool_calls is None
+            piece = streamed.delta.function_call
+            if piece is not None and piece.name is not None:
+                assert name is None and not arguments  # the name once, first
+                name = piece.name
+            arguments += (piece.arguments or "") if piece is not None else ""
+    assert (name, arguments) == (call.name, call.arguments)
+    assert [r for r in reasons if r] == ["function_call"]
+
+
+def test_a_deprecated_function_loop_completes(split_client: OpenAI) -> None:
+    """The assistant's function_call goes back as it came, the result as a "function"
+    message; function_call "none" then answers in text, "auto" in text or one call."""
+    messages: list[Any] = list(ASK)
+    first = split_client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        functions=FUNCTIONS,
+        function_call={"name": "get_time"},
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    call = first.choices[0].message.function_call
+    assert call is not None and call.name == "get_time"
+    messages.append({"role": "assistant", "content": None, "function_call": call.model_dump()})
+    messages.append({"role": "function", "name": "get_time", "content": "14:05"})
+    answer = split_client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        functions=FUNCTIONS,
+        function_call="none",
+        max_tokens=24,
+        temperature=0,
+    ).choices[0]
+    assert answer.finish_reason in ("stop", "length") and answer.message.content
+    assert answer.message.function_call is None and answer.message.tool_calls is None
+    auto = split_client.chat.completions.create(
+        model=MODEL, messages=messages, functions=FUNCTIONS, max_tokens=MAX_TOKENS, temperature=0
+    ).choices[0]
+    assert auto.message.tool_calls is None
+    if auto.message.function_call is not None:
+        assert auto.finish_reason == "function_call"
+        fn = auto.message.function_call
+        jsonschema.validate(json.loads(fn.arguments), SCHEMAS[fn.name])
+    else:
+        assert auto.message.content and auto.finish_reason in ("stop", "length")
 
 
 def test_chat_template_kwargs_are_taken(split_client: OpenAI) -> None:
