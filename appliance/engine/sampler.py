@@ -172,17 +172,7 @@ class Sampler:
         if all(row.params.greedy for row in rows):
             return greedy, None  # the common case costs one argmax, as it always did
         params = [row.params for row in rows]
-        temperature, top_k, top_p, min_p = self._settings(params, logits.device)
-        probs = batch_probabilities(
-            logits,
-            temperature,
-            top_k,
-            top_p,
-            min_p=min_p,
-            cuts=_cuts(params, logits.shape[-1]),
-            sort_top_p=self.sort_top_p,
-            more=MoreCuts.of(params, logits.device),
-        )
+        probs, temperature = distributions(logits, params, self.sort_top_p)
         steered = self._mirostat_rows(probs, logits, rows)
         drawn = draw(probs, self._uniforms(rows, logits.device))
         self._observe(steered, probs, drawn)
@@ -237,17 +227,7 @@ class Sampler:
             tokens = accept_greedy(drafts, processed.argmax(dim=-1).tolist())
         else:
             params = [row.params] * logits.shape[0]
-            temperature, top_k, top_p, min_p = self._settings(params, logits.device)
-            probs = batch_probabilities(
-                processed,
-                temperature,
-                top_k,
-                top_p,
-                min_p=min_p,
-                cuts=_cuts(params, logits.shape[-1]),
-                sort_top_p=self.sort_top_p,
-                more=MoreCuts.of(params, logits.device),
-            )  # [1 + k, vocab]
+            probs = distributions(processed, params, self.sort_top_p)[0]  # [1 + k, vocab]
             seeded = row.params.seed is not None
             generator = self._generator(row.seq_id, row.params) if seeded else self._shared
             tokens = rejection_sample(probs, drafts, None, generator)
@@ -276,36 +256,11 @@ class Sampler:
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """[vocab] logits -> [vocab] probabilities after temperature, min_p, top-k and
-        top-p: one row of what `sample` draws from (logits already processed)."""
+        """[vocab] logits -> [vocab] probabilities after temperature and the cuts: one row
+        of what `sample` draws from (logits already processed)."""
         if params.greedy:
             return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
-        vocab = logits.shape[-1]
-        settings = Sampler._settings([params], logits.device)
-        return batch_probabilities(
-            logits[None],
-            *settings[:3],
-            min_p=settings[3],
-            cuts=_cuts([params], vocab),
-            more=MoreCuts.of([params], logits.device),
-        )[0]
-
-    @staticmethod
-    def _settings(
-        params: list[SamplingParams], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Per-row temperature (0 for greedy rows), top_k, top_p and min_p (None when no
-        row has one) as [rows] tensors on `device`."""
-        # Greedy rows (temperatures below GREEDY_BELOW too) travel as 0: the mark that
-        # picks their argmax, and no division by a tiny temperature.
-        temperature = [0.0 if p.greedy else p.temperature for p in params]
-        min_p = [0.0 if p.greedy else p.min_p for p in params]
-        return (
-            _upload(temperature, torch.float32, device),
-            _upload([p.top_k for p in params], torch.int64, device),
-            _upload([p.top_p for p in params], torch.float32, device),
-            _upload(min_p, torch.float32, device) if any(min_p) else None,
-        )
+        return distributions(logits[None], [params])[0][0]
 
     def _uniforms(self, rows: list[SampleRow], device: torch.device) -> torch.Tensor:
         """One uniform [rows] float64 per row: a seeded row's from its own generator (so
@@ -335,6 +290,43 @@ class Sampler:
         """Drop a finished request's generator and mirostat state."""
         self._generators.pop(seq_id, None)
         self._mirostats.pop(seq_id, None)
+
+
+def distributions(
+    logits: torch.Tensor, params: list[SamplingParams], sort_top_p: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Processed logits [rows, vocab] -> what each row draws from [rows, vocab] (after
+    temperature and the cuts, batch_probabilities), and the rows' temperatures [rows]
+    (0 marks a greedy row, whose draw the argmax replaces)."""
+    temperature, top_k, top_p, min_p = _settings(params, logits.device)
+    probs = batch_probabilities(
+        logits,
+        temperature,
+        top_k,
+        top_p,
+        min_p=min_p,
+        cuts=_cuts(params, logits.shape[-1]),
+        sort_top_p=sort_top_p,
+        more=MoreCuts.of(params, logits.device),
+    )
+    return probs, temperature
+
+
+def _settings(
+    params: list[SamplingParams], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-row temperature (0 for greedy rows), top_k, top_p and min_p (None when no row
+    has one) as [rows] tensors on `device`."""
+    # Greedy rows (temperatures below GREEDY_BELOW too) travel as 0: the mark that picks
+    # their argmax, and no division by a tiny temperature.
+    temperature = [0.0 if p.greedy else p.temperature for p in params]
+    min_p = [0.0 if p.greedy else p.min_p for p in params]
+    return (
+        _upload(temperature, torch.float32, device),
+        _upload([p.top_k for p in params], torch.int64, device),
+        _upload([p.top_p for p in params], torch.float32, device),
+        _upload(min_p, torch.float32, device) if any(min_p) else None,
+    )
 
 
 def after_the_grammar(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
