@@ -89,6 +89,8 @@ class ToolFields(BaseModel):
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | FunctionName | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, passed to the template as vLLM does (gpt-oss's reads it: "Reasoning: high").
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # vLLM's: a turn for the assistant after the messages (the default), or the last
     # message, an assistant's, continued (a prefill; llama.cpp's and Anthropic's).
     add_generation_prompt: bool = True
@@ -111,6 +113,25 @@ class ToolFields(BaseModel):
         if isinstance(choice, NamedToolChoice):
             return choice.function.name
         return choice.name if isinstance(choice, FunctionName) else choice
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs with reasoning_effort among them; 400 where the two name
+        different levels, or the kwargs would set what the request's own fields set."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        clash = template_kwargs_clash(kwargs)
+        if clash:  # what the request's own fields set: else the template refuses them
+            message = f"chat_template_kwargs may not set {', '.join(clash)}: send them as fields"
+            raise APIError(400, message, "chat_template_kwargs")
+        if self.reasoning_effort is None:
+            return kwargs
+        said = kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        if said != self.reasoning_effort:
+            message = (
+                f"reasoning_effort ({self.reasoning_effort}) and chat_template_kwargs' "
+                f"reasoning_effort ({said}) differ: send one"
+            )
+            raise APIError(400, message, "reasoning_effort")
+        return kwargs
 
     def check_legacy(self) -> None:
         """The deprecated fields stand alone: with tools or tool_choice, or function_call
@@ -237,16 +258,11 @@ class ChatTurn:
                 ) from None
         if fields.continue_final_message:
             _check_continuable(messages, fields.add_generation_prompt)
-        kwargs = dict(fields.chat_template_kwargs or {})
-        clash = template_kwargs_clash(kwargs)
-        if clash:  # what the request's own fields set: else the template refuses them
-            message = f"chat_template_kwargs may not set {', '.join(clash)}: send them as fields"
-            raise APIError(400, message, "chat_template_kwargs")
         return cls(
             tokenizer,
             messages,
             plan,
-            kwargs,
+            fields.template_kwargs(),
             fields.add_generation_prompt,
             fields.continue_final_message,
             fields.legacy_functions,

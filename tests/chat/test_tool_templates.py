@@ -225,6 +225,21 @@ def test_chat_template_kwargs_reach_the_template(thinking: bool) -> None:
     assert rendered.endswith("<think>\n\n</think>\n\n") is not thinking
 
 
+@pytest.mark.parametrize("effort", ["low", "high"])
+def test_reasoning_effort_reaches_the_template(effort: str) -> None:
+    """OpenAI's reasoning_effort, as vLLM passes it: gpt-oss's system message says it."""
+    ours, theirs = CONVERSATIONS["first turn"]
+    rendered = our_render("gpt-oss-20b", {"messages": ours, "reasoning_effort": effort})
+    assert rendered == transformers_render("gpt-oss-20b", theirs, None, reasoning_effort=effort)
+    assert f"Reasoning: {effort}" in rendered
+    same = {"reasoning_effort": effort, "chat_template_kwargs": {"reasoning_effort": effort}}
+    assert our_render("gpt-oss-20b", {"messages": ours, **same}) == rendered
+    differ = {"reasoning_effort": effort, "chat_template_kwargs": {"reasoning_effort": "medium"}}
+    with pytest.raises(APIError, match="differ") as refused:
+        our_render("gpt-oss-20b", {"messages": ours, **differ})
+    assert (refused.value.status, refused.value.param) == (400, "reasoning_effort")
+
+
 def test_template_kwargs_cannot_replace_the_messages() -> None:
     body = {"messages": [ASK], "chat_template_kwargs": {"messages": []}}
     with pytest.raises(APIError, match="chat_template_kwargs may not set messages") as refused:

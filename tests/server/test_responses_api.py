@@ -442,6 +442,19 @@ def test_a_tool_choice_the_tools_cannot_meet_is_a_400(
     assert info.value.param == "tool_choice", info.value.message
 
 
+def test_reasoning_effort_reaches_the_template_and_is_echoed(client: OpenAI) -> None:
+    """reasoning.effort is the template's reasoning_effort (gpt-oss's reads it; SmolLM2's
+    ignores it) and the response says the one used."""
+    body = {"model": MODEL, "input": "Hi", "reasoning": {"effort": "low", "summary": "auto"}}
+    assert ResponsesRequest.model_validate(body).tool_fields().template_kwargs() == {
+        "reasoning_effort": "low"
+    }
+    response = client.responses.create(
+        model=MODEL, input="Hi", max_output_tokens=4, reasoning={"effort": "low"}
+    )
+    assert response.reasoning is not None and response.reasoning.effort == "low"
+
+
 def test_store_false_is_served_and_said(client: OpenAI) -> None:
     response = client.responses.create(input=QUESTION, store=False, **GREEDY)
     assert response.store is False and response.output_text

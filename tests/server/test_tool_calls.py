@@ -358,6 +358,11 @@ def test_chat_template_kwargs_are_taken(split_client: OpenAI) -> None:
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert reply.choices[0].message.content
+    # OpenAI's reasoning_effort reaches the template (SmolLM2's reads none: the same answer)
+    ask: dict[str, Any] = dict(model=MODEL, messages=ASK, max_tokens=6, temperature=0)
+    plain = split_client.chat.completions.create(**ask).choices[0].message.content
+    effort = split_client.chat.completions.create(**ask, reasoning_effort="low")
+    assert effort.choices[0].message.content == plain
 
 
 def test_chat_template_kwargs_may_not_set_what_the_fields_set(split_client: OpenAI) -> None:

@@ -180,6 +180,14 @@ class NamedFunction(Body):
     name: str
 
 
+class Reasoning(Body):
+    """`reasoning`: the effort goes to the template as reasoning_effort (gpt-oss's reads
+    it); a summary of the reasoning is not made (its text comes as it is)."""
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(Body):
     """The served fields of a /v1/responses body; others are ignored, as on the other
     routes, except those `refuse_unserved` refuses.
@@ -215,6 +223,7 @@ class ResponsesRequest(Body):
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
     cache_salt: str = ""  # vLLM's: different salts share no cached prefix block
+    reasoning: Reasoning = Field(default_factory=Reasoning)
 
     @field_validator("cache_salt")
     @classmethod
@@ -249,6 +258,7 @@ class ResponsesRequest(Body):
                 "tools": [tool.as_chat_tool() for tool in self.tools] or None,
                 "tool_choice": choice,
                 "parallel_tool_calls": self.parallel_tool_calls,
+                "reasoning_effort": self.reasoning.effort,
             }
         )
 

@@ -185,7 +185,7 @@ def response_echo(req: ResponsesRequest, model: str, kept: bool) -> dict[str, An
         "background": False,
         "previous_response_id": req.previous_response_id,
         "top_logprobs": req.top_logprobs,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": req.reasoning.effort, "summary": None},
         "truncation": "disabled",
         "metadata": req.metadata,
         "user": req.user,
