@@ -116,8 +116,20 @@ class SpeculativeSettings(BaseModel):
         "Hugging Face folder, or org/name[:quant] in the local Hugging Face cache); vLLM's "
         "speculative_config.model, which is accepted as speculative.model too. Its "
         "tokenizer must be the target's (a worker refuses to start otherwise). It runs on "
-        "the target's device, in the target's dtype; its KV pool is carved out of the "
-        "worker's KV budget (docs/speculative.md).",
+        "the target's device (or draft_device), in the target's dtype; its KV pool is "
+        "carved out of the worker's KV budget (docs/speculative.md).",
+    )
+    draft_device: str | None = Field(
+        None,
+        pattern=r"^(cpu|cuda(:\d+)?)$",
+        description="method draft: where each decoding worker runs its draft model. Unset "
+        "(or the worker's own device): beside the target, its KV pool carved out of the "
+        "target's. Another device (cuda:3, a box's spare GPU): the draft and a KV pool of "
+        "as many blocks as the target's live there, and the target keeps its whole pool "
+        "and memory; only token ids cross between the devices. Name a device no pool "
+        "uses, or leave room on it (gpu_memory_utilization): every decoding worker puts "
+        "its draft there. On CPUs a worker's device is its core set, so cpu is the "
+        "worker's own.",
     )
     num_speculative_tokens: int = Field(
         4,

@@ -19,14 +19,17 @@ from typing import Any
 
 import gguf
 import pytest
+import torch
 from copying_prompt import copying_prompt
 from family_configs import tiny_config
 from gguf_builder import tiny_gguf_metadata
+from pydantic import ValidationError
 from random_models import TOY_TOKENS, our_engine, random_model, save_folder, write_gguf
 
 from appliance.engine.llm_engine import Completion, LLMEngine
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.shard_loading import load_shard
+from appliance.engine.speculative import draft_loading
 from appliance.engine.speculative.draft_loading import (
     build_draft,
     check_vocabulary,
@@ -232,6 +235,41 @@ def test_the_drafts_pool_comes_out_of_the_targets_budget(folders: dict[str, Path
     assert draft.kv.num_blocks == spec.kv.num_blocks < plain.kv.num_blocks
     # Two layers of 2 KV heads of 16 against one layer of 2 of 8: a fifth of the bytes.
     assert spec.kv.num_blocks == plain.kv.num_blocks * 4 // 5
+
+
+def test_a_draft_on_a_device_of_its_own_takes_nothing_from_the_targets_pool(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """speculative.draft_device: the worker's own device (cpu here) is the default's
+    split; another device gets the draft and a pool of as many blocks, the target keeps
+    its whole pool, and the answers are the same; a device this process lacks is refused
+    at start, naming the setting. A CPU has no second device: the other one is stood in
+    for by cpu:0, which torch counts as another device (the real one, a second GPU:
+    benchmarks/gpu_tests/test_draft_device.py)."""
+    kv = {"memory_mb": 4, "block_size": 4}
+    plain = our_engine(folders["target"], kv=kv)
+    shared = drafting(folders, "draft", 4, kv=kv)
+
+    def spec(device: str) -> dict[str, Any]:
+        fields = {"method": "draft", "draft_model": folders["draft"], "adaptive": False}
+        return fields | {"draft_device": device}
+
+    named = our_engine(folders["target"], kv=kv, speculative=spec("cpu"))
+    assert named.kv.num_blocks == shared.kv.num_blocks < plain.kv.num_blocks
+    monkeypatch.setattr(draft_loading, "draft_device", lambda name, target: torch.device("cpu", 0))
+    apart = our_engine(folders["target"], kv=kv, speculative=spec("cpu"))
+    assert apart.kv.num_blocks == plain.kv.num_blocks == draft_of(apart).kv.num_blocks
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = prompts_of(plain)
+    assert [c.token_ids for c in apart.generate(prompts, params)] == [
+        c.token_ids for c in plain.generate(prompts, params)
+    ]
+    assert draft_of(apart).counts.proposed > 0 and all_free(apart)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"speculative\.draft_device is cuda:1, but torch sees"):
+        our_engine(folders["target"], kv=kv, speculative=spec("cuda:1"))
+    with pytest.raises(ValidationError, match="draft_device"):
+        SpeculativeSettings(draft_device="gpu1")
 
 
 def test_a_draft_of_another_vocabulary_is_refused_at_start(folders: dict[str, Path]) -> None:

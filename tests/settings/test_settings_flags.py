@@ -63,6 +63,7 @@ def other_value(flag: Flag, default: Any, folder: Path) -> list[str]:
         ("kv_store", "shm_dir"): str(folder),  # an absolute folder
         ("server", "allowed_origins"): "https://chat.example.com",
         ("tracing", "otlp_traces_endpoint"): "http://127.0.0.1:4318/v1/traces",  # http(s) only
+        ("speculative", "draft_device"): "cuda:1",  # a device's name (checked at start)
     }
     if isinstance(default, bool):
         return [flag.option if not default else "--no-" + flag.option.removeprefix("--")]

@@ -1,6 +1,7 @@
 """Loading a draft model beside a worker's target: the files, a check that both share one
 vocabulary, the model on the target's device, and its KV pool carved out of the
-target's (draft_kv.py says how much).
+target's (draft_kv.py says how much); or, with speculative.draft_device, the model and a
+pool as large as the target's on a device of its own.
 
 In a tensor-parallel worker the draft runs whole (unsharded) in the leader alone: only
 the leader schedules, and drafts are asked for at schedule time, so a copy on each
@@ -82,18 +83,23 @@ def engine_drafter(
 def load_draft(
     settings: Settings, files: ModelFiles, parts: ShardParts
 ) -> tuple[ShardParts, DraftModelProposer]:
-    """The draft model of `files` on the target's device, its proposer, and the target's
-    parts with the pool it now shares (split_pool)."""
+    """The draft model of `files` on the target's device (or speculative.draft_device),
+    its proposer, and the target's parts with the pool it now shares (split_pool) where
+    both live on one device."""
     check_vocabulary(files, parts.files)
-    model = build_draft(settings, files, parts.model.device, parts.max_len)
+    device = draft_device(settings.speculative.draft_device, parts.model.device)
+    model = build_draft(settings, files, device, parts.max_len)
     target = parts.kv
     kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, model.dtype, model.device)
     if kv_dtype != model.dtype:
         model.decode_step = None  # the compiled step reads and writes K/V in one dtype
     cfg = files.config
     layout = KVLayout(cfg.num_layers, target.block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
-    if settings.kv.num_blocks:
-        blocks = target.num_blocks  # an exact count is the target's: the draft's adds
+    if settings.kv.num_blocks or device != parts.model.device:
+        # An exact count is the target's, and a draft on a device of its own takes
+        # nothing from the target's memory: the draft's pool adds as many blocks (every
+        # sequence the target holds, the draft holds too).
+        blocks = target.num_blocks
     else:
         taken = weight_bytes(model) if _sized_by_gpu_share(settings, model) else 0
         blocks = split_pool(
@@ -102,6 +108,22 @@ def load_draft(
         parts = replace(parts, kv=smaller_pool(target, blocks))
     kv = KVCache(layout, blocks, model.device)
     return parts, DraftModelProposer(model, kv, settings.batch.chunk_size)
+
+
+def draft_device(name: str | None, target: torch.device) -> torch.device:
+    """The device speculative.draft_device names (None: the target's); a ValueError
+    naming the setting where this process has no such device."""
+    if name is None:
+        return target
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= count:
+            seen = f"{count} CUDA device{'s' * (count != 1)}" if count else "no CUDA device"
+            raise ValueError(f"speculative.draft_device is {name}, but torch sees {seen}")
+        device = torch.device("cuda", index)
+    return device
 
 
 def check_vocabulary(draft: ModelFiles, target: ModelFiles) -> None:
