@@ -39,7 +39,8 @@ from appliance.server.tool_fields import (
 # vLLM (and a few of llama.cpp's server) that OpenAI-compatible clients send in extra_body.
 # Implemented, so not here: top_k, seed, n, stop, stop_token_ids, ignore_eos,
 # include_stop_str_in_output, allowed_token_ids, truncate_prompt_tokens,
-# return_tokens_as_token_ids, bad_words, skip_special_tokens, the
+# return_tokens_as_token_ids, bad_words, skip_special_tokens,
+# spaces_between_special_tokens, the
 # structured-output fields (structured_fields.py), the
 # penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs,
 # llama.cpp's typical_p, top_n_sigma, XTC, dynamic temperature, mirostat and DRY; OpenAI's
@@ -51,7 +52,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         # vLLM's extra sampling parameters
         "length_penalty": (None, 1, 1.0),
         "use_beam_search": (None, False),
-        "spaces_between_special_tokens": (None, True),
         "logits_processors": (None, []),
         "guided_decoding_backend": (None,),
         "guided_whitespace_pattern": (None,),
@@ -184,6 +184,9 @@ class SamplingFields(Body, StructuredFields):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string ends the text
     skip_special_tokens: bool = True  # vLLM's: False keeps markers in the text
+    # vLLM's; either value reads as vLLM's fast-tokenizer detokenizer reads it: special
+    # tokens kept in the text are joined as the tokenizer decodes them, no space added.
+    spaces_between_special_tokens: bool = True
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context takes).
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # vLLM's: logprobs name each token "token_id:N", not by its text (exact ids for RL).

@@ -218,7 +218,6 @@ REFUSED_EXTRAS = [
     {"length_penalty": 0.5},
     {"use_beam_search": True},
     {"detokenize": False},
-    {"spaces_between_special_tokens": False},
     {"chat_template": "{{ messages }}"},
     {"logits_processors": ["x"]},
 ]
@@ -328,6 +327,12 @@ def test_skip_special_tokens_false_keeps_markers_in_the_text(
         **ask, extra_body=forced | {"skip_special_tokens": False}
     )
     assert shown.choices[0].message.content == "<|im_start|>" * 3
+    # vLLM's spaces_between_special_tokens: either value joins them as the tokenizer
+    # decodes them, as vLLM's fast-tokenizer detokenizer does (no space added).
+    for spaces in (True, False):
+        extra = forced | {"skip_special_tokens": False, "spaces_between_special_tokens": spaces}
+        joined = client.chat.completions.create(**ask, extra_body=extra)
+        assert joined.choices[0].message.content == "<|im_start|>" * 3
     hidden = client.chat.completions.create(**ask, extra_body=forced)
     assert hidden.choices[0].message.content == ""
     ended = client.chat.completions.create(
