@@ -176,8 +176,7 @@ class ChatOutputs:
         fields = dict(fields)
         calls = fields.pop("tool_calls", [])
         if calls:
-            function = dict(calls[0]["function"])
-            fields["function_call"] = function
+            fields["function_call"] = dict(calls[0]["function"])
         return fields, "function_call" if reason == "tool_calls" else reason
 
     def _new(self) -> ChoiceOutput:

@@ -63,6 +63,8 @@ class Mirostat:
 
     def observe(self, prob: float) -> None:
         """Move mu after a draw: `prob` is the drawn token's in the distribution drawn from."""
+        # Only a row of NaN logits draws a token of probability 0 (sampler's fallback):
+        # counted as twice mu's surprise, which lowers mu, as a surprising draw does.
         surprise = -math.log2(prob) if prob > 0 else 2 * self.mu
         self.mu -= self.eta * (surprise - self.tau)
 

@@ -1,6 +1,7 @@
 """The chat request's tool fields, as OpenAI defines them: `tools` (functions with a JSON
 schema of their parameters), `tool_choice`, `parallel_tool_calls`; assistant messages with
-`tool_calls`, `role: "tool"` results; and vLLM's `chat_template_kwargs`.
+`tool_calls`, `role: "tool"` results; vLLM's `chat_template_kwargs` and OpenAI's
+`reasoning_effort` (a template variable too).
 
 OpenAI's deprecated `functions` and `function_call` (still served by OpenAI, still sent by
 older clients) are its tools and tool_choice with one call at most: the reply carries the
