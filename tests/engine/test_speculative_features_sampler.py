@@ -1,11 +1,11 @@
 """Verification with every sampling feature, in process on plain tensors and the real
 tokenizer's grammar: a verify chunk's rows are judged as plain decoding samples them,
-position by position, with penalties, logit_bias, min_tokens and logprobs (the emitted
-tokens and their logprobs equal a plain step's at each position); with penalties,
-rejection sampling's second token follows the penalized distribution that counts the
-draft before it (chi-square); and a grammar masks each verified position by its state
-after the drafts before it, truncates drafts at the first token it refuses, and is
-advanced only by emitted tokens."""
+position by position, with penalties, logit_bias, min_tokens, DRY and logprobs (the
+emitted tokens and their logprobs equal a plain step's at each position); with
+penalties, and with llama.cpp's cuts and DRY, rejection sampling's second token follows
+the distribution that counts the draft before it (chi-square); and a grammar masks each
+verified position by its state after the drafts before it, truncates drafts at the
+first token it refuses, and is advanced only by emitted tokens."""
 
 from __future__ import annotations
 
@@ -62,8 +62,14 @@ FEATURES = {
     "penalties": dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.4),
     "logit_bias": dict(logit_bias=[(1, 0.7), (8, -0.4), (6, 0.9)]),
     "min_tokens": dict(min_tokens=5),
+    "dry": dict(dry_multiplier=0.8, dry_allowed_length=1),
     "everything": dict(
-        presence_penalty=0.6, repetition_penalty=1.2, logit_bias=[(1, 0.5)], min_tokens=4
+        presence_penalty=0.6,
+        repetition_penalty=1.2,
+        logit_bias=[(1, 0.5)],
+        min_tokens=4,
+        dry_multiplier=0.5,
+        dry_allowed_length=1,
     ),
 }
 
@@ -159,6 +165,41 @@ def test_rejection_sampling_with_penalties_keeps_the_penalized_distributions() -
     assert chi_square_p_value([seconds[c] for c in cells], second.tolist()) > 1e-3
     # The test tells the draft-counting distribution from one that forgot the draft.
     assert chi_square_p_value([seconds[c] for c in cells], unpenalized.tolist()) < 1e-3
+
+
+def test_rejection_sampling_keeps_llama_cpps_cuts_and_dry() -> None:
+    """As above with llama.cpp's samplers: given the draft was kept, the next token
+    follows what plain decoding draws from after it (DRY counts the draft; typical_p,
+    XTC's mixture and the dynamic temperature are functions of that row's logits)."""
+    sampler = Sampler(torch.device("cpu"))
+    params = SamplingParams(
+        temperature=1.0,
+        typical_p=0.95,
+        xtc_probability=0.5,
+        xtc_threshold=0.15,
+        dynatemp_range=0.5,
+        dry_multiplier=1.5,
+        dry_allowed_length=1,
+    )
+    row = row_of(params, output=(2, 4))
+    scores = torch.tensor([[0.0, 1.0, 0.5, 0.2, 0.9, 0.1], [0.3, 1.2, 0.2, 0.4, 0.0, 0.8]])
+    draft = 2  # after 2 came 4 before: DRY holds 4 back at the second position
+    first = Sampler.probabilities(sampler.process_logits(scores[:1], [row])[0], params)
+    after = replace(row, token_ids=(*row.token_ids, draft))
+    second = Sampler.probabilities(sampler.process_logits(scores[1:], [after])[0], params)
+    forgot = Sampler.probabilities(sampler.process_logits(scores[1:], [row])[0], params)
+    firsts: Counter[int] = Counter()
+    seconds: Counter[int] = Counter()
+    for _ in range(3000):
+        tokens = sampler.verify(scores, row, [draft]).token_ids
+        firsts[tokens[0]] += 1
+        if len(tokens) == 2:
+            seconds[tokens[1]] += 1
+    cells = range(scores.shape[1])
+    assert chi_square_p_value([firsts[c] for c in cells], first.tolist()) > 1e-3
+    assert sum(seconds.values()) > 500
+    assert chi_square_p_value([seconds[c] for c in cells], second.tolist()) > 1e-3
+    assert chi_square_p_value([seconds[c] for c in cells], forgot.tolist()) < 1e-3
 
 
 # ------------------------------------------------------------------ grammar
