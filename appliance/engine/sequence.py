@@ -28,11 +28,16 @@ class StructuredOutput:
 
     kind: str
     spec: str = ""
+    # json and json_object: a regex of the whitespace allowed between the JSON's tokens
+    # (vLLM's guided_whitespace_pattern); "": none but the ", " and ": " models write.
+    whitespace: str = ""
 
     def __post_init__(self) -> None:
         kinds = ("json", "json_object", "regex", "choice", "grammar")
         if self.kind not in kinds:
             raise ValueError(f"structured output kind must be one of {kinds}, got {self.kind!r}")
+        if self.whitespace and self.kind not in ("json", "json_object"):
+            raise ValueError(f"a whitespace pattern applies to JSON, not to kind {self.kind!r}")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from appliance.server.tool_fields import (
 # include_stop_str_in_output, allowed_token_ids, truncate_prompt_tokens,
 # return_tokens_as_token_ids, bad_words, skip_special_tokens,
 # spaces_between_special_tokens, the
-# structured-output fields (structured_fields.py), the
+# structured-output fields (structured_fields.py, guided_whitespace_pattern too), the
 # penalties (and llama.cpp's repeat_penalty), logit_bias, min_p, min_tokens, logprobs,
 # llama.cpp's typical_p, top_n_sigma, XTC, dynamic temperature, mirostat and DRY; OpenAI's
 # deprecated functions and function_call (tool_fields.py);
@@ -54,7 +54,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "use_beam_search": (None, False),
         "logits_processors": (None, []),
         "guided_decoding_backend": (None,),
-        "guided_whitespace_pattern": (None,),
         "detokenize": (None, True),
         # vLLM's own template: the prompt would not be the one asked for
         "chat_template": (None,),

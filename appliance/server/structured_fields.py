@@ -1,13 +1,15 @@
 """The request fields that ask for a structured output, under every spelling clients use:
 OpenAI's `response_format` (json_object, json_schema), vLLM's `structured_outputs`
 {json, regex, choice, grammar} and its older `guided_json`, `guided_regex`,
-`guided_choice`, `guided_grammar`. Each becomes one StructuredOutput, compiled here, in
-the server process, before the request is submitted: a spec the grammar engine cannot
-compile is a 400 that names the field and what is unsupported."""
+`guided_choice`, `guided_grammar` (with `guided_whitespace_pattern` for a JSON output's
+whitespace). Each becomes one StructuredOutput, compiled here, in the server process,
+before the request is submitted: a spec the grammar engine cannot compile is a 400 that
+names the field and what is unsupported."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -65,6 +67,8 @@ class StructuredFields(BaseModel):
     # llama.cpp server's own spellings: a JSON schema, and a GBNF grammar ("" is off)
     json_schema: Schema | None = None
     grammar: str | None = None
+    # vLLM's: a regex of the whitespace a JSON output may hold between its tokens
+    guided_whitespace_pattern: str | None = None
     _spec: StructuredOutput | None = PrivateAttr(None)
 
     @model_validator(mode="after")
@@ -78,13 +82,12 @@ class StructuredFields(BaseModel):
             )
         if asked:
             field, spec = asked[0]
-            try:
-                check(spec)
-            except UnsupportedSpec as exc:
-                raise APIError(400, f"{field}: unsupported: {exc}", field, "unsupported") from None
-            except UnicodeEncodeError:  # JSON can carry "\ud800", which no text holds
-                raise APIError(400, f"{field} holds a lone surrogate: no text", field) from None
+            _checked(field, spec)
+            if self.guided_whitespace_pattern is not None:
+                spec = _with_whitespace(spec, self.guided_whitespace_pattern)
             self._spec = spec
+        elif self.guided_whitespace_pattern is not None:
+            _with_whitespace(None, self.guided_whitespace_pattern)  # refused: no JSON
         return self
 
     def structured_output(self) -> StructuredOutput | None:
@@ -114,6 +117,30 @@ class StructuredFields(BaseModel):
         names = {"json": "json_schema", "grammar": "grammar"}
         asked += [(names[name], spec) for name, spec in _vllm_specs(llama_cpp)]
         return asked
+
+
+def _checked(field: str, spec: StructuredOutput) -> None:
+    """`spec` compiled as the workers will build it; a 400 naming `field` otherwise."""
+    try:
+        check(spec)
+    except UnsupportedSpec as exc:
+        raise APIError(400, f"{field}: unsupported: {exc}", field, "unsupported") from None
+    except UnicodeEncodeError:  # JSON can carry "\ud800", which no text holds
+        raise APIError(400, f"{field} holds a lone surrogate: no text", field) from None
+
+
+def _with_whitespace(spec: StructuredOutput | None, pattern: str) -> StructuredOutput:
+    """A JSON spec with guided_whitespace_pattern's whitespace, checked; a 400 naming the
+    field for an empty pattern, one that does not compile, or no JSON output to apply to."""
+    field = "guided_whitespace_pattern"
+    if spec is None or spec.kind not in ("json", "json_object"):
+        message = f"{field} applies to a JSON output (guided_json, response_format, ...)"
+        raise APIError(400, message, field)
+    if not pattern:
+        raise APIError(400, f"{field} is empty: leave it out for compact JSON", field)
+    spaced = replace(spec, whitespace=pattern)
+    _checked(field, spaced)
+    return spaced
 
 
 def _response_format(value: ResponseFormat) -> StructuredOutput | None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
+import llguidance
 import pytest
 import torch
 from mask_rows import Row
@@ -111,6 +112,39 @@ def test_each_kind_compiles() -> None:
         StructuredOutput("grammar", 'start: "yes" | "no"'),  # Lark
     ):
         assert check(spec)
+
+
+@pytest.mark.parametrize(
+    ("whitespace", "matches"),
+    [
+        ("", [True, False, False, False]),  # compact: the spaces models write, no other
+        ("[ ]?", [True, True, True, False]),  # at most one space where JSON allows any
+        (r"[ \n]*", [True, True, True, True]),
+    ],
+)
+def test_a_whitespace_pattern_is_where_json_allows_whitespace(
+    tokenizer: Tokenizer, whitespace: str, matches: list[bool]
+) -> None:
+    """vLLM's guided_whitespace_pattern, as outlines reads it: the pattern between the
+    JSON's tokens in place of the compact default."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    grammar = check(StructuredOutput("json", json.dumps(schema), whitespace))
+    texts = ['{"a": 1, "b": "x"}', '{ "a" : 1 , "b" : "x" }', '{"a":1,"b":"x"}']
+    texts.append('{\n  "a": 1,\n  "b": "x"\n}')
+    vocabulary = grammar_vocabulary(tokenizer, tokenizer.vocab_size, tokenizer.stop_token_ids)
+    got = []
+    for text in texts:
+        matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        got.append(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
+    assert got == matches
+    with pytest.raises(ValueError, match="applies to JSON"):
+        StructuredOutput("regex", "[0-9]+", "[ ]?")
 
 
 # ------------------------------------------------------------------ matcher

@@ -251,6 +251,45 @@ def test_what_the_engine_cannot_compile_is_a_400_naming_it(
     assert named in error["message"] and "unsupported" in error["message"]
 
 
+@pytest.mark.parametrize(("pattern", "between"), [("[ ]?", "( ?)"), (r"\n", "(\n)")])
+def test_guided_whitespace_pattern_is_the_jsons_whitespace(
+    client: OpenAI, pattern: str, between: str
+) -> None:
+    """vLLM's guided_whitespace_pattern: outside its strings, the JSON holds no whitespace
+    but what the pattern matches (a space at most; exactly a newline), and still
+    validates. Without a JSON output to apply to, or empty, it is a 400 naming it."""
+    schema = SCHEMAS["flat_person"]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ask_for("flat_person", schema),  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"guided_json": schema, "guided_whitespace_pattern": pattern},
+    )
+    choice = reply.choices[0]
+    text = choice.message.content or ""
+    assert_valid(text, schema, choice.finish_reason)
+    outside = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)  # the strings emptied
+    gaps = re.findall(r"\s+", outside)
+    assert all(re.fullmatch(between, gap) for gap in gaps), repr(text)
+    assert gaps or pattern == "[ ]?"  # a newline is required wherever JSON allows one
+    refused = [
+        {"guided_regex": "[0-9]+", "guided_whitespace_pattern": "[ ]?"},  # no JSON
+        {"guided_whitespace_pattern": "[ ]?"},  # no constraint at all
+        {"guided_json": schema, "guided_whitespace_pattern": ""},
+        {"guided_json": schema, "guided_whitespace_pattern": "[ "},  # no regex
+    ]
+    for extra in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=8,
+                extra_body=extra,
+            )
+        assert caught.value.body["param"] == "guided_whitespace_pattern", extra  # type: ignore[index]
+
+
 def test_two_constraints_at_once_are_refused(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="only one structured output"):
         client.chat.completions.create(

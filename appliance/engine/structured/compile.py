@@ -33,9 +33,9 @@ def grammar_text(spec: StructuredOutput) -> str:
     that is not even well formed (not JSON, a choice that is no list of strings)."""
     match spec.kind:
         case "json":
-            return _json_schema(_parse_json(spec.spec, "a JSON schema"))
+            return _json_schema(_parse_json(spec.spec, "a JSON schema"), spec.whitespace)
         case "json_object":
-            return _json_schema({"type": "object"})
+            return _json_schema({"type": "object"}, spec.whitespace)
         case "regex":
             if not spec.spec:
                 raise UnsupportedSpec("the regular expression is empty")
@@ -66,14 +66,24 @@ def check(spec: StructuredOutput) -> str:
     return grammar
 
 
-def _json_schema(schema: Any) -> str:
+def _json_schema(schema: Any, whitespace: str = "") -> str:
+    """A JSON schema's grammar: compact (JSON_OPTIONS), or with `whitespace` (a regex)
+    wherever JSON allows whitespace, as outlines reads vLLM's guided_whitespace_pattern."""
     if schema is True:
         schema = {}  # any JSON value
     if not isinstance(schema, dict):
         raise UnsupportedSpec("a JSON schema must be an object (or true)")
+    options = JSON_OPTIONS
+    if whitespace:
+        options = {
+            "whitespace_flexible": True,
+            "whitespace_pattern": whitespace,
+            "item_separator": ",",
+            "key_separator": ":",
+        }
     try:
         text = json.dumps(_narrowed(schema))
-        return str(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS))
+        return str(llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options))
     except ValueError as exc:
         raise UnsupportedSpec(_first_line(str(exc))) from None
 
