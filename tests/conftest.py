@@ -9,6 +9,7 @@ whole model: those using a fixture that does (marked here), and those that start
 from __future__ import annotations
 
 import gc
+import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -183,6 +184,28 @@ def layout_server(
 ) -> ServerProcess:
     """Each layout's shared server in turn: a test using it runs on both."""
     return server if request.param == "split" else colocated_server
+
+
+@pytest.fixture(scope="session")
+def configured_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """`appliance serve` with settings other than the defaults: sampling defaults from a
+    generation_config folder (greedy, 5 tokens) with override_generation_config on top
+    (top_k 40), and requests' own chat templates trusted."""
+    folder = tmp_path_factory.mktemp("generation")
+    config = {"temperature": 0.0, "max_new_tokens": 5, "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    process = ServerProcess(
+        {
+            "APPLIANCE_API_KEY": API_KEY,
+            "APPLIANCE_KV__MEMORY_MB": "64",
+            "APPLIANCE_GENERATION_CONFIG": str(folder),
+            "APPLIANCE_OVERRIDE_GENERATION_CONFIG": json.dumps({"top_k": 40}),
+            "APPLIANCE_SERVER__TRUST_REQUEST_CHAT_TEMPLATE": "true",
+        }
+    )
+    process.start()
+    yield process
+    process.stop()
 
 
 @pytest.fixture(scope="session")

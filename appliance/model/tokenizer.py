@@ -9,6 +9,7 @@ splits it (for SmolLM2: no BOS is added) and a chat renders exactly as transform
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from datetime import datetime
@@ -97,6 +98,15 @@ class Tokenizer:
             return cls(raw, _special_tokens(config), template, eos_ids)
         except ValueError as exc:  # a chat template that does not compile
             raise ModelLoadError(folder, str(exc)) from None
+
+    def with_template(self, source: str) -> Tokenizer:
+        """This tokenizer rendering chats with `source`, a Jinja chat template, instead of
+        its own (a request's chat_template); ValueError where it does not compile."""
+        other = copy.copy(self)
+        other.chat_template = source
+        other._template = _compile_template(source)
+        other._takes_tools = _reads_variable(source, "tools")
+        return other
 
     def to_json(self) -> str:
         """The tokenizer.json this tokenizer was built from, as text (for libraries that

@@ -55,8 +55,6 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "logits_processors": (None, []),
         "guided_decoding_backend": (None,),
         "detokenize": (None, True),
-        # vLLM's own template: the prompt would not be the one asked for
-        "chat_template": (None,),
     }
 )
 MAX_STOP_STRINGS = 16

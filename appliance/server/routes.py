@@ -57,7 +57,7 @@ async def prepared_chat(request: Request, state: ServerState, body: dict[str, An
     assert tokenizer is not None  # requests are served only once the tokenizer is loaded
     # The tools in the prompt where the family's template reads them, the constraint of
     # tool_choice required or named, and the readers of calls and reasoning (appliance/chat).
-    turn = ChatTurn.of(tokenizer, messages, req)
+    turn = ChatTurn.of(tokenizer, messages, req, state.settings.server.trust_request_chat_template)
     req.constrain_tool_calls(turn.structured)
     ids = await tokenized(turn.token_ids, "messages")
     if not ids:

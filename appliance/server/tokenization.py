@@ -163,8 +163,8 @@ async def _chat_ids(state: ServerState, tokenizer: Tokenizer, body: dict[str, An
 
 
 async def chat_turn(state: ServerState, tokenizer: Tokenizer, body: dict[str, Any]) -> ChatTurn:
-    """These messages (and tools) as a chat completion takes them; what the chat route
-    refuses (a chat_template of the request's own) is refused here too."""
+    """These messages (and tools) as a chat completion takes them (a chat_template of the
+    request's own where the server trusts them, as there)."""
     field = unsupported_field(body)
     if field is not None:
         raise APIError(400, unsupported_message(field), field, "unsupported")
@@ -172,7 +172,8 @@ async def chat_turn(state: ServerState, tokenizer: Tokenizer, body: dict[str, An
         raise APIError(400, "send messages", "messages")
     req = validated(ChatCompletionRequest, {"model": state.appliance.model_name, **body})
     state.check_model(req.model)
-    return ChatTurn.of(tokenizer, [m.for_template() for m in req.messages], req)
+    trusted = state.settings.server.trust_request_chat_template
+    return ChatTurn.of(tokenizer, [m.for_template() for m in req.messages], req, trusted)
 
 
 def _piece(tokenizer: Tokenizer, token_id: int) -> str | list[int]:

@@ -90,6 +90,8 @@ class ToolFields(BaseModel):
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | FunctionName | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: a Jinja template of the request's own, where the server trusts them.
+    chat_template: str | None = None
     # OpenAI's, passed to the template as vLLM does (gpt-oss's reads it: "Reasoning: high").
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # vLLM's: a turn for the assistant after the messages (the default), or the last
@@ -236,11 +238,18 @@ class ChatTurn:
 
     @classmethod
     def of(
-        cls, tokenizer: Tokenizer, messages: list[dict[str, Any]], fields: ToolFields
+        cls,
+        tokenizer: Tokenizer,
+        messages: list[dict[str, Any]],
+        fields: ToolFields,
+        trust_template: bool = False,
     ) -> ChatTurn:
         """The turn of validated fields; APIError 400 for a tool_choice the tools cannot
-        meet."""
+        meet, or a chat_template of the request's own unless `trust_template`
+        (server.trust_request_chat_template) or it does not compile."""
         fields.check_legacy()
+        if fields.chat_template is not None:
+            tokenizer = _request_template(tokenizer, fields.chat_template, trust_template)
         fmt = chat_format(tokenizer.chat_template, tokenizer.takes_tools)
         parallel = fields.parallel_tool_calls and not fields.legacy_functions
         try:
@@ -297,6 +306,20 @@ class ChatTurn:
     @property
     def structured(self) -> StructuredOutput | None:
         return self.plan.structured
+
+
+def _request_template(tokenizer: Tokenizer, source: str, trusted: bool) -> Tokenizer:
+    """The tokenizer rendering with a request's own chat template, where trusted."""
+    if not trusted:
+        message = (
+            "a chat_template of the request's own is rendered only where the server trusts "
+            "them (server.trust_request_chat_template, vLLM's --trust-request-chat-template)"
+        )
+        raise APIError(400, message, "chat_template", "unsupported")
+    try:
+        return tokenizer.with_template(source)
+    except ValueError as exc:
+        raise APIError(400, f"chat_template does not compile: {exc}", "chat_template") from None
 
 
 def constrained(params: SamplingParams, structured: StructuredOutput | None) -> SamplingParams:

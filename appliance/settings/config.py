@@ -72,6 +72,12 @@ class ServerSettings(BaseModel):
         description="Generations in flight (each of n choices counts); beyond it 429.",
     )
     max_n: int = Field(16, ge=1, le=128, description="Most choices (n) one request may ask for.")
+    trust_request_chat_template: bool = Field(
+        False,
+        description="Render a chat request's own `chat_template` (vLLM's "
+        "--trust-request-chat-template); off, such a request is a 400. A template is code "
+        "the server runs (sandboxed, as transformers renders them): trust the clients.",
+    )
     responses_kept: int = Field(
         1000,
         ge=0,

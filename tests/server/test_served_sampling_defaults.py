@@ -5,8 +5,6 @@ value; /api/show lists them as Ollama shows a Modelfile's (model/sampling_defaul
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,21 +22,8 @@ PROMPT = [{"role": "user", "content": "Name any animal you like, and say why."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    folder = tmp_path_factory.mktemp("generation")
-    config = {"temperature": 0.0, "max_new_tokens": 5, "do_sample": False}
-    (folder / "generation_config.json").write_text(json.dumps(config))
-    process = ServerProcess(
-        {
-            "APPLIANCE_API_KEY": API_KEY,
-            "APPLIANCE_KV__MEMORY_MB": "64",
-            "APPLIANCE_GENERATION_CONFIG": str(folder),
-            "APPLIANCE_OVERRIDE_GENERATION_CONFIG": json.dumps({"top_k": 40}),
-        }
-    )
-    process.start()
-    yield process
-    process.stop()
+def server(configured_server: ServerProcess) -> ServerProcess:
+    return configured_server
 
 
 @pytest.fixture(scope="module")

@@ -218,7 +218,6 @@ REFUSED_EXTRAS = [
     {"length_penalty": 0.5},
     {"use_beam_search": True},
     {"detokenize": False},
-    {"chat_template": "{{ messages }}"},
     {"logits_processors": ["x"]},
 ]
 
