@@ -53,7 +53,8 @@ UNSUPPORTED_FIELDS: MappingProxyType[str, tuple[Any, ...]] = MappingProxyType(
         "length_penalty": (None, 1, 1.0),
         "use_beam_search": (None, False),
         "logits_processors": (None, []),
-        "guided_decoding_backend": (None,),
+        # vLLM's per-request grammar engine: this server's is llguidance, vLLM's "guidance"
+        "guided_decoding_backend": (None, "auto", "guidance"),
         "detokenize": (None, True),
     }
 )

@@ -56,12 +56,18 @@ def test_vllm_extras_are_refused_unless_at_their_defaults() -> None:
     assert unsupported_field({"length_penalty": 1.05}) == "length_penalty"
     assert unsupported_field({"length_penalty": True}) == "length_penalty"  # true is not 1
     assert unsupported_field({"detokenize": False}) == "detokenize"
-    # structured outputs are served (structured_fields.py); the backend is not a choice
+    # structured outputs are served (structured_fields.py); the backend is llguidance
     assert unsupported_field({"guided_decoding_backend": "xgrammar"}) == "guided_decoding_backend"
+    assert unsupported_field({"guided_decoding_backend": "guidance"}) is None  # llguidance
     assert unsupported_message("length_penalty") == (
         "length_penalty is not supported by this server: send 1.0 or leave it out"
     )
-    assert unsupported_message("guided_decoding_backend").endswith(": leave it out")
+    assert unsupported_message("guided_decoding_backend").endswith(
+        ': send "guidance" or leave it out'
+    )
+    assert unsupported_message("logits_processors").endswith(
+        ": send [] or leave it out"
+    )
 
 
 def test_stop_token_ids_reach_the_engine() -> None:
