@@ -579,7 +579,7 @@ def batch_probabilities(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if more.typical_rows is not None:
         assert more.typical_p is not None  # made together (MoreCuts.of)
-        logits = typical(logits, more.typical_rows, more.typical_p)
+        logits = typical(logits, more.typical_rows, more.typical_p, by_sort=sort_top_p)
     if not any_top_p:
         return _after_top_p(logits.softmax(-1), more, temperature)
     if sort_top_p:  # top-k done above: the sort cuts top-p alone

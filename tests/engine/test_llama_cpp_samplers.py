@@ -55,12 +55,15 @@ def test_top_n_sigma_is_the_same_before_and_after_temperature() -> None:
 # ---------------------------------------------------------------- typical_p
 
 
+@pytest.mark.parametrize("by_sort", [True, False], ids=["sorted", "nearest-k"])
 @pytest.mark.parametrize("mass", [0.2, 0.5, 0.9, 0.99])
-def test_typical_keeps_what_transformers_typical_warper_keeps(mass: float) -> None:
+def test_typical_keeps_what_transformers_typical_warper_keeps(mass: float, by_sort: bool) -> None:
+    """Either way of ordering (a GPU's sort, a CPU's nearest K; 0.99 of a flat row needs
+    K past 64)."""
     gen = torch.Generator().manual_seed(int(mass * 100))
     logits = torch.randn(3, 2000, generator=gen) * 2.5
     reference = TypicalLogitsWarper(mass=mass)(torch.zeros(3, 1, dtype=torch.long), logits)
-    ours = typical(logits, torch.tensor([0, 1, 2]), torch.full((3,), mass))
+    ours = typical(logits, torch.tensor([0, 1, 2]), torch.full((3,), mass), by_sort)
     assert torch.equal(torch.isinf(ours), torch.isinf(reference))
     kept = ~torch.isinf(ours)
     assert torch.equal(ours[kept], logits[kept])  # kept logits are unchanged

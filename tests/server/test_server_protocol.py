@@ -65,9 +65,7 @@ def test_vllm_extras_are_refused_unless_at_their_defaults() -> None:
     assert unsupported_message("guided_decoding_backend").endswith(
         ': send "guidance" or leave it out'
     )
-    assert unsupported_message("logits_processors").endswith(
-        ": send [] or leave it out"
-    )
+    assert unsupported_message("logits_processors").endswith(": send [] or leave it out")
 
 
 def test_stop_token_ids_reach_the_engine() -> None:
