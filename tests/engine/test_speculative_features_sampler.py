@@ -140,38 +140,46 @@ def test_min_tokens_masks_the_end_token_only_where_too_few_outputs_would_exist()
     assert sampler.verify(scores, row, [2, 9, 4, 4]).token_ids == [2, 9, END]
 
 
-def test_rejection_sampling_with_penalties_keeps_the_penalized_distributions() -> None:
-    """A point-mass draft at position 0; given it was kept, the next token must follow the
-    distribution plain decoding samples after emitting it: the penalties count it."""
+SCORES = torch.tensor([[0.0, 1.0, 0.5, 0.2, 0.9, 0.1], [0.3, 1.2, 0.2, 0.4, 0.0, 0.8]])
+
+
+def check_second_position(params: SamplingParams, output: tuple[int, ...], draft: int) -> None:
+    """A point-mass draft at position 0 of SCORES' two rows: 3000 verifies. The first
+    token follows plain decoding's distribution; given the draft was kept, the second
+    follows the one plain decoding samples after emitting it, and not the one that
+    forgot it (so the check can fail). Chi-square, p 1e-3."""
     sampler = Sampler(torch.device("cpu"))
-    params = SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0)
-    row = row_of(params, output=(4,))
-    scores = torch.tensor([[0.0, 1.0, 0.5, 0.2, 0.9, 0.1], [0.3, 1.2, 0.2, 0.4, 0.0, 0.8]])
-    draft = 1
-    first = Sampler.probabilities(sampler.process_logits(scores[:1], [row])[0], params)
+    row = row_of(params, output=output)
     after = replace(row, token_ids=(*row.token_ids, draft))
-    second = Sampler.probabilities(sampler.process_logits(scores[1:], [after])[0], params)
-    unpenalized = Sampler.probabilities(sampler.process_logits(scores[1:], [row])[0], params)
+
+    def plain(scores: torch.Tensor, context: SampleRow) -> list[float]:
+        return Sampler.probabilities(sampler.process_logits(scores, [context])[0], params).tolist()
+
     firsts: Counter[int] = Counter()
     seconds: Counter[int] = Counter()
     for _ in range(3000):
-        tokens = sampler.verify(scores, row, [draft]).token_ids
+        tokens = sampler.verify(SCORES, row, [draft]).token_ids
         firsts[tokens[0]] += 1
         if len(tokens) == 2:
             seconds[tokens[1]] += 1
-    cells = range(scores.shape[1])
-    assert chi_square_p_value([firsts[c] for c in cells], first.tolist()) > 1e-3
+    cells = range(SCORES.shape[1])
+    assert chi_square_p_value([firsts[c] for c in cells], plain(SCORES[:1], row)) > 1e-3
     assert sum(seconds.values()) > 500
-    assert chi_square_p_value([seconds[c] for c in cells], second.tolist()) > 1e-3
-    # The test tells the draft-counting distribution from one that forgot the draft.
-    assert chi_square_p_value([seconds[c] for c in cells], unpenalized.tolist()) < 1e-3
+    counted = [seconds[c] for c in cells]
+    assert chi_square_p_value(counted, plain(SCORES[1:], after)) > 1e-3
+    assert chi_square_p_value(counted, plain(SCORES[1:], row)) < 1e-3
+
+
+def test_rejection_sampling_with_penalties_keeps_the_penalized_distributions() -> None:
+    """The penalties count the draft before the second position."""
+    params = SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0)
+    check_second_position(params, output=(4,), draft=1)
 
 
 def test_rejection_sampling_keeps_llama_cpps_cuts_and_dry() -> None:
-    """As above with llama.cpp's samplers: given the draft was kept, the next token
-    follows what plain decoding draws from after it (DRY counts the draft; typical_p,
-    XTC's mixture and the dynamic temperature are functions of that row's logits)."""
-    sampler = Sampler(torch.device("cpu"))
+    """With llama.cpp's samplers: DRY counts the draft (after 2 came 4 before: it holds
+    4 back at the second position); typical_p, XTC's mixture and the dynamic temperature
+    are functions of that row's logits."""
     params = SamplingParams(
         temperature=1.0,
         typical_p=0.95,
@@ -181,25 +189,7 @@ def test_rejection_sampling_keeps_llama_cpps_cuts_and_dry() -> None:
         dry_multiplier=1.5,
         dry_allowed_length=1,
     )
-    row = row_of(params, output=(2, 4))
-    scores = torch.tensor([[0.0, 1.0, 0.5, 0.2, 0.9, 0.1], [0.3, 1.2, 0.2, 0.4, 0.0, 0.8]])
-    draft = 2  # after 2 came 4 before: DRY holds 4 back at the second position
-    first = Sampler.probabilities(sampler.process_logits(scores[:1], [row])[0], params)
-    after = replace(row, token_ids=(*row.token_ids, draft))
-    second = Sampler.probabilities(sampler.process_logits(scores[1:], [after])[0], params)
-    forgot = Sampler.probabilities(sampler.process_logits(scores[1:], [row])[0], params)
-    firsts: Counter[int] = Counter()
-    seconds: Counter[int] = Counter()
-    for _ in range(3000):
-        tokens = sampler.verify(scores, row, [draft]).token_ids
-        firsts[tokens[0]] += 1
-        if len(tokens) == 2:
-            seconds[tokens[1]] += 1
-    cells = range(scores.shape[1])
-    assert chi_square_p_value([firsts[c] for c in cells], first.tolist()) > 1e-3
-    assert sum(seconds.values()) > 500
-    assert chi_square_p_value([seconds[c] for c in cells], second.tolist()) > 1e-3
-    assert chi_square_p_value([seconds[c] for c in cells], forgot.tolist()) < 1e-3
+    check_second_position(params, output=(2, 4), draft=2)
 
 
 # ------------------------------------------------------------------ grammar
