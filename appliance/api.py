@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from appliance.core.tuning import Tuning, TuningPatch
-from appliance.engine.logprobs import TokenLogprobs as TokenLogprobs
+from appliance.engine.sampling.logprobs import TokenLogprobs as TokenLogprobs
 from appliance.engine.sequence import SamplingParams as SamplingParams
 from appliance.model.model_config import ModelConfig, check_degree
 from appliance.model.model_source import model_name, prepare_model

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from timing import best_seconds
 
-from appliance.engine.sampler import Sampler, SampleRow
+from appliance.engine.sampling.sampler import Sampler, SampleRow
 from appliance.engine.sequence import SamplingParams
 from appliance.model.cpu_kernels.loading import level
 from appliance.topology.cpu import cpu_model_name

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 from appliance.engine.llm_engine import LLMEngine
-from appliance.engine.sampler import SampleRow
+from appliance.engine.sampling.sampler import SampleRow
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.speculative.ngram import NgramProposer
 from appliance.model import cpu_kernels

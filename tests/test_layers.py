@@ -68,6 +68,8 @@ TORCH_FREE = (
     "appliance.engine.speculative.adaptive",
     "appliance.engine.speculative.eligibility",
     "appliance.engine.speculative.proposer",
+    # DRY's penalties: a pass over the context's token ids, run for every DRY row
+    "appliance.engine.sampling.dry",
     # the serve process (HTTP, supervisor, planner) and the agent run no model: the workers
     # they spawn import torch, they do not (tests/server/test_server_startup.py: at run time)
     "appliance.cli",

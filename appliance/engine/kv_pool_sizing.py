@@ -9,7 +9,7 @@ import logging
 import torch
 
 from appliance.engine.model_runner import ModelRunner, forward, move_to
-from appliance.engine.sampler import Sampler
+from appliance.engine.sampling.sampler import Sampler
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.kv.block_allocator import blocks_for_tokens

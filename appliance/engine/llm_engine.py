@@ -12,9 +12,9 @@ from typing import Protocol
 
 import torch
 
-from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.model_runner import ModelRunner, StepInputs
-from appliance.engine.sampler import Sampler
+from appliance.engine.sampling.logprobs import TokenLogprobs
+from appliance.engine.sampling.sampler import Sampler
 from appliance.engine.scheduler import Scheduler, SchedulerLimits
 from appliance.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from appliance.engine.shard_loading import load_shard

@@ -10,9 +10,9 @@ from typing import Any, Protocol
 import torch
 
 from appliance.engine.decode_groups import decode_groups
-from appliance.engine.logprobs import TokenLogprobs
 from appliance.engine.pooling import PromptPooling
-from appliance.engine.sampler import Sampler, SampleRow, table_entry, token_table
+from appliance.engine.sampling.logprobs import TokenLogprobs
+from appliance.engine.sampling.sampler import Sampler, SampleRow, table_entry, token_table
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams
 from appliance.kv.cache import KVCache

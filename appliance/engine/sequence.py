@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
-from appliance.engine.dry import Dry
+from appliance.engine.sampling.dry import Dry
 from appliance.engine.speculative.adaptive import DraftLength
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
@@ -66,7 +66,7 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()
     min_p: float = 0.0  # drop tokens under min_p times the likeliest one's probability
     min_tokens: int = 0  # end tokens and stop token ids are masked until this many
-    # llama.cpp's cuts (cuts.py): off at these values.
+    # llama.cpp's cuts (sampling/cuts.py): off at these values.
     top_n_sigma: float = 0.0  # keep logits within n deviations of the largest (<= 0: off)
     typical_p: float = 1.0  # locally typical sampling's mass (1: off)
     xtc_probability: float = 0.0  # XTC: the chance the top choices are excluded (0: off)
@@ -74,12 +74,12 @@ class SamplingParams:
     # A temperature in temperature +- range, by the candidates' entropy (0: off).
     dynatemp_range: float = 0.0
     dynatemp_exponent: float = 1.0
-    # llama.cpp's mirostat (mirostat.py): 1 or 2 samples by it in place of top-k, top-p,
+    # llama.cpp's mirostat (sampling/mirostat.py): 1 or 2 samples by it in place of top-k, top-p,
     # min-p and the cuts above (0: off); tau the target surprise, eta its learning rate.
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
-    # llama.cpp's DRY (dry.py): a penalty on extending a repeat (multiplier 0: off).
+    # llama.cpp's DRY (sampling/dry.py): a penalty on extending a repeat (multiplier 0: off).
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2

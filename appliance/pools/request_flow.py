@@ -23,7 +23,7 @@ from appliance.core.request_table import Phase, Request, RequestTable
 from appliance.core.roles import ENTRY_ROLES, Role
 from appliance.core.router import Router
 from appliance.core.tuning import Tuning
-from appliance.engine.logprobs import TokenLogprobs
+from appliance.engine.sampling.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams
 from appliance.planner.decode_fit import RecentDecodeFits
 from appliance.planner.online_profile import OnlineProfile, worker_size

@@ -209,7 +209,7 @@ class SamplingFields(Body, StructuredFields):
     min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
     # llama.cpp server's samplers, under its names and with its "off" values (-1 for
-    # top_n_sigma): engine/cuts.py and engine/mirostat.py say what each does.
+    # top_n_sigma): engine/sampling/cuts.py and engine/sampling/mirostat.py say what each does.
     top_n_sigma: float = Field(-1.0, allow_inf_nan=False, description="<= 0: off")
     typical_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     xtc_probability: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)

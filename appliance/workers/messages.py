@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from appliance.engine.logprobs import TokenLogprobs
+from appliance.engine.sampling.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.speculative.acceptance import AcceptanceCounts
 from appliance.engine.step_timing import StepTiming

@@ -36,7 +36,7 @@ def section_bandwidth(scale: Scale) -> Result:
     KV pool is sized to the rows that fit the device memory free beside the weights (see
     plan_rows); a row that does not fit is skipped with the memory it would need."""
     from appliance.engine.model_runner import ModelRunner
-    from appliance.engine.sampler import Sampler
+    from appliance.engine.sampling.sampler import Sampler
     from appliance.kv.cache import KVCache, KVLayout
 
     config = shaped_config(scale)

@@ -224,7 +224,7 @@ def measure(
 ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
     """`model`'s float32 logits [16, vocab] of a 16-token prompt, and its decode rows."""
     from appliance.engine.model_runner import ModelRunner, forward, move_to
-    from appliance.engine.sampler import Sampler
+    from appliance.engine.sampling.sampler import Sampler
     from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
     from appliance.engine.sequence import SamplingParams, Sequence
     from appliance.kv.cache import KVCache, KVLayout

@@ -12,7 +12,7 @@ import torch
 
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.model_runner import move_to
-from appliance.engine.sampler import Sampler, SampleRow
+from appliance.engine.sampling.sampler import Sampler, SampleRow
 from appliance.engine.sequence import SamplingParams
 from appliance.settings.config import load_settings
 

@@ -35,7 +35,7 @@ from appliance.cluster.head import ClusterHead
 from appliance.cluster.messages import AgentHello, Refused, SpawnWorker, WorkerExited
 from appliance.cluster.tls import TlsSetupError, box_context, head_context
 from appliance.cluster.wire import AGENT_MESSAGES, MESSAGES, Codec
-from appliance.engine.logprobs import TokenLogprobs
+from appliance.engine.sampling.logprobs import TokenLogprobs
 from appliance.engine.sequence import SamplingParams, StructuredOutput
 from appliance.engine.step_timing import StepTiming
 from appliance.kv.byte_ranges import PoolShape

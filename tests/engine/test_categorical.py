@@ -1,11 +1,11 @@
-"""The categorical draw (appliance/engine/categorical.py) on hand-made weights: where a
+"""The categorical draw (appliance/engine/sampling/categorical.py) on hand-made weights: where a
 uniform lands, that zero weights are never drawn, and that draws follow the weights."""
 
 from __future__ import annotations
 
 import torch
 
-from appliance.engine.categorical import BLOCK, draw, uniforms
+from appliance.engine.sampling.categorical import BLOCK, draw, uniforms
 
 CPU = torch.device("cpu")
 

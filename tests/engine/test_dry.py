@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from appliance.engine.dry import Dry, dry_penalties, suffix_matches
-from appliance.engine.sampler import Sampler, SampleRow, verify_rows
+from appliance.engine.sampling.dry import Dry, dry_penalties, suffix_matches
+from appliance.engine.sampling.sampler import Sampler, SampleRow, verify_rows
 from appliance.engine.sequence import SamplingParams
 
 A, B, C, Y = 1, 2, 3, 4

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import TypicalLogitsWarper
 
-from appliance.engine.cuts import MoreCuts, dynamic_temperature, top_n_sigma, typical, xtc
-from appliance.engine.mirostat import Mirostat
-from appliance.engine.sampler import Sampler, SampleRow, batch_probabilities
-from appliance.engine.sampler import _cuts as cuts_of
+from appliance.engine.sampling.cuts import MoreCuts, dynamic_temperature, top_n_sigma, typical, xtc
+from appliance.engine.sampling.mirostat import Mirostat
+from appliance.engine.sampling.sampler import Sampler, SampleRow, batch_probabilities
+from appliance.engine.sampling.sampler import _cuts as cuts_of
 from appliance.engine.sequence import SamplingParams
 
 CPU = torch.device("cpu")

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from appliance.engine.penalties import apply_penalties, padded
-from appliance.engine.sampler import Sampler, SampleRow, batch_probabilities
+from appliance.engine.sampling.penalties import apply_penalties, padded
+from appliance.engine.sampling.sampler import Sampler, SampleRow, batch_probabilities
 from appliance.engine.sequence import SamplingParams, Sequence
 
 CPU = torch.device("cpu")

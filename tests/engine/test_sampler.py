@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from appliance.engine import sampler as sampler_module
-from appliance.engine.sampler import Sampler, SampleRow, batch_probabilities, top_p_by_sort
-from appliance.engine.sampler import _cuts as cuts_of
+from appliance.engine.sampling import sampler as sampler_module
+from appliance.engine.sampling.sampler import Sampler, SampleRow, batch_probabilities, top_p_by_sort
+from appliance.engine.sampling.sampler import _cuts as cuts_of
 from appliance.engine.sequence import SamplingParams
 
 CPU = torch.device("cpu")

@@ -24,7 +24,7 @@ from random_models import our_engine, random_model, save_folder
 from reference import our_prefill_logits
 
 from appliance.engine.llm_engine import Completion, LLMEngine
-from appliance.engine.sampler import Sampler
+from appliance.engine.sampling.sampler import Sampler
 from appliance.engine.sequence import SamplingParams
 from appliance.engine.speculative.ngram import NgramProposer
 from appliance.engine.speculative.proposer import Drafter, Proposer

@@ -19,7 +19,7 @@ from chi_square import chi_square_p_value
 from mask_rows import Row
 from tests_root import DATA
 
-from appliance.engine.sampler import Sampler, SampleRow
+from appliance.engine.sampling.sampler import Sampler, SampleRow
 from appliance.engine.sequence import SamplingParams, StructuredOutput
 from appliance.engine.structured.masks import GrammarMasks
 from appliance.model.model_source import prepare_tokenizer

@@ -26,7 +26,7 @@ from appliance.engine.model_runner import (
     move_to,
     pack_to,
 )
-from appliance.engine.sampler import Sampler, SampleRow
+from appliance.engine.sampling.sampler import Sampler, SampleRow
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.kv.block_allocator import blocks_for_tokens

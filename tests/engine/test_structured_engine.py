@@ -19,7 +19,7 @@ from mask_rows import Row
 from tests_root import DATA
 
 from appliance.core.request_table import RequestTable
-from appliance.engine.sampler import Sampler, SampleRow
+from appliance.engine.sampling.sampler import Sampler, SampleRow
 from appliance.engine.sequence import SamplingParams, StructuredOutput
 from appliance.engine.structured import masks as masks_module
 from appliance.engine.structured.compile import UnsupportedSpec, check

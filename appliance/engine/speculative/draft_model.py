@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from appliance.engine.model_runner import ModelRunner, forward, move_to
-from appliance.engine.sampler import Sampler
+from appliance.engine.sampling.sampler import Sampler
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.engine.speculative.acceptance import DraftCounts

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from appliance.engine.categorical import draw, uniforms
+from appliance.engine.sampling.categorical import draw, uniforms
 
 
 def accept_greedy(drafts: Sequence[int], target: Sequence[int]) -> list[int]:
@@ -77,5 +77,5 @@ def rejection_sample(
 
 def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
     """One index drawn with probability proportional to `weights` [vocab] (unnormalized),
-    as the sampler draws (categorical.py), from `generator`."""
+    as the sampler draws (sampling/categorical.py), from `generator`."""
     return int(draw(weights[None], uniforms(1, generator, weights.device))[0])

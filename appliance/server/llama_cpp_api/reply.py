@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.api import Chunk, SamplingParams
-from appliance.engine.logprobs import TokenLogprobs
+from appliance.engine.sampling.logprobs import TokenLogprobs
 from appliance.model.tokenizer import Tokenizer
 from appliance.server.responses import Piece
 from appliance.server.stop_reason import stop_reason

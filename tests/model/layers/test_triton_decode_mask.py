@@ -18,7 +18,7 @@ import torch
 from appliance.engine import model_runner
 from appliance.engine.llm_engine import LLMEngine
 from appliance.engine.model_runner import DecodeGraphs, ModelRunner
-from appliance.engine.sampler import Sampler
+from appliance.engine.sampling.sampler import Sampler
 from appliance.engine.scheduler import ScheduledChunk, SchedulerOutput
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.model.layers.paged_attention import DecodeGroup, sdpa_decode

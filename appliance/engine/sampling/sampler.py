@@ -26,18 +26,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from appliance.engine.categorical import draw, uniforms
-from appliance.engine.cuts import (
+from appliance.engine.sampling.categorical import draw, uniforms
+from appliance.engine.sampling.cuts import (
     MoreCuts,
     dynamic_temperature,
     top_n_sigma,
     typical,
     xtc_branch,
 )
-from appliance.engine.dry import dry_penalties
-from appliance.engine.logprobs import TokenLogprobs
-from appliance.engine.mirostat import Mirostat
-from appliance.engine.penalties import apply_penalties
+from appliance.engine.sampling.dry import dry_penalties
+from appliance.engine.sampling.logprobs import TokenLogprobs
+from appliance.engine.sampling.mirostat import Mirostat
+from appliance.engine.sampling.penalties import apply_penalties
 from appliance.engine.sequence import SamplingParams, Sequence
 from appliance.engine.speculative.verify import accept_greedy, rejection_sample
 from appliance.engine.structured.masks import GrammarMasks, apply_grammar
